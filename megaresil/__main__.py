@@ -1,0 +1,5 @@
+import sys
+
+from megaresil.cli import main
+
+sys.exit(main())

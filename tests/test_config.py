@@ -1,0 +1,71 @@
+"""Recipe loading, composition, overrides and validation errors."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megaresil.config import (ConfigError, Flavour, field_docs, load_recipe, validate_world_size)
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "recipes" / "gpt-tiny.yaml"
+
+
+def test_recipe_composes_pieces_and_overrides():
+    cfg = load_recipe(TINY, ["train.steps=7", "model.flavour=llama", "parallel.dp=2"])
+    assert cfg.model.hidden_size == 192  # from configs/model/gpt-tiny.yaml
+    assert cfg.data.source == "shakespeare"  # from configs/data/shakespeare.yaml
+    assert cfg.train.steps == 7 and cfg.model.flavour == Flavour.llama and cfg.parallel.dp == 2
+
+
+def test_override_values_are_yaml():
+    cfg = load_recipe(TINY, ["model.num_kv_heads=null", "optimizer.lr=1e-2"])
+    assert cfg.model.num_kv_heads is None and cfg.optimizer.lr == 0.01
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_recipe_loads(recipe):
+    load_recipe(recipe)
+
+
+BAD = [
+    (["model.hiden_size=3"], "model.hiden_size"),
+    (["train.steps=many"], "train.steps"),
+    (["model.num_heads=5"], "model.num_heads"),
+    (["parallel.tp=4"], "parallel.tp"),  # 6 heads
+    (["parallel.pp=3"], "model.num_layers"),
+    (["train.global_batch_size=20"], "train.global_batch_size"),
+    (["model.flavour=bert"], "model.flavour"),
+    (["train.steps=0"], "train.steps"),
+    (["data.seq_len=4096"], "data.seq_len"),
+    (["nonsense"], "nonsense"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD, ids=[b[1] for b in BAD])
+def test_bad_recipe_names_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(TINY, overrides)
+    assert str(err.value).startswith(key)
+    assert "Fix:" in str(err.value)
+
+
+def test_world_size_mismatch_names_the_fix():
+    cfg = load_recipe(TINY, ["parallel.dp=2"])
+    with pytest.raises(ConfigError, match="world size is 3"):
+        validate_world_size(cfg, 3)
+
+
+def test_every_field_is_documented():
+    undocumented = [key for key, _, _, text in field_docs() if not text]
+    assert not undocumented
+
+
+def test_cli_rejects_bad_recipe_with_one_line_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"defaults: [model/gpt-tiny]\nmodel: {{num_heads: 5}}\n")
+    result = subprocess.run([sys.executable, "-m", "megaresil", "train", str(bad)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.num_heads" in lines[0], result.stderr
