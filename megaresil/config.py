@@ -128,6 +128,8 @@ class OptimizerConfig:
     beta2: float = doc(0.95, "AdamW beta2.")
     eps: float = doc(1e-8, "AdamW epsilon.")
     grad_clip: float = doc(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    distributed: bool = doc(False, "ZeRO-1 distributed optimizer: AdamW state sharded over "
+                            "data-parallel ranks, each parameter cut along dim 0.")
 
 
 @dataclass
@@ -294,9 +296,10 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
     _require(m.num_heads % p.tp == 0, "parallel.tp",
              f"tp={p.tp} does not divide model.num_heads={m.num_heads}.",
              "choose tp dividing the number of attention heads.")
-    _require(kv % p.tp == 0 or p.tp % kv == 0, "parallel.tp",
-             f"tp={p.tp} and model.num_kv_heads={kv}: one must divide the other.",
-             "choose tp dividing num_kv_heads (or a multiple of it, to replicate kv heads).")
+    # Each TP rank holds whole kv groups (Megatron's rule); kv heads are not replicated.
+    _require(kv % p.tp == 0, "parallel.tp",
+             f"tp={p.tp} does not divide model.num_kv_heads={kv}.",
+             "choose tp dividing the number of key/value heads.")
     _require(m.num_layers % (p.pp * p.vpp) == 0, "model.num_layers",
              f"{m.num_layers} layers do not divide into pp*vpp={p.pp * p.vpp} chunks.",
              "choose num_layers a multiple of parallel.pp * parallel.vpp.")

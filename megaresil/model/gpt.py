@@ -5,12 +5,17 @@ layer 17 lives), so a checkpoint's keys do not depend on the parallel layout.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from megaresil.config import Flavour, ModelConfig
-from megaresil.model.layers import Block, make_norm
+from megaresil.model.layers import Block, make_norm, sequence_dropout
+from megaresil.parallel.tensor_parallel import (ColumnParallelLinear, TPGroup,
+                                                VocabParallelEmbedding, enter_tp_region,
+                                                gather_vocab, mark_sequence_parallel, seq_shard,
+                                                vocab_parallel_cross_entropy)
 
 
 def padded_vocab_size(cfg: ModelConfig, tp: int) -> int:
@@ -27,43 +32,55 @@ def ties_embeddings(cfg: ModelConfig) -> bool:
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, padded_vocab: int):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, padded_vocab: int, seed: int):
         super().__init__()
-        self.tokens = nn.Embedding(padded_vocab, cfg.hidden_size)
+        self.tp = tp
+        self.tokens = VocabParallelEmbedding(padded_vocab, cfg.hidden_size, tp)
         self.positions = (nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
                           if cfg.flavour == Flavour.gpt2 else None)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C)
-        x = self.tokens(tokens)
         if self.positions is not None:
-            x = x + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
-        return self.dropout(x)
+            mark_sequence_parallel(self.positions.parameters(), tp)
+        self.dropout = sequence_dropout(cfg.dropout, "embed", seed, tp)
+
+    def forward(self, tokens: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
+        x = self.tokens(tokens)  # (B, T, C), or (B, T/tp, C) under SP
+        if self.positions is not None:
+            pos = self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+            x = x + (seq_shard(pos.unsqueeze(0), self.tp) if self.tp.sequence_parallel else pos)
+        return self.dropout(x, samples)
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp: int = 1):
+    def __init__(self, cfg: ModelConfig, *, tp: TPGroup = TPGroup(), seed: int = 0):
         super().__init__()
-        self.cfg = cfg
-        self.padded_vocab = padded_vocab_size(cfg, tp)
-        self.embed = Embedding(cfg, self.padded_vocab)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
-        self.norm = make_norm(cfg)
+        self.cfg, self.tp = cfg, tp
+        self.padded_vocab = padded_vocab_size(cfg, tp.size)
+        self.embed = Embedding(cfg, tp, self.padded_vocab, seed)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, index=i, seed=seed)
+                                     for i in range(cfg.num_layers)})
+        self.norm = make_norm(cfg, tp)
         self.tied = ties_embeddings(cfg)
-        self.head = None if self.tied else nn.Linear(cfg.hidden_size, self.padded_vocab, bias=False)
+        self.head = (None if self.tied else
+                     ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, tp, bias=False))
 
-    def output_weight(self) -> torch.Tensor:
-        return self.embed.tokens.weight if self.tied else self.head.weight
-
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
-        x = self.embed(tokens)
+    def local_logits(self, tokens: torch.Tensor,
+                     samples: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, T) -> (B, T, padded V / tp): this rank's vocabulary slice."""
+        x = self.embed(tokens, samples)
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, samples)
         x = self.norm(x)
-        # Padding columns are cut before softmax so they never enter the loss.
-        return F.linear(x, self.output_weight())[..., : self.cfg.vocab_size]
+        if self.head is not None:
+            return self.head(x)
+        return nn.functional.linear(enter_tp_region(x, self.tp), self.embed.tokens.weight)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over all B*T positions."""
-        logits = self.logits(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (B, T, V), padding cut (for inference and tests)."""
+        return gather_vocab(self.local_logits(tokens), self.tp)[..., : self.cfg.vocab_size]
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                samples: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Mean next-token cross-entropy over all B*T positions. `samples` are
+        the global sample indices of the batch (they seed dropout)."""
+        return vocab_parallel_cross_entropy(self.local_logits(tokens, samples), targets,
+                                            real_vocab=self.cfg.vocab_size, tp=self.tp)

@@ -41,16 +41,31 @@ def vocab_rows(key: str, cfg: ModelConfig) -> bool:
 
 
 def global_shape(key: str, param: torch.Tensor, cfg: ModelConfig) -> torch.Size:
+    """The layout-free shape: unsharded, and with the real (unpadded) vocabulary."""
+    shape = list(param.shape)
+    dim = getattr(param, "tp_dim", None)
+    if dim is not None:
+        shape[dim] *= param.tp_size
     if vocab_rows(key, cfg):
-        return torch.Size((cfg.vocab_size, *param.shape[1:]))
-    return param.shape
+        shape[0] = cfg.vocab_size
+    return torch.Size(shape)
+
+
+def local_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a global tensor, padding the vocabulary with zeros
+    up to the padded size first."""
+    dim = getattr(param, "tp_dim", None)
+    size = getattr(param, "tp_size", 1)
+    padded_rows = param.shape[0] * (size if dim == 0 else 1)
+    if full.shape[0] < padded_rows:
+        full = torch.cat([full, full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])])
+    return full if dim is None else full.chunk(size, dim=dim)[param.tp_rank]
 
 
 @torch.no_grad()
 def assign_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a global tensor into this rank's parameter; vocab padding rows stay zero."""
-    param.zero_()
-    param[: full.shape[0]].copy_(full.to(param.dtype))
+    """Copy this rank's slice of a global tensor into `param`."""
+    param.copy_(local_slice(param, full).to(param.dtype))
 
 
 def initialize(model: nn.Module, cfg: ModelConfig, seed: int) -> None:

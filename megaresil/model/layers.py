@@ -1,11 +1,13 @@
-"""Transformer building blocks shared by the GPT-2 and Llama flavours.
+"""Transformer building blocks shared by the GPT-2 and Llama flavours, built
+from the tensor-parallel layers.
 
-Shapes in comments: B batch, T sequence, C hidden, H heads, G kv heads (groups),
-D head dim.
+Shapes in comments: B batch, T sequence (T/tp when sequence parallel), C
+hidden, H heads, G kv heads (groups), D head dim; "local" counts are per TP rank.
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -13,6 +15,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megaresil.config import Flavour, ModelConfig, Recompute
+from megaresil.parallel.random import LayoutDropout
+from megaresil.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
+                                                enter_tp_region, mark_sequence_parallel)
 
 
 def ffn_size(cfg: ModelConfig) -> int:
@@ -24,10 +29,22 @@ def ffn_size(cfg: ModelConfig) -> int:
     return 64 * math.ceil(int(8 * cfg.hidden_size / 3) / 64)
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
+def make_norm(cfg: ModelConfig, tp: TPGroup) -> nn.Module:
     if cfg.flavour == Flavour.gpt2:
-        return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    else:
+        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    mark_sequence_parallel(norm.parameters(), tp)
+    return norm
+
+
+def sequence_dropout(p: float, site: str, seed: int, tp: TPGroup) -> LayoutDropout:
+    """Dropout on (B, T, C) activations, which are sequence shards under SP."""
+    if not tp.sequence_parallel:
+        return LayoutDropout(p, site, seed)
+    return LayoutDropout(p, site, seed,
+                         full_shape=lambda s: torch.Size((s[0] * tp.size, *s[1:])),
+                         local_slice=lambda m: m.chunk(tp.size, dim=0)[tp.rank])
 
 
 class RotaryEmbedding(nn.Module):
@@ -52,57 +69,74 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention with one fused QKV projection.
+    """Causal self-attention with one fused, column-parallel QKV projection.
 
     The fused weight's rows are grouped by kv head, Megatron style: for each kv
-    group g, the rows of its H/G query heads, then k_g, then v_g. Splitting the
-    rows into equal contiguous blocks therefore splits whole groups, which is
-    what tensor parallelism needs.
+    group g, the rows of its H/G query heads, then k_g, then v_g. Cutting the
+    rows into tp equal blocks hands each rank whole groups, so the config
+    requires tp to divide num_kv_heads.
     """
 
-    def __init__(self, cfg: ModelConfig, *, num_heads: int, num_kv_heads: int):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, *, site: str, seed: int):
         super().__init__()
         self.head_dim = cfg.hidden_size // cfg.num_heads
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        kv_heads = cfg.num_kv_heads or cfg.num_heads
+        self.local_heads, self.local_kv_heads = cfg.num_heads // tp.size, kv_heads // tp.size
         bias = cfg.flavour == Flavour.gpt2
-        qkv_rows = (num_heads + 2 * num_kv_heads) * self.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, qkv_rows, bias=bias)
-        self.proj = nn.Linear(num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        qkv_rows = (cfg.num_heads + 2 * kv_heads) * self.head_dim
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, tp, bias=bias)
+        self.proj = RowParallelLinear(cfg.num_heads * self.head_dim, cfg.hidden_size, tp, bias=bias)
         self.rope = (RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
                      if cfg.flavour == Flavour.llama else None)
-        self.attention_dropout = cfg.attention_dropout
+        # Attention-probability dropout drawn over all heads, sliced to ours.
+        self.prob_dropout = LayoutDropout(
+            cfg.attention_dropout, site + ".attn_probs", seed,
+            full_shape=lambda s: torch.Size((s[0] * tp.size, *s[1:])),
+            local_slice=lambda m: m.chunk(tp.size, dim=0)[tp.rank])
         self.recompute_core = cfg.recompute == Recompute.selective
 
     def split_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        B, T, _ = x.shape
-        per_group = self.num_heads // self.num_kv_heads
-        qkv = self.qkv(x).view(B, T, self.num_kv_heads, per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :per_group].reshape(B, T, self.num_heads, self.head_dim)
+        qkv = self.qkv(x)  # (B, T, local (H + 2G) D)
+        B, T, _ = qkv.shape
+        per_group = self.local_heads // self.local_kv_heads
+        qkv = qkv.view(B, T, self.local_kv_heads, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(B, T, self.local_heads, self.head_dim)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # (B, T, G, D)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        dropout = self.attention_dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                              enable_gqa=self.num_heads != self.num_kv_heads)
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             samples: Optional[torch.Tensor]) -> torch.Tensor:
+        gqa = self.local_heads != self.local_kv_heads
+        if not (self.training and self.prob_dropout.p > 0):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # SDPA draws its dropout from the global RNG; a layout-independent mask
+        # needs the probabilities in hand.
+        if gqa:
+            repeat = self.local_heads // self.local_kv_heads
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        T = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        return self.prob_dropout(probs, samples) @ v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+    def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
         q, k, v = self.split_qkv(x)
         if self.rope is not None:
             q, k = self.rope(q), self.rope(k)
         if self.recompute_core and self.training:
-            y = checkpoint(self.core, q, k, v, use_reentrant=False)
+            y = checkpoint(self.core, q, k, v, samples, use_reentrant=False)
         else:
-            y = self.core(q, k, v)  # (B, H, T, D)
+            y = self.core(q, k, v, samples)  # (B, local H, T, D)
         B, _, T, _ = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class GeluMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, ffn: int):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, *, ffn: int):
         super().__init__()
-        self.fc = nn.Linear(cfg.hidden_size, ffn)
-        self.proj = nn.Linear(ffn, cfg.hidden_size)
+        self.fc = ColumnParallelLinear(cfg.hidden_size, ffn, tp, bias=True)
+        self.proj = RowParallelLinear(ffn, cfg.hidden_size, tp, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # GPT-2's "gelu_new" is the tanh approximation.
@@ -113,35 +147,39 @@ class SwiGLUMLP(nn.Module):
     """Gate and up projections kept as two weights (not one fused) so each
     shards on its own rows under tensor parallelism."""
 
-    def __init__(self, cfg: ModelConfig, *, ffn: int):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, *, ffn: int):
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, ffn, bias=False)
-        self.up = nn.Linear(cfg.hidden_size, ffn, bias=False)
-        self.down = nn.Linear(ffn, cfg.hidden_size, bias=False)
+        self.tp = tp
+        # gate and up share one entry into the TP region (one all-gather under SP).
+        self.gate = ColumnParallelLinear(cfg.hidden_size, ffn, tp, bias=False, enter_region=False)
+        self.up = ColumnParallelLinear(cfg.hidden_size, ffn, tp, bias=False, enter_region=False)
+        self.down = RowParallelLinear(ffn, cfg.hidden_size, tp, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp)
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block; `index` is the global layer number."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, *, index: int, seed: int):
         super().__init__()
-        self.norm1 = make_norm(cfg)
-        self.attn = Attention(cfg, num_heads=cfg.num_heads,
-                              num_kv_heads=cfg.num_kv_heads or cfg.num_heads)
-        self.norm2 = make_norm(cfg)
+        site = f"layers.{index}"
+        self.norm1 = make_norm(cfg, tp)
+        self.attn = Attention(cfg, tp, site=site, seed=seed)
+        self.norm2 = make_norm(cfg, tp)
         mlp_cls = GeluMLP if cfg.flavour == Flavour.gpt2 else SwiGLUMLP
-        self.mlp = mlp_cls(cfg, ffn=ffn_size(cfg))
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.mlp = mlp_cls(cfg, tp, ffn=ffn_size(cfg))
+        self.attn_dropout = sequence_dropout(cfg.dropout, site + ".attn_out", seed, tp)
+        self.mlp_dropout = sequence_dropout(cfg.dropout, site + ".mlp_out", seed, tp)
         self.recompute_all = cfg.recompute == Recompute.full
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.norm1(x)))
-        return x + self.dropout(self.mlp(self.norm2(x)))
+    def _forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn_dropout(self.attn(self.norm1(x), samples), samples)
+        return x + self.mlp_dropout(self.mlp(self.norm2(x)), samples)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.recompute_all and self.training:
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(self._forward, x, samples, use_reentrant=False)
+        return self._forward(x, samples)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megaresil.config import ParallelConfig
+from megaresil.parallel.tensor_parallel import TPGroup
 
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -78,6 +79,9 @@ class ParallelLayout:
     def group(self, dim: str) -> Optional[dist.ProcessGroup]:
         """Process group of one mesh dimension; None when there is no mesh."""
         return self.mesh.get_group(dim) if self.mesh is not None else None
+
+    def tensor_parallel(self) -> TPGroup:
+        return TPGroup(self.group("tp"), self.tp, self.tp_rank, self.sequence_parallel)
 
     @property
     def is_first_stage(self) -> bool:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
 import time
@@ -19,10 +18,11 @@ from megaresil.data.sampler import collate, micro_batches
 from megaresil.events import EventLog
 from megaresil.model.gpt import GPT
 from megaresil.model.init import initialize
+from megaresil.parallel.data_parallel import GradBuckets, all_reduce_sequence_parallel_grads
+from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.train.metrics import MetricsLog
-from megaresil.train.optim import (build_optimizer, clip_gradients, grad_norm_squared, lr_at,
-                                   set_lr)
+from megaresil.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
 
 
 @dataclass
@@ -51,7 +51,7 @@ def autocast_for(cfg: RecipeConfig, device: torch.device):
 
 
 def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> GPT:
-    model = GPT(cfg.model, tp=layout.tp)
+    model = GPT(cfg.model, tp=layout.tensor_parallel(), seed=cfg.train.seed)
     initialize(model, cfg.model, cfg.train.seed)
     return model.to(layout.device)
 
@@ -74,30 +74,50 @@ class Trainer:
                                                              cfg.train.seed)
         self.model = build_model(cfg, layout)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, layout)
+        self.sharded_optimizer = isinstance(self.optimizer, DistributedOptimizer)
+        self.buckets = (GradBuckets(self.params, layout.group("dp"), layout.dp)
+                        if layout.dp > 1 and not self.sharded_optimizer else None)
         self.state = TrainState()
         self.events = EventLog(self.run_dir, layout.rank)
         self.autocast = autocast_for(cfg, layout.device)
 
-    def batches(self, dataset, consumed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, dataset, consumed: int) -> list[tuple[torch.Tensor, ...]]:
+        """This DP rank's micro-batches: (inputs, targets, global sample indices)."""
         t = self.cfg.train
         indices = micro_batches(consumed, t.global_batch_size, t.micro_batch_size,
                                 self.layout.dp_rank, self.layout.dp)
-        return [tuple(x.to(self.layout.device) for x in collate(dataset, idx)) for idx in indices]
+        device = self.layout.device
+        return [(*(x.to(device) for x in collate(dataset, idx)), torch.tensor(idx))
+                for idx in indices]
 
     def forward_backward(self, batches) -> torch.Tensor:
         """Accumulate grads over micro-batches; returns this rank's mean loss."""
         total = torch.zeros((), device=self.layout.device)
-        for inputs, targets in batches:
+        for i, (inputs, targets, samples) in enumerate(batches):
+            if self.buckets is not None and i == len(batches) - 1:
+                self.buckets.arm()
             with self.autocast:
-                loss = self.model(inputs, targets) / len(batches)
+                loss = self.model(inputs, targets, samples) / len(batches)
             loss.backward()
             total += loss.detach()
         return total
 
+    def sync_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Finish the grad reductions; returns (param, grad this rank steps on)."""
+        if self.buckets is not None:
+            self.buckets.finish()
+        all_reduce_sequence_parallel_grads(self.params, self.layout.group("tp")
+                                           if self.layout.tp > 1 else None)
+        if not self.sharded_optimizer:
+            return [(p, p.grad) for p in self.params if p.grad is not None]
+        self.optimizer.reduce_scatter_grads()
+        return [(s.param, s.view.grad) for s in self.optimizer.shards if s.view.grad is not None]
+
     def optimizer_step(self, step: int) -> float:
-        norm = grad_norm_squared(self.params).sqrt()
-        clip_gradients(self.params, norm, self.cfg.optimizer.grad_clip)
+        entries = self.sync_grads()
+        norm = global_grad_norm(entries, self.layout, sharded_over_dp=self.sharded_optimizer)
+        clip_gradients([g for _, g in entries], norm, self.cfg.optimizer.grad_clip)
         set_lr(self.optimizer, lr_at(step, self.cfg.optimizer, self.cfg.train.steps))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -130,7 +150,7 @@ class Trainer:
 
     def forward_eval(self, batches) -> torch.Tensor:
         with self.autocast:
-            return torch.stack([self.model(x, y) for x, y in batches]).mean()
+            return torch.stack([self.model(x, y) for x, y, _ in batches]).mean()
 
     def should_eval(self, step: int) -> bool:
         t = self.cfg.train

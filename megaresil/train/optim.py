@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
-
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from megaresil.config import OptimizerConfig
+from megaresil.parallel.distributed_optimizer import DistributedOptimizer
+from megaresil.parallel.layout import ParallelLayout
 
 
 def fused_adam_class() -> type | None:
@@ -32,14 +33,23 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
+def adamw_class_and_kwargs(cfg: OptimizerConfig) -> tuple[type, dict]:
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     apex_adam = fused_adam_class()
     if apex_adam is not None:
-        return apex_adam(groups, adam_w_mode=True, **kwargs)
+        return apex_adam, {**kwargs, "adam_w_mode": True}
     # The fused kernel exists for CPU and CUDA tensors in current PyTorch.
-    return torch.optim.AdamW(groups, fused=True, **kwargs)
+    return torch.optim.AdamW, {**kwargs, "fused": True}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, layout: ParallelLayout):
+    """AdamW, sharded over data parallelism when optimizer.distributed is on."""
+    groups = param_groups(model, cfg.weight_decay)
+    cls, kwargs = adamw_class_and_kwargs(cfg)
+    if cfg.distributed and layout.dp > 1:
+        return DistributedOptimizer(groups, cls, kwargs, group=layout.group("dp"),
+                                    dp=layout.dp, dp_rank=layout.dp_rank)
+    return cls(groups, **kwargs)
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
@@ -59,18 +69,43 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def grad_norm_squared(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
+def local_norm_squared(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared grad norms, accumulated in fp64 so that the same global
+    norm comes out whichever way the layout cut the tensors."""
     if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(grads, 2)
-    return torch.stack([n.float() for n in norms]).pow(2).sum()
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    return torch.stack(norms).pow(2).sum()
 
 
-def clip_gradients(params: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+def counted_here(param: nn.Parameter, layout: ParallelLayout) -> bool:
+    """Count every gradient element of the model once in the global norm:
+    TP-replicated params only on TP rank 0."""
+    return getattr(param, "tp_dim", None) is not None or layout.tp_rank == 0
+
+
+def global_grad_norm(entries: list[tuple[nn.Parameter, torch.Tensor]], layout: ParallelLayout,
+                     *, sharded_over_dp: bool) -> torch.Tensor:
+    """L2 norm of the whole model's gradient. `entries` pairs each param with
+    this rank's grad of it (a row shard when the optimizer is distributed)."""
+    squared = local_norm_squared([g for p, g in entries if counted_here(p, layout)])
+    dims = ["tp", "pp"] + (["dp"] if sharded_over_dp else [])
+    for dim in dims:
+        if getattr(layout, dim) > 1:
+            dist.all_reduce(squared, group=layout.group(dim))
+    return squared.sqrt().float()
+
+
+def clip_gradients(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
     """Scale grads so the global norm is at most `max_norm` (0 disables)."""
-    if max_norm <= 0:
+    if max_norm <= 0 or not grads:
         return
     scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    grads = [p.grad for p in params if p.grad is not None]
     torch._foreach_mul_(grads, scale.to(grads[0].device))
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state tensors held by this rank."""
+    inner = getattr(optimizer, "inner", optimizer)
+    return sum(t.numel() * t.element_size() for state in inner.state.values()
+               for t in state.values() if torch.is_tensor(t) and t.ndim > 0)

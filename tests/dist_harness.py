@@ -1,0 +1,123 @@
+"""Run several training cases inside one group of spawned gloo processes.
+
+Starting processes and importing torch is most of the cost of a multi-rank
+test on 2 cores, so all cases with the same world size share one process
+group; each case builds its own ParallelLayout (a fresh DeviceMesh) over it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megaresil.config import load_recipe
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.train.loop import Trainer
+from megaresil.train.optim import optimizer_state_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "gpt-tiny.yaml"
+
+# A model small enough that a 10-step run takes well under a second, with a
+# vocabulary that needs padding at every tp (300 -> 384/512).
+TINY = ["data.source=synthetic", "data.seq_len=16", "model.max_seq_len=16",
+        "model.num_layers=2", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=300",
+        "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=10",
+        "train.eval_batches=0", "optimizer.warmup_steps=2", "optimizer.lr=3e-3",
+        "logging.progress=false", "logging.tensorboard=false"]
+LLAMA = ["model.flavour=llama", "model.num_kv_heads=4", "model.ffn_hidden_size=96"]
+
+
+@dataclass
+class Case:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    dump_grads: bool = False  # save full (gathered) grads after one step's backward
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def recipe_for(case: Case, run_dir: Path):
+    return load_recipe(RECIPE, TINY + case.overrides + [f"run.dir={run_dir}"])
+
+
+def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter's grad as the global tensor (TP shards joined, vocab
+    padding cut), after the step's grad reductions."""
+    trainer.sync_grads()
+    if trainer.sharded_optimizer:  # put the DP row shards back together
+        for shard in trainer.optimizer.shards:
+            rows = torch.zeros(shard.rows_per_rank, *shard.param.shape[1:])
+            rows[: shard.stop - shard.start] = shard.view.grad
+            gathered = [torch.empty_like(rows) for _ in range(trainer.layout.dp)]
+            dist.all_gather(gathered, rows, group=trainer.layout.group("dp"))
+            shard.param.grad = torch.cat(gathered)[: shard.param.shape[0]].reshape(shard.param.shape)
+    grads = {}
+    for key, param in trainer.model.named_parameters():
+        grad = param.grad
+        if getattr(param, "tp_dim", None) is not None and trainer.layout.tp > 1:
+            parts = [torch.empty_like(grad) for _ in range(trainer.layout.tp)]
+            dist.all_gather(parts, grad.contiguous(), group=trainer.layout.group("tp"))
+            grad = torch.cat(parts, dim=param.tp_dim)
+        if key in ("embed.tokens.weight", "head.weight"):
+            grad = grad[: trainer.cfg.model.vocab_size]
+        grads[key] = grad
+    return grads
+
+
+def run_case(case: Case, out: Path) -> None:
+    run_dir = out / case.name
+    cfg = recipe_for(case, run_dir)
+    layout = ParallelLayout.from_config(cfg.parallel, torch.device("cpu"))
+    trainer = Trainer(cfg, layout)
+    if case.dump_grads:
+        trainer.forward_backward(trainer.batches(trainer.train_data, 0))
+        grads = gather_full_grads(trainer)
+        if dist.get_rank() == 0:
+            torch.save(grads, run_dir / "grads.pt")
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer = Trainer(cfg, layout)
+    trainer.run()
+    (run_dir / f"opt_state_bytes.{dist.get_rank()}").write_text(
+        str(optimizer_state_bytes(trainer.optimizer)))
+    dist.barrier()
+
+
+def _worker(rank: int, world: int, port: int, cases: list[Case], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for case in cases:
+            run_case(case, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_cases(world: int, cases: list[Case], out: Path) -> None:
+    """Run `cases` (each a layout of `world` ranks) in one spawned group."""
+    mp.start_processes(_worker, args=(world, free_port(), cases, str(out)), nprocs=world,
+                       join=True, start_method="spawn")
+
+
+def run_reference(case: Case, out: Path) -> None:
+    """The single-process run of a case, in this process."""
+    cfg = recipe_for(case, out / case.name)
+    trainer = Trainer(cfg, ParallelLayout(device=torch.device("cpu")))
+    if case.dump_grads:
+        trainer.forward_backward(trainer.batches(trainer.train_data, 0))
+        torch.save({k: p.grad[: cfg.model.vocab_size] if k in ("embed.tokens.weight", "head.weight")
+                    else p.grad for k, p in trainer.model.named_parameters()},
+                   out / case.name / "grads.pt")
+        trainer = Trainer(cfg, ParallelLayout(device=torch.device("cpu")))
+    trainer.run()
