@@ -55,6 +55,14 @@ class Recompute(str, enum.Enum):
     full = "full"
 
 
+class PipelineSchedule(str, enum.Enum):
+    auto = "auto"
+    gpipe = "gpipe"
+    one_f_one_b = "1f1b"
+    interleaved_1f1b = "interleaved_1f1b"
+    interleaved_zero_bubble = "interleaved_zero_bubble"
+
+
 class Precision(str, enum.Enum):
     auto = "auto"
     fp32 = "fp32"
@@ -98,6 +106,9 @@ class ParallelConfig:
     vpp: int = doc(1, "Virtual pipeline chunks per stage (interleaved schedule when > 1).")
     sequence_parallel: bool = doc(False, "Shard norms/dropout along the sequence within the "
                                   "TP group (needs tp > 1).")
+    schedule: PipelineSchedule = doc(PipelineSchedule.auto, "Pipeline schedule: gpipe, 1f1b, "
+                                     "interleaved_1f1b or interleaved_zero_bubble; auto means "
+                                     "1f1b, or interleaved_1f1b when vpp > 1.")
 
 
 @dataclass
@@ -323,11 +334,49 @@ def _validate_batch(cfg: RecipeConfig) -> None:
              "lower data.seq_len or raise model.max_seq_len.")
 
 
+def resolved_schedule(p: ParallelConfig) -> PipelineSchedule:
+    if p.schedule != PipelineSchedule.auto:
+        return p.schedule
+    return PipelineSchedule.interleaved_1f1b if p.vpp > 1 else PipelineSchedule.one_f_one_b
+
+
+def microbatches_per_step(cfg: RecipeConfig) -> int:
+    t = cfg.train
+    return t.global_batch_size // (t.micro_batch_size * cfg.parallel.dp)
+
+
+def _validate_pipeline(cfg: RecipeConfig) -> None:
+    p = cfg.parallel
+    schedule = resolved_schedule(p)
+    interleaved = schedule in (PipelineSchedule.interleaved_1f1b,
+                               PipelineSchedule.interleaved_zero_bubble)
+    _require(p.vpp == 1 or p.pp > 1, "parallel.vpp", "virtual stages need pipeline parallelism.",
+             "set parallel.pp > 1 or parallel.vpp=1.")
+    _require(p.vpp == 1 or interleaved, "parallel.schedule",
+             f"{schedule.value} runs one chunk per stage but vpp={p.vpp}.",
+             "use schedule=interleaved_1f1b (or auto) with vpp > 1.")
+    if p.pp == 1:
+        return
+    m = microbatches_per_step(cfg)
+    if interleaved:
+        _require(m >= p.pp and m % p.pp == 0, "train.global_batch_size",
+                 f"the interleaved schedule needs the micro-batches per step "
+                 f"(global_batch/(micro_batch*dp) = {m}) to be a multiple of pp={p.pp}.",
+                 f"raise train.global_batch_size to a multiple of "
+                 f"{p.pp * cfg.train.micro_batch_size * p.dp}.")
+    elif schedule == PipelineSchedule.one_f_one_b:
+        _require(m >= p.pp, "train.global_batch_size",
+                 f"1F1B needs at least pp={p.pp} micro-batches per step, got {m}.",
+                 f"raise train.global_batch_size to at least "
+                 f"{p.pp * cfg.train.micro_batch_size * p.dp} or use schedule=gpipe.")
+
+
 def validate(cfg: RecipeConfig) -> None:
     """Cross-field rules; raises `ConfigError` naming the key and the fix."""
     _validate_positive(cfg)
     _validate_model(cfg.model, cfg.parallel)
     _validate_batch(cfg)
+    _validate_pipeline(cfg)
     if cfg.parallel.sequence_parallel:
         _require(cfg.parallel.tp > 1, "parallel.sequence_parallel",
                  "sequence parallelism needs tp > 1.", "set parallel.tp>1 or turn it off.")

@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "gpt-tiny.yaml"
 
 # A model small enough that a 10-step run takes well under a second, with a
-# vocabulary that needs padding at every tp (300 -> 384/512).
+# vocabulary that needs padding at every tp (300 -> 384/512), 4 layers for
+# pp=4 or pp=2 x vpp=2, and 4 micro-batches per step at dp=1.
 TINY = ["data.source=synthetic", "data.seq_len=16", "model.max_seq_len=16",
-        "model.num_layers=2", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=300",
+        "model.num_layers=4", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=300",
         "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=10",
         "train.eval_batches=0", "optimizer.warmup_steps=2", "optimizer.lr=3e-3",
         "logging.progress=false", "logging.tensorboard=false"]
@@ -62,7 +63,9 @@ def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
             dist.all_gather(gathered, rows, group=trainer.layout.group("dp"))
             shard.param.grad = torch.cat(gathered)[: shard.param.shape[0]].reshape(shard.param.shape)
     grads = {}
-    for key, param in trainer.model.named_parameters():
+    for key, param in trainer.named_parameters():
+        if getattr(param, "pipeline_copy", False):
+            continue
         grad = param.grad
         if getattr(param, "tp_dim", None) is not None and trainer.layout.tp > 1:
             parts = [torch.empty_like(grad) for _ in range(trainer.layout.tp)]
@@ -82,8 +85,8 @@ def run_case(case: Case, out: Path) -> None:
     if case.dump_grads:
         trainer.forward_backward(trainer.batches(trainer.train_data, 0))
         grads = gather_full_grads(trainer)
-        if dist.get_rank() == 0:
-            torch.save(grads, run_dir / "grads.pt")
+        if layout.tp_rank == 0 and layout.dp_rank == 0:  # one file per pipeline stage
+            torch.save(grads, run_dir / f"grads.{layout.pp_rank}.pt")
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer = Trainer(cfg, layout)
     trainer.run()
@@ -117,7 +120,15 @@ def run_reference(case: Case, out: Path) -> None:
     if case.dump_grads:
         trainer.forward_backward(trainer.batches(trainer.train_data, 0))
         torch.save({k: p.grad[: cfg.model.vocab_size] if k in ("embed.tokens.weight", "head.weight")
-                    else p.grad for k, p in trainer.model.named_parameters()},
-                   out / case.name / "grads.pt")
+                    else p.grad for k, p in trainer.named_parameters()},
+                   out / case.name / "grads.0.pt")
         trainer = Trainer(cfg, ParallelLayout(device=torch.device("cpu")))
     trainer.run()
+
+
+def load_grads(run_dir: Path) -> dict[str, torch.Tensor]:
+    """All stages' gathered grads of a case, merged."""
+    grads = {}
+    for path in sorted(run_dir.glob("grads.*.pt")):
+        grads.update(torch.load(path))
+    return grads

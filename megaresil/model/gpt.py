@@ -32,12 +32,13 @@ def ties_embeddings(cfg: ModelConfig) -> bool:
 
 
 class Embedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, padded_vocab: int, seed: int):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, padded_vocab: int, seed: int, *,
+                 positions: bool = True):
         super().__init__()
         self.tp = tp
         self.tokens = VocabParallelEmbedding(padded_vocab, cfg.hidden_size, tp)
         self.positions = (nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
-                          if cfg.flavour == Flavour.gpt2 else None)
+                          if cfg.flavour == Flavour.gpt2 and positions else None)
         if self.positions is not None:
             mark_sequence_parallel(self.positions.parameters(), tp)
         self.dropout = sequence_dropout(cfg.dropout, "embed", seed, tp)
@@ -51,36 +52,58 @@ class Embedding(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, tp: TPGroup = TPGroup(), seed: int = 0):
-        super().__init__()
-        self.cfg, self.tp = cfg, tp
-        self.padded_vocab = padded_vocab_size(cfg, tp.size)
-        self.embed = Embedding(cfg, tp, self.padded_vocab, seed)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, index=i, seed=seed)
-                                     for i in range(cfg.num_layers)})
-        self.norm = make_norm(cfg, tp)
-        self.tied = ties_embeddings(cfg)
-        self.head = (None if self.tied else
-                     ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, tp, bias=False))
+    """The whole model, or one pipeline chunk of it: the embedding when `first`,
+    the blocks `layer_ids`, the final norm and output head when `last`.
 
-    def local_logits(self, tokens: torch.Tensor,
-                     samples: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(B, T) -> (B, T, padded V / tp): this rank's vocabulary slice."""
-        x = self.embed(tokens, samples)
+    With tied embeddings a last chunk that is not also first keeps its own copy
+    of `embed.tokens.weight` (same key, same init); the pipeline keeps the two
+    copies equal by summing their grads, as Megatron does.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, tp: TPGroup = TPGroup(), seed: int = 0,
+                 layer_ids: Optional[range] = None, first: bool = True, last: bool = True):
+        super().__init__()
+        self.cfg, self.tp, self.first, self.last = cfg, tp, first, last
+        self.padded_vocab = padded_vocab_size(cfg, tp.size)
+        self.tied = ties_embeddings(cfg)
+        if first or (last and self.tied):
+            self.embed = Embedding(cfg, tp, self.padded_vocab, seed, positions=first)
+        if self.tied and first != last:
+            self.embed.tokens.weight.tied_across_pipeline = True
+            self.embed.tokens.weight.pipeline_copy = not first
+        layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, index=i, seed=seed) for i in layer_ids})
+        if last:
+            self.norm = make_norm(cfg, tp)
+            self.head = (None if self.tied else
+                         ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, tp, bias=False))
+
+    def stage_forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
+        """tokens (first chunk) or hidden states in; hidden states or this
+        rank's vocabulary slice of the logits (last chunk) out."""
+        if self.first:
+            x = self.embed(x, samples)  # (B, T, C), or (B, T/tp, C) under SP
         for layer in self.layers.values():
             x = layer(x, samples)
+        if not self.last:
+            return x
         x = self.norm(x)
         if self.head is not None:
-            return self.head(x)
+            return self.head(x)  # (B, T, padded V / tp)
         return nn.functional.linear(enter_tp_region(x, self.tp), self.embed.tokens.weight)
+
+    def loss(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over all B*T positions."""
+        return vocab_parallel_cross_entropy(local_logits, targets, real_vocab=self.cfg.vocab_size,
+                                            tp=self.tp)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (B, T, V), padding cut (for inference and tests)."""
-        return gather_vocab(self.local_logits(tokens), self.tp)[..., : self.cfg.vocab_size]
+        local = self.stage_forward(tokens, None)
+        return gather_vocab(local, self.tp)[..., : self.cfg.vocab_size]
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
                 samples: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Mean next-token cross-entropy over all B*T positions. `samples` are
-        the global sample indices of the batch (they seed dropout)."""
-        return vocab_parallel_cross_entropy(self.local_logits(tokens, samples), targets,
-                                            real_vocab=self.cfg.vocab_size, tp=self.tp)
+        """Loss of the whole (unpipelined) model. `samples` are the global sample
+        indices of the batch (they seed dropout)."""
+        return self.loss(self.stage_forward(tokens, samples), targets)

@@ -73,7 +73,9 @@ class GradBuckets:
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def finish(self) -> None:
-        """Wait for every bucket and write the averaged grads back."""
+        """Wait for every bucket and write the averaged grads back. Buckets the
+        hooks did not launch (not armed, e.g. under a pipeline schedule that
+        runs all backwards itself) are reduced now."""
         for bucket in self.buckets:
             if bucket.work is None:  # a param got no grad this step
                 self._launch(bucket)

@@ -41,6 +41,7 @@ class ParallelLayout:
     sequence_parallel: bool = False
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mesh: Optional[DeviceMesh] = None
+    embedding_group: Optional[dist.ProcessGroup] = None
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, device: torch.device) -> "ParallelLayout":
@@ -49,6 +50,7 @@ class ParallelLayout:
         if dist.is_initialized():
             layout.mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp),
                                            mesh_dim_names=MESH_DIMS)
+            layout.embedding_group = layout._new_embedding_group()
         elif layout.world_size != 1:
             raise RuntimeError("a multi-rank layout needs torch.distributed to be initialised")
         return layout
@@ -79,6 +81,22 @@ class ParallelLayout:
     def group(self, dim: str) -> Optional[dist.ProcessGroup]:
         """Process group of one mesh dimension; None when there is no mesh."""
         return self.mesh.get_group(dim) if self.mesh is not None else None
+
+    def _new_embedding_group(self) -> Optional[dist.ProcessGroup]:
+        """Group of the first and last pipeline stage at this rank's (dp, tp)
+        coordinates: they hold the two copies of a tied embedding. Every rank
+        takes part in creating every group, as new_group requires."""
+        if self.pp == 1:
+            return None
+        grid = self.mesh.mesh
+        mine = None
+        for d in range(self.dp):
+            for t in range(self.tp):
+                ranks = [int(grid[0, d, t]), int(grid[-1, d, t])]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine = group
+        return mine
 
     def tensor_parallel(self) -> TPGroup:
         return TPGroup(self.group("tp"), self.tp, self.tp_rank, self.sequence_parallel)

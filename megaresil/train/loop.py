@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megaresil.config import Precision, RecipeConfig, to_yaml
+from megaresil.config import Precision, RecipeConfig, microbatches_per_step, resolved_schedule, to_yaml
 from megaresil.data import build_datasets
 from megaresil.data.sampler import collate, micro_batches
 from megaresil.events import EventLog
@@ -21,6 +21,7 @@ from megaresil.model.init import initialize
 from megaresil.parallel.data_parallel import GradBuckets, all_reduce_sequence_parallel_grads
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
+from megaresil.parallel.pipeline import Pipeline, build_chunks, sync_tied_embedding_grads
 from megaresil.train.metrics import MetricsLog
 from megaresil.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
 
@@ -43,17 +44,23 @@ def make_deterministic(cfg: RecipeConfig) -> None:
 
 
 def autocast_for(cfg: RecipeConfig, device: torch.device):
+    """(autocast context, dtype of the logits it produces)."""
     use_bf16 = cfg.train.precision == Precision.bf16 or (
         cfg.train.precision == Precision.auto and device.type == "cuda")
     if not use_bf16:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext(), torch.float32
+    return torch.autocast(device.type, dtype=torch.bfloat16), torch.bfloat16
 
 
-def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> GPT:
-    model = GPT(cfg.model, tp=layout.tensor_parallel(), seed=cfg.train.seed)
-    initialize(model, cfg.model, cfg.train.seed)
-    return model.to(layout.device)
+def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> list[GPT]:
+    """This rank's model chunks: the whole model when pp=1."""
+    if layout.pp > 1:
+        chunks = build_chunks(cfg.model, layout, cfg.train.seed)
+    else:
+        chunks = [GPT(cfg.model, tp=layout.tensor_parallel(), seed=cfg.train.seed)]
+    for chunk in chunks:
+        initialize(chunk, cfg.model, cfg.train.seed)
+    return [chunk.to(layout.device) for chunk in chunks]
 
 
 def dp_mean(value: torch.Tensor, layout: ParallelLayout) -> float:
@@ -72,15 +79,21 @@ class Trainer:
         make_deterministic(cfg)
         self.train_data, self.valid_data, _ = build_datasets(cfg.data, cfg.model.vocab_size,
                                                              cfg.train.seed)
-        self.model = build_model(cfg, layout)
+        self.chunks = build_model(cfg, layout)
+        self.model = torch.nn.ModuleList(self.chunks)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.autocast, logits_dtype = autocast_for(cfg, layout.device)
+        self.pipeline = (Pipeline(self.chunks, layout, resolved_schedule(cfg.parallel),
+                                  n_microbatches=microbatches_per_step(cfg),
+                                  micro_batch=cfg.train.micro_batch_size,
+                                  seq_len=cfg.data.seq_len, logits_dtype=logits_dtype)
+                         if layout.pp > 1 else None)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, layout)
         self.sharded_optimizer = isinstance(self.optimizer, DistributedOptimizer)
         self.buckets = (GradBuckets(self.params, layout.group("dp"), layout.dp)
                         if layout.dp > 1 and not self.sharded_optimizer else None)
         self.state = TrainState()
         self.events = EventLog(self.run_dir, layout.rank)
-        self.autocast = autocast_for(cfg, layout.device)
 
     def batches(self, dataset, consumed: int) -> list[tuple[torch.Tensor, ...]]:
         """This DP rank's micro-batches: (inputs, targets, global sample indices)."""
@@ -91,14 +104,26 @@ class Trainer:
         return [(*(x.to(device) for x in collate(dataset, idx)), torch.tensor(idx))
                 for idx in indices]
 
+    def named_parameters(self):
+        """(layout-free key, parameter) over this rank's chunks."""
+        for chunk in self.chunks:
+            yield from chunk.named_parameters()
+
     def forward_backward(self, batches) -> torch.Tensor:
-        """Accumulate grads over micro-batches; returns this rank's mean loss."""
+        """Accumulate grads over micro-batches; returns this rank's mean loss
+        (zero on pipeline stages that do not compute it)."""
+        if self.pipeline is not None:
+            inputs, targets, samples = zip(*batches)
+            with self.autocast:
+                return self.pipeline.train_step(torch.cat(inputs), torch.cat(targets),
+                                                list(samples))
+        model = self.chunks[0]
         total = torch.zeros((), device=self.layout.device)
         for i, (inputs, targets, samples) in enumerate(batches):
             if self.buckets is not None and i == len(batches) - 1:
-                self.buckets.arm()
+                self.buckets.arm()  # overlap the DP all-reduce with the last backward
             with self.autocast:
-                loss = self.model(inputs, targets, samples) / len(batches)
+                loss = model(inputs, targets, samples) / len(batches)
             loss.backward()
             total += loss.detach()
         return total
@@ -109,6 +134,7 @@ class Trainer:
             self.buckets.finish()
         all_reduce_sequence_parallel_grads(self.params, self.layout.group("tp")
                                            if self.layout.tp > 1 else None)
+        sync_tied_embedding_grads(self.params, self.layout.embedding_group)
         if not self.sharded_optimizer:
             return [(p, p.grad) for p in self.params if p.grad is not None]
         self.optimizer.reduce_scatter_grads()
@@ -149,8 +175,11 @@ class Trainer:
         return dp_mean(torch.stack(losses).mean(), self.layout)
 
     def forward_eval(self, batches) -> torch.Tensor:
+        inputs, targets, _ = zip(*batches)
         with self.autocast:
-            return torch.stack([self.model(x, y) for x, y, _ in batches]).mean()
+            if self.pipeline is not None:
+                return self.pipeline.eval_step(torch.cat(inputs), torch.cat(targets))
+            return torch.stack([self.chunks[0](x, y) for x, y in zip(inputs, targets)]).mean()
 
     def should_eval(self, step: int) -> bool:
         t = self.cfg.train

@@ -80,7 +80,10 @@ def local_norm_squared(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def counted_here(param: nn.Parameter, layout: ParallelLayout) -> bool:
     """Count every gradient element of the model once in the global norm:
-    TP-replicated params only on TP rank 0."""
+    TP-replicated params only on TP rank 0, a tied embedding only on the first
+    pipeline stage (not its copy on the last)."""
+    if getattr(param, "pipeline_copy", False):
+        return False
     return getattr(param, "tp_dim", None) is not None or layout.tp_rank == 0
 
 

@@ -1,0 +1,152 @@
+"""Pipeline parallelism: split the model into stage chunks and run them with
+`torch.distributed.pipelining` schedules (GPipe, 1F1B, interleaved 1F1B,
+interleaved zero-bubble), composed with our TP layers and DP grad sync.
+
+Virtual stage v holds layers [v*L/(pp*vpp), (v+1)*L/(pp*vpp)); pipeline rank r
+holds virtual stages r, r+pp, r+2pp, ... (Megatron's interleaved assignment,
+which is also the library's default stage-to-rank map).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+
+from megaresil.config import ModelConfig, PipelineSchedule
+from megaresil.model.gpt import GPT
+from megaresil.parallel.layout import ParallelLayout
+
+SCHEDULE_CLASSES = {
+    PipelineSchedule.gpipe: ScheduleGPipe,
+    PipelineSchedule.one_f_one_b: Schedule1F1B,
+    PipelineSchedule.interleaved_1f1b: ScheduleInterleaved1F1B,
+    PipelineSchedule.interleaved_zero_bubble: ScheduleInterleavedZeroBubble,
+}
+MULTI_STAGE = (PipelineSchedule.interleaved_1f1b, PipelineSchedule.interleaved_zero_bubble)
+
+
+def virtual_stages(layout: ParallelLayout) -> list[int]:
+    return [chunk * layout.pp + layout.pp_rank for chunk in range(layout.vpp)]
+
+
+def stage_layers(cfg: ModelConfig, layout: ParallelLayout, stage: int) -> range:
+    per_stage = cfg.num_layers // (layout.pp * layout.vpp)
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def build_chunks(cfg: ModelConfig, layout: ParallelLayout, seed: int) -> list[GPT]:
+    """This rank's model chunks, in virtual-stage order."""
+    last = layout.pp * layout.vpp - 1
+    return [GPT(cfg, tp=layout.tensor_parallel(), seed=seed, layer_ids=stage_layers(cfg, layout, v),
+                first=v == 0, last=v == last)
+            for v in virtual_stages(layout)]
+
+
+class SampleFeed:
+    """Hands a chunk the global sample indices of the micro-batch it is about
+    to run (they seed dropout). Every schedule runs a chunk's forwards in
+    micro-batch order, so a cursor suffices; `finish` checks none was skipped."""
+
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+        self.cursor = 0
+
+    def load(self, batches: list[torch.Tensor]) -> None:
+        self.batches, self.cursor = batches, 0
+
+    def next(self) -> torch.Tensor:
+        samples = self.batches[self.cursor]
+        self.cursor += 1
+        return samples
+
+    def finish(self) -> None:
+        if self.cursor != len(self.batches):
+            raise RuntimeError(f"pipeline ran {self.cursor} forwards for "
+                               f"{len(self.batches)} micro-batches")
+
+
+class _StageModule(nn.Module):
+    """What a PipelineStage runs: one chunk, fed its micro-batch's samples."""
+
+    def __init__(self, chunk: GPT, feed: SampleFeed):
+        super().__init__()
+        self.chunk, self.feed = chunk, feed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        samples = self.feed.next() if self.chunk.training else None
+        return self.chunk.stage_forward(x, samples)
+
+
+def example_io(chunk: GPT, micro_batch: int, seq_len: int, layout: ParallelLayout,
+               logits_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example input and output of a chunk for one micro-batch. Given up front,
+    they spare the stage its shape-inference forward, which would run the
+    chunk (and its TP collectives) an extra time on uninitialised data."""
+    seq = seq_len // layout.tp if layout.sequence_parallel else seq_len
+    # requires_grad tells the stage that grads flow back through activations.
+    hidden = torch.empty(micro_batch, seq, chunk.cfg.hidden_size, device=layout.device,
+                         requires_grad=True)
+    tokens = torch.empty(micro_batch, seq_len, dtype=torch.long, device=layout.device)
+    logits = torch.empty(micro_batch, seq_len, chunk.padded_vocab // layout.tp,
+                         dtype=logits_dtype, device=layout.device, requires_grad=True)
+    return (tokens if chunk.first else hidden), (logits if chunk.last else hidden)
+
+
+class Pipeline:
+    def __init__(self, chunks: list[GPT], layout: ParallelLayout, schedule: PipelineSchedule, *,
+                 n_microbatches: int, micro_batch: int, seq_len: int,
+                 logits_dtype: torch.dtype = torch.float32):
+        self.layout = layout
+        self.feeds = [SampleFeed() for _ in chunks]
+        self.last_chunk = chunks[-1] if chunks[-1].last else None
+        self.has_first = chunks[0].first
+        stages = []
+        for chunk, feed, v in zip(chunks, self.feeds, virtual_stages(layout)):
+            example_in, example_out = example_io(chunk, micro_batch, seq_len, layout, logits_dtype)
+            stages.append(PipelineStage(_StageModule(chunk, feed), stage_index=v,
+                                        num_stages=layout.pp * layout.vpp, device=layout.device,
+                                        input_args=example_in, output_args=example_out,
+                                        group=layout.group("pp")))
+        cls = SCHEDULE_CLASSES[schedule]
+        target = stages if schedule in MULTI_STAGE else stages[0]
+        self.schedule = cls(target, n_microbatches=n_microbatches, loss_fn=self._loss)
+
+    def _loss(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.last_chunk.loss(local_logits, targets)
+
+    def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor,
+             samples: Optional[list[torch.Tensor]]) -> torch.Tensor:
+        for feed in self.feeds:
+            feed.load(samples or [])
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        run(*args, target=targets if self.last_chunk is not None else None, losses=losses)
+        if samples is not None:
+            for feed in self.feeds:
+                feed.finish()
+        if not losses:  # only the last stage computes the loss
+            return torch.zeros((), device=self.layout.device)
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor,
+                   samples: list[torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of all micro-batches (grads scaled by 1/m);
+        returns the mean micro-batch loss (zero off the last stage)."""
+        return self._run(self.schedule.step, inputs, targets, samples)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._run(self.schedule.eval, inputs, targets, None)
+
+
+def sync_tied_embedding_grads(params: list[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
+    """Sum the grads of the embedding and its copy on the last stage."""
+    for param in params:
+        if getattr(param, "tied_across_pipeline", False) and group is not None:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
