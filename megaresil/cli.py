@@ -5,7 +5,9 @@ import argparse
 import sys
 import textwrap
 
+from megaresil.checkpoint.format import CheckpointError
 from megaresil.config import ConfigError, field_docs, load_recipe, to_yaml
+from megaresil.train.checkpointing import NoValidCheckpoint
 
 EPILOG = """examples:
   megaresil train recipes/gpt-tiny.yaml run.dir=runs/demo
@@ -44,6 +46,30 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ckpt_inspect(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from megaresil.checkpoint.inspect import format_summary, summary
+
+    info = summary(Path(args.path))
+    print(json.dumps(info, indent=1) if args.json else format_summary(info))
+    return 0
+
+
+def cmd_ckpt_verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megaresil.checkpoint.inspect import verify
+
+    reason = verify(Path(args.path))
+    if reason:
+        print(f"INVALID {args.path}: {reason}")
+        return 1
+    print(f"OK {args.path}: every shard present, checksums match")
+    return 0
+
+
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/gpt-tiny.yaml")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -70,6 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub.add_parser("docs", help="list every recipe key with its type, default and "
                           "meaning").set_defaults(func=cmd_config_docs)
 
+    ckpt = sub.add_parser("ckpt", help="inspect and verify checkpoints")
+    ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    inspect = ckpt_sub.add_parser("inspect", help="step, layout, backend, tensors, bytes per rank")
+    inspect.add_argument("path", help="a checkpoint directory (e.g. RUN/checkpoints/step_0000100)")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(func=cmd_ckpt_inspect)
+    verify = ckpt_sub.add_parser("verify", help="exit 0 when every shard is present and its "
+                                 "checksum matches, else 1 with the reason")
+    verify.add_argument("path")
+    verify.set_defaults(func=cmd_ckpt_verify)
+
     data = sub.add_parser("data", help="prepare datasets")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prepare = data_sub.add_parser("prepare", help="tokenize a corpus into Megatron's indexed "
@@ -92,3 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"megaresil: error: {err}", file=sys.stderr)
         return 2
+    except (CheckpointError, NoValidCheckpoint) as err:
+        print(f"megaresil: error: {err}", file=sys.stderr)
+        return 1

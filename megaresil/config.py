@@ -9,6 +9,7 @@ docs` prints them.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 from dataclasses import dataclass, field
@@ -61,6 +62,11 @@ class PipelineSchedule(str, enum.Enum):
     one_f_one_b = "1f1b"
     interleaved_1f1b = "interleaved_1f1b"
     interleaved_zero_bubble = "interleaved_zero_bubble"
+
+
+class CheckpointBackend(str, enum.Enum):
+    torch_dist = "torch_dist"
+    zarr = "zarr"
 
 
 class Precision(str, enum.Enum):
@@ -155,6 +161,26 @@ class TrainConfig:
     eval_batches: int = doc(2, "Global batches of held-out data per evaluation; 0 disables eval.")
     precision: Precision = doc(Precision.auto, "auto: fp32 on CPU, bf16 autocast on CUDA.")
     deterministic: bool = doc(True, "Use deterministic kernels (bit-identical reruns).")
+    exit_at_step: Optional[int] = doc(None, "Save a checkpoint after this step and exit 0; the "
+                                      "LR schedule still follows train.steps, so running again "
+                                      "without it continues exactly.")
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = doc(0, "Save every this many steps (and at the last step); 0: only at "
+                        "train.exit_at_step.")
+    backend: CheckpointBackend = doc(CheckpointBackend.torch_dist, "torch_dist (PyTorch "
+                                     "Distributed Checkpoint files) or zarr (one zarr v3 array per "
+                                     "tensor).")
+    async_: bool = doc(False, "checkpoint.async: block training only to copy the state into "
+                       "staging memory; write, fsync and commit in the background.")
+    keep: int = doc(0, "Keep the newest N checkpoints (0 keeps all); older ones are deleted only "
+                    "after a newer one is committed.")
+    dir: Optional[str] = doc(None, "Checkpoint root; null means run.dir/checkpoints.")
+    load: str = doc("auto", "auto: resume from the newest valid checkpoint under the root (error "
+                    "if checkpoints exist but none is valid); none: start from scratch; or a "
+                    "checkpoint directory to load.")
 
 
 @dataclass
@@ -175,12 +201,33 @@ class RecipeConfig:
     data: DataConfig = section(DataConfig, "Corpus, tokenizer and dataset.")
     optimizer: OptimizerConfig = section(OptimizerConfig, "AdamW and LR schedule.")
     train: TrainConfig = section(TrainConfig, "Training loop.")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "Distributed checkpointing.")
     logging: LoggingConfig = section(LoggingConfig, "Console and TensorBoard output.")
     run: RunConfig = section(RunConfig, "Run directory.")
 
 
 # ---------------------------------------------------------------------------
 # Loading
+
+
+# Recipe keys that are Python keywords, and the dataclass fields behind them.
+KEY_ALIASES = {"checkpoint.async": "checkpoint.async_"}
+
+
+def _to_field_keys(data: dict) -> dict:
+    for public, private in KEY_ALIASES.items():
+        sec, key = public.split(".")
+        if isinstance(data.get(sec), dict) and key in data[sec]:
+            data[sec][private.split(".")[1]] = data[sec].pop(key)
+    return data
+
+
+def _to_public_keys(data: dict) -> dict:
+    for public, private in KEY_ALIASES.items():
+        sec, key = private.split(".")
+        if isinstance(data.get(sec), dict) and key in data[sec]:
+            data[sec][public.split(".")[1]] = data[sec].pop(key)
+    return data
 
 
 def _read_yaml(path: Path) -> dict:
@@ -212,7 +259,8 @@ def _compose(recipe_path: Path) -> list[dict]:
     if not isinstance(pieces, list):
         raise ConfigError("defaults", "must be a list of config names.",
                           "write defaults: [model/gpt-tiny, ...].")
-    return [_read_yaml(_resolve_piece(str(p), recipe_path)) for p in pieces] + [body]
+    pieces = [_read_yaml(_resolve_piece(str(p), recipe_path)) for p in pieces] + [body]
+    return [_to_field_keys(piece) for piece in pieces]
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -223,11 +271,13 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw else None
     except yaml.YAMLError as err:
         raise ConfigError(key, f"value {raw!r} is not valid YAML ({err}).", "quote it.") from None
-    return key.strip(), value
+    key = KEY_ALIASES.get(key.strip(), key.strip())
+    return key, value
 
 
 def _explain_omegaconf(err: OmegaConfBaseException) -> ConfigError:
     key = getattr(err, "full_key", None) or "recipe"
+    key = {v: k for k, v in KEY_ALIASES.items()}.get(key, key)
     first_line = str(err).splitlines()[0]
     if "not in" in first_line:
         fix = "remove it or correct the spelling (`megaresil config docs` lists every key)."
@@ -259,6 +309,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
 def from_dict(data: dict) -> RecipeConfig:
     """A `RecipeConfig` from a plain dict (e.g. the resolved recipe of a run)."""
     try:
+        data = _to_field_keys(copy.deepcopy(data))
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), data))
     except OmegaConfBaseException as err:
         raise _explain_omegaconf(err) from None
@@ -268,7 +319,7 @@ def from_dict(data: dict) -> RecipeConfig:
 
 def to_dict(cfg: RecipeConfig) -> dict:
     """Plain, YAML/JSON-safe dict of a resolved recipe."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    return _to_public_keys(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
 
 
 def to_yaml(cfg: RecipeConfig) -> str:
@@ -285,12 +336,12 @@ def _require(ok: bool, key: str, problem: str, fix: str) -> None:
 
 
 def _validate_positive(cfg: RecipeConfig) -> None:
-    for sec_name in ("model", "parallel", "train", "data"):
+    for sec_name in ("model", "parallel", "train", "data", "checkpoint"):
         sec = getattr(cfg, sec_name)
         for f in dataclasses.fields(sec):
             value = getattr(sec, f.name)
             if f.type in ("int", int) and not isinstance(value, bool) and value is not None:
-                allow_zero = f.name in ("eval_interval", "eval_batches")
+                allow_zero = f.name in ("eval_interval", "eval_batches", "interval", "keep")
                 _require(value > 0 or (allow_zero and value == 0), f"{sec_name}.{f.name}",
                          f"must be {'>= 0' if allow_zero else 'positive'}, got {value}.",
                          "give a positive integer.")
@@ -329,6 +380,10 @@ def _validate_batch(cfg: RecipeConfig) -> None:
              f"{t.global_batch_size} is not a multiple of micro_batch_size*dp = "
              f"{t.micro_batch_size}*{p.dp} = {per_step}.",
              f"use a multiple of {per_step}, e.g. {per_step * max(1, t.global_batch_size // per_step)}.")
+    if t.exit_at_step is not None:
+        _require(0 < t.exit_at_step <= t.steps, "train.exit_at_step",
+                 f"{t.exit_at_step} is outside 1..train.steps={t.steps}.",
+                 "choose a step between 1 and train.steps.")
     _require(cfg.data.seq_len <= cfg.model.max_seq_len, "data.seq_len",
              f"{cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.",
              "lower data.seq_len or raise model.max_seq_len.")
@@ -403,5 +458,6 @@ def field_docs(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, st
             rows += field_docs(type(default), key + ".")
             continue
         shown = default.value if isinstance(default, enum.Enum) else default
+        key = {v: k for k, v in KEY_ALIASES.items()}.get(key, key)
         rows.append((key, str(f.type), repr(shown), f.metadata.get("doc", "")))
     return rows

@@ -26,7 +26,7 @@ RECIPE = ROOT / "recipes" / "gpt-tiny.yaml"
 # A model small enough that a 10-step run takes well under a second, with a
 # vocabulary that needs padding at every tp (300 -> 384/512), 4 layers for
 # pp=4 or pp=2 x vpp=2, and 4 micro-batches per step at dp=1.
-TINY = ["data.source=synthetic", "data.seq_len=16", "model.max_seq_len=16",
+TINY = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "data.source=synthetic", "data.seq_len=16", "model.max_seq_len=16",
         "model.num_layers=4", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=300",
         "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=10",
         "train.eval_batches=0", "optimizer.warmup_steps=2", "optimizer.lr=3e-3",

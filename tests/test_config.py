@@ -12,10 +12,12 @@ TINY = ROOT / "recipes" / "gpt-tiny.yaml"
 
 
 def test_recipe_composes_pieces_and_overrides():
-    cfg = load_recipe(TINY, ["train.steps=7", "model.flavour=llama", "parallel.dp=2"])
+    cfg = load_recipe(TINY, ["train.steps=7", "model.flavour=llama", "parallel.dp=4",
+                            "train.global_batch_size=32"])
     assert cfg.model.hidden_size == 192  # from configs/model/gpt-tiny.yaml
     assert cfg.data.source == "shakespeare"  # from configs/data/shakespeare.yaml
-    assert cfg.train.steps == 7 and cfg.model.flavour == Flavour.llama and cfg.parallel.dp == 2
+    assert cfg.parallel.tp == 2 and cfg.parallel.pp == 2  # from configs/parallel/3d-cpu.yaml
+    assert cfg.train.steps == 7 and cfg.model.flavour == Flavour.llama and cfg.parallel.dp == 4
 
 
 def test_override_values_are_yaml():
@@ -29,6 +31,12 @@ def test_every_recipe_loads(recipe):
 
 
 BAD = [
+    (["parallel.vpp=3"], "model.num_layers"),  # 4 layers over pp*vpp = 6 chunks
+    (["parallel.vpp=2", "train.micro_batch_size=8"], "train.global_batch_size"),  # 1 micro-batch
+    (["parallel.vpp=2", "parallel.schedule=1f1b"], "parallel.schedule"),
+    (["parallel.pp=1", "parallel.vpp=2"], "parallel.vpp"),
+    (["model.flavour=llama", "model.num_kv_heads=4"], "model.num_kv_heads"),
+    (["model.flavour=llama", "model.num_kv_heads=1"], "parallel.tp"),  # tp=2 > kv heads
     (["model.hiden_size=3"], "model.hiden_size"),
     (["train.steps=many"], "train.steps"),
     (["model.num_heads=5"], "model.num_heads"),
@@ -51,7 +59,7 @@ def test_bad_recipe_names_the_key(overrides, key):
 
 
 def test_world_size_mismatch_names_the_fix():
-    cfg = load_recipe(TINY, ["parallel.dp=2"])
+    cfg = load_recipe(TINY, [])
     with pytest.raises(ConfigError, match="world size is 3"):
         validate_world_size(cfg, 3)
 

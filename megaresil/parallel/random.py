@@ -9,6 +9,7 @@ mask, and resuming needs no dropout RNG state at all.
 """
 from __future__ import annotations
 
+import base64
 import random
 import zlib
 from typing import Callable, Optional
@@ -57,18 +58,33 @@ class LayoutDropout(nn.Module):
         return x * keep.to(x.dtype) / (1.0 - self.p)
 
 
+def _bytes_to_text(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _text_to_bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
 def capture_rng_state() -> dict:
-    """This rank's global RNG states (python, numpy, torch CPU and CUDA)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
+    """This rank's global RNG states (python, numpy, torch CPU and CUDA), as
+    JSON-safe values. Dropout does not draw from them (see LayoutDropout);
+    they are kept so that any other use of the global RNGs resumes exactly."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss],
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+             "torch": _bytes_to_text(torch.get_rng_state())}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [_bytes_to_text(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def restore_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_text_to_bytes(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_text_to_bytes(s) for s in state["cuda"]])

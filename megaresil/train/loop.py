@@ -22,6 +22,7 @@ from megaresil.parallel.data_parallel import GradBuckets, all_reduce_sequence_pa
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, build_chunks, sync_tied_embedding_grads
+from megaresil.train import checkpointing
 from megaresil.train.metrics import MetricsLog
 from megaresil.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
 
@@ -94,6 +95,8 @@ class Trainer:
                         if layout.dp > 1 and not self.sharded_optimizer else None)
         self.state = TrainState()
         self.events = EventLog(self.run_dir, layout.rank)
+        self.checkpointer = checkpointing.build_checkpointer(cfg, self.events)
+        checkpointing.resume(self)
 
     def batches(self, dataset, consumed: int) -> list[tuple[torch.Tensor, ...]]:
         """This DP rank's micro-batches: (inputs, targets, global sample indices)."""
@@ -187,7 +190,15 @@ class Trainer:
             return False
         return step == t.steps or (t.eval_interval > 0 and step % t.eval_interval == 0)
 
-    def run(self) -> None:
+    def should_save(self, step: int) -> bool:
+        interval = self.cfg.checkpoint.interval
+        if step == self.cfg.train.exit_at_step:
+            return True
+        return interval > 0 and (step % interval == 0 or step == self.cfg.train.steps)
+
+    def run(self) -> bool:
+        """Train to train.steps; returns False when it stopped early at
+        train.exit_at_step (after saving)."""
         t = self.cfg.train
         log = self.open_metrics()
         started = time.perf_counter()
@@ -197,15 +208,22 @@ class Trainer:
                 record["elapsed_s"] = time.perf_counter() - started
                 if log:
                     log.write(record)
-                if self.should_eval(record["step"]):
+                step = record["step"]
+                if self.should_eval(step):
                     eval_loss = self.evaluate()
                     if log:
-                        log.write({"step": record["step"], "eval_loss": eval_loss})
+                        log.write({"step": step, "eval_loss": eval_loss})
+                if self.should_save(step):
+                    checkpointing.save(self)
+                if step == t.exit_at_step:
+                    return False
         finally:
+            self.checkpointer.close()
             if log:
                 log.close()
         if self.layout.rank == 0:
             self.events.emit("run_finished", step=self.state.step)
+        return True
 
     def open_metrics(self) -> MetricsLog | None:
         if not self.layout.is_logging_rank:

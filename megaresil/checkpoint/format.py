@@ -1,0 +1,178 @@
+"""The on-disk checkpoint format: directory names, manifest, checksums, and the
+atomic commit protocol.
+
+    ROOT/
+      latest                       name of the newest committed checkpoint (replaced atomically)
+      step_0000100/
+        metadata.json              the manifest
+        <backend files>
+        COMMITTED                  completion marker, the last thing written
+      step_0000200.partial-<id>/   a save in progress (or one that died): never loaded
+
+A checkpoint is written under its `.partial-` name; only after every rank's
+data is fsynced and the manifest written is it renamed into place, then the
+marker is written, then `latest` is replaced. A crash at any point leaves the
+previous checkpoint and `latest` untouched.
+
+Checksums are xxHash3-64 over each shard's raw bytes: ~10 GB/s per core, so
+verifying never costs more than reading the data.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+import xxhash
+
+FORMAT_NAME = "megaresil-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "metadata.json"
+MARKER = "COMMITTED"
+LATEST = "latest"
+STEP_DIR = re.compile(r"^step_(\d{7,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, with the reason and (where known) the fix."""
+
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in
+           (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+            torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise CheckpointError(f"unsupported dtype {name!r} in the manifest")
+    return _DTYPES[name]
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor (bf16 viewed as int16, which numpy lacks)."""
+    t = tensor.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+def checksum(tensor: torch.Tensor) -> str:
+    return xxhash.xxh3_64_hexdigest(tensor_bytes(tensor))
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path, only: Optional[set[str]] = None) -> None:
+    """fsync every file under `root` (or only those named relative paths), then
+    every directory, so renames that follow see durable data."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = Path(dirpath) / name
+            if only is None or str(path.relative_to(root)) in only:
+                fsync_path(path)
+        fsync_path(Path(dirpath))
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def inside(directory: Path, name: str) -> Path:
+    """`directory / name`, refusing names from a manifest that would escape it."""
+    path = (directory / name).resolve()
+    if directory.resolve() not in path.parents and path != directory.resolve():
+        raise CheckpointError(f"manifest names a file outside the checkpoint: {name!r}")
+    return path
+
+
+# --- reading --------------------------------------------------------------------
+
+
+def read_manifest(directory: Path) -> dict:
+    """The manifest of a committed checkpoint, or CheckpointError saying why not."""
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} does not exist or is not a directory")
+    if not (directory / MARKER).exists():
+        raise CheckpointError(f"{directory.name} has no completion marker ({MARKER}): the save "
+                              "did not finish")
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory.name} has no {MANIFEST}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{directory.name}/{MANIFEST} does not parse: {err}") from None
+    if manifest.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{directory.name} is not a {FORMAT_NAME} (format "
+                              f"{manifest.get('format')!r})")
+    if manifest.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{directory.name} has format version {manifest['version']}, newer "
+                              f"than this megaresil reads ({FORMAT_VERSION}); upgrade megaresil")
+    return manifest
+
+
+def committed_checkpoints(root: Path) -> list[Path]:
+    """Step directories under `root`, newest first (not yet validated)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def has_checkpoints(root: Path) -> bool:
+    return bool(committed_checkpoints(root))
+
+
+def clean_partials(root: Path) -> list[str]:
+    """Remove saves that died: `.partial-` directories and step directories
+    without a marker. Returns the names removed."""
+    removed = []
+    if not root.is_dir():
+        return removed
+    for path in root.iterdir():
+        dead = ".partial-" in path.name or (STEP_DIR.match(path.name) and not (path / MARKER).exists())
+        if path.is_dir() and dead:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
+
+
+def update_latest(root: Path, name: str) -> None:
+    write_text_atomic(root / LATEST, name + "\n")
+
+
+def iter_shards(manifest: dict) -> Iterator[tuple[str, dict, dict]]:
+    """(key, tensor entry, shard entry) over the whole manifest."""
+    for key, entry in manifest["tensors"].items():
+        for shard in entry["shards"]:
+            yield key, entry, shard

@@ -1,0 +1,63 @@
+"""`megaresil ckpt inspect` and `megaresil ckpt verify`: single-process looks
+at a checkpoint directory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.backends import get_backend
+from megaresil.checkpoint.manager import verify_shards
+
+
+def shard_bytes(entry: dict, shard: dict) -> int:
+    count = 1
+    for n in shard["shape"]:
+        count *= n
+    return count * fmt.torch_dtype(entry["dtype"]).itemsize
+
+
+def summary(path: Path) -> dict:
+    manifest = fmt.read_manifest(path)
+    per_rank: dict[int, int] = {}
+    tensors = {}
+    for key, entry in manifest["tensors"].items():
+        total = 0
+        for shard in entry["shards"]:
+            nbytes = shard_bytes(entry, shard)
+            per_rank[shard["rank"]] = per_rank.get(shard["rank"], 0) + nbytes
+            total += nbytes
+        tensors[key] = {"shape": entry["global_shape"], "dtype": entry["dtype"],
+                        "shards": len(entry["shards"]), "bytes": total}
+    return {"path": str(path), "step": manifest["step"], "backend": manifest["backend"],
+            "format_version": manifest["version"], "layout": manifest["layout"],
+            "consumed_samples": manifest["data"]["consumed_samples"],
+            "total_bytes": sum(per_rank.values()),
+            "bytes_per_rank": [per_rank[r] for r in sorted(per_rank)], "tensors": tensors}
+
+
+def format_summary(info: dict) -> str:
+    layout = info["layout"]
+    lines = [f"checkpoint  {info['path']}",
+             f"step        {info['step']}  (samples consumed {info['consumed_samples']})",
+             f"backend     {info['backend']}  (format v{info['format_version']})",
+             f"layout      tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} "
+             f"vpp={layout['vpp']} sp={layout['sequence_parallel']} "
+             f"distributed_optimizer={layout['distributed_optimizer']}",
+             f"tensors     {len(info['tensors'])}, {info['total_bytes'] / 2**20:.2f} MiB",
+             "bytes/rank  " + " ".join(f"{b / 2**20:.2f}" for b in info["bytes_per_rank"]) + " MiB",
+             ""]
+    width = max(len(k) for k in info["tensors"])
+    for key, t in info["tensors"].items():
+        lines.append(f"  {key:<{width}}  {str(tuple(t['shape'])):<16} {t['dtype']:<9} "
+                     f"{t['shards']} shard(s)")
+    return "\n".join(lines)
+
+
+def verify(path: Path) -> str | None:
+    """None when every shard is present and matches its checksum, else why not."""
+    try:
+        manifest = fmt.read_manifest(path)
+    except fmt.CheckpointError as err:
+        return str(err)
+    return verify_shards(get_backend(manifest["backend"]), path, manifest,
+                         list(fmt.iter_shards(manifest)))

@@ -1,0 +1,261 @@
+"""Saving and loading the training state: writer assignment, the commit
+protocol, async saves, retention, verification and resharding loads.
+
+All checkpoint collectives run on a process group of their own, so an async
+save's background thread never interleaves its messages with the training
+loop's collectives.
+"""
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.backends import Backend, get_backend
+from megaresil.checkpoint.sharded import Rect, assign_writers
+
+
+class Collectives:
+    """The few collectives checkpointing needs, degrading to no-ops in a
+    single process without a process group."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]):
+        self.group = group
+        self.rank = dist.get_rank() if group is not None else 0
+        self.world = dist.get_world_size() if group is not None else 1
+
+    def all_gather(self, obj) -> list:
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj):
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def any(self, flag: bool) -> bool:
+        if self.group is None:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, group=self.group)
+        return bool(t.item())
+
+
+def layout_plan(gathered: list[list[dict]]) -> dict[str, dict]:
+    """Per key: global shape, dtype and all written rects (from every rank)."""
+    plan: dict[str, dict] = {}
+    for records in gathered:
+        for r in records:
+            entry = plan.setdefault(r["key"], {"global_shape": r["global_shape"],
+                                               "dtype": r["dtype"], "rects": []})
+            entry["rects"].append({"offset": r["offset"], "shape": r["shape"]})
+    return plan
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+class Checkpointer:
+    def __init__(self, root: Path, backend: str, *, group: Optional[dist.ProcessGroup],
+                 asynchronous: bool, keep: int, events):
+        self.root = root
+        self.coll = Collectives(group)
+        self.backend: Backend = get_backend(backend)
+        if hasattr(self.backend, "process_group"):
+            self.backend.process_group = group
+        self.asynchronous, self.keep, self.events = asynchronous, keep, events
+        self.writers: Optional[dict[tuple, int]] = None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
+        self.pending: Optional[Future] = None
+        self.lock = threading.Lock()
+
+    # --- saving ---------------------------------------------------------------
+
+    def _my_writes(self, rects: list[Rect]) -> list[Rect]:
+        """This rank's share: one replica of each rect writes it; the choice
+        balances bytes over ranks and is made once (the layout is fixed)."""
+        if self.writers is None:
+            gathered = self.coll.all_gather([(r.identity(), r.nbytes) for r in rects])
+            self.writers = assign_writers(gathered, self.coll.world)
+        return [r for r in rects if self.writers[r.identity()] == self.coll.rank]
+
+    @staticmethod
+    def _stage(rects: list[Rect]) -> list[Rect]:
+        """Copy the rects into staging memory: after this, training may go on."""
+        pin = torch.cuda.is_available()
+        staged = []
+        for r in rects:
+            copy = torch.empty(r.tensor.shape, dtype=r.tensor.dtype, pin_memory=pin)
+            copy.copy_(r.tensor, non_blocking=pin)
+            staged.append(Rect(r.key, r.global_shape, r.offset, copy))
+        if pin:
+            torch.cuda.synchronize()
+        return staged
+
+    def save(self, step: int, rects: list[Rect], state: dict, rank_state: dict) -> None:
+        """Save `rects` (this rank's view of the training state), the
+        non-tensor `state` (same on every rank) and this rank's `rank_state`
+        as checkpoint `step`. Blocks only for staging when asynchronous; at
+        most one save is in flight."""
+        self.wait()
+        started = time.perf_counter()
+        staged = self._stage(self._my_writes(rects))
+        blocking = time.perf_counter() - started
+        if self.asynchronous:
+            self.pending = self.executor.submit(self._write_and_commit, step, staged,
+                                                {**state, "rank_state": rank_state}, started,
+                                                blocking)
+        else:
+            self._write_and_commit(step, staged, {**state, "rank_state": rank_state}, started,
+                                   blocking)
+
+    def wait(self) -> None:
+        """Wait for an in-flight save; re-raises its failure."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def _write_and_commit(self, step: int, staged: list[Rect], state: dict, started: float,
+                          blocking: float) -> None:
+        name = fmt.step_dir_name(step)
+        partial = self.root / f"{name}.partial-0"
+        rank_state = state.pop("rank_state")
+        records = [{"key": r.key, "global_shape": list(r.global_shape), "dtype": dtype_name(r.tensor),
+                    "offset": list(r.offset), "shape": list(r.shape)} for r in staged]
+        gathered = self.coll.all_gather(records)
+        if self.coll.rank == 0:
+            if partial.exists():
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+            self.backend.prepare(partial, layout_plan(gathered))
+        self.coll.barrier()
+        locations = self.backend.write(partial, staged)
+        written = [{**rec, "rank": self.coll.rank, "checksum": fmt.checksum(r.tensor),
+                    "location": locations[r.identity()]} for rec, r in zip(records, staged)]
+        all_written, rank_states = zip(*self.coll.all_gather((written, rank_state)))
+        if self.coll.rank == 0:
+            path = self._commit(name, partial, all_written, {**state, "rank_states": rank_states})
+            per_rank = [sum(_nbytes(w) for w in ws) for ws in all_written]
+            self.events.emit("checkpoint_saved", step=step, path=str(path), bytes=sum(per_rank),
+                             bytes_per_rank=per_rank, seconds=time.perf_counter() - started,
+                             blocking_seconds=blocking, backend=self.backend.name)
+        self.coll.barrier()
+
+    def _commit(self, name: str, partial: Path, all_written: list[list[dict]], state: dict) -> Path:
+        manifest = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION,
+                    "backend": self.backend.name, **state, "tensors": _tensor_table(all_written)}
+        fmt.write_json_atomic(partial / fmt.MANIFEST, manifest)
+        fmt.fsync_tree(partial, only=set())  # directories only: file data is already durable
+        final = self.root / name
+        if final.exists():
+            self._set_aside(final)
+        partial.rename(final)
+        fmt.fsync_path(self.root)
+        fmt.write_text_atomic(final / fmt.MARKER, "ok\n")
+        fmt.update_latest(self.root, name)
+        self._retain(final)
+        return final
+
+    def _set_aside(self, existing: Path) -> None:
+        """A checkpoint of the same step exists (a run restarted from scratch
+        with checkpoint.load=none): a valid one is never overwritten, so it
+        is renamed aside; an invalid one is removed."""
+        try:
+            fmt.read_manifest(existing)
+        except fmt.CheckpointError:
+            shutil.rmtree(existing)
+            return
+        existing.rename(existing.with_name(f"{existing.name}.superseded-{int(time.time())}"))
+
+    def _retain(self, newest: Path) -> None:
+        if self.keep <= 0:
+            return
+        for old in fmt.committed_checkpoints(self.root)[self.keep:]:
+            if old != newest:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        self.wait()
+        self.executor.shutdown()
+
+    # --- loading ----------------------------------------------------------------
+
+    def verify(self, directory: Path, manifest: dict) -> Optional[str]:
+        """None when every shard is present with its checksum, else the reason.
+        Ranks split the shards between them and agree on the verdict."""
+        shards = list(fmt.iter_shards(manifest))[self.coll.rank::self.coll.world]
+        reason = verify_shards(get_backend(manifest["backend"]), directory, manifest, shards)
+        reasons = self.coll.all_gather(reason)
+        return next((r for r in reasons if r), None)
+
+    def load(self, directory: Path, manifest: dict, targets: list[Rect]) -> None:
+        check_shapes(manifest, targets)
+        get_backend(manifest["backend"]).read(directory, manifest, targets)
+
+
+def _nbytes(record: dict) -> int:
+    count = 1
+    for n in record["shape"]:
+        count *= n
+    return count * fmt.torch_dtype(record["dtype"]).itemsize
+
+
+def _tensor_table(all_written: list[list[dict]]) -> dict:
+    tensors: dict[str, dict] = {}
+    for written in all_written:
+        for w in written:
+            entry = tensors.setdefault(w["key"], {"global_shape": w["global_shape"],
+                                                  "dtype": w["dtype"], "shards": []})
+            entry["shards"].append({k: w[k] for k in ("offset", "shape", "rank", "checksum",
+                                                      "location")})
+    return dict(sorted(tensors.items()))
+
+
+def check_shapes(manifest: dict, targets: list[Rect]) -> None:
+    """Fail on the first key the checkpoint lacks or holds at another shape."""
+    tensors = manifest["tensors"]
+    for target in sorted(targets, key=lambda t: t.key):
+        saved = tensors.get(target.key)
+        if saved is None:
+            raise fmt.CheckpointError(f"the checkpoint has no tensor {target.key!r} (it was saved "
+                                      "from a different model); check model.* against the "
+                                      "checkpoint's recipe (megaresil ckpt inspect)")
+        if tuple(saved["global_shape"]) != tuple(target.global_shape):
+            raise fmt.CheckpointError(
+                f"{target.key}: the checkpoint holds shape {tuple(saved['global_shape'])}, the "
+                f"model expects {tuple(target.global_shape)}; check model.* against the "
+                "checkpoint's recipe (megaresil ckpt inspect)")
+
+
+def verify_shards(backend: Backend, directory: Path, manifest: dict,
+                  shards: list[tuple[str, dict, dict]]) -> Optional[str]:
+    """Read each shard back and compare its checksum; None if all match."""
+    targets = [Rect(key, tuple(entry["global_shape"]), tuple(shard["offset"]),
+                    torch.empty(shard["shape"], dtype=fmt.torch_dtype(entry["dtype"])))
+               for key, entry, shard in shards]
+    try:
+        backend.read(directory, manifest, targets)
+    except Exception as err:  # a missing or truncated file: say which checkpoint is bad
+        return f"reading shards failed: {type(err).__name__}: {err}"
+    for target, (key, _, shard) in zip(targets, shards):
+        if fmt.checksum(target.tensor) != shard["checksum"]:
+            return (f"checksum mismatch in {key} at offset {tuple(shard['offset'])} "
+                    f"(written by rank {shard['rank']})")
+    return None

@@ -1,0 +1,169 @@
+"""The training state as layout-free rectangles of global tensors.
+
+Every tensor of the state (weights, AdamW moments, distributed-optimizer row
+shards) is described by a key that does not mention the layout, its global
+shape, and this rank's rectangle of it (offset + a local view). The same
+description serves saving (the view is read) and loading (the view is filled
+from whatever rectangles the checkpoint holds), which is all resharding needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+from megaresil.config import ModelConfig
+from megaresil.model.init import global_shape, vocab_rows
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Rect:
+    key: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    tensor: torch.Tensor  # this rank's block: a view into live state
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def identity(self) -> tuple:
+        """Rects with the same identity on different ranks are replicas."""
+        return (self.key, self.offset, self.shape)
+
+
+def param_rect(key: str, param: torch.Tensor, data: torch.Tensor,
+               cfg: ModelConfig) -> Optional[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]:
+    """(global shape, offset, view of `data`) for a parameter-shaped tensor
+    `data` of `param`; None when this rank's block is all vocabulary padding."""
+    shape = tuple(global_shape(key, param, cfg))
+    offset = [0] * param.ndim
+    dim = getattr(param, "tp_dim", None)
+    if dim is not None:
+        offset[dim] = param.tp_rank * param.shape[dim]
+    if vocab_rows(key, cfg):  # padding rows are not state: cut them
+        rows = min(param.shape[0], shape[0] - offset[0])
+        if rows <= 0:
+            return None
+        data = data[:rows]
+    return shape, tuple(offset), data
+
+
+def skip(param: nn.Parameter, include_copies: bool) -> bool:
+    """The last stage's copy of a tied embedding is not separate state: it is
+    never saved, but it is loaded (from the same key) to stay in sync."""
+    return getattr(param, "pipeline_copy", False) and not include_copies
+
+
+def model_rects(named_params: Iterable[tuple[str, nn.Parameter]], cfg: ModelConfig,
+                include_copies: bool) -> list[Rect]:
+    rects = []
+    for key, param in named_params:
+        if skip(param, include_copies):
+            continue
+        found = param_rect(key, param, param.data, cfg)
+        if found is not None:
+            rects.append(Rect(f"model/{key}", *found))
+    return rects
+
+
+def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create zero AdamW state for every param (the optimizer creates it lazily
+    at its first step) so a checkpoint can be loaded into it."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                      "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
+def optimizer_rects(trainer, cfg: ModelConfig, include_copies: bool) -> list[Rect]:
+    """AdamW moments as rects of the parameters' global tensors; under the
+    distributed optimizer each is this rank's row block."""
+    optimizer = trainer.optimizer
+    inner = getattr(optimizer, "inner", optimizer)
+    ensure_adam_state(inner)
+    rects = []
+    if trainer.sharded_optimizer:
+        keys = {id(p): k for k, p in trainer.named_parameters()}
+        for shard in optimizer.shards:
+            if shard.stop <= shard.start or skip(shard.param, include_copies):
+                continue
+            key = keys[id(shard.param)]
+            for moment in MOMENTS:
+                rect = _moment_block(key, shard, inner.state[shard.view][moment], cfg)
+                if rect is not None:
+                    rects.append(Rect(f"optim/{moment}/{key}", *rect))
+        return rects
+    for key, param in trainer.named_parameters():
+        if skip(param, include_copies):
+            continue
+        for moment in MOMENTS:
+            found = param_rect(key, param, inner.state[param][moment], cfg)
+            if found is not None:
+                rects.append(Rect(f"optim/{moment}/{key}", *found))
+    return rects
+
+
+def _moment_block(key: str, shard, moment: torch.Tensor, cfg: ModelConfig):
+    """Rect of a distributed-optimizer moment: the shard's rows of the param's rect."""
+    found = param_rect(key, shard.param, shard.param.data, cfg)
+    if found is None:
+        return None
+    shape, offset, valid = found
+    stop = min(shard.stop, valid.shape[0])
+    if stop <= shard.start:
+        return None
+    return shape, (offset[0] + shard.start, *offset[1:]), moment[: stop - shard.start]
+
+
+def adam_step_count(trainer) -> int:
+    inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
+    for state in inner.state.values():
+        if "step" in state:
+            return int(state["step"].item())
+    return 0
+
+
+def set_adam_step_count(trainer, step: int) -> None:
+    inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
+    for state in inner.state.values():
+        state["step"].fill_(float(step))
+
+
+def training_rects(trainer, include_copies: bool = False) -> list[Rect]:
+    """Every tensor of the training state on this rank; `include_copies` adds
+    the tied-embedding copy (a load target, never saved)."""
+    cfg = trainer.cfg.model
+    return (model_rects(trainer.named_parameters(), cfg, include_copies)
+            + optimizer_rects(trainer, cfg, include_copies))
+
+
+def assign_writers(all_rects: list[list[tuple]], world: int) -> dict[tuple, int]:
+    """Pick one writer among the replicas of every rect, balancing bytes.
+
+    `all_rects[r]` lists (identity, nbytes) of rank r. Greedy over rects by
+    size, each to the least-loaded of its replicas: every rank computes the
+    same answer from the same gathered lists, so no further communication."""
+    replicas: dict[tuple, list[int]] = {}
+    sizes: dict[tuple, int] = {}
+    for rank, rects in enumerate(all_rects):
+        for identity, nbytes in rects:
+            replicas.setdefault(identity, []).append(rank)
+            sizes[identity] = nbytes
+    load = [0] * world
+    writers = {}
+    for identity in sorted(replicas, key=lambda i: (-sizes[i], i)):
+        rank = min(replicas[identity], key=lambda r: (load[r], r))
+        writers[identity] = rank
+        load[rank] += sizes[identity]
+    return writers
