@@ -7,9 +7,11 @@ group; each case builds its own ParallelLayout (a fresh DeviceMesh) over it.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,8 @@ class Case:
     name: str
     overrides: list[str] = field(default_factory=list)
     dump_grads: bool = False  # save full (gathered) grads after one step's backward
+    resume: bool = False  # after stopping at train.exit_at_step, run again without it
+    kill_rank_in_save: Optional[tuple[int, int]] = None  # (rank, step): SIGKILL mid-write
 
 
 def free_port() -> int:
@@ -47,8 +51,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def recipe_for(case: Case, run_dir: Path):
-    return load_recipe(RECIPE, TINY + case.overrides + [f"run.dir={run_dir}"])
+def recipe_for(case: Case, run_dir: Path, *, without_exit: bool = False):
+    overrides = [o for o in case.overrides if not (without_exit and o.startswith("train.exit_at"))]
+    return load_recipe(RECIPE, TINY + overrides + [f"run.dir={run_dir}"])
+
+
+def kill_during_save(trainer: Trainer, rank: int, step: int) -> None:
+    """Make `rank` die by SIGKILL while writing checkpoint `step`'s data."""
+    if dist.get_rank() != rank:
+        return
+    write = trainer.checkpointer.backend.write
+
+    def dying_write(directory, rects):
+        if directory.name.startswith(f"step_{step:07d}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(directory, rects)
+
+    trainer.checkpointer.backend.write = dying_write
+
+
+def train_case(case: Case, run_dir: Path, layout: ParallelLayout) -> Trainer:
+    """Train a case to the end (or to its exit step, then on again if it resumes)."""
+    trainer = Trainer(recipe_for(case, run_dir), layout)
+    if case.kill_rank_in_save:
+        kill_during_save(trainer, *case.kill_rank_in_save)
+    finished = trainer.run()
+    if case.resume and not finished:
+        trainer = Trainer(recipe_for(case, run_dir, without_exit=True), layout)
+        trainer.run()
+    return trainer
 
 
 def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -81,15 +112,14 @@ def run_case(case: Case, out: Path) -> None:
     run_dir = out / case.name
     cfg = recipe_for(case, run_dir)
     layout = ParallelLayout.from_config(cfg.parallel, torch.device("cpu"))
-    trainer = Trainer(cfg, layout)
     if case.dump_grads:
+        trainer = Trainer(cfg, layout)
         trainer.forward_backward(trainer.batches(trainer.train_data, 0))
         grads = gather_full_grads(trainer)
         if layout.tp_rank == 0 and layout.dp_rank == 0:  # one file per pipeline stage
             torch.save(grads, run_dir / f"grads.{layout.pp_rank}.pt")
         trainer.optimizer.zero_grad(set_to_none=True)
-        trainer = Trainer(cfg, layout)
-    trainer.run()
+    trainer = train_case(case, run_dir, layout)
     (run_dir / f"opt_state_bytes.{dist.get_rank()}").write_text(
         str(optimizer_state_bytes(trainer.optimizer)))
     dist.barrier()
@@ -109,6 +139,10 @@ def _worker(rank: int, world: int, port: int, cases: list[Case], out: str) -> No
 
 def run_cases(world: int, cases: list[Case], out: Path) -> None:
     """Run `cases` (each a layout of `world` ranks) in one spawned group."""
+    if world == 1:
+        for case in cases:
+            run_reference(case, out)
+        return
     mp.start_processes(_worker, args=(world, free_port(), cases, str(out)), nprocs=world,
                        join=True, start_method="spawn")
 
@@ -116,14 +150,14 @@ def run_cases(world: int, cases: list[Case], out: Path) -> None:
 def run_reference(case: Case, out: Path) -> None:
     """The single-process run of a case, in this process."""
     cfg = recipe_for(case, out / case.name)
-    trainer = Trainer(cfg, ParallelLayout(device=torch.device("cpu")))
+    layout = ParallelLayout(device=torch.device("cpu"))
     if case.dump_grads:
+        trainer = Trainer(cfg, layout)
         trainer.forward_backward(trainer.batches(trainer.train_data, 0))
         torch.save({k: p.grad[: cfg.model.vocab_size] if k in ("embed.tokens.weight", "head.weight")
                     else p.grad for k, p in trainer.named_parameters()},
                    out / case.name / "grads.0.pt")
-        trainer = Trainer(cfg, ParallelLayout(device=torch.device("cpu")))
-    trainer.run()
+    train_case(case, out / case.name, layout)
 
 
 def load_grads(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ that admits only DCP's metadata classes, so loading never runs pickled code.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
 import pathlib
@@ -134,6 +135,15 @@ class _SafeReader(dcp.FileSystemReader):
         return metadata
 
 
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns whenever it runs without a process group, which is our
+    intent for single-process saves and for every read."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 class TorchDistBackend:
     name = "torch_dist"
 
@@ -145,16 +155,16 @@ class TorchDistBackend:
 
     def write(self, directory: Path, rects: list[Rect]) -> dict[tuple, str]:
         writer = dcp.FileSystemWriter(str(directory / "dcp"), sync_files=True, thread_count=1)
-        dcp.save(_group([r for r in rects if r.tensor.numel()]), storage_writer=writer,
-                 planner=_SavePlanner(), process_group=self.process_group)
+        with _quiet_single_process():
+            dcp.save(_group([r for r in rects if r.tensor.numel()]), storage_writer=writer,
+                     planner=_SavePlanner(), process_group=self.process_group,
+                     no_dist=self.process_group is None)
         return {r.identity(): "dcp" for r in rects}
 
     def read(self, directory: Path, manifest: dict, targets: list[Rect]) -> None:
         targets = [t for t in targets if t.tensor.numel()]
         if not targets:
             return
-        with warnings.catch_warnings():
-            # Each rank reads what it needs on its own (no_dist): DCP warns about that.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with _quiet_single_process():  # each rank reads what it needs on its own
             dcp.load(_group(targets), storage_reader=_SafeReader(str(inside(directory, "dcp"))),
                      planner=_LoadPlanner(), no_dist=True)

@@ -1,0 +1,267 @@
+"""Distributed checkpointing: exact resume, resharding resume, crash safety,
+corruption, errors, retention and the ckpt CLI, on both backends."""
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from dist_harness import Case, run_cases
+from megaresil.checkpoint import format as fmt
+from megaresil.events import read_events
+from megaresil.train.metrics import read_metrics
+
+BACKENDS = ["torch_dist", "zarr"]
+THREE_D = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]
+DISTOPT = ["optimizer.distributed=true"]
+QUIET = ["logging.progress=false", "logging.tensorboard=false"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss, the last line for a step winning (a resumed run appends)."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def ckpt_opts(backend: str, asynchronous: bool) -> list[str]:
+    return [f"checkpoint.backend={backend}", f"checkpoint.async={str(asynchronous).lower()}"]
+
+
+# --- exact resume ----------------------------------------------------------------
+
+EXACT_1 = [(b, a, False) for b in BACKENDS for a in (False, True)]
+# At 3D every backend, saving mode and optimizer kind appear with each other (pairwise).
+EXACT_3D = [("torch_dist", False, False), ("torch_dist", True, True),
+            ("zarr", False, True), ("zarr", True, False)]
+
+
+def exact_name(world: int, backend: str, asynchronous: bool, distopt: bool) -> str:
+    return f"exact{world}_{backend}_{'async' if asynchronous else 'sync'}_{'zero1' if distopt else 'adam'}"
+
+
+def exact_cases(world: int, combos) -> list[Case]:
+    layout = THREE_D if world == 8 else []
+    return [Case(exact_name(world, b, a, d), layout + ckpt_opts(b, a) + (DISTOPT if d else [])
+                 + ["train.exit_at_step=4"], resume=True)
+            for b, a, d in combos]
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("exact")
+    run_cases(1, [Case("straight1")] + exact_cases(1, EXACT_1), out)
+    run_cases(8, [Case("straight8_adam", THREE_D), Case("straight8_zero1", THREE_D + DISTOPT)]
+              + exact_cases(8, EXACT_3D), out)
+    return out
+
+
+@pytest.mark.parametrize("world,backend,asynchronous,distopt",
+                         [(1, *c) for c in EXACT_1] + [(8, *c) for c in EXACT_3D],
+                         ids=lambda v: str(v))
+def test_resume_is_bit_identical(exact, world, backend, asynchronous, distopt):
+    straight = losses(exact / (f"straight{world}" + ("" if world == 1 else
+                                                      "_zero1" if distopt else "_adam")))
+    run = exact / exact_name(world, backend, asynchronous, distopt)
+    resumed = losses(run)
+    assert sorted(resumed) == list(range(1, 11))
+    for step in range(5, 11):
+        assert resumed[step] == straight[step], f"step {step}"
+    events = [e["event"] for e in read_events(run)]
+    assert events.count("checkpoint_saved") == 1 and "checkpoint_loaded" in events
+    saved = next(e for e in read_events(run) if e["event"] == "checkpoint_saved")
+    assert saved["blocking_seconds"] <= saved["seconds"]
+    assert len(saved["bytes_per_rank"]) == world and sum(saved["bytes_per_rank"]) == saved["bytes"]
+
+
+def test_replicas_share_the_writing(exact):
+    """At tp=2 x pp=2 x dp=2 every rank of a stage writes a similar share
+    (with all replicas written by dp rank 0, two ranks per stage would write
+    nothing and two twice the mean). The tiny model's padded vocabulary gives
+    tp rank 0 more rows than tp rank 1, which no assignment can fully even out."""
+    for backend, asynchronous, distopt in EXACT_3D:
+        run = exact / exact_name(8, backend, asynchronous, distopt)
+        saved = next(e for e in read_events(run) if e["event"] == "checkpoint_saved")
+        per_rank = saved["bytes_per_rank"]  # ranks 0-3 hold stage 0, 4-7 stage 1
+        for stage in (per_rank[:4], per_rank[4:]):
+            mean = sum(stage) / 4
+            assert 0.7 * mean <= min(stage) and max(stage) <= 1.3 * mean, per_rank
+
+
+# --- resharding resume ----------------------------------------------------------
+
+RESHARD_BATCH = ["train.global_batch_size=16"]
+TARGETS = {"tp1_pp1_dp2": (2, ["parallel.dp=2"]),
+           "tp1_pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"]),
+           "tp4": (4, ["parallel.tp=4"]),
+           "tp1_pp4_dp2": (8, ["parallel.pp=4", "parallel.dp=2"])}
+
+
+@pytest.fixture(scope="module")
+def reshard(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reshard")
+    saves = [Case(f"save_{b}", THREE_D + DISTOPT + RESHARD_BATCH + ckpt_opts(b, False)
+                  + ["train.exit_at_step=5"]) for b in BACKENDS]
+    run_cases(8, [Case("straight", THREE_D + DISTOPT + RESHARD_BATCH)] + saves, out)
+    for world in (2, 4, 8):
+        cases = [Case(f"{name}_{b}", layout + RESHARD_BATCH + [
+                     f"checkpoint.load={out / f'save_{b}' / 'checkpoints' / 'step_0000005'}"])
+                 for name, (w, layout) in TARGETS.items() if w == world for b in BACKENDS]
+        run_cases(world, cases, out)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_resharding_resume_matches_uninterrupted_run(reshard, target, backend):
+    straight = losses(reshard / "straight")
+    run = reshard / f"{target}_{backend}"
+    resumed = losses(run)
+    assert sorted(resumed) == list(range(6, 11))
+    for step in range(6, 11):
+        assert abs(resumed[step] - straight[step]) <= 1e-5 * straight[step], f"step {step}"
+    loaded = next(e for e in read_events(run) if e["event"] == "checkpoint_loaded")
+    assert loaded["saved_layout"]["world_size"] == 8 and loaded["saved_layout"]["distributed_optimizer"]
+
+
+# --- crash safety -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_killed_mid_write_keeps_previous_checkpoint(tmp_path, backend):
+    opts = ["parallel.dp=2", "checkpoint.interval=2", "train.steps=6"] + ckpt_opts(backend, False)
+    run_cases(2, [Case("straight", opts)], tmp_path)
+    with pytest.raises(mp.ProcessExitedException):
+        run_cases(2, [Case("crash", opts, kill_rank_in_save=(1, 4))], tmp_path)
+    root = tmp_path / "crash" / "checkpoints"
+    assert (root / fmt.LATEST).read_text().strip() == "step_0000002"
+    assert any(".partial-" in p.name for p in root.iterdir())
+    run_cases(2, [Case("crash", opts)], tmp_path)  # the same command again
+    events = read_events(tmp_path / "crash")
+    loaded = next(e for e in events if e["event"] == "checkpoint_loaded")
+    assert loaded["step"] == 2
+    assert any(e["event"] == "checkpoint_skipped" and "incomplete" in e["reason"] for e in events)
+    assert not any(".partial-" in p.name for p in root.iterdir())
+    assert losses(tmp_path / "crash")[6] == losses(tmp_path / "straight")[6]
+
+
+# --- corruption, errors, retention and the CLI (single process, through the CLI) ---
+
+SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "train.eval_batches=0", *QUIET]
+
+
+def train(cli, run_dir: Path, *extra: str, check: bool = True):
+    return cli("train", "recipes/gpt-tiny.yaml", f"run.dir={run_dir}", *SINGLE, *extra,
+               check=check)
+
+
+def flip_a_byte(checkpoint: Path) -> None:
+    """Flip one byte in the middle of the largest data file."""
+    files = [p for p in checkpoint.rglob("*") if p.is_file() and p.name not in
+             (fmt.MANIFEST, fmt.MARKER, ".metadata", "zarr.json")]
+    target = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_corrupt_shard_is_caught_and_startup_falls_back(cli, tmp_path, backend):
+    run = tmp_path / "run"
+    opts = [f"checkpoint.backend={backend}", "checkpoint.interval=2", "train.steps=6"]
+    train(cli, run, *opts, "train.exit_at_step=4")
+    newest = run / "checkpoints" / "step_0000004"
+    assert cli("ckpt", "verify", str(newest)).returncode == 0
+    flip_a_byte(newest)
+    result = cli("ckpt", "verify", str(newest), check=False)
+    assert result.returncode == 1 and "INVALID" in result.stdout
+    train(cli, run, *opts)
+    events = read_events(run)
+    skipped = [e for e in events if e["event"] == "checkpoint_skipped"]
+    assert skipped and skipped[0]["path"].endswith("step_0000004")
+    assert next(e for e in events if e["event"] == "checkpoint_loaded")["step"] == 2
+    assert sorted(losses(run)) == list(range(1, 7))
+
+
+@pytest.mark.slow
+def test_no_valid_checkpoint_refuses_to_start_over(cli, tmp_path):
+    run = tmp_path / "run"
+    train(cli, run, "train.steps=4", "train.exit_at_step=2")
+    flip_a_byte(run / "checkpoints" / "step_0000002")
+    result = train(cli, run, "train.steps=4", check=False)
+    assert result.returncode != 0
+    assert "none is valid" in result.stderr and "checkpoint.load=none" in result.stderr
+    train(cli, run, "train.steps=4", "checkpoint.load=none")  # told to start fresh
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_other_model_shape_names_key_and_shapes(cli, tmp_path):
+    run = tmp_path / "run"
+    train(cli, run, "train.steps=2", "train.exit_at_step=1")
+    result = train(cli, tmp_path / "other", "train.steps=2", "model.hidden_size=96",
+                   f"checkpoint.load={run / 'checkpoints' / 'step_0000001'}", check=False)
+    assert result.returncode != 0
+    assert "model/embed.positions.weight" in result.stderr
+    assert "(128, 192)" in result.stderr and "(128, 96)" in result.stderr
+
+
+@pytest.mark.slow
+def test_inspect_retention_and_format_checks(cli, tmp_path):
+    run = tmp_path / "run"
+    train(cli, run, "train.steps=8", "checkpoint.interval=2", "checkpoint.keep=2",
+          "checkpoint.backend=zarr")
+    root = run / "checkpoints"
+    assert [p.name for p in fmt.committed_checkpoints(root)] == ["step_0000008", "step_0000006"]
+    assert (root / fmt.LATEST).read_text().strip() == "step_0000008"
+    info = json.loads(cli("ckpt", "inspect", str(root / "step_0000008"), "--json").stdout)
+    assert info["step"] == 8 and info["backend"] == "zarr" and info["layout"]["world_size"] == 1
+    assert info["tensors"]["model/embed.tokens.weight"]["shape"] == [4096, 192]
+    assert info["total_bytes"] == sum(info["bytes_per_rank"]) > 0
+    assert "model/layers.3.mlp.fc.weight" in cli("ckpt", "inspect", str(root / "step_0000008")).stdout
+
+    newer = root / "step_0000006"
+    manifest = json.loads((newer / fmt.MANIFEST).read_text())
+    (newer / fmt.MANIFEST).write_text(json.dumps({**manifest, "version": 99}))
+    result = cli("ckpt", "verify", str(newer), check=False)
+    assert result.returncode == 1 and "newer" in result.stdout
+    (newer / fmt.MARKER).unlink()
+    assert "completion marker" in cli("ckpt", "verify", str(newer), check=False).stdout
+
+
+def test_dcp_metadata_cannot_run_code(tmp_path):
+    """A .metadata pickle that would call os.system is refused, not executed."""
+    from megaresil.checkpoint.backends.torch_dist import _SafeReader
+
+    class Evil:
+        def __reduce__(self):
+            return (shutil.rmtree, (str(tmp_path / "victim"),))
+
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(fmt.CheckpointError, match="refusing"):
+        _SafeReader(str(tmp_path / "dcp")).read_metadata()
+    assert (tmp_path / "victim").exists()
+
+
+def test_manifest_names_cannot_escape(tmp_path):
+    with pytest.raises(fmt.CheckpointError, match="outside"):
+        fmt.inside(tmp_path, "../../etc/passwd")
+
+
+@pytest.mark.slow
+def test_exit_and_rerun_through_the_cli_at_3d(cli, tmp_path):
+    """The contract's workflow: the same command with train.exit_at_step=K,
+    then again without it, continues bit for bit (tp=2 x pp=2 x dp=2)."""
+    opts = ["recipes/gpt-tiny.yaml", "train.steps=6", "train.eval_batches=0",
+            "checkpoint.backend=zarr", "checkpoint.async=true", *QUIET]
+    cli("train", *opts, f"run.dir={tmp_path / 'straight'}")
+    cli("train", *opts, f"run.dir={tmp_path / 'resumed'}", "train.exit_at_step=3")
+    assert sorted(losses(tmp_path / "resumed")) == [1, 2, 3]
+    cli("train", *opts, f"run.dir={tmp_path / 'resumed'}")
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert [resumed[s] for s in (4, 5, 6)] == [straight[s] for s in (4, 5, 6)]
