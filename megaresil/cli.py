@@ -4,10 +4,16 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+from typing import TYPE_CHECKING
 
 from megaresil.checkpoint.format import CheckpointError
 from megaresil.config import ConfigError, field_docs, load_recipe, to_yaml
 from megaresil.train.checkpointing import NoValidCheckpoint
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from megaresil.checkpoint.convert import Target
 
 EPILOG = """examples:
   megaresil train recipes/gpt-tiny.yaml run.dir=runs/demo
@@ -18,13 +24,15 @@ EPILOG = """examples:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from megaresil.launch import inside_torchrun, launch, worker
+    from megaresil.launch import Membership, inside_torchrun, launch, worker
 
     if inside_torchrun():
         worker(args.recipe, args.overrides)
         return 0
     cfg = load_recipe(args.recipe, args.overrides)
-    return launch(args.recipe, args.overrides, cfg)
+    membership = Membership.parse(args.nnodes, args.nproc_per_node, args.rdzv_endpoint,
+                                  args.rdzv_id)
+    return launch(args.recipe, args.overrides, cfg, membership)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -70,6 +78,97 @@ def cmd_ckpt_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_target(args: argparse.Namespace) -> Target:
+    from megaresil.checkpoint.convert import Target
+
+    distributed = None if args.distributed_optimizer is None else args.distributed_optimizer == "on"
+    return Target(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp,
+                  distributed_optimizer=distributed, backend=args.backend,
+                  weights_only=args.weights_only, overrides=args.set)
+
+
+def _convert_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Path]:
+    """The positional paths, checked against the form in use."""
+    from pathlib import Path
+
+    paths = [Path(p) for p in args.paths]
+    if args.to_hf and args.from_hf:
+        parser.error("give either --to-hf or --from-hf, not both")
+    expected, form = ((1, "convert SRC --to-hf DIR") if args.to_hf else
+                      (1, "convert --from-hf DIR DST") if args.from_hf else
+                      (2, "convert SRC DST"))
+    if len(paths) != expected:
+        parser.error(f"expected {form}; got {len(paths)} path(s)")
+    if args.recipe and not args.from_hf:
+        parser.error("--recipe applies to --from-hf only (a checkpoint carries its recipe)")
+    layout_options = [args.tp, args.pp, args.dp, args.vpp, args.distributed_optimizer,
+                      args.backend, args.weights_only or None, args.set or None]
+    if args.to_hf and any(option is not None for option in layout_options):
+        parser.error("--to-hf exports the weights alone: layout, backend, --weights-only and "
+                     "--set do not apply")
+    return paths
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megaresil.checkpoint.convert import convert
+    from megaresil.checkpoint.hf_io import export_to_hf, import_from_hf
+
+    paths = _convert_paths(args.parser, args)
+    if args.to_hf:
+        written = export_to_hf(paths[0], Path(args.to_hf), overwrite=args.overwrite)
+    elif args.from_hf:
+        written = import_from_hf(Path(args.from_hf), paths[0], _convert_target(args),
+                                 recipe=Path(args.recipe) if args.recipe else None,
+                                 overwrite=args.overwrite)
+    else:
+        written = convert(paths[0], paths[1], _convert_target(args), overwrite=args.overwrite)
+    print(f"wrote {written}")
+    return 0
+
+
+def cmd_ckpt_diff(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megaresil.checkpoint.diff import diff_checkpoints, format_report
+
+    tolerant = args.atol is not None or args.rtol is not None
+    report = diff_checkpoints(Path(args.a), Path(args.b), atol=args.atol or 0.0,
+                              rtol=args.rtol or 0.0)
+    print(format_report(report, (args.atol or 0.0, args.rtol or 0.0) if tolerant else None))
+    return 0 if report.within else 1
+
+
+def add_convert_parser(sub) -> None:
+    convert = sub.add_parser(
+        "convert", help="convert a checkpoint to another layout or backend, or to/from Hugging "
+        "Face (single process)",
+        description="megaresil convert SRC DST [layout options]  |  megaresil convert SRC --to-hf "
+        "DIR  |  megaresil convert --from-hf DIR DST [layout options] [--recipe RECIPE]. "
+        "Unset options keep the source's value.")
+    convert.add_argument("paths", nargs="*", metavar="PATH", help="SRC DST, SRC (--to-hf) or DST "
+                         "(--from-hf)")
+    for name in ("tp", "pp", "dp", "vpp"):
+        convert.add_argument(f"--{name}", type=int, help=f"target parallel.{name}")
+    convert.add_argument("--distributed-optimizer", choices=["on", "off"],
+                         help="target optimizer.distributed (moments as DP row shards)")
+    convert.add_argument("--backend", choices=["torch_dist", "zarr"], help="target backend")
+    convert.add_argument("--weights-only", action="store_true",
+                         help="drop the optimizer state (the result cannot resume training)")
+    convert.add_argument("--overwrite", action="store_true", help="replace an existing "
+                         "destination, once the new one is complete")
+    convert.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="other recipe overrides, e.g. train.global_batch_size=32 (repeatable)")
+    convert.add_argument("--to-hf", metavar="DIR", help="export the weights as a transformers "
+                         "model directory (config.json + model.safetensors)")
+    convert.add_argument("--from-hf", metavar="DIR", help="import a transformers GPT-2 or Llama "
+                         "model directory as a weights-only checkpoint")
+    convert.add_argument("--recipe", help="with --from-hf: training keys from this recipe "
+                         "(default: the schema defaults); model.* comes from config.json")
+    convert.set_defaults(func=cmd_convert, parser=convert)
+
+
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/gpt-tiny.yaml")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -86,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a recipe (launches tp*pp*dp local workers "
                            "through TorchElastic; inside torchrun, runs as one worker)")
     add_recipe_args(train)
+    train.add_argument("--nnodes", metavar="MIN:MAX",
+                       help="elastic membership: agents (nodes) that form the job; when one "
+                            "is lost the rest re-form with dp shrunk (tp and pp kept)")
+    train.add_argument("--nproc-per-node", type=int,
+                       help="workers per agent (default: tp*pp*dp on one node)")
+    train.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="rendezvous endpoint shared by all agents (with --nnodes)")
+    train.add_argument("--rdzv-id", help="job id shared by all agents (with --nnodes)")
     train.set_defaults(func=cmd_train)
 
     config = sub.add_parser("config", help="inspect recipes and the config schema")
@@ -106,6 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
                                  "checksum matches, else 1 with the reason")
     verify.add_argument("path")
     verify.set_defaults(func=cmd_ckpt_verify)
+    diff = ckpt_sub.add_parser("diff", help="compare two checkpoints tensor by tensor, whatever "
+                               "their layouts; exit 0 when identical (or within --atol/--rtol)")
+    diff.add_argument("a", metavar="A")
+    diff.add_argument("b", metavar="B")
+    diff.add_argument("--atol", type=float, help="absolute tolerance (as torch.allclose)")
+    diff.add_argument("--rtol", type=float, help="relative tolerance (as torch.allclose)")
+    diff.set_defaults(func=cmd_ckpt_diff)
+
+    add_convert_parser(sub)
 
     data = sub.add_parser("data", help="prepare datasets")
     data_sub = data.add_subparsers(dest="data_command", required=True)

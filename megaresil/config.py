@@ -190,6 +190,37 @@ class LoggingConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    enabled: bool = doc(True, "Run the hang detector (a monitor thread per rank).")
+    initial_timeout_s: float = doc(120.0, "Section budget before calibration (the first "
+                                   "calibration_steps steps, which include warm-up).")
+    setup_timeout_s: float = doc(600.0, "Budget of the setup section (build, load checkpoint).")
+    checkpoint_timeout_s: float = doc(300.0, "Budget of the checkpoint section, kept apart so "
+                                      "long saves are not false alarms.")
+    calibration_steps: int = doc(3, "Steps observed before budgets are calibrated.")
+    factor: float = doc(5.0, "Calibrated budget = max(floor_s, factor * slowest observed "
+                        "duration of that section).")
+    floor_s: float = doc(2.0, "Smallest calibrated budget, against a noisy machine.")
+    poll_s: float = doc(0.1, "How often the monitor checks budgets and publishes heartbeats.")
+    gil_timeout_s: float = doc(30.0, "A side process kills the rank when its monitor thread has "
+                               "not run for this long (a hang holding the GIL).")
+
+
+@dataclass
+class ResilienceConfig:
+    in_process: bool = doc(False, "On an exception or a detected hang, surviving ranks tear "
+                           "down, re-rendezvous and reload the newest checkpoint without "
+                           "exiting.")
+    max_in_process_restarts: int = doc(3, "In-process restarts allowed before handing over to "
+                                       "the launcher.")
+    max_restarts: int = doc(0, "Worker-group relaunches by the TorchElastic agent (a process "
+                            "died, or in-process restarts ran out).")
+    preemption_grace_s: float = doc(60.0, "After SIGTERM/SIGUSR1: finish the step, save, and "
+                                    "exit within this many seconds.")
+    watchdog: WatchdogConfig = section(WatchdogConfig, "Hang detection.")
+
+
+@dataclass
 class RunConfig:
     dir: str = doc("runs/default", "Run directory: metrics.jsonl, events.jsonl, tb/, checkpoints/.")
 
@@ -204,6 +235,11 @@ class RecipeConfig:
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Distributed checkpointing.")
     logging: LoggingConfig = section(LoggingConfig, "Console and TensorBoard output.")
     run: RunConfig = section(RunConfig, "Run directory.")
+    resilience: ResilienceConfig = section(ResilienceConfig, "Detect, restart, recover.")
+    faults: list[dict[str, Any]] = doc([], "Injected faults: a list of {kind, rank, step, "
+                                       "section?, seconds?, mode?}; kind in kill, raise, hang, "
+                                       "slow, sigterm, corrupt_checkpoint. Each fires once per "
+                                       "run directory.")
 
 
 # ---------------------------------------------------------------------------
@@ -426,12 +462,37 @@ def _validate_pipeline(cfg: RecipeConfig) -> None:
                  f"{p.pp * cfg.train.micro_batch_size * p.dp} or use schedule=gpipe.")
 
 
+FAULT_KINDS = ("kill", "raise", "hang", "slow", "sigterm", "corrupt_checkpoint")
+FAULT_KEYS = {"kind", "rank", "step", "section", "seconds", "mode"}
+SECTIONS = ("setup", "data", "forward_backward", "optimizer", "checkpoint", "eval")
+
+
+def _validate_faults(faults: list[dict]) -> None:
+    for i, fault in enumerate(faults):
+        key = f"faults[{i}]"
+        _require(isinstance(fault, dict), key, "must be a mapping.", "write {kind: kill, rank: 0, step: 5}.")
+        unknown = set(fault) - FAULT_KEYS
+        _require(not unknown, key, f"unknown field(s) {sorted(unknown)}.",
+                 f"use only {sorted(FAULT_KEYS)}.")
+        _require(fault.get("kind") in FAULT_KINDS, f"{key}.kind",
+                 f"{fault.get('kind')!r} is not a fault kind.", f"use one of {list(FAULT_KINDS)}.")
+        for field_name in ("rank", "step"):
+            _require(isinstance(fault.get(field_name), int) and fault[field_name] >= 0,
+                     f"{key}.{field_name}", "is required and must be an integer >= 0.",
+                     f"add {field_name}: N.")
+        _require(fault.get("section", "data") in SECTIONS, f"{key}.section",
+                 f"{fault.get('section')!r} is not a section.", f"use one of {list(SECTIONS)}.")
+        _require(fault.get("mode", "sleep") in ("sleep", "collective", "gil"), f"{key}.mode",
+                 f"{fault.get('mode')!r} is not a hang mode.", "use sleep, collective or gil.")
+
+
 def validate(cfg: RecipeConfig) -> None:
     """Cross-field rules; raises `ConfigError` naming the key and the fix."""
     _validate_positive(cfg)
     _validate_model(cfg.model, cfg.parallel)
     _validate_batch(cfg)
     _validate_pipeline(cfg)
+    _validate_faults(cfg.faults)
     if cfg.parallel.sequence_parallel:
         _require(cfg.parallel.tp > 1, "parallel.sequence_parallel",
                  "sequence parallelism needs tp > 1.", "set parallel.tp>1 or turn it off.")

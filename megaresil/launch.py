@@ -2,18 +2,48 @@
 worker (inside torchrun or our own launch)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from megaresil.config import RecipeConfig, load_recipe, validate_world_size
+from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
+from megaresil.events import read_events
+
+# `megaresil train` exit codes: finished 0; preempted (checkpoint saved, run
+# it again to continue) 75, EX_TEMPFAIL, so schedulers can requeue on it.
+PREEMPTED_EXIT = 75
+
+
+@dataclass
+class Membership:
+    """Which agents form the job: one (this machine) by default, or several
+    that meet at a rendezvous endpoint, like torchrun's --nnodes."""
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: Optional[int] = None
+    endpoint: str = "localhost:0"
+    run_id: Optional[str] = None
+
+    @classmethod
+    def parse(cls, nnodes: Optional[str], nproc_per_node: Optional[int], endpoint: Optional[str],
+              run_id: Optional[str]) -> "Membership":
+        if not nnodes:
+            return cls(nproc_per_node=nproc_per_node)
+        low, _, high = nnodes.partition(":")
+        if not endpoint:
+            raise ConfigError("--rdzv-endpoint", "several nodes need a rendezvous endpoint.",
+                              "add --rdzv-endpoint HOST:PORT (the same on every node).")
+        return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id)
 
 
 def inside_torchrun() -> bool:
@@ -21,48 +51,76 @@ def inside_torchrun() -> bool:
                                                     and "WORLD_SIZE" in os.environ)
 
 
-def worker_threads(world_size: int) -> int:
+def worker_threads(local_world: int) -> int:
     """Split the cores among local workers so 8 ranks on 2 cores don't thrash."""
-    return max(1, (os.cpu_count() or 1) // world_size)
+    return max(1, (os.cpu_count() or 1) // local_world)
 
 
-def launch(recipe: str, overrides: list[str], cfg: RecipeConfig) -> int:
-    """Run `world` local workers under a TorchElastic agent; returns the exit code."""
+def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
+           membership: Membership = Membership()) -> int:
+    """Run local workers under a TorchElastic agent; returns the exit code."""
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    nproc = membership.nproc_per_node or world
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(world)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world,
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=f"megaresil-{os.getpid()}",
-        max_restarts=0, monitor_interval=0.1,
+        min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
+        rdzv_backend="c10d", rdzv_endpoint=membership.endpoint,
+        run_id=membership.run_id or f"megaresil-{os.getpid()}",
+        max_restarts=cfg.resilience.max_restarts, monitor_interval=0.1,
+        shutdown_timeout=int(cfg.resilience.preemption_grace_s),
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic")),
     )
-    worker_cmd = ["-m", "megaresil", "train", recipe, *overrides]
+    events_before = len(read_events(run_dir))
     try:
-        elastic_launch(config, sys.executable)(*worker_cmd)
+        elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         print(f"megaresil: training failed: first failure on rank {rank} "
               f"(exit code {failure.exitcode}): {failure.message}", file=sys.stderr)
         return 1
-    return 0
+    except SignalException as err:  # the launcher itself was told to stop
+        if not was_preempted(run_dir, events_before):
+            print(f"megaresil: stopped by {err.sigval.name} before a checkpoint", file=sys.stderr)
+            return 128 + err.sigval.value
+    return PREEMPTED_EXIT if was_preempted(run_dir, events_before) else 0
+
+
+def was_preempted(run_dir: Path, events_before: int) -> bool:
+    ends = [e["event"] for e in read_events(run_dir)[events_before:]
+            if e["event"] in ("preempted", "run_finished")]
+    return bool(ends) and ends[-1] == "preempted"
+
+
+def adapt_to_world(cfg: RecipeConfig, world: int) -> RecipeConfig:
+    """Elastic membership: keep tp and pp, derive dp from the world size that
+    actually formed; refuse clearly when that is impossible."""
+    p = cfg.parallel
+    if world == p.tp * p.pp * p.dp or world % (p.tp * p.pp):
+        validate_world_size(cfg, world)
+        return cfg
+    resized = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=world // (p.tp * p.pp)))
+    try:
+        validate(resized)
+    except ConfigError as err:
+        raise ConfigError("parallel.dp", f"the job re-formed with {world} ranks, so dp becomes "
+                          f"{resized.parallel.dp}, which this recipe cannot use: {err}",
+                          "choose a train.global_batch_size divisible at every world size "
+                          "the job may shrink to.") from None
+    return resized
 
 
 @record
-def worker(recipe: str, overrides: list[str]) -> None:
-    """One rank: join the process group, build the layout, train."""
-    from megaresil.parallel.layout import ParallelLayout, backend_for, pick_device
-    from megaresil.train.loop import train
+def worker(recipe: str, overrides: list[str]) -> str:
+    """One rank: build the process group, train with restarts, report how it ended."""
+    from megaresil.parallel.layout import pick_device
+    from megaresil.resilience.restart import run_worker
 
-    cfg = load_recipe(recipe, overrides)
-    validate_world_size(cfg, int(os.environ["WORLD_SIZE"]))
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    cfg = adapt_to_world(load_recipe(recipe, overrides), world)
     device = pick_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device))
-    try:
-        train(cfg, ParallelLayout.from_config(cfg.parallel, device))
-    finally:
-        dist.destroy_process_group()
+    return run_worker(cfg, rank, world, device)

@@ -75,8 +75,8 @@ def train_case(case: Case, run_dir: Path, layout: ParallelLayout) -> Trainer:
     trainer = Trainer(recipe_for(case, run_dir), layout)
     if case.kill_rank_in_save:
         kill_during_save(trainer, *case.kill_rank_in_save)
-    finished = trainer.run()
-    if case.resume and not finished:
+    outcome = trainer.run()
+    if case.resume and outcome == "exited":
         trainer = Trainer(recipe_for(case, run_dir, without_exit=True), layout)
         trainer.run()
     return trainer

@@ -2,6 +2,7 @@
 resumes from (restart-from-latest)."""
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -24,10 +25,16 @@ def checkpoint_root(cfg: RecipeConfig) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.dir) / "checkpoints"
 
 
-def build_checkpointer(cfg: RecipeConfig, events) -> Checkpointer:
+def build_checkpointer(cfg: RecipeConfig, events, watchdog=None) -> Checkpointer:
     # A group of its own (gloo even under NCCL: checkpoint traffic is small
-    # metadata), so async saves never interleave with training collectives.
-    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    # metadata), so async saves never interleave with training collectives,
+    # and with the checkpoint budget as its timeout whatever section runs.
+    group = None
+    if dist.is_initialized():
+        group = dist.new_group(backend="gloo", timeout=timedelta(
+            seconds=cfg.resilience.watchdog.checkpoint_timeout_s))
+        if watchdog is not None:
+            watchdog.exempt_group(group)
     return Checkpointer(checkpoint_root(cfg), cfg.checkpoint.backend.value, group=group,
                         asynchronous=cfg.checkpoint.async_, keep=cfg.checkpoint.keep,
                         events=events)
@@ -51,6 +58,9 @@ def save(trainer) -> None:
                         "total_steps": trainer.cfg.train.steps},
         "recipe": to_dict(trainer.cfg),
     }
+    watchdog = trainer.supervision.watchdog
+    if watchdog is not None:  # so a restart does not recalibrate from zero
+        manifest_state["watchdog"] = watchdog.calibration()
     trainer.checkpointer.save(state.step, training_rects(trainer), manifest_state,
                               rank_state=capture_rng_state())
 
@@ -108,6 +118,8 @@ def resume(trainer) -> None:
     set_adam_step_count(trainer, manifest["optimizer"]["adam_step"])
     trainer.state.step = manifest["step"]
     trainer.state.consumed_samples = manifest["data"]["consumed_samples"]
+    if trainer.supervision.watchdog is not None and "watchdog" in manifest:
+        trainer.supervision.watchdog.restore_calibration(manifest["watchdog"])
     same_layout = manifest["layout"] == layout_record(trainer)
     if same_layout:  # per-rank RNG streams only mean something on the same ranks
         restore_rng_state(manifest["rank_states"][trainer.layout.rank])

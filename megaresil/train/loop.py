@@ -7,6 +7,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from megaresil.parallel.data_parallel import GradBuckets, all_reduce_sequence_pa
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, build_chunks, sync_tied_embedding_grads
+from megaresil.resilience.supervision import Supervision
 from megaresil.train import checkpointing
 from megaresil.train.metrics import MetricsLog
 from megaresil.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
@@ -74,8 +76,10 @@ def dp_mean(value: torch.Tensor, layout: ParallelLayout) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: RecipeConfig, layout: ParallelLayout):
+    def __init__(self, cfg: RecipeConfig, layout: ParallelLayout,
+                 supervision: Optional[Supervision] = None):
         self.cfg, self.layout = cfg, layout
+        self.supervision = supervision or Supervision()
         self.run_dir = Path(cfg.run.dir)
         make_deterministic(cfg)
         self.train_data, self.valid_data, _ = build_datasets(cfg.data, cfg.model.vocab_size,
@@ -95,7 +99,8 @@ class Trainer:
                         if layout.dp > 1 and not self.sharded_optimizer else None)
         self.state = TrainState()
         self.events = EventLog(self.run_dir, layout.rank)
-        self.checkpointer = checkpointing.build_checkpointer(cfg, self.events)
+        self.checkpointer = checkpointing.build_checkpointer(cfg, self.events,
+                                                             self.supervision.watchdog)
         checkpointing.resume(self)
 
     def batches(self, dataset, consumed: int) -> list[tuple[torch.Tensor, ...]]:
@@ -154,19 +159,28 @@ class Trainer:
 
     def train_step(self) -> dict:
         step = self.state.step + 1
+        section = self.supervision.section
         started = time.perf_counter()
         self.model.train()
-        batches = self.batches(self.train_data, self.state.consumed_samples)
-        loss = self.forward_backward(batches)
-        grad_norm = self.optimizer_step(step)
+        with section("data", step):
+            batches = self.batches(self.train_data, self.state.consumed_samples)
+        with section("forward_backward", step):
+            loss = self.forward_backward(batches)
+        with section("optimizer", step):
+            grad_norm = self.optimizer_step(step)
+        self.supervision.step_done()
         self.state.step = step
         self.state.consumed_samples += self.cfg.train.global_batch_size
         seconds = time.perf_counter() - started
         tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
-        return {"step": step, "loss": dp_mean(loss, self.layout),
-                "lr": lr_at(step, self.cfg.optimizer, self.cfg.train.steps),
-                "grad_norm": grad_norm, "tokens": self.state.consumed_samples * self.cfg.data.seq_len,
-                "tokens_per_s": tokens / seconds}
+        record = {"step": step, "loss": dp_mean(loss, self.layout),
+                  "lr": lr_at(step, self.cfg.optimizer, self.cfg.train.steps),
+                  "grad_norm": grad_norm,
+                  "tokens": self.state.consumed_samples * self.cfg.data.seq_len,
+                  "tokens_per_s": tokens / seconds, "time": time.time()}
+        if self.supervision.generation:
+            record["restart"] = self.supervision.generation
+        return record
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -196,9 +210,9 @@ class Trainer:
             return True
         return interval > 0 and (step % interval == 0 or step == self.cfg.train.steps)
 
-    def run(self) -> bool:
-        """Train to train.steps; returns False when it stopped early at
-        train.exit_at_step (after saving)."""
+    def run(self) -> str:
+        """Train to train.steps. Returns how it ended: "finished", "exited"
+        (at train.exit_at_step, after saving) or "preempted" (after saving)."""
         t = self.cfg.train
         log = self.open_metrics()
         started = time.perf_counter()
@@ -210,20 +224,33 @@ class Trainer:
                     log.write(record)
                 step = record["step"]
                 if self.should_eval(step):
-                    eval_loss = self.evaluate()
+                    with self.supervision.section("eval", step):
+                        eval_loss = self.evaluate()
                     if log:
                         log.write({"step": step, "eval_loss": eval_loss})
+                if self.supervision.preempted(self.checkpointer.coll.group):
+                    self.save()
+                    return self.stop("preempted")
                 if self.should_save(step):
-                    checkpointing.save(self)
+                    self.save()
                 if step == t.exit_at_step:
-                    return False
+                    return "exited"
         finally:
             self.checkpointer.close()
             if log:
                 log.close()
+        return self.stop("finished")
+
+    def save(self) -> None:
+        with self.supervision.section("checkpoint", self.state.step):
+            checkpointing.save(self)
+
+    def stop(self, outcome: str) -> str:
+        self.checkpointer.close()  # a preemption checkpoint must be committed before exit
         if self.layout.rank == 0:
-            self.events.emit("run_finished", step=self.state.step)
-        return True
+            event = "run_finished" if outcome == "finished" else "preempted"
+            self.events.emit(event, step=self.state.step)
+        return outcome
 
     def open_metrics(self) -> MetricsLog | None:
         if not self.layout.is_logging_rank:
@@ -233,7 +260,4 @@ class Trainer:
                           start_step=self.state.step)
 
 
-def train(cfg: RecipeConfig, layout: ParallelLayout) -> TrainState:
-    trainer = Trainer(cfg, layout)
-    trainer.run()
-    return trainer.state
+

@@ -1,0 +1,2 @@
+"""Detect, restart, recover: hang detection, fault injection, preemption and
+in-process restarts."""

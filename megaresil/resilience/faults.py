@@ -1,0 +1,98 @@
+"""Fault injection for tests, chaos runs and users' own drills.
+
+A fault `{kind, rank, step, section?, seconds?, mode?}` fires on `rank` when
+the training loop enters `section` (default: data) of step `step`. Each fires
+once per run directory: a `fault_injected` event is written before it acts,
+and faults already recorded there are skipped, so the restart a fault causes
+does not meet it again.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from megaresil.checkpoint import format as fmt
+from megaresil.events import EventLog, read_events
+
+
+def fault_id(fault: dict) -> str:
+    return f"{fault['kind']}@rank{fault['rank']}/step{fault['step']}/{fault.get('section', 'data')}"
+
+
+class FaultInjector:
+    def __init__(self, faults: list[dict], *, rank: int, run_dir: Path, checkpoint_root: Path,
+                 events: EventLog):
+        fired = {e.get("fault") for e in read_events(run_dir) if e["event"] == "fault_injected"}
+        self.pending = [f for f in faults if f["rank"] == rank and fault_id(f) not in fired]
+        self.slow_seconds = 0.0
+        self.events, self.checkpoint_root = events, checkpoint_root
+        # Every rank takes part in creating the group a collective hang blocks
+        # on; afterwards only the faulty rank ever enters it.
+        wants_group = any(f["kind"] == "hang" and f.get("mode") == "collective" for f in faults)
+        self.hang_group = (dist.new_group(backend="gloo")
+                           if wants_group and dist.is_initialized() else None)
+
+    def on_section(self, section: str, step: int) -> None:
+        """Called as the loop enters a section; fires the faults due there."""
+        if self.slow_seconds and section == "data":
+            time.sleep(self.slow_seconds)
+        for fault in list(self.pending):
+            if fault["step"] == step and fault.get("section", "data") == section:
+                self.pending.remove(fault)
+                self.events.emit("fault_injected", fault=fault_id(fault), kind=fault["kind"],
+                                 step=step, section=section)
+                self._fire(fault)
+
+    def _fire(self, fault: dict) -> None:
+        kind = fault["kind"]
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "raise":
+            raise InjectedFault(f"injected exception ({fault_id(fault)})")
+        elif kind == "hang":
+            hang(fault.get("mode", "sleep"), self.hang_group)
+        elif kind == "slow":
+            self.slow_seconds = float(fault.get("seconds", 1.0))
+            time.sleep(self.slow_seconds)
+        elif kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif kind == "corrupt_checkpoint":
+            corrupt_newest(self.checkpoint_root)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def hang(mode: str, group: Optional[dist.ProcessGroup]) -> None:
+    """Block forever: in Python (sleep), inside a collective nobody else joins
+    (collective), or in C code that holds the GIL (gil)."""
+    if mode == "collective" and group is not None:
+        dist.barrier(group=group)  # peers never arrive
+    if mode == "gil":
+        # libc sleep through PyDLL keeps the GIL: no other thread of this process runs.
+        ctypes.PyDLL(None).sleep(10**6)
+    while True:  # short sleeps, so an asynchronous exception can get in
+        time.sleep(0.05)
+
+
+def corrupt_newest(root: Path) -> Optional[Path]:
+    """Flip bytes in the newest committed checkpoint's largest data file."""
+    checkpoints = fmt.committed_checkpoints(root)
+    if not checkpoints:
+        return None
+    files = [p for p in checkpoints[0].rglob("*") if p.is_file()
+             and p.name not in (fmt.MANIFEST, fmt.MARKER, ".metadata", "zarr.json")]
+    target = max(files, key=lambda p: p.stat().st_size)
+    with open(target, "r+b") as f:
+        f.seek(target.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return target

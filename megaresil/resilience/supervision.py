@@ -1,0 +1,43 @@
+"""What the training loop reports to, and asks of, the resilience layer."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+from megaresil.resilience.faults import FaultInjector
+from megaresil.resilience.preemption import PreemptionFlag
+from megaresil.resilience.watchdog import Watchdog
+
+
+@dataclass
+class Supervision:
+    """Heartbeats, fault hooks and the preemption flag for one generation.
+    The default (all None) supervises nothing: library use and tests."""
+    watchdog: Optional[Watchdog] = None
+    faults: Optional[FaultInjector] = None
+    preemption: Optional[PreemptionFlag] = None
+    generation: int = 0  # restarts so far in this run directory
+
+    @contextmanager
+    def section(self, name: str, step: int):
+        if self.watchdog is None:
+            self._enter(name, step)
+            yield
+            return
+        with self.watchdog.section(name, step):
+            self._enter(name, step)
+            yield
+
+    def _enter(self, name: str, step: int) -> None:
+        if self.faults is not None:
+            self.faults.on_section(name, step)
+
+    def step_done(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.step_done()
+
+    def preempted(self, group: Optional[dist.ProcessGroup]) -> bool:
+        return self.preemption is not None and self.preemption.requested_anywhere(group)
