@@ -20,6 +20,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -134,7 +135,8 @@ class WorkerLife:
         section = self.watchdog.current[0] if self.watchdog is not None else "unknown"
         self.events.emit("worker_error", error=f"{type(err).__name__}: {err}"[:2000],
                          section=section, lost_peer=lost_peer(err),
-                         generation=self.generation)
+                         generation=self.generation, pid=os.getpid(),
+                         rss_mb=psutil.Process().memory_info().rss / 2**20)
         restartable = (self.cfg.resilience.in_process and not lost_peer(err)
                        and not isinstance(err, NOT_RESTARTABLE)
                        and self.generation < self.cfg.resilience.max_in_process_restarts)

@@ -1,0 +1,204 @@
+"""`megaresil chaos`: run a fault scenario beside a fault-free reference and
+measure the recovery from the runs' own records (events.jsonl, metrics.jsonl).
+
+Both runs go through `megaresil train` as separate processes, so every
+detection, restart and resume is the real one. Reported per scenario:
+detection latency (fault -> first detection), restart time (detection ->
+first step completed after the restart), steps lost (steps done before the
+fault that had to be redone), whether the final loss equals the reference's,
+and the restart kind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from megaresil.config import RecipeConfig, load_recipe
+from megaresil.events import read_events
+from megaresil.launch import PREEMPTED_EXIT
+from megaresil.train.metrics import read_metrics
+
+DETECTIONS = ("hang_detected", "worker_error", "preempted")
+
+
+@dataclass
+class Scenario:
+    name: str
+    faults: list[dict]
+    settings: list[str] = field(default_factory=list)  # resilience.* overrides
+    expect_restart: bool = True
+    requeue_after_exit: bool = False  # like a scheduler rerunning a preempted job
+    exact: bool = True  # final loss bit-identical (False: layout changes, 1e-5)
+    nodes: int = 1
+
+
+def scenarios(rank: int, step: int, save_step: int) -> dict[str, Scenario]:
+    in_process = ["resilience.in_process=true"]
+    relaunch = ["resilience.max_restarts=2"]
+    return {s.name: s for s in [
+        Scenario("kill-rank", [{"kind": "kill", "rank": rank, "step": step}], relaunch),
+        Scenario("raise-in-rank", [{"kind": "raise", "rank": rank, "step": step}], in_process),
+        Scenario("hang-in-collective", [{"kind": "hang", "rank": rank, "step": step,
+                                         "mode": "collective"}], in_process),
+        Scenario("hang-outside-collective", [{"kind": "hang", "rank": rank, "step": step,
+                                              "mode": "sleep"}], in_process),
+        Scenario("hang-holding-gil", [{"kind": "hang", "rank": rank, "step": step,
+                                       "mode": "gil"}],
+                 relaunch + ["resilience.watchdog.gil_timeout_s=3"]),
+        Scenario("slow-rank", [{"kind": "slow", "rank": rank, "step": step, "seconds": 0.3}],
+                 in_process, expect_restart=False),
+        Scenario("sigterm", [{"kind": "sigterm", "rank": rank, "step": step}],
+                 requeue_after_exit=True),
+        Scenario("corrupt-latest-checkpoint",
+                 [{"kind": "corrupt_checkpoint", "rank": rank, "step": step},
+                  {"kind": "kill", "rank": rank, "step": step, "section": "forward_backward"}],
+                 relaunch),
+        Scenario("kill-during-checkpoint-save",
+                 [{"kind": "kill", "rank": rank, "step": save_step, "section": "checkpoint"}],
+                 relaunch),
+        Scenario("node-loss", [], relaunch, exact=False, nodes=2),
+    ]}
+
+
+def train_command(recipe: str, overrides: list[str], run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "megaresil", "train", recipe, *overrides,
+            f"run.dir={run_dir}", "logging.progress=false"]
+
+
+def run_training(recipe: str, overrides: list[str], run_dir: Path) -> int:
+    return subprocess.run(train_command(recipe, overrides, run_dir)).returncode
+
+
+def fault_overrides(scenario: Scenario) -> list[str]:
+    return [f"faults={json.dumps(scenario.faults)}", *scenario.settings]
+
+
+def run_node_loss(recipe: str, overrides: list[str], run_dir: Path, cfg: RecipeConfig,
+                  kill_at_step: int) -> tuple[int, float]:
+    """Two agents ("nodes") form the job; the second is killed with its
+    workers once `kill_at_step` is done. Returns (exit code, kill time)."""
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    port = free_port()
+    membership = ["--nnodes", "1:2", "--nproc-per-node", str(world // 2), "--rdzv-endpoint",
+                  f"127.0.0.1:{port}", "--rdzv-id", f"chaos-{os.getpid()}"]
+    command = train_command(recipe, overrides, run_dir) + membership
+    first = subprocess.Popen(command)
+    time.sleep(1.0)  # the first agent hosts the rendezvous store
+    second = subprocess.Popen(command, start_new_session=True)
+    killed_at = wait_for_step(run_dir, kill_at_step, [first, second])
+    os.killpg(second.pid, signal.SIGKILL)
+    return first.wait(), killed_at
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen]) -> float:
+    path = run_dir / "metrics.jsonl"
+    while all(p.poll() is None for p in procs):
+        if path.exists() and any(r.get("step", 0) >= step and "loss" in r
+                                 for r in read_metrics(run_dir)):
+            return time.time()
+        time.sleep(0.05)
+    raise RuntimeError("the job ended before the node could be killed")
+
+
+def analyse(reference: Path, faulted: Path, scenario: Scenario,
+            fault_time: Optional[float]) -> dict:
+    events = read_events(faulted)
+    metrics = [r for r in read_metrics(faulted) if "loss" in r]
+    if fault_time is None:
+        fault_time = min((e["time"] for e in events if e["event"] == "fault_injected"),
+                         default=None)
+    after = [e for e in events if fault_time is not None and e["time"] >= fault_time]
+    detected = min((e["time"] for e in after if e["event"] in DETECTIONS), default=None)
+    restarts = [e for e in after if e["event"] == "restart"]
+    loaded = next((e for e in after if e["event"] == "checkpoint_loaded"), None)
+    if detected is None and restarts:
+        detected = restarts[0]["time"]
+    first_after = next((r for r in metrics if detected and r["time"] > detected), None)
+    before = [r["step"] for r in metrics if fault_time and r["time"] < fault_time]
+    ref_final = [r for r in read_metrics(reference) if "loss" in r][-1]
+    final = metrics[-1]
+    equal = final["step"] == ref_final["step"] and (
+        final["loss"] == ref_final["loss"] if scenario.exact
+        else abs(final["loss"] - ref_final["loss"]) <= 1e-5 * abs(ref_final["loss"]))
+    hangs = [e for e in events if e["event"] == "hang_detected"]
+    return {
+        "scenario": scenario.name,
+        "recovered": final["step"] == ref_final["step"],
+        "detection_latency_s": None if detected is None or fault_time is None
+        else detected - fault_time,
+        "restart_time_s": None if first_after is None or detected is None
+        else first_after["time"] - detected,
+        "steps_lost": max(0, max(before) - loaded["step"]) if before and loaded else 0,
+        "final_loss": final["loss"], "reference_final_loss": ref_final["loss"],
+        "final_loss_equal": equal,
+        "restart_kind": restarts[0]["kind"] if restarts else
+        ("requeue" if scenario.requeue_after_exit else "none"),
+        "hang_detected": len(hangs), "culprit_ranks": hangs[0]["culprit_ranks"] if hangs else [],
+        "checkpoints_skipped": [e["path"] for e in events if e["event"] == "checkpoint_skipped"],
+    }
+
+
+def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Optional[Path],
+                 rank: Optional[int], step: Optional[int]) -> dict:
+    cfg = load_recipe(recipe, overrides)
+    root = Path(cfg.run.dir)
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    interval = cfg.checkpoint.interval or 2
+    if not cfg.checkpoint.interval:
+        overrides = [*overrides, f"checkpoint.interval={interval}"]
+    fault_step = step or cfg.train.steps // 2 + 1
+    save_step = interval * max(2, fault_step // interval)
+    table = scenarios(world - 1 if rank is None else rank, fault_step, save_step)
+    if name not in table:
+        raise ValueError(f"--scenario: unknown scenario {name!r}; one of {sorted(table)}")
+    scenario = table[name]
+    if reference is None:
+        reference = root / "reference"
+        shutil.rmtree(reference, ignore_errors=True)
+        if run_training(recipe, overrides, reference) != 0:
+            raise RuntimeError("the fault-free reference run failed")
+    faulted = root / f"faulted-{name}"
+    shutil.rmtree(faulted, ignore_errors=True)
+    fault_time = None
+    if scenario.nodes > 1:
+        code, fault_time = run_node_loss(recipe, overrides + scenario.settings, faulted, cfg,
+                                         fault_step)
+    else:
+        code = run_training(recipe, overrides + fault_overrides(scenario), faulted)
+        if code == PREEMPTED_EXIT and scenario.requeue_after_exit:
+            code = run_training(recipe, overrides + fault_overrides(scenario), faulted)
+    result = {**analyse(reference, faulted, scenario, fault_time), "exit_code": code,
+              "reference": str(reference), "faulted": str(faulted)}
+    (root / f"chaos-{name}.json").write_text(json.dumps(result, indent=1))
+    (root / "chaos.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def format_result(r: dict) -> str:
+    def seconds(v):
+        return "-" if v is None else f"{v:.2f} s"
+    return "\n".join([
+        f"scenario          {r['scenario']}",
+        f"recovered         {r['recovered']} (exit code {r['exit_code']})",
+        f"detection latency {seconds(r['detection_latency_s'])}",
+        f"restart time      {seconds(r['restart_time_s'])}",
+        f"steps lost        {r['steps_lost']}",
+        f"restart kind      {r['restart_kind']}",
+        f"hangs detected    {r['hang_detected']} (culprits {r['culprit_ranks']})",
+        f"final loss        {r['final_loss']!r} vs reference {r['reference_final_loss']!r}: "
+        f"{'equal' if r['final_loss_equal'] else 'DIFFERENT'}"])

@@ -1,0 +1,142 @@
+"""Detect, restart, recover: every chaos scenario recovers on its own with the
+reference's final loss; hangs are caught within budget with the right
+culprit; in-process restarts keep the processes and their memory in check;
+preemption saves and stops."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from megaresil.config import ConfigError, WatchdogConfig, load_recipe
+from megaresil.events import read_events
+from megaresil.resilience.watchdog import find_culprits
+from megaresil.train.metrics import read_metrics
+
+FLOOR_S = 1.0
+# Two data-parallel ranks, a small batch: ~0.1 s steps, so recovery dominates.
+SMALL = ["recipes/gpt-tiny.yaml", "parallel.tp=1", "parallel.pp=1", "parallel.dp=2",
+         "train.steps=8", "logging.tensorboard=false", "train.eval_batches=0",
+         f"resilience.watchdog.floor_s={FLOOR_S}", "resilience.watchdog.calibration_steps=2",
+         "data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8"]
+SCENARIOS = ["kill-rank", "raise-in-rank", "hang-in-collective", "hang-outside-collective",
+             "hang-holding-gil", "slow-rank", "sigterm", "corrupt-latest-checkpoint",
+             "kill-during-checkpoint-save"]
+
+
+@pytest.fixture(scope="module")
+def chaos_root(tmp_path_factory, request):
+    root = tmp_path_factory.mktemp("chaos")
+    reference = root / "reference"
+    subprocess.run([sys.executable, "-m", "megaresil", "train", *SMALL, "checkpoint.interval=2",
+                    f"run.dir={reference}", "logging.progress=false"], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_chaos_scenario_recovers_exactly(cli, chaos_root, scenario):
+    result = cli("chaos", *SMALL, f"run.dir={chaos_root}", "--scenario", scenario,
+                 "--reference", str(chaos_root / "reference"), timeout=300)
+    report = json.loads((chaos_root / f"chaos-{scenario}.json").read_text())
+    assert "final loss" in result.stdout
+    assert report["recovered"] and report["final_loss_equal"], report
+    events = [e["event"] for e in read_events(report["faulted"])]
+    assert "fault_injected" in events and "run_finished" in events
+    if scenario == "slow-rank":  # slow but progressing: no alarm, no restart
+        assert report["hang_detected"] == 0 and report["restart_kind"] == "none"
+        return
+    assert report["detection_latency_s"] is not None
+    if scenario.startswith("hang"):
+        assert report["detection_latency_s"] <= FLOOR_S + 2.0
+        assert report["culprit_ranks"] == [1]  # the faulty (last) rank, named alone
+        assert list((chaos_root / f"faulted-{scenario}" / "hangs").glob("generation_*/rank*.txt"))
+    expected_kind = {"raise-in-rank": "in_process", "hang-in-collective": "in_process",
+                     "hang-outside-collective": "in_process", "sigterm": "requeue"}
+    assert report["restart_kind"] == expected_kind.get(scenario, "relaunch")
+    if scenario == "corrupt-latest-checkpoint":
+        assert report["checkpoints_skipped"], "the corrupted checkpoint must be skipped"
+
+
+@pytest.mark.slow
+def test_in_process_restarts_keep_pids_and_memory(cli, tmp_path):
+    """Three consecutive in-process restarts: same processes, resident
+    memory growing by less than 64 MB."""
+    faults = [{"kind": "raise", "rank": 1, "step": s} for s in (3, 4, 5)]
+    cli("train", *SMALL, f"run.dir={tmp_path}", "logging.progress=false",
+        "checkpoint.interval=2", "resilience.in_process=true",
+        "resilience.max_in_process_restarts=3", f"faults={json.dumps(faults)}")
+    events = read_events(tmp_path)
+    restarts = [e for e in events if e["event"] == "restart"]
+    assert [e["kind"] for e in restarts] == ["in_process"] * 3
+    for rank in (0, 1):
+        errors = [e for e in events if e["event"] == "worker_error" and e["rank"] == rank]
+        assert len(errors) == 3
+        assert len({e["pid"] for e in errors}) == 1, "the process must survive its restarts"
+        assert errors[-1]["rss_mb"] - errors[0]["rss_mb"] < 64, errors
+    steps = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert steps[-1]["step"] == 8 and steps[-1].get("restart") == 3
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_and_exits_preempted(tmp_path):
+    command = [sys.executable, "-m", "megaresil", "train", *SMALL, "train.steps=400",
+               f"run.dir={tmp_path}", "logging.progress=false"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (
+            (tmp_path / "metrics.jsonl").exists() and len(read_metrics(tmp_path)) >= 3):
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=90) == 75  # preempted: requeue me
+    events = read_events(tmp_path)
+    preempted = next(e for e in events if e["event"] == "preempted")
+    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    assert saved and saved[-1]["step"] == preempted["step"]
+    assert "run_finished" not in [e["event"] for e in events]
+
+
+def test_culprits_are_the_ranks_behind_or_silent():
+    now = 100.0
+    beat = lambda step, section, age=0.0: {"step": step, "section": section, "now": now - age}
+    # Rank 2 is still in `data` of step 5 while the others wait in collectives.
+    assert find_culprits({0: beat(5, "forward_backward"), 1: beat(5, "optimizer"),
+                          2: beat(5, "data")}, now, stale_after=1.0) == [2]
+    # A rank whose monitor fell silent (dead, or starved of the GIL) is named.
+    assert find_culprits({0: beat(5, "data", age=9.0), 1: beat(5, "forward_backward")},
+                         now, stale_after=1.0) == [0]
+    assert find_culprits({0: None, 1: beat(3, "data")}, now, stale_after=1.0) == [0]
+
+
+def test_calibrated_budgets_have_a_floor():
+    from megaresil.resilience.watchdog import Watchdog
+
+    wd = Watchdog.__new__(Watchdog)  # budgets only: no thread, no store
+    wd.cfg = WatchdogConfig(calibration_steps=2, factor=5.0, floor_s=2.0, initial_timeout_s=60)
+    wd.slowest, wd.steps_seen = {"data": 0.01, "forward_backward": 0.9}, 0
+    assert wd.budget("data") == 60  # not calibrated yet
+    wd.steps_seen = 2
+    assert wd.budget("data") == 2.0 and wd.budget("forward_backward") == pytest.approx(4.5)
+    assert wd.budget("checkpoint") == wd.cfg.checkpoint_timeout_s
+    wd.restore_calibration({"slowest": {"data": 1.0}, "steps_seen": 7})
+    assert wd.budget("data") == 5.0 and wd.steps_seen == 7
+
+
+@pytest.mark.parametrize("fault,key", [({"kind": "explode", "rank": 0, "step": 1}, "faults[0].kind"),
+                                       ({"kind": "kill", "step": 1}, "faults[0].rank"),
+                                       ({"kind": "hang", "rank": 0, "step": 1, "mode": "x"},
+                                        "faults[0].mode"),
+                                       ({"kind": "kill", "rank": 0, "step": 1, "when": 2},
+                                        "faults[0]")])
+def test_bad_faults_name_the_key(fault, key):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [f"faults=[{json.dumps(fault)}]"])
+    assert str(err.value).startswith(key)
