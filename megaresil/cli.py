@@ -159,7 +159,8 @@ def add_convert_parser(sub) -> None:
     convert.add_argument("--overwrite", action="store_true", help="replace an existing "
                          "destination, once the new one is complete")
     convert.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                         help="other recipe overrides, e.g. train.global_batch_size=32 (repeatable)")
+                         help="other recipe overrides, e.g. train.global_batch_size=32 "
+                         "(repeatable)")
     convert.add_argument("--to-hf", metavar="DIR", help="export the weights as a transformers "
                          "model directory (config.json + model.safetensors)")
     convert.add_argument("--from-hf", metavar="DIR", help="import a transformers GPT-2 or Llama "
@@ -167,6 +168,19 @@ def add_convert_parser(sub) -> None:
     convert.add_argument("--recipe", help="with --from-hf: training keys from this recipe "
                          "(default: the schema defaults); model.* comes from config.json")
     convert.set_defaults(func=cmd_convert, parser=convert)
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megaresil.resilience.chaos import format_result, run_scenario
+
+    result = run_scenario(args.recipe, args.overrides, args.scenario,
+                          reference=Path(args.reference) if args.reference else None,
+                          rank=args.rank, step=args.step)
+    print(format_result(result))
+    ok = result["recovered"] and result["final_loss_equal"]
+    return 0 if ok else 1
 
 
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
@@ -194,6 +208,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rendezvous endpoint shared by all agents (with --nnodes)")
     train.add_argument("--rdzv-id", help="job id shared by all agents (with --nnodes)")
     train.set_defaults(func=cmd_train)
+
+    chaos = sub.add_parser("chaos", help="run a fault scenario beside a fault-free reference "
+                           "and report detection latency, restart time, steps lost and "
+                           "whether the final loss matches")
+    add_recipe_args(chaos)
+    chaos.add_argument("--scenario", required=True,
+                       help="kill-rank, raise-in-rank, hang-in-collective, "
+                            "hang-outside-collective, slow-rank, sigterm, "
+                            "corrupt-latest-checkpoint, kill-during-checkpoint-save, node-loss")
+    chaos.add_argument("--rank", type=int, help="faulty rank (default: the last)")
+    chaos.add_argument("--step", type=int, help="fault step (default: train.steps/2 + 1)")
+    chaos.add_argument("--reference", help="reuse this fault-free run directory as the reference")
+    chaos.set_defaults(func=cmd_chaos)
 
     config = sub.add_parser("config", help="inspect recipes and the config schema")
     config_sub = config.add_subparsers(dest="config_command", required=True)

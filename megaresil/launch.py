@@ -68,6 +68,9 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     config = LaunchConfig(
         min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
         rdzv_backend="c10d", rdzv_endpoint=membership.endpoint,
+        # Once the minimum of nodes is there, wait 2 s (not 30) for more: a
+        # job that lost a node re-forms quickly.
+        rdzv_configs={"last_call_timeout": 2, "join_timeout": 120},
         run_id=membership.run_id or f"megaresil-{os.getpid()}",
         max_restarts=cfg.resilience.max_restarts, monitor_interval=0.1,
         shutdown_timeout=int(cfg.resilience.preemption_grace_s),

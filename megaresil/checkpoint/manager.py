@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,38 @@ def layout_plan(gathered: list[list[dict]]) -> dict[str, dict]:
 
 def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+def rect_record(rect: Rect) -> dict:
+    """What the manifest says about a rect, before it is written."""
+    return {"key": rect.key, "global_shape": list(rect.global_shape),
+            "dtype": dtype_name(rect.tensor), "offset": list(rect.offset),
+            "shape": list(rect.shape)}
+
+
+def build_manifest(backend: str, state: dict, all_written: list[list[dict]]) -> dict:
+    """The manifest: format, backend, the non-tensor `state` and every rank's
+    written rects (`all_written[r]`: records with rank, checksum, location)."""
+    return {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "backend": backend,
+            **state, "tensors": tensor_table(all_written)}
+
+
+def move_into_place(partial: Path, final: Path, make_room: Callable[[Path], None]) -> None:
+    """Rename a durable `partial` directory to `final`; an existing `final`
+    is first handed to `make_room`, which moves it away."""
+    if final.exists():
+        make_room(final)
+    partial.rename(final)
+    fmt.fsync_path(final.parent)
+
+
+def commit(partial: Path, final: Path, manifest: dict, make_room: Callable[[Path], None]) -> None:
+    """The commit protocol, once every shard under `partial` is durable: the
+    manifest, the rename into place, the completion marker last."""
+    fmt.write_json_atomic(partial / fmt.MANIFEST, manifest)
+    fmt.fsync_tree(partial, only=set())  # directories only: file data is already durable
+    move_into_place(partial, final, make_room)
+    fmt.write_text_atomic(final / fmt.MARKER, "ok\n")
 
 
 class Checkpointer:
@@ -137,8 +169,7 @@ class Checkpointer:
         name = fmt.step_dir_name(step)
         partial = self.root / f"{name}.partial-0"
         rank_state = state.pop("rank_state")
-        records = [{"key": r.key, "global_shape": list(r.global_shape), "dtype": dtype_name(r.tensor),
-                    "offset": list(r.offset), "shape": list(r.shape)} for r in staged]
+        records = [rect_record(r) for r in staged]
         gathered = self.coll.all_gather(records)
         if self.coll.rank == 0:
             if partial.exists():
@@ -159,16 +190,9 @@ class Checkpointer:
         self.coll.barrier()
 
     def _commit(self, name: str, partial: Path, all_written: list[list[dict]], state: dict) -> Path:
-        manifest = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION,
-                    "backend": self.backend.name, **state, "tensors": _tensor_table(all_written)}
-        fmt.write_json_atomic(partial / fmt.MANIFEST, manifest)
-        fmt.fsync_tree(partial, only=set())  # directories only: file data is already durable
         final = self.root / name
-        if final.exists():
-            self._set_aside(final)
-        partial.rename(final)
-        fmt.fsync_path(self.root)
-        fmt.write_text_atomic(final / fmt.MARKER, "ok\n")
+        commit(partial, final, build_manifest(self.backend.name, state, all_written),
+               make_room=self._set_aside)
         fmt.update_latest(self.root, name)
         self._retain(final)
         return final
@@ -217,7 +241,7 @@ def _nbytes(record: dict) -> int:
     return count * fmt.torch_dtype(record["dtype"]).itemsize
 
 
-def _tensor_table(all_written: list[list[dict]]) -> dict:
+def tensor_table(all_written: list[list[dict]]) -> dict:
     tensors: dict[str, dict] = {}
     for written in all_written:
         for w in written:

@@ -9,13 +9,14 @@ from whatever rectangles the checkpoint holds), which is all resharding needs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.nn as nn
 
 from megaresil.config import ModelConfig
 from megaresil.model.init import global_shape, vocab_rows
+from megaresil.parallel.distributed_optimizer import RowShard
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -63,12 +64,9 @@ def skip(param: nn.Parameter, include_copies: bool) -> bool:
     return getattr(param, "pipeline_copy", False) and not include_copies
 
 
-def model_rects(named_params: Iterable[tuple[str, nn.Parameter]], cfg: ModelConfig,
-                include_copies: bool) -> list[Rect]:
+def model_rects(named_params: Iterable[tuple[str, nn.Parameter]], cfg: ModelConfig) -> list[Rect]:
     rects = []
     for key, param in named_params:
-        if skip(param, include_copies):
-            continue
         found = param_rect(key, param, param.data, cfg)
         if found is not None:
             rects.append(Rect(f"model/{key}", *found))
@@ -86,35 +84,26 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
                                       "exp_avg_sq": torch.zeros_like(p)}
 
 
-def optimizer_rects(trainer, cfg: ModelConfig, include_copies: bool) -> list[Rect]:
-    """AdamW moments as rects of the parameters' global tensors; under the
-    distributed optimizer each is this rank's row block."""
-    optimizer = trainer.optimizer
-    inner = getattr(optimizer, "inner", optimizer)
-    ensure_adam_state(inner)
+# A parameter's AdamW moments by name and the distributed-optimizer row shard
+# they cover (None: the whole parameter); None when this rank holds none.
+HeldMoments = tuple[Mapping[str, torch.Tensor], Optional[RowShard]]
+MomentsOf = Callable[[nn.Parameter], Optional[HeldMoments]]
+
+
+def moment_rects(key: str, param: nn.Parameter, moments: Mapping[str, torch.Tensor],
+                 shard: Optional[RowShard], cfg: ModelConfig) -> list[Rect]:
+    """AdamW moments as rects of the parameter's global tensor: the
+    parameter's own rect, or under the distributed optimizer the shard's rows."""
     rects = []
-    if trainer.sharded_optimizer:
-        keys = {id(p): k for k, p in trainer.named_parameters()}
-        for shard in optimizer.shards:
-            if shard.stop <= shard.start or skip(shard.param, include_copies):
-                continue
-            key = keys[id(shard.param)]
-            for moment in MOMENTS:
-                rect = _moment_block(key, shard, inner.state[shard.view][moment], cfg)
-                if rect is not None:
-                    rects.append(Rect(f"optim/{moment}/{key}", *rect))
-        return rects
-    for key, param in trainer.named_parameters():
-        if skip(param, include_copies):
-            continue
-        for moment in MOMENTS:
-            found = param_rect(key, param, inner.state[param][moment], cfg)
-            if found is not None:
-                rects.append(Rect(f"optim/{moment}/{key}", *found))
+    for moment in MOMENTS:
+        found = (param_rect(key, param, moments[moment], cfg) if shard is None
+                 else _moment_block(key, shard, moments[moment], cfg))
+        if found is not None:
+            rects.append(Rect(f"optim/{moment}/{key}", *found))
     return rects
 
 
-def _moment_block(key: str, shard, moment: torch.Tensor, cfg: ModelConfig):
+def _moment_block(key: str, shard: RowShard, moment: torch.Tensor, cfg: ModelConfig):
     """Rect of a distributed-optimizer moment: the shard's rows of the param's rect."""
     found = param_rect(key, shard.param, shard.param.data, cfg)
     if found is None:
@@ -124,6 +113,39 @@ def _moment_block(key: str, shard, moment: torch.Tensor, cfg: ModelConfig):
     if stop <= shard.start:
         return None
     return shape, (offset[0] + shard.start, *offset[1:]), moment[: stop - shard.start]
+
+
+def state_rects(named_params: Iterable[tuple[str, nn.Parameter]], cfg: ModelConfig,
+                moments_of: Optional[MomentsOf], include_copies: bool) -> list[Rect]:
+    """Every tensor of one rank's training state: the weights, then the AdamW
+    moments (none when `moments_of` is None). The live trainer and the offline
+    converter (which plans ranks that do not run) both describe a rank here."""
+    params = [(key, p) for key, p in named_params if not skip(p, include_copies)]
+    rects = model_rects(params, cfg)
+    if moments_of is None:
+        return rects
+    for key, param in params:
+        held = moments_of(param)
+        if held is not None:
+            rects += moment_rects(key, param, *held, cfg)
+    return rects
+
+
+def live_moments(trainer) -> MomentsOf:
+    """The trainer's optimizer state, per parameter; under the distributed
+    optimizer each parameter's moments are this rank's row shard of them."""
+    optimizer = trainer.optimizer
+    inner = getattr(optimizer, "inner", optimizer)
+    ensure_adam_state(inner)
+    if not trainer.sharded_optimizer:
+        return lambda param: (inner.state[param], None)
+    shards = {id(shard.param): shard for shard in optimizer.shards}
+
+    def sharded(param: nn.Parameter) -> Optional[HeldMoments]:
+        shard = shards[id(param)]
+        return None if shard.stop <= shard.start else (inner.state[shard.view], shard)
+
+    return sharded
 
 
 def adam_step_count(trainer) -> int:
@@ -143,9 +165,8 @@ def set_adam_step_count(trainer, step: int) -> None:
 def training_rects(trainer, include_copies: bool = False) -> list[Rect]:
     """Every tensor of the training state on this rank; `include_copies` adds
     the tied-embedding copy (a load target, never saved)."""
-    cfg = trainer.cfg.model
-    return (model_rects(trainer.named_parameters(), cfg, include_copies)
-            + optimizer_rects(trainer, cfg, include_copies))
+    return state_rects(trainer.named_parameters(), trainer.cfg.model, live_moments(trainer),
+                       include_copies)
 
 
 def assign_writers(all_rects: list[list[tuple]], world: int) -> dict[tuple, int]:

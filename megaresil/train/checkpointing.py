@@ -114,6 +114,11 @@ def resume(trainer) -> None:
     if chosen is None:
         return
     path, manifest = chosen
+    if manifest.get("weights_only"):
+        raise fmt.CheckpointError(
+            f"{path} holds weights only (no optimizer state), so training cannot resume from "
+            "it exactly. Fix: convert it again without --weights-only, or start a new run from "
+            "it as initial weights (not supported yet).")
     trainer.checkpointer.load(path, manifest, training_rects(trainer, include_copies=True))
     set_adam_step_count(trainer, manifest["optimizer"]["adam_step"])
     trainer.state.step = manifest["step"]
@@ -121,8 +126,10 @@ def resume(trainer) -> None:
     if trainer.supervision.watchdog is not None and "watchdog" in manifest:
         trainer.supervision.watchdog.restore_calibration(manifest["watchdog"])
     same_layout = manifest["layout"] == layout_record(trainer)
-    if same_layout:  # per-rank RNG streams only mean something on the same ranks
-        restore_rng_state(manifest["rank_states"][trainer.layout.rank])
+    rank_states = manifest.get("rank_states") or []
+    if same_layout and len(rank_states) == trainer.layout.world_size:
+        # per-rank RNG streams only mean something on the same ranks
+        restore_rng_state(rank_states[trainer.layout.rank])
     if trainer.layout.rank == 0:
         trainer.events.emit("checkpoint_loaded", step=manifest["step"], path=str(path),
                             saved_layout=manifest["layout"], layout=layout_record(trainer))

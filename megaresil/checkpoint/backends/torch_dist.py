@@ -127,8 +127,8 @@ class _SafeReader(dcp.FileSystemReader):
             metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
             raise CheckpointError(f"DCP metadata of {self.path} is unreadable: {err}") from None
-        for info in (metadata.storage_data or {}).values():
-            inside(Path(self.path), str(info.relative_path))
+        for relative in {str(info.relative_path) for info in (metadata.storage_data or {}).values()}:
+            inside(Path(self.path), relative)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

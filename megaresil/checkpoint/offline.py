@@ -1,0 +1,165 @@
+"""Writing a whole checkpoint at any layout from one process, streamed.
+
+The offline counterpart of `Checkpointer.save`: the rects every rank of the
+target layout would save are planned without processes (planning.py), one
+replica of each is attributed to a target rank, each rect's data is read from
+the source only when the backend is about to write it and dropped after, and
+the result is committed with the training save's own protocol
+(manager.commit). Memory stays near one read batch plus the largest rect and
+the backends' buffers, never the whole model.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from tqdm import tqdm
+
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.backends import Backend, get_backend
+from megaresil.checkpoint.manager import (build_manifest, check_shapes, commit, layout_plan,
+                                          rect_record)
+from megaresil.checkpoint.ondemand import OnDemandTensor
+from megaresil.checkpoint.planning import planned_rects, writer_share
+from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.sources import TensorSource, byte_batches
+from megaresil.config import RecipeConfig
+
+
+def refuse_existing(dst: Path, overwrite: bool) -> None:
+    if dst.exists() and not overwrite:
+        raise fmt.CheckpointError(f"{dst} already exists. Fix: choose another destination, or pass "
+                                  "--overwrite to replace it (only once the new one is complete).")
+
+
+class _Reader:
+    """Reads rects from the source in write order, a batch at a time;
+    checksums each and advances the progress bar over tensors.
+
+    A rect asked for out of order is read again in a new batch, and whatever
+    the previous batch still held is dropped: memory never exceeds one batch."""
+
+    def __init__(self, source: TensorSource, order: list[Rect], bar: tqdm):
+        self.source, self.order, self.bar = source, order, bar
+        self.position = {rect.identity(): i for i, rect in enumerate(order)}
+        self.batch: dict[tuple, torch.Tensor] = {}
+        self.checksums: dict[tuple, str] = {}
+        self.pending = Counter(rect.key for rect in order)
+
+    def _read_batch(self, start: int) -> dict[tuple, torch.Tensor]:
+        planned = next(byte_batches(itertools.islice(self.order, start, None), lambda r: r.nbytes))
+        batch = [Rect(r.key, r.global_shape, r.offset, torch.empty(r.shape, dtype=r.tensor.dtype))
+                 for r in planned]
+        self.source.read(batch)
+        return {rect.identity(): rect.tensor for rect in batch}
+
+    def data(self, rect: Rect) -> torch.Tensor:
+        identity = rect.identity()
+        if identity not in self.batch:
+            self.batch = self._read_batch(self.position[identity])
+        data = self.batch.pop(identity)
+        if identity not in self.checksums:
+            self.pending[rect.key] -= 1
+            if not self.pending[rect.key]:
+                self.bar.update(1)
+        self.checksums[identity] = fmt.checksum(data)
+        return data
+
+    def on_demand(self, rect: Rect) -> Rect:
+        data = OnDemandTensor(torch.Size(rect.shape), rect.tensor.dtype, lambda: self.data(rect))
+        return Rect(rect.key, rect.global_shape, rect.offset, data)
+
+
+def _write(backend: Backend, directory: Path, reader: _Reader) -> dict[tuple, str]:
+    """Write every rect in the reader's order; each one's location by identity."""
+    if backend.name == "torch_dist":
+        # One DCP save writes one .metadata for all items, so it gets every
+        # rect at once; it asks for each one's data, in this order, as it
+        # writes it (OnDemandTensor).
+        return backend.write(directory, [reader.on_demand(rect) for rect in reader.order])
+    locations = {}
+    for rect in reader.order:
+        data = Rect(rect.key, rect.global_shape, rect.offset, reader.data(rect))
+        locations.update(backend.write(directory, [data]))
+    return locations
+
+
+def _as_stored(rect: Rect, source: TensorSource) -> Rect:
+    """A planned rect (the model's dtype) with the dtype the source stores,
+    which the written data keeps."""
+    dtype = fmt.torch_dtype(source.tensors[rect.key]["dtype"])
+    return Rect(rect.key, rect.global_shape, rect.offset,
+                torch.empty(rect.shape, dtype=dtype, device="meta"))
+
+
+def _records(writes: list[tuple[int, Rect]], locations: dict[tuple, str],
+             checksums: dict[tuple, str], world: int) -> list[list[dict]]:
+    """The manifest records of what was written, per target rank."""
+    per_rank: list[list[dict]] = [[] for _ in range(world)]
+    for rank, rect in writes:
+        per_rank[rank].append({**rect_record(rect), "rank": rank,
+                               "checksum": checksums[rect.identity()],
+                               "location": locations[rect.identity()]})
+    return per_rank
+
+
+@contextlib.contextmanager
+def partial_dir(dst: Path) -> Iterator[Path]:
+    """A fresh directory beside `dst` to write into; gone afterwards unless
+    it was moved into place as `dst`."""
+    partial = dst.with_name(f"{dst.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)  # left by a dead attempt with our pid
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def replacing(dst: Path, overwrite: bool) -> Iterator[Callable[[Path], None]]:
+    """The `make_room` for moving a new directory into place as `dst`: an
+    existing `dst` (allowed by `overwrite`) is moved aside only then, deleted
+    once the new one is in place, and put back if that fails."""
+    replaced = dst.with_name(f"{dst.name}.replaced-{os.getpid()}")
+
+    def move_aside(existing: Path) -> None:
+        refuse_existing(existing, overwrite)
+        existing.rename(replaced)
+
+    try:
+        yield move_aside
+    except BaseException:
+        if replaced.exists() and not dst.exists():
+            replaced.rename(dst)
+        raise
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def write_checkpoint(source: TensorSource, cfg: RecipeConfig, dst: Path, *, backend: str,
+                     weights_only: bool, state: dict, overwrite: bool) -> Path:
+    """Write `source`'s tensors as checkpoint `dst` at the layout of recipe
+    `cfg`, with the non-tensor `state`. `dst` appears only once complete."""
+    refuse_existing(dst, overwrite)
+    per_rank = planned_rects(cfg, weights_only=weights_only)
+    planned = writer_share(per_rank)
+    check_shapes({"tensors": source.tensors}, [rect for _, rect in planned])
+    writes = sorted(((rank, _as_stored(rect, source)) for rank, rect in planned),
+                    key=lambda w: (w[1].key, w[1].offset))
+    writer = get_backend(backend)
+    with partial_dir(dst) as partial, tqdm(total=len({r.key for _, r in writes}),
+                                           desc="writing", unit="tensor") as bar:
+        writer.prepare(partial, layout_plan([[rect_record(rect) for _, rect in writes]]))
+        reader = _Reader(source, [rect for _, rect in writes], bar)
+        locations = _write(writer, partial, reader)
+        manifest = build_manifest(writer.name, state,
+                                  _records(writes, locations, reader.checksums, len(per_rank)))
+        with replacing(dst, overwrite) as make_room:
+            commit(partial, dst, manifest, make_room)
+    return dst

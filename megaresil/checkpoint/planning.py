@@ -1,0 +1,105 @@
+"""The rects of every rank of a parallel layout, planned without processes.
+
+Each (pipeline rank, tensor rank) builds its model chunks on the meta device
+with the trainer's own code (`build_chunks`; the TP layers mark their shards),
+and each rank describes its state with the trainer's own function
+(`sharded.state_rects`; the distributed optimizer's `make_shard` for moments),
+so a planned rank's rects are exactly what that rank would save.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from megaresil.checkpoint.sharded import (MOMENTS, HeldMoments, MomentsOf, Rect, assign_writers,
+                                          state_rects)
+from megaresil.config import RecipeConfig
+from megaresil.parallel.distributed_optimizer import make_shard
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.parallel.pipeline import build_chunks
+
+
+@dataclass
+class PlannedRank(ParallelLayout):
+    """One rank of a layout whose coordinates are given instead of read from
+    a device mesh: no process group, nothing runs."""
+    coords: tuple[int, int, int] = (0, 0, 0)  # (pp, dp, tp), the mesh order
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords[2]
+
+    @property
+    def rank(self) -> int:
+        return (self.pp_rank * self.dp + self.dp_rank) * self.tp + self.tp_rank
+
+
+def planned_ranks(cfg: RecipeConfig) -> list[PlannedRank]:
+    """Every rank of the recipe's layout, in global rank order."""
+    p = cfg.parallel
+    return [PlannedRank(p.tp, p.pp, p.dp, p.vpp, p.sequence_parallel, coords=(pp, dp, tp))
+            for pp in range(p.pp) for dp in range(p.dp) for tp in range(p.tp)]
+
+
+def distributed_optimizer(cfg: RecipeConfig) -> bool:
+    """Whether a trainer of this recipe shards its optimizer (as build_optimizer decides)."""
+    return cfg.optimizer.distributed and cfg.parallel.dp > 1
+
+
+def layout_record(cfg: RecipeConfig) -> dict:
+    """The `layout` a trainer of this recipe writes into its manifests."""
+    return {**planned_ranks(cfg)[0].describe(), "distributed_optimizer": distributed_optimizer(cfg)}
+
+
+def _planned_moments(cfg: RecipeConfig, dp_rank: int) -> MomentsOf:
+    """Moments shaped as the trainer's optimizer holds them: like the
+    parameter, or its DP row shard under the distributed optimizer."""
+    if not distributed_optimizer(cfg):
+        return lambda param: ({moment: param for moment in MOMENTS}, None)
+
+    def row_shard(param: nn.Parameter) -> Optional[HeldMoments]:
+        shard = make_shard(param, cfg.parallel.dp, dp_rank)
+        return None if shard.stop <= shard.start else ({m: shard.view for m in MOMENTS}, shard)
+
+    return row_shard
+
+
+def _chunk_params(cfg: RecipeConfig, rank: PlannedRank) -> list[tuple[str, nn.Parameter]]:
+    with torch.device("meta"):  # shapes and TP marks only, no memory
+        chunks = build_chunks(cfg.model, rank, cfg.train.seed)
+    return [named for chunk in chunks for named in chunk.named_parameters()]
+
+
+def planned_rects(cfg: RecipeConfig, *, weights_only: bool) -> list[list[Rect]]:
+    """Per global rank, the rects it would save (meta tensors: shapes only).
+    Ranks that differ only in their DP coordinate share one model build."""
+    models: dict[tuple[int, int], list[tuple[str, nn.Parameter]]] = {}
+    per_rank = []
+    for rank in planned_ranks(cfg):
+        where = (rank.pp_rank, rank.tp_rank)
+        if where not in models:
+            models[where] = _chunk_params(cfg, rank)
+        moments = None if weights_only else _planned_moments(cfg, rank.dp_rank)
+        per_rank.append(state_rects(models[where], cfg.model, moments, include_copies=False))
+    return per_rank
+
+
+def writer_share(per_rank: list[list[Rect]]) -> list[tuple[int, Rect]]:
+    """(writing rank, rect) for every distinct rect: one replica of each,
+    chosen as the trainer chooses (`assign_writers`), so bytes per rank are
+    balanced the same way a save at that layout balances them."""
+    writers = assign_writers([[(r.identity(), r.nbytes) for r in rects] for rects in per_rank],
+                             len(per_rank))
+    return [(rank, rect) for rank, rects in enumerate(per_rank) for rect in rects
+            if writers[rect.identity()] == rank]
