@@ -31,7 +31,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     cfg = load_recipe(args.recipe, args.overrides)
     membership = Membership.parse(args.nnodes, args.nproc_per_node, args.rdzv_endpoint,
-                                  args.rdzv_id)
+                                  args.rdzv_id, args.rdzv_conf or "")
     return launch(args.recipe, args.overrides, cfg, membership)
 
 
@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                        help="rendezvous endpoint shared by all agents (with --nnodes)")
     train.add_argument("--rdzv-id", help="job id shared by all agents (with --nnodes)")
+    train.add_argument("--rdzv-conf", metavar="KEY=VALUE,...",
+                       help="rendezvous options, e.g. is_host=1 on the agent that hosts the "
+                            "rendezvous store (it must outlive the others)")
     train.set_defaults(func=cmd_train)
 
     chaos = sub.add_parser("chaos", help="run a fault scenario beside a fault-free reference "
@@ -216,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--scenario", required=True,
                        help="kill-rank, raise-in-rank, hang-in-collective, "
                             "hang-outside-collective, slow-rank, sigterm, "
-                            "corrupt-latest-checkpoint, kill-during-checkpoint-save, node-loss")
+                            "hang-holding-gil, corrupt-latest-checkpoint, "
+                            "kill-during-checkpoint-save")
     chaos.add_argument("--rank", type=int, help="faulty rank (default: the last)")
     chaos.add_argument("--step", type=int, help="fault step (default: train.steps/2 + 1)")
     chaos.add_argument("--reference", help="reuse this fault-free run directory as the reference")

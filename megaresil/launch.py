@@ -33,17 +33,19 @@ class Membership:
     nproc_per_node: Optional[int] = None
     endpoint: str = "localhost:0"
     run_id: Optional[str] = None
+    rdzv_conf: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def parse(cls, nnodes: Optional[str], nproc_per_node: Optional[int], endpoint: Optional[str],
-              run_id: Optional[str]) -> "Membership":
+              run_id: Optional[str], rdzv_conf: str = "") -> "Membership":
         if not nnodes:
             return cls(nproc_per_node=nproc_per_node)
+        conf = dict(item.split("=", 1) for item in rdzv_conf.split(",") if item)
         low, _, high = nnodes.partition(":")
         if not endpoint:
             raise ConfigError("--rdzv-endpoint", "several nodes need a rendezvous endpoint.",
                               "add --rdzv-endpoint HOST:PORT (the same on every node).")
-        return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id)
+        return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf)
 
 
 def inside_torchrun() -> bool:
@@ -68,9 +70,9 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     config = LaunchConfig(
         min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
         rdzv_backend="c10d", rdzv_endpoint=membership.endpoint,
-        # Once the minimum of nodes is there, wait 2 s (not 30) for more: a
+        # Once the minimum of nodes is there, wait 10 s (not 30) for more: a
         # job that lost a node re-forms quickly.
-        rdzv_configs={"last_call_timeout": 2, "join_timeout": 120},
+        rdzv_configs={"last_call_timeout": 10, "join_timeout": 120, **membership.rdzv_conf},
         run_id=membership.run_id or f"megaresil-{os.getpid()}",
         max_restarts=cfg.resilience.max_restarts, monitor_interval=0.1,
         shutdown_timeout=int(cfg.resilience.preemption_grace_s),

@@ -71,7 +71,7 @@ def test_every_field_is_documented():
 
 def test_cli_rejects_bad_recipe_with_one_line_naming_the_key(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(f"defaults: [model/gpt-tiny]\nmodel: {{num_heads: 5}}\n")
+    bad.write_text("defaults: [model/gpt-tiny]\nmodel: {num_heads: 5}\n")
     result = subprocess.run([sys.executable, "-m", "megaresil", "train", str(bad)],
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 2

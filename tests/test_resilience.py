@@ -140,3 +140,23 @@ def test_bad_faults_name_the_key(fault, key):
     with pytest.raises(ConfigError) as err:
         load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [f"faults=[{json.dumps(fault)}]"])
     assert str(err.value).startswith(key)
+
+
+def test_elastic_membership_shrinks_dp_and_refuses_the_impossible():
+    from megaresil.launch import Membership, adapt_to_world
+
+    cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", ["train.global_batch_size=32"])
+    shrunk = adapt_to_world(cfg, 4)  # one of two 4-rank nodes lost: tp, pp kept
+    assert (shrunk.parallel.tp, shrunk.parallel.pp, shrunk.parallel.dp) == (2, 2, 1)
+    with pytest.raises(ConfigError, match="world size is 6"):
+        adapt_to_world(cfg, 6)  # not a multiple of tp*pp
+    # Interleaved at dp=3 has 2 micro-batches per step; at dp=2 it would have 3,
+    # not a multiple of pp=2: refused, naming parallel.dp.
+    tight = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [
+        "parallel.dp=3", "parallel.vpp=2", "train.micro_batch_size=2",
+        "train.global_batch_size=12"])
+    with pytest.raises(ConfigError, match="^parallel.dp: the job re-formed with 8 ranks"):
+        adapt_to_world(tight, 8)
+    assert Membership.parse("1:2", 4, "host:29500", "job").max_nodes == 2
+    with pytest.raises(ConfigError, match="--rdzv-endpoint"):
+        Membership.parse("1:2", 4, None, None)

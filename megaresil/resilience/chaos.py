@@ -11,17 +11,14 @@ and the restart kind.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megaresil.config import RecipeConfig, load_recipe
+from megaresil.config import load_recipe
 from megaresil.events import read_events
 from megaresil.launch import PREEMPTED_EXIT
 from megaresil.train.metrics import read_metrics
@@ -36,8 +33,6 @@ class Scenario:
     settings: list[str] = field(default_factory=list)  # resilience.* overrides
     expect_restart: bool = True
     requeue_after_exit: bool = False  # like a scheduler rerunning a preempted job
-    exact: bool = True  # final loss bit-identical (False: layout changes, 1e-5)
-    nodes: int = 1
 
 
 def scenarios(rank: int, step: int, save_step: int) -> dict[str, Scenario]:
@@ -64,7 +59,6 @@ def scenarios(rank: int, step: int, save_step: int) -> dict[str, Scenario]:
         Scenario("kill-during-checkpoint-save",
                  [{"kind": "kill", "rank": rank, "step": save_step, "section": "checkpoint"}],
                  relaunch),
-        Scenario("node-loss", [], relaunch, exact=False, nodes=2),
     ]}
 
 
@@ -81,47 +75,11 @@ def fault_overrides(scenario: Scenario) -> list[str]:
     return [f"faults={json.dumps(scenario.faults)}", *scenario.settings]
 
 
-def run_node_loss(recipe: str, overrides: list[str], run_dir: Path, cfg: RecipeConfig,
-                  kill_at_step: int) -> tuple[int, float]:
-    """Two agents ("nodes") form the job; the second is killed with its
-    workers once `kill_at_step` is done. Returns (exit code, kill time)."""
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-    port = free_port()
-    membership = ["--nnodes", "1:2", "--nproc-per-node", str(world // 2), "--rdzv-endpoint",
-                  f"127.0.0.1:{port}", "--rdzv-id", f"chaos-{os.getpid()}"]
-    command = train_command(recipe, overrides, run_dir) + membership
-    first = subprocess.Popen(command)
-    time.sleep(1.0)  # the first agent hosts the rendezvous store
-    second = subprocess.Popen(command, start_new_session=True)
-    killed_at = wait_for_step(run_dir, kill_at_step, [first, second])
-    os.killpg(second.pid, signal.SIGKILL)
-    return first.wait(), killed_at
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen]) -> float:
-    path = run_dir / "metrics.jsonl"
-    while all(p.poll() is None for p in procs):
-        if path.exists() and any(r.get("step", 0) >= step and "loss" in r
-                                 for r in read_metrics(run_dir)):
-            return time.time()
-        time.sleep(0.05)
-    raise RuntimeError("the job ended before the node could be killed")
-
-
-def analyse(reference: Path, faulted: Path, scenario: Scenario,
-            fault_time: Optional[float]) -> dict:
+def analyse(reference: Path, faulted: Path, scenario: Scenario) -> dict:
     events = read_events(faulted)
     metrics = [r for r in read_metrics(faulted) if "loss" in r]
-    if fault_time is None:
-        fault_time = min((e["time"] for e in events if e["event"] == "fault_injected"),
-                         default=None)
+    fault_time = min((e["time"] for e in events if e["event"] == "fault_injected"),
+                     default=None)
     after = [e for e in events if fault_time is not None and e["time"] >= fault_time]
     detected = min((e["time"] for e in after if e["event"] in DETECTIONS), default=None)
     restarts = [e for e in after if e["event"] == "restart"]
@@ -133,8 +91,7 @@ def analyse(reference: Path, faulted: Path, scenario: Scenario,
     ref_final = [r for r in read_metrics(reference) if "loss" in r][-1]
     final = metrics[-1]
     equal = final["step"] == ref_final["step"] and (
-        final["loss"] == ref_final["loss"] if scenario.exact
-        else abs(final["loss"] - ref_final["loss"]) <= 1e-5 * abs(ref_final["loss"]))
+        final["loss"] == ref_final["loss"])
     hangs = [e for e in events if e["event"] == "hang_detected"]
     return {
         "scenario": scenario.name,
@@ -174,15 +131,10 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
             raise RuntimeError("the fault-free reference run failed")
     faulted = root / f"faulted-{name}"
     shutil.rmtree(faulted, ignore_errors=True)
-    fault_time = None
-    if scenario.nodes > 1:
-        code, fault_time = run_node_loss(recipe, overrides + scenario.settings, faulted, cfg,
-                                         fault_step)
-    else:
+    code = run_training(recipe, overrides + fault_overrides(scenario), faulted)
+    if code == PREEMPTED_EXIT and scenario.requeue_after_exit:
         code = run_training(recipe, overrides + fault_overrides(scenario), faulted)
-        if code == PREEMPTED_EXIT and scenario.requeue_after_exit:
-            code = run_training(recipe, overrides + fault_overrides(scenario), faulted)
-    result = {**analyse(reference, faulted, scenario, fault_time), "exit_code": code,
+    result = {**analyse(reference, faulted, scenario), "exit_code": code,
               "reference": str(reference), "faulted": str(faulted)}
     (root / f"chaos-{name}.json").write_text(json.dumps(result, indent=1))
     (root / "chaos.json").write_text(json.dumps(result, indent=1))

@@ -31,7 +31,7 @@ from megaresil.parallel.layout import ParallelLayout, backend_for
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.supervision import Supervision
-from megaresil.resilience.watchdog import HangAbort, Watchdog, raise_in_thread
+from megaresil.resilience.watchdog import Watchdog, raise_in_thread
 from megaresil.train.checkpointing import NoValidCheckpoint, checkpoint_root
 from megaresil.train.loop import Trainer
 
