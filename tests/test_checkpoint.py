@@ -33,9 +33,8 @@ def ckpt_opts(backend: str, asynchronous: bool) -> list[str]:
 # --- exact resume ----------------------------------------------------------------
 
 EXACT_1 = [(b, a, False) for b in BACKENDS for a in (False, True)]
-# At 3D every backend, saving mode and optimizer kind appear with each other (pairwise).
-EXACT_3D = [("torch_dist", False, False), ("torch_dist", True, True),
-            ("zarr", False, True), ("zarr", True, False)]
+# At 3D: every backend x saving mode x optimizer kind.
+EXACT_3D = [(b, a, d) for b in BACKENDS for a in (False, True) for d in (False, True)]
 
 
 def exact_name(world: int, backend: str, asynchronous: bool, distopt: bool) -> str:
