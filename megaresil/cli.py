@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kill-rank, raise-in-rank, hang-in-collective, "
                             "hang-outside-collective, slow-rank, sigterm, "
                             "hang-holding-gil, corrupt-latest-checkpoint, "
-                            "kill-during-checkpoint-save")
+                            "kill-during-checkpoint-save, node-loss")
     chaos.add_argument("--rank", type=int, help="faulty rank (default: the last)")
     chaos.add_argument("--step", type=int, help="fault step (default: train.steps/2 + 1)")
     chaos.add_argument("--reference", help="reuse this fault-free run directory as the reference")

@@ -70,9 +70,11 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     config = LaunchConfig(
         min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
         rdzv_backend="c10d", rdzv_endpoint=membership.endpoint,
-        # Once the minimum of nodes is there, wait 10 s (not 30) for more: a
-        # job that lost a node re-forms quickly.
-        rdzv_configs={"last_call_timeout": 10, "join_timeout": 120, **membership.rdzv_conf},
+        # Wait 5 s (not 30) for more nodes once the minimum is there, and call
+        # a node gone after ~2 s without keep-alives (not 15): a job that lost
+        # a node re-forms in seconds.
+        rdzv_configs={"last_call_timeout": 5, "join_timeout": 120, "keep_alive_interval": 1,
+                      "keep_alive_max_attempt": 2, **membership.rdzv_conf},
         run_id=membership.run_id or f"megaresil-{os.getpid()}",
         max_restarts=cfg.resilience.max_restarts, monitor_interval=0.1,
         shutdown_timeout=int(cfg.resilience.preemption_grace_s),

@@ -148,7 +148,12 @@ class Checkpointer:
         most one save is in flight."""
         self.wait()
         started = time.perf_counter()
-        staged = self._stage(self._my_writes(rects))
+        mine = self._my_writes(rects)
+        # A synchronous save on the CPU writes straight from the live tensors
+        # (nothing changes them meanwhile); async saves and GPU tensors need
+        # the staging copy.
+        needs_copy = self.asynchronous or any(r.tensor.device.type != "cpu" for r in mine)
+        staged = self._stage(mine) if needs_copy else mine
         blocking = time.perf_counter() - started
         if self.asynchronous:
             self.pending = self.executor.submit(self._write_and_commit, step, staged,
@@ -184,9 +189,12 @@ class Checkpointer:
         if self.coll.rank == 0:
             path = self._commit(name, partial, all_written, {**state, "rank_states": rank_states})
             per_rank = [sum(_nbytes(w) for w in ws) for ws in all_written]
+            seconds = time.perf_counter() - started
+            # A synchronous save holds the training loop for all of it.
             self.events.emit("checkpoint_saved", step=step, path=str(path), bytes=sum(per_rank),
-                             bytes_per_rank=per_rank, seconds=time.perf_counter() - started,
-                             blocking_seconds=blocking, backend=self.backend.name)
+                             bytes_per_rank=per_rank, seconds=seconds,
+                             blocking_seconds=blocking if self.asynchronous else seconds,
+                             backend=self.backend.name)
         self.coll.barrier()
 
     def _commit(self, name: str, partial: Path, all_written: list[list[dict]], state: dict) -> Path:

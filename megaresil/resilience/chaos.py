@@ -11,12 +11,17 @@ and the restart kind.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+import psutil
 
 from megaresil.config import load_recipe
 from megaresil.events import read_events
@@ -33,6 +38,7 @@ class Scenario:
     settings: list[str] = field(default_factory=list)  # resilience.* overrides
     expect_restart: bool = True
     requeue_after_exit: bool = False  # like a scheduler rerunning a preempted job
+    nodes: int = 1  # > 1: agents that form one elastic job; the last one is lost
 
 
 def scenarios(rank: int, step: int, save_step: int) -> dict[str, Scenario]:
@@ -59,6 +65,7 @@ def scenarios(rank: int, step: int, save_step: int) -> dict[str, Scenario]:
         Scenario("kill-during-checkpoint-save",
                  [{"kind": "kill", "rank": rank, "step": save_step, "section": "checkpoint"}],
                  relaunch),
+        Scenario("node-loss", [], relaunch, nodes=2),
     ]}
 
 
@@ -75,11 +82,45 @@ def fault_overrides(scenario: Scenario) -> list[str]:
     return [f"faults={json.dumps(scenario.faults)}", *scenario.settings]
 
 
-def analyse(reference: Path, faulted: Path, scenario: Scenario) -> dict:
+def run_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
+                  lose_after_step: int) -> tuple[int, float]:
+    """Two agents ("nodes") form one elastic job; once `lose_after_step` is
+    done, the second agent and its workers are killed. The first hosts the
+    rendezvous store, so it outlives the loss. Returns (exit code, loss time)."""
+    membership = ["--nnodes", "1:2", "--nproc-per-node", str(world // 2), "--rdzv-endpoint",
+                  f"127.0.0.1:{free_port()}", "--rdzv-id", f"chaos-{os.getpid()}"]
+    command = train_command(recipe, overrides, run_dir) + membership
+    host = subprocess.Popen(command + ["--rdzv-conf", "is_host=1"])
+    other = subprocess.Popen(command + ["--rdzv-conf", "is_host=0"])
+    lost_at = wait_for_step(run_dir, lose_after_step, host)
+    node = psutil.Process(other.pid)
+    for proc in [node, *node.children(recursive=True)]:
+        proc.kill()
+    return host.wait(), lost_at
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> float:
+    while proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and any(
+                r.get("step", 0) >= step and "loss" in r for r in read_metrics(run_dir)):
+            return time.time()
+        time.sleep(0.05)
+    raise RuntimeError("the job ended before the node could be lost")
+
+
+def analyse(reference: Path, faulted: Path, scenario: Scenario,
+            fault_time: Optional[float] = None) -> dict:
     events = read_events(faulted)
     metrics = [r for r in read_metrics(faulted) if "loss" in r]
-    fault_time = min((e["time"] for e in events if e["event"] == "fault_injected"),
-                     default=None)
+    if fault_time is None:
+        fault_time = min((e["time"] for e in events if e["event"] == "fault_injected"),
+                         default=None)
     after = [e for e in events if fault_time is not None and e["time"] >= fault_time]
     detected = min((e["time"] for e in after if e["event"] in DETECTIONS), default=None)
     restarts = [e for e in after if e["event"] == "restart"]
@@ -90,8 +131,10 @@ def analyse(reference: Path, faulted: Path, scenario: Scenario) -> dict:
     before = [r["step"] for r in metrics if fault_time and r["time"] < fault_time]
     ref_final = [r for r in read_metrics(reference) if "loss" in r][-1]
     final = metrics[-1]
-    equal = final["step"] == ref_final["step"] and (
-        final["loss"] == ref_final["loss"])
+    # Losing a node changes the layout (dp shrinks): equal within 1e-5 then.
+    tolerance = 1e-5 * abs(ref_final["loss"]) if scenario.nodes > 1 else 0.0
+    equal = (final["step"] == ref_final["step"]
+             and abs(final["loss"] - ref_final["loss"]) <= tolerance)
     hangs = [e for e in events if e["event"] == "hang_detected"]
     return {
         "scenario": scenario.name,
@@ -131,10 +174,15 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
             raise RuntimeError("the fault-free reference run failed")
     faulted = root / f"faulted-{name}"
     shutil.rmtree(faulted, ignore_errors=True)
-    code = run_training(recipe, overrides + fault_overrides(scenario), faulted)
-    if code == PREEMPTED_EXIT and scenario.requeue_after_exit:
+    fault_time = None
+    if scenario.nodes > 1:
+        code, fault_time = run_node_loss(recipe, overrides + scenario.settings, faulted, world,
+                                         fault_step)
+    else:
         code = run_training(recipe, overrides + fault_overrides(scenario), faulted)
-    result = {**analyse(reference, faulted, scenario), "exit_code": code,
+        if code == PREEMPTED_EXIT and scenario.requeue_after_exit:
+            code = run_training(recipe, overrides + fault_overrides(scenario), faulted)
+    result = {**analyse(reference, faulted, scenario, fault_time), "exit_code": code,
               "reference": str(reference), "faulted": str(faulted)}
     (root / f"chaos-{name}.json").write_text(json.dumps(result, indent=1))
     (root / "chaos.json").write_text(json.dumps(result, indent=1))
