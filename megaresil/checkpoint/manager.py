@@ -116,7 +116,9 @@ class Checkpointer:
         self.writers: Optional[dict[tuple, int]] = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
         self.pending: Optional[Future] = None
-        self.lock = threading.Lock()
+        self.staged: Optional[threading.Event] = None  # async: the staging copy is done
+        self.stalled: Optional[float] = None  # async: seconds the loop waited for it
+        self.call_seconds = 0.0  # async: seconds the save call itself held the loop
 
     # --- saving ---------------------------------------------------------------
 
@@ -144,33 +146,63 @@ class Checkpointer:
     def save(self, step: int, rects: list[Rect], state: dict, rank_state: dict) -> None:
         """Save `rects` (this rank's view of the training state), the
         non-tensor `state` (same on every rank) and this rank's `rank_state`
-        as checkpoint `step`. Blocks only for staging when asynchronous; at
-        most one save is in flight."""
+        as checkpoint `step`. At most one save is in flight.
+
+        Asynchronous saves copy the state to staging memory on the background
+        thread too: the loop goes on with the next forward/backward, which
+        does not touch the weights, and waits only if it reaches the next
+        optimizer step (`before_update`) before the copy is done."""
         self.wait()
         started = time.perf_counter()
         mine = self._my_writes(rects)
-        # A synchronous save on the CPU writes straight from the live tensors
-        # (nothing changes them meanwhile); async saves and GPU tensors need
-        # the staging copy.
-        needs_copy = self.asynchronous or any(r.tensor.device.type != "cpu" for r in mine)
-        staged = self._stage(mine) if needs_copy else mine
-        blocking = time.perf_counter() - started
-        if self.asynchronous:
-            self.pending = self.executor.submit(self._write_and_commit, step, staged,
-                                                {**state, "rank_state": rank_state}, started,
-                                                blocking)
-        else:
-            self._write_and_commit(step, staged, {**state, "rank_state": rank_state}, started,
-                                   blocking)
+        state = {**state, "rank_state": rank_state}
+        if not self.asynchronous:
+            # On the CPU a synchronous save writes straight from the live
+            # tensors (nothing changes them meanwhile); GPU tensors are copied.
+            on_cpu = all(r.tensor.device.type == "cpu" for r in mine)
+            self._write_and_commit(step, mine if on_cpu else self._stage(mine), state, started)
+            return
+        self.staged, self.stalled = threading.Event(), None
+        self.call_seconds = time.perf_counter() - started  # the first call plans the writers
+        self.pending = self.executor.submit(self._stage_write_commit, step, mine, state, started)
+
+    def before_update(self) -> None:
+        """Call before anything modifies the saved tensors (the optimizer step):
+        waits for an async save's staging copy and records the stall."""
+        if self.staged is None or self.stalled is not None:
+            return
+        waited = time.perf_counter()
+        self.staged.wait()
+        self.stalled = time.perf_counter() - waited
 
     def wait(self) -> None:
         """Wait for an in-flight save; re-raises its failure."""
+        self.before_update()
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending.result()
 
-    def _write_and_commit(self, step: int, staged: list[Rect], state: dict, started: float,
-                          blocking: float) -> None:
+    def _stage_write_commit(self, step: int, mine: list[Rect], state: dict,
+                            started: float) -> None:
+        try:
+            staged = self._stage(mine)
+        finally:
+            self.staged.set()
+        self._write_and_commit(step, staged, state, started)
+
+    def _blocking_seconds(self, seconds: float) -> float:
+        """How long the loop was held: all of a synchronous save; for an async
+        one, its wait at the next update (recorded by then in practice: the
+        write and commit take longer than a forward/backward)."""
+        if not self.asynchronous:
+            return seconds
+        deadline = time.perf_counter() + 10.0
+        while self.stalled is None and time.perf_counter() < deadline:
+            time.sleep(0.005)
+        return self.call_seconds + (self.stalled or 0.0)
+
+    def _write_and_commit(self, step: int, staged: list[Rect], state: dict,
+                          started: float) -> None:
         name = fmt.step_dir_name(step)
         partial = self.root / f"{name}.partial-0"
         rank_state = state.pop("rank_state")
@@ -190,10 +222,9 @@ class Checkpointer:
             path = self._commit(name, partial, all_written, {**state, "rank_states": rank_states})
             per_rank = [sum(_nbytes(w) for w in ws) for ws in all_written]
             seconds = time.perf_counter() - started
-            # A synchronous save holds the training loop for all of it.
             self.events.emit("checkpoint_saved", step=step, path=str(path), bytes=sum(per_rank),
                              bytes_per_rank=per_rank, seconds=seconds,
-                             blocking_seconds=blocking if self.asynchronous else seconds,
+                             blocking_seconds=self._blocking_seconds(seconds),
                              backend=self.backend.name)
         self.coll.barrier()
 

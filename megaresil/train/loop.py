@@ -153,6 +153,7 @@ class Trainer:
         norm = global_grad_norm(entries, self.layout, sharded_over_dp=self.sharded_optimizer)
         clip_gradients([g for _, g in entries], norm, self.cfg.optimizer.grad_clip)
         set_lr(self.optimizer, lr_at(step, self.cfg.optimizer, self.cfg.train.steps))
+        self.checkpointer.before_update()  # an async save may still be copying the weights
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm.item()
