@@ -149,10 +149,6 @@ def committed_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def has_checkpoints(root: Path) -> bool:
-    return bool(committed_checkpoints(root))
-
-
 def clean_partials(root: Path) -> list[str]:
     """Remove saves that died: `.partial-` directories and step directories
     without a marker. Returns the names removed."""

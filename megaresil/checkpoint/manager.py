@@ -38,13 +38,6 @@ class Collectives:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def broadcast(self, obj):
-        if self.group is None:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
     def barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)

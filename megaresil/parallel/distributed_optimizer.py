@@ -83,9 +83,6 @@ class DistributedOptimizer:
             shard.view.grad = out[: shard.stop - shard.start]
             shard.param.grad = None
 
-    def shard_grads(self) -> list[torch.Tensor]:
-        return [s.view.grad for s in self.shards if s.view.grad is not None]
-
     @torch.no_grad()
     def step(self) -> None:
         self.inner.step()

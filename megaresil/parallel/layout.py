@@ -102,10 +102,6 @@ class ParallelLayout:
         return TPGroup(self.group("tp"), self.tp, self.tp_rank, self.sequence_parallel)
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
