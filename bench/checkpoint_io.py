@@ -57,7 +57,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import tempfile
 import time
 import zlib
@@ -74,6 +73,7 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.sharded import Rect
 from megaresil.events import EventLog, read_events
+from megaresil.launch import free_port
 
 GB = 1e9
 TP = 2
@@ -445,12 +445,6 @@ def _worker(rank: int, world: int, port: int, sizes: list[float], repeats: int,
                  "cold_cache": cold}))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(ranks: int, sizes: list[float], repeats: int,

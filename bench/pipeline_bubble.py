@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -46,6 +45,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from megaresil.config import PipelineSchedule
+from megaresil.launch import free_port
 from megaresil.parallel.pipeline import MULTI_STAGE, SCHEDULE_CLASSES
 
 MICRO_BATCH = 2
@@ -219,12 +219,6 @@ def _worker(rank: int, p: int, port: int, cases: list[Case], t_forward: float, s
             Path(result).write_text(json.dumps([asdict(row) for row in rows]))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cases(p: int, cases: list[Case], t_forward: float, steps: int) -> list[Row]:

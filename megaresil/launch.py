@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,13 @@ class Membership:
             raise ConfigError("--rdzv-endpoint", "several nodes need a rendezvous endpoint.",
                               "add --rdzv-endpoint HOST:PORT (the same on every node).")
         return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for a local rendezvous or store."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def inside_torchrun() -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megaresil.config import load_recipe
+from megaresil.launch import free_port
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.train.loop import Trainer
 from megaresil.train.optim import optimizer_state_bytes
@@ -43,12 +43,6 @@ class Case:
     dump_grads: bool = False  # save full (gathered) grads after one step's backward
     resume: bool = False  # after stopping at train.exit_at_step, run again without it
     kill_rank_in_save: Optional[tuple[int, int]] = None  # (rank, step): SIGKILL mid-write
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def recipe_for(case: Case, run_dir: Path, *, without_exit: bool = False):

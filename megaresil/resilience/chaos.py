@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ import psutil
 
 from megaresil.config import load_recipe
 from megaresil.events import read_events
-from megaresil.launch import PREEMPTED_EXIT
+from megaresil.launch import PREEMPTED_EXIT, free_port
 from megaresil.train.metrics import read_metrics
 
 DETECTIONS = ("hang_detected", "worker_error", "preempted")
@@ -97,12 +96,6 @@ def run_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
     for proc in [node, *node.children(recursive=True)]:
         proc.kill()
     return host.wait(), lost_at
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> float:
