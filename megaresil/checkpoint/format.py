@@ -20,6 +20,7 @@ verifying never costs more than reading the data.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -50,6 +51,11 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise CheckpointError(f"unsupported dtype {name!r} in the manifest")
     return _DTYPES[name]
+
+
+def region_bytes(shape: list[int], dtype_name: str) -> int:
+    """Bytes of a (sub)tensor of `shape` and the manifest dtype `dtype_name`."""
+    return math.prod(shape) * torch_dtype(dtype_name).itemsize
 
 
 def step_dir_name(step: int) -> str:

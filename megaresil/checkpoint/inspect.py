@@ -9,13 +9,6 @@ from megaresil.checkpoint.backends import get_backend
 from megaresil.checkpoint.manager import verify_shards
 
 
-def shard_bytes(entry: dict, shard: dict) -> int:
-    count = 1
-    for n in shard["shape"]:
-        count *= n
-    return count * fmt.torch_dtype(entry["dtype"]).itemsize
-
-
 def summary(path: Path) -> dict:
     manifest = fmt.read_manifest(path)
     per_rank: dict[int, int] = {}
@@ -23,7 +16,7 @@ def summary(path: Path) -> dict:
     for key, entry in manifest["tensors"].items():
         total = 0
         for shard in entry["shards"]:
-            nbytes = shard_bytes(entry, shard)
+            nbytes = fmt.region_bytes(shard["shape"], entry["dtype"])
             per_rank[shard["rank"]] = per_rank.get(shard["rank"], 0) + nbytes
             total += nbytes
         tensors[key] = {"shape": entry["global_shape"], "dtype": entry["dtype"],

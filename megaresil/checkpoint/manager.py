@@ -213,7 +213,7 @@ class Checkpointer:
         all_written, rank_states = zip(*self.coll.all_gather((written, rank_state)))
         if self.coll.rank == 0:
             path = self._commit(name, partial, all_written, {**state, "rank_states": rank_states})
-            per_rank = [sum(_nbytes(w) for w in ws) for ws in all_written]
+            per_rank = [sum(fmt.region_bytes(w["shape"], w["dtype"]) for w in ws) for ws in all_written]
             seconds = time.perf_counter() - started
             self.events.emit("checkpoint_saved", step=step, path=str(path), bytes=sum(per_rank),
                              bytes_per_rank=per_rank, seconds=seconds,
@@ -264,13 +264,6 @@ class Checkpointer:
     def load(self, directory: Path, manifest: dict, targets: list[Rect]) -> None:
         check_shapes(manifest, targets)
         get_backend(manifest["backend"]).read(directory, manifest, targets)
-
-
-def _nbytes(record: dict) -> int:
-    count = 1
-    for n in record["shape"]:
-        count *= n
-    return count * fmt.torch_dtype(record["dtype"]).itemsize
 
 
 def tensor_table(all_written: list[list[dict]]) -> dict:

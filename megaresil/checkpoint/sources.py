@@ -8,7 +8,6 @@ serve the same interface.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, TypeVar
 
@@ -18,7 +17,6 @@ from tqdm import tqdm
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.backends import get_backend
 from megaresil.checkpoint.backends.zarr import region
-from megaresil.checkpoint.inspect import shard_bytes
 from megaresil.checkpoint.manager import dtype_name, verify_shards
 from megaresil.checkpoint.sharded import Rect
 
@@ -68,7 +66,7 @@ class CheckpointSource:
         the first bad one."""
         shards = list(fmt.iter_shards(self.manifest))
         with tqdm(total=len(shards), desc="verifying source", unit="shard") as bar:
-            for batch in byte_batches(shards, lambda s: shard_bytes(s[1], s[2])):
+            for batch in byte_batches(shards, lambda s: fmt.region_bytes(s[2]["shape"], s[1]["dtype"])):
                 reason = verify_shards(self.backend, self.path, self.manifest, batch)
                 if reason:
                     raise fmt.CheckpointError(
@@ -91,7 +89,7 @@ class FullTensorSource:
 
 
 def _entry_bytes(entry: dict) -> int:
-    return math.prod(entry["global_shape"]) * fmt.torch_dtype(entry["dtype"]).itemsize
+    return fmt.region_bytes(entry["global_shape"], entry["dtype"])
 
 
 def full_tensors(source: TensorSource, keys: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
