@@ -386,17 +386,17 @@ def measure_async(me: Rank, shape: ModelShape, root: Path) -> tuple[AsyncRow, bo
     return row, cold
 
 
-def measure_size(me: Rank, shape: ModelShape, directory: Path,
-                 repeats: int) -> tuple[list[Row], AsyncRow, bool]:
+def measure_size(me: Rank, shape: ModelShape, directory: Path, repeats: int,
+                 methods: tuple[str, ...]) -> tuple[list[Row], AsyncRow, bool]:
     """Every method `repeats` times, round-robin so that drift in the load of
     a shared box hits all methods alike. Other processes can only add time,
     so the fastest repeat is the best estimate of each method's own (as in
     timeit). Also whether the cache was cold throughout."""
-    runs: dict[str, list[Run]] = {method: [] for method in METHODS}
+    runs: dict[str, list[Run]] = {method: [] for method in methods}
     async_runs: list[AsyncRow] = []
     cold = True
     for _ in range(repeats):
-        for method in METHODS:
+        for method in methods:
             runs[method].append(measure(method, me, directory / method))
             cold &= runs[method][-1].cold
         async_row, async_cold = measure_async(me, shape, directory / "async")
@@ -417,11 +417,12 @@ def warm_up(rank: int, world: int, ckpt_group: dist.ProcessGroup, directory: Pat
     machinery, a one-off cost the first timed method would otherwise pay."""
     tiny = ModelShape(hidden=64, layers=1)
     rects = build_rects(tiny, rank % TP)
-    measure_size(Rank(rank, world, ckpt_group, rects, empty_like(rects)), tiny, directory, 1)
+    measure_size(Rank(rank, world, ckpt_group, rects, empty_like(rects)), tiny, directory, 1,
+                 METHODS)
 
 
 def _worker(rank: int, world: int, port: int, sizes: list[float], repeats: int,
-            scratch: str) -> None:
+            methods: tuple[str, ...], scratch: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # ranks share the CPUs, as tests/dist_harness.py does
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -435,7 +436,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[float], repeats: int,
             rects = build_rects(shape, rank % TP)
             me = Rank(rank, world, ckpt_group, rects, empty_like(rects))
             size_rows, async_row, size_cold = measure_size(me, shape, Path(scratch) / str(size),
-                                                           repeats)
+                                                           repeats, methods)
             rows += size_rows
             async_rows.append(async_row)
             cold &= size_cold
@@ -447,13 +448,13 @@ def _worker(rank: int, world: int, port: int, sizes: list[float], repeats: int,
         dist.destroy_process_group()
 
 
-def run(ranks: int, sizes: list[float], repeats: int,
+def run(ranks: int, sizes: list[float], repeats: int, methods: tuple[str, ...],
         parent: Path | None) -> tuple[list[Row], list[AsyncRow], bool]:
     """All sizes and methods in one spawned group (starting processes and
     importing torch costs more than a small checkpoint)."""
     scratch = Path(tempfile.mkdtemp(prefix="checkpoint_io-", dir=parent))
     try:
-        mp.start_processes(_worker, args=(ranks, free_port(), sizes, repeats, str(scratch)), nprocs=ranks,
+        mp.start_processes(_worker, args=(ranks, free_port(), sizes, repeats, methods, str(scratch)), nprocs=ranks,
                            join=True, start_method="spawn")
         result = json.loads((scratch / "result.json").read_text())
     finally:
@@ -507,12 +508,13 @@ def plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sizes = sorted({r.size_gb for r in rows})
-    width = 0.8 / len(METHODS)
+    methods = list(dict.fromkeys(r.method for r in rows))
+    width = 0.8 / len(methods)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, op in zip(axes, ("save", "load")):
-        for i, method in enumerate(METHODS):
+        for i, method in enumerate(methods):
             mine = {r.size_gb: r for r in rows if r.method == method}
-            ax.bar([x + (i - (len(METHODS) - 1) / 2) * width for x in range(len(sizes))],
+            ax.bar([x + (i - (len(methods) - 1) / 2) * width for x in range(len(sizes))],
                    [s / getattr(mine[s], f"{op}_s") for s in sizes], width, label=method)
         ax.set_xticks(range(len(sizes)), labels=[f"{s:.2f} GB" for s in sizes])
         ax.set_title(op)
@@ -529,7 +531,7 @@ def write_results(rows: list[Row], async_rows: list[AsyncRow], cold: bool,
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     setup = {"ranks": args.ranks, "tp": TP, "dp": args.ranks // TP, "sizes_gb": args.sizes,
-             "repeats": args.repeats,
+             "repeats": args.repeats, "methods": list(args.methods),
              "dtype": "float32", "cold_cache": cold, "async_backend": ASYNC_BACKEND,
              "cpu_count": os.cpu_count(), "platform": platform.platform(),
              "torch": torch.__version__, "wall_s": round(elapsed_s, 1)}
@@ -550,6 +552,8 @@ def parse_args() -> argparse.Namespace:
                         help="unique state sizes in GB (1e9 bytes)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of every method per size; the fastest is reported")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                        help="methods to measure (raw is always included: the ratios need it)")
     parser.add_argument("--out", type=Path, default=None,
                         help="directory for the results (default bench/results/, "
                              "bench/results/quick/ with --quick)")
@@ -561,6 +565,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.ranks < TP or args.ranks % TP:
         parser.error(f"--ranks must be a multiple of tp={TP}")
+    args.methods = tuple(m for m in METHODS if m == "raw" or m in args.methods)
     if args.quick:
         args.sizes, args.repeats = [0.05], 1
     if args.out is None:  # a smoke run must not overwrite the real numbers
@@ -581,7 +586,7 @@ def main() -> None:
     args = parse_args()
     check_space(args)
     start = time.perf_counter()
-    rows, async_rows, cold = run(args.ranks, args.sizes, args.repeats, args.dir)
+    rows, async_rows, cold = run(args.ranks, args.sizes, args.repeats, args.methods, args.dir)
     elapsed = time.perf_counter() - start
     print(header(args, cold))
     print()

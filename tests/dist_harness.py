@@ -56,10 +56,10 @@ def kill_during_save(trainer: Trainer, rank: int, step: int) -> None:
         return
     write = trainer.checkpointer.backend.write
 
-    def dying_write(directory, rects):
+    def dying_write(directory, rects, rank):
         if directory.name.startswith(f"step_{step:07d}"):
             os.kill(os.getpid(), signal.SIGKILL)
-        return write(directory, rects)
+        return write(directory, rects, rank)
 
     trainer.checkpointer.backend.write = dying_write
 

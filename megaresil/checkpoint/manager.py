@@ -38,6 +38,14 @@ class Collectives:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather(self, obj) -> Optional[list]:
+        """Every rank's `obj` on rank 0 (None elsewhere)."""
+        if self.group is None:
+            return [obj]
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, group=self.group, group_dst=0)
+        return out
+
     def barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
@@ -103,10 +111,9 @@ class Checkpointer:
         self.root = root
         self.coll = Collectives(group)
         self.backend: Backend = get_backend(backend)
-        if hasattr(self.backend, "process_group"):
-            self.backend.process_group = group
         self.asynchronous, self.keep, self.events = asynchronous, keep, events
         self.writers: Optional[dict[tuple, int]] = None
+        self.layout_plan: Optional[dict[str, dict]] = None  # of the written rects, every rank's
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
         self.pending: Optional[Future] = None
         self.staged: Optional[threading.Event] = None  # async: the staging copy is done
@@ -117,10 +124,16 @@ class Checkpointer:
 
     def _my_writes(self, rects: list[Rect]) -> list[Rect]:
         """This rank's share: one replica of each rect writes it; the choice
-        balances bytes over ranks and is made once (the layout is fixed)."""
+        balances bytes over ranks and is made once (the layout is fixed), as
+        is the plan of what every rank writes."""
         if self.writers is None:
-            gathered = self.coll.all_gather([(r.identity(), r.nbytes) for r in rects])
-            self.writers = assign_writers(gathered, self.coll.world)
+            gathered = self.coll.all_gather([(r.identity(), r.nbytes, rect_record(r))
+                                             for r in rects])
+            self.writers = assign_writers([[(i, n) for i, n, _ in mine] for mine in gathered],
+                                          self.coll.world)
+            self.layout_plan = layout_plan([[record for i, _, record in mine
+                                             if self.writers[i] == rank]
+                                            for rank, mine in enumerate(gathered)])
         return [r for r in rects if self.writers[r.identity()] == self.coll.rank]
 
     @staticmethod
@@ -199,19 +212,20 @@ class Checkpointer:
         name = fmt.step_dir_name(step)
         partial = self.root / f"{name}.partial-0"
         rank_state = state.pop("rank_state")
-        records = [rect_record(r) for r in staged]
-        gathered = self.coll.all_gather(records)
         if self.coll.rank == 0:
             if partial.exists():
                 shutil.rmtree(partial)
             partial.mkdir(parents=True)
-            self.backend.prepare(partial, layout_plan(gathered))
+            self.backend.prepare(partial, self.layout_plan)
         self.coll.barrier()
-        locations = self.backend.write(partial, staged)
-        written = [{**rec, "rank": self.coll.rank, "checksum": fmt.checksum(r.tensor),
-                    "location": locations[r.identity()]} for rec, r in zip(records, staged)]
-        all_written, rank_states = zip(*self.coll.all_gather((written, rank_state)))
+        done = self.backend.write(partial, staged, self.coll.rank)
+        written = [{**rect_record(r), "rank": self.coll.rank, "checksum": fmt.checksum(r.tensor),
+                    "location": done.locations[r.identity()]} for r in staged]
+        done.durable()
+        gathered = self.coll.gather((written, rank_state, done.note))
         if self.coll.rank == 0:
+            all_written, rank_states, notes = zip(*gathered)
+            self.backend.finish(partial, list(notes))
             path = self._commit(name, partial, all_written, {**state, "rank_states": rank_states})
             per_rank = [sum(fmt.region_bytes(w["shape"], w["dtype"]) for w in ws) for ws in all_written]
             seconds = time.perf_counter() - started

@@ -79,15 +79,17 @@ class _Reader:
 def _write(backend: Backend, directory: Path, reader: _Reader) -> dict[tuple, str]:
     """Write every rect in the reader's order; each one's location by identity."""
     if backend.name == "torch_dist":
-        # One DCP save writes one .metadata for all items, so it gets every
-        # rect at once; it asks for each one's data, in this order, as it
-        # writes it (OnDemandTensor).
-        return backend.write(directory, [reader.on_demand(rect) for rect in reader.order])
-    locations = {}
-    for rect in reader.order:
-        data = Rect(rect.key, rect.global_shape, rect.offset, reader.data(rect))
-        locations.update(backend.write(directory, [data]))
-    return locations
+        # One DCP save is one file, so it gets every rect at once; it asks for
+        # each one's data, in this order, as it writes it (OnDemandTensor).
+        done = [backend.write(directory, [reader.on_demand(rect) for rect in reader.order], 0)]
+    else:
+        done = [backend.write(directory, [Rect(rect.key, rect.global_shape, rect.offset,
+                                               reader.data(rect))], 0)
+                for rect in reader.order]
+    for d in done:
+        d.durable()
+    backend.finish(directory, [d.note for d in done])
+    return {identity: where for d in done for identity, where in d.locations.items()}
 
 
 def _as_stored(rect: Rect, source: TensorSource) -> Rect:

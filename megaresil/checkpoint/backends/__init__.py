@@ -7,10 +7,25 @@ backend is one file with a class implementing `Backend`, added to BACKENDS.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 from megaresil.checkpoint.sharded import Rect
+
+
+def _already_durable() -> None:
+    pass
+
+
+@dataclass
+class Written:
+    """What one `Backend.write` call reports."""
+    locations: dict[tuple, str]  # each rect's location (relative to the directory) by identity
+    note: Any = None  # what `Backend.finish` needs from this writer (picklable)
+    # Returns once the written files are durable; a backend that flushes in
+    # the background lets the caller work (checksums) meanwhile.
+    durable: Callable[[], None] = _already_durable
 
 
 class Backend(Protocol):
@@ -20,10 +35,15 @@ class Backend(Protocol):
         """Called on one rank before anyone writes; `layout_plan` maps each key
         to its global shape, dtype and every writer's rect (for chunking)."""
 
-    def write(self, directory: Path, rects: list[Rect]) -> dict[tuple, str]:
-        """Write this rank's rects (all ranks call it together); return each
-        rect's location (a path relative to `directory`) by rect identity.
-        Files must be durable (fsynced) on return."""
+    def write(self, directory: Path, rects: list[Rect], rank: int) -> Written:
+        """Write rank `rank`'s rects; each rank writes on its own, with no
+        collectives. The files are durable (fsynced) once the returned
+        `durable()` returns; the rects' tensors are no longer read."""
+
+    def finish(self, directory: Path, notes: list[Any]) -> None:
+        """Called on one process once every write has returned, with every
+        write's note, before the manifest: for files that describe all
+        ranks' writes. Durable on return."""
 
     def read(self, directory: Path, manifest: dict, targets: list[Rect]) -> None:
         """Fill every target rect's tensor from the saved global tensors,

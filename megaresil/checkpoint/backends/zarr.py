@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import zarr
 
+from megaresil.checkpoint.backends import Written
 from megaresil.checkpoint.format import fsync_path, inside
 from megaresil.checkpoint.sharded import Rect
 
@@ -70,11 +71,14 @@ class ZarrBackend:
             paths = [p / str(i) for p in paths for i in r]
         return paths
 
-    def write(self, directory: Path, rects: list[Rect]) -> dict[tuple, str]:
+    def write(self, directory: Path, rects: list[Rect], rank: int) -> Written:
         # Every chunk becomes a file, all-zero ones included (zarr skips those
         # by default): the commit fsyncs exactly the files a rank wrote.
         with zarr.config.set({"array.write_empty_chunks": True}):
-            return self._write(directory, rects)
+            return Written(self._write(directory, rects))
+
+    def finish(self, directory: Path, notes: list) -> None:
+        """Nothing: prepare() wrote every array's metadata."""
 
     def _write(self, directory: Path, rects: list[Rect]) -> dict[tuple, str]:
         root = zarr.open_group(str(directory / "zarr"), mode="r+")
