@@ -154,23 +154,24 @@ class Checkpointer:
         non-tensor `state` (same on every rank) and this rank's `rank_state`
         as checkpoint `step`. At most one save is in flight.
 
-        Asynchronous saves copy the state to staging memory on the background
-        thread too: the loop goes on with the next forward/backward, which
-        does not touch the weights, and waits only if it reaches the next
-        optimizer step (`before_update`) before the copy is done."""
+        Asynchronous saves plan and copy the state to staging memory on the
+        background thread too: the loop goes on with the next
+        forward/backward, which does not touch the weights, and waits only if
+        it reaches the next optimizer step (`before_update`) before the copy
+        is done."""
         self.wait()
         started = time.perf_counter()
-        mine = self._my_writes(rects)
         state = {**state, "rank_state": rank_state}
         if not self.asynchronous:
+            mine = self._my_writes(rects)
             # On the CPU a synchronous save writes straight from the live
             # tensors (nothing changes them meanwhile); GPU tensors are copied.
             on_cpu = all(r.tensor.device.type == "cpu" for r in mine)
             self._write_and_commit(step, mine if on_cpu else self._stage(mine), state, started)
             return
         self.staged, self.stalled = threading.Event(), None
-        self.call_seconds = time.perf_counter() - started  # the first call plans the writers
-        self.pending = self.executor.submit(self._stage_write_commit, step, mine, state, started)
+        self.call_seconds = time.perf_counter() - started
+        self.pending = self.executor.submit(self._stage_write_commit, step, rects, state, started)
 
     def before_update(self) -> None:
         """Call before anything modifies the saved tensors (the optimizer step):
@@ -188,10 +189,10 @@ class Checkpointer:
             pending, self.pending = self.pending, None
             pending.result()
 
-    def _stage_write_commit(self, step: int, mine: list[Rect], state: dict,
+    def _stage_write_commit(self, step: int, rects: list[Rect], state: dict,
                             started: float) -> None:
         try:
-            staged = self._stage(mine)
+            staged = self._stage(self._my_writes(rects))
         finally:
             self.staged.set()
         self._write_and_commit(step, staged, state, started)
