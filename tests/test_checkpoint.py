@@ -303,6 +303,40 @@ def test_dcp_chunk_regions_read_into_targets(tmp_path):
         assert torch.equal(wide[:, 2:7], chunks["rows"]) and not wide[:, :2].any()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_dist_write_and_read_regions(tmp_path):
+    """One writer's torch_dist files: a large chunk page-aligned, small ones
+    packed; plain dcp.load and our reader both get the values back, and our
+    reader fills other rectangles (row and column blocks) of the tensors."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megaresil.checkpoint.backends import get_backend
+    from megaresil.checkpoint.sharded import Rect
+
+    big = torch.randn(512, 600)  # 1.2 MB: aligned
+    small = torch.randn(8, 6).to(torch.bfloat16)
+    backend = get_backend("torch_dist")
+    backend.prepare(tmp_path, {})
+    done = backend.write(tmp_path, [Rect("big", (1024, 600), (512, 0), big),
+                                    Rect("small", (8, 12), (0, 6), small)], 0)
+    done.durable()
+    backend.finish(tmp_path, [done.note])
+    chunk_file = next((tmp_path / "dcp").glob("*.distcp"))
+    assert big.numpy().tobytes() in chunk_file.read_bytes()
+    offset = chunk_file.read_bytes().index(big.numpy().tobytes())
+    assert offset % 4096 == 0
+    plain = {"big": torch.zeros(1024, 600), "small": torch.zeros(8, 12, dtype=torch.bfloat16)}
+    dcp.load(plain, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")), no_dist=True)
+    assert torch.equal(plain["big"][512:], big) and torch.equal(plain["small"][:, 6:], small)
+    rows = Rect("big", (1024, 600), (700, 0), torch.zeros(100, 600))
+    block = Rect("big", (1024, 600), (600, 250), torch.zeros(300, 100))
+    cols = Rect("small", (8, 12), (2, 8), torch.zeros(4, 3, dtype=torch.bfloat16))
+    backend.read(tmp_path, {}, [rows, block, cols])
+    assert torch.equal(rows.tensor, big[188:288]) and torch.equal(block.tensor, big[88:388, 250:350])
+    assert torch.equal(cols.tensor, small[2:6, 2:5])
+
+
 def test_manifest_names_cannot_escape(tmp_path):
     with pytest.raises(fmt.CheckpointError, match="outside"):
         fmt.inside(tmp_path, "../../etc/passwd")

@@ -32,11 +32,14 @@ import torch.distributed.checkpoint as dcp
 from torch.futures import Future
 import torch.utils.serialization.config as serialization_config
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    StorageMeta, TensorProperties,
                                                    TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, TensorWriteData,
-                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan,
+                                                  SavePlanner, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megaresil.checkpoint.backends import Written
@@ -80,13 +83,26 @@ class _SavePlanner(DefaultSavePlanner):
         return self.state_dict[index.fqn].by_offset[index.offset]
 
 
+# Chunks of at least _ALIGNED_FROM bytes start on page boundaries, and so
+# does their tensor data; smaller ones are packed (padding them would waste
+# more than the alignment gains).
+_PAGE = 4096
+_ALIGNED_FROM = 1 << 20
+
+
 class _RankWriter(dcp.FileSystemWriter):
     """DCP's file writer in its no-collectives mode under rank `rank`'s file
     prefix, keeping its write results for the global metadata instead of
-    writing a per-rank metadata file."""
+    writing a per-rank metadata file.
+
+    Its own `write_data` lays large chunks out page-aligned: DCP's packs
+    each torch.save zip right after the previous one, so a chunk's data
+    starts at an arbitrary offset, and writing 2 GB that way measured about
+    5% slower than at page boundaries. The offsets are recorded as DCP's
+    writer records them, so its reader (and ours) finds every chunk."""
 
     def __init__(self, path: Path, rank: int):
-        super().__init__(str(path), sync_files=False, thread_count=1)  # see TorchDistBackend.write
+        super().__init__(str(path), sync_files=False)  # see TorchDistBackend.write
         self.writer_rank = rank
         self.results: list = []
 
@@ -95,6 +111,34 @@ class _RankWriter(dcp.FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list]) -> None:
         self.results = [result for rank_results in results for result in rank_results]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results = []
+        with open(Path(self.path) / name, "wb") as stream:
+            for item in plan.items:
+                tensor = _compact(planner.resolve_data(item).detach())
+                aligned = tensor.nbytes >= _ALIGNED_FROM
+                if aligned:
+                    stream.write(bytes(-stream.tell() % _PAGE))
+                start = stream.tell()
+                with (serialization_config.patch("save.storage_alignment", _PAGE) if aligned
+                      else contextlib.nullcontext()):
+                    torch.save(tensor, stream)
+                length = stream.tell() - start
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, start, length)))
+        written: Future = Future()
+        written.set_result(results)
+        return written
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """A row-major tensor owning exactly its bytes (torch.save writes a
+    view's whole storage), as DCP's own writer ensures."""
+    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _merged(notes: list[tuple[dict, list]]) -> tuple[Metadata, list[list]]:
