@@ -53,6 +53,15 @@ class GradBuckets:
             buckets.append(_Bucket(current))
         return buckets
 
+    def close(self) -> None:
+        """Remove the grad hooks. A hook and its parameter reference each other
+        partly through autograd's C++ side, a cycle Python's collector cannot
+        break: without this a dropped trainer (an in-process restart) would
+        keep its whole model alive."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
     def arm(self) -> None:
         """The next backward is the step's last micro-batch: sync as grads land."""
         self.armed = True

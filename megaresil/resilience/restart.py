@@ -133,11 +133,12 @@ class WorkerLife:
         """Re-raise what the launcher must handle; otherwise record the
         failure and announce the abort so every rank restarts with us."""
         section = self.watchdog.current[0] if self.watchdog is not None else "unknown"
+        peer_gone = self._peer_gone(err)
         self.events.emit("worker_error", error=f"{type(err).__name__}: {err}"[:2000],
-                         section=section, lost_peer=lost_peer(err),
+                         section=section, lost_peer=peer_gone,
                          generation=self.generation, pid=os.getpid(),
                          rss_mb=psutil.Process().memory_info().rss / 2**20)
-        restartable = (self.cfg.resilience.in_process and not lost_peer(err)
+        restartable = (self.cfg.resilience.in_process and not peer_gone
                        and not isinstance(err, NOT_RESTARTABLE)
                        and self.generation < self.cfg.resilience.max_in_process_restarts)
         if not restartable:
@@ -148,10 +149,19 @@ class WorkerLife:
         if self.rank == 0:
             self._count_restart("in_process", cause)
 
+    def _peer_gone(self, err: BaseException) -> bool:
+        """A connection closed under us means a lost peer, unless a peer
+        announced this generation's abort first: then it is that (live) peer
+        tearing down its process group before we heard of the abort."""
+        return lost_peer(err) and not self.store.check([self._abort_key()])
+
+    def _abort_key(self) -> str:
+        return f"abort/{self.generation}"
+
     def _abort_cause(self, err: BaseException) -> str:
         """Announce this rank's failure so every rank aborts the generation,
         unless one already did; returns the first announced cause."""
-        key = f"abort/{self.generation}"
+        key = self._abort_key()
         mine = json.dumps({"reason": "error", "rank": self.rank,
                            "error": f"{type(err).__name__}: {err}"[:500]})
         first = json.loads(self.store.compare_set(key, "", mine))

@@ -237,10 +237,16 @@ class Trainer:
                 if step == t.exit_at_step:
                     return "exited"
         finally:
-            self.checkpointer.close()
+            self.close()
             if log:
                 log.close()
         return self.stop("finished")
+
+    def close(self) -> None:
+        """Finish the save in flight and release what would outlive the trainer."""
+        self.checkpointer.close()
+        if self.buckets is not None:
+            self.buckets.close()
 
     def save(self) -> None:
         with self.supervision.section("checkpoint", self.state.step):
