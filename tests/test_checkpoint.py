@@ -258,7 +258,7 @@ def test_inspect_retention_and_format_checks(cli, tmp_path):
 
 def test_dcp_metadata_cannot_run_code(tmp_path):
     """A .metadata pickle that would call os.system is refused, not executed."""
-    from megaresil.checkpoint.backends.torch_dist import _SafeReader
+    from megaresil.checkpoint.backends.dcp_read import SafeReader
 
     class Evil:
         def __reduce__(self):
@@ -268,7 +268,7 @@ def test_dcp_metadata_cannot_run_code(tmp_path):
     (tmp_path / "dcp").mkdir()
     (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(Evil()))
     with pytest.raises(fmt.CheckpointError, match="refusing"):
-        _SafeReader(str(tmp_path / "dcp")).read_metadata()
+        SafeReader(str(tmp_path / "dcp")).read_metadata()
     assert (tmp_path / "victim").exists()
 
 

@@ -122,6 +122,46 @@ def test_culprits_are_the_ranks_behind_or_silent():
     assert find_culprits({0: None, 1: beat(3, "data")}, now, stale_after=1.0) == [0]
 
 
+def test_dropped_grad_buckets_free_their_parameters():
+    """GradBuckets' hooks and the params reference each other through
+    autograd's C++ side: without close(), a dropped trainer's model would
+    stay alive across in-process restarts."""
+    import gc
+    import weakref
+
+    import torch
+
+    from megaresil.parallel.data_parallel import GradBuckets
+
+    def weights(close: bool) -> weakref.ref:
+        layer = torch.nn.Linear(4, 4)
+        buckets = GradBuckets(list(layer.parameters()), None, 1)
+        if close:
+            buckets.close()
+        return weakref.ref(layer.weight)
+
+    kept, freed = weights(close=False), weights(close=True)
+    gc.collect()
+    assert kept() is not None and freed() is None
+
+
+def test_closed_connection_after_an_announced_abort_is_not_a_lost_peer():
+    """A peer that failed announces the abort, then tears down its process
+    group; the connection it closes is not a lost peer (restart in process).
+    Without an announcement it is (relaunch)."""
+    import torch.distributed as dist
+
+    from megaresil.resilience.restart import WorkerLife
+
+    life = WorkerLife.__new__(WorkerLife)  # only the store and generation are used
+    life.store, life.generation = dist.HashStore(), 3
+    closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5300")
+    assert life._peer_gone(closed)
+    life.store.set("abort/3", json.dumps({"reason": "error", "rank": 1, "error": "x"}))
+    assert not life._peer_gone(closed)
+    assert not life._peer_gone(RuntimeError("something else"))
+
+
 def test_calibrated_budgets_have_a_floor():
     from megaresil.resilience.watchdog import Watchdog
 

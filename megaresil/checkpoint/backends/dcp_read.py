@@ -8,18 +8,28 @@ the rows of the overlap from the file, straight into the target when the rows
 are whole and the target is a contiguous CPU tensor. The chunk's size, stride
 and dtype come from torch.load onto the meta device (weights only, no data
 read); any other layout is read DCP's way.
+
+DCP's metadata file is a pickle; SafeReader reads it with an unpickler that
+admits only DCP's metadata classes, so loading never runs pickled code.
 """
 from __future__ import annotations
 
 import io
 import math
+import pathlib
+import pickle
 import struct
 import zipfile
-from typing import BinaryIO, Optional, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO, Optional, Sequence
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
 
-from megaresil.checkpoint.format import CheckpointError, tensor_bytes
+from megaresil.checkpoint.format import CheckpointError, inside, tensor_bytes
 
 # A zip local file header: signature, 22 bytes we skip, name and extra-field lengths.
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
@@ -108,3 +118,64 @@ def read_region(file: BinaryIO, start: int, length: int, offsets: Sequence[int],
     rows = torch.empty((lengths[0], *shape[1:]), dtype=saved.dtype)
     _read_exactly(chunk, rows)
     dest.copy_(narrowed(rows, (0, *offsets[1:]), lengths))
+
+
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses, torch dtypes/Size and paths; nothing
+    that can run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _ALLOWED_MODULES and isinstance(getattr(__import__(module, fromlist=[name]),
+                                                             name, None), type):
+            return getattr(__import__(module, fromlist=[name]), name)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
+                                                                 torch.dtype)):
+            return getattr(torch, name)
+        if module == "torch.serialization" and name == "_get_layout":
+            return torch.serialization._get_layout
+        if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath"):
+            return getattr(pathlib, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with metadata unpickled safely, names kept inside the
+    checkpoint, and each overlap's bytes read straight into its target."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        raw = Path(self.path, ".metadata").read_bytes()
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
+            raise CheckpointError(f"DCP metadata of {self.path} is unreadable: {err}") from None
+        for relative in {str(info.relative_path) for info in (metadata.storage_data or {}).values()}:
+            inside(Path(self.path), relative)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        """FileSystemReader's job, file by file, in file order."""
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative, items in by_file.items():
+            with open(inside(Path(self.path), relative), "rb") as file:
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    self._read_item(file, item, planner)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _read_item(self, file, item, planner: LoadPlanner) -> None:
+        stored = self.storage_data[item.storage_index]
+        if item.type == LoadItemType.BYTE_IO or getattr(stored, "transform_descriptors", None):
+            raise CheckpointError(f"{item.storage_index.fqn} in {self.path} is not a plain tensor "
+                                  "chunk; this checkpoint was not written by megaresil")
+        target = planner.resolve_tensor(item).detach()
+        read_region(file, stored.offset, stored.length, item.storage_offsets, item.lengths, target)
+        planner.commit_tensor(item, target)
