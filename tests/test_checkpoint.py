@@ -373,6 +373,48 @@ def test_torch_dist_starts_writeback_while_writing(tmp_path, monkeypatch):
     assert all(torch.equal(t.tensor, r.tensor) for t, r in zip(targets, rects))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_chunk_layout_reads_only_what_is_prefetched(tmp_path):
+    """Reading a chunk's layout touches only its head and tail windows, the
+    ones prefetch_layouts asks the kernel for, in the chunks our writer
+    lays out (large page-aligned, small packed)."""
+    import torch
+
+    from megaresil.checkpoint.backends import get_backend
+    from megaresil.checkpoint.backends.dcp_read import (LAYOUT_HEAD, LAYOUT_TAIL, FileSlice,
+                                                        chunk_layout)
+    from megaresil.checkpoint.sharded import Rect
+
+    class Recording:
+        def __init__(self, file):
+            self.file, self.reads = file, []
+
+        def seek(self, position, whence=0):
+            return self.file.seek(position, whence)
+
+        def readinto(self, buffer):
+            start = self.file.tell()
+            got = self.file.readinto(buffer)
+            self.reads.append((start, got))
+            return got
+
+    rects = [Rect("big", (600, 800), (0, 0), torch.randn(600, 800)),
+             Rect("small", (3, 5), (0, 0), torch.randn(3, 5).to(torch.bfloat16))]
+    backend = get_backend("torch_dist")
+    backend.prepare(tmp_path, {})
+    done = backend.write(tmp_path, rects, 0)
+    done.durable()
+    with open(next((tmp_path / "dcp").glob("*.distcp")), "rb") as f:
+        for result in done.note[1]:
+            start, length = result.storage_data.offset, result.storage_data.length
+            file = Recording(f)
+            saved, record = chunk_layout(FileSlice(file, start, length))
+            assert record is not None and record[1] == saved.nbytes
+            for at, n in file.reads:
+                assert start <= at and at + n <= start + min(length, LAYOUT_HEAD) or \
+                    start + length - LAYOUT_TAIL <= at and at + n <= start + length, (at, n)
+
+
 def test_manifest_names_cannot_escape(tmp_path):
     with pytest.raises(fmt.CheckpointError, match="outside"):
         fmt.inside(tmp_path, "../../etc/passwd")

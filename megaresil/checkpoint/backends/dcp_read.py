@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import pathlib
 import pickle
 import struct
@@ -31,6 +32,8 @@ from torch.futures import Future
 
 from megaresil.checkpoint.format import CheckpointError, inside, tensor_bytes
 
+# Where chunk_layout reads: a chunk's first and last bytes.
+LAYOUT_HEAD, LAYOUT_TAIL = 32 << 10, 16 << 10
 # A zip local file header: signature, 22 bytes we skip, name and extra-field lengths.
 _LOCAL_HEADER = struct.Struct("<4s22xHH")
 _LOCAL_SIGNATURE = b"PK\x03\x04"
@@ -94,16 +97,39 @@ def _read_exactly(chunk: FileSlice, tensor: torch.Tensor) -> None:
                               "shorter than its metadata says (truncated file)")
 
 
+def chunk_layout(chunk: FileSlice) -> tuple[torch.Tensor, Optional[tuple[int, int]]]:
+    """The saved tensor on the meta device (size, stride, dtype), and where
+    its bytes lie in the chunk when they can be read in place: row-major,
+    one uncompressed record of exactly its bytes; else None."""
+    saved = torch.load(chunk, map_location="meta", weights_only=True)
+    if not (saved.is_contiguous() and saved.storage_offset() == 0):
+        return saved, None
+    record = _data_record(chunk)
+    return saved, record if record is not None and record[1] == saved.nbytes else None
+
+
+def prefetch_layouts(file: BinaryIO, chunks: list[tuple[int, int]]) -> None:
+    """Ask the kernel to read the head and tail of every chunk (start,
+    length) of `file` now, in one sweep: chunk_layout reads about twenty
+    small pieces of them (the pickle and small records at the start, each on
+    its own page in our files; the zip directory at the end), and from a cold
+    page cache each piece waited for the disk in turn, 3.5 ms a chunk, half
+    the time of a 2 GB load. A no-op where posix_fadvise does not exist."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for start, length in chunks:
+        os.posix_fadvise(file.fileno(), start, min(length, LAYOUT_HEAD), os.POSIX_FADV_WILLNEED)
+        tail = min(length, LAYOUT_TAIL)
+        os.posix_fadvise(file.fileno(), start + length - tail, tail, os.POSIX_FADV_WILLNEED)
+
+
 def read_region(file: BinaryIO, start: int, length: int, offsets: Sequence[int],
                 lengths: Sequence[int], target: torch.Tensor) -> None:
     """Fill `target` with the region (`offsets`, `lengths`) of the chunk that
     DCP saved at bytes [start, start + length) of `file`."""
     chunk = FileSlice(file, start, length)
-    saved = torch.load(chunk, map_location="meta", weights_only=True)
-    record = None
-    if saved.is_contiguous() and saved.storage_offset() == 0 and saved.dtype == target.dtype:
-        record = _data_record(chunk)
-    if record is None or record[1] != saved.nbytes:
+    saved, record = chunk_layout(chunk)
+    if record is None or saved.dtype != target.dtype:
         chunk.seek(0)
         whole = torch.load(chunk, map_location="cpu", weights_only=True)
         target.copy_(narrowed(whole, offsets, lengths))
@@ -164,8 +190,11 @@ class SafeReader(dcp.FileSystemReader):
         for item in plan.items:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for relative, items in by_file.items():
+            items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
             with open(inside(Path(self.path), relative), "rb") as file:
-                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                prefetch_layouts(file, [(self.storage_data[i.storage_index].offset,
+                                         self.storage_data[i.storage_index].length) for i in items])
+                for item in items:
                     self._read_item(file, item, planner)
         done: Future = Future()
         done.set_result(None)
