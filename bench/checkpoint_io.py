@@ -13,6 +13,12 @@ match a target size. The same state is then saved and loaded with:
               so the unique bytes are written once, perfectly balanced. The
               floor: no format, no metadata, no checksums. Load reads them back
               (readinto, no copy).
+  raw_writeback
+              raw, with the disk writing each file's pages while later ones
+              are still being copied in (posix_fadvise every 16 MiB, as our
+              torch_dist writer does; megaresil.checkpoint.backends.dcp_write):
+              the floor for a writer that overlaps copying and flushing. Load
+              as raw.
   plain_dcp   torch.distributed.checkpoint as a user would call it:
               dcp.save/dcp.load of each rank's local tensors (one key per tp
               shard, the same keys on dp replicas, which DCP's default planner
@@ -43,7 +49,7 @@ cache" and loads may be served from memory. Each loaded tensor is compared
 with the saved one (outside the timing).
 
     python bench/checkpoint_io.py [--ranks 4] [--sizes 0.55 2.0] [--repeats 3]
-        [--methods raw plain_dcp torch_dist zarr] [--out bench/results] [--dir /tmp] [--quick]
+        [--methods raw raw_writeback plain_dcp torch_dist zarr] [--out bench/results] [--dir /tmp] [--quick]
 
 The defaults take about 2 minutes on a 2-core box and need ~12 GB of memory
 (the ranks' state, load targets and async staging copies at 2 GB). They are
@@ -71,6 +77,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.backends.dcp_write import EarlyWriteback
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.sharded import Rect
 from megaresil.events import EventLog, read_events
@@ -86,7 +93,7 @@ STATES = ("model/", "optim/exp_avg/", "optim/exp_avg_sq/")  # weights + two Adam
 # Unique bytes per layer per h^2: 12 h^2 parameters, fp32, three copies (weights, moments).
 BYTES_PER_LAYER_H2 = sum(r * c for _, r, c, _ in MATRICES) * 4 * len(STATES)
 TARGET_LAYERS = 8  # h is sized for about this many layers, then N is fitted to the size
-METHODS = ("raw", "plain_dcp", "torch_dist", "zarr")
+METHODS = ("raw", "raw_writeback", "plain_dcp", "torch_dist", "zarr")
 ASYNC_BACKEND = "torch_dist"  # checkpoint.backend's default
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -233,12 +240,15 @@ def raw_file(directory: Path, rank: int) -> Path:
     return directory / f"rank{rank}.bin"
 
 
-def raw_saver(me: Rank, directory: Path) -> Callable[[], None]:
+def raw_saver(me: Rank, directory: Path, early_writeback: bool) -> Callable[[], None]:
     def save() -> None:
         directory.mkdir(parents=True, exist_ok=True)
         with open(raw_file(directory, me.rank), "wb") as f:
+            writeback = EarlyWriteback(f)
             for rect in me.rects:
                 f.write(byte_view(rect.tensor)[dp_part(rect.nbytes, me.dp_rank, me.dp)])
+                if early_writeback:
+                    writeback.written()
             f.flush()
             os.fsync(f.fileno())
     return save
@@ -295,15 +305,15 @@ def ours_loader(me: Rank, backend: str, root: Path) -> Callable[[], None]:
 
 
 def saver(method: str, me: Rank, directory: Path) -> Callable[[], None]:
-    if method == "raw":
-        return raw_saver(me, directory)
+    if method in ("raw", "raw_writeback"):
+        return raw_saver(me, directory, early_writeback=method == "raw_writeback")
     if method == "plain_dcp":
         return plain_dcp_saver(me, directory)
     return ours_saver(me, method, directory)
 
 
 def loader(method: str, me: Rank, directory: Path) -> Callable[[], None]:
-    if method == "raw":
+    if method in ("raw", "raw_writeback"):  # the same files
         return raw_loader(me, directory)
     if method == "plain_dcp":
         return plain_dcp_loader(me, directory)
