@@ -244,10 +244,10 @@ def raw_saver(me: Rank, directory: Path, early_writeback: bool) -> Callable[[], 
     def save() -> None:
         directory.mkdir(parents=True, exist_ok=True)
         with open(raw_file(directory, me.rank), "wb") as f:
-            writeback = EarlyWriteback(f)
+            writeback = EarlyWriteback(f) if early_writeback else None
             for rect in me.rects:
                 f.write(byte_view(rect.tensor)[dp_part(rect.nbytes, me.dp_rank, me.dp)])
-                if early_writeback:
+                if writeback:
                     writeback.written()
             f.flush()
             os.fsync(f.fileno())

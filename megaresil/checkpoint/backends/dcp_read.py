@@ -188,20 +188,19 @@ class SafeReader(dcp.FileSystemReader):
         """FileSystemReader's job, file by file, in file order."""
         by_file: dict[str, list] = {}
         for item in plan.items:
-            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for relative, items in by_file.items():
-            items.sort(key=lambda i: self.storage_data[i.storage_index].offset)
+            stored = self.storage_data[item.storage_index]
+            by_file.setdefault(stored.relative_path, []).append((stored, item))
+        for relative, chunks in by_file.items():
+            chunks.sort(key=lambda chunk: chunk[0].offset)
             with open(inside(Path(self.path), relative), "rb") as file:
-                prefetch_layouts(file, [(self.storage_data[i.storage_index].offset,
-                                         self.storage_data[i.storage_index].length) for i in items])
-                for item in items:
-                    self._read_item(file, item, planner)
+                prefetch_layouts(file, [(stored.offset, stored.length) for stored, _ in chunks])
+                for stored, item in chunks:
+                    self._read_item(file, stored, item, planner)
         done: Future = Future()
         done.set_result(None)
         return done
 
-    def _read_item(self, file, item, planner: LoadPlanner) -> None:
-        stored = self.storage_data[item.storage_index]
+    def _read_item(self, file, stored, item, planner: LoadPlanner) -> None:
         if item.type == LoadItemType.BYTE_IO or getattr(stored, "transform_descriptors", None):
             raise CheckpointError(f"{item.storage_index.fqn} in {self.path} is not a plain tensor "
                                   "chunk; this checkpoint was not written by megaresil")
