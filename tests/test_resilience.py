@@ -95,14 +95,17 @@ def test_in_process_restarts_keep_pids_and_memory(cli, tmp_path):
 def test_sigterm_to_the_launcher_saves_and_exits_preempted(tmp_path):
     command = [sys.executable, "-m", "megaresil", "train", *SMALL, "train.steps=400",
                f"run.dir={tmp_path}", "logging.progress=false"]
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    # The launcher's stderr is kept for the failure message: an exit other
+    # than 75 is explained there (which rank failed, how).
+    with open(tmp_path / "launcher.err", "w") as stderr:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
     deadline = time.time() + 120
     while time.time() < deadline and not (
             (tmp_path / "metrics.jsonl").exists() and len(read_metrics(tmp_path)) >= 3):
         time.sleep(0.1)
     os.kill(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=90) == 75  # preempted: requeue me
+    exit_code = proc.wait(timeout=90)
+    assert exit_code == 75, (tmp_path / "launcher.err").read_text()[-3000:]  # preempted: requeue me
     events = read_events(tmp_path)
     preempted = next(e for e in events if e["event"] == "preempted")
     saved = [e for e in events if e["event"] == "checkpoint_saved"]
