@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from megaresil.checkpoint.format import CheckpointError
 from megaresil.config import ConfigError, field_docs, load_recipe, to_yaml
-from megaresil.train.checkpointing import NoValidCheckpoint
+from megaresil.checkpoint.location import NoValidCheckpoint
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -32,7 +32,7 @@ from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog import Watchdog, raise_in_thread
-from megaresil.train.checkpointing import NoValidCheckpoint, checkpoint_root
+from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.train.loop import Trainer
 
 HANG_EXIT_CODE = 86  # a hang without in-process restart: the launcher restarts the group

@@ -38,13 +38,13 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from megaresil.compat import abort_process_groups, process_groups, set_gloo_timeout
 from megaresil.config import SECTIONS, WatchdogConfig
 from megaresil.events import EventLog
 
@@ -67,14 +67,9 @@ def raise_in_thread(thread_id: int, exc_type: Optional[type]) -> None:
 def set_collective_timeouts(seconds: float, exempt: set) -> None:
     """Timeout of collectives started from now on, in every gloo group but
     the exempt ones (checkpoint traffic has its own budget)."""
-    for group in list(dist.distributed_c10d._world.pg_map):
-        if group in exempt:
-            continue
-        try:
-            backend = group._get_backend(torch.device("cpu"))
-        except RuntimeError:
-            continue  # an NCCL-only group: NCCL's own watchdog and abort apply
-        backend._set_default_timeout(timedelta(seconds=seconds))
+    for group in process_groups():
+        if group not in exempt:
+            set_gloo_timeout(group, seconds)
 
 
 def find_culprits(heartbeats: dict[int, Optional[dict]], now: float,
@@ -221,7 +216,7 @@ class Watchdog:
         if self.exit_on_hang is not None:  # no in-process restart: the launcher restarts us
             os._exit(self.exit_on_hang)
         if torch.cuda.is_available():
-            dist.distributed_c10d._abort_process_group()  # NCCL can abort its communicators
+            abort_process_groups()  # NCCL can abort its communicators
         raise_in_thread(self.main_thread, HangAbort)
 
     # --- the guardian side process ----------------------------------------------

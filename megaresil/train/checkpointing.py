@@ -9,20 +9,13 @@ from typing import Optional
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.sharded import (adam_step_count, set_adam_step_count,
                                           training_rects)
 from megaresil.config import RecipeConfig, to_dict
 from megaresil.parallel.random import capture_rng_state, restore_rng_state
 from megaresil.train.optim import lr_at
-
-
-class NoValidCheckpoint(RuntimeError):
-    """Checkpoints exist but none can be loaded: never silently start over."""
-
-
-def checkpoint_root(cfg: RecipeConfig) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.dir) / "checkpoints"
 
 
 def build_checkpointer(cfg: RecipeConfig, events, watchdog=None) -> Checkpointer:

@@ -1,0 +1,35 @@
+"""Every use of a private torch API, in one place.
+
+Each function names what it reaches into. They were checked on the torch
+versions in CHECKED_TORCH; a torch outside that range is refused at import
+with a message naming the versions, instead of failing later in a worker.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def process_groups() -> list[dist.ProcessGroup]:
+    """Every live process group of this process (c10d's private registry)."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def set_gloo_timeout(group: dist.ProcessGroup, seconds: float) -> bool:
+    """Timeout of the group's gloo collectives started from now on; False
+    when the group has no gloo backend (NCCL has its own watchdog and abort).
+    An op already blocked keeps the timeout it started with."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return False
+    backend._set_default_timeout(timedelta(seconds=seconds))
+    return True
+
+
+def abort_process_groups() -> None:
+    """Abort every process group's communicators (NCCL frees blocked
+    collectives this way; gloo ignores it, see design.md §4)."""
+    dist.distributed_c10d._abort_process_group()
