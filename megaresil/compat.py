@@ -33,3 +33,16 @@ def abort_process_groups() -> None:
     """Abort every process group's communicators (NCCL frees blocked
     collectives this way; gloo ignores it, see design.md §4)."""
     dist.distributed_c10d._abort_process_group()
+
+
+# gloo reports a lost peer as a plain RuntimeError; its transport's message is
+# the only sign (checked on 2.13). NCCL and the c10d store raise typed errors.
+_GLOO_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                   "connectFullMesh failed")
+
+
+def lost_peer_error(err: BaseException) -> bool:
+    """Whether a collective failed because a peer process is gone."""
+    if isinstance(err, dist.DistNetworkError):
+        return True
+    return type(err) is RuntimeError and any(m in str(err) for m in _GLOO_LOST_PEER)

@@ -208,13 +208,18 @@ class WatchdogConfig:
 
 @dataclass
 class ResilienceConfig:
-    in_process: bool = doc(False, "On an exception or a detected hang, surviving ranks tear "
-                           "down, re-rendezvous and reload the newest checkpoint without "
-                           "exiting.")
-    max_in_process_restarts: int = doc(3, "In-process restarts allowed before handing over to "
-                                       "the launcher.")
-    max_restarts: int = doc(0, "Worker-group relaunches by the TorchElastic agent (a process "
-                            "died, or in-process restarts ran out).")
+    in_process: bool = doc(True, "On an exception or a detected hang, every rank tears down, "
+                           "re-rendezvouses and reloads the newest checkpoint without exiting "
+                           "(a lost process is relaunched by the launcher instead).")
+    max_in_process_restarts: int = doc(3, "In-process restarts in a row without progress (a "
+                                       "generation that completes a step resets the count) "
+                                       "before handing over to the launcher.")
+    max_restarts: int = doc(5, "Worker-group relaunches by the TorchElastic agent over the "
+                            "job's life (a process died, or in-process restarts ran out); 0 "
+                            "ends the run at the first such failure.")
+    restart_backoff_s: float = doc(1.0, "Back-off before a restart that follows another "
+                                   "without progress: none for the first, then this, doubling "
+                                   "(at most 30 s).")
     preemption_grace_s: float = doc(60.0, "After SIGTERM/SIGUSR1: finish the step, save, and "
                                     "exit within this many seconds.")
     watchdog: WatchdogConfig = section(WatchdogConfig, "Hang detection.")

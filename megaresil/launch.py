@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -14,11 +16,14 @@ from typing import Optional
 import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.errors import (ChildFailedError, get_error_handler,
+                                                             record)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.events import read_events
+from megaresil.resilience.incidents import IncidentPrinter
+from megaresil.resilience.restart import HANG_EXIT_CODE
 
 # `megaresil train` exit codes: finished 0; preempted (checkpoint saved, run
 # it again to continue) 75, EX_TEMPFAIL, so schedulers can requeue on it.
@@ -66,6 +71,24 @@ def worker_threads(local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_world)
 
 
+LOST_WORKER = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+
+def lost_worker_line(record: logging.LogRecord) -> bool:
+    """TorchElastic's agent logs a failed worker as a timestamped record and
+    each worker it stops as another: one line of ours instead (the workers'
+    own events say why)."""
+    message = record.getMessage()
+    found = LOST_WORKER.search(message)
+    if found:
+        code = int(found[1])
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        print(f"megaresil: worker process of local rank {found[2]} (pid {found[3]}) ended "
+              f"with {how}", file=sys.stderr, flush=True)
+        return False
+    return "closing signal" not in message
+
+
 def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
            membership: Membership = Membership()) -> int:
     """Run local workers under a TorchElastic agent; returns the exit code."""
@@ -75,6 +98,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
     config = LaunchConfig(
         min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
         rdzv_backend="c10d", rdzv_endpoint=membership.endpoint,
@@ -90,17 +114,33 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     )
     events_before = len(read_events(run_dir))
     try:
-        elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
+        with IncidentPrinter(run_dir):
+            elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        print(f"megaresil: training failed: first failure on rank {rank} "
-              f"(exit code {failure.exitcode}): {failure.message}", file=sys.stderr)
+        print(f"megaresil: giving up: {failure_summary(err)}; the run directory keeps the "
+              f"newest checkpoint (rerun the same command to resume after fixing the cause)",
+              file=sys.stderr)
         return 1
     except SignalException as err:  # the launcher itself was told to stop
         if not was_preempted(run_dir, events_before):
             print(f"megaresil: stopped by {err.sigval.name} before a checkpoint", file=sys.stderr)
             return 128 + err.sigval.value
     return PREEMPTED_EXIT if was_preempted(run_dir, events_before) else 0
+
+
+def failure_summary(err: ChildFailedError) -> str:
+    """One line for the failure that ended the job: rank, exit, and the
+    exception's own first line (not TorchElastic's traceback dump)."""
+    rank, failure = err.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):  # an error file written by @record
+        message = message.get("message", "")
+    first_line = next(iter(str(message).strip().splitlines()), "")
+    if failure.exitcode == HANG_EXIT_CODE:
+        first_line = "a hang (see the hang line above and run.dir/hangs/)"
+    elif not first_line or first_line.startswith("To enable traceback"):
+        first_line = "the process exited without a report"
+    return f"rank {rank} ended with exit code {failure.exitcode}: {first_line[:300]}"
 
 
 def was_preempted(run_dir: Path, events_before: int) -> bool:
@@ -127,6 +167,18 @@ def adapt_to_world(cfg: RecipeConfig, world: int) -> RecipeConfig:
     return resized
 
 
+def trainer_job(cfg: RecipeConfig, device: torch.device):
+    """The job a worker restarts: one Trainer per generation, on a layout
+    built from that generation's process groups."""
+    from megaresil.parallel.layout import ParallelLayout
+    from megaresil.train.loop import Trainer
+
+    def make(supervision):
+        return Trainer(cfg, ParallelLayout.from_config(cfg.parallel, device), supervision)
+
+    return make
+
+
 @record
 def worker(recipe: str, overrides: list[str]) -> str:
     """One rank: build the process group, train with restarts, report how it ended."""
@@ -138,4 +190,10 @@ def worker(recipe: str, overrides: list[str]) -> str:
     device = pick_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return run_worker(cfg, rank, world, device)
+    try:
+        return run_worker(cfg, rank, world, device, trainer_job(cfg, device))
+    except Exception as err:
+        # Already in events.jsonl (and on the launcher's console, one line):
+        # record it for TorchElastic, but spare the console the traceback.
+        get_error_handler().record_exception(err)
+        sys.exit(1)

@@ -1,14 +1,23 @@
 """A worker's life: process groups per generation, in-process restarts, and
 the hand-over to the launcher when a process is lost.
 
+What is restarted is *a job* (`Job`): whatever `make_job` builds for one
+generation; this module knows nothing of training, the way NVIDIA's
+in-process wrapper restarts any function.
+
 In-process restart keeps the process (no re-import, no CUDA re-init): on an
-exception, a detected hang or an abort announced by another rank, the
-training thread unwinds to here, the old generation's trainer and process
-groups are dropped, all ranks meet again under a new store prefix (a stale
-address of the previous generation can never be read), rebuild the layout
-and reload the newest valid checkpoint. Lost processes (SIGKILL, segfault)
-and exhausted in-process restarts go to the TorchElastic agent, which
-relaunches the group; its workers resume from the newest checkpoint too.
+exception, a detected hang or an abort announced by another rank, the job's
+thread unwinds to here, the old generation's job and process groups are
+dropped, all ranks meet again under a new store prefix (a stale address of
+the previous generation can never be read), and the next generation's job
+resumes from the newest valid state. Lost processes (SIGKILL, segfault) and
+exhausted in-process restarts go to the TorchElastic agent, which relaunches
+the group; its workers resume from the newest state too.
+
+Restarts are bounded by *consecutive* failures without progress (a
+generation that completes a step resets the count), so a long run survives
+many spaced faults while a fault that recurs at once gives up; repeated
+failures back off exponentially before the ranks meet again.
 """
 from __future__ import annotations
 
@@ -16,32 +25,46 @@ import gc
 import json
 import os
 import threading
+import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable, Optional, Protocol
 
 import psutil
 import torch
 import torch.distributed as dist
 
-from megaresil.config import ConfigError, RecipeConfig
+from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.format import CheckpointError
+from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
+from megaresil.compat import lost_peer_error
+from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import EventLog
-from megaresil.parallel.layout import ParallelLayout, backend_for
+from megaresil.parallel.layout import backend_for
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog import Watchdog, raise_in_thread
-from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
-from megaresil.train.loop import Trainer
 
 HANG_EXIT_CODE = 86  # a hang without in-process restart: the launcher restarts the group
-LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-             "connectFullMesh failed")
 NOT_RESTARTABLE = (ConfigError, NoValidCheckpoint, CheckpointError, KeyboardInterrupt, SystemExit)
-
-
 RESTART_COUNTER = "megaresil/restarts"
+PROGRESS_ATTEMPT = "megaresil/last_progress_attempt"  # the last launch attempt that stepped
+MAX_BACKOFF_S = 30.0
+
+
+class Job(Protocol):
+    """One generation's work: `run` returns how it ended ("finished",
+    "exited", "preempted"); `close` releases what would outlive it."""
+
+    def run(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+JobFactory = Callable[[Supervision], Job]
 
 
 def launch_store(rank: int, world: int) -> dist.Store:
@@ -58,29 +81,91 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def lost_peer(err: BaseException) -> bool:
-    return any(marker in str(err) for marker in LOST_PEER)
+def backoff_s(consecutive: int, base: float) -> float:
+    """Wait before the `consecutive`-th restart in a row without progress:
+    none for the first, then base, 2*base, ... capped."""
+    return 0.0 if consecutive <= 1 else min(MAX_BACKOFF_S, base * 2 ** (consecutive - 2))
+
+
+def newest_step(cfg: RecipeConfig) -> Optional[int]:
+    """The step of the newest committed checkpoint (what a restart resumes
+    from unless it proves invalid), for the console line."""
+    committed = fmt.committed_checkpoints(checkpoint_root(cfg))
+    return int(fmt.STEP_DIR.match(committed[0].name).group(1)) if committed else None
+
+
+class AbortBoard:
+    """The generation's abort record in the store: the first failing rank
+    announces it (compare-and-set), every rank reads the same cause."""
+
+    def __init__(self, store: dist.Store, rank: int):
+        self.store, self.rank = store, rank
+
+    @staticmethod
+    def key(generation: int) -> str:
+        return f"abort/{generation}"  # the watchdog declares hangs under the same key
+
+    def announced(self, generation: int) -> bool:
+        return self.store.check([self.key(generation)])
+
+    def announce(self, generation: int, err: BaseException) -> str:
+        """Announce this rank's failure unless a rank already did; returns
+        the first announced cause."""
+        mine = json.dumps({"reason": "error", "rank": self.rank,
+                           "error": f"{type(err).__name__}: {err}"[:500]})
+        first = json.loads(self.store.compare_set(self.key(generation), "", mine))
+        if first.get("reason") == "hang":
+            return (f"hang on rank(s) {first.get('culprit_ranks')} in {first.get('section')} "
+                    f"at step {first.get('step')}")
+        return f"rank {first['rank']}: {first['error']}"
+
+    def peer_gone(self, generation: int, err: BaseException) -> bool:
+        """A connection closed under us means a lost peer, unless a peer
+        announced this generation's abort first: then it is that (live) peer
+        tearing down its process group before we heard of the abort."""
+        return lost_peer_error(err) and not self.announced(generation)
+
+
+@dataclass
+class RestartPolicy:
+    """How many restarts in a row without progress, and how long to wait."""
+    max_consecutive: int
+    backoff_base_s: float
+    consecutive: int = 0
+
+    def failed(self, made_progress: bool) -> bool:
+        """Count a failure; True while another in-process restart is allowed."""
+        self.consecutive = 1 if made_progress else self.consecutive + 1
+        return self.consecutive <= self.max_consecutive
+
+    def wait(self) -> None:
+        time.sleep(backoff_s(self.consecutive, self.backoff_base_s))
 
 
 class WorkerLife:
-    def __init__(self, cfg: RecipeConfig, rank: int, world: int, device: torch.device):
+    def __init__(self, cfg: RecipeConfig, rank: int, world: int, device: torch.device,
+                 make_job: JobFactory, *, store: Optional[dist.Store] = None):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.make_job = make_job
         self.run_dir = Path(cfg.run.dir)
         self.events = EventLog(self.run_dir, rank)
-        self.base_store = launch_store(rank, world)
+        self.base_store = store if store is not None else launch_store(rank, world)
         # One prefix per launch attempt and one per generation inside it: a
         # stale address of an earlier attempt can never be read.
         self.store = dist.PrefixStore(f"megaresil/attempt_{attempt()}", self.base_store)
+        self.board = AbortBoard(self.store, rank)
+        res = cfg.resilience
+        self.policy = RestartPolicy(res.max_in_process_restarts, res.restart_backoff_s)
         self.preemption = PreemptionFlag().install()
-        wd = cfg.resilience.watchdog
+        wd = res.watchdog
         self.watchdog = (Watchdog(wd, rank=rank, world=world, store=self.store,
                                   run_dir=self.run_dir, events=self.events,
-                                  exit_on_hang=None if cfg.resilience.in_process else HANG_EXIT_CODE)
+                                  exit_on_hang=None if res.in_process else HANG_EXIT_CODE)
                          if wd.enabled else None)
         self.generation = 0
 
     def run(self) -> str:
-        self._note_relaunch()
+        self._after_relaunch()
         try:
             while True:
                 outcome = self._one_generation()
@@ -90,35 +175,45 @@ class WorkerLife:
             if self.watchdog is not None:
                 self.watchdog.close()
 
-    def _note_relaunch(self) -> None:
-        if attempt() > 0 and self.rank == 0:
-            self._count_restart("relaunch", f"launcher relaunch {attempt()}")
+    def _after_relaunch(self) -> None:
+        """On a relaunched attempt: number the restart, and back off when the
+        previous attempts made no progress either."""
+        if attempt() == 0:
+            return
+        since = self.base_store.add(PROGRESS_ATTEMPT, 0)  # 0: no attempt stepped yet
+        consecutive = attempt() - since
+        if self.rank == 0:
+            self._count_restart("relaunch", "the worker group was relaunched by the launcher",
+                                attempt(), self.cfg.resilience.max_restarts)
+        time.sleep(backoff_s(consecutive, self.cfg.resilience.restart_backoff_s))
 
-    def _count_restart(self, kind: str, reason: str) -> None:
+    def _count_restart(self, kind: str, reason: str, number: int, limit: int) -> None:
         """Rank 0 numbers restarts in the launch store; every rank reads the
         number after the next rendezvous, so all agree on it."""
         generation = self.base_store.add(RESTART_COUNTER, 1)
-        self.events.emit("restart", kind=kind, generation=generation, reason=reason[:500])
+        self.events.emit("restart", kind=kind, generation=generation, reason=reason[:500],
+                         from_step=newest_step(self.cfg), attempt=number,
+                         max_attempts=limit)
 
-    def _one_generation(self) -> str | None:
+    def _one_generation(self) -> Optional[str]:
         """Run one generation; its outcome, or None to go again."""
         dist.init_process_group(backend_for(self.device), rank=self.rank, world_size=self.world,
                                 store=dist.PrefixStore(f"gen{self.generation}", self.store))
-        trainer = None
+        job, supervision = None, self._supervision()
         try:
-            supervision = self._supervision()
             with supervision.section("setup", 0):
-                trainer = Trainer(self.cfg, ParallelLayout.from_config(self.cfg.parallel,
-                                                                      self.device), supervision)
-            return trainer.run()
+                job = self.make_job(supervision)
+            return job.run()
         except BaseException as err:  # noqa: B902  (HangAbort and DCP's errors are BaseExceptions)
             if self.watchdog is not None:
                 self.watchdog.pause()
             raise_in_thread(threading.main_thread().ident, None)  # drop a pending abort
-            self._handle_failure(err)
+            self._handle_failure(err, made_progress=supervision.steps > 0)
             return None
         finally:
-            del trainer
+            if job is not None:
+                job.close()
+            del job
             self._teardown()
 
     def _supervision(self) -> Supervision:
@@ -127,47 +222,33 @@ class WorkerLife:
             self.watchdog.begin_generation(self.generation)
         faults = FaultInjector(self.cfg.faults, rank=self.rank, run_dir=self.run_dir,
                                checkpoint_root=checkpoint_root(self.cfg), events=self.events)
-        return Supervision(self.watchdog, faults, self.preemption, generation)
+        return Supervision(self.watchdog, faults, self.preemption, generation,
+                           on_first_step=self._mark_progress)
 
-    def _handle_failure(self, err: BaseException) -> None:
+    def _mark_progress(self) -> None:
+        if self.rank == 0:
+            self.base_store.set(PROGRESS_ATTEMPT, str(attempt()))
+
+    def _handle_failure(self, err: BaseException, made_progress: bool) -> None:
         """Re-raise what the launcher must handle; otherwise record the
         failure and announce the abort so every rank restarts with us."""
         section = self.watchdog.current[0] if self.watchdog is not None else "unknown"
-        peer_gone = self._peer_gone(err)
+        peer_gone = self.board.peer_gone(self.generation, err)
         self.events.emit("worker_error", error=f"{type(err).__name__}: {err}"[:2000],
                          section=section, lost_peer=peer_gone,
                          generation=self.generation, pid=os.getpid(),
                          rss_mb=psutil.Process().memory_info().rss / 2**20)
-        restartable = (self.cfg.resilience.in_process and not peer_gone
-                       and not isinstance(err, NOT_RESTARTABLE)
-                       and self.generation < self.cfg.resilience.max_in_process_restarts)
-        if not restartable:
+        allowed = self.policy.failed(made_progress)
+        if not (self.cfg.resilience.in_process and allowed and not peer_gone
+                and not isinstance(err, NOT_RESTARTABLE)):
             raise err
-        cause = self._abort_cause(err)
+        cause = self.board.announce(self.generation, err)
         traceback.clear_frames(err.__traceback__)
         self.generation += 1
         if self.rank == 0:
-            self._count_restart("in_process", cause)
-
-    def _peer_gone(self, err: BaseException) -> bool:
-        """A connection closed under us means a lost peer, unless a peer
-        announced this generation's abort first: then it is that (live) peer
-        tearing down its process group before we heard of the abort."""
-        return lost_peer(err) and not self.store.check([self._abort_key()])
-
-    def _abort_key(self) -> str:
-        return f"abort/{self.generation}"
-
-    def _abort_cause(self, err: BaseException) -> str:
-        """Announce this rank's failure so every rank aborts the generation,
-        unless one already did; returns the first announced cause."""
-        key = self._abort_key()
-        mine = json.dumps({"reason": "error", "rank": self.rank,
-                           "error": f"{type(err).__name__}: {err}"[:500]})
-        first = json.loads(self.store.compare_set(key, "", mine))
-        if first.get("reason") == "hang":
-            return f"hang on rank(s) {first.get('culprit_ranks')} in {first.get('section')}"
-        return f"rank {first['rank']}: {first['error']}"
+            self._count_restart("in_process", cause, self.policy.consecutive,
+                                self.policy.max_consecutive)
+        self.policy.wait()
 
     def _teardown(self) -> None:
         """Drop the generation's process groups and free its memory before the
@@ -179,7 +260,9 @@ class WorkerLife:
             torch.cuda.empty_cache()
 
 
-def run_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device) -> str:
-    """Train as this rank until finished, exited at train.exit_at_step, or
-    preempted (after saving); failures the launcher must handle propagate."""
-    return WorkerLife(cfg, rank, world, device).run()
+def run_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device,
+               make_job: JobFactory) -> str:
+    """Run `make_job`'s jobs as this rank until one finishes, exits at
+    train.exit_at_step or is preempted; failures the launcher must handle
+    propagate."""
+    return WorkerLife(cfg, rank, world, device, make_job).run()

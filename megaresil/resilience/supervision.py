@@ -1,9 +1,9 @@
-"""What the training loop reports to, and asks of, the resilience layer."""
+"""What a job reports to, and asks of, the resilience layer."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -20,6 +20,8 @@ class Supervision:
     faults: Optional[FaultInjector] = None
     preemption: Optional[PreemptionFlag] = None
     generation: int = 0  # restarts so far in this run directory
+    on_first_step: Optional[Callable[[], None]] = None  # the generation made progress
+    steps: int = 0  # steps completed in this generation
 
     @contextmanager
     def section(self, name: str, step: int):
@@ -36,8 +38,14 @@ class Supervision:
             self.faults.on_section(name, step)
 
     def step_done(self) -> None:
+        self.steps += 1
         if self.watchdog is not None:
             self.watchdog.step_done()
+        if self.steps == 1 and self.on_first_step is not None:
+            self.on_first_step()
 
     def preempted(self, group: Optional[dist.ProcessGroup]) -> bool:
+        """Whether any rank was signalled: a collective on `group`, which must
+        be a group of the calling thread (the training thread's own, never
+        the checkpoint save thread's)."""
         return self.preemption is not None and self.preemption.requested_anywhere(group)

@@ -229,7 +229,9 @@ class Trainer:
                         eval_loss = self.evaluate()
                     if log:
                         log.write({"step": step, "eval_loss": eval_loss})
-                if self.supervision.preempted(self.checkpointer.coll.group):
+                # On the training thread's own (world) group: the checkpoint
+                # group belongs to the save thread while a save is in flight.
+                if self.supervision.preempted(None):
                     self.save()
                     return self.stop("preempted")
                 if self.should_save(step):

@@ -1,0 +1,125 @@
+"""One console line per incident, read from the run's events.jsonl.
+
+The launcher follows the events its workers write (a thread polling the
+file from where it stood at launch) and prints what happened, where, and
+what happens next, instead of TorchElastic's tracebacks. Events are the
+single record: the console says nothing the run directory does not.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, Optional, TextIO
+
+
+def _where(e: dict) -> str:
+    return f"in {e.get('section', '?')} at step {e.get('step', '?')}"
+
+
+def _hang(e: dict) -> str:
+    return (f"hang detected {_where(e)}: rank(s) {e.get('culprit_ranks')} made no progress "
+            f"for {e.get('waited_s', 0):.1f}s (budget {e.get('budget_s', 0):.1f}s); "
+            f"stacks in {e.get('stack_dump')}")
+
+
+def _suspected(e: dict) -> str:
+    return (f"warning: {_where(e)} took {e.get('waited_s', 0):.1f}s, over its "
+            f"{e.get('budget_s', 0):.1f}s budget, but rank(s) {e.get('culprit_ranks')} are "
+            "still computing: slow, not hung; training goes on")
+
+
+def _error(e: dict) -> str:
+    what = "lost a peer" if e.get("lost_peer") else "failed"
+    return f"rank {e.get('rank')} {what} in {e.get('section')}: {e.get('error', '').splitlines()[0][:300]}"
+
+
+def _restart(e: dict) -> str:
+    start = (f"from step {e['from_step']}" if e.get("from_step") is not None
+             else "from the start (no checkpoint yet)")
+    how = "in-process" if e.get("kind") == "in_process" else "by relaunching the workers"
+    return (f"restarting {how} {start}, attempt {e.get('attempt')} of "
+            f"{e.get('max_attempts')} (cause: {e.get('reason')})")
+
+
+def _loaded(e: dict) -> str:
+    line = f"resumed from {e.get('path')} (step {e.get('step')})"
+    saved, now = e.get("saved_layout") or {}, e.get("layout") or {}
+    if saved and saved != now:
+        dims = lambda d: f"tp{d.get('tp')}xpp{d.get('pp')}xdp{d.get('dp')}"
+        line += f", resharded from {dims(saved)} to {dims(now)}"
+    return line
+
+
+FORMATS: dict[str, Callable[[dict], str]] = {
+    "fault_injected": lambda e: f"fault injected on rank {e.get('rank')}: {e.get('fault')}",
+    "hang_detected": _hang,
+    "hang_suspected": _suspected,
+    "worker_error": _error,
+    "restart": _restart,
+    "checkpoint_loaded": _loaded,
+    "checkpoint_skipped": lambda e: f"skipped checkpoint {e.get('path')}: {e.get('reason')}",
+    "preempted": lambda e: (f"preempted: saved step {e.get('step')}; exiting for a requeue "
+                            "(run the same command again to continue)"),
+}
+
+
+def describe(event: dict) -> Optional[str]:
+    """The console line for an event, or None for routine ones."""
+    fmt = FORMATS.get(event.get("event", ""))
+    return f"megaresil: {fmt(event)}" if fmt else None
+
+
+class IncidentPrinter:
+    """Follows `run_dir/events.jsonl` from its current end and prints each
+    incident's line. Of the worker_error events of one failure (every rank
+    reports its own unwinding), only the first is printed."""
+
+    def __init__(self, run_dir: Path, out: TextIO = sys.stderr, poll_s: float = 0.2):
+        self.path = Path(run_dir) / "events.jsonl"
+        self.out, self.poll_s = out, poll_s
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+        self.errors_shown = False
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._follow, name="megaresil-incidents",
+                                       daemon=True)
+
+    def __enter__(self) -> "IncidentPrinter":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.print_new()  # what the workers wrote last
+
+    def _follow(self) -> None:
+        while not self.stop.wait(self.poll_s):
+            self.print_new()
+
+    def print_new(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits
+        self.offset += len(complete)
+        for line in complete.decode().splitlines():
+            if line.strip():
+                self._show(json.loads(line))
+
+    def _show(self, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "worker_error":
+            if self.errors_shown:
+                return
+            self.errors_shown = True
+        elif kind == "hang_detected":
+            self.errors_shown = True  # every rank's unwinding from the hang is this incident
+        elif kind == "restart":
+            self.errors_shown = False  # the next failure is a new incident
+        text = describe(event)
+        if text:
+            print(text, file=self.out, flush=True)
