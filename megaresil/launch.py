@@ -28,6 +28,7 @@ from megaresil.resilience.restart import HANG_EXIT_CODE
 # `megaresil train` exit codes: finished 0; preempted (checkpoint saved, run
 # it again to continue) 75, EX_TEMPFAIL, so schedulers can requeue on it.
 PREEMPTED_EXIT = 75
+LAUNCHED_BY_MEGARESIL = "MEGARESIL_LAUNCHER"  # set for workers of `megaresil train`
 
 
 @dataclass
@@ -97,6 +98,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
+    os.environ[LAUNCHED_BY_MEGARESIL] = "1"
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
     config = LaunchConfig(
@@ -122,10 +124,16 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
               file=sys.stderr)
         return 1
     except SignalException as err:  # the launcher itself was told to stop
-        if not was_preempted(run_dir, events_before):
+        ending = last_ending(run_dir, events_before)
+        if ending is None or ending["event"] != "preempted":
             print(f"megaresil: stopped by {err.sigval.name} before a checkpoint", file=sys.stderr)
             return 128 + err.sigval.value
-    return PREEMPTED_EXIT if was_preempted(run_dir, events_before) else 0
+    ending = last_ending(run_dir, events_before)
+    if ending and ending["event"] == "run_failed":
+        print(f"megaresil: giving up: rank {ending.get('rank')}: {ending.get('error')} "
+              "(no restart can fix this)", file=sys.stderr)
+        return 1
+    return PREEMPTED_EXIT if ending and ending["event"] == "preempted" else 0
 
 
 def failure_summary(err: ChildFailedError) -> str:
@@ -143,10 +151,11 @@ def failure_summary(err: ChildFailedError) -> str:
     return f"rank {rank} ended with exit code {failure.exitcode}: {first_line[:300]}"
 
 
-def was_preempted(run_dir: Path, events_before: int) -> bool:
-    ends = [e["event"] for e in read_events(run_dir)[events_before:]
-            if e["event"] in ("preempted", "run_finished")]
-    return bool(ends) and ends[-1] == "preempted"
+def last_ending(run_dir: Path, events_before: int) -> Optional[dict]:
+    """How this launch's job ended, by the last ending event it wrote."""
+    ends = [e for e in read_events(run_dir)[events_before:]
+            if e["event"] in ("preempted", "run_finished", "run_failed")]
+    return ends[-1] if ends else None
 
 
 def adapt_to_world(cfg: RecipeConfig, world: int) -> RecipeConfig:
@@ -183,7 +192,7 @@ def trainer_job(cfg: RecipeConfig, device: torch.device):
 def worker(recipe: str, overrides: list[str]) -> str:
     """One rank: build the process group, train with restarts, report how it ended."""
     from megaresil.parallel.layout import pick_device
-    from megaresil.resilience.restart import run_worker
+    from megaresil.resilience.restart import JobFailed, run_worker
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cfg = adapt_to_world(load_recipe(recipe, overrides), world)
@@ -192,6 +201,10 @@ def worker(recipe: str, overrides: list[str]) -> str:
         torch.cuda.set_device(device)
     try:
         return run_worker(cfg, rank, world, device, trainer_job(cfg, device))
+    except JobFailed:
+        if os.environ.get(LAUNCHED_BY_MEGARESIL) != "1":
+            raise  # a foreign torchrun must see the failure in the exit status
+        return "failed"  # exit 0: no relaunch; the launcher reports run_failed
     except Exception as err:
         # Already in events.jsonl (and on the launcher's console, one line):
         # record it for TorchElastic, but spare the console the traceback.

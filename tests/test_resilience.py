@@ -154,15 +154,95 @@ def test_closed_connection_after_an_announced_abort_is_not_a_lost_peer():
     Without an announcement it is (relaunch)."""
     import torch.distributed as dist
 
-    from megaresil.resilience.restart import WorkerLife
+    from megaresil.resilience.restart import AbortBoard
 
-    life = WorkerLife.__new__(WorkerLife)  # only the store and generation are used
-    life.store, life.generation = dist.HashStore(), 3
+    board = AbortBoard(dist.HashStore(), rank=0)
     closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5300")
-    assert life._peer_gone(closed)
-    life.store.set("abort/3", json.dumps({"reason": "error", "rank": 1, "error": "x"}))
-    assert not life._peer_gone(closed)
-    assert not life._peer_gone(RuntimeError("something else"))
+    assert board.peer_gone(3, closed)
+    assert board.announce(3, RuntimeError("boom")) == "rank 0: RuntimeError: boom"
+    assert not board.peer_gone(3, closed)
+    assert not board.peer_gone(4, RuntimeError("something else"))
+    # The first announcement wins: a later rank reads the same cause.
+    assert AbortBoard(board.store, rank=1).announce(3, ValueError("x")) == "rank 0: RuntimeError: boom"
+
+
+def test_restarts_are_bounded_by_failures_in_a_row_without_progress():
+    from megaresil.resilience.restart import RestartPolicy, backoff_s
+
+    policy = RestartPolicy(max_consecutive=2, backoff_base_s=1.0)
+    assert policy.failed(made_progress=True) and policy.consecutive == 1
+    assert policy.failed(made_progress=False) and policy.consecutive == 2
+    assert not policy.failed(made_progress=False)  # a third in a row: give up
+    assert policy.failed(made_progress=True)  # progress in between resets the count
+    assert [backoff_s(n, 1.0) for n in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 4.0]
+    assert backoff_s(50, 1.0) == 30.0
+
+
+def test_incidents_are_one_line_each(tmp_path):
+    import io
+
+    from megaresil.events import EventLog
+    from megaresil.resilience.incidents import IncidentPrinter
+
+    out = io.StringIO()
+    log = EventLog(tmp_path, rank=1)
+    log.emit("checkpoint_saved", step=2)  # before the launch: not shown
+    printer = IncidentPrinter(tmp_path, out)
+    log.emit("worker_error", error="InjectedFault: boom\nmore", section="data", lost_peer=False)
+    EventLog(tmp_path, rank=0).emit("worker_error", error="HangAbort", section="data")
+    EventLog(tmp_path, rank=0).emit("restart", kind="in_process", from_step=2, attempt=1,
+                                    max_attempts=3, reason="rank 1: InjectedFault: boom")
+    log.emit("checkpoint_skipped", path="ckpt/step_0000004", reason="checksum mismatch")
+    printer.print_new()
+    assert out.getvalue().splitlines() == [
+        "megaresil: rank 1 failed in data: InjectedFault: boom",
+        "megaresil: restarting in-process from step 2, attempt 1 of 3 "
+        "(cause: rank 1: InjectedFault: boom)",
+        "megaresil: skipped checkpoint ckpt/step_0000004: checksum mismatch"]
+
+
+@pytest.mark.slow
+def test_defaults_recover_and_say_what_happened(cli, chaos_root, tmp_path):
+    """No resilience settings: a raised exception restarts in-process, a
+    killed rank relaunches the workers; the console says so in one line
+    each, and the run ends with the fault-free reference's loss."""
+    faults = [{"kind": "raise", "rank": 1, "step": 3}, {"kind": "kill", "rank": 1, "step": 6}]
+    result = cli("train", *SMALL, f"run.dir={tmp_path}", "logging.progress=false",
+                 "checkpoint.interval=2", f"faults={json.dumps(faults)}")
+    restarts = [e for e in read_events(tmp_path) if e["event"] == "restart"]
+    assert [e["kind"] for e in restarts] == ["in_process", "relaunch"]
+    assert "megaresil: restarting in-process from step 2, attempt 1 of 3" in result.stderr
+    assert "megaresil: restarting by relaunching the workers from step 4" in result.stderr
+    assert "Traceback" not in result.stderr
+    final = [r for r in read_metrics(tmp_path) if "loss" in r][-1]
+    reference = [r for r in read_metrics(chaos_root / "reference") if "loss" in r][-1]
+    assert final["step"] == reference["step"] and final["loss"] == reference["loss"]
+
+
+def test_a_failure_no_restart_can_cure_stops_the_job_at_once(cli, tmp_path):
+    """Restarts on by default must not relaunch a job that cannot start:
+    every rank stops, the launcher says why once and exits 1."""
+    bad = tmp_path / "checkpoints" / "step_0000004"
+    bad.mkdir(parents=True)
+    (bad / "COMMITTED").write_text("ok\n")
+    result = cli("train", *SMALL, f"run.dir={tmp_path}", "logging.progress=false", check=False)
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if "NoValidCheckpoint" in line]
+    assert len(lines) == 1 and lines[0].startswith("megaresil: giving up: rank "), result.stderr
+    events = read_events(tmp_path)
+    assert not [e for e in events if e["event"] == "restart"]
+    assert len([e for e in events if e["event"] == "run_failed"]) == 1
+
+
+@pytest.mark.slow
+def test_giving_up_is_one_line(cli, tmp_path):
+    result = cli("train", *SMALL, f"run.dir={tmp_path}", "logging.progress=false",
+                 "resilience.in_process=false", "resilience.max_restarts=0",
+                 'faults=[{kind: raise, rank: 1, step: 2}]', check=False)
+    assert result.returncode == 1
+    assert ("megaresil: giving up: rank 1 ended with exit code 1: InjectedFault: injected "
+            "exception (raise@rank1/step2/data)") in result.stderr
+    assert "Traceback" not in result.stderr and "py_callstack" not in result.stderr
 
 
 def test_calibrated_budgets_have_a_floor():

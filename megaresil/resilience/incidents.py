@@ -113,7 +113,7 @@ class IncidentPrinter:
     def _show(self, event: dict) -> None:
         kind = event.get("event")
         if kind == "worker_error":
-            if self.errors_shown:
+            if self.errors_shown or event.get("fatal"):  # the launcher's last line says it
                 return
             self.errors_shown = True
         elif kind == "hang_detected":

@@ -49,7 +49,10 @@ from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog import Watchdog, raise_in_thread
 
 HANG_EXIT_CODE = 86  # a hang without in-process restart: the launcher restarts the group
-NOT_RESTARTABLE = (ConfigError, NoValidCheckpoint, CheckpointError, KeyboardInterrupt, SystemExit)
+# Failures a restart cannot cure (a bad recipe, no usable checkpoint, a full
+# disk): the whole job stops at once, on every rank, with the reason.
+FATAL = (ConfigError, NoValidCheckpoint, CheckpointError)
+NOT_RESTARTABLE = (*FATAL, KeyboardInterrupt, SystemExit)
 RESTART_COUNTER = "megaresil/restarts"
 PROGRESS_ATTEMPT = "megaresil/last_progress_attempt"  # the last launch attempt that stepped
 MAX_BACKOFF_S = 30.0
@@ -94,6 +97,13 @@ def newest_step(cfg: RecipeConfig) -> Optional[int]:
     return int(fmt.STEP_DIR.match(committed[0].name).group(1)) if committed else None
 
 
+class JobFailed(Exception):
+    """The job stopped for a reason a restart cannot cure (announced on
+    every rank; `run_failed` in events.jsonl says why). Under megaresil's
+    own launcher workers then exit 0, so the agent does not relaunch them
+    only to fail again; the launcher turns it into exit status 1."""
+
+
 class AbortBoard:
     """The generation's abort record in the store: the first failing rank
     announces it (compare-and-set), every rank reads the same cause."""
@@ -108,12 +118,29 @@ class AbortBoard:
     def announced(self, generation: int) -> bool:
         return self.store.check([self.key(generation)])
 
-    def announce(self, generation: int, err: BaseException) -> str:
+    def announce(self, generation: int, err: BaseException, reason: str = "error") -> str:
         """Announce this rank's failure unless a rank already did; returns
         the first announced cause."""
-        mine = json.dumps({"reason": "error", "rank": self.rank,
+        return self._describe(self._first(generation, err, reason))
+
+    def _first(self, generation: int, err: BaseException, reason: str) -> dict:
+        mine = json.dumps({"reason": reason, "rank": self.rank,
                            "error": f"{type(err).__name__}: {err}"[:500]})
-        first = json.loads(self.store.compare_set(self.key(generation), "", mine))
+        return json.loads(self.store.compare_set(self.key(generation), "", mine))
+
+    def fatal(self, generation: int, err: BaseException) -> Optional[dict]:
+        """Announce `err` as fatal unless another cause came first; the
+        first announcement when it is fatal (every rank stops), else None."""
+        first = self._first(generation, err, "fatal")
+        return first if first.get("reason") == "fatal" else None
+
+    def fatal_announced(self, generation: int) -> bool:
+        if not self.announced(generation):
+            return False
+        return json.loads(self.store.get(self.key(generation))).get("reason") == "fatal"
+
+    @staticmethod
+    def _describe(first: dict) -> str:
         if first.get("reason") == "hang":
             return (f"hang on rank(s) {first.get('culprit_ranks')} in {first.get('section')} "
                     f"at step {first.get('step')}")
@@ -235,9 +262,10 @@ class WorkerLife:
         section = self.watchdog.current[0] if self.watchdog is not None else "unknown"
         peer_gone = self.board.peer_gone(self.generation, err)
         self.events.emit("worker_error", error=f"{type(err).__name__}: {err}"[:2000],
-                         section=section, lost_peer=peer_gone,
+                         section=section, lost_peer=peer_gone, fatal=isinstance(err, FATAL),
                          generation=self.generation, pid=os.getpid(),
                          rss_mb=psutil.Process().memory_info().rss / 2**20)
+        self._stop_if_fatal(err)
         allowed = self.policy.failed(made_progress)
         if not (self.cfg.resilience.in_process and allowed and not peer_gone
                 and not isinstance(err, NOT_RESTARTABLE)):
@@ -249,6 +277,19 @@ class WorkerLife:
             self._count_restart("in_process", cause, self.policy.consecutive,
                                 self.policy.max_consecutive)
         self.policy.wait()
+
+    def _stop_if_fatal(self, err: BaseException) -> None:
+        """A failure no restart can cure stops every rank: the first rank to
+        meet it announces it (and records `run_failed`); ranks unwinding
+        because of that announcement stop too."""
+        if isinstance(err, FATAL):
+            first = self.board.fatal(self.generation, err)
+            if first is not None:
+                if first["rank"] == self.rank:
+                    self.events.emit("run_failed", error=first["error"])
+                raise JobFailed(first["error"]) from err
+        if self.board.fatal_announced(self.generation):
+            raise JobFailed("stopped with the rank that failed") from err
 
     def _teardown(self) -> None:
         """Drop the generation's process groups and free its memory before the
