@@ -219,6 +219,7 @@ def test_defaults_recover_and_say_what_happened(cli, chaos_root, tmp_path):
     assert final["step"] == reference["step"] and final["loss"] == reference["loss"]
 
 
+@pytest.mark.slow
 def test_a_failure_no_restart_can_cure_stops_the_job_at_once(cli, tmp_path):
     """Restarts on by default must not relaunch a job that cannot start:
     every rank stops, the launcher says why once and exits 1."""
