@@ -199,6 +199,10 @@ def worker(recipe: str, overrides: list[str]) -> str:
     device = pick_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # A failed NCCL collective aborts its communicators but leaves the
+        # process alive (2: CleanUpOnly), so an in-process restart can follow.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                              "2" if cfg.resilience.in_process else "1")
     try:
         return run_worker(cfg, rank, world, device, trainer_job(cfg, device))
     except JobFailed:

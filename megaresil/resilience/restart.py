@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.format import CheckpointError
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
-from megaresil.compat import lost_peer_error
+from megaresil.compat import abort_process_groups, lost_peer_error
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import EventLog
 from megaresil.parallel.layout import backend_for
@@ -295,7 +295,12 @@ class WorkerLife:
         """Drop the generation's process groups and free its memory before the
         next one loads a checkpoint (no growth over repeated restarts)."""
         if dist.is_initialized():
-            dist.destroy_process_group()
+            if dist.get_backend() == "nccl":
+                # After a failure NCCL's destroy can block on a communicator a
+                # peer left hanging; abort tears every communicator down.
+                abort_process_groups()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
