@@ -33,3 +33,24 @@ def abort_process_groups() -> None:
     """Abort every process group's communicators (NCCL frees blocked
     collectives this way; gloo ignores it, see design.md §4)."""
     dist.distributed_c10d._abort_process_group()
+
+
+def collective_counts(exclude: set) -> dict[str, int]:
+    """Collectives issued so far on each process group of this process, by
+    group name (the same on every member). A group numbers its collectives
+    in the same order on all members, so a member with a lower count has not
+    yet joined a collective its peers started. Groups in `exclude` are left out."""
+    counts = {}
+    for group in process_groups():
+        if group in exclude:
+            continue
+        try:
+            counts[group.group_name] = group._get_sequence_number_for_group()
+        except RuntimeError:  # a backend that does not number its collectives
+            pass
+    return counts
+
+
+def has_nccl_groups() -> bool:
+    """Whether any live process group runs collectives through NCCL."""
+    return any("nccl" in dist.get_backend(group) for group in process_groups())
