@@ -17,8 +17,13 @@ from megaresil.config import WatchdogConfig
 from megaresil.events import EventLog, read_events
 from megaresil.launch import free_port
 from megaresil.resilience.faults import compute_for
-from megaresil.resilience.watchdog import (HangAbort, ProgressMeter, Watchdog, find_culprits,
-                                           raise_in_thread)
+from megaresil.resilience.watchdog import (
+    HangAbort,
+    ProgressMeter,
+    Watchdog,
+    find_culprits,
+    raise_in_thread,
+)
 
 
 def beat(step: int, section: str, state: str = "running", coll: dict | None = None,
@@ -125,10 +130,9 @@ def test_a_stuck_rank_is_aborted_soon_after_its_budget(tmp_path):
     wd = watchdog(tmp_path, dist.HashStore())
     started = time.monotonic()
     try:
-        with pytest.raises(HangAbort):
-            with wd.section("data", 5):
-                while time.monotonic() - started < 10:
-                    time.sleep(0.05)  # the `hang` fault's sleep
+        with pytest.raises(HangAbort), wd.section("data", 5):
+            while time.monotonic() - started < 10:
+                time.sleep(0.05)  # the `hang` fault's sleep
     finally:
         wd.close()
     assert time.monotonic() - started < 0.5 + 1.5
@@ -141,9 +145,8 @@ def test_an_endless_computation_is_caught_at_the_hard_limit(tmp_path):
     wd = watchdog(tmp_path, dist.HashStore(), slow_limit_factor=3.0)
     started = time.monotonic()
     try:
-        with pytest.raises(HangAbort):
-            with wd.section("optimizer", 5):
-                compute_for(10)
+        with pytest.raises(HangAbort), wd.section("optimizer", 5):
+            compute_for(10)
     finally:
         wd.close()
     assert 1.5 <= time.monotonic() - started < 1.5 + 1.0

@@ -28,10 +28,12 @@ is declared (`hang_detected`) and the generation aborted. If a culprit is
 still computing, one `hang_suspected` event is written for the job (a
 compare-and-set key per section and step) and training goes on, up to the
 hard limit `slow_limit_factor` x budget, past which even a computing culprit
-is declared hung (an endless loop). A real hang is declared at budget +
-max(0, stall_s - budget) + one poll when the hung rank passes its own budget
-(the usual case: it stopped first); a hung rank whose own budget is longer
-is judged by its peers within two heartbeat intervals of their budget.
+is declared hung (an endless loop). A real hang is declared one poll after
+max(budget, stall_s) when the hung rank passes its own budget (the usual
+case: it stopped first), plus at most one heartbeat interval while a peer's
+heartbeat still shows an older place (1.03 s for a 1 s budget in a 1-rank
+run); a hung rank whose own budget is longer is judged by its peers from
+its heartbeats, within two heartbeat intervals of their budget.
 
 Unblocking a collective: a thread blocked in a gloo collective cannot be
 freed from outside (design.md §4), so its timeout is set on entering each
@@ -87,10 +89,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -115,7 +117,7 @@ class HangAbort(BaseException):
     swallow it on the way up to the restart logic."""
 
 
-def raise_in_thread(thread_id: int, exc_type: Optional[type]) -> bool:
+def raise_in_thread(thread_id: int, exc_type: type | None) -> bool:
     """Schedule `exc_type` in a thread at its next Python bytecode (None
     clears a pending one). False when no such thread exists (it ended)."""
     set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
@@ -182,7 +184,7 @@ def position(hb: dict) -> tuple[int, int]:
     return hb["step"], SECTION_ORDER[hb["section"]]
 
 
-def find_culprits(heartbeats: dict[int, Optional[dict]], gone: frozenset = frozenset()) -> list[int]:
+def find_culprits(heartbeats: dict[int, dict | None], gone: frozenset = frozenset()) -> list[int]:
     """Ranks that stopped the job; the rest are waiting for them.
 
     `heartbeats` maps each rank to its latest heartbeat (None: it never wrote
@@ -256,8 +258,8 @@ class Beat:
 
 class Watchdog:
     def __init__(self, cfg: WatchdogConfig, *, rank: int, world: int, store: dist.Store,
-                 run_dir: Path, events: EventLog, exit_on_hang: Optional[int],
-                 workload: Optional[dict] = None, guardian: bool = True):
+                 run_dir: Path, events: EventLog, exit_on_hang: int | None,
+                 workload: dict | None = None, guardian: bool = True):
         self.cfg, self.rank, self.world, self.store = cfg, rank, world, store
         self.hang_dir = Path(run_dir) / "hangs"
         self.events, self.exit_on_hang = events, exit_on_hang
@@ -265,7 +267,7 @@ class Watchdog:
         self.steps_seen = 0
         self.measured_on = {"world": world, "workload": workload, "machine": machine_kind()}
         self.current = ("setup", 0, time.monotonic())
-        self.generation: Optional[int] = None  # None: paused between generations
+        self.generation: int | None = None  # None: paused between generations
         self.aborted = False
         self.main_thread = threading.main_thread().ident
         self.progress = ProgressMeter(thread_cpu_clock(self.main_thread), time.monotonic())
@@ -275,7 +277,7 @@ class Watchdog:
         self.heartbeat_every, self.abort_poll_every = cfg.heartbeat_s * scale, cfg.abort_poll_s * scale
         self.beats = 0
         self.next_heartbeat = self.next_abort_poll = 0.0
-        self.alarm: Optional[Alarm] = None
+        self.alarm: Alarm | None = None
         self.peers: dict[int, Beat] = {}
         self.lock = threading.Lock()  # the monitor and pause() both write heartbeats
         self.stop = threading.Event()
@@ -358,8 +360,8 @@ class Watchdog:
 
     # --- the monitor thread -------------------------------------------------------
 
-    def _key(self, what: str, rank: Optional[int] = None,
-             generation: Optional[int] = None) -> str:
+    def _key(self, what: str, rank: int | None = None,
+             generation: int | None = None) -> str:
         generation = self.generation if generation is None else generation
         return f"{what}/{generation}" + (f"/{rank}" if rank is not None else "")
 
@@ -441,7 +443,7 @@ class Watchdog:
         alarm.culprits = find_culprits(beats, frozenset(self._gone(now)))
         alarm.positions = {r: position(beats[r]) for r in alarm.culprits if beats[r] is not None}
 
-    def _heartbeats(self, ranks, now: float) -> dict[int, Optional[dict]]:
+    def _heartbeats(self, ranks, now: float) -> dict[int, dict | None]:
         """The ranks' latest heartbeats (this rank's as it is now); notes
         which peers wrote a new one since the last read."""
         keys = {r: self._key("hb", r) for r in ranks if r != self.rank}
