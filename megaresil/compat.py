@@ -46,3 +46,24 @@ def lost_peer_error(err: BaseException) -> bool:
     if isinstance(err, dist.DistNetworkError):
         return True
     return type(err) is RuntimeError and any(m in str(err) for m in _GLOO_LOST_PEER)
+
+
+def collective_counts(exclude: set) -> dict[str, int]:
+    """Collectives issued so far on each process group of this process, by
+    group name (the same on every member). A group numbers its collectives
+    in the same order on all members, so a member with a lower count has not
+    yet joined a collective its peers started. Groups in `exclude` are left out."""
+    counts = {}
+    for group in process_groups():
+        if group in exclude:
+            continue
+        try:
+            counts[group.group_name] = group._get_sequence_number_for_group()
+        except RuntimeError:  # a backend that does not number its collectives
+            pass
+    return counts
+
+
+def has_nccl_groups() -> bool:
+    """Whether any live process group runs collectives through NCCL."""
+    return any("nccl" in dist.get_backend(group) for group in process_groups())

@@ -201,7 +201,22 @@ class WatchdogConfig:
     factor: float = doc(5.0, "Calibrated budget = max(floor_s, factor * slowest observed "
                         "duration of that section).")
     floor_s: float = doc(2.0, "Smallest calibrated budget, against a noisy machine.")
-    poll_s: float = doc(0.1, "How often the monitor checks budgets and publishes heartbeats.")
+    poll_s: float = doc(0.1, "How often the monitor samples its training thread and checks "
+                        "its budget (local only: no store traffic).")
+    stall_s: float = doc(0.5, "A rank past its budget is declared hung only when its culprits' "
+                         "training threads used (almost) no CPU for this long; a culprit still "
+                         "computing is slow, not stuck (a hang_suspected warning, no abort).")
+    slow_limit_factor: float = doc(5.0, "Hard limit of a section, as a multiple of its budget: "
+                                   "past it a culprit is declared hung even while it computes "
+                                   "(an endless loop), and it is the timeout of gloo collectives "
+                                   "started in that section, so a rank waiting for a slow peer "
+                                   "is not failed before.")
+    heartbeat_s: float = doc(0.5, "How often a rank writes its heartbeat to the store.")
+    abort_poll_s: float = doc(1.0, "How often a rank reads the store for an abort announced by "
+                              "another rank.")
+    store_ops_limit: float = doc(2000.0, "Most watchdog operations per second on the store, all "
+                                 "ranks together: with many ranks the heartbeat and abort-poll "
+                                 "intervals grow so the total stays under it.")
     gil_timeout_s: float = doc(30.0, "A side process kills the rank when its monitor thread has "
                                "not run for this long (a hang holding the GIL).")
 

@@ -14,9 +14,8 @@ import time
 import pytest
 
 from conftest import ROOT
-from megaresil.config import ConfigError, WatchdogConfig, load_recipe
+from megaresil.config import ConfigError, load_recipe
 from megaresil.events import read_events
-from megaresil.resilience.watchdog import find_culprits
 from megaresil.train.metrics import read_metrics
 
 FLOOR_S = 1.0
@@ -111,18 +110,6 @@ def test_sigterm_to_the_launcher_saves_and_exits_preempted(tmp_path):
     saved = [e for e in events if e["event"] == "checkpoint_saved"]
     assert saved and saved[-1]["step"] == preempted["step"]
     assert "run_finished" not in [e["event"] for e in events]
-
-
-def test_culprits_are_the_ranks_behind_or_silent():
-    now = 100.0
-    beat = lambda step, section, age=0.0: {"step": step, "section": section, "now": now - age}
-    # Rank 2 is still in `data` of step 5 while the others wait in collectives.
-    assert find_culprits({0: beat(5, "forward_backward"), 1: beat(5, "optimizer"),
-                          2: beat(5, "data")}, now, stale_after=1.0) == [2]
-    # A rank whose monitor fell silent (dead, or starved of the GIL) is named.
-    assert find_culprits({0: beat(5, "data", age=9.0), 1: beat(5, "forward_backward")},
-                         now, stale_after=1.0) == [0]
-    assert find_culprits({0: None, 1: beat(3, "data")}, now, stale_after=1.0) == [0]
 
 
 def test_dropped_grad_buckets_free_their_parameters():
@@ -244,20 +231,6 @@ def test_giving_up_is_one_line(cli, tmp_path):
     assert ("megaresil: giving up: rank 1 ended with exit code 1: InjectedFault: injected "
             "exception (raise@rank1/step2/data)") in result.stderr
     assert "Traceback" not in result.stderr and "py_callstack" not in result.stderr
-
-
-def test_calibrated_budgets_have_a_floor():
-    from megaresil.resilience.watchdog import Watchdog
-
-    wd = Watchdog.__new__(Watchdog)  # budgets only: no thread, no store
-    wd.cfg = WatchdogConfig(calibration_steps=2, factor=5.0, floor_s=2.0, initial_timeout_s=60)
-    wd.slowest, wd.steps_seen = {"data": 0.01, "forward_backward": 0.9}, 0
-    assert wd.budget("data") == 60  # not calibrated yet
-    wd.steps_seen = 2
-    assert wd.budget("data") == 2.0 and wd.budget("forward_backward") == pytest.approx(4.5)
-    assert wd.budget("checkpoint") == wd.cfg.checkpoint_timeout_s
-    wd.restore_calibration({"slowest": {"data": 1.0}, "steps_seen": 7})
-    assert wd.budget("data") == 5.0 and wd.steps_seen == 7
 
 
 @pytest.mark.parametrize("fault,key", [({"kind": "explode", "rank": 0, "step": 1}, "faults[0].kind"),

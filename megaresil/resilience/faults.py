@@ -41,7 +41,7 @@ class FaultInjector:
     def on_section(self, section: str, step: int) -> None:
         """Called as the loop enters a section; fires the faults due there."""
         if self.slow_seconds and section == "data":
-            time.sleep(self.slow_seconds)
+            compute_for(self.slow_seconds)
         for fault in list(self.pending):
             if fault["step"] == step and fault.get("section", "data") == section:
                 self.pending.remove(fault)
@@ -59,7 +59,7 @@ class FaultInjector:
             hang(fault.get("mode", "sleep"), self.hang_group)
         elif kind == "slow":
             self.slow_seconds = float(fault.get("seconds", 1.0))
-            time.sleep(self.slow_seconds)
+            compute_for(self.slow_seconds)
         elif kind == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
         elif kind == "corrupt_checkpoint":
@@ -68,6 +68,14 @@ class FaultInjector:
 
 class InjectedFault(RuntimeError):
     pass
+
+
+def compute_for(seconds: float) -> None:
+    """Keep the CPU busy: a slow rank computes (a sleeping one looks stuck
+    to the watchdog, which tells them apart by the thread's CPU time)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sum(range(10_000))
 
 
 def hang(mode: str, group: Optional[dist.ProcessGroup]) -> None:

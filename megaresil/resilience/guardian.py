@@ -2,7 +2,9 @@
 starts in milliseconds) that catches hangs the in-process monitor cannot:
 a training thread holding the GIL in C code starves the monitor thread.
 
-The monitor writes a timestamp into a memory-mapped tick file at every poll.
+The monitor writes a timestamp into a memory-mapped tick file at every poll
+(CLOCK_MONOTONIC, which all processes of a host share, so a wall-clock
+step cannot fake or hide a stall).
 When the tick is older than the timeout, the guardian asks the rank for a
 stack dump (SIGUSR2, handled in C by faulthandler, which needs no GIL),
 then kills it; the launcher restarts the worker group.
@@ -29,9 +31,9 @@ def watch(pid: int, tick_file: str, timeout: float) -> None:
         time.sleep(min(0.5, timeout / 4))
         with open(tick_file, "rb") as f:
             (tick,) = struct.unpack("d", f.read(8))
-        if time.time() - tick > timeout and alive(pid):
+        if time.monotonic() - tick > timeout and alive(pid):
             print(f"megaresil guardian: rank process {pid} made no progress for "
-                  f"{time.time() - tick:.1f}s with its monitor starved (GIL held); "
+                  f"{time.monotonic() - tick:.1f}s with its monitor starved (GIL held); "
                   "dumping stacks and killing it", file=sys.stderr, flush=True)
             os.kill(pid, signal.SIGUSR2)
             time.sleep(1.0)

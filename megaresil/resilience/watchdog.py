@@ -1,28 +1,79 @@
-"""Hang detection: a monitor thread per rank, heartbeats in the c10d store,
-calibrated per-section budgets, culprit analysis, stack dumps, abort.
+"""Hang detection: a monitor thread per rank, calibrated per-section budgets,
+slow told apart from stuck by the training thread's CPU time, culprits named
+from heartbeats in the c10d store, stack dumps, abort.
 
-Why a thread, and what backs it up: the thread sees the training thread's
-section and step directly and keeps working while that thread is blocked in
-a collective (gloo releases the GIL while it waits). It cannot run while the
-training thread holds the GIL in C code, so a stdlib-only side process (the
-guardian, started per rank; no torch import, so it costs milliseconds)
-watches the thread's tick and, when it stops, dumps the rank's stacks through
-faulthandler's C-level signal handler and kills the rank, leaving the rest to
-the launcher restart.
+Slow or stuck. A budget passing proves nothing: a loaded machine, a bigger
+layout or a slow peer all make sections long. What tells a stuck rank from a
+slow one is whether its training thread still runs: the monitor samples the
+thread's CPU clock (`pthread_getcpuclockid` of the main thread) every poll_s.
+A thread blocked in a gloo collective, sleeping or waiting on a lock uses
+~0.05 ms of CPU a second; a computing one uses far more than
+PROGRESS_CPU_SHARE (2 %) of the wall time even when 30 runnable threads
+share 2 cores (the scheduler gives each a slice every ~50 ms). CPU time needs
+no cooperation from the code being watched (no counters inside long ops) and
+is cheap to read (no stack walk); a stack that changes would also catch a
+thread spinning in place, which the hard limit below catches instead.
+Limits: a slow fault that *sleeps* looks stuck (a real slow rank computes);
+on a GPU a host thread spinning in a CUDA synchronize looks busy, so a hung
+kernel is caught by NCCL's abort path or the hard limit, not the CPU test.
+
+The decision, when a rank's section passes its budget: find the culprits
+(`find_culprits`): ranks gone silent, else the live ranks furthest behind
+(step, then section), ties broken by the per-group collective counters (the
+rank whose peers started collectives it has not joined). If every culprit
+has made no progress for stall_s (its own monitor says so in its heartbeat;
+a rank that is its own culprit asks its local meter, with no store delay;
+a rank whose heartbeat stops for 2.5 heartbeat intervals is gone), the hang
+is declared (`hang_detected`) and the generation aborted. If a culprit is
+still computing, one `hang_suspected` event is written for the job (a
+compare-and-set key per section and step) and training goes on, up to the
+hard limit `slow_limit_factor` x budget, past which even a computing culprit
+is declared hung (an endless loop). A real hang is declared one poll after
+max(budget, stall_s) when the hung rank passes its own budget (the usual
+case: it stopped first), plus at most one heartbeat interval while a peer's
+heartbeat still shows an older place (1.03 s for a 1 s budget in a 1-rank
+run); a hung rank whose own budget is longer is judged by its peers from
+its heartbeats, within two heartbeat intervals of their budget.
 
 Unblocking a collective: a thread blocked in a gloo collective cannot be
-freed from outside (destroying the group or shortening its timeout does not
-touch an op already waiting). So the budget is given to the collectives up
-front: on entering a section, every training process group's timeout is set
-to that section's budget, and a collective stuck behind a hung peer raises
-by itself. A training thread stuck in Python gets HangAbort raised in it.
+freed from outside (design.md §4), so its timeout is set on entering each
+section, for collectives started afterwards. It is the hard limit, not the
+budget: a rank waiting in a collective for a slow but computing peer must
+not time out before the watchdog would declare that peer hung. The price is
+recovery time for a hang *inside* a collective: the ranks blocked in it are
+released only when their op's timeout passes, up to slow_limit_factor x
+budget after it started (5 s for a 1 s budget) instead of half a second
+after the declaration. A hang outside collectives (HangAbort is raised in
+the thread) and any hang on NCCL are released at once: on a declared hang
+the NCCL communicators are aborted, which returns their blocked ops. For
+that the worker needs TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (NCCL_WORKER_ENV;
+TorchElastic sets 1, under which NCCL's own watchdog kills the process on a
+timeout) when restarting in process.
 
-Who restarts whom: every rank judges only its own budget. The first rank to
-expire declares the hang in the store (compare-and-set, so exactly one
-declaration per generation), names the culprits from all ranks' heartbeats,
-and sets the generation's abort key; every rank's monitor polls that key and
-aborts its own training thread. No rank is special, and the store lives in
-the launcher's agent, not in a rank.
+Store load. Heartbeats are local until they matter: the monitor samples and
+checks budgets every poll_s without touching the store; it writes its
+heartbeat every heartbeat_s (0.5 s) and reads the abort key every
+abort_poll_s (1 s): 3 ops/s per rank with the defaults (the previous design
+made 20: a write and a read every 0.1 s). Both intervals grow with the world
+so that all ranks together stay under store_ops_limit (2,000 ops/s by
+default): up to 666 ranks a rank costs 3 ops/s; at 1,000 ranks the
+intervals become 0.75 s and 1.5 s (2 ops/s per rank, 2,000 ops/s for the
+store), and a peer's silence is noticed after 2.5 heartbeat intervals.
+Reading every heartbeat (one op per rank) happens only when a budget
+passed: once per alarm, then only the culprits' keys once per heartbeat
+interval until the alarm clears or a culprit moves (one full read again).
+
+Calibration: budgets are factor x the slowest observed duration of each
+section; they are saved in checkpoints with what they were measured on
+(world size, the workload the caller describes: layout, batch sizes; the
+kind of machine: CPU model, usable cores, GPU). A calibration measured on
+anything else is ignored on restore: 8 ranks' budgets say nothing of 1
+rank's step time. The host name is deliberately not part of it, so a
+relaunch onto other nodes of the same kind keeps its budgets.
+
+A training thread holding the GIL in C code starves the monitor: the
+guardian side process (guardian.py) catches that. Every duration here is on
+the monotonic clock; wall-clock time appears only in events.
 """
 from __future__ import annotations
 
@@ -31,24 +82,32 @@ import faulthandler
 import json
 import mmap
 import os
+import platform
 import signal
 import struct
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megaresil.compat import abort_process_groups, process_groups, set_gloo_timeout
+from megaresil.compat import (abort_process_groups, collective_counts, has_nccl_groups,
+                              process_groups, set_gloo_timeout)
 from megaresil.config import SECTIONS, WatchdogConfig
 from megaresil.events import EventLog
 
 SECTION_ORDER = {name: i for i, name in enumerate(SECTIONS)}
+PROGRESS_CPU_SHARE = 0.02  # CPU seconds per wall second below which a thread is not running
+STALE_HEARTBEATS = 2.5  # heartbeat intervals without a new beat: the rank's monitor is gone
+NCCL_WORKER_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}  # we abort NCCL ourselves
+OPS_PER_HEARTBEAT = 1  # a set
+OPS_PER_ABORT_POLL = 1  # a check
 
 
 class HangAbort(BaseException):
@@ -58,10 +117,17 @@ class HangAbort(BaseException):
     swallow it on the way up to the restart logic."""
 
 
-def raise_in_thread(thread_id: int, exc_type: Optional[type]) -> None:
-    """Schedule `exc_type` in a thread at its next Python bytecode (None clears)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
-                                               ctypes.py_object(exc_type) if exc_type else None)
+def raise_in_thread(thread_id: int, exc_type: type | None) -> bool:
+    """Schedule `exc_type` in a thread at its next Python bytecode (None
+    clears a pending one). False when no such thread exists (it ended)."""
+    set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    changed = set_async_exc(ctypes.c_ulong(thread_id),
+                            ctypes.py_object(exc_type) if exc_type else None)
+    if changed > 1:  # the id matched several thread states: undo, touch none
+        set_async_exc(ctypes.c_ulong(thread_id), None)
+        raise SystemError(f"raise_in_thread: thread id {thread_id} matched {changed} "
+                          "thread states; nothing was raised")
+    return changed == 1
 
 
 def set_collective_timeouts(seconds: float, exempt: set) -> None:
@@ -72,52 +138,165 @@ def set_collective_timeouts(seconds: float, exempt: set) -> None:
             set_gloo_timeout(group, seconds)
 
 
-def find_culprits(heartbeats: dict[int, Optional[dict]], now: float,
-                  stale_after: float) -> list[int]:
-    """Ranks that stopped making progress; the rest are waiting for them.
+def thread_cpu_clock(thread_id: int) -> Callable[[], float]:
+    """CPU seconds used by one thread of this process (process CPU time where
+    the platform has no per-thread clock)."""
+    try:
+        clock = time.pthread_getcpuclockid(thread_id)
+        time.clock_gettime(clock)
+    except (AttributeError, OSError):
+        return time.process_time
+    return lambda: time.clock_gettime(clock)
 
-    A rank whose heartbeat is stale (dead, or its monitor starved of the GIL)
-    is a culprit; otherwise the ranks furthest behind (step, then section
-    within the step) are: the others went on until they needed them."""
-    stale = [r for r, hb in heartbeats.items() if hb is None or now - hb["now"] > stale_after]
-    if stale:
-        return sorted(stale)
-    progress = {r: (hb["step"], SECTION_ORDER[hb["section"]]) for r, hb in heartbeats.items()}
-    least = min(progress.values())
-    return sorted(r for r, p in progress.items() if p == least)
+
+def machine_kind() -> dict:
+    """What a section's duration depends on besides the workload."""
+    cpu_model = platform.processor()
+    try:
+        cpu_model = next(line.split(":", 1)[1].strip() for line in
+                         Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu_model, "cores": len(os.sched_getaffinity(0)),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+class ProgressMeter:
+    """Whether a thread is running: the CPU time it gains between samples."""
+
+    def __init__(self, read_cpu: Callable[[], float], now: float):
+        self.read_cpu = read_cpu
+        self.cpu, self.sampled, self.last_progress = read_cpu(), now, now
+
+    def sample(self, now: float) -> None:
+        cpu = self.read_cpu()
+        if cpu - self.cpu >= PROGRESS_CPU_SHARE * (now - self.sampled):
+            self.last_progress = now
+        self.cpu, self.sampled = cpu, now
+
+    def stalled_s(self, now: float) -> float:
+        """Seconds since the thread last used a fair share of CPU."""
+        return now - self.last_progress
+
+
+def position(hb: dict) -> tuple[int, int]:
+    return hb["step"], SECTION_ORDER[hb["section"]]
+
+
+def find_culprits(heartbeats: dict[int, dict | None], gone: frozenset = frozenset()) -> list[int]:
+    """Ranks that stopped the job; the rest are waiting for them.
+
+    `heartbeats` maps each rank to its latest heartbeat (None: it never wrote
+    one this generation), `gone` names ranks whose heartbeat stopped. Ranks
+    that left the generation (their own error, a restart) are not culprits.
+    Silent ranks are culprits; otherwise the live ranks furthest behind
+    (step, then section), ties broken by `blamed_in_collectives`."""
+    silent = {r for r, hb in heartbeats.items() if hb is None} | set(gone)
+    if silent:
+        return sorted(silent)
+    live = {r: hb for r, hb in heartbeats.items() if hb["state"] == "running"}
+    if not live:
+        return []
+    least = min(position(hb) for hb in live.values())
+    behind = [r for r, hb in live.items() if position(hb) == least]
+    return blamed_in_collectives(behind, live) if len(behind) > 1 else behind
+
+
+def blamed_in_collectives(candidates: list[int], heartbeats: dict[int, dict]) -> list[int]:
+    """Of ranks at the same place, the ones the others wait for.
+
+    Every group numbers its collectives in the same order on all members, so
+    counts say who has started a collective that whom has not joined. First:
+    a rank alone in a collective of a group of three or more, that no other
+    member has started, called a collective nobody else calls (the others
+    are all blocked elsewhere, waiting for it). Otherwise: the ranks most
+    peers wait for (peers ahead of them on a shared group). Two-rank groups
+    cannot tell the caller of an unmatched collective from a rank waiting
+    for its partner, hence the first rule needs three."""
+    unmatched = [r for r in candidates if alone_in_a_collective(r, heartbeats)]
+    if unmatched:
+        return sorted(unmatched)
+
+    def waiters(rank: int) -> set[int]:
+        mine = heartbeats[rank].get("coll", {})
+        return {peer for peer, hb in heartbeats.items() if peer != rank and any(
+            count > mine[name] for name, count in hb.get("coll", {}).items() if name in mine)}
+    blame = {r: len(waiters(r)) for r in candidates}
+    most = max(blame.values())
+    return sorted(r for r in candidates if blame[r] == most)
+
+
+def alone_in_a_collective(rank: int, heartbeats: dict[int, dict]) -> bool:
+    for name, count in heartbeats[rank].get("coll", {}).items():
+        others = [hb["coll"][name] for peer, hb in heartbeats.items()
+                  if peer != rank and name in hb.get("coll", {})]
+        if len(others) >= 2 and all(count > other for other in others):
+            return True
+    return False
+
+
+@dataclass
+class Alarm:
+    """One section that passed its budget, while it lasts."""
+    section: str
+    step: int
+    started: float
+    culprits: list[int] = field(default_factory=list)
+    positions: dict = field(default_factory=dict)  # culprit -> (step, section) at the full read
+    next_read: float = 0.0
+    suspected: bool = False
+
+
+@dataclass
+class Beat:
+    """The latest distinct heartbeat seen from a peer, and when it was first seen."""
+    record: dict
+    seen: float
+    fresh: bool  # written after an earlier read: at most one read interval old
 
 
 class Watchdog:
     def __init__(self, cfg: WatchdogConfig, *, rank: int, world: int, store: dist.Store,
-                 run_dir: Path, events: EventLog, exit_on_hang: Optional[int]):
+                 run_dir: Path, events: EventLog, exit_on_hang: int | None,
+                 workload: dict | None = None, guardian: bool = True):
         self.cfg, self.rank, self.world, self.store = cfg, rank, world, store
         self.hang_dir = Path(run_dir) / "hangs"
         self.events, self.exit_on_hang = events, exit_on_hang
         self.slowest: dict[str, float] = {}
         self.steps_seen = 0
-        self.current = ("setup", 0, time.time())
-        self.generation: Optional[int] = None  # None: paused between generations
+        self.measured_on = {"world": world, "workload": workload, "machine": machine_kind()}
+        self.current = ("setup", 0, time.monotonic())
+        self.generation: int | None = None  # None: paused between generations
         self.aborted = False
         self.main_thread = threading.main_thread().ident
+        self.progress = ProgressMeter(thread_cpu_clock(self.main_thread), time.monotonic())
         self.exempt: set = set()  # process groups whose timeout we leave alone
+        scale = max(1.0, world * (OPS_PER_HEARTBEAT / cfg.heartbeat_s + OPS_PER_ABORT_POLL
+                                  / cfg.abort_poll_s) / cfg.store_ops_limit)
+        self.heartbeat_every, self.abort_poll_every = cfg.heartbeat_s * scale, cfg.abort_poll_s * scale
+        self.beats = 0
+        self.next_heartbeat = self.next_abort_poll = 0.0
+        self.alarm: Alarm | None = None
+        self.peers: dict[int, Beat] = {}
+        self.lock = threading.Lock()  # the monitor and pause() both write heartbeats
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._monitor, name="megaresil-watchdog",
                                        daemon=True)
-        self.tick = self._start_guardian()
+        self.guardian = None
+        self.tick = self._start_guardian() if guardian else None
         self.thread.start()
 
     # --- called by the training thread ------------------------------------------
 
     @contextmanager
     def section(self, name: str, step: int):
-        started = time.time()
+        started = time.monotonic()
         self.current = (name, step, started)
-        # Half a second past the budget: the monitor declares the hang (and
-        # names the culprits) first, then stuck collectives give up.
-        set_collective_timeouts(self.budget(name) + 0.5, self.exempt)
+        set_collective_timeouts(self.slow_limit(name), self.exempt)
         yield
         if step > 1:  # step 1 carries one-off warm-up costs
-            self.slowest[name] = max(self.slowest.get(name, 0.0), time.time() - started)
+            self.slowest[name] = max(self.slowest.get(name, 0.0), time.monotonic() - started)
 
     def exempt_group(self, group) -> None:
         self.exempt.add(group)
@@ -126,20 +305,38 @@ class Watchdog:
         self.steps_seen += 1
 
     def begin_generation(self, generation: int) -> None:
+        self.current = ("setup", self.current[1], time.monotonic())
+        self.alarm, self.peers, self.next_heartbeat = None, {}, 0.0
         self.generation, self.aborted = generation, False
-        self.current = ("setup", self.current[1], time.time())
 
     def pause(self) -> None:
-        self.generation = None
+        """Leave the generation: peers stop counting this rank as a culprit."""
+        with self.lock:
+            generation, self.generation = self.generation, None
+        if generation is None:
+            return
+        try:
+            self._publish(generation, state="left")
+        except Exception as err:  # the store is gone: so is the job, nobody is judging
+            print(f"megaresil watchdog (rank {self.rank}): {err}", file=sys.stderr)
 
     def calibration(self) -> dict:
-        return {"slowest": dict(self.slowest), "steps_seen": self.steps_seen}
+        return {"slowest": dict(self.slowest), "steps_seen": self.steps_seen,
+                "measured_on": self.measured_on}
 
-    def restore_calibration(self, saved: dict) -> None:
-        """Budgets from a checkpoint, so a restart does not start from zero."""
+    def restore_calibration(self, saved: dict) -> bool:
+        """Budgets from a checkpoint, so a restart does not start from zero;
+        ignored (False) when measured on another world, workload or machine."""
+        if saved.get("measured_on") != self.measured_on:
+            if self.rank == 0:
+                print(f"megaresil watchdog: the checkpoint's budgets were measured on "
+                      f"{saved.get('measured_on')}, this run is {self.measured_on}: "
+                      "calibrating again", file=sys.stderr)
+            return False
         for name, seconds in saved.get("slowest", {}).items():
             self.slowest[name] = max(self.slowest.get(name, 0.0), seconds)
         self.steps_seen = max(self.steps_seen, saved.get("steps_seen", 0))
+        return True
 
     def budget(self, section: str) -> float:
         if section == "setup":
@@ -150,7 +347,12 @@ class Watchdog:
             return self.cfg.initial_timeout_s
         return max(self.cfg.floor_s, self.cfg.factor * self.slowest[section])
 
+    def slow_limit(self, section: str) -> float:
+        """Past this even a computing culprit is hung; the collective timeout."""
+        return self.cfg.slow_limit_factor * self.budget(section)
+
     def close(self) -> None:
+        self.pause()
         self.stop.set()
         self.thread.join(timeout=2)
         if self.guardian is not None:
@@ -158,55 +360,150 @@ class Watchdog:
 
     # --- the monitor thread -------------------------------------------------------
 
-    def _key(self, what: str, rank: Optional[int] = None) -> str:
-        return f"{what}/{self.generation}" + (f"/{rank}" if rank is not None else "")
+    def _key(self, what: str, rank: int | None = None,
+             generation: int | None = None) -> str:
+        generation = self.generation if generation is None else generation
+        return f"{what}/{generation}" + (f"/{rank}" if rank is not None else "")
 
     def _monitor(self) -> None:
         while not self.stop.wait(self.cfg.poll_s):
-            self.tick[:8] = struct.pack("d", time.time())
+            if self.tick is not None:
+                self.tick[:8] = struct.pack("d", time.monotonic())
+            now = time.monotonic()
+            self.progress.sample(now)
             generation = self.generation
             if generation is None or self.aborted:
                 continue
             try:
-                self._check(generation)
+                self._check(generation, now)
             except Exception as err:  # the store went away: the job is ending
-                if not self.stop.is_set():
+                if not self.stop.is_set() and self.generation is not None:
                     print(f"megaresil watchdog (rank {self.rank}): {err}", file=sys.stderr)
 
-    def _check(self, generation: int) -> None:
+    def _check(self, generation: int, now: float) -> None:
+        if now >= self.next_heartbeat:
+            self._publish(generation)
+        if now >= self.next_abort_poll:
+            self.next_abort_poll = now + self.abort_poll_every
+            if self.store.check([self._key("abort")]):
+                self._abort(json.loads(self.store.get(self._key("abort"))))
+                return
         section, step, started = self.current
-        now = time.time()
-        self.store.set(self._key("hb", self.rank), json.dumps(
-            {"section": section, "step": step, "started": started, "now": now}))
-        if self.store.check([self._key("abort")]):
-            self._abort(json.loads(self.store.get(self._key("abort"))))
-            return
         waited = now - started
-        if waited > self.budget(section):
-            self._declare(section, step, waited)
+        if waited <= self.budget(section):
+            self.alarm = None
+            return
+        if self.alarm is None or self.alarm.started != started:
+            self.alarm = Alarm(section, step, started)
+        self._judge(self.alarm, waited, now)
 
-    def _heartbeats(self) -> dict[int, Optional[dict]]:
-        keys = [self._key("hb", r) for r in range(self.world)]
-        present = {r: self.store.check([k]) for r, k in enumerate(keys)}
-        return {r: json.loads(self.store.get(keys[r])) if present[r] else None
-                for r in range(self.world)}
+    def _publish(self, generation: int, state: str = "running") -> None:
+        now = time.monotonic()
+        with self.lock:
+            if state == "running" and self.generation != generation:
+                return  # the rank left this generation meanwhile: keep its "left"
+            self.next_heartbeat = now + self.heartbeat_every
+            self.beats += 1
+            self.store.set(self._key("hb", self.rank, generation),
+                           json.dumps(self._record(state, now)))
 
-    def _declare(self, section: str, step: int, waited: float) -> None:
-        culprits = find_culprits(self._heartbeats(), time.time(),
-                                 stale_after=max(1.0, 5 * self.cfg.poll_s))
-        report = {"rank": self.rank, "section": section, "step": step, "waited_s": waited,
-                  "budget_s": self.budget(section), "culprit_ranks": culprits,
+    def _record(self, state: str, now: float) -> dict:
+        """This rank's heartbeat: where it is and whether its thread runs."""
+        section, step, _ = self.current
+        return {"state": state, "section": section, "step": step, "beat": self.beats,
+                "stalled_s": round(self.progress.stalled_s(now), 3),
+                "coll": collective_counts(self.exempt) if dist.is_initialized() else {}}
+
+    # --- judging an alarm -----------------------------------------------------------
+
+    def _judge(self, alarm: Alarm, waited: float, now: float) -> None:
+        if now >= alarm.next_read:
+            alarm.next_read = now + self.heartbeat_every
+            self._read_culprits(alarm, now)
+        if not alarm.culprits:
+            return
+        states = [self._culprit_state(r, now) for r in alarm.culprits]
+        if all(state == "stuck" for state in states):
+            self._declare(alarm, waited, "stuck")
+        elif waited > self.slow_limit(alarm.section):
+            self._declare(alarm, waited, "slow_limit")
+        elif "running" in states and not alarm.suspected:
+            alarm.suspected = True
+            self._suspect(alarm, waited)
+
+    def _read_culprits(self, alarm: Alarm, now: float) -> None:
+        """Refresh the culprits' heartbeats; every rank's on the first read,
+        or when a culprit has moved on (someone else holds the job now)."""
+        if alarm.culprits:
+            beats = self._heartbeats(alarm.culprits, now)
+            if all(beats[r] is None or position(beats[r]) == alarm.positions.get(r)
+                   for r in alarm.culprits):
+                return
+        beats = self._heartbeats(range(self.world), now)
+        alarm.culprits = find_culprits(beats, frozenset(self._gone(now)))
+        alarm.positions = {r: position(beats[r]) for r in alarm.culprits if beats[r] is not None}
+
+    def _heartbeats(self, ranks, now: float) -> dict[int, dict | None]:
+        """The ranks' latest heartbeats (this rank's as it is now); notes
+        which peers wrote a new one since the last read."""
+        keys = {r: self._key("hb", r) for r in ranks if r != self.rank}
+        if self.store.check(list(keys.values())):
+            values = self.store.multi_get(list(keys.values()))
+            beats = {r: json.loads(v) for r, v in zip(keys, values)}
+        else:  # someone never wrote one: ask key by key
+            beats = {r: json.loads(self.store.get(k)) if self.store.check([k]) else None
+                     for r, k in keys.items()}
+        for r, hb in beats.items():
+            known = self.peers.get(r)
+            if hb is not None and (known is None or known.record["beat"] != hb["beat"]):
+                self.peers[r] = Beat(hb, now, fresh=known is not None)
+        if self.rank in ranks:
+            beats[self.rank] = self._record("running", now)
+        return beats
+
+    def _gone(self, now: float) -> list[int]:
+        """Peers whose heartbeat stopped changing (process killed or frozen)."""
+        return [r for r, beat in self.peers.items() if beat.record["state"] == "running"
+                and now - beat.seen > STALE_HEARTBEATS * self.heartbeat_every]
+
+    def _culprit_state(self, rank: int, now: float) -> str:
+        """stuck, running, or unknown (no heartbeat written since the alarm
+        began yet). This rank asks its own meter; a peer is judged by a
+        heartbeat it wrote since the previous read, or by its silence."""
+        if rank == self.rank:
+            return "stuck" if self.progress.stalled_s(now) >= self.cfg.stall_s else "running"
+        beat = self.peers.get(rank)
+        if beat is None or rank in self._gone(now):
+            return "stuck"
+        if not beat.fresh:
+            return "unknown"
+        return "stuck" if beat.record["stalled_s"] >= self.cfg.stall_s else "running"
+
+    def _report(self, alarm: Alarm, waited: float) -> dict:
+        return {"rank": self.rank, "section": alarm.section, "step": alarm.step,
+                "waited_s": round(waited, 3), "budget_s": round(self.budget(alarm.section), 3),
+                "culprit_ranks": alarm.culprits}
+
+    def _suspect(self, alarm: Alarm, waited: float) -> None:
+        """One warning per section and step for the whole job."""
+        report = self._report(alarm, waited)
+        key = self._key(f"suspect/{alarm.section}/{alarm.step}")
+        if self.store.compare_set(key, "", str(self.rank)) == str(self.rank).encode():
+            self.events.emit("hang_suspected", **{k: v for k, v in report.items() if k != "rank"})
+
+    def _declare(self, alarm: Alarm, waited: float, why: str) -> None:
+        report = {**self._report(alarm, waited), "why": why,
                   "stack_dump": str(self.hang_dir / f"generation_{self.generation}")}
-        won = self.store.compare_set(self._key("hang"), "", json.dumps(report)) == \
-            json.dumps(report).encode()
-        if won:
+        mine = json.dumps(report)
+        if self.store.compare_set(self._key("hang"), "", mine) == mine.encode():
             self.events.emit("hang_detected", **{k: v for k, v in report.items() if k != "rank"})
             self.store.set(self._key("abort"), json.dumps({"reason": "hang", **report}))
         self._abort({"reason": "hang", **report})
 
     def _abort(self, reason: dict) -> None:
-        """Free this rank's training thread: dump stacks, make blocked
-        collectives time out, and raise HangAbort at its next bytecode."""
+        """Free this rank's training thread: dump stacks, abort NCCL
+        communicators, and raise HangAbort at its next bytecode (a gloo op
+        already blocked returns at its timeout)."""
         self.aborted = True
         dump_dir = self.hang_dir / f"generation_{self.generation}"
         dump_dir.mkdir(parents=True, exist_ok=True)
@@ -215,8 +512,8 @@ class Watchdog:
             faulthandler.dump_traceback(file=f, all_threads=True)
         if self.exit_on_hang is not None:  # no in-process restart: the launcher restarts us
             os._exit(self.exit_on_hang)
-        if torch.cuda.is_available():
-            abort_process_groups()  # NCCL can abort its communicators
+        if dist.is_initialized() and has_nccl_groups():
+            abort_process_groups()
         raise_in_thread(self.main_thread, HangAbort)
 
     # --- the guardian side process ----------------------------------------------
@@ -225,7 +522,7 @@ class Watchdog:
         """Start the stdlib-only guardian and register the stack-dump signal."""
         self.hang_dir.mkdir(parents=True, exist_ok=True)
         tick_path = self.hang_dir / f".tick.rank{self.rank}"
-        tick_path.write_bytes(struct.pack("d", time.time()))
+        tick_path.write_bytes(struct.pack("d", time.monotonic()))
         tick_file = open(tick_path, "r+b")
         tick = mmap.mmap(tick_file.fileno(), 8)
         self._dump_file = open(self.hang_dir / f"gil_rank{self.rank}.txt", "w")
@@ -234,3 +531,4 @@ class Watchdog:
             [sys.executable, "-m", "megaresil.resilience.guardian", str(os.getpid()),
              str(tick_path), str(self.cfg.gil_timeout_s)], start_new_session=False)
         return tick
+
