@@ -193,16 +193,15 @@ def worker(recipe: str, overrides: list[str]) -> str:
     """One rank: build the process group, train with restarts, report how it ended."""
     from megaresil.parallel.layout import pick_device
     from megaresil.resilience.restart import JobFailed, run_worker
+    from megaresil.resilience.watchdog import NCCL_WORKER_ENV
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cfg = adapt_to_world(load_recipe(recipe, overrides), world)
     device = pick_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        # A failed NCCL collective aborts its communicators but leaves the
-        # process alive (2: CleanUpOnly), so an in-process restart can follow.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                              "2" if cfg.resilience.in_process else "1")
+        if cfg.resilience.in_process:  # TorchElastic's 1 would kill the process on an NCCL error
+            os.environ.update(NCCL_WORKER_ENV)
     try:
         return run_worker(cfg, rank, world, device, trainer_job(cfg, device))
     except JobFailed:

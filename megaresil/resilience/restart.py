@@ -104,6 +104,14 @@ class JobFailed(Exception):
     only to fail again; the launcher turns it into exit status 1."""
 
 
+def workload(cfg: RecipeConfig) -> dict:
+    """What a step's section durations depend on, besides the machine: the
+    watchdog keeps a calibration only for the same workload."""
+    p, t = cfg.parallel, cfg.train
+    return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "vpp": p.vpp, "seq_len": cfg.data.seq_len,
+            "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size}
+
+
 class AbortBoard:
     """The generation's abort record in the store: the first failing rank
     announces it (compare-and-set), every rank reads the same cause."""
@@ -187,7 +195,8 @@ class WorkerLife:
         wd = res.watchdog
         self.watchdog = (Watchdog(wd, rank=rank, world=world, store=self.store,
                                   run_dir=self.run_dir, events=self.events,
-                                  exit_on_hang=None if res.in_process else HANG_EXIT_CODE)
+                                  exit_on_hang=None if res.in_process else HANG_EXIT_CODE,
+                                  workload=workload(cfg))
                          if wd.enabled else None)
         self.generation = 0
 
