@@ -19,6 +19,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.events import read_events
+from megaresil.run_lock import held_by_worker, held_for_workers
 
 # `megaresil train` exit codes: finished 0; preempted (checkpoint saved, run
 # it again to continue) 75, EX_TEMPFAIL, so schedulers can requeue on it.
@@ -90,7 +91,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     )
     events_before = len(read_events(run_dir))
     try:
-        elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
+        with held_for_workers(run_dir, job=config.run_id):
+            elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         print(f"megaresil: training failed: first failure on rank {rank} "
@@ -138,4 +140,5 @@ def worker(recipe: str, overrides: list[str]) -> str:
     device = pick_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return run_worker(cfg, rank, world, device)
+    with held_by_worker(Path(cfg.run.dir), rank):
+        return run_worker(cfg, rank, world, device)
