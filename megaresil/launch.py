@@ -24,11 +24,11 @@ from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, v
 from megaresil.events import read_events
 from megaresil.resilience.incidents import IncidentPrinter
 from megaresil.resilience.restart import HANG_EXIT_CODE
+from megaresil.run_lock import HELD_ENV, held_by_worker, held_for_workers
 
 # `megaresil train` exit codes: finished 0; preempted (checkpoint saved, run
 # it again to continue) 75, EX_TEMPFAIL, so schedulers can requeue on it.
 PREEMPTED_EXIT = 75
-LAUNCHED_BY_MEGARESIL = "MEGARESIL_LAUNCHER"  # set for workers of `megaresil train`
 
 
 @dataclass
@@ -98,7 +98,6 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
-    os.environ[LAUNCHED_BY_MEGARESIL] = "1"
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
     config = LaunchConfig(
@@ -116,7 +115,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     )
     events_before = len(read_events(run_dir))
     try:
-        with IncidentPrinter(run_dir):
+        with held_for_workers(run_dir, job=config.run_id), IncidentPrinter(run_dir):
             elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except ChildFailedError as err:
         print(f"megaresil: giving up: {failure_summary(err)}; the run directory keeps the "
@@ -203,10 +202,11 @@ def worker(recipe: str, overrides: list[str]) -> str:
         if cfg.resilience.in_process:  # TorchElastic's 1 would kill the process on an NCCL error
             os.environ.update(NCCL_WORKER_ENV)
     try:
-        return run_worker(cfg, rank, world, device, trainer_job(cfg, device))
+        with held_by_worker(Path(cfg.run.dir), rank):
+            return run_worker(cfg, rank, world, device, trainer_job(cfg, device))
     except JobFailed:
-        if os.environ.get(LAUNCHED_BY_MEGARESIL) != "1":
-            raise  # a foreign torchrun must see the failure in the exit status
+        if HELD_ENV not in os.environ:
+            raise  # not under megaresil's launcher: the exit status must say it
         return "failed"  # exit 0: no relaunch; the launcher reports run_failed
     except Exception as err:
         # Already in events.jsonl (and on the launcher's console, one line):

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from megaresil.config import (ConfigError, Flavour, field_docs, load_recipe, validate_world_size)
+from megaresil.config import (ConfigError, Flavour, RecipeConfig, field_docs, load_recipe,
+                              validate_world_size)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "gpt-tiny.yaml"
@@ -77,3 +78,9 @@ def test_cli_rejects_bad_recipe_with_one_line_naming_the_key(tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.num_heads" in lines[0], result.stderr
+
+
+def test_list_defaults_are_not_shared_between_instances():
+    first, second = RecipeConfig(), RecipeConfig()
+    first.faults.append({"kind": "kill", "rank": 0, "step": 1})
+    assert second.faults == [] and RecipeConfig().faults == []

@@ -13,11 +13,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import shutil
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
 
+import psutil
 import torch
 from tqdm import tqdm
 
@@ -33,6 +36,7 @@ from megaresil.config import RecipeConfig
 
 
 def refuse_existing(dst: Path, overwrite: bool) -> None:
+    settle_leftovers(dst)
     if dst.exists() and not overwrite:
         raise fmt.CheckpointError(f"{dst} already exists. Fix: choose another destination, or pass "
                                   "--overwrite to replace it (only once the new one is complete).")
@@ -111,12 +115,81 @@ def _records(writes: list[tuple[int, Rect]], locations: dict[tuple, str],
     return per_rank
 
 
+# A write of `DST` works beside it: `DST.partial-<pid>` is the new directory
+# until it is renamed to `DST`; with --overwrite, the old `DST` waits as
+# `DST.replaced-<pid>` until the new one is committed. A process killed on the
+# way leaves these behind; the next write of `DST` settles them.
+
+
+def _leftover(dst: Path, kind: str, pid: int) -> Path:
+    return dst.with_name(f"{dst.name}.{kind}-{pid}")
+
+
+def _leftover_pids(dst: Path) -> list[int]:
+    """The pids named by `DST.partial-<pid>` / `DST.replaced-<pid>` beside `dst`."""
+    if not dst.parent.is_dir():
+        return []
+    pattern = re.compile(rf"{re.escape(dst.name)}\.(?:partial|replaced)-(\d+)")
+    return sorted({int(m.group(1)) for path in dst.parent.iterdir()
+                   if (m := pattern.fullmatch(path.name))})
+
+
+def _writer_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _committed(directory: Path) -> bool:
+    """A checkpoint is committed once its marker is written; a Hugging Face export (no
+    manifest, no marker) once it is in place."""
+    return (directory / fmt.MARKER).exists() or not (directory / fmt.MANIFEST).exists()
+
+
+def _settle_swap(dst: Path, pid: int) -> str:
+    """Finish or undo a replacement of `dst` by process `pid` that stopped
+    after moving the old one aside. The old one is deleted only once the new
+    one is committed, and every step below leaves a state this function
+    settles again, so no interruption loses both."""
+    partial, replaced = _leftover(dst, "partial", pid), _leftover(dst, "replaced", pid)
+    if dst.exists() and _committed(dst):
+        shutil.rmtree(replaced)
+        return f"removed {replaced}: the new {dst.name} had been committed"
+    shutil.rmtree(partial, ignore_errors=True)
+    if dst.exists():
+        dst.rename(partial)  # the uncommitted new one is a partial again
+    replaced.rename(dst)
+    shutil.rmtree(partial, ignore_errors=True)
+    return f"restored {dst} from {replaced}: its replacement had not been committed"
+
+
+def settle_leftovers(dst: Path) -> None:
+    """Clean up what killed writes of `dst` left beside it, restoring a `dst`
+    an interrupted --overwrite had moved aside; refuse while a live process
+    owns such leftovers (it may still be writing)."""
+    # This process's own are in use (partial_dir clears a dead namesake's).
+    for pid in [pid for pid in _leftover_pids(dst) if pid != os.getpid()]:
+        partial, replaced = _leftover(dst, "partial", pid), _leftover(dst, "replaced", pid)
+        if _writer_alive(pid):
+            leftover = replaced if replaced.exists() else partial
+            raise fmt.CheckpointError(f"{dst} is being written by running process {pid} "
+                                      f"({leftover.name}). Fix: wait for it to finish; if process "
+                                      f"{pid} is not a megaresil convert, delete {leftover}.")
+        if replaced.exists():
+            print(f"megaresil: {_settle_swap(dst, pid)}", file=sys.stderr)
+        if partial.exists():
+            shutil.rmtree(partial)
+            print(f"megaresil: removed {partial}, left by a killed write (pid {pid})",
+                  file=sys.stderr)
+
+
 @contextlib.contextmanager
 def partial_dir(dst: Path) -> Iterator[Path]:
     """A fresh directory beside `dst` to write into; gone afterwards unless
     it was moved into place as `dst`."""
-    partial = dst.with_name(f"{dst.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)  # left by a dead attempt with our pid
+    partial = _leftover(dst, "partial", os.getpid())
+    shutil.rmtree(partial, ignore_errors=True)  # left by a dead process with our pid
     partial.mkdir(parents=True)
     try:
         yield partial
@@ -127,9 +200,10 @@ def partial_dir(dst: Path) -> Iterator[Path]:
 @contextlib.contextmanager
 def replacing(dst: Path, overwrite: bool) -> Iterator[Callable[[Path], None]]:
     """The `make_room` for moving a new directory into place as `dst`: an
-    existing `dst` (allowed by `overwrite`) is moved aside only then, deleted
-    once the new one is in place, and put back if that fails."""
-    replaced = dst.with_name(f"{dst.name}.replaced-{os.getpid()}")
+    existing `dst` (allowed by `overwrite`) is moved aside only then, and
+    deleted once the new one is committed; on an error before that, it is
+    put back (a killed process's is, by the next `settle_leftovers`)."""
+    replaced = _leftover(dst, "replaced", os.getpid())
 
     def move_aside(existing: Path) -> None:
         refuse_existing(existing, overwrite)
@@ -138,8 +212,8 @@ def replacing(dst: Path, overwrite: bool) -> Iterator[Callable[[Path], None]]:
     try:
         yield move_aside
     except BaseException:
-        if replaced.exists() and not dst.exists():
-            replaced.rename(dst)
+        if replaced.exists():
+            _settle_swap(dst, os.getpid())
         raise
     shutil.rmtree(replaced, ignore_errors=True)
 

@@ -1,0 +1,260 @@
+"""`run.lock`: one job owns a run directory.
+
+Two jobs writing one run directory interleave their metrics and replace each
+other's checkpoints, so the job that owns it holds `RUN/run.lock`, a JSON file
+naming the holder (host, pid, its process start time, job id, since when).
+
+- Creation is atomic on local and NFS-like filesystems: the holder's record is
+  written to a file of its own, then hard-linked to `run.lock` (link fails
+  when the name exists); success is read from the record's link count, which
+  stays right when an NFS link call is retried after it succeeded.
+- Liveness: on the holder's own host its pid is checked, with the process's
+  start time against a reused pid. A pid on another host can't be checked, so
+  the holder touches the file every `heartbeat_s` from a daemon thread, and a
+  lock of another host whose mtime is older than `stale_s` is stale. (Reading
+  opens the file, so NFS close-to-open consistency gives a fresh mtime; hosts'
+  clocks must agree to within stale_s - heartbeat_s.)
+- Takeover of a stale lock renames it aside, checks that what was moved is
+  exactly what was judged stale (same bytes and mtime) and puts it back when
+  not (it was refreshed or replaced meanwhile), then creates a new one.
+- One lock per job, whoever holds it: processes that present the same job id
+  share it. The first one holds it; the others join, and each one's thread
+  takes the lock over should it go stale or vanish while the job runs (e.g.
+  the holding node was lost and the job re-formed without it).
+
+Who takes it (launch.py): the `megaresil train` launcher, for the job id of its
+rendezvous (`--rdzv-id` with several agents, so all agents of one elastic job
+share one lock), and tells its workers through `HELD_ENV`; under a torchrun
+of the user's own, global rank 0's worker takes it for the torchrun job.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import ContextManager, Optional
+
+import psutil
+
+from megaresil.config import ConfigError
+
+LOCK_NAME = "run.lock"
+# Set by the launcher for the workers it starts: the lock is held for them.
+HELD_ENV = "MEGARESIL_RUN_LOCK"
+HEARTBEAT_S = 5.0
+STALE_S = 30.0
+# Looks at a lock that keeps changing under us (refreshed, taken over) before giving up.
+ATTEMPTS = 10
+
+
+@dataclass(frozen=True)
+class Holder:
+    host: str
+    pid: int
+    start_time: float  # the process's creation time: a reused pid has another
+    job: str
+    since: float  # wall clock when it took the lock
+
+    @classmethod
+    def this_process(cls, job: str) -> "Holder":
+        return cls(socket.gethostname(), os.getpid(), psutil.Process().create_time(), job,
+                   time.time())
+
+    def describe(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"job {self.job} (host {self.host}, pid {self.pid}, since {since})"
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A lock file as read: its holder (None when the record is unreadable),
+    and the bytes and mtime that identify this version of it."""
+    holder: Optional[Holder]
+    raw: bytes
+    mtime_ns: int
+
+    def age_s(self) -> float:
+        return time.time() - self.mtime_ns / 1e9
+
+
+class RunDirInUse(ConfigError):
+    """Another job holds the run directory."""
+
+    def __init__(self, run_dir: Path, problem: str):
+        super().__init__("run.dir", f"{run_dir} {problem}",
+                         "wait for that job to end or stop it, or choose another run.dir. A lock "
+                         "whose holder is gone is taken over by the next start (another host's "
+                         f"once its heartbeat is {STALE_S:.0f} s old).")
+
+
+def read_lock(path: Path) -> Optional[Seen]:
+    try:
+        with open(path, "rb") as f:
+            mtime_ns, raw = os.fstat(f.fileno()).st_mtime_ns, f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        holder = Holder(**json.loads(raw))
+    except (ValueError, TypeError):  # torn or foreign content: judged by its mtime alone
+        holder = None
+    return Seen(holder, raw, mtime_ns)
+
+
+def process_alive(pid: int, start_time: float) -> bool:
+    """Whether `pid` on this host is still the process that started at `start_time`."""
+    try:
+        process = psutil.Process(pid)
+        return (abs(process.create_time() - start_time) < 1.0
+                and process.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:  # another user's live process
+        return True
+
+
+class RunLock:
+    """Hold `run_dir/run.lock` for job `job` (a context manager)."""
+
+    def __init__(self, run_dir: Path, job: str, *, heartbeat_s: float = HEARTBEAT_S,
+                 stale_s: float = STALE_S):
+        self.run_dir, self.path = Path(run_dir), Path(run_dir) / LOCK_NAME
+        self.me = Holder.this_process(job)
+        self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
+        self.owner = False  # whether the file names this process (else a job mate holds it)
+        self._stop = threading.Event()
+        self._keeper: Optional[threading.Thread] = None
+        self._warned = False
+
+    def __enter__(self) -> "RunLock":
+        self._take()
+        self._keeper = threading.Thread(target=self._keep, name="run-lock", daemon=True)
+        self._keeper.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join()
+        seen = read_lock(self.path)
+        if seen is not None and seen.holder == self.me:
+            self.path.unlink(missing_ok=True)
+
+    # --- taking ----------------------------------------------------------------
+
+    def _take(self) -> None:
+        """Own the lock, or join a live one of this job; `RunDirInUse` otherwise."""
+        for _ in range(ATTEMPTS):
+            seen = read_lock(self.path)
+            if seen is None:
+                if self._create():
+                    self.owner = True
+                    return
+            elif self._alive(seen):
+                if seen.holder is not None and seen.holder.job == self.me.job:
+                    self.owner = seen.holder == self.me
+                    return
+                raise RunDirInUse(self.run_dir, self._in_use(seen))
+            else:
+                self._remove_stale(seen)
+        raise RunDirInUse(self.run_dir, f"has a {LOCK_NAME} that kept changing while this job "
+                          "tried to take it: another job is starting on it.")
+
+    def _in_use(self, seen: Seen) -> str:
+        who = seen.holder.describe() if seen.holder else "an unreadable lock record"
+        beat = ("" if seen.holder and seen.holder.host == self.me.host
+                else f", last heartbeat {seen.age_s():.0f} s ago")
+        return f"is in use by {who}{beat}: {self.path}."
+
+    def _alive(self, seen: Seen) -> bool:
+        if seen.holder is not None and seen.holder.host == self.me.host:
+            return process_alive(seen.holder.pid, seen.holder.start_time)
+        return seen.age_s() <= self.stale_s
+
+    def _create(self) -> bool:
+        record = self.path.with_name(f"{LOCK_NAME}.{self.me.host}.{self.me.pid}.{id(self):x}")
+        record.write_text(json.dumps(asdict(self.me)) + "\n")
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.link(record, self.path)
+            return os.stat(record).st_nlink == 2
+        finally:
+            record.unlink(missing_ok=True)
+
+    def _remove_stale(self, seen: Seen) -> None:
+        aside = self.path.with_name(f"{LOCK_NAME}.stale.{self.me.host}.{self.me.pid}.{id(self):x}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # someone else removed it first
+        moved = read_lock(aside)
+        if moved is not None and (moved.raw, moved.mtime_ns) != (seen.raw, seen.mtime_ns):
+            # It was refreshed or replaced after we judged it: put it back.
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)
+        elif seen.holder is None or seen.holder.job != self.me.job:
+            who = seen.holder.describe() if seen.holder else "an unreadable lock record"
+            print(f"megaresil: {self.path} of {who} is stale (its holder is gone); "
+                  "taking it over", file=sys.stderr)
+        aside.unlink(missing_ok=True)
+
+    # --- keeping ---------------------------------------------------------------
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self._beat()
+            except (OSError, RunDirInUse) as err:
+                self._warn_once(f"megaresil: warning: run.lock: {err}")
+
+    def _beat(self) -> None:
+        """Refresh our lock, or take over our job's lock should it go stale."""
+        seen = read_lock(self.path)
+        if seen is not None and seen.holder == self.me:
+            os.utime(self.path)  # the heartbeat other hosts judge liveness by
+            return
+        self._take()
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            print(message, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def held_for_workers(run_dir: Path, job: str):
+    """The launcher's lock, announced to the workers it starts (they inherit
+    the environment) so that they do not take it again."""
+    with RunLock(run_dir, job) as lock:
+        previous = os.environ.get(HELD_ENV)
+        os.environ[HELD_ENV] = str(lock.path)
+        try:
+            yield lock
+        finally:
+            if previous is None:
+                os.environ.pop(HELD_ENV, None)
+            else:
+                os.environ[HELD_ENV] = previous
+
+
+def torchrun_job_id() -> str:
+    """This torchrun job's id: its rendezvous id, unless torchrun's default
+    "none" (not unique), then the address of the job's store."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id != "none":
+        return run_id
+    return f"torchrun@{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+
+
+def held_by_worker(run_dir: Path, rank: int) -> ContextManager:
+    """Under a torchrun of the user's own (no megaresil launcher above us),
+    global rank 0 holds the run directory for the job."""
+    if rank != 0 or HELD_ENV in os.environ:
+        return contextlib.nullcontext()
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    return RunLock(run_dir, torchrun_job_id())
