@@ -98,9 +98,11 @@ def example_io(chunk: StageChunk, micro_batch: int, seq_len: int, output_dtype: 
     """Example input and output of a chunk for one micro-batch. Given up front,
     they spare the stage its shape-inference forward, which would run the
     chunk (and its TP collectives) an extra time on uninitialised data."""
-    examples = chunk.example_io(micro_batch, seq_len, output_dtype, device)
-    # requires_grad tells the stage that grads flow back through activations.
-    return tuple(t.requires_grad_(t.is_floating_point()) for t in examples)
+    example_in, example_out = chunk.example_io(micro_batch, seq_len, output_dtype, device)
+    # requires_grad tells the stage that grads flow back through activations
+    # (token ids take none).
+    return (example_in.requires_grad_(example_in.is_floating_point()),
+            example_out.requires_grad_(example_out.is_floating_point()))
 
 
 class Pipeline:
