@@ -89,8 +89,8 @@ def check_schedule(schedule: PipelineSchedule, vpp: int) -> None:
     for stage, chunk in zip(mine, chunks):
         assert [s.tolist() for s in chunk.seen] == [s.tolist() for s in samples], stage
         for (name, param), want in zip(chunk.named_parameters(), expected[stage].parameters()):
-            torch.testing.assert_close(param.grad, want.grad,
-                                       msg=f"{schedule.value}: grad of stage {stage}'s {name}")
+            where = f"{schedule.value}, stage {stage}, {name}"
+            torch.testing.assert_close(param.grad, want.grad, msg=lambda m: f"{where}: {m}")
 
 
 def _worker(rank: int, port: int) -> None:
