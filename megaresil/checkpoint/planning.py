@@ -17,9 +17,9 @@ import torch.nn as nn
 from megaresil.checkpoint.sharded import (MOMENTS, HeldMoments, MomentsOf, Rect, assign_writers,
                                           state_rects)
 from megaresil.config import RecipeConfig
+from megaresil.model.chunks import build_chunks
 from megaresil.parallel.distributed_optimizer import make_shard
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.parallel.pipeline import build_chunks
 
 
 @dataclass

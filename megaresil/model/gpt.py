@@ -92,6 +92,18 @@ class GPT(nn.Module):
             return self.head(x)  # (B, T, padded V / tp)
         return nn.functional.linear(enter_tp_region(x, self.tp), self.embed.tokens.weight)
 
+    def example_io(self, micro_batch: int, seq_len: int, output_dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty tensors shaped as `stage_forward`'s input and output for one
+        micro-batch: token ids or hidden states in; hidden states or logits
+        (in `output_dtype`) out. Hidden states are sequence-sharded under SP."""
+        seq = seq_len // self.tp.size if self.tp.sequence_parallel else seq_len
+        hidden = torch.empty(micro_batch, seq, self.cfg.hidden_size, device=device)
+        tokens = torch.empty(micro_batch, seq_len, dtype=torch.long, device=device)
+        logits = torch.empty(micro_batch, seq_len, self.padded_vocab // self.tp.size,
+                             dtype=output_dtype, device=device)
+        return (tokens if self.first else hidden), (logits if self.last else hidden)
+
     def loss(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over all B*T positions."""
         return vocab_parallel_cross_entropy(local_logits, targets, real_vocab=self.cfg.vocab_size,

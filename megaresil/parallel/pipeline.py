@@ -1,14 +1,17 @@
-"""Pipeline parallelism: split the model into stage chunks and run them with
+"""Pipeline parallelism: run this rank's stage chunks with
 `torch.distributed.pipelining` schedules (GPipe, 1F1B, interleaved 1F1B,
 interleaved zero-bubble), composed with our TP layers and DP grad sync.
 
-Virtual stage v holds layers [v*L/(pp*vpp), (v+1)*L/(pp*vpp)); pipeline rank r
-holds virtual stages r, r+pp, r+2pp, ... (Megatron's interleaved assignment,
-which is also the library's default stage-to-rank map).
+The runtime knows no model class: a chunk is anything that keeps the
+`StageChunk` protocol (as Megatron-Core's schedules take a forward-step
+function). The model's chunk factory is `megaresil.model.chunks`.
+
+Pipeline rank r holds virtual stages r, r+pp, r+2pp, ... (Megatron's
+interleaved assignment, which is also the library's default stage-to-rank map).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,8 +19,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
-from megaresil.config import ModelConfig, PipelineSchedule
-from megaresil.model.gpt import GPT
+from megaresil.config import PipelineSchedule
 from megaresil.parallel.layout import ParallelLayout
 
 SCHEDULE_CLASSES = {
@@ -30,20 +32,30 @@ MULTI_STAGE = (PipelineSchedule.interleaved_1f1b, PipelineSchedule.interleaved_z
 
 
 def virtual_stages(layout: ParallelLayout) -> list[int]:
+    """The virtual stages this pipeline rank holds, in order."""
     return [chunk * layout.pp + layout.pp_rank for chunk in range(layout.vpp)]
 
 
-def stage_layers(cfg: ModelConfig, layout: ParallelLayout, stage: int) -> range:
-    per_stage = cfg.num_layers // (layout.pp * layout.vpp)
-    return range(stage * per_stage, (stage + 1) * per_stage)
+class StageChunk(Protocol):
+    """What the runtime needs of one virtual stage's chunk, an nn.Module
+    (its parameters are what the stage trains)."""
 
+    first: bool  # takes the model's inputs
+    last: bool  # its output is what `loss` reads
+    training: bool
 
-def build_chunks(cfg: ModelConfig, layout: ParallelLayout, seed: int) -> list[GPT]:
-    """This rank's model chunks, in virtual-stage order."""
-    last = layout.pp * layout.vpp - 1
-    return [GPT(cfg, tp=layout.tensor_parallel(), seed=seed, layer_ids=stage_layers(cfg, layout, v),
-                first=v == 0, last=v == last)
-            for v in virtual_stages(layout)]
+    def stage_forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
+        """The previous stage's output (the model's inputs when first) in,
+        this stage's output out; `samples`, the micro-batch's global sample
+        indices (None in eval), seed dropout."""
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of one micro-batch, from a last chunk's output."""
+
+    def example_io(self, micro_batch: int, seq_len: int, output_dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensors shaped and typed as this chunk's input and output for one
+        micro-batch (a last chunk's output in `output_dtype`)."""
 
 
 class SampleFeed:
@@ -72,7 +84,7 @@ class SampleFeed:
 class _StageModule(nn.Module):
     """What a PipelineStage runs: one chunk, fed its micro-batch's samples."""
 
-    def __init__(self, chunk: GPT, feed: SampleFeed):
+    def __init__(self, chunk: StageChunk, feed: SampleFeed):
         super().__init__()
         self.chunk, self.feed = chunk, feed
 
@@ -81,32 +93,32 @@ class _StageModule(nn.Module):
         return self.chunk.stage_forward(x, samples)
 
 
-def example_io(chunk: GPT, micro_batch: int, seq_len: int, layout: ParallelLayout,
-               logits_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def example_io(chunk: StageChunk, micro_batch: int, seq_len: int, output_dtype: torch.dtype,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Example input and output of a chunk for one micro-batch. Given up front,
     they spare the stage its shape-inference forward, which would run the
     chunk (and its TP collectives) an extra time on uninitialised data."""
-    seq = seq_len // layout.tp if layout.sequence_parallel else seq_len
-    # requires_grad tells the stage that grads flow back through activations.
-    hidden = torch.empty(micro_batch, seq, chunk.cfg.hidden_size, device=layout.device,
-                         requires_grad=True)
-    tokens = torch.empty(micro_batch, seq_len, dtype=torch.long, device=layout.device)
-    logits = torch.empty(micro_batch, seq_len, chunk.padded_vocab // layout.tp,
-                         dtype=logits_dtype, device=layout.device, requires_grad=True)
-    return (tokens if chunk.first else hidden), (logits if chunk.last else hidden)
+    example_in, example_out = chunk.example_io(micro_batch, seq_len, output_dtype, device)
+    # requires_grad tells the stage that grads flow back through activations
+    # (token ids take none).
+    return (example_in.requires_grad_(example_in.is_floating_point()),
+            example_out.requires_grad_(example_out.is_floating_point()))
 
 
 class Pipeline:
-    def __init__(self, chunks: list[GPT], layout: ParallelLayout, schedule: PipelineSchedule, *,
-                 n_microbatches: int, micro_batch: int, seq_len: int,
-                 logits_dtype: torch.dtype = torch.float32):
+    def __init__(self, chunks: Sequence[StageChunk], layout: ParallelLayout,
+                 schedule: PipelineSchedule, *, n_microbatches: int, micro_batch: int,
+                 seq_len: int, output_dtype: torch.dtype = torch.float32):
+        """`output_dtype`: what the last chunk's output comes out as (under
+        autocast, its dtype)."""
         self.layout = layout
         self.feeds = [SampleFeed() for _ in chunks]
         self.last_chunk = chunks[-1] if chunks[-1].last else None
         self.has_first = chunks[0].first
         stages = []
         for chunk, feed, v in zip(chunks, self.feeds, virtual_stages(layout)):
-            example_in, example_out = example_io(chunk, micro_batch, seq_len, layout, logits_dtype)
+            example_in, example_out = example_io(chunk, micro_batch, seq_len, output_dtype,
+                                                 layout.device)
             stages.append(PipelineStage(_StageModule(chunk, feed), stage_index=v,
                                         num_stages=layout.pp * layout.vpp, device=layout.device,
                                         input_args=example_in, output_args=example_out,
@@ -115,8 +127,8 @@ class Pipeline:
         target = stages if schedule in MULTI_STAGE else stages[0]
         self.schedule = cls(target, n_microbatches=n_microbatches, loss_fn=self._loss)
 
-    def _loss(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.last_chunk.loss(local_logits, targets)
+    def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.last_chunk.loss(output, targets)
 
     def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor,
              samples: Optional[list[torch.Tensor]]) -> torch.Tensor:

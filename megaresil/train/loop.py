@@ -17,12 +17,13 @@ from megaresil.config import Precision, RecipeConfig, microbatches_per_step, res
 from megaresil.data import build_datasets
 from megaresil.data.sampler import collate, micro_batches
 from megaresil.events import EventLog
+from megaresil.model.chunks import build_chunks
 from megaresil.model.gpt import GPT
 from megaresil.model.init import initialize
 from megaresil.parallel.data_parallel import GradBuckets, all_reduce_sequence_parallel_grads
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.parallel.pipeline import Pipeline, build_chunks, sync_tied_embedding_grads
+from megaresil.parallel.pipeline import Pipeline, sync_tied_embedding_grads
 from megaresil.resilience.supervision import Supervision
 from megaresil.train import checkpointing
 from megaresil.train.metrics import MetricsLog
@@ -56,11 +57,8 @@ def autocast_for(cfg: RecipeConfig, device: torch.device):
 
 
 def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> list[GPT]:
-    """This rank's model chunks: the whole model when pp=1."""
-    if layout.pp > 1:
-        chunks = build_chunks(cfg.model, layout, cfg.train.seed)
-    else:
-        chunks = [GPT(cfg.model, tp=layout.tensor_parallel(), seed=cfg.train.seed)]
+    """This rank's model chunks, initialised: the whole model when pp=1."""
+    chunks = build_chunks(cfg.model, layout, cfg.train.seed)
     for chunk in chunks:
         initialize(chunk, cfg.model, cfg.train.seed)
     return [chunk.to(layout.device) for chunk in chunks]
@@ -91,7 +89,7 @@ class Trainer:
         self.pipeline = (Pipeline(self.chunks, layout, resolved_schedule(cfg.parallel),
                                   n_microbatches=microbatches_per_step(cfg),
                                   micro_batch=cfg.train.micro_batch_size,
-                                  seq_len=cfg.data.seq_len, logits_dtype=logits_dtype)
+                                  seq_len=cfg.data.seq_len, output_dtype=logits_dtype)
                          if layout.pp > 1 else None)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, layout)
         self.sharded_optimizer = isinstance(self.optimizer, DistributedOptimizer)
