@@ -237,9 +237,11 @@ class RecipeConfig:
     run: RunConfig = section(RunConfig, "Run directory.")
     resilience: ResilienceConfig = section(ResilienceConfig, "Detect, restart, recover.")
     faults: list[dict[str, Any]] = doc([], "Injected faults: a list of {kind, rank, step, "
-                                       "section?, seconds?, mode?}; kind in kill, raise, hang, "
-                                       "slow, sigterm, corrupt_checkpoint. Each fires once per "
-                                       "run directory.")
+                                       "section?, seconds?, mode?, generation?}; kind in kill, "
+                                       "raise, hang, slow, sigterm, corrupt_checkpoint. Each fires "
+                                       "once per run directory; generation: G waits for the "
+                                       "run's G-th restart (with section: setup, step: 0: a "
+                                       "fault during that restart).")
 
 
 # ---------------------------------------------------------------------------
@@ -463,7 +465,7 @@ def _validate_pipeline(cfg: RecipeConfig) -> None:
 
 
 FAULT_KINDS = ("kill", "raise", "hang", "slow", "sigterm", "corrupt_checkpoint")
-FAULT_KEYS = {"kind", "rank", "step", "section", "seconds", "mode"}
+FAULT_KEYS = {"kind", "rank", "step", "section", "seconds", "mode", "generation"}
 SECTIONS = ("setup", "data", "forward_backward", "optimizer", "checkpoint", "eval")
 
 
@@ -480,6 +482,9 @@ def _validate_faults(faults: list[dict]) -> None:
             _require(isinstance(fault.get(field_name), int) and fault[field_name] >= 0,
                      f"{key}.{field_name}", "is required and must be an integer >= 0.",
                      f"add {field_name}: N.")
+        _require(isinstance(fault.get("generation", 1), int) and fault.get("generation", 1) >= 1,
+                 f"{key}.generation", "must be an integer >= 1 (restarts seen before it fires).",
+                 "write generation: 1 for the first restart, or leave it out.")
         _require(fault.get("section", "data") in SECTIONS, f"{key}.section",
                  f"{fault.get('section')!r} is not a section.", f"use one of {list(SECTIONS)}.")
         _require(fault.get("mode", "sleep") in ("sleep", "collective", "gil"), f"{key}.mode",
