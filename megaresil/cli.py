@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     soak.add_argument("--hogs", type=int, default=0,
                       help="busy CPU processes beside the calibration and faulted runs")
-    soak.set_defaults(func=cmd_soak)
+    soak.set_defaults(func=cmd_soak, overrides_anywhere=True)
 
     config = sub.add_parser("config", help="inspect recipes and the config schema")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -295,7 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `megaresil soak RECIPE --minutes M KEY=VALUE ...`: overrides after the options too.
+    if extra and not (getattr(args, "overrides_anywhere", False)
+                      and all("=" in a and not a.startswith("-") for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides += extra
     try:
         return args.func(args)
     except ConfigError as err:

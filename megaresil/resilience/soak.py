@@ -303,8 +303,10 @@ def run_soak(recipe: str, overrides: list[str], *, minutes: float, seed: int,
             proc.wait()
     reference = root / "reference"
     shutil.rmtree(reference, ignore_errors=True)
+    # The reference is fault-free: three times its expected time is a deadlock.
+    expected = cal.startup_s + steps * cal.step_s
     ref_launch = run_training(recipe, [*run_overrides, *run_dir_overrides(reference)], reference,
-                              log=_log(reference, "train.log"))
+                              log=_log(reference, "train.log"), timeout_s=3 * expected + 120)
     report = analyse(root / "faulted", reference, placed, launches, cfg, steps)
     report.update(seed=seed, minutes=minutes, hogs=hogs, steps=steps, episodes=count,
                   calibration=asdict(cal), reference_exit_code=ref_launch.exit_code,
@@ -335,7 +337,10 @@ def analyse(faulted: Path, reference: Path, placed: list[dict], launches: list[L
     step_s = statistics.median(_durations(ref_records, cfg).values()) if ref_records else 0.0
     rows = [fault_row(f, p["episode"], events, records, step_s)
             for p in placed for f in p["faults"]]
-    alarms = false_alarms(rows, events, records)
+    # The reference has no fault: every alarm there is a false one too.
+    alarms = (false_alarms(rows, events, records)
+              + [{**a, "run": "reference"} for a in
+                 false_alarms([], read_events(reference), ref_records)])
     final = final_state(faulted, reference, records, ref_records, steps)
     wall = launches[-1].ended - launches[0].started
     productive = sum(_durations(records, cfg).values())
@@ -448,7 +453,7 @@ def final_state(faulted: Path, reference: Path, records: list[dict], ref_records
         keys_differing, checkpoint_equal, missing = [], False, [f"{a} or {b} missing"]
     return {"final_step": max(losses, default=0), "final_loss": losses.get(steps),
             "reference_final_loss": ref_losses.get(steps),
-            "steps_with_different_loss": differing[:20],
+            "reference_steps": len(ref_losses), "steps_with_different_loss": differing[:20],
             "checkpoint_equal": checkpoint_equal, "tensors_different": keys_differing[:20],
             "tensors_missing": missing[:20],
             "bit_equal": (checkpoint_equal and not differing and steps in ref_losses
@@ -482,7 +487,8 @@ def format_report(r: dict) -> str:
         f"steps lost {sum(f['steps_lost'] for f in rows)}, goodput {r['goodput']:.1%} "
         f"({r['productive_s']:.0f} s of steps in {r['wall_s']:.0f} s)",
         f"final state: checkpoint {'identical' if r['checkpoint_equal'] else 'DIFFERENT'}, "
-        f"losses {'identical' if not r['steps_with_different_loss'] else 'DIFFERENT'} "
+        f"losses {'identical' if not r['steps_with_different_loss'] else 'DIFFERENT'} over "
+        f"the reference's {r['reference_steps']} steps "
         f"(final {r['final_loss']!r} vs reference {r['reference_final_loss']!r})",
         f"verdict: {'PASS' if r['ok'] else 'FAIL'}"]
     for alarm in r["false_alarms"]:
