@@ -7,8 +7,10 @@ PIP := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch
 PYTEST_ARGS ?=
+SOAK_MINUTES ?= 30
+SOAK_HOGS ?= 2
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast soak bench clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +33,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Faults of every kind for SOAK_MINUTES at 3D with CPU hogs, then a reference.
+soak: setup
+	$(VENV)/bin/megaresil soak recipes/gpt-tiny.yaml --minutes $(SOAK_MINUTES) \
+		--hogs $(SOAK_HOGS) run.dir=runs/soak
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

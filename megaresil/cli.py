@@ -183,6 +183,15 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    from megaresil.resilience.soak import format_report, run_soak
+
+    report = run_soak(args.recipe, args.overrides, minutes=args.minutes, seed=args.seed,
+                      hogs=args.hogs)
+    print(format_report(report))
+    return 0 if report["ok"] else 1
+
+
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/gpt-tiny.yaml")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -225,6 +234,22 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--step", type=int, help="fault step (default: train.steps/2 + 1)")
     chaos.add_argument("--reference", help="reuse this fault-free run directory as the reference")
     chaos.set_defaults(func=cmd_chaos)
+
+    soak = sub.add_parser("soak", help="one long run with faults of every kind at random steps "
+                          "and sections (async saves, optional CPU hogs), then a fault-free "
+                          "reference; exit 0 when every fault was recovered, no false alarm "
+                          "was raised and the final state is bit-equal",
+                          description="Writes calibration/, faulted/, reference/ and soak.json "
+                          "under run.dir.")
+    add_recipe_args(soak)
+    soak.add_argument("--minutes", type=float, required=True,
+                      help="wall-time budget of the faulted run; steps and faults are fitted "
+                           "to it from a short calibration run (the calibration and the "
+                           "reference come on top)")
+    soak.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    soak.add_argument("--hogs", type=int, default=0,
+                      help="busy CPU processes beside the calibration and faulted runs")
+    soak.set_defaults(func=cmd_soak, overrides_anywhere=True)
 
     config = sub.add_parser("config", help="inspect recipes and the config schema")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -270,7 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `megaresil soak RECIPE --minutes M KEY=VALUE ...`: overrides after the options too.
+    if extra and not (getattr(args, "overrides_anywhere", False)
+                      and all("=" in a and not a.startswith("-") for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides += extra
     try:
         return args.func(args)
     except ConfigError as err:

@@ -300,9 +300,11 @@ class RecipeConfig:
     run: RunConfig = section(RunConfig, "Run directory.")
     resilience: ResilienceConfig = section(ResilienceConfig, "Detect, restart, recover.")
     faults: list[dict[str, Any]] = doc([], "Injected faults: a list of {kind, rank, step, "
-                                       "section?, seconds?, mode?}; kind in kill, raise, hang, "
-                                       "slow, sigterm, corrupt_checkpoint. Each fires once per "
-                                       "run directory.")
+                                       "section?, seconds?, mode?, generation?}; kind in kill, "
+                                       "raise, hang, slow, sigterm, corrupt_checkpoint. Each fires "
+                                       "once per run directory; generation: G waits for the "
+                                       "run's G-th restart (with section: setup, step: 0: a "
+                                       "fault during that restart).")
 
 
 # ---------------------------------------------------------------------------
@@ -563,7 +565,7 @@ def _validate_pipeline(cfg: RecipeConfig) -> None:
 
 
 FAULT_KINDS = ("kill", "raise", "hang", "slow", "sigterm", "corrupt_checkpoint")
-FAULT_KEYS = {"kind", "rank", "step", "section", "seconds", "mode"}
+FAULT_KEYS = {"kind", "rank", "step", "section", "seconds", "mode", "generation"}
 SECTIONS = ("setup", "data", "forward_backward", "optimizer", "checkpoint", "eval")
 
 
@@ -584,6 +586,9 @@ def _validate_faults(faults: list[dict]) -> None:
         _require(isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
                  and NON_NEGATIVE.admits(seconds), f"{key}.seconds",
                  f"must be a number >= 0, got {seconds!r}.", "give seconds: N (e.g. 0.5).")
+        _require(isinstance(fault.get("generation", 1), int) and fault.get("generation", 1) >= 1,
+                 f"{key}.generation", "must be an integer >= 1 (restarts seen before it fires).",
+                 "write generation: 1 for the first restart, or leave it out.")
         _require(fault.get("section", "data") in SECTIONS, f"{key}.section",
                  f"{fault.get('section')!r} is not a section.", f"use one of {list(SECTIONS)}.")
         _require(fault.get("mode", "sleep") in ("sleep", "collective", "gil"), f"{key}.mode",

@@ -73,8 +73,87 @@ def train_command(recipe: str, overrides: list[str], run_dir: Path) -> list[str]
             f"run.dir={run_dir}", "logging.progress=false"]
 
 
-def run_training(recipe: str, overrides: list[str], run_dir: Path) -> int:
-    return subprocess.run(train_command(recipe, overrides, run_dir)).returncode
+TIMED_OUT = 124  # the exit code given to a training job stopped at its deadline
+
+
+@dataclass
+class Launch:
+    """One `megaresil train` process: when it ran and how it ended."""
+    started: float
+    ended: float
+    exit_code: int
+
+
+def run_training(recipe: str, overrides: list[str], run_dir: Path, *,
+                 log: Optional[Path] = None, timeout_s: Optional[float] = None) -> Launch:
+    """Run `megaresil train` to its end, or to `timeout_s`: then the launcher
+    and its workers are killed (a deadlocked run must not stall the caller)."""
+    started = time.time()
+    out = open(log, "ab") if log else None
+    try:
+        proc = subprocess.Popen(train_command(recipe, overrides, run_dir), stdout=out,
+                                stderr=subprocess.STDOUT if out else None)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait()
+            code = TIMED_OUT
+    finally:
+        if out:
+            out.close()
+    return Launch(started, time.time(), code)
+
+
+def run_with_requeue(recipe: str, overrides: list[str], run_dir: Path, *, requeues: int,
+                     log: Optional[Path] = None, deadline: Optional[float] = None) -> list[Launch]:
+    """Run a job and, like a scheduler, run it again each time it exits
+    preempted (75), at most `requeues` times; stop at the `deadline` (epoch s)."""
+    launches: list[Launch] = []
+    while True:
+        left = None if deadline is None else max(1.0, deadline - time.time())
+        launches.append(run_training(recipe, overrides, run_dir, log=log, timeout_s=left))
+        if launches[-1].exit_code != PREEMPTED_EXIT or len(launches) > requeues:
+            return launches
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process we started and everything it started."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's optimizer steps (eval lines left out), in order written."""
+    return [r for r in read_metrics(run_dir) if "loss" in r]
+
+
+def measure_recovery(events: list[dict], steps: list[dict], fault_time: float,
+                     detections=DETECTIONS) -> dict:
+    """How the run got over a fault at `fault_time`: when it was detected (the
+    first of `detections` after it, else the first restart), how it restarted,
+    which step it reloaded, when it next completed a step, and how many steps
+    done before the fault had to be redone."""
+    after = [e for e in events if e["time"] >= fault_time]
+    restarts = [e for e in after if e["event"] == "restart"]
+    detected = min((e["time"] for e in after if e["event"] in detections),
+                   default=restarts[0]["time"] if restarts else None)
+    loaded = next((e for e in after if e["event"] == "checkpoint_loaded"), None)
+    first_after = next((r for r in steps if detected and r["time"] > detected), None)
+    before = [r["step"] for r in steps if r["time"] < fault_time]
+    return {"detected_at": detected, "restart_kind": restarts[0]["kind"] if restarts else None,
+            "loaded_step": loaded["step"] if loaded else None,
+            "first_step_after_at": first_after["time"] if first_after else None,
+            "last_step_before": max(before, default=0),
+            "steps_lost": max(0, max(before) - loaded["step"]) if before and loaded else 0}
 
 
 def fault_overrides(scenario: Scenario) -> list[str]:
@@ -101,7 +180,7 @@ def run_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> float:
     while proc.poll() is None:
         if (run_dir / "metrics.jsonl").exists() and any(
-                r.get("step", 0) >= step and "loss" in r for r in read_metrics(run_dir)):
+                r["step"] >= step for r in step_records(run_dir)):
             return time.time()
         time.sleep(0.05)
     raise RuntimeError("the job ended before the node could be lost")
@@ -110,19 +189,14 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> float:
 def analyse(reference: Path, faulted: Path, scenario: Scenario,
             fault_time: Optional[float] = None) -> dict:
     events = read_events(faulted)
-    metrics = [r for r in read_metrics(faulted) if "loss" in r]
+    metrics = step_records(faulted)
     if fault_time is None:
         fault_time = min((e["time"] for e in events if e["event"] == "fault_injected"),
                          default=None)
-    after = [e for e in events if fault_time is not None and e["time"] >= fault_time]
-    detected = min((e["time"] for e in after if e["event"] in DETECTIONS), default=None)
-    restarts = [e for e in after if e["event"] == "restart"]
-    loaded = next((e for e in after if e["event"] == "checkpoint_loaded"), None)
-    if detected is None and restarts:
-        detected = restarts[0]["time"]
-    first_after = next((r for r in metrics if detected and r["time"] > detected), None)
-    before = [r["step"] for r in metrics if fault_time and r["time"] < fault_time]
-    ref_final = [r for r in read_metrics(reference) if "loss" in r][-1]
+    recovery = (measure_recovery(events, metrics, fault_time) if fault_time is not None
+                else measure_recovery([], [], 0.0))
+    detected, first_after = recovery["detected_at"], recovery["first_step_after_at"]
+    ref_final = step_records(reference)[-1]
     final = metrics[-1]
     # Losing a node changes the layout (dp shrinks): equal within 1e-5 then.
     tolerance = 1e-5 * abs(ref_final["loss"]) if scenario.nodes > 1 else 0.0
@@ -135,11 +209,11 @@ def analyse(reference: Path, faulted: Path, scenario: Scenario,
         "detection_latency_s": None if detected is None or fault_time is None
         else detected - fault_time,
         "restart_time_s": None if first_after is None or detected is None
-        else first_after["time"] - detected,
-        "steps_lost": max(0, max(before) - loaded["step"]) if before and loaded else 0,
+        else first_after - detected,
+        "steps_lost": recovery["steps_lost"],
         "final_loss": final["loss"], "reference_final_loss": ref_final["loss"],
         "final_loss_equal": equal,
-        "restart_kind": restarts[0]["kind"] if restarts else
+        "restart_kind": recovery["restart_kind"] or
         ("requeue" if scenario.requeue_after_exit else "none"),
         "hang_detected": len(hangs), "culprit_ranks": hangs[0]["culprit_ranks"] if hangs else [],
         "checkpoints_skipped": [e["path"] for e in events if e["event"] == "checkpoint_skipped"],
@@ -163,7 +237,7 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     if reference is None:
         reference = root / "reference"
         shutil.rmtree(reference, ignore_errors=True)
-        if run_training(recipe, overrides, reference) != 0:
+        if run_training(recipe, overrides, reference).exit_code != 0:
             raise RuntimeError("the fault-free reference run failed")
     faulted = root / f"faulted-{name}"
     shutil.rmtree(faulted, ignore_errors=True)
@@ -172,9 +246,8 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
         code, fault_time = run_node_loss(recipe, overrides + scenario.settings, faulted, world,
                                          fault_step)
     else:
-        code = run_training(recipe, overrides + fault_overrides(scenario), faulted)
-        if code == PREEMPTED_EXIT and scenario.requeue_after_exit:
-            code = run_training(recipe, overrides + fault_overrides(scenario), faulted)
+        code = run_with_requeue(recipe, overrides + fault_overrides(scenario), faulted,
+                                requeues=int(scenario.requeue_after_exit))[-1].exit_code
     result = {**analyse(reference, faulted, scenario, fault_time), "exit_code": code,
               "reference": str(reference), "faulted": str(faulted)}
     (root / f"chaos-{name}.json").write_text(json.dumps(result, indent=1))

@@ -1,10 +1,16 @@
 """Fault injection for tests, chaos runs and users' own drills.
 
-A fault `{kind, rank, step, section?, seconds?, mode?}` fires on `rank` when
-the training loop enters `section` (default: data) of step `step`. Each fires
-once per run directory: a `fault_injected` event is written before it acts,
-and faults already recorded there are skipped, so the restart a fault causes
-does not meet it again.
+A fault `{kind, rank, step, section?, seconds?, mode?, generation?}` fires on
+`rank` when the training loop enters `section` (default: data) of step
+`step`. Each fires once per run directory: a `fault_injected` event is written
+before it acts, and faults already recorded there are skipped, so the restart
+a fault causes does not meet it again.
+
+`generation: G` holds a fault back until the run directory has seen at least
+G restarts (its `restart` events), counted when a generation begins. With
+`section: setup, step: 0` that is a fault during a restart: it fires while the
+G-th restart (or the first one after it) builds the trainer and loads the
+checkpoint, as the first generation's setup has seen no restart.
 """
 from __future__ import annotations
 
@@ -22,14 +28,20 @@ from megaresil.events import EventLog, read_events
 
 
 def fault_id(fault: dict) -> str:
-    return f"{fault['kind']}@rank{fault['rank']}/step{fault['step']}/{fault.get('section', 'data')}"
+    name = f"{fault['kind']}@rank{fault['rank']}/step{fault['step']}/{fault.get('section', 'data')}"
+    return f"{name}/gen{fault['generation']}" if "generation" in fault else name
 
 
 class FaultInjector:
     def __init__(self, faults: list[dict], *, rank: int, run_dir: Path, checkpoint_root: Path,
                  events: EventLog):
-        fired = {e.get("fault") for e in read_events(run_dir) if e["event"] == "fault_injected"}
-        self.pending = [f for f in faults if f["rank"] == rank and fault_id(f) not in fired]
+        # Rank 0 records a restart before the rendezvous of the generation it
+        # starts, so every rank counts the same restarts here.
+        history = read_events(run_dir)
+        fired = {e.get("fault") for e in history if e["event"] == "fault_injected"}
+        restarts = sum(e["event"] == "restart" for e in history)
+        self.pending = [f for f in faults if f["rank"] == rank and fault_id(f) not in fired
+                        and f.get("generation", 0) <= restarts]
         self.slow_seconds = 0.0
         self.events, self.checkpoint_root = events, checkpoint_root
         # Every rank takes part in creating the group a collective hang blocks
