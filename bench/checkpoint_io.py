@@ -81,7 +81,7 @@ from megaresil.checkpoint.backends.dcp_write import EarlyWriteback
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.sharded import Rect
 from megaresil.events import EventLog, read_events
-from megaresil.launch import free_port
+from megaresil.ports import free_port
 
 GB = 1e9
 TP = 2

@@ -45,7 +45,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from megaresil.config import PipelineSchedule
-from megaresil.launch import free_port
+from megaresil.ports import free_port
 from megaresil.parallel.pipeline import MULTI_STAGE, SCHEDULE_CLASSES
 
 MICRO_BATCH = 2

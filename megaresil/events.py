@@ -1,4 +1,6 @@
-"""`run.dir/events.jsonl`: one JSON object per resilience/lifecycle event."""
+"""The run directory's JSON-lines records: `events.jsonl` (one object per
+resilience/lifecycle event, written here) and `metrics.jsonl` (read here;
+the training loop writes it)."""
 from __future__ import annotations
 
 import json
@@ -31,8 +33,14 @@ class EventLog:
         return record
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def read_events(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path) if path.exists() else []
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")

@@ -7,7 +7,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +22,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.events import read_events
 from megaresil.resilience.incidents import IncidentPrinter
+from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.resilience.restart import HANG_EXIT_CODE
 from megaresil.run_lock import HELD_ENV, held_by_worker, held_for_workers
 
-# `megaresil train` exit codes: finished 0; preempted (checkpoint saved, run
-# it again to continue) 75, EX_TEMPFAIL, so schedulers can requeue on it.
-PREEMPTED_EXIT = 75
 
 
 @dataclass
@@ -53,13 +50,6 @@ class Membership:
             raise ConfigError("--rdzv-endpoint", "several nodes need a rendezvous endpoint.",
                               "add --rdzv-endpoint HOST:PORT (the same on every node).")
         return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf)
-
-
-def free_port() -> int:
-    """A free TCP port on loopback, for a local rendezvous or store."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def inside_torchrun() -> bool:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megaresil.config import load_recipe
-from megaresil.launch import free_port
+from megaresil.ports import free_port
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.train.loop import Trainer
 from megaresil.train.optim import optimizer_state_bytes

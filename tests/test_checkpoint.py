@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from dist_harness import Case, run_cases
 from megaresil.checkpoint import format as fmt
 from megaresil.events import read_events
-from megaresil.train.metrics import read_metrics
+from megaresil.events import read_metrics
 
 BACKENDS = ["torch_dist", "zarr"]
 THREE_D = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]

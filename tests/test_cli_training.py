@@ -2,7 +2,7 @@
 the GPU-sized recipes build and step at a reduced size, data prepare works."""
 import pytest
 
-from megaresil.train.metrics import read_metrics
+from megaresil.events import read_metrics
 
 QUIET = ["logging.progress=false", "logging.tensorboard=false"]
 SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1"]

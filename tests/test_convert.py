@@ -31,7 +31,7 @@ from megaresil.config import RecipeConfig, from_dict, to_dict
 from megaresil.events import read_events
 from megaresil.model.gpt import GPT
 from megaresil.model.init import load_full_state
-from megaresil.train.metrics import read_metrics
+from megaresil.events import read_metrics
 
 SOURCE = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "optimizer.distributed=true",
           "train.global_batch_size=16", "checkpoint.backend=torch_dist"]

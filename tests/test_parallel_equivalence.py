@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist_harness import LLAMA, Case, load_grads, run_cases, run_reference
-from megaresil.train.metrics import read_metrics
+from megaresil.events import read_metrics
 
 DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]
 # Model variants; each has its own single-process reference run.

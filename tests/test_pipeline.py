@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from megaresil.config import ParallelConfig, PipelineSchedule
-from megaresil.launch import free_port
+from megaresil.ports import free_port
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, virtual_stages
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 from megaresil.config import ConfigError, load_recipe
 from megaresil.events import read_events
-from megaresil.train.metrics import read_metrics
+from megaresil.events import read_metrics
 
 FLOOR_S = 1.0
 # Two data-parallel ranks, a small batch: ~0.1 s steps, so recovery dominates.

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from megaresil.config import WatchdogConfig
 from megaresil.events import EventLog, read_events
-from megaresil.launch import free_port
+from megaresil.ports import free_port
 from megaresil.resilience.faults import compute_for
 from megaresil.resilience.watchdog import (
     HangAbort,

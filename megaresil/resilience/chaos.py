@@ -24,8 +24,9 @@ import psutil
 
 from megaresil.config import load_recipe
 from megaresil.events import read_events
-from megaresil.launch import PREEMPTED_EXIT, free_port
-from megaresil.train.metrics import read_metrics
+from megaresil.ports import free_port
+from megaresil.resilience.preemption import PREEMPTED_EXIT
+from megaresil.events import read_metrics
 
 DETECTIONS = ("hang_detected", "worker_error", "preempted")
 

@@ -10,6 +10,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+# `megaresil train`'s exit status after a preemption save (run it again to
+# continue): EX_TEMPFAIL, so schedulers can requeue on it.
+PREEMPTED_EXIT = 75
+
 
 class PreemptionFlag:
     def __init__(self) -> None:

@@ -49,8 +49,3 @@ class MetricsLog:
             self.tb.close()
         if self.bar is not None:
             self.bar.close()
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
