@@ -263,3 +263,22 @@ def test_elastic_membership_shrinks_dp_and_refuses_the_impossible():
     assert Membership.parse("1:2", 4, "host:29500", "job").max_nodes == 2
     with pytest.raises(ConfigError, match="--rdzv-endpoint"):
         Membership.parse("1:2", 4, None, None)
+
+
+@pytest.mark.slow
+def test_a_relaunch_does_not_wait_out_the_preemption_grace(cli, tmp_path):
+    """Rank 1 dies while the ranks meet again after an in-process restart:
+    the agent stops rank 0 (blocked in the rendezvous) with SIGTERM, which
+    must end it at once, not be taken for a preemption (60 s grace)."""
+    faults = [{"kind": "raise", "rank": 1, "step": 3},
+              {"kind": "kill", "rank": 1, "step": 0, "section": "setup", "generation": 1}]
+    cli("train", *SMALL, f"run.dir={tmp_path}", "logging.progress=false",
+        "checkpoint.interval=2", "resilience.preemption_grace_s=60",
+        f"faults={json.dumps(faults)}")
+    events = read_events(tmp_path)
+    killed = next(e["time"] for e in events if e["event"] == "fault_injected"
+                  and e["kind"] == "kill")
+    relaunched = next(e["time"] for e in events if e["event"] == "restart"
+                      and e["kind"] == "relaunch")
+    assert relaunched - killed < 30, relaunched - killed
+    assert events[-1]["event"] == "run_finished"

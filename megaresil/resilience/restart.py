@@ -239,8 +239,10 @@ class WorkerLife:
         try:
             with supervision.section("setup", 0):
                 job = self.make_job(supervision)
+            self.preemption.saving_possible = True
             return job.run()
         except BaseException as err:  # noqa: B902  (HangAbort and DCP's errors are BaseExceptions)
+            self.preemption.saving_possible = False
             if self.watchdog is not None:
                 self.watchdog.pause()
             raise_in_thread(threading.main_thread().ident, None)  # drop a pending abort
@@ -276,7 +278,8 @@ class WorkerLife:
                          rss_mb=psutil.Process().memory_info().rss / 2**20)
         self._stop_if_fatal(err)
         allowed = self.policy.failed(made_progress)
-        if not (self.cfg.resilience.in_process and allowed and not peer_gone
+        stopping = self.preemption.signalled_at is not None  # told to stop: no restart here
+        if not (self.cfg.resilience.in_process and allowed and not peer_gone and not stopping
                 and not isinstance(err, NOT_RESTARTABLE)):
             raise err
         cause = self.board.announce(self.generation, err)
