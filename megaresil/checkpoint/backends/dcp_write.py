@@ -10,7 +10,6 @@ own manifest records.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,14 +17,14 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.utils.serialization.config as serialization_config
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from megaresil.checkpoint.format import fsync_path
+from megaresil.compat import dcp_storage_info, torch_save_options
 
 
 # Chunks of at least _ALIGNED_FROM bytes start on page boundaries, and so
@@ -95,8 +94,7 @@ class RankWriter(dcp.FileSystemWriter):
         # third of the write time and is never checked (torch.load does not
         # read it); the manifest's xxh3 checksums, checked at every start-up,
         # cover the same bytes.
-        with open(Path(self.path) / name, "wb") as stream, \
-                serialization_config.patch("save.compute_crc32", False):
+        with open(Path(self.path) / name, "wb") as stream:
             writeback = EarlyWriteback(stream)
             for item in plan.items:
                 tensor = _compact(planner.resolve_data(item).detach())
@@ -104,13 +102,12 @@ class RankWriter(dcp.FileSystemWriter):
                 if aligned:
                     stream.write(bytes(-stream.tell() % _PAGE))
                 start = stream.tell()
-                with (serialization_config.patch("save.storage_alignment", _PAGE) if aligned
-                      else contextlib.nullcontext()):
+                with torch_save_options(crc32=False, alignment=_PAGE if aligned else None):
                     torch.save(tensor, stream)
                 length = stream.tell() - start
                 writeback.written()
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, start, length)))
+                                           storage_data=dcp_storage_info(name, start, length)))
         written: Future = Future()
         written.set_result(results)
         return written
