@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from megaresil.checkpoint.format import fsync_path
+from megaresil.checkpoint.format import fsync_path, naming_write_errors
 from megaresil.compat import dcp_storage_info, torch_save_options
 
 
@@ -89,11 +89,14 @@ class RankWriter(dcp.FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        with naming_write_errors(Path(self.path) / name):
+            results = self._write_file(name, plan, planner)
+        written: Future = Future()
+        written.set_result(results)
+        return written
+
+    def _write_file(self, name: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         results = []
-        # DCP stores each chunk as a torch.save zip, whose CRC-32 costs a
-        # third of the write time and is never checked (torch.load does not
-        # read it); the manifest's xxh3 checksums, checked at every start-up,
-        # cover the same bytes.
         with open(Path(self.path) / name, "wb") as stream:
             writeback = EarlyWriteback(stream)
             for item in plan.items:
@@ -102,15 +105,47 @@ class RankWriter(dcp.FileSystemWriter):
                 if aligned:
                     stream.write(bytes(-stream.tell() % _PAGE))
                 start = stream.tell()
+                # DCP stores each chunk as a torch.save zip, whose CRC-32
+                # costs a third of the write time and is never checked
+                # (torch.load does not read it); the manifest's xxh3
+                # checksums, checked at every start-up, cover the same bytes.
                 with torch_save_options(crc32=False, alignment=_PAGE if aligned else None):
-                    torch.save(tensor, stream)
+                    _save_keeping_errno(tensor, stream)
                 length = stream.tell() - start
                 writeback.written()
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=dcp_storage_info(name, start, length)))
-        written: Future = Future()
-        written.set_result(results)
-        return written
+        return results
+
+
+class _WriteErrorKept:
+    """The file torch.save writes to, remembering the OSError a write raised:
+    torch reports a failed write as its own RuntimeError ("unexpected pos"),
+    which drops the errno (ENOSPC, EFBIG, ...)."""
+
+    def __init__(self, stream: BinaryIO):
+        self.stream, self.error = stream, None
+
+    def write(self, data) -> int:
+        try:
+            return self.stream.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _save_keeping_errno(tensor: torch.Tensor, stream: BinaryIO) -> None:
+    """torch.save(tensor, stream), raising a failed write's own OSError."""
+    kept = _WriteErrorKept(stream)
+    try:
+        torch.save(tensor, kept)
+    except RuntimeError:
+        if kept.error is None:
+            raise
+        raise kept.error from None
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:
@@ -135,6 +170,12 @@ def fsynced_in_background(files: set[Path]) -> Callable[[], None]:
     """fsync `files` on a thread (fsync releases the GIL), so the caller's
     checksums overlap the flush to disk; the returned wait re-raises its error."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fsync")
-    flushed = pool.submit(lambda: [fsync_path(path) for path in sorted(files)])
+    flushed = pool.submit(_fsync_each, sorted(files))
     pool.shutdown(wait=False)
     return flushed.result
+
+
+def _fsync_each(files: list[Path]) -> None:
+    for path in files:
+        with naming_write_errors(path):  # a delayed ENOSPC or EIO surfaces here
+            fsync_path(path)
