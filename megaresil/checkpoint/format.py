@@ -14,8 +14,8 @@ data is fsynced and the manifest written is it renamed into place, then the
 marker is written, then `latest` is replaced. A crash at any point leaves the
 previous checkpoint and `latest` untouched.
 
-Checksums are xxHash3-64 over each shard's raw bytes: ~10 GB/s per core, so
-verifying never costs more than reading the data.
+Checksums are xxHash3-64 over each shard's raw bytes: it hashes faster than
+disks read, so verifying never costs more than reading the data.
 """
 from __future__ import annotations
 

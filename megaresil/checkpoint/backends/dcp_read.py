@@ -93,8 +93,8 @@ def prefetch_layouts(file: BinaryIO, chunks: list[tuple[int, int]]) -> None:
     length) of `file` now, in one sweep: chunk_layout reads about twenty
     small pieces of them (the pickle and small records at the start, each on
     its own page in our files; the zip directory at the end), and from a cold
-    page cache each piece waited for the disk in turn, 3.5 ms a chunk, half
-    the time of a 2 GB load. A no-op where posix_fadvise does not exist."""
+    page cache each piece waited for the disk in turn, which made up much of
+    a load's time (bench/README.md). A no-op where posix_fadvise does not exist."""
     if not hasattr(os, "posix_fadvise"):
         return
     for start, length in chunks:

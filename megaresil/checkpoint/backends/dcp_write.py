@@ -42,15 +42,13 @@ class EarlyWriteback:
 
     Left alone, the kernel holds a checkpoint's pages in memory until the
     final fsync (they are far below its dirty thresholds), so the disk idles
-    while the data is copied in and the CPU idles while it is flushed: with
-    4 ranks writing 2 GB, 0.2 s of copying, then 0.5 s of flushing.
+    while the data is copied in and the CPU idles while it is flushed.
     posix_fadvise(DONTNEED) on written pages starts their writeback without
     waiting for it (Linux; PostgreSQL flushes its checkpoints this way where
     sync_file_range, which Python lacks, is not available), so the two
-    overlap: in bench/checkpoint_io.py that save went from 0.91 s to
-    0.63-0.67 s, under the 0.72-0.77 s of raw writes without it. Only whole
-    pages are handed over, so a page the next chunk still writes into is
-    never under writeback. A no-op where posix_fadvise does not exist."""
+    overlap; bench/README.md has the measured effect. Only whole pages are
+    handed over, so a page the next chunk still writes into is never under
+    writeback. A no-op where posix_fadvise does not exist."""
 
     def __init__(self, stream):
         self.stream, self.started_to = stream, 0
@@ -72,9 +70,9 @@ class RankWriter(dcp.FileSystemWriter):
 
     Its own `write_data` lays large chunks out page-aligned: DCP's packs
     each torch.save zip right after the previous one, so a chunk's data
-    starts at an arbitrary offset, and writing 2 GB that way measured about
-    5% slower than at page boundaries. The offsets are recorded as DCP's
-    writer records them, so its reader (and ours) finds every chunk."""
+    starts at an arbitrary offset, which writes slower than whole pages do
+    (bench/checkpoint_io.py). The offsets are recorded as DCP's writer
+    records them, so its reader (and ours) finds every chunk."""
 
     def __init__(self, path: Path, rank: int):
         super().__init__(str(path), sync_files=False)  # see fsynced_in_background
@@ -106,7 +104,7 @@ class RankWriter(dcp.FileSystemWriter):
                     stream.write(bytes(-stream.tell() % _PAGE))
                 start = stream.tell()
                 # DCP stores each chunk as a torch.save zip, whose CRC-32
-                # costs a third of the write time and is never checked
+                # costs a large share of the write time and is never checked
                 # (torch.load does not read it); the manifest's xxh3
                 # checksums, checked at every start-up, cover the same bytes.
                 with torch_save_options(crc32=False, alignment=_PAGE if aligned else None):
