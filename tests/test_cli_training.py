@@ -53,7 +53,7 @@ def test_tensorboard_and_events_written(cli, tmp_path):
 def assert_sane_start(run_dir, steps: int, vocab_size: int) -> None:
     """`steps` finite losses, the first near ln(vocab): a freshly initialised
     model predicts nearly uniformly (its logits are tiny), so a broken init
-    or loss shows up at step 1 (measured: 0.003 above ln V for gpt2, 0.03
+    or loss shows up at step 1 (measured: 0.003 from ln V for gpt2, 0.03
     for llama; a loss of ln V + 0.1 is no longer a near-uniform guess)."""
     logged = losses(run_dir)
     assert len(logged) == steps and all(math.isfinite(loss) for loss in logged), logged
