@@ -119,10 +119,10 @@ def _own_errors():
     try:
         yield
     except CheckpointException as err:
-        failure = next(iter(err.failures.values()), (None,))[0]
-        if failure is None:
+        failures = [failure for failure, _traceback in err.failures.values()]
+        if not failures:
             raise
-        raise failure from None
+        raise failures[0] from None
 
 
 class TorchDistBackend:
