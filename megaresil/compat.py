@@ -1,15 +1,82 @@
 """Every use of a private torch API, in one place.
 
-Each function names what it reaches into. They were checked on the torch
-versions in CHECKED_TORCH; a torch outside that range is refused at import
-with a message naming the versions, instead of failing later in a worker.
+Each function names what it reaches into. Together they were checked on the
+torch minor versions CHECKED_TORCH[0] through CHECKED_TORCH[1]:
+
+- 2.13 (the version the project installs): the whole test suite runs on it;
+- 2.14: the source of every API used here read in its wheel (same names,
+  fields and signatures);
+- 2.9, the floor: the first release with everything megaresil needs from
+  torch's public APIs as well. DCP's no-collectives save (`use_collectives`,
+  which gives each rank's RankWriter its own file) arrived in 2.9; the newest
+  of the rest are `gather_object(group_dst=)` (2.6) and
+  `scaled_dot_product_attention(enable_gqa=)` (2.5). Every private API used
+  here predates 2.9. pyproject.toml's torch floor is the same version
+  (tests/test_compat.py holds the two together).
+
+A torch outside that range is refused when this module is imported, which
+every module using a private API does: the job stops before it builds a
+process group or starts a worker, with a message naming the versions, rather
+than with an AttributeError deep inside a save thread or, worse, inside the
+hang handler that only runs when something else has already gone wrong
+(`abort_process_groups`). A torch newer than the range may be tried with
+MEGARESIL_UNCHECKED_TORCH=1; one older than the floor lacks public APIs the
+code calls and cannot work.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import struct
+import zipfile
 from datetime import timedelta
+from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+# Oldest and newest (major, minor) torch this module was checked against.
+CHECKED_TORCH = ((2, 9), (2, 14))
+UNCHECKED_TORCH_ENV = "MEGARESIL_UNCHECKED_TORCH"
+
+
+class UnsupportedTorch(ImportError):
+    """The installed torch is outside the versions megaresil was checked on."""
+
+
+def _minor(version: str) -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise UnsupportedTorch(f"cannot read torch version {version!r}; install torch "
+                               f"{_name(CHECKED_TORCH[0])} to {_name(CHECKED_TORCH[1])}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def _name(minor: tuple[int, int]) -> str:
+    return f"{minor[0]}.{minor[1]}"
+
+
+def check_torch_version(version: str, allow_newer: bool = False) -> None:
+    """Raise UnsupportedTorch unless `version` (torch.__version__) lies in
+    CHECKED_TORCH, or is newer and `allow_newer`."""
+    oldest, newest = CHECKED_TORCH
+    minor = _minor(version)
+    checked = f"megaresil was checked on torch {_name(oldest)} to {_name(newest)}"
+    if minor < oldest:
+        raise UnsupportedTorch(f"torch {version} is older than {_name(oldest)}: {checked}; "
+                               f"upgrade it (pip install 'torch>={_name(oldest)}')")
+    if minor > newest and not allow_newer:
+        raise UnsupportedTorch(
+            f"torch {version} is newer than {checked}; install torch<{newest[0]}.{newest[1] + 1}, "
+            f"or set {UNCHECKED_TORCH_ENV}=1 to try it (then run tests/test_compat.py and the "
+            "checkpoint tests, and add it to megaresil/compat.py's CHECKED_TORCH)")
+
+
+check_torch_version(torch.__version__, allow_newer=os.environ.get(UNCHECKED_TORCH_ENV) == "1")
+
+
+# --- process groups (c10d) ---------------------------------------------------------
 
 
 def process_groups() -> list[dist.ProcessGroup]:
@@ -67,3 +134,84 @@ def collective_counts(exclude: set) -> dict[str, int]:
 def has_nccl_groups() -> bool:
     """Whether any live process group runs collectives through NCCL."""
     return any("nccl" in dist.get_backend(group) for group in process_groups())
+
+
+# --- tensor ops ------------------------------------------------------------------
+
+
+def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, in `dtype`, in one fused call (what
+    clip_grad_norm_ uses inside)."""
+    return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply every tensor in place by the 0-d `scale`, in one fused call."""
+    torch._foreach_mul_(tensors, scale)
+
+
+def make_wrapper_subclass(cls: type, shape: torch.Size, dtype: torch.dtype,
+                          device: str) -> torch.Tensor:
+    """A tensor of subclass `cls` with this metadata and no storage (the
+    constructor of `__torch_dispatch__` subclasses)."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
+
+def tree_map_only(kind: type, fn: Callable[[Any], Any], tree: Any) -> Any:
+    """`tree` with every leaf of type `kind` replaced by fn(leaf) (torch's pytree)."""
+    from torch.utils._pytree import tree_map_only as torch_tree_map_only
+
+    return torch_tree_map_only(kind, fn, tree)
+
+
+# --- torch.save's files and DCP's storage records -------------------------------------
+
+
+@contextlib.contextmanager
+def torch_save_options(*, crc32: bool, alignment: Optional[int] = None) -> Iterator[None]:
+    """torch.save without (or with) the zip records' CRC-32, and with its
+    tensor data records starting at multiples of `alignment` bytes
+    (torch.utils.serialization.config, patched for this thread's saves)."""
+    import torch.utils.serialization.config as serialization_config
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(serialization_config.patch("save.compute_crc32", crc32))
+        if alignment is not None:
+            stack.enter_context(serialization_config.patch("save.storage_alignment", alignment))
+        yield
+
+
+# A zip local file header: signature, 22 bytes we skip, name and extra-field lengths.
+_LOCAL_HEADER = struct.Struct("<4s22xHH")
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+
+
+def torch_save_data_record(file: BinaryIO) -> Optional[tuple[int, int]]:
+    """Offset and size of the tensor data in a torch.save zip of one tensor:
+    torch names its storages `<archive>/data/<key>` and stores them
+    uncompressed. None unless there is exactly one such record."""
+    with zipfile.ZipFile(file) as archive:
+        records = [info for info in archive.infolist()
+                   if info.filename.split("/")[-2:-1] == ["data"]]
+    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+        return None
+    file.seek(records[0].header_offset)
+    signature, name_length, extra_length = _LOCAL_HEADER.unpack(file.read(_LOCAL_HEADER.size))
+    if signature != _LOCAL_SIGNATURE:
+        return None
+    return records[0].header_offset + _LOCAL_HEADER.size + name_length + extra_length, \
+        records[0].file_size
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """DCP's record of where a chunk lies in its files (filesystem._StorageInfo),
+    which its FileSystemReader and `.metadata` expect."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)
+
+
+def pickled_layout_function() -> tuple[str, str, Callable[[str], torch.layout]]:
+    """Module, name and value of the function DCP's pickled metadata calls to
+    rebuild a tensor layout (torch pickles layouts by name through it)."""
+    return "torch.serialization", "_get_layout", torch.serialization._get_layout

@@ -14,11 +14,13 @@ data is fsynced and the manifest written is it renamed into place, then the
 marker is written, then `latest` is replaced. A crash at any point leaves the
 previous checkpoint and `latest` untouched.
 
-Checksums are xxHash3-64 over each shard's raw bytes: ~10 GB/s per core, so
-verifying never costs more than reading the data.
+Checksums are xxHash3-64 over each shard's raw bytes: it hashes faster than
+disks read, so verifying never costs more than reading the data.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
@@ -40,6 +42,38 @@ STEP_DIR = re.compile(r"^step_(\d{7,})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, with the reason and (where known) the fix."""
+
+
+# What to do about a failed write, by errno ({dir}: the directory written to).
+_WRITE_FIXES = {
+    errno.ENOSPC: "free space on the filesystem of {dir} or point checkpoint.dir elsewhere",
+    errno.EDQUOT: "raise the disk quota on {dir} or point checkpoint.dir elsewhere",
+    errno.EFBIG: "raise the file size limit (ulimit -f) or point checkpoint.dir elsewhere",
+    errno.EACCES: "make {dir} writable or point checkpoint.dir elsewhere",
+    errno.EPERM: "make {dir} writable or point checkpoint.dir elsewhere",
+    errno.EROFS: "remount {dir} read-write or point checkpoint.dir elsewhere",
+}
+
+
+def write_failure(err: OSError, path: Path) -> CheckpointError:
+    """The one-line error for an OSError while saving `path`: what, where,
+    errno, the fix. Nothing is committed before every write has succeeded, so
+    the previous checkpoint stays valid."""
+    code = errno.errorcode.get(err.errno, f"errno {err.errno}") if err.errno else "OSError"
+    reason = os.strerror(err.errno) if err.errno else str(err)
+    fix = _WRITE_FIXES.get(err.errno, "check {dir} or point checkpoint.dir elsewhere")
+    return CheckpointError(f"saving a checkpoint failed: {code} ({reason}) writing {path}; "
+                           f"{fix.format(dir=path.parent)}; the previous checkpoint stays valid")
+
+
+@contextlib.contextmanager
+def naming_write_errors(path: Path) -> Iterator[None]:
+    """Turn an OSError raised while writing `path` (or a file it names) into
+    write_failure's CheckpointError."""
+    try:
+        yield
+    except OSError as err:
+        raise write_failure(err, Path(err.filename) if err.filename else path) from err
 
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in
@@ -94,23 +128,19 @@ def fsync_tree(root: Path, only: Optional[set[str]] = None) -> None:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+    write_text_atomic(path, json.dumps(data, indent=1))
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` by `text` in one step: a crash leaves the old or the new file."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+    with naming_write_errors(path):
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_path(path.parent)
 
 
 def inside(directory: Path, name: str) -> Path:

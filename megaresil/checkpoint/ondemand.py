@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch.utils._pytree import tree_map_only
+
+from megaresil.compat import make_wrapper_subclass, tree_map_only
 
 # What DCP does to an item before saving it; none of it needs the data.
 _METADATA_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
@@ -25,7 +26,7 @@ class OnDemandTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shape: torch.Size, dtype: torch.dtype, produce: Callable[[], torch.Tensor]):
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="cpu")
+        return make_wrapper_subclass(cls, shape, dtype, "cpu")
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype,
                  produce: Callable[[], torch.Tensor]) -> None:

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from megaresil.compat import foreach_mul_, foreach_norm
 from megaresil.config import OptimizerConfig
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
@@ -74,7 +75,7 @@ def local_norm_squared(grads: list[torch.Tensor]) -> torch.Tensor:
     norm comes out whichever way the layout cut the tensors."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    norms = foreach_norm(grads, torch.float64)
     return torch.stack(norms).pow(2).sum()
 
 
@@ -104,7 +105,7 @@ def clip_gradients(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm
     if max_norm <= 0 or not grads:
         return
     scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    torch._foreach_mul_(grads, scale.to(grads[0].device))
+    foreach_mul_(grads, scale.to(grads[0].device))
 
 
 def optimizer_state_bytes(optimizer) -> int:

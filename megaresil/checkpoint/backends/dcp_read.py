@@ -19,8 +19,6 @@ import math
 import os
 import pathlib
 import pickle
-import struct
-import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO, Optional, Sequence
 
@@ -31,12 +29,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from megaresil.checkpoint.format import CheckpointError, inside, tensor_bytes
+from megaresil.compat import pickled_layout_function, torch_save_data_record
 
 # Where chunk_layout reads: a chunk's first and last bytes.
 LAYOUT_HEAD, LAYOUT_TAIL = 32 << 10, 16 << 10
-# A zip local file header: signature, 22 bytes we skip, name and extra-field lengths.
-_LOCAL_HEADER = struct.Struct("<4s22xHH")
-_LOCAL_SIGNATURE = b"PK\x03\x04"
 
 
 class FileSlice(io.RawIOBase):
@@ -75,22 +71,6 @@ def narrowed(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int
     return tensor
 
 
-def _data_record(chunk: FileSlice) -> Optional[tuple[int, int]]:
-    """Offset and size of the tensor data record in a torch.save zip; None
-    unless there is exactly one, stored uncompressed."""
-    with zipfile.ZipFile(chunk) as archive:
-        records = [info for info in archive.infolist()
-                   if info.filename.split("/")[-2:-1] == ["data"]]
-    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
-        return None
-    chunk.seek(records[0].header_offset)
-    signature, name_length, extra_length = _LOCAL_HEADER.unpack(chunk.read(_LOCAL_HEADER.size))
-    if signature != _LOCAL_SIGNATURE:
-        return None
-    return records[0].header_offset + _LOCAL_HEADER.size + name_length + extra_length, \
-        records[0].file_size
-
-
 def _read_exactly(chunk: FileSlice, tensor: torch.Tensor) -> None:
     if chunk.readinto(tensor_bytes(tensor)) != tensor.nbytes:
         raise CheckpointError(f"a DCP chunk in {getattr(chunk.file, 'name', 'a file')} is "
@@ -104,7 +84,7 @@ def chunk_layout(chunk: FileSlice) -> tuple[torch.Tensor, Optional[tuple[int, in
     saved = torch.load(chunk, map_location="meta", weights_only=True)
     if not (saved.is_contiguous() and saved.storage_offset() == 0):
         return saved, None
-    record = _data_record(chunk)
+    record = torch_save_data_record(chunk)
     return saved, record if record is not None and record[1] == saved.nbytes else None
 
 
@@ -113,8 +93,8 @@ def prefetch_layouts(file: BinaryIO, chunks: list[tuple[int, int]]) -> None:
     length) of `file` now, in one sweep: chunk_layout reads about twenty
     small pieces of them (the pickle and small records at the start, each on
     its own page in our files; the zip directory at the end), and from a cold
-    page cache each piece waited for the disk in turn, 3.5 ms a chunk, half
-    the time of a 2 GB load. A no-op where posix_fadvise does not exist."""
+    page cache each piece waited for the disk in turn, which made up much of
+    a load's time (bench/README.md). A no-op where posix_fadvise does not exist."""
     if not hasattr(os, "posix_fadvise"):
         return
     for start, length in chunks:
@@ -147,6 +127,7 @@ def read_region(file: BinaryIO, start: int, length: int, offsets: Sequence[int],
 
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_LAYOUT_MODULE, _LAYOUT_NAME, _LAYOUT_FUNCTION = pickled_layout_function()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -160,8 +141,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
                                                                  torch.dtype)):
             return getattr(torch, name)
-        if module == "torch.serialization" and name == "_get_layout":
-            return torch.serialization._get_layout
+        if (module, name) == (_LAYOUT_MODULE, _LAYOUT_NAME):
+            return _LAYOUT_FUNCTION
         if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath"):
             return getattr(pathlib, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata")

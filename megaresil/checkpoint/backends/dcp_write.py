@@ -10,22 +10,21 @@ own manifest records.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.utils.serialization.config as serialization_config
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from megaresil.checkpoint.format import fsync_path
+from megaresil.checkpoint.format import fsync_path, naming_write_errors
+from megaresil.compat import dcp_storage_info, torch_save_options
 
 
 # Chunks of at least _ALIGNED_FROM bytes start on page boundaries, and so
@@ -43,15 +42,13 @@ class EarlyWriteback:
 
     Left alone, the kernel holds a checkpoint's pages in memory until the
     final fsync (they are far below its dirty thresholds), so the disk idles
-    while the data is copied in and the CPU idles while it is flushed: with
-    4 ranks writing 2 GB, 0.2 s of copying, then 0.5 s of flushing.
+    while the data is copied in and the CPU idles while it is flushed.
     posix_fadvise(DONTNEED) on written pages starts their writeback without
     waiting for it (Linux; PostgreSQL flushes its checkpoints this way where
     sync_file_range, which Python lacks, is not available), so the two
-    overlap: in bench/checkpoint_io.py that save went from 0.91 s to
-    0.63-0.67 s, under the 0.72-0.77 s of raw writes without it. Only whole
-    pages are handed over, so a page the next chunk still writes into is
-    never under writeback. A no-op where posix_fadvise does not exist."""
+    overlap; bench/README.md has the measured effect. Only whole pages are
+    handed over, so a page the next chunk still writes into is never under
+    writeback. A no-op where posix_fadvise does not exist."""
 
     def __init__(self, stream):
         self.stream, self.started_to = stream, 0
@@ -73,9 +70,9 @@ class RankWriter(dcp.FileSystemWriter):
 
     Its own `write_data` lays large chunks out page-aligned: DCP's packs
     each torch.save zip right after the previous one, so a chunk's data
-    starts at an arbitrary offset, and writing 2 GB that way measured about
-    5% slower than at page boundaries. The offsets are recorded as DCP's
-    writer records them, so its reader (and ours) finds every chunk."""
+    starts at an arbitrary offset, which writes slower than whole pages do
+    (bench/checkpoint_io.py). The offsets are recorded as DCP's writer
+    records them, so its reader (and ours) finds every chunk."""
 
     def __init__(self, path: Path, rank: int):
         super().__init__(str(path), sync_files=False)  # see fsynced_in_background
@@ -90,13 +87,15 @@ class RankWriter(dcp.FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        with naming_write_errors(Path(self.path) / name):
+            results = self._write_file(name, plan, planner)
+        written: Future = Future()
+        written.set_result(results)
+        return written
+
+    def _write_file(self, name: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         results = []
-        # DCP stores each chunk as a torch.save zip, whose CRC-32 costs a
-        # third of the write time and is never checked (torch.load does not
-        # read it); the manifest's xxh3 checksums, checked at every start-up,
-        # cover the same bytes.
-        with open(Path(self.path) / name, "wb") as stream, \
-                serialization_config.patch("save.compute_crc32", False):
+        with open(Path(self.path) / name, "wb") as stream:
             writeback = EarlyWriteback(stream)
             for item in plan.items:
                 tensor = _compact(planner.resolve_data(item).detach())
@@ -104,16 +103,47 @@ class RankWriter(dcp.FileSystemWriter):
                 if aligned:
                     stream.write(bytes(-stream.tell() % _PAGE))
                 start = stream.tell()
-                with (serialization_config.patch("save.storage_alignment", _PAGE) if aligned
-                      else contextlib.nullcontext()):
-                    torch.save(tensor, stream)
+                # DCP stores each chunk as a torch.save zip, whose CRC-32
+                # costs a large share of the write time and is never checked
+                # (torch.load does not read it); the manifest's xxh3
+                # checksums, checked at every start-up, cover the same bytes.
+                with torch_save_options(crc32=False, alignment=_PAGE if aligned else None):
+                    _save_keeping_errno(tensor, stream)
                 length = stream.tell() - start
                 writeback.written()
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, start, length)))
-        written: Future = Future()
-        written.set_result(results)
-        return written
+                                           storage_data=dcp_storage_info(name, start, length)))
+        return results
+
+
+class _WriteErrorKept:
+    """The file torch.save writes to, remembering the OSError a write raised:
+    torch reports a failed write as its own RuntimeError ("unexpected pos"),
+    which drops the errno (ENOSPC, EFBIG, ...)."""
+
+    def __init__(self, stream: BinaryIO):
+        self.stream, self.error = stream, None
+
+    def write(self, data) -> int:
+        try:
+            return self.stream.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _save_keeping_errno(tensor: torch.Tensor, stream: BinaryIO) -> None:
+    """torch.save(tensor, stream), raising a failed write's own OSError."""
+    kept = _WriteErrorKept(stream)
+    try:
+        torch.save(tensor, kept)
+    except RuntimeError:
+        if kept.error is None:
+            raise
+        raise kept.error from None
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:
@@ -138,6 +168,12 @@ def fsynced_in_background(files: set[Path]) -> Callable[[], None]:
     """fsync `files` on a thread (fsync releases the GIL), so the caller's
     checksums overlap the flush to disk; the returned wait re-raises its error."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fsync")
-    flushed = pool.submit(lambda: [fsync_path(path) for path in sorted(files)])
+    flushed = pool.submit(_fsync_each, sorted(files))
     pool.shutdown(wait=False)
     return flushed.result
+
+
+def _fsync_each(files: list[Path]) -> None:
+    for path in files:
+        with naming_write_errors(path):  # a delayed ENOSPC or EIO surfaces here
+            fsync_path(path)

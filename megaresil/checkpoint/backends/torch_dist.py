@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties)
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megaresil.checkpoint.backends import Written
 from megaresil.checkpoint.backends.dcp_read import SafeReader, narrowed
 from megaresil.checkpoint.backends.dcp_write import RankWriter, fsynced_in_background, merged
-from megaresil.checkpoint.format import CheckpointError, inside
+from megaresil.checkpoint.format import CheckpointError, inside, naming_write_errors
 from megaresil.checkpoint.sharded import Rect
 
 
@@ -109,15 +110,31 @@ def _quiet_single_process():
         yield
 
 
+@contextlib.contextmanager
+def _own_errors():
+    """A failure inside dcp.save or dcp.load as itself: DCP wraps it, with its
+    traceback as text, in a CheckpointException, a BaseException that
+    `except Exception` misses; a write error (RankWriter's CheckpointError)
+    then reads as one line again."""
+    try:
+        yield
+    except CheckpointException as err:
+        failures = [failure for failure, _traceback in err.failures.values()]
+        if not failures:
+            raise
+        raise failures[0] from None
+
+
 class TorchDistBackend:
     name = "torch_dist"
 
     def prepare(self, directory: Path, layout_plan: dict[str, dict]) -> None:
-        (directory / "dcp").mkdir()
+        with naming_write_errors(directory / "dcp"):
+            (directory / "dcp").mkdir()
 
     def write(self, directory: Path, rects: list[Rect], rank: int) -> Written:
         writer = RankWriter(directory / "dcp", rank)
-        with _quiet_single_process():
+        with _quiet_single_process(), _own_errors():
             metadata = dcp.save(_group([r for r in rects if r.tensor.numel()]),
                                 storage_writer=writer, planner=_SavePlanner(), no_dist=True)
         files = {directory / "dcp" / result.storage_data.relative_path for result in writer.results}
@@ -128,12 +145,13 @@ class TorchDistBackend:
     def finish(self, directory: Path, notes: list[tuple[dict, list]]) -> None:
         """DCP's global `.metadata`, written (and fsynced) by DCP itself."""
         metadata, results = merged(notes)
-        dcp.FileSystemWriter(str(directory / "dcp"), sync_files=True).finish(metadata, results)
+        with naming_write_errors(directory / "dcp" / ".metadata"):
+            dcp.FileSystemWriter(str(directory / "dcp"), sync_files=True).finish(metadata, results)
 
     def read(self, directory: Path, manifest: dict, targets: list[Rect]) -> None:
         targets = [t for t in targets if t.tensor.numel()]
         if not targets:
             return
-        with _quiet_single_process():  # each rank reads what it needs on its own
+        with _quiet_single_process(), _own_errors():  # each rank reads what it needs on its own
             dcp.load(_group(targets), storage_reader=SafeReader(str(inside(directory, "dcp"))),
                      planner=_LoadPlanner(), no_dist=True)

@@ -20,7 +20,7 @@ import torch
 import zarr
 
 from megaresil.checkpoint.backends import Written
-from megaresil.checkpoint.format import fsync_path, inside
+from megaresil.checkpoint.format import fsync_path, inside, naming_write_errors
 from megaresil.checkpoint.sharded import Rect
 
 
@@ -55,12 +55,13 @@ class ZarrBackend:
     name = "zarr"
 
     def prepare(self, directory: Path, layout_plan: dict[str, dict]) -> None:
-        root = zarr.open_group(str(directory / "zarr"), mode="w")
-        for key, entry in layout_plan.items():
-            root.create_array(key, shape=entry["global_shape"],
-                              chunks=chunk_shape(entry["global_shape"], entry["rects"]),
-                              dtype=storage_dtype(entry["dtype"]), compressors=None,
-                              fill_value=0, attributes={"torch_dtype": entry["dtype"]})
+        with naming_write_errors(directory / "zarr"):
+            root = zarr.open_group(str(directory / "zarr"), mode="w")
+            for key, entry in layout_plan.items():
+                root.create_array(key, shape=entry["global_shape"],
+                                  chunks=chunk_shape(entry["global_shape"], entry["rects"]),
+                                  dtype=storage_dtype(entry["dtype"]), compressors=None,
+                                  fill_value=0, attributes={"torch_dtype": entry["dtype"]})
 
     def _chunk_files(self, array: zarr.Array, key: str, rect: Rect) -> list[Path]:
         """The chunk files a rect's region covers (for fsync)."""
@@ -86,9 +87,12 @@ class ZarrBackend:
         for rect in rects:
             array = root[rect.key]
             if rect.tensor.numel():
-                array[region(rect.offset, rect.shape)] = to_numpy(rect.tensor)
+                # zarr's errors name no file: the array's directory stands in.
+                with naming_write_errors(directory / "zarr" / rect.key):
+                    array[region(rect.offset, rect.shape)] = to_numpy(rect.tensor)
                 for path in self._chunk_files(array, rect.key, rect):
-                    fsync_path(directory / "zarr" / path)
+                    with naming_write_errors(directory / "zarr" / path):
+                        fsync_path(directory / "zarr" / path)
             locations[rect.identity()] = f"zarr/{rect.key}"
         return locations
 
