@@ -109,10 +109,17 @@ _GLOO_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Bro
 
 
 def lost_peer_error(err: BaseException) -> bool:
-    """Whether a collective failed because a peer process is gone."""
-    if isinstance(err, dist.DistNetworkError):
-        return True
-    return type(err) is RuntimeError and any(m in str(err) for m in _GLOO_LOST_PEER)
+    """Whether a collective failed because a peer process is gone, also when
+    the failure arrives wrapped (torch.distributed.pipelining re-raises a
+    stage's error as its own RuntimeError, chained to the original)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, dist.DistNetworkError) or (
+                type(err) is RuntimeError and any(m in str(err) for m in _GLOO_LOST_PEER)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def collective_counts(exclude: set) -> dict[str, int]:

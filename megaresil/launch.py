@@ -182,7 +182,7 @@ def worker(recipe: str, overrides: list[str]) -> str:
     """One rank: build the process group, train with restarts, report how it ended."""
     from megaresil.parallel.layout import pick_device
     from megaresil.resilience.restart import JobFailed, run_worker
-    from megaresil.resilience.watchdog import NCCL_WORKER_ENV
+    from megaresil.resilience.watchdog import NCCL_WORKER_ENV, HangAbort
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cfg = adapt_to_world(load_recipe(recipe, overrides), world)
@@ -198,7 +198,7 @@ def worker(recipe: str, overrides: list[str]) -> str:
         if HELD_ENV not in os.environ:
             raise  # not under megaresil's launcher: the exit status must say it
         return "failed"  # exit 0: no relaunch; the launcher reports run_failed
-    except Exception as err:
+    except (Exception, HangAbort) as err:
         # Already in events.jsonl (and on the launcher's console, one line):
         # record it for TorchElastic, but spare the console the traceback.
         get_error_handler().record_exception(err)

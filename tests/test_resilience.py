@@ -149,6 +149,14 @@ def test_closed_connection_after_an_announced_abort_is_not_a_lost_peer():
     assert board.announce(3, RuntimeError("boom")) == "rank 0: RuntimeError: boom"
     assert not board.peer_gone(3, closed)
     assert not board.peer_gone(4, RuntimeError("something else"))
+    # torch's pipelining wraps a stage's failure in an error of its own.
+    try:
+        try:
+            raise closed
+        except RuntimeError as inner:
+            raise RuntimeError("[Stage 1] failed to run forward") from inner
+    except RuntimeError as wrapped:
+        assert board.peer_gone(4, wrapped)
     # The first announcement wins: a later rank reads the same cause.
     assert AbortBoard(board.store, rank=1).announce(3, ValueError("x")) == "rank 0: RuntimeError: boom"
 
