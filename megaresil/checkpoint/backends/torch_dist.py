@@ -111,6 +111,7 @@ def _quiet_single_process():
 
 class TorchDistBackend:
     name = "torch_dist"
+    one_file_per_write = True
 
     def prepare(self, directory: Path, layout_plan: dict[str, dict]) -> None:
         (directory / "dcp").mkdir()
