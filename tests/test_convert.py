@@ -334,6 +334,15 @@ def test_layouts_that_do_not_divide_the_model_name_the_key(trained, tmp_path, ca
     assert not dst.exists()
 
 
+def test_a_model_of_another_depth_is_refused_naming_the_keys(trained, tmp_path, capsys):
+    """Converting a 4-layer checkpoint for a 2-layer model would drop layers
+    2-3 silently; a pipeline layout, where each rank holds a subset of the
+    layers, is the same model (the round trips above)."""
+    refused(capsys, ["convert", str(trained), str(tmp_path / "dst"), "--set",
+                     "model.num_layers=2"], 1, "does not use", "model/layers.2.", "Fix:")
+    assert not (tmp_path / "dst").exists() and not leftovers(tmp_path)
+
+
 def test_existing_destination_is_replaced_only_with_overwrite(trained, tmp_path, capsys):
     dst = convert(trained, tmp_path / "dst", Target(tp=1, pp=1, dp=1))
     refused(capsys, ["convert", str(trained), str(dst), "--tp", "4"], 1, "already exists",
