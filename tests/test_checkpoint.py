@@ -346,6 +346,24 @@ def test_blocking_seconds_is_what_the_loop_waits_for(tmp_path, asynchronous):
         assert saved["blocking_seconds"] == saved["seconds"]
 
 
+def test_async_save_is_reported_at_its_commit(tmp_path):
+    """The save thread does not wait for the loop to report its stall: a
+    loop still busy when the save commits will not wait for it at all, and
+    the event is out by the time the save is."""
+    ckpt = Checkpointer(tmp_path, "zarr", group=None, asynchronous=True, keep=1,
+                        events=EventLog(tmp_path), device=torch.device("cpu"))
+    started = time.perf_counter()
+    ckpt.save(*small_state(), rank_state={})
+    ckpt.pending.result()  # committed; the loop has not reached its next update
+    # A save thread that waited for the loop (it once polled for up to 10 s)
+    # would still be waiting: this 8 KB save takes milliseconds.
+    assert time.perf_counter() - started < 5.0
+    saved = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_saved"]
+    assert len(saved) == 1 and saved[0]["blocking_seconds"] < saved[0]["seconds"]
+    ckpt.close()
+    assert [e["event"] for e in read_events(tmp_path)] == ["checkpoint_saved"]
+
+
 def test_manifests_with_the_retired_lr_schedule_still_load():
     """`lr_schedule` is no longer written (nothing read it); a manifest that
     has it still reads, and it is not carried into new ones."""

@@ -9,13 +9,14 @@ The trainer is seen only through `TrainingState` (checkpoint/state.py).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -117,31 +118,50 @@ def use_device(device: torch.device) -> None:
 
 
 class SaveReport:
-    """The `checkpoint_saved` event of one save, sent once both of its halves
-    are known: the save's figures (from the thread that commits it, rank 0)
-    and how long the loop was held (an async save: the save call plus the
-    wait for the staging copy at the loop's next update). Whichever half
-    comes second sends it, so neither thread waits for the other."""
+    """The `checkpoint_saved` event of one save: the save's figures come from
+    the thread that commits it (rank 0), `blocking_seconds` from the loop,
+    which was held by the save call and, for an async save, by its wait for
+    the staging copy at its next update.
+
+    The event goes out at the commit, and no thread waits for the other: a
+    loop that has not reached its update by then will not wait at all (the
+    copy is done before the commit), and a loop that is waiting at that
+    moment sends the event itself when its wait ends."""
 
     def __init__(self, events):
         self.events = events
         self.lock = threading.Lock()
-        self.held: Optional[float] = None
-        self.figures: Optional[dict] = None
+        self.held = 0.0  # seconds the loop has been held so far
+        self.waiting = False  # the loop is in `loop_waiting`
+        self.figures: Optional[dict] = None  # the committed save's, until sent
 
     def loop_held(self, seconds: float) -> None:
         with self.lock:
-            self.held = seconds
-            self._send_when_complete()
+            self.held += seconds
+            self.waiting = False
+            self._send()
+
+    @contextlib.contextmanager
+    def loop_waiting(self) -> Iterator[None]:
+        """Around the loop's wait for the save: its duration counts as held."""
+        with self.lock:
+            self.waiting = True
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.loop_held(time.perf_counter() - started)
 
     def saved(self, **figures) -> None:
         with self.lock:
             self.figures = figures
-            self._send_when_complete()
+            if not self.waiting:
+                self._send()
 
-    def _send_when_complete(self) -> None:
-        if self.held is not None and self.figures is not None:
+    def _send(self) -> None:
+        if self.figures is not None:
             self.events.emit("checkpoint_saved", **self.figures, blocking_seconds=self.held)
+            self.figures = None
 
 
 class Checkpointer:
@@ -159,7 +179,6 @@ class Checkpointer:
         self.pending: Optional[Future] = None
         self.staged: Optional[threading.Event] = None  # async: set once the staging copy is done
         self.report: Optional[SaveReport] = None  # async: of the save in flight
-        self.call_seconds = 0.0  # async: seconds the save call itself held the loop
 
     # --- saving ---------------------------------------------------------------
 
@@ -218,7 +237,7 @@ class Checkpointer:
         self.staged, self.report = threading.Event(), report
         self.pending = self.executor.submit(self._stage_write_commit, rects, state, rank_state,
                                             started, self.staged, report)
-        self.call_seconds = time.perf_counter() - started
+        report.loop_held(time.perf_counter() - started)
 
     def before_update(self) -> None:
         """Call before anything modifies the saved tensors (the optimizer step):
@@ -226,9 +245,8 @@ class Checkpointer:
         was held."""
         if self.staged is None:
             return
-        waited = time.perf_counter()
-        self.staged.wait()
-        self.report.loop_held(self.call_seconds + time.perf_counter() - waited)
+        with self.report.loop_waiting():
+            self.staged.wait()
         self.staged = self.report = None
 
     def wait(self) -> None:
@@ -359,8 +377,11 @@ def check_keys(held: Iterable[str], consumed: set[str]) -> None:
     checkpoint loading into a 2-layer model), a missing one left unset."""
     held = set(held)
     missing, unused = sorted(consumed - held), sorted(held - consumed)
-    problems = ([f"lacks {_named(missing)} that the model needs"] if missing else []) + \
-               ([f"holds {_named(unused)} that the model does not use"] if unused else [])
+    problems = []
+    if missing:
+        problems.append(f"lacks {_named(missing)} that the model needs")
+    if unused:
+        problems.append(f"holds {_named(unused)} that the model does not use")
     if problems:
         raise fmt.CheckpointError(f"the checkpoint {' and '.join(problems)}: it was saved from "
                                   "a different model. Fix: check model.* against the "
