@@ -80,6 +80,8 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.backends.dcp_write import EarlyWriteback
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.state import RunState
+from megaresil.config import RecipeConfig, to_dict
 from megaresil.events import EventLog, read_events
 from megaresil.ports import free_port
 
@@ -208,13 +210,12 @@ def zeroed_like(rects: list[Rect]) -> list[Rect]:
     return targets
 
 
-def manifest_state(me: Rank) -> dict:
-    """The non-tensor state the trainer's checkpointing.save passes (the
-    keys a resume reads), with placeholder values."""
+def manifest_state(me: Rank) -> RunState:
+    """The non-tensor state a trainer's save passes, with placeholder values."""
     layout = {"tp": TP, "pp": 1, "dp": me.dp, "vpp": 1, "sequence_parallel": False,
               "world_size": me.world, "distributed_optimizer": False}
-    return {"step": STEP, "layout": layout, "data": {"consumed_samples": 0},
-            "optimizer": {"adam_step": 1}}
+    return RunState(step=STEP, layout=layout, recipe=to_dict(RecipeConfig()), consumed_samples=0,
+                    optimizer_steps=1)
 
 
 def check_loaded(method: str, me: Rank) -> None:
@@ -284,14 +285,14 @@ def plain_dcp_loader(me: Rank, directory: Path) -> Callable[[], None]:
 
 def checkpointer(me: Rank, backend: str, root: Path, asynchronous: bool) -> Checkpointer:
     return Checkpointer(root, backend, group=me.ckpt_group, asynchronous=asynchronous, keep=1,
-                        events=EventLog(root, me.rank))
+                        events=EventLog(root, me.rank), device=torch.device("cpu"))
 
 
 def ours_saver(me: Rank, backend: str, root: Path) -> Callable[[], None]:
     ckpt = checkpointer(me, backend, root, asynchronous=False)
 
     def save() -> None:
-        ckpt.save(STEP, me.rects, manifest_state(me), rank_state={})
+        ckpt.save(me.rects, manifest_state(me), rank_state={})
         ckpt.close()
     return save
 
@@ -390,7 +391,7 @@ def measure_async(me: Rank, shape: ModelShape, root: Path) -> tuple[AsyncRow, bo
     ckpt = checkpointer(me, ASYNC_BACKEND, root, asynchronous=True)
 
     def save_and_wait() -> None:
-        ckpt.save(STEP, me.rects, manifest_state(me), rank_state={})
+        ckpt.save(me.rects, manifest_state(me), rank_state={})
         time.sleep(NEXT_STEP_S)  # forward/backward of the next step
         ckpt.before_update()  # its optimizer step: the loop's only wait
         ckpt.wait()

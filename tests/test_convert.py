@@ -24,8 +24,9 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.convert import Target, convert, converted_state
 from megaresil.checkpoint.diff import diff_checkpoints
 from megaresil.checkpoint.offline import write_checkpoint
-from megaresil.checkpoint.planning import layout_record, planned_rects
+from megaresil.checkpoint.planning import planned_rects, recipe_layout
 from megaresil.checkpoint.sources import CheckpointSource, full_tensors
+from megaresil.checkpoint.state import RunState
 from megaresil.cli import main
 from megaresil.config import RecipeConfig, from_dict, to_dict
 from megaresil.events import read_events
@@ -74,7 +75,7 @@ def test_same_layout_reproduces_the_trainers_own_save(trained, tmp_path):
     assert shard_table(out) == shard_table(trained)
     before, after = manifest(trained), manifest(out)
     assert after["backend"] == "zarr" and after["recipe"]["checkpoint"]["backend"] == "zarr"
-    for key in ("step", "layout", "data", "optimizer", "lr_schedule", "rank_states"):
+    for key in ("step", "layout", "data", "optimizer", "rank_states"):
         assert after[key] == before[key], key
     assert_identical(trained, out)
 
@@ -333,6 +334,15 @@ def test_layouts_that_do_not_divide_the_model_name_the_key(trained, tmp_path, ca
     assert not dst.exists()
 
 
+def test_a_model_of_another_depth_is_refused_naming_the_keys(trained, tmp_path, capsys):
+    """Converting a 4-layer checkpoint for a 2-layer model would drop layers
+    2-3 silently; a pipeline layout, where each rank holds a subset of the
+    layers, is the same model (the round trips above)."""
+    refused(capsys, ["convert", str(trained), str(tmp_path / "dst"), "--set",
+                     "model.num_layers=2"], 1, "does not use", "model/layers.2.", "Fix:")
+    assert not (tmp_path / "dst").exists() and not leftovers(tmp_path)
+
+
 def test_existing_destination_is_replaced_only_with_overwrite(trained, tmp_path, capsys):
     dst = convert(trained, tmp_path / "dst", Target(tp=1, pp=1, dp=1))
     refused(capsys, ["convert", str(trained), str(dst), "--tp", "4"], 1, "already exists",
@@ -420,9 +430,8 @@ def test_conversion_streams_a_checkpoint_over_1gb(tmp_path):
     source = SyntheticWeights(cfg)
     sizes = [torch.Size(e["global_shape"]).numel() * 4 for e in source.tensors.values()]
     assert sum(sizes) >= 2**30
-    state = {"step": 1, "layout": layout_record(cfg), "data": {"consumed_samples": 16},
-             "optimizer": {"adam_step": 1, "hyper": recipe["optimizer"]}, "lr_schedule": {},
-             "recipe": to_dict(cfg), "rank_states": []}
+    state = RunState(step=1, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=16,
+                     optimizer_steps=1)
     bound = 2 * max(sizes) + 256 * 2**20
     try:  # 3.9 GB on disk: not left for pytest's temp-dir rotation
         write_checkpoint(source, cfg, tmp_path / "zarr", backend="zarr", weights_only=False,

@@ -4,7 +4,8 @@ process without a process group.
 The target is the source's recipe with the requested layout applied and
 validated like any recipe (errors name the key); the source is verified
 before anything is written; the tensors go through offline.write_checkpoint
-(streamed, committed atomically). Non-tensor state is carried over.
+(streamed, committed atomically). Non-tensor state is carried over
+(`RunState`), with the target's layout and recipe.
 """
 from __future__ import annotations
 
@@ -20,15 +21,12 @@ import torch
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.offline import refuse_existing, write_checkpoint
-from megaresil.checkpoint.planning import layout_record
+from megaresil.checkpoint.planning import recipe_layout
 from megaresil.checkpoint.sources import CheckpointSource
+from megaresil.checkpoint.state import RunState
 from megaresil.config import (KEY_ALIASES, ConfigError, RecipeConfig, from_dict, parse_override,
                               to_dict)
 from megaresil.parallel.random import capture_rng_state, restore_rng_state
-
-# Manifest fields that describe the tensors and the file format; everything
-# else is training state that a conversion carries over.
-_FORMAT_FIELDS = ("format", "version", "backend", "tensors")
 
 
 @dataclass
@@ -86,17 +84,14 @@ def fresh_rank_states(cfg: RecipeConfig) -> list[dict]:
     return [fresh] * (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp)
 
 
-def converted_state(manifest: dict, cfg: RecipeConfig, weights_only: bool) -> dict:
+def converted_state(manifest: dict, cfg: RecipeConfig, weights_only: bool) -> RunState:
     """The source's non-tensor state, with layout and recipe of the target."""
-    layout, recipe = layout_record(cfg), to_dict(cfg)
-    state = {k: v for k, v in manifest.items() if k not in _FORMAT_FIELDS}
-    same_ranks = layout == manifest["layout"] and "rank_states" in manifest
-    state.update(layout=layout, recipe=recipe,
-                 optimizer={**manifest["optimizer"], "hyper": recipe["optimizer"]},
-                 rank_states=manifest["rank_states"] if same_ranks else fresh_rank_states(cfg))
-    if weights_only:
-        state["weights_only"] = True
-    return state
+    source, layout = RunState.from_manifest(manifest), recipe_layout(cfg)
+    same_ranks = layout == source.layout and source.rank_states
+    return dataclasses.replace(
+        source, layout=layout, recipe=to_dict(cfg),
+        rank_states=source.rank_states if same_ranks else fresh_rank_states(cfg),
+        weights_only=source.weights_only or weights_only)
 
 
 def open_source(src: Path) -> CheckpointSource:

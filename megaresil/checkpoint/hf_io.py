@@ -21,10 +21,10 @@ from megaresil.checkpoint import hf
 from megaresil.checkpoint.convert import Target, fresh_rank_states, open_source, target_recipe
 from megaresil.checkpoint.manager import move_into_place
 from megaresil.checkpoint.offline import partial_dir, refuse_existing, replacing, write_checkpoint
-from megaresil.checkpoint.planning import layout_record
+from megaresil.checkpoint.planning import recipe_layout
 from megaresil.checkpoint.sources import FullTensorSource, full_tensors
+from megaresil.checkpoint.state import RunState
 from megaresil.config import ModelConfig, RecipeConfig, from_dict, load_recipe, to_dict
-from megaresil.train.optim import lr_at
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -94,15 +94,11 @@ def _mapped_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
     return {f"model/{key}": tensor.float() for key, tensor in ours.items()}
 
 
-def _fresh_state(cfg: RecipeConfig, origin: dict) -> dict:
+def _fresh_state(cfg: RecipeConfig, origin: dict) -> RunState:
     """The non-tensor state of a checkpoint that no training wrote: step 0."""
-    recipe = to_dict(cfg)
-    return {"step": 0, "layout": layout_record(cfg), "data": {"consumed_samples": 0},
-            "optimizer": {"adam_step": 0, "hyper": recipe["optimizer"]},
-            "lr_schedule": {"lr": lr_at(1, cfg.optimizer, cfg.train.steps),
-                            "total_steps": cfg.train.steps},
-            "recipe": recipe, "rank_states": fresh_rank_states(cfg), "weights_only": True,
-            "origin": origin}
+    return RunState(step=0, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=0,
+                    optimizer_steps=0, rank_states=fresh_rank_states(cfg), weights_only=True,
+                    extra={"origin": origin})
 
 
 def import_from_hf(hf_dir: Path, dst: Path, target: Target, *, recipe: Optional[Path] = None,

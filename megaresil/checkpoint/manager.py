@@ -4,15 +4,19 @@ protocol, async saves, retention, verification and resharding loads.
 All checkpoint collectives run on a process group of their own, so an async
 save's background thread never interleaves its messages with the training
 loop's collectives.
+
+The trainer is seen only through `TrainingState` (checkpoint/state.py).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,6 +24,7 @@ import torch.distributed as dist
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.backends import Backend, get_backend
 from megaresil.checkpoint.sharded import Rect, assign_writers
+from megaresil.checkpoint.state import RunState, TrainingState, training_rects
 
 
 class Collectives:
@@ -80,11 +85,11 @@ def rect_record(rect: Rect) -> dict:
             "shape": list(rect.shape)}
 
 
-def build_manifest(backend: str, state: dict, all_written: list[list[dict]]) -> dict:
+def build_manifest(backend: str, state: RunState, all_written: list[list[dict]]) -> dict:
     """The manifest: format, backend, the non-tensor `state` and every rank's
     written rects (`all_written[r]`: records with rank, checksum, location)."""
     return {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "backend": backend,
-            **state, "tensors": tensor_table(all_written)}
+            **state.to_manifest(), "tensors": tensor_table(all_written)}
 
 
 def move_into_place(partial: Path, final: Path, make_room: Callable[[Path], None]) -> None:
@@ -105,20 +110,75 @@ def commit(partial: Path, final: Path, manifest: dict, make_room: Callable[[Path
     fmt.write_text_atomic(final / fmt.MARKER, "ok\n")
 
 
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's CUDA device. A new thread starts on
+    GPU 0: its copies, allocations and synchronize() would go there."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+class SaveReport:
+    """The `checkpoint_saved` event of one save: the save's figures come from
+    the thread that commits it (rank 0), `blocking_seconds` from the loop,
+    which was held by the save call and, for an async save, by its wait for
+    the staging copy at its next update.
+
+    The event goes out at the commit, and no thread waits for the other: a
+    loop that has not reached its update by then will not wait at all (the
+    copy is done before the commit), and a loop that is waiting at that
+    moment sends the event itself when its wait ends."""
+
+    def __init__(self, events):
+        self.events = events
+        self.lock = threading.Lock()
+        self.held = 0.0  # seconds the loop has been held so far
+        self.waiting = False  # the loop is in `loop_waiting`
+        self.figures: Optional[dict] = None  # the committed save's, until sent
+
+    def loop_held(self, seconds: float) -> None:
+        with self.lock:
+            self.held += seconds
+            self.waiting = False
+            self._send()
+
+    @contextlib.contextmanager
+    def loop_waiting(self) -> Iterator[None]:
+        """Around the loop's wait for the save: its duration counts as held."""
+        with self.lock:
+            self.waiting = True
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.loop_held(time.perf_counter() - started)
+
+    def saved(self, **figures) -> None:
+        with self.lock:
+            self.figures = figures
+            if not self.waiting:
+                self._send()
+
+    def _send(self) -> None:
+        if self.figures is not None:
+            self.events.emit("checkpoint_saved", **self.figures, blocking_seconds=self.held)
+            self.figures = None
+
+
 class Checkpointer:
     def __init__(self, root: Path, backend: str, *, group: Optional[dist.ProcessGroup],
-                 asynchronous: bool, keep: int, events):
+                 asynchronous: bool, keep: int, events, device: torch.device):
         self.root = root
         self.coll = Collectives(group)
         self.backend: Backend = get_backend(backend)
         self.asynchronous, self.keep, self.events = asynchronous, keep, events
+        self.device = device  # of the training state; the save thread works on it
         self.writers: Optional[dict[tuple, int]] = None
         self.layout_plan: Optional[dict[str, dict]] = None  # of the written rects, every rank's
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save",
+                                           initializer=use_device, initargs=(device,))
         self.pending: Optional[Future] = None
-        self.staged: Optional[threading.Event] = None  # async: the staging copy is done
-        self.stalled: Optional[float] = None  # async: seconds the loop waited for it
-        self.call_seconds = 0.0  # async: seconds the save call itself held the loop
+        self.staged: Optional[threading.Event] = None  # async: set once the staging copy is done
+        self.report: Optional[SaveReport] = None  # async: of the save in flight
 
     # --- saving ---------------------------------------------------------------
 
@@ -136,23 +196,27 @@ class Checkpointer:
                                             for rank, mine in enumerate(gathered)])
         return [r for r in rects if self.writers[r.identity()] == self.coll.rank]
 
-    @staticmethod
-    def _stage(rects: list[Rect]) -> list[Rect]:
+    def _stage(self, rects: list[Rect]) -> list[Rect]:
         """Copy the rects into staging memory: after this, training may go on."""
-        pin = torch.cuda.is_available()
+        on_gpu = any(r.tensor.is_cuda for r in rects)
         staged = []
         for r in rects:
-            copy = torch.empty(r.tensor.shape, dtype=r.tensor.dtype, pin_memory=pin)
-            copy.copy_(r.tensor, non_blocking=pin)
+            copy = torch.empty(r.tensor.shape, dtype=r.tensor.dtype, pin_memory=on_gpu)
+            copy.copy_(r.tensor, non_blocking=on_gpu)
             staged.append(Rect(r.key, r.global_shape, r.offset, copy))
-        if pin:
-            torch.cuda.synchronize()
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
         return staged
 
-    def save(self, step: int, rects: list[Rect], state: dict, rank_state: dict) -> None:
+    def save_training(self, state: TrainingState) -> None:
+        """Checkpoint a trainer's state: its tensors, its run state and this
+        rank's RNG state."""
+        self.save(training_rects(state), state.run_state(), rank_state=state.rng_state())
+
+    def save(self, rects: list[Rect], state: RunState, rank_state: dict) -> None:
         """Save `rects` (this rank's view of the training state), the
         non-tensor `state` (same on every rank) and this rank's `rank_state`
-        as checkpoint `step`. At most one save is in flight.
+        as checkpoint `state.step`. At most one save is in flight.
 
         Asynchronous saves plan and copy the state to staging memory on the
         background thread too: the loop goes on with the next
@@ -161,26 +225,29 @@ class Checkpointer:
         is done."""
         self.wait()
         started = time.perf_counter()
-        state = {**state, "rank_state": rank_state}
+        report = SaveReport(self.events)
         if not self.asynchronous:
             mine = self._my_writes(rects)
             # On the CPU a synchronous save writes straight from the live
             # tensors (nothing changes them meanwhile); GPU tensors are copied.
             on_cpu = all(r.tensor.device.type == "cpu" for r in mine)
-            self._write_and_commit(step, mine if on_cpu else self._stage(mine), state, started)
+            self._write_and_commit(mine if on_cpu else self._stage(mine), state, rank_state,
+                                   started, report)
             return
-        self.staged, self.stalled = threading.Event(), None
-        self.call_seconds = time.perf_counter() - started
-        self.pending = self.executor.submit(self._stage_write_commit, step, rects, state, started)
+        self.staged, self.report = threading.Event(), report
+        self.pending = self.executor.submit(self._stage_write_commit, rects, state, rank_state,
+                                            started, self.staged, report)
+        report.loop_held(time.perf_counter() - started)
 
     def before_update(self) -> None:
         """Call before anything modifies the saved tensors (the optimizer step):
-        waits for an async save's staging copy and records the stall."""
-        if self.staged is None or self.stalled is not None:
+        waits for an async save's staging copy and reports how long the loop
+        was held."""
+        if self.staged is None:
             return
-        waited = time.perf_counter()
-        self.staged.wait()
-        self.stalled = time.perf_counter() - waited
+        with self.report.loop_waiting():
+            self.staged.wait()
+        self.staged = self.report = None
 
     def wait(self) -> None:
         """Wait for an in-flight save; re-raises its failure."""
@@ -189,30 +256,18 @@ class Checkpointer:
             pending, self.pending = self.pending, None
             pending.result()
 
-    def _stage_write_commit(self, step: int, rects: list[Rect], state: dict,
-                            started: float) -> None:
+    def _stage_write_commit(self, rects: list[Rect], state: RunState, rank_state: dict,
+                            started: float, staged: threading.Event, report: SaveReport) -> None:
         try:
-            staged = self._stage(self._my_writes(rects))
+            copies = self._stage(self._my_writes(rects))
         finally:
-            self.staged.set()
-        self._write_and_commit(step, staged, state, started)
+            staged.set()
+        self._write_and_commit(copies, state, rank_state, started, report)
 
-    def _blocking_seconds(self, seconds: float) -> float:
-        """How long the loop was held: all of a synchronous save; for an async
-        one, its wait at the next update (recorded by then in practice: the
-        write and commit take longer than a forward/backward)."""
-        if not self.asynchronous:
-            return seconds
-        deadline = time.perf_counter() + 10.0
-        while self.stalled is None and time.perf_counter() < deadline:
-            time.sleep(0.005)
-        return self.call_seconds + (self.stalled or 0.0)
-
-    def _write_and_commit(self, step: int, staged: list[Rect], state: dict,
-                          started: float) -> None:
-        name = fmt.step_dir_name(step)
+    def _write_and_commit(self, staged: list[Rect], state: RunState, rank_state: dict,
+                          started: float, report: SaveReport) -> None:
+        name = fmt.step_dir_name(state.step)
         partial = self.root / f"{name}.partial-0"
-        rank_state = state.pop("rank_state")
         if self.coll.rank == 0:
             if partial.exists():
                 shutil.rmtree(partial)
@@ -227,16 +282,18 @@ class Checkpointer:
         if self.coll.rank == 0:
             all_written, rank_states, notes = zip(*gathered)
             self.backend.finish(partial, list(notes))
-            path = self._commit(name, partial, all_written, {**state, "rank_states": rank_states})
+            path = self._commit(name, partial, all_written,
+                                dataclasses.replace(state, rank_states=list(rank_states)))
             per_rank = [sum(fmt.region_bytes(w["shape"], w["dtype"]) for w in ws) for ws in all_written]
             seconds = time.perf_counter() - started
-            self.events.emit("checkpoint_saved", step=step, path=str(path), bytes=sum(per_rank),
-                             bytes_per_rank=per_rank, seconds=seconds,
-                             blocking_seconds=self._blocking_seconds(seconds),
-                             backend=self.backend.name)
+            if not self.asynchronous:
+                report.loop_held(seconds)
+            report.saved(step=state.step, path=str(path), bytes=sum(per_rank),
+                         bytes_per_rank=per_rank, seconds=seconds, backend=self.backend.name)
         self.coll.barrier()
 
-    def _commit(self, name: str, partial: Path, all_written: list[list[dict]], state: dict) -> Path:
+    def _commit(self, name: str, partial: Path, all_written: list[list[dict]],
+                state: RunState) -> Path:
         final = self.root / name
         commit(partial, final, build_manifest(self.backend.name, state, all_written),
                make_room=self._set_aside)
@@ -277,8 +334,25 @@ class Checkpointer:
         return next((r for r in reasons if r), None)
 
     def load(self, directory: Path, manifest: dict, targets: list[Rect]) -> None:
-        check_shapes(manifest, targets)
+        """Fill `targets` (this rank's rects) from the checkpoint, after
+        checking that its tensors are exactly those every rank together
+        loads, at their shapes."""
+        consumed = set().union(*self.coll.all_gather(sorted({t.key for t in targets})))
+        check_shapes(manifest["tensors"], targets, consumed)
         get_backend(manifest["backend"]).read(directory, manifest, targets)
+
+    def load_training(self, directory: Path, manifest: dict, state: TrainingState) -> RunState:
+        """Load a checkpoint into a trainer's state, at whatever layout it was
+        saved from (the rects reshard it); returns what it saved."""
+        saved = RunState.from_manifest(manifest)
+        if saved.weights_only:
+            raise fmt.CheckpointError(
+                f"{directory} holds weights only (no optimizer state), so training cannot resume "
+                "from it exactly. Fix: convert it again without --weights-only, or start a new "
+                "run from it as initial weights (not supported yet).")
+        self.load(directory, manifest, training_rects(state, include_copies=True))
+        state.restore(saved)
+        return saved
 
 
 def tensor_table(all_written: list[list[dict]]) -> dict:
@@ -292,15 +366,35 @@ def tensor_table(all_written: list[list[dict]]) -> dict:
     return dict(sorted(tensors.items()))
 
 
-def check_shapes(manifest: dict, targets: list[Rect]) -> None:
-    """Fail on the first key the checkpoint lacks or holds at another shape."""
-    tensors = manifest["tensors"]
+def _named(keys: list[str], shown: int = 8) -> str:
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return f"{len(keys)} tensor(s) ({', '.join(keys[:shown])}{more})"
+
+
+def check_keys(held: Iterable[str], consumed: set[str]) -> None:
+    """Refuse a checkpoint whose tensor keys (`held`) are not exactly those
+    the model consumes: a key left over would be silently ignored (a 4-layer
+    checkpoint loading into a 2-layer model), a missing one left unset."""
+    held = set(held)
+    missing, unused = sorted(consumed - held), sorted(held - consumed)
+    problems = []
+    if missing:
+        problems.append(f"lacks {_named(missing)} that the model needs")
+    if unused:
+        problems.append(f"holds {_named(unused)} that the model does not use")
+    if problems:
+        raise fmt.CheckpointError(f"the checkpoint {' and '.join(problems)}: it was saved from "
+                                  "a different model. Fix: check model.* against the "
+                                  "checkpoint's recipe (megaresil ckpt inspect)")
+
+
+def check_shapes(tensors: dict[str, dict], targets: list[Rect], consumed: set[str]) -> None:
+    """Refuse a checkpoint (its tensor table `tensors`) unless its keys are
+    exactly `consumed` (what every rank of the layout loads, together) and
+    each of `targets` (the rects loaded here) has its global shape."""
+    check_keys(tensors, consumed)
     for target in sorted(targets, key=lambda t: t.key):
-        saved = tensors.get(target.key)
-        if saved is None:
-            raise fmt.CheckpointError(f"the checkpoint has no tensor {target.key!r} (it was saved "
-                                      "from a different model); check model.* against the "
-                                      "checkpoint's recipe (megaresil ckpt inspect)")
+        saved = tensors[target.key]
         if tuple(saved["global_shape"]) != tuple(target.global_shape):
             raise fmt.CheckpointError(
                 f"{target.key}: the checkpoint holds shape {tuple(saved['global_shape'])}, the "

@@ -30,8 +30,9 @@ from megaresil.checkpoint.manager import (build_manifest, check_shapes, commit, 
                                           rect_record)
 from megaresil.checkpoint.ondemand import OnDemandTensor
 from megaresil.checkpoint.planning import planned_rects, writer_share
-from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.sharded import WEIGHTS, Rect
 from megaresil.checkpoint.sources import TensorSource, byte_batches
+from megaresil.checkpoint.state import RunState
 from megaresil.config import RecipeConfig
 
 
@@ -82,8 +83,8 @@ class _Reader:
 
 def _write(backend: Backend, directory: Path, reader: _Reader) -> dict[tuple, str]:
     """Write every rect in the reader's order; each one's location by identity."""
-    if backend.name == "torch_dist":
-        # One DCP save is one file, so it gets every rect at once; it asks for
+    if backend.one_file_per_write:
+        # One write is one file, so it gets every rect at once; it asks for
         # each one's data, in this order, as it writes it (OnDemandTensor).
         done = [backend.write(directory, [reader.on_demand(rect) for rect in reader.order], 0)]
     else:
@@ -218,14 +219,23 @@ def replacing(dst: Path, overwrite: bool) -> Iterator[Callable[[Path], None]]:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
+def _check_source(source: TensorSource, planned: list[Rect], weights_only: bool) -> None:
+    """The source must hold exactly the tensors of the target model (the
+    keys of every target rank together), at their shapes; a weights-only
+    write leaves the source's optimizer state out on purpose."""
+    held = {key: entry for key, entry in source.tensors.items()
+            if not weights_only or key.startswith(WEIGHTS)}
+    check_shapes(held, planned, {rect.key for rect in planned})
+
+
 def write_checkpoint(source: TensorSource, cfg: RecipeConfig, dst: Path, *, backend: str,
-                     weights_only: bool, state: dict, overwrite: bool) -> Path:
+                     weights_only: bool, state: RunState, overwrite: bool) -> Path:
     """Write `source`'s tensors as checkpoint `dst` at the layout of recipe
     `cfg`, with the non-tensor `state`. `dst` appears only once complete."""
     refuse_existing(dst, overwrite)
     per_rank = planned_rects(cfg, weights_only=weights_only)
     planned = writer_share(per_rank)
-    check_shapes({"tensors": source.tensors}, [rect for _, rect in planned])
+    _check_source(source, [rect for _, rect in planned], weights_only)
     writes = sorted(((rank, _as_stored(rect, source)) for rank, rect in planned),
                     key=lambda w: (w[1].key, w[1].offset))
     writer = get_backend(backend)

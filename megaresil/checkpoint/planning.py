@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from megaresil.checkpoint.sharded import (MOMENTS, HeldMoments, MomentsOf, Rect, assign_writers,
                                           state_rects)
+from megaresil.checkpoint.state import layout_record
 from megaresil.config import RecipeConfig
 from megaresil.model.chunks import build_chunks
 from megaresil.parallel.distributed_optimizer import make_shard
@@ -57,9 +58,9 @@ def distributed_optimizer(cfg: RecipeConfig) -> bool:
     return cfg.optimizer.distributed and cfg.parallel.dp > 1
 
 
-def layout_record(cfg: RecipeConfig) -> dict:
-    """The `layout` a trainer of this recipe writes into its manifests."""
-    return {**planned_ranks(cfg)[0].describe(), "distributed_optimizer": distributed_optimizer(cfg)}
+def recipe_layout(cfg: RecipeConfig) -> dict:
+    """The `layout_record` a trainer of this recipe writes into its manifests."""
+    return layout_record(planned_ranks(cfg)[0], distributed_optimizer(cfg))
 
 
 def _planned_moments(cfg: RecipeConfig, dp_rank: int) -> MomentsOf:

@@ -1,10 +1,14 @@
-"""The training state as layout-free rectangles of global tensors.
+"""The training state as layout-free rectangles of global tensors: pure geometry.
 
 Every tensor of the state (weights, AdamW moments, distributed-optimizer row
 shards) is described by a key that does not mention the layout, its global
 shape, and this rank's rectangle of it (offset + a local view). The same
 description serves saving (the view is read) and loading (the view is filled
 from whatever rectangles the checkpoint holds), which is all resharding needs.
+
+Nothing here knows a trainer or an optimizer class: parameters come as
+(key, parameter) pairs and moments through `MomentsOf` (checkpoint/state.py
+says who provides them).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from megaresil.model.init import global_shape, vocab_rows
 from megaresil.parallel.distributed_optimizer import RowShard
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+WEIGHTS = "model/"  # the prefix of weight keys; moments are under "optim/<moment>/"
 
 
 @dataclass
@@ -69,19 +74,8 @@ def model_rects(named_params: Iterable[tuple[str, nn.Parameter]], cfg: ModelConf
     for key, param in named_params:
         found = param_rect(key, param, param.data, cfg)
         if found is not None:
-            rects.append(Rect(f"model/{key}", *found))
+            rects.append(Rect(f"{WEIGHTS}{key}", *found))
     return rects
-
-
-def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create zero AdamW state for every param (the optimizer creates it lazily
-    at its first step) so a checkpoint can be loaded into it."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not optimizer.state[p]:
-                optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                                      "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}
 
 
 # A parameter's AdamW moments by name and the distributed-optimizer row shard
@@ -129,44 +123,6 @@ def state_rects(named_params: Iterable[tuple[str, nn.Parameter]], cfg: ModelConf
         if held is not None:
             rects += moment_rects(key, param, *held, cfg)
     return rects
-
-
-def live_moments(trainer) -> MomentsOf:
-    """The trainer's optimizer state, per parameter; under the distributed
-    optimizer each parameter's moments are this rank's row shard of them."""
-    optimizer = trainer.optimizer
-    inner = getattr(optimizer, "inner", optimizer)
-    ensure_adam_state(inner)
-    if not trainer.sharded_optimizer:
-        return lambda param: (inner.state[param], None)
-    shards = {id(shard.param): shard for shard in optimizer.shards}
-
-    def sharded(param: nn.Parameter) -> Optional[HeldMoments]:
-        shard = shards[id(param)]
-        return None if shard.stop <= shard.start else (inner.state[shard.view], shard)
-
-    return sharded
-
-
-def adam_step_count(trainer) -> int:
-    inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
-    for state in inner.state.values():
-        if "step" in state:
-            return int(state["step"].item())
-    return 0
-
-
-def set_adam_step_count(trainer, step: int) -> None:
-    inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
-    for state in inner.state.values():
-        state["step"].fill_(float(step))
-
-
-def training_rects(trainer, include_copies: bool = False) -> list[Rect]:
-    """Every tensor of the training state on this rank; `include_copies` adds
-    the tied-embedding copy (a load target, never saved)."""
-    return state_rects(trainer.named_parameters(), trainer.cfg.model, live_moments(trainer),
-                       include_copies)
 
 
 def assign_writers(all_rects: list[list[tuple]], world: int) -> dict[tuple, int]:

@@ -6,19 +6,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.checkpoint.manager import Checkpointer
-from megaresil.checkpoint.sharded import (adam_step_count, set_adam_step_count,
-                                          training_rects)
-from megaresil.config import RecipeConfig, to_dict
-from megaresil.parallel.random import capture_rng_state, restore_rng_state
-from megaresil.train.optim import lr_at
+from megaresil.config import RecipeConfig
 
 
-def build_checkpointer(cfg: RecipeConfig, events, watchdog=None) -> Checkpointer:
+def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
+                       device: torch.device) -> Checkpointer:
     # A group of its own (gloo even under NCCL: checkpoint traffic is small
     # metadata), so async saves never interleave with training collectives,
     # and with the checkpoint budget as its timeout whatever section runs.
@@ -30,32 +28,12 @@ def build_checkpointer(cfg: RecipeConfig, events, watchdog=None) -> Checkpointer
             watchdog.exempt_group(group)
     return Checkpointer(checkpoint_root(cfg), cfg.checkpoint.backend.value, group=group,
                         asynchronous=cfg.checkpoint.async_, keep=cfg.checkpoint.keep,
-                        events=events)
-
-
-def layout_record(trainer) -> dict:
-    return {**trainer.layout.describe(), "distributed_optimizer": trainer.sharded_optimizer}
+                        events=events, device=device)
 
 
 def save(trainer) -> None:
     """Checkpoint the trainer's state at its current step."""
-    state = trainer.state
-    manifest_state = {
-        "step": state.step,
-        "layout": layout_record(trainer),
-        "data": {"consumed_samples": state.consumed_samples},
-        "optimizer": {"adam_step": adam_step_count(trainer),
-                      "hyper": to_dict(trainer.cfg)["optimizer"]},
-        "lr_schedule": {"lr": lr_at(max(state.step, 1), trainer.cfg.optimizer,
-                                    trainer.cfg.train.steps),
-                        "total_steps": trainer.cfg.train.steps},
-        "recipe": to_dict(trainer.cfg),
-    }
-    watchdog = trainer.supervision.watchdog
-    if watchdog is not None:  # so a restart does not recalibrate from zero
-        manifest_state["watchdog"] = watchdog.calibration()
-    trainer.checkpointer.save(state.step, training_rects(trainer), manifest_state,
-                              rank_state=capture_rng_state())
+    trainer.checkpointer.save_training(trainer.checkpoint_state)
 
 
 def candidates(trainer) -> list[Path]:
@@ -107,22 +85,8 @@ def resume(trainer) -> None:
     if chosen is None:
         return
     path, manifest = chosen
-    if manifest.get("weights_only"):
-        raise fmt.CheckpointError(
-            f"{path} holds weights only (no optimizer state), so training cannot resume from "
-            "it exactly. Fix: convert it again without --weights-only, or start a new run from "
-            "it as initial weights (not supported yet).")
-    trainer.checkpointer.load(path, manifest, training_rects(trainer, include_copies=True))
-    set_adam_step_count(trainer, manifest["optimizer"]["adam_step"])
-    trainer.state.step = manifest["step"]
-    trainer.state.consumed_samples = manifest["data"]["consumed_samples"]
-    if trainer.supervision.watchdog is not None and "watchdog" in manifest:
-        trainer.supervision.watchdog.restore_calibration(manifest["watchdog"])
-    same_layout = manifest["layout"] == layout_record(trainer)
-    rank_states = manifest.get("rank_states") or []
-    if same_layout and len(rank_states) == trainer.layout.world_size:
-        # per-rank RNG streams only mean something on the same ranks
-        restore_rng_state(rank_states[trainer.layout.rank])
+    saved = trainer.checkpointer.load_training(path, manifest, trainer.checkpoint_state)
     if trainer.layout.rank == 0:
-        trainer.events.emit("checkpoint_loaded", step=manifest["step"], path=str(path),
-                            saved_layout=manifest["layout"], layout=layout_record(trainer))
+        trainer.events.emit("checkpoint_loaded", step=saved.step, path=str(path),
+                            saved_layout=saved.layout,
+                            layout=trainer.checkpoint_state.layout_record())

@@ -28,6 +28,7 @@ from megaresil.resilience.supervision import Supervision
 from megaresil.train import checkpointing
 from megaresil.train.metrics import MetricsLog
 from megaresil.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
+from megaresil.train.state import TrainerState
 
 
 @dataclass
@@ -98,7 +99,10 @@ class Trainer:
         self.state = TrainState()
         self.events = EventLog(self.run_dir, layout.rank)
         self.checkpointer = checkpointing.build_checkpointer(cfg, self.events,
-                                                             self.supervision.watchdog)
+                                                             self.supervision.watchdog,
+                                                             device=layout.device)
+        self.checkpoint_state = TrainerState(cfg, layout, self.chunks, self.optimizer, self.state,
+                                             self.supervision.watchdog)
         checkpointing.resume(self)
 
     def batches(self, dataset, consumed: int) -> list[tuple[torch.Tensor, ...]]:

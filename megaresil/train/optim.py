@@ -1,11 +1,15 @@
-"""AdamW, the warmup + cosine LR schedule, and global-norm gradient clipping."""
+"""AdamW, its state as a checkpoint holds it, the warmup + cosine LR
+schedule, and global-norm gradient clipping."""
 from __future__ import annotations
 
 import math
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from megaresil.checkpoint.sharded import HeldMoments, MomentsOf
 from megaresil.compat import foreach_mul_, foreach_norm
 from megaresil.config import OptimizerConfig
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
@@ -51,6 +55,74 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, layout: ParallelLayo
         return DistributedOptimizer(groups, cls, kwargs, group=layout.group("dp"),
                                     dp=layout.dp, dp_rank=layout.dp_rank)
     return cls(groups, **kwargs)
+
+
+def keeps_step_in_groups(optimizer: torch.optim.Optimizer) -> bool:
+    """Where an AdamW implementation used here counts its steps: torch's in
+    each parameter's state (`state[p]["step"]`), apex's FusedAdam in each
+    param group (`group["step"]`)."""
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return False
+    apex_adam = fused_adam_class()
+    if apex_adam is not None and isinstance(optimizer, apex_adam):
+        return True
+    raise TypeError(f"checkpointing does not know where {type(optimizer).__name__} keeps its "
+                    "step count; it knows torch's Adam/AdamW and apex's FusedAdam. Fix: teach "
+                    "train/optim.keeps_step_in_groups about it")
+
+
+class AdamState:
+    """The checkpoint's view of this run's AdamW (checkpoint.state.OptimizerState),
+    whichever implementation steps and wherever it counts steps: the moments
+    by parameter (under the distributed optimizer, this rank's row shard of
+    them) and one step count."""
+
+    def __init__(self, optimizer):
+        self.sharded = isinstance(optimizer, DistributedOptimizer)
+        self.inner: torch.optim.Optimizer = optimizer.inner if self.sharded else optimizer
+        self.shards = {id(s.param): s for s in optimizer.shards} if self.sharded else {}
+        self.step_in_groups = keeps_step_in_groups(self.inner)
+
+    def moments(self) -> MomentsOf:
+        self._ensure_state()
+        state = self.inner.state
+        if not self.sharded:
+            return lambda param: (state[param], None)
+
+        def row_shard(param: nn.Parameter) -> Optional[HeldMoments]:
+            shard = self.shards[id(param)]
+            return None if shard.stop <= shard.start else (state[shard.view], shard)
+
+        return row_shard
+
+    def _ensure_state(self) -> None:
+        """Zero state for every parameter that has none yet (both
+        implementations create it at their first step), so that a
+        checkpoint can be loaded into it."""
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                state = self.inner.state[p]
+                if state:
+                    continue
+                state.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                if not self.step_in_groups:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+
+    def step_count(self) -> int:
+        if self.step_in_groups:
+            counts = [group["step"] for group in self.inner.param_groups if "step" in group]
+        else:
+            counts = [state["step"] for state in self.inner.state.values() if "step" in state]
+        return int(counts[0]) if counts else 0
+
+    def set_step_count(self, steps: int) -> None:
+        if self.step_in_groups:
+            for group in self.inner.param_groups:
+                group["step"] = steps
+            return
+        self._ensure_state()
+        for state in self.inner.state.values():
+            state["step"].fill_(float(steps))
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:

@@ -30,6 +30,12 @@ class Written:
 
 class Backend(Protocol):
     name: str
+    # Whether one `write` call makes one file of all the rects it is given
+    # (torch_dist: a DCP save). An offline writer (offline.py) then hands it
+    # all of a checkpoint's rects at once, their data produced only as each
+    # is written; a backend that stores each rect on its own (zarr) gets one
+    # rect per call. Either way memory holds a read batch, not the checkpoint.
+    one_file_per_write: bool
 
     def prepare(self, directory: Path, layout_plan: dict[str, dict]) -> None:
         """Called on one rank before anyone writes; `layout_plan` maps each key

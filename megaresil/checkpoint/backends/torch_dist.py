@@ -127,6 +127,7 @@ def _own_errors():
 
 class TorchDistBackend:
     name = "torch_dist"
+    one_file_per_write = True
 
     def prepare(self, directory: Path, layout_plan: dict[str, dict]) -> None:
         with naming_write_errors(directory / "dcp"):

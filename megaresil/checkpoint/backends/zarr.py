@@ -53,6 +53,7 @@ def region(offset, shape) -> tuple[slice, ...]:
 
 class ZarrBackend:
     name = "zarr"
+    one_file_per_write = False
 
     def prepare(self, directory: Path, layout_plan: dict[str, dict]) -> None:
         with naming_write_errors(directory / "zarr"):

@@ -1,0 +1,65 @@
+"""The trainer's side of the checkpoint: its state as a
+`checkpoint.state.TrainingState`.
+
+The checkpoint sees the model chunks' parameters, the optimizer through
+`AdamState` (any AdamW implementation used here), the data position, this
+rank's RNG and the watchdog's calibration, and nothing else of the trainer.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Optional
+
+import torch.nn as nn
+
+from megaresil.checkpoint.state import RunState, layout_record
+from megaresil.config import RecipeConfig, to_dict
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.parallel.random import capture_rng_state, restore_rng_state
+from megaresil.train.optim import AdamState
+
+if TYPE_CHECKING:
+    from megaresil.resilience.watchdog import Watchdog
+    from megaresil.train.loop import TrainState
+
+# The RunState.extra field that carries the watchdog's calibration, so a
+# restart does not recalibrate from zero.
+WATCHDOG = "watchdog"
+
+
+class TrainerState:
+    """One rank's training state (implements checkpoint.state.TrainingState).
+    Holds the trainer's live objects: saving reads them, loading fills them."""
+
+    def __init__(self, cfg: RecipeConfig, layout: ParallelLayout, chunks: list[nn.Module],
+                 optimizer, position: TrainState, watchdog: Optional[Watchdog] = None):
+        self.cfg, self.layout, self.chunks = cfg, layout, chunks
+        self.model_config = cfg.model
+        self.optimizer = AdamState(optimizer)
+        self.position = position  # step and consumed samples, updated by the loop
+        self.watchdog = watchdog
+
+    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        for chunk in self.chunks:
+            yield from chunk.named_parameters()
+
+    def layout_record(self) -> dict:
+        return layout_record(self.layout, self.optimizer.sharded)
+
+    def run_state(self) -> RunState:
+        extra = {WATCHDOG: self.watchdog.calibration()} if self.watchdog is not None else {}
+        return RunState(step=self.position.step, layout=self.layout_record(),
+                        recipe=to_dict(self.cfg), consumed_samples=self.position.consumed_samples,
+                        optimizer_steps=self.optimizer.step_count(), extra=extra)
+
+    def rng_state(self) -> dict:
+        return capture_rng_state()
+
+    def restore(self, saved: RunState) -> None:
+        self.optimizer.set_step_count(saved.optimizer_steps)
+        self.position.step = saved.step
+        self.position.consumed_samples = saved.consumed_samples
+        if self.watchdog is not None and WATCHDOG in saved.extra:
+            self.watchdog.restore_calibration(saved.extra[WATCHDOG])
+        rng = saved.rank_state(self.layout_record(), self.layout.rank)
+        if rng is not None:
+            restore_rng_state(rng)
