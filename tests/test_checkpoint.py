@@ -80,8 +80,10 @@ def test_resume_is_bit_identical(exact, world, backend, asynchronous, distopt):
     events = [e["event"] for e in read_events(run)]
     assert events.count("checkpoint_saved") == 1 and "checkpoint_loaded" in events
     saved = next(e for e in read_events(run) if e["event"] == "checkpoint_saved")
-    if asynchronous:  # the loop waits for the staging copy, not for the write and commit
-        assert saved["blocking_seconds"] < saved["seconds"] / 2, saved
+    if asynchronous:  # the loop waits for the staging copy, never for the write and commit
+        # (how much less depends on the machine's load: the timed promise is
+        # test_blocking_seconds_is_what_the_loop_waits_for's, on slow storage)
+        assert saved["blocking_seconds"] < saved["seconds"], saved
     else:
         assert saved["blocking_seconds"] == saved["seconds"]
     assert len(saved["bytes_per_rank"]) == world and sum(saved["bytes_per_rank"]) == saved["bytes"]

@@ -1,9 +1,14 @@
 """Saving and loading the training state: writer assignment, the commit
 protocol, async saves, retention, verification and resharding loads.
 
-All checkpoint collectives run on a process group of their own, so an async
-save's background thread never interleaves its messages with the training
-loop's collectives.
+One thread, one process group: every checkpoint collective (planning,
+writing and committing a save, verifying and loading at start-up) runs on
+the checkpointer's own thread over a process group of its own, whether the
+save is asynchronous or not. The training thread never issues a collective
+on that group, and the save thread never on a training group, so no two
+threads can pair the wrong calls (they did: an async save's barrier met the
+loop's preemption all-reduce). The loop only waits for that thread, in short
+slices, so a hang abort can still reach it.
 
 The trainer is seen only through `TrainingState` (checkpoint/state.py).
 """
@@ -15,6 +20,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -179,6 +185,12 @@ class Checkpointer:
         self.pending: Optional[Future] = None
         self.staged: Optional[threading.Event] = None  # async: set once the staging copy is done
         self.report: Optional[SaveReport] = None  # async: of the save in flight
+        self.abandoned = False  # the job failed: the save in flight must not commit
+
+    def _on_own_thread(self, fn: Callable, *args):
+        """Run `fn` on the checkpointer's thread, the only one that issues
+        collectives on its group, and wait for its result."""
+        return wait_for(self.executor.submit(fn, *args))
 
     # --- saving ---------------------------------------------------------------
 
@@ -227,17 +239,21 @@ class Checkpointer:
         started = time.perf_counter()
         report = SaveReport(self.events)
         if not self.asynchronous:
-            mine = self._my_writes(rects)
-            # On the CPU a synchronous save writes straight from the live
-            # tensors (nothing changes them meanwhile); GPU tensors are copied.
-            on_cpu = all(r.tensor.device.type == "cpu" for r in mine)
-            self._write_and_commit(mine if on_cpu else self._stage(mine), state, rank_state,
-                                   started, report)
+            self._on_own_thread(self._save_now, rects, state, rank_state, started, report)
             return
         self.staged, self.report = threading.Event(), report
         self.pending = self.executor.submit(self._stage_write_commit, rects, state, rank_state,
                                             started, self.staged, report)
         report.loop_held(time.perf_counter() - started)
+
+    def _save_now(self, rects: list[Rect], state: RunState, rank_state: dict, started: float,
+                  report: SaveReport) -> None:
+        mine = self._my_writes(rects)
+        # On the CPU a synchronous save writes straight from the live tensors
+        # (nothing changes them meanwhile); GPU tensors are copied.
+        on_cpu = all(r.tensor.device.type == "cpu" for r in mine)
+        self._write_and_commit(mine if on_cpu else self._stage(mine), state, rank_state,
+                               started, report)
 
     def before_update(self) -> None:
         """Call before anything modifies the saved tensors (the optimizer step):
@@ -246,7 +262,7 @@ class Checkpointer:
         if self.staged is None:
             return
         with self.report.loop_waiting():
-            self.staged.wait()
+            wait_for(self.staged)
         self.staged = self.report = None
 
     def wait(self) -> None:
@@ -254,7 +270,7 @@ class Checkpointer:
         self.before_update()
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            pending.result()
+            wait_for(pending)
 
     def _stage_write_commit(self, rects: list[Rect], state: RunState, rank_state: dict,
                             started: float, staged: threading.Event, report: SaveReport) -> None:
@@ -279,7 +295,7 @@ class Checkpointer:
                     "location": done.locations[r.identity()]} for r in staged]
         done.durable()
         gathered = self.coll.gather((written, rank_state, done.note))
-        if self.coll.rank == 0:
+        if self.coll.rank == 0 and not self.abandoned:
             all_written, rank_states, notes = zip(*gathered)
             self.backend.finish(partial, list(notes))
             path = self._commit(name, partial, all_written,
@@ -320,14 +336,31 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
-        self.wait()
-        self.executor.shutdown()
+        if not self.abandoned:
+            self.wait()
+        self.executor.shutdown(wait=not self.abandoned)
+
+    def abandon(self) -> None:
+        """The job failed: do not wait for the save in flight (its peers may
+        be gone, its collectives then wait out their timeout on the save
+        thread) and do not let it commit; the newest committed checkpoint
+        stands, and its partial directory is cleaned at the next start."""
+        self.abandoned = True
+        self.pending = self.staged = self.report = None
+
+    def barrier(self) -> None:
+        """All ranks' checkpointers meet (start-up: after the partial saves
+        of a dead run are cleaned)."""
+        self._on_own_thread(self.coll.barrier)
 
     # --- loading ----------------------------------------------------------------
 
     def verify(self, directory: Path, manifest: dict) -> Optional[str]:
         """None when every shard is present with its checksum, else the reason.
         Ranks split the shards between them and agree on the verdict."""
+        return self._on_own_thread(self._verify, directory, manifest)
+
+    def _verify(self, directory: Path, manifest: dict) -> Optional[str]:
         shards = list(fmt.iter_shards(manifest))[self.coll.rank::self.coll.world]
         reason = verify_shards(get_backend(manifest["backend"]), directory, manifest, shards)
         reasons = self.coll.all_gather(reason)
@@ -337,6 +370,9 @@ class Checkpointer:
         """Fill `targets` (this rank's rects) from the checkpoint, after
         checking that its tensors are exactly those every rank together
         loads, at their shapes."""
+        self._on_own_thread(self._load, directory, manifest, targets)
+
+    def _load(self, directory: Path, manifest: dict, targets: list[Rect]) -> None:
         consumed = set().union(*self.coll.all_gather(sorted({t.key for t in targets})))
         check_shapes(manifest["tensors"], targets, consumed)
         get_backend(manifest["backend"]).read(directory, manifest, targets)
@@ -353,6 +389,21 @@ class Checkpointer:
         self.load(directory, manifest, training_rects(state, include_copies=True))
         state.restore(saved)
         return saved
+
+
+def wait_for(waitable: threading.Event | Future, slice_s: float = 0.1):
+    """Wait for an event or a future in short slices: a thread blocked in
+    one long C-level wait never runs bytecode, so an abort raised in it (the
+    watchdog's HangAbort) would never land."""
+    if isinstance(waitable, threading.Event):
+        while not waitable.wait(slice_s):
+            pass
+        return None
+    while True:
+        try:
+            return waitable.result(timeout=slice_s)
+        except FutureTimeout:
+            continue
 
 
 def tensor_table(all_written: list[list[dict]]) -> dict:

@@ -80,7 +80,7 @@ def resume(trainer) -> None:
         for name in removed:
             trainer.events.emit("checkpoint_skipped", path=str(trainer.checkpointer.root / name),
                                 reason="incomplete save removed at start-up")
-    trainer.checkpointer.coll.barrier()
+    trainer.checkpointer.barrier()
     chosen = choose(trainer)
     if chosen is None:
         return

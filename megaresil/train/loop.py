@@ -240,6 +240,9 @@ class Trainer:
                     self.save()
                 if step == t.exit_at_step:
                     return "exited"
+        except BaseException:
+            self.checkpointer.abandon()  # a failed job does not wait for its save
+            raise
         finally:
             self.close()
             if log:
