@@ -290,3 +290,17 @@ def test_a_relaunch_does_not_wait_out_the_preemption_grace(cli, tmp_path):
                       and e["kind"] == "relaunch")
     assert relaunched - killed < 30, relaunched - killed
     assert events[-1]["event"] == "run_finished"
+
+
+def test_a_relaunch_names_what_ended_the_previous_attempt(tmp_path):
+    from megaresil.events import EventLog
+    from megaresil.resilience.restart import last_failure
+
+    EventLog(tmp_path, 0).emit("worker_error", error="InjectedFault: old", lost_peer=False)
+    EventLog(tmp_path, 0).emit("restart", kind="relaunch")
+    assert last_failure(tmp_path) == "a worker process died"  # killed: nobody reported
+    EventLog(tmp_path, 0).emit("worker_error", error="RuntimeError: Connection closed",
+                               lost_peer=True)
+    assert last_failure(tmp_path) == "a worker process died (rank 0 lost its peer)"
+    EventLog(tmp_path, 1).emit("worker_error", error="InjectedFault: boom\nmore", lost_peer=False)
+    assert last_failure(tmp_path) == "rank 1: InjectedFault: boom"

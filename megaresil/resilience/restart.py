@@ -41,7 +41,7 @@ from megaresil.checkpoint.format import CheckpointError
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.compat import abort_process_groups, lost_peer_error
 from megaresil.config import ConfigError, RecipeConfig
-from megaresil.events import EventLog
+from megaresil.events import EventLog, read_events
 from megaresil.parallel.layout import backend_for
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.preemption import PreemptionFlag
@@ -102,6 +102,23 @@ class JobFailed(Exception):
     every rank; `run_failed` in events.jsonl says why). Under megaresil's
     own launcher workers then exit 0, so the agent does not relaunch them
     only to fail again; the launcher turns it into exit status 1."""
+
+
+def last_failure(run_dir: Path) -> str:
+    """What ended the previous attempt, from its events: a worker's own
+    error before a peer's report of losing it; a process that died by a
+    signal reports nothing."""
+    since_restart: list[dict] = []
+    for event in read_events(run_dir):
+        since_restart = [] if event["event"] == "restart" else since_restart + [event]
+    errors = [e for e in since_restart if e["event"] == "worker_error"]
+    hangs = [e for e in since_restart if e["event"] == "hang_detected"]
+    if hangs:
+        return f"hang on rank(s) {hangs[0].get('culprit_ranks')} in {hangs[0].get('section')}"
+    own = [e for e in errors if not e.get("lost_peer")] or errors
+    if own and not own[0].get("lost_peer"):
+        return f"rank {own[0].get('rank')}: {own[0].get('error', '').splitlines()[0][:300]}"
+    return "a worker process died" + (f" (rank {own[0].get('rank')} lost its peer)" if own else "")
 
 
 def workload(cfg: RecipeConfig) -> dict:
@@ -219,8 +236,8 @@ class WorkerLife:
         since = self.base_store.add(PROGRESS_ATTEMPT, 0)  # 0: no attempt stepped yet
         consecutive = attempt() - since
         if self.rank == 0:
-            self._count_restart("relaunch", "the worker group was relaunched by the launcher",
-                                attempt(), self.cfg.resilience.max_restarts)
+            self._count_restart("relaunch", last_failure(self.run_dir), attempt(),
+                                self.cfg.resilience.max_restarts)
         time.sleep(backoff_s(consecutive, self.cfg.resilience.restart_backoff_s))
 
     def _count_restart(self, kind: str, reason: str, number: int, limit: int) -> None:
