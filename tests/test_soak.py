@@ -108,3 +108,14 @@ def test_short_soak_recovers_every_fault_bit_equal(cli, tmp_path):
     assert report["bit_equal"] and report["final_step"] == report["steps"], report
     assert 0 < report["goodput"] < 1
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_a_corruption_always_has_an_older_checkpoint_to_fall_back_on():
+    from megaresil.resilience import soak
+
+    cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [])
+    for seed in range(6):
+        placed = soak.schedule(cfg, seed, steps=485, count=55)
+        corrupt = [f["step"] for e in placed for f in e["faults"]
+                   if f["kind"] == "corrupt_checkpoint"]
+        assert corrupt and min(corrupt) >= soak.CORRUPT_FROM, (seed, corrupt)

@@ -48,6 +48,8 @@ from megaresil.resilience.faults import fault_id
 CALIBRATION_STEPS = 6
 SAVE_INTERVAL = 5  # a save every 5 steps: a fault costs at most 5 recomputed steps
 KEEP = 3  # checkpoints kept: a corrupted newest one still has two to fall back on
+# A corruption needs an older checkpoint to fall back on: from the step before the third save.
+CORRUPT_FROM = 3 * SAVE_INTERVAL - 1
 SPACING = SAVE_INTERVAL + 3  # steps per episode: the fault, the reload, the recomputation
 GIL_TIMEOUT_S = 5.0  # the guardian's wait before it kills a rank that holds the GIL
 SLOW_S = 0.5  # a slow rank's extra seconds per step: about one step of the demo here
@@ -118,9 +120,12 @@ def _single(kind: str, **extra) -> Callable:
 
 
 def _corrupt_then_kill(rng, lo, hi, plan, restarts_before):
-    # Two steps past a save, so the newest checkpoint is committed (async)
-    # before it is corrupted; the kill then makes the restart read it.
-    step = rng.choice([s for s in range(lo, hi + 1) if s % SAVE_INTERVAL >= 2] or [hi])
+    # The step before a save, so the newest checkpoint is long committed
+    # (async) before it is corrupted, and never before a second checkpoint
+    # exists to fall back on (with none, refusing to start over is right);
+    # the kill then makes the restart read it.
+    step = rng.choice([s for s in range(max(lo, CORRUPT_FROM), hi + 1)
+                       if s % SAVE_INTERVAL == SAVE_INTERVAL - 1] or [max(hi, CORRUPT_FROM)])
     return [_fault(rng, plan, "corrupt_checkpoint", step, ["data"]),
             _fault(rng, plan, "kill", step, ["forward_backward", "optimizer"])]
 
@@ -230,10 +235,16 @@ def schedule(cfg: RecipeConfig, seed: int, steps: int, count: int) -> list[dict]
     eval_steps = ({steps} | set(range(t.eval_interval, steps + 1, t.eval_interval or steps + 1))
                   if t.eval_batches else set())
     plan = Plan(world=cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp, eval_steps=eval_steps)
+    slot_end = lambda i: min(last, first + i * width + width - SAVE_INTERVAL - 1)
+    for i in range(len(chosen)):  # a corruption too early for its fallback trades places
+        if chosen[i].name == "corrupt-then-kill" and slot_end(i) < CORRUPT_FROM:
+            later = [j for j in range(i + 1, len(chosen)) if chosen[j].name != chosen[i].name]
+            if later:
+                chosen[i], chosen[later[-1]] = chosen[later[-1]], chosen[i]
     placed, restarts = [], 0
     for i, episode in enumerate(chosen):
         lo = first + i * width
-        hi = min(last, lo + width - SAVE_INTERVAL - 1)  # room to recover before the next
+        hi = slot_end(i)  # room to recover before the next
         placed.append({"episode": episode.name,
                        "faults": episode.build(rng, lo, max(lo + 1, hi), plan, restarts)})
         restarts += episode.restarts
