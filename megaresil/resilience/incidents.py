@@ -65,6 +65,11 @@ FORMATS: dict[str, Callable[[dict], str]] = {
 }
 
 
+def is_abort(event: dict) -> bool:
+    """A worker_error that is only this rank being aborted by another's incident."""
+    return event.get("error", "").startswith("HangAbort")
+
+
 def describe(event: dict) -> Optional[str]:
     """The console line for an event, or None for routine ones."""
     fmt = FORMATS.get(event.get("event", ""))
@@ -113,7 +118,9 @@ class IncidentPrinter:
     def _show(self, event: dict) -> None:
         kind = event.get("event")
         if kind == "worker_error":
-            if self.errors_shown or event.get("fatal"):  # the launcher's last line says it
+            # An abort unwinding a rank is the consequence of an incident
+            # already shown; a fatal error is the launcher's last line.
+            if self.errors_shown or event.get("fatal") or is_abort(event):
                 return
             self.errors_shown = True
         elif kind == "hang_detected":

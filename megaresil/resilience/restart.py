@@ -44,6 +44,7 @@ from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import EventLog, read_events
 from megaresil.parallel.layout import backend_for
 from megaresil.resilience.faults import FaultInjector
+from megaresil.resilience.incidents import is_abort
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog import Watchdog, raise_in_thread
@@ -111,7 +112,7 @@ def last_failure(run_dir: Path) -> str:
     since_restart: list[dict] = []
     for event in read_events(run_dir):
         since_restart = [] if event["event"] == "restart" else since_restart + [event]
-    errors = [e for e in since_restart if e["event"] == "worker_error"]
+    errors = [e for e in since_restart if e["event"] == "worker_error" and not is_abort(e)]
     hangs = [e for e in since_restart if e["event"] == "hang_detected"]
     if hangs:
         return f"hang on rank(s) {hangs[0].get('culprit_ranks')} in {hangs[0].get('section')}"
