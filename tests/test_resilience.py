@@ -184,9 +184,10 @@ def test_incidents_are_one_line_each(tmp_path):
     log.emit("checkpoint_saved", step=2)  # before the launch: not shown
     printer = IncidentPrinter(tmp_path, out)
     log.emit("worker_error", error="InjectedFault: boom\nmore", section="data", lost_peer=False)
-    EventLog(tmp_path, rank=0).emit("worker_error", error="HangAbort", section="data")
+    EventLog(tmp_path, rank=0).emit("worker_error", error="HangAbort: ", section="data")
     EventLog(tmp_path, rank=0).emit("restart", kind="in_process", from_step=2, attempt=1,
                                     max_attempts=3, reason="rank 1: InjectedFault: boom")
+    EventLog(tmp_path, rank=2).emit("worker_error", error="HangAbort: ", section="data")
     log.emit("checkpoint_skipped", path="ckpt/step_0000004", reason="checksum mismatch")
     printer.print_new()
     assert out.getvalue().splitlines() == [
@@ -304,3 +305,6 @@ def test_a_relaunch_names_what_ended_the_previous_attempt(tmp_path):
     assert last_failure(tmp_path) == "a worker process died (rank 0 lost its peer)"
     EventLog(tmp_path, 1).emit("worker_error", error="InjectedFault: boom\nmore", lost_peer=False)
     assert last_failure(tmp_path) == "rank 1: InjectedFault: boom"
+    EventLog(tmp_path, 2).emit("restart", kind="in_process")
+    EventLog(tmp_path, 2).emit("worker_error", error="HangAbort: ", lost_peer=False)
+    assert last_failure(tmp_path) == "a worker process died"  # aborted by it, not its cause
