@@ -119,3 +119,18 @@ def test_a_corruption_always_has_an_older_checkpoint_to_fall_back_on():
         corrupt = [f["step"] for e in placed for f in e["faults"]
                    if f["kind"] == "corrupt_checkpoint"]
         assert corrupt and min(corrupt) >= soak.CORRUPT_FROM, (seed, corrupt)
+
+
+def test_faults_meant_for_a_save_meet_one():
+    from megaresil.resilience import soak
+
+    cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [])
+    for steps, count in ((224, 27), (485, 55), (60, 5)):
+        for seed in range(4):
+            for episode in soak.schedule(cfg, seed, steps=steps, count=count):
+                for f in episode["faults"]:
+                    if f.get("section") == "checkpoint" and f["kind"] != "sigterm":
+                        saves = f["step"] % soak.SAVE_INTERVAL == 0
+                        preempted = any(g["kind"] == "sigterm" and g["step"] == f["step"]
+                                        for g in episode["faults"])
+                        assert saves or preempted, (steps, seed, episode)

@@ -119,19 +119,27 @@ def _single(kind: str, **extra) -> Callable:
     return build
 
 
+def steps_at_phase(lo: int, hi: int, phase: int) -> list[int]:
+    """Steps in [lo, hi] that lie `phase` steps past a save; when the slot
+    holds none, the first one after lo (a fault meant for a save must meet
+    one: a kill in the checkpoint section of a step that saves nothing never
+    fires)."""
+    found = [s for s in range(lo, hi + 1) if s % SAVE_INTERVAL == phase]
+    return found or [lo + (phase - lo) % SAVE_INTERVAL]
+
+
 def _corrupt_then_kill(rng, lo, hi, plan, restarts_before):
     # The step before a save, so the newest checkpoint is long committed
     # (async) before it is corrupted, and never before a second checkpoint
     # exists to fall back on (with none, refusing to start over is right);
     # the kill then makes the restart read it.
-    step = rng.choice([s for s in range(max(lo, CORRUPT_FROM), hi + 1)
-                       if s % SAVE_INTERVAL == SAVE_INTERVAL - 1] or [max(hi, CORRUPT_FROM)])
+    step = rng.choice(steps_at_phase(max(lo, CORRUPT_FROM), hi, SAVE_INTERVAL - 1))
     return [_fault(rng, plan, "corrupt_checkpoint", step, ["data"]),
             _fault(rng, plan, "kill", step, ["forward_backward", "optimizer"])]
 
 
 def _during_save(rng, lo, hi, plan, restarts_before):
-    step = rng.choice([s for s in range(lo, hi + 1) if s % SAVE_INTERVAL == 0] or [hi])
+    step = rng.choice(steps_at_phase(lo, hi, 0))
     return [_fault(rng, plan, rng.choice(["kill", "raise"]), step, ["checkpoint"])]
 
 
