@@ -181,8 +181,7 @@ def trainer_job(cfg: RecipeConfig, device: torch.device):
 def worker(recipe: str, overrides: list[str]) -> str:
     """One rank: build the process group, train with restarts, report how it ended."""
     from megaresil.parallel.layout import pick_device
-    from megaresil.resilience.restart import JobFailed, run_worker
-    from megaresil.resilience.watchdog import NCCL_WORKER_ENV, HangAbort
+    from megaresil.resilience.watchdog import NCCL_WORKER_ENV
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cfg = adapt_to_world(load_recipe(recipe, overrides), world)
@@ -191,9 +190,16 @@ def worker(recipe: str, overrides: list[str]) -> str:
         torch.cuda.set_device(device)
         if cfg.resilience.in_process:  # TorchElastic's 1 would kill the process on an NCCL error
             os.environ.update(NCCL_WORKER_ENV)
+    with held_by_worker(Path(cfg.run.dir), rank):  # refused: the error goes to the console
+        return _train_as_worker(cfg, rank, world, device)
+
+
+def _train_as_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device) -> str:
+    from megaresil.resilience.restart import JobFailed, run_worker
+    from megaresil.resilience.watchdog import HangAbort
+
     try:
-        with held_by_worker(Path(cfg.run.dir), rank):
-            return run_worker(cfg, rank, world, device, trainer_job(cfg, device))
+        return run_worker(cfg, rank, world, device, trainer_job(cfg, device))
     except JobFailed:
         if HELD_ENV not in os.environ:
             raise  # not under megaresil's launcher: the exit status must say it

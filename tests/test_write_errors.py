@@ -19,7 +19,10 @@ import torch
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.backends import get_backend
 from megaresil.checkpoint.manager import Checkpointer, verify_shards
+from megaresil.checkpoint.planning import recipe_layout
 from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.state import RunState
+from megaresil.config import RecipeConfig, to_dict
 
 BACKENDS = ["torch_dist", "zarr"]
 ELEMENTS = 300_000  # 1.2 MB of float32: over both limits below
@@ -33,11 +36,15 @@ class NoEvents:
 
 
 def checkpointer(root: Path, backend: str) -> Checkpointer:
-    return Checkpointer(root, backend, group=None, asynchronous=False, keep=3, events=NoEvents())
+    return Checkpointer(root, backend, group=None, asynchronous=False, keep=3, events=NoEvents(),
+                        device=torch.device("cpu"))
 
 
 def save(ckpt: Checkpointer, step: int, tensor: torch.Tensor) -> None:
-    ckpt.save(step, [Rect("w", (ELEMENTS,), (0,), tensor)], {"step": step}, {})
+    cfg = RecipeConfig()
+    state = RunState(step=step, layout=recipe_layout(cfg), recipe=to_dict(cfg),
+                     consumed_samples=0, optimizer_steps=step)
+    ckpt.save([Rect("w", (ELEMENTS,), (0,), tensor)], state, {})
 
 
 def assert_previous_checkpoint_valid(root: Path, step: int) -> None:

@@ -43,7 +43,7 @@ class Scenario:
 
 def scenarios(rank: int, step: int, save_step: int) -> dict[str, Scenario]:
     in_process = ["resilience.in_process=true"]
-    relaunch = ["resilience.max_restarts=2"]
+    relaunch = ["resilience.in_process=false", "resilience.max_restarts=2"]
     return {s.name: s for s in [
         Scenario("kill-rank", [{"kind": "kill", "rank": rank, "step": step}], relaunch),
         Scenario("raise-in-rank", [{"kind": "raise", "rank": rank, "step": step}], in_process),
