@@ -35,18 +35,29 @@ from megaresil.checkpoint.state import RunState, TrainingState, training_rects
 
 class Collectives:
     """The few collectives checkpointing needs, degrading to no-ops in a
-    single process without a process group."""
+    single process without a process group. Each is issued on the group's
+    owning thread (`owner`, a one-thread executor): a caller on another
+    thread hands it over and waits. Only the collective hops: the reading,
+    writing and allocating stay on the caller's thread (a new thread's
+    allocations land in a new malloc arena, which in-process restarts would
+    pile up)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup]):
-        self.group = group
+    def __init__(self, group: Optional[dist.ProcessGroup],
+                 owner: Optional[ThreadPoolExecutor] = None):
+        self.group, self.owner = group, owner
         self.rank = dist.get_rank() if group is not None else 0
         self.world = dist.get_world_size() if group is not None else 1
+
+    def _on_owner(self, fn: Callable, *args):
+        if self.owner is None or getattr(_thread_role, "owns_checkpoint_group", False):
+            return fn(*args)
+        return wait_for(self.owner.submit(fn, *args))
 
     def all_gather(self, obj) -> list:
         if self.group is None:
             return [obj]
         out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
+        self._on_owner(lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
     def gather(self, obj) -> Optional[list]:
@@ -54,12 +65,12 @@ class Collectives:
         if self.group is None:
             return [obj]
         out = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, group=self.group, group_dst=0)
+        self._on_owner(lambda: dist.gather_object(obj, out, group=self.group, group_dst=0))
         return out
 
     def barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            self._on_owner(lambda: dist.barrier(group=self.group))
 
     def any(self, flag: bool) -> bool:
         if self.group is None:
@@ -114,6 +125,16 @@ def commit(partial: Path, final: Path, manifest: dict, make_room: Callable[[Path
     fmt.fsync_tree(partial, only=set())  # directories only: file data is already durable
     move_into_place(partial, final, make_room)
     fmt.write_text_atomic(final / fmt.MARKER, "ok\n")
+
+
+_thread_role = threading.local()
+
+
+def save_thread_setup(device: torch.device) -> None:
+    """First thing on the checkpointer's thread: it owns the checkpoint
+    group, and works on the trainer's device."""
+    _thread_role.owns_checkpoint_group = True
+    use_device(device)
 
 
 def use_device(device: torch.device) -> None:
@@ -174,23 +195,19 @@ class Checkpointer:
     def __init__(self, root: Path, backend: str, *, group: Optional[dist.ProcessGroup],
                  asynchronous: bool, keep: int, events, device: torch.device):
         self.root = root
-        self.coll = Collectives(group)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save",
+                                           initializer=save_thread_setup, initargs=(device,))
+        self.coll = Collectives(group, self.executor)
         self.backend: Backend = get_backend(backend)
         self.asynchronous, self.keep, self.events = asynchronous, keep, events
         self.device = device  # of the training state; the save thread works on it
         self.writers: Optional[dict[tuple, int]] = None
         self.layout_plan: Optional[dict[str, dict]] = None  # of the written rects, every rank's
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save",
-                                           initializer=use_device, initargs=(device,))
         self.pending: Optional[Future] = None
         self.staged: Optional[threading.Event] = None  # async: set once the staging copy is done
         self.report: Optional[SaveReport] = None  # async: of the save in flight
         self.abandoned = False  # the job failed: the save in flight must not commit
 
-    def _on_own_thread(self, fn: Callable, *args):
-        """Run `fn` on the checkpointer's thread, the only one that issues
-        collectives on its group, and wait for its result."""
-        return wait_for(self.executor.submit(fn, *args))
 
     # --- saving ---------------------------------------------------------------
 
@@ -239,7 +256,7 @@ class Checkpointer:
         started = time.perf_counter()
         report = SaveReport(self.events)
         if not self.asynchronous:
-            self._on_own_thread(self._save_now, rects, state, rank_state, started, report)
+            self._save_now(rects, state, rank_state, started, report)
             return
         self.staged, self.report = threading.Event(), report
         self.pending = self.executor.submit(self._stage_write_commit, rects, state, rank_state,
@@ -351,16 +368,13 @@ class Checkpointer:
     def barrier(self) -> None:
         """All ranks' checkpointers meet (start-up: after the partial saves
         of a dead run are cleaned)."""
-        self._on_own_thread(self.coll.barrier)
+        self.coll.barrier()
 
     # --- loading ----------------------------------------------------------------
 
     def verify(self, directory: Path, manifest: dict) -> Optional[str]:
         """None when every shard is present with its checksum, else the reason.
         Ranks split the shards between them and agree on the verdict."""
-        return self._on_own_thread(self._verify, directory, manifest)
-
-    def _verify(self, directory: Path, manifest: dict) -> Optional[str]:
         shards = list(fmt.iter_shards(manifest))[self.coll.rank::self.coll.world]
         reason = verify_shards(get_backend(manifest["backend"]), directory, manifest, shards)
         reasons = self.coll.all_gather(reason)
@@ -370,9 +384,6 @@ class Checkpointer:
         """Fill `targets` (this rank's rects) from the checkpoint, after
         checking that its tensors are exactly those every rank together
         loads, at their shapes."""
-        self._on_own_thread(self._load, directory, manifest, targets)
-
-    def _load(self, directory: Path, manifest: dict, targets: list[Rect]) -> None:
         consumed = set().union(*self.coll.all_gather(sorted({t.key for t in targets})))
         check_shapes(manifest["tensors"], targets, consumed)
         get_backend(manifest["backend"]).read(directory, manifest, targets)
