@@ -19,7 +19,7 @@ EPILOG = """examples:
   megaresil train recipes/gpt-tiny.yaml run.dir=runs/demo
   megaresil train recipes/gpt-tiny.yaml train.steps=20 model.num_layers=2
   megaresil config docs
-  megaresil data prepare --source shakespeare --output data/shakespeare
+  megaresil data prepare --input corpus.jsonl --json-key text --output data/corpus
 """
 
 
@@ -50,7 +50,8 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from megaresil.data.prepare import prepare_main
 
-    prepare_main(args.source, args.output, args.tokenizer, args.vocab_size, args.valid_fraction)
+    prepare_main(args.input, args.output, args.tokenizer, json_key=args.json_key,
+                 workers=args.workers, vocab_size=args.vocab_size)
     return 0
 
 
@@ -281,15 +282,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="prepare datasets")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    prepare = data_sub.add_parser("prepare", help="tokenize a corpus into Megatron's indexed "
-                                  "format (PREFIX.bin/.idx and PREFIX_valid.bin/.idx)")
-    prepare.add_argument("--source", required=True,
-                         help="'shakespeare', 'kjv' or a path to a UTF-8 .txt file")
+    prepare = data_sub.add_parser(
+        "prepare", help="tokenize text or JSON Lines files into one Megatron indexed dataset "
+        "(PREFIX.bin/.idx), streaming, in parallel worker processes",
+        description="Every document is followed by the tokenizer's end-of-document token. "
+        "Training splits the result into train/valid/test by data.split.")
+    prepare.add_argument("--input", "--source", dest="input", nargs="+", required=True,
+                         metavar="FILE", help="text files (documents separated by two blank "
+                         "lines), JSON Lines files (.jsonl/.json, or any with --json-key), or "
+                         "the corpus names shakespeare/kjv; read in the order given")
     prepare.add_argument("--output", required=True, help="output prefix")
-    prepare.add_argument("--tokenizer", default="bpe", choices=["bpe", "gpt2", "byte"])
+    prepare.add_argument("--json-key", help="field of each JSON line that holds the text "
+                         "(default for .jsonl/.json files: text)")
+    prepare.add_argument("--tokenizer", default="bpe",
+                         help="bpe (trained on the input, saved as PREFIX_tokenizer.json), gpt2, "
+                         "byte, or a Hugging Face tokenizer.json or model directory")
     prepare.add_argument("--vocab-size", type=int, default=4096,
                          help="vocabulary of the trained BPE tokenizer")
-    prepare.add_argument("--valid-fraction", type=float, default=0.02)
+    prepare.add_argument("--workers", type=int, help="tokenizer processes (default: the CPU "
+                         "count, at most 8)")
     prepare.set_defaults(func=cmd_data_prepare)
     return parser
 

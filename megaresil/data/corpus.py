@@ -5,30 +5,50 @@ Sources (`data.source`):
                document per play, in sorted path order, Markdown stripped.
   kjv          Debian's King James Bible (apt-get install bible-kjv), one
                document per book, one verse per line.
-  PATH         a UTF-8 .txt file; documents are separated by two or more
+  PATH         a UTF-8 text file; documents are separated by two or more
                consecutive blank lines, so a file without them is one document.
+  PATH.jsonl   JSON Lines (also .json, or any file read with a json_key): one
+               object per line, its `json_key` field ("text") is a document.
+
+Files are read as streams: `iter_documents` never holds more than one
+document, so `megaresil data prepare` runs in bounded memory.
 """
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Iterator
 
 from megaresil.config import ConfigError
 
-_DOCUMENT_BREAK = re.compile(r"\n[ \t]*\n(?:[ \t]*\n)+")
+JSON_SUFFIXES = (".jsonl", ".json")
 _KJV_VERSE = re.compile(r"^(\d?[A-Za-z]+)\d+:\d+ (.*)$")
 
 
 def corpus_documents(source: str) -> list[str]:
+    documents = list(iter_documents(source))
+    if not documents:
+        raise ConfigError("data.source", f"{source} holds no text.",
+                          "point it at a non-empty file.")
+    return documents
+
+
+def iter_documents(source: str, json_key: str | None = None) -> Iterator[str]:
+    """The documents of a named corpus or a file, one at a time. A file is JSON
+    Lines when `json_key` is given or its name ends in .jsonl/.json."""
     if source == "shakespeare":
-        return shakespeare_documents()
+        return iter(shakespeare_documents())
     if source == "kjv":
-        return kjv_documents()
-    return text_file_documents(Path(source))
+        return iter(kjv_documents())
+    path = checked_text_file(Path(source))
+    if json_key is not None or path.suffix in JSON_SUFFIXES:
+        return json_lines_documents(path, json_key or "text")
+    return text_file_documents(path)
 
 
 def corpus_fingerprint(source: str) -> str:
@@ -109,13 +129,50 @@ def checked_text_file(path: Path) -> Path:
     return path
 
 
-def text_file_documents(path: Path) -> list[str]:
-    try:
-        text = checked_text_file(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError("data.source", f"{path} is not UTF-8 ({err.reason} at byte "
-                          f"{err.start}).", "convert it, e.g. iconv -t UTF-8.") from None
-    documents = [doc.strip() + "\n" for doc in _DOCUMENT_BREAK.split(text) if doc.strip()]
-    if not documents:
-        raise ConfigError("data.source", f"{path} holds no text.", "point it at a non-empty file.")
-    return documents
+def text_file_documents(path: Path) -> Iterator[str]:
+    """Documents separated by two or more blank lines, each stripped and ended
+    with one newline; read line by line."""
+    lines: list[str] = []
+    blank_run = 0
+    for line in _utf8_lines(path):
+        if not line.strip(" \t\n"):
+            blank_run += 1
+        elif blank_run >= 2:
+            yield from _stripped_document(lines)
+            lines, blank_run = [], 0
+        else:
+            blank_run = 0
+        lines.append(line)
+    yield from _stripped_document(lines)
+
+
+def _stripped_document(lines: list[str]) -> Iterator[str]:
+    text = "".join(lines).strip()
+    if text:
+        yield text + "\n"
+
+
+def json_lines_documents(path: Path, key: str) -> Iterator[str]:
+    """The `key` field of each JSON object, one per line (blank lines skipped)."""
+    for number, line in enumerate(_utf8_lines(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError("data.source", f"{path}:{number} is not JSON ({err.msg}).",
+                              "give one JSON object per line (JSON Lines).") from None
+        text = record.get(key) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise ConfigError("data.source", f"{path}:{number} has no string field {key!r}.",
+                              "name the field that holds the text with --json-key.")
+        yield text
+
+
+def _utf8_lines(path: Path) -> Iterator[str]:
+    with open(path, encoding="utf-8") as handle:
+        try:
+            yield from handle
+        except UnicodeDecodeError as err:
+            raise ConfigError("data.source", f"{path} is not UTF-8 ({err.reason}).",
+                              "convert it, e.g. iconv -t UTF-8.") from None

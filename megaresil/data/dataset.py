@@ -3,48 +3,60 @@ sample i of a corpus with n samples per epoch is sample i % n of epoch i // n,
 so resuming needs only the number of samples consumed."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from megaresil.data.index_cache import ShuffleIndex
 from megaresil.data.indexed import IndexedDataset
 
 
 class GPTDataset:
-    """Fixed-length windows of the token stream of an indexed dataset.
+    """Fixed-length windows of a run of tokens of an indexed dataset.
 
-    The stream is every token of the .bin in order (prepare separates
-    documents with eod). Window j covers tokens [j*T, j*T + T + 1); epoch e
-    visits the windows in the order of a permutation seeded by (seed, e).
+    The run is `tokens` = [start, end) of the .bin's token stream (default:
+    all of it; a train/valid split is a document range). Window j covers
+    [start + j*T, start + j*T + T + 1); epoch e visits the windows in the
+    order of a permutation seeded by (seed, e), built once and memory-mapped
+    from `index_dir` (default: a .megaresil-index directory beside the data).
+    When `vocab_size` is given, a sample holding a larger id is refused.
     """
 
-    def __init__(self, indexed: IndexedDataset, seq_len: int, seed: int):
+    def __init__(self, indexed: IndexedDataset, seq_len: int, seed: int, *,
+                 tokens: tuple[int, int] | None = None, index_dir: str | Path | None = None,
+                 vocab_size: int | None = None, name: str | None = None):
         self.indexed = indexed  # not its token memmap: the dataset pickles by path
         self.seq_len = seq_len
-        self.seed = seed
-        self.samples_per_epoch = (indexed.num_tokens - 1) // seq_len
+        self.vocab_size = vocab_size
+        self.start, self.end = tokens if tokens is not None else (0, indexed.num_tokens)
+        self.name = name or indexed.prefix
+        self.samples_per_epoch = (self.end - self.start - 1) // seq_len
         if self.samples_per_epoch < 1:
-            raise ValueError(f"data.seq_len: {indexed.prefix} holds {indexed.num_tokens} tokens, "
+            raise ValueError(f"data.seq_len: {self.name} holds {self.end - self.start} tokens, "
                              f"fewer than one sample of seq_len+1 = {seq_len + 1}. "
-                             "Fix: lower data.seq_len or use a larger corpus.")
-        self._permutations: dict[int, np.ndarray] = {}
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch not in self._permutations:
-            # Two entries cover a global batch that straddles an epoch boundary.
-            if len(self._permutations) >= 2:
-                self._permutations.pop(min(self._permutations))
-            rng = np.random.default_rng([self.seed, epoch])
-            self._permutations[epoch] = rng.permutation(self.samples_per_epoch)
-        return self._permutations[epoch]
+                             "Fix: lower data.seq_len or give it more data.")
+        directory = index_dir or Path(indexed.prefix).parent / ".megaresil-index"
+        self.shuffle = ShuffleIndex(directory, self.samples_per_epoch, seed)
+        self.shuffle.epoch(0)  # at start-up, not inside the first step's time budget
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if index < 0:
             raise IndexError(f"sample index {index} is negative.")
         epoch, k = divmod(int(index), self.samples_per_epoch)
-        start = int(self._permutation(epoch)[k]) * self.seq_len
+        start = self.start + int(self.shuffle.epoch(epoch)[k]) * self.seq_len
         tokens = self.indexed.tokens()[start:start + self.seq_len + 1]
+        self._check_vocab(tokens)
         window = torch.from_numpy(tokens.astype(np.int64))
         return window[:-1], window[1:]
+
+    def _check_vocab(self, tokens: np.ndarray) -> None:
+        # Checked per sample instead of scanning the corpus at start: an id past
+        # the vocabulary would be silently dropped by a vocab-parallel embedding.
+        if self.vocab_size is not None and int(tokens.max()) >= self.vocab_size:
+            raise ValueError(f"model.vocab_size: {self.name} holds token id {int(tokens.max())}, "
+                             f"not below model.vocab_size={self.vocab_size}. Fix: set "
+                             "model.vocab_size to the data's tokenizer vocabulary (or larger).")
 
 
 class SyntheticDataset:

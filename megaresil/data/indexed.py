@@ -20,6 +20,7 @@ splitting.
 """
 from __future__ import annotations
 
+import array
 import os
 import struct
 from pathlib import Path
@@ -65,12 +66,12 @@ class IndexedDatasetWriter:
         self.prefix = str(prefix)
         self._suffix = f".tmp{os.getpid()}"
         self._bin = open(bin_path(self.prefix) + self._suffix, "wb")
-        self._lengths: list[int] = []
+        self._lengths = array.array("q")  # 8 bytes a document, not a Python int each
 
     def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
-        array = self._checked_array(tokens)
-        self._bin.write(array.tobytes(order="C"))
-        self._lengths.append(array.size)
+        ids = self._checked_array(tokens)
+        self._bin.write(ids.tobytes(order="C"))
+        self._lengths.append(ids.size)
 
     def _checked_array(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         array = np.asarray(tokens)
@@ -90,7 +91,7 @@ class IndexedDatasetWriter:
         os.replace(idx_path(self.prefix) + self._suffix, idx_path(self.prefix))
 
     def _index_bytes(self) -> bytes:
-        lengths = np.array(self._lengths, dtype=np.int32)
+        lengths = np.frombuffer(self._lengths, dtype=np.int64).astype(np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(self.dtype).itemsize, out=pointers[1:])
         documents = np.arange(len(lengths) + 1, dtype=np.int64)
@@ -164,6 +165,16 @@ class IndexedDataset:
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
+
+    def document_tokens(self, first: int, last: int) -> tuple[int, int]:
+        """[start, end) in the token stream of documents [first, last)."""
+        return self._sequence_start(int(self.document_indices[first])), \
+            self._sequence_start(int(self.document_indices[last]))
+
+    def _sequence_start(self, sequence: int) -> int:
+        if sequence == len(self.sequence_pointers):
+            return self.num_tokens
+        return int(self.sequence_pointers[sequence]) // np.dtype(self.dtype).itemsize
 
     def tokens(self) -> np.ndarray:
         """All tokens of the .bin in order, as one flat memmap."""

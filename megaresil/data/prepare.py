@@ -1,30 +1,39 @@
-"""Turn a corpus into Megatron indexed datasets (train + valid) and a tokenizer.
+"""Turn corpora into Megatron indexed datasets.
 
-`prepare_dataset` caches the result under `data.cache_dir`, keyed by what
-determines it, and is safe to call from many processes at once: one builds
-(under a file lock, into a temporary directory renamed into place), the
-others wait and reuse. Each document is tokenized and followed by eod, as
-Megatron's preprocess_data.py --append-eod does.
+`prepare_main` (`megaresil data prepare`) streams text or JSON Lines files
+through tokenizer worker processes into one PREFIX.bin/.idx, in bounded
+memory; training splits it into train/valid (data.split). `prepare_dataset`
+turns a recipe's named corpus (shakespeare, kjv, a file) into train and valid
+datasets cached under `data.cache_dir`, keyed by what determines them, and is
+safe to call from many processes at once: one builds (under a file lock, into
+a temporary directory renamed into place), the others wait and reuse. Each
+document is tokenized and followed by eod, as Megatron's preprocess_data.py
+--append-eod does.
 """
 from __future__ import annotations
 
-import fcntl
+import collections
 import hashlib
+import itertools
 import json
+import multiprocessing
 import os
 import re
 import shutil
-from contextlib import contextmanager
+import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from megaresil.config import ConfigError, DataConfig
-from megaresil.data.corpus import corpus_documents, corpus_fingerprint
-from megaresil.data.indexed import IndexedDataset, IndexedDatasetWriter, dtype_for_vocab, exists
-from megaresil.data.tokenizer import Tokenizer, build_tokenizer
+from megaresil.data.corpus import corpus_documents, corpus_fingerprint, iter_documents
+from megaresil.data.filelock import exclusive_lock
+from megaresil.data.indexed import IndexedDatasetWriter, dtype_for_vocab
+from megaresil.data.tokenizer import BUILTIN, Tokenizer, build_tokenizer
 
 # Bump when corpus cleaning or the file layout changes, so old caches are not reused.
 CACHE_FORMAT = 1
@@ -61,13 +70,13 @@ def prepare_dataset(data_cfg: DataConfig, vocab_size_limit: int | None = None) -
     if data_cfg.source == "synthetic":
         raise ValueError("data.source: 'synthetic' data is generated, not prepared.")
     if data_cfg.source == "indexed":
-        return existing_indexed(data_cfg.path)
+        raise ValueError("data.source: 'indexed' data is read as it is, not prepared.")
     _check_valid_fraction(data_cfg.valid_fraction)
     bpe_vocab = _bpe_vocab_size(data_cfg.tokenizer, vocab_size_limit)
     cache_dir = Path(data_cfg.cache_dir).resolve()
     target = cache_dir / _cache_name(data_cfg, bpe_vocab)
     if not (target / _META).is_file():
-        with _exclusive_lock(cache_dir / f"{target.name}.lock"):
+        with exclusive_lock(cache_dir / f"{target.name}.lock", "data.cache_dir"):
             if not (target / _META).is_file():  # another process may have built it meanwhile
                 _build_cache_entry(target, data_cfg, bpe_vocab)
     return _read_cache_entry(target)
@@ -89,23 +98,17 @@ def _bpe_vocab_size(tokenizer: str, vocab_size_limit: int | None) -> int | None:
 
 
 def _cache_name(data_cfg: DataConfig, bpe_vocab: int | None) -> str:
+    tokenizer = data_cfg.tokenizer
+    if tokenizer not in BUILTIN:  # a Hugging Face tokenizer: its file's identity
+        tokenizer = corpus_fingerprint(tokenizer if Path(tokenizer).is_file()
+                                       else str(Path(tokenizer) / "tokenizer.json"))
     key = json.dumps({"format": CACHE_FORMAT, "corpus": corpus_fingerprint(data_cfg.source),
-                      "tokenizer": data_cfg.tokenizer, "vocab_size": bpe_vocab,
+                      "tokenizer": tokenizer, "vocab_size": bpe_vocab,
                       "valid_fraction": data_cfg.valid_fraction}, sort_keys=True)
     label = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(data_cfg.source).stem)
+    kind = data_cfg.tokenizer if data_cfg.tokenizer in BUILTIN else "hf"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return f"{label}-{data_cfg.tokenizer}{bpe_vocab or ''}-{digest}"
-
-
-@contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return f"{label}-{kind}{bpe_vocab or ''}-{digest}"
 
 
 def _build_cache_entry(target: Path, data_cfg: DataConfig, bpe_vocab: int | None) -> None:
@@ -132,27 +135,6 @@ def _read_cache_entry(target: Path) -> PreparedData:
                         tokenizer_path=str(tokenizer) if tokenizer.is_file() else None,
                         vocab_size=meta["vocab_size"], eod_id=meta["eod_id"],
                         train_tokens=meta["train_tokens"], valid_tokens=meta["valid_tokens"])
-
-
-def existing_indexed(prefix: str | None) -> PreparedData:
-    """An already prepared dataset: PREFIX, validated on PREFIX_valid when present
-    (else on PREFIX itself). Its vocabulary size is the largest token id + 1."""
-    if not prefix or not exists(prefix):
-        raise ConfigError("data.path", f"no indexed dataset {prefix}.bin/.idx.",
-                          "give the prefix of a prepared dataset "
-                          "(create one with `megaresil data prepare`).")
-    valid_prefix = f"{prefix}_valid" if exists(f"{prefix}_valid") else prefix
-    train, valid = IndexedDataset(prefix), IndexedDataset(valid_prefix)
-    tokenizer = Path(f"{prefix}_tokenizer.json")
-    return PreparedData(train_prefix=prefix, valid_prefix=valid_prefix,
-                        tokenizer_path=str(tokenizer) if tokenizer.is_file() else None,
-                        vocab_size=max(_max_token(train), _max_token(valid)) + 1, eod_id=None,
-                        train_tokens=train.num_tokens, valid_tokens=valid.num_tokens)
-
-
-def _max_token(indexed: IndexedDataset) -> int:
-    tokens = indexed.tokens()
-    return int(np.max(tokens)) if len(tokens) else -1
 
 
 def split_train_valid(documents: list[str], valid_fraction: float) -> tuple[list[str], list[str]]:
@@ -188,33 +170,143 @@ def _prepare_files(documents: list[str], tokenizer_kind: str, vocab_size: int | 
 
 
 def _write_indexed(prefix: Path | str, documents: list[str], tokenizer: Tokenizer) -> int:
-    tokens = 0
-    with IndexedDatasetWriter(prefix, dtype_for_vocab(tokenizer.vocab_size)) as writer:
-        for document in documents:
-            ids = tokenizer.encode(document) + [tokenizer.eod_id]
+    encoded = (encode_document(tokenizer, document) for document in documents)
+    return write_indexed(prefix, encoded, dtype_for_vocab(tokenizer.vocab_size)).tokens
+
+
+def encode_document(tokenizer: Tokenizer, document: str) -> np.ndarray:
+    return np.array(tokenizer.encode(document) + [tokenizer.eod_id], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Written:
+    documents: int
+    tokens: int
+
+
+def write_indexed(prefix: Path | str, encoded: Iterable[np.ndarray], dtype: type,
+                  progress: tqdm | None = None) -> Written:
+    """Write each array as one document of PREFIX.bin/.idx (atomically)."""
+    documents = tokens = 0
+    with IndexedDatasetWriter(prefix, dtype) as writer:
+        for ids in encoded:
             writer.add_document(ids)
-            tokens += len(ids)
+            documents, tokens = documents + 1, tokens + len(ids)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(tokens=f"{tokens:,}", refresh=False)
         writer.finalize()
-    return tokens
+    return Written(documents, tokens)
 
 
-def prepare_main(input: str, output_prefix: str, tokenizer: str = "bpe",
-                 vocab_size: int | None = 4096, valid_fraction: float = 0.02) -> tuple[str, str]:
-    """`megaresil data prepare`: write OUTPUT.bin/.idx, OUTPUT_valid.bin/.idx and,
-    for 'bpe', OUTPUT_tokenizer.json (the layout `data.source=indexed` reads)."""
-    _check_valid_fraction(valid_fraction)
-    valid_prefix = f"{output_prefix}_valid"
+# --- `megaresil data prepare` ---------------------------------------------------------------
+
+_BATCH_CHARACTERS = 1 << 20  # text per task sent to a worker
+_TASKS_PER_WORKER = 4  # tasks in flight per worker: the bound on memory held
+
+
+@dataclass(frozen=True)
+class Summary:
+    prefix: str
+    tokenizer_path: str | None
+    documents: int
+    tokens: int
+    skipped_empty: int
+    seconds: float
+
+    def line(self) -> str:
+        rate = self.tokens / max(self.seconds, 1e-9)
+        files = f"{self.prefix}.{{bin,idx}}" + (f", {self.tokenizer_path}"
+                                                if self.tokenizer_path else "")
+        skipped = f" ({self.skipped_empty} empty skipped)" if self.skipped_empty else ""
+        return (f"prepared {self.documents:,} documents{skipped}, {self.tokens:,} tokens in "
+                f"{self.seconds:.1f} s ({rate:,.0f} tokens/s) -> {files}")
+
+
+def prepare_main(inputs: Sequence[str], output_prefix: str, tokenizer: str = "bpe", *,
+                 json_key: str | None = None, workers: int | None = None,
+                 vocab_size: int = 4096) -> Summary:
+    """Tokenize every document of `inputs` (corpus names, text or JSON Lines
+    files) in order into OUTPUT.bin/.idx, each followed by eod. 'bpe' is first
+    trained on the inputs and saved as OUTPUT_tokenizer.json (the file that
+    data.source=indexed with data.tokenizer=bpe reads)."""
+    start = time.perf_counter()
+    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     tokenizer_path = f"{output_prefix}_tokenizer.json" if tokenizer == "bpe" else None
     if tokenizer_path:
         Path(tokenizer_path).unlink(missing_ok=True)  # retrain, never reuse a stale one
-    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    counts = _prepare_files(corpus_documents(input), tokenizer, vocab_size, valid_fraction,
-                           output_prefix, valid_prefix, tokenizer_path)
-    files = [f"{output_prefix}.{{bin,idx}}", f"{valid_prefix}.{{bin,idx}}"] + \
-        ([tokenizer_path] if tokenizer_path else [])
-    print(f"prepared {counts.train_documents + counts.valid_documents} documents "
-          f"({counts.train_documents} train, {counts.valid_documents} valid), "
-          f"{counts.train_tokens + counts.valid_tokens} tokens "
-          f"({counts.train_tokens} train, {counts.valid_tokens} valid), vocab "
-          f"{counts.vocab_size} -> {', '.join(files)}")
-    return output_prefix, valid_prefix
+        build_tokenizer("bpe", corpus_text=_documents(inputs, json_key), vocab_size=vocab_size,
+                        cache_path=tokenizer_path)
+    spec = (tokenizer, tokenizer_path)
+    vocab = build_tokenizer(tokenizer, cache_path=tokenizer_path).vocab_size
+    skipped = collections.Counter()
+    documents = _non_empty(_documents(inputs, json_key), skipped)
+    workers = workers or min(8, os.cpu_count() or 1)
+    with tqdm(desc="documents", unit="doc", file=sys.stderr, disable=None) as progress:
+        written = write_indexed(output_prefix, encode_in_workers(documents, spec, workers),
+                                dtype_for_vocab(vocab), progress)
+    summary = Summary(output_prefix, tokenizer_path, written.documents, written.tokens,
+                      skipped["empty"], time.perf_counter() - start)
+    print(summary.line())
+    return summary
+
+
+def _documents(inputs: Sequence[str], json_key: str | None) -> Iterator[str]:
+    return itertools.chain.from_iterable(iter_documents(source, json_key) for source in inputs)
+
+
+def _non_empty(documents: Iterable[str], skipped: collections.Counter) -> Iterator[str]:
+    """Megatron drops documents that tokenize to nothing; so do we, counting them."""
+    for document in documents:
+        if document:
+            yield document
+        else:
+            skipped["empty"] += 1
+
+
+def encode_in_workers(documents: Iterable[str], spec: tuple[str, str | None],
+                      workers: int) -> Iterator[np.ndarray]:
+    """encode_document of each document, in order, over `workers` processes with
+    a bounded number of batches in flight (Pool.imap would read the whole input
+    ahead)."""
+    if workers <= 1:
+        tokenizer = build_tokenizer(spec[0], cache_path=spec[1])
+        yield from (encode_document(tokenizer, document) for document in documents)
+        return
+    # A forked child cannot use the parent's tokenizer threads; saying so up
+    # front silences the tokenizers library's warning about it.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with multiprocessing.get_context("fork").Pool(workers, _init_worker, (spec,)) as pool:
+        pending: collections.deque = collections.deque()
+        for batch in _batches(documents):
+            pending.append(pool.apply_async(_encode_batch, (batch,)))
+            if len(pending) >= workers * _TASKS_PER_WORKER:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+
+
+def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    characters = 0
+    for document in documents:
+        batch.append(document)
+        characters += len(document)
+        if characters >= _BATCH_CHARACTERS:
+            yield batch
+            batch, characters = [], 0
+    if batch:
+        yield batch
+
+
+_worker_tokenizer: Tokenizer | None = None  # one per worker process, set by _init_worker
+
+
+def _init_worker(spec: tuple[str, str | None]) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = build_tokenizer(spec[0], cache_path=spec[1])
+
+
+def _encode_batch(batch: list[str]) -> list[np.ndarray]:
+    assert _worker_tokenizer is not None
+    return [encode_document(_worker_tokenizer, document) for document in batch]

