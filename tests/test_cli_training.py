@@ -1,5 +1,5 @@
 """End to end through the public CLI: the demo learns, runs are deterministic,
-the GPU-sized recipes build and step at a reduced size, data prepare works."""
+the GPU-sized recipes build and step at a reduced size (data prepare: test_data_e2e.py)."""
 import math
 
 import pytest
@@ -77,22 +77,6 @@ def test_llama_1b_recipe_runs_reduced(cli, tmp_path):
     cli("train", "recipes/llama-1b.yaml", f"run.dir={tmp_path}", *REDUCED, "model.num_heads=4",
         "model.num_kv_heads=2", "model.ffn_hidden_size=128", "parallel.dp=1", *QUIET)
     assert_sane_start(tmp_path, steps=2, vocab_size=50257)
-
-
-@pytest.mark.slow
-def test_data_prepare_then_train_on_indexed(cli, tmp_path):
-    text = tmp_path / "corpus.txt"
-    text.write_text("\n\n\n".join(f"Document {i}. " + "To be or not to be. " * 40
-                                  for i in range(20)))
-    prefix = tmp_path / "prepared"
-    result = cli("data", "prepare", "--source", str(text), "--output", str(prefix),
-                 "--tokenizer", "byte")
-    assert (tmp_path / "prepared.bin").exists() and (tmp_path / "prepared_valid.idx").exists()
-    assert "tokens" in result.stdout
-    cli("train", "recipes/gpt-tiny.yaml", f"run.dir={tmp_path / 'run'}", "data.source=indexed",
-        f"data.path={prefix}", "model.vocab_size=257", "train.steps=2", "data.seq_len=32",
-        *SINGLE, *QUIET)
-    assert len(losses(tmp_path / "run")) == 2
 
 
 def test_help_and_config_docs(cli):
