@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 SOAK_MINUTES ?= 30
 SOAK_HOGS ?= 2
 
-.PHONY: setup demo test test-fast soak bench clean
+.PHONY: setup cluster-deps demo test test-fast soak bench clean
 
 setup: $(VENV)/.installed
 
@@ -28,8 +28,19 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/megaresil train recipes/gpt-tiny.yaml run.dir=runs/demo
 
-test: setup
+test: setup cluster-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The test_slurm_* tests run a real one-host Slurm cluster. As root on a
+# machine with apt (CI, a fresh VM) its Debian packages are installed here;
+# elsewhere those tests skip and say why.
+CLUSTER_PKGS ?= slurmctld slurmd slurm-client munge
+cluster-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null; then \
+		echo "installing $(CLUSTER_PKGS) for the cluster tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			$(CLUSTER_PKGS) >/dev/null; \
+	fi
 
 # Faults of every kind for SOAK_MINUTES at 3D with CPU hogs, then a reference.
 soak: setup

@@ -24,14 +24,22 @@ EPILOG = """examples:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from megaresil.launch import Membership, inside_torchrun, launch, worker
+    from megaresil.launch import Membership, inside_torchrun, launch, slurm_task, worker
+    from megaresil.slurm import SlurmStep
 
     if inside_torchrun():
         worker(args.recipe, args.overrides)
         return 0
     cfg = load_recipe(args.recipe, args.overrides)
-    membership = Membership.parse(args.nnodes, args.nproc_per_node, args.rdzv_endpoint,
-                                  args.rdzv_id, args.rdzv_conf or "")
+    step = SlurmStep.from_environ()
+    if step is not None and step.one_task_per_rank:
+        return slurm_task(args.recipe, args.overrides, cfg, step)
+    if step is not None and not args.nnodes:
+        world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+        membership = Membership.for_slurm(step, world, args.nproc_per_node)
+    else:
+        membership = Membership.parse(args.nnodes, args.nproc_per_node, args.rdzv_endpoint,
+                                      args.rdzv_id, args.rdzv_conf or "")
     return launch(args.recipe, args.overrides, cfg, membership)
 
 

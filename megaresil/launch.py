@@ -25,6 +25,7 @@ from megaresil.resilience.incidents import IncidentPrinter
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.resilience.restart import HANG_EXIT_CODE
 from megaresil.run_lock import HELD_ENV, held_by_worker, held_for_workers
+from megaresil.slurm import SlurmStep
 
 
 
@@ -50,6 +51,13 @@ class Membership:
             raise ConfigError("--rdzv-endpoint", "several nodes need a rendezvous endpoint.",
                               "add --rdzv-endpoint HOST:PORT (the same on every node).")
         return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf)
+
+    @classmethod
+    def for_slurm(cls, step: SlurmStep, world: int,
+                  nproc_per_node: Optional[int]) -> "Membership":
+        """One agent per node of the Slurm step, meeting on its first node."""
+        return cls(step.nodes, step.nodes, nproc_per_node or step.ranks_per_node(world),
+                   f"{step.master}:{step.port}", step.job_name)
 
 
 def inside_torchrun() -> bool:
@@ -102,6 +110,10 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         max_restarts=cfg.resilience.max_restarts, monitor_interval=0.1,
         shutdown_timeout=int(cfg.resilience.preemption_grace_s),
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic")),
+        # SIGUSR1 too: schedulers send it as the early preemption warning
+        # (Slurm's --signal=USR1@grace). The agent hands it to every worker,
+        # which saves and exits; unhandled, it would kill the agent at once.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
     )
     events_before = len(read_events(run_dir))
     try:
@@ -175,6 +187,17 @@ def trainer_job(cfg: RecipeConfig, device: torch.device):
         return Trainer(cfg, ParallelLayout.from_config(cfg.parallel, device), supervision)
 
     return make
+
+
+def slurm_task(recipe: str, overrides: list[str], cfg: RecipeConfig, step: SlurmStep) -> int:
+    """One Slurm task per rank: this task is the worker; returns the exit
+    code the batch script acts on (75 after a preemption save: requeue)."""
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    os.environ.update(step.worker_env(world))
+    # torch is imported already, so the variable alone would not reach its pool.
+    threads = os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(step.tasks_on_node)))
+    torch.set_num_threads(int(threads))
+    return PREEMPTED_EXIT if worker(recipe, overrides) == "preempted" else 0
 
 
 @record

@@ -91,7 +91,10 @@ def test_in_process_restarts_keep_pids_and_memory(cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_saves_and_exits_preempted(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_preemption_signal_to_the_launcher_saves_and_exits_preempted(tmp_path, sig):
+    """SIGTERM (a job's end) and SIGUSR1 (a scheduler's early warning) reach
+    the workers through the agent; unhandled, SIGUSR1 would kill the agent."""
     command = [sys.executable, "-m", "megaresil", "train", *SMALL, "train.steps=400",
                f"run.dir={tmp_path}", "logging.progress=false"]
     # The launcher's stderr is kept for the failure message: an exit other
@@ -102,7 +105,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_preempted(tmp_path):
     while time.time() < deadline and not (
             (tmp_path / "metrics.jsonl").exists() and len(read_metrics(tmp_path)) >= 3):
         time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, sig)
     exit_code = proc.wait(timeout=90)
     assert exit_code == 75, (tmp_path / "launcher.err").read_text()[-3000:]  # preempted: requeue me
     events = read_events(tmp_path)
