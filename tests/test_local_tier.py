@@ -221,3 +221,21 @@ def test_restarts_take_the_newest_recoverable_step_from_either_tier_bit_exact(tm
     assert [p for p in (tmp_path / "local").rglob("*") if p.is_file()] == []
     saves = [e for e in read_events(tmp_path / "faulted") if e["event"] == "local_checkpoint_saved"]
     assert saves and all(e["replicas"] == 1 and e["replica_bytes"] == e["bytes"] for e in saves)
+
+
+def test_settings_that_cannot_work_are_refused_naming_the_key(tmp_path):
+    from tests.dist_harness import RECIPE, TINY
+    from megaresil.config import ConfigError, load_recipe
+    from megaresil.train.checkpointing import local_root
+
+    with pytest.raises(ConfigError, match="checkpoint.local.ranks_per_node"):
+        load_recipe(RECIPE, TINY + ["parallel.dp=4", "train.global_batch_size=8",
+                                    "checkpoint.local.ranks_per_node=3"])
+    with pytest.raises(ConfigError, match="checkpoint.local.keep"):
+        load_recipe(RECIPE, TINY + ["checkpoint.local.keep=1"])
+    inside = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}",
+                                         f"checkpoint.local.dir={tmp_path}/checkpoints/local"])
+    with pytest.raises(ConfigError, match="inside the global checkpoint root"):
+        local_root(inside)
+    default = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}"])
+    assert tmp_path not in local_root(default).parents  # node-local, never the run directory

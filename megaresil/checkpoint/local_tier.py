@@ -64,6 +64,11 @@ RANK_DIR = re.compile(r"^rank_(\d{5,})$")
 BUDGET = 0.05  # the share of a step a local save may hold the loop for (interval 0)
 
 
+def local_root(local_dir: Optional[str], run_dir: str) -> Path:
+    """checkpoint.local.dir, or its default for the run directory."""
+    return Path(local_dir) if local_dir else default_root(run_dir)
+
+
 def default_root(run_dir: str) -> Path:
     """/dev/shm/megaresil/<run id>: the run id is the run directory's name and
     a digest of its path, the same at every launch (a requeued job finds its

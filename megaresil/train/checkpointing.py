@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.local_tier import LocalTier, default_root
+from megaresil.checkpoint.local_tier import LocalTier, local_root as local_dir_of
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.replication import Choice, Topology, ranks_per_node
@@ -45,8 +45,7 @@ def checkpoint_group(cfg: RecipeConfig, watchdog) -> Optional[dist.ProcessGroup]
 def local_root(cfg: RecipeConfig) -> Path:
     """checkpoint.local.dir, refused inside the global checkpoint root: the
     local tier never writes there."""
-    local = cfg.checkpoint.local
-    root = Path(local.dir) if local.dir else default_root(cfg.run.dir)
+    root = local_dir_of(cfg.checkpoint.local.dir, cfg.run.dir)
     shared = checkpoint_root(cfg).resolve()
     if root.resolve() == shared or shared in root.resolve().parents:
         raise ConfigError("checkpoint.local.dir", f"{root} lies inside the global checkpoint "
