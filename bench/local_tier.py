@@ -139,14 +139,17 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    costs = save_costs(args, work) if args.only != "recovery" else {}
+    out = Path(args.out)
+    # --only redoes one part; the other comes from the previous results.
+    previous = (json.loads((out / "local_tier.json").read_text())
+                if args.only and (out / "local_tier.json").exists() else {})
+    costs = save_costs(args, work) if args.only != "recovery" else previous.get("costs", {})
     print(json.dumps(costs, indent=1), flush=True)
-    rec = recoveries(args, work) if args.only != "costs" else {}
+    rec = recoveries(args, work) if args.only != "costs" else previous.get("recovery", {})
     result = {"costs": costs, "recovery": rec, "steps": args.steps,
               "global_interval": args.global_interval, "cpus": os.cpu_count(),
               "note": "other work shared the machine (2 cores, several agents)",
               "elapsed_s": time.time() - started}
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "local_tier.json").write_text(json.dumps(result, indent=1))
     if costs and rec:

@@ -2,7 +2,6 @@
 takes from which tier, and recovery of a lost node from its peers."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local_tier import (Cadence, NodeStore, Shard, add_checksums,
                                              shard_problem, stage, unpack_into)
 from megaresil.checkpoint.replication import Topology, complete_step, transfers

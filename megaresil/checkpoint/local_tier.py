@@ -338,22 +338,21 @@ class LocalTier:
     def due(self, step: int) -> bool:
         return self.cadence.due(step)
 
-    def save(self, state: TrainingState) -> None:
-        """Start saving this rank's state as a local step: staged, written,
-        replicated and committed on the tier's thread; the loop waits only
-        for the staging copy, at its next optimizer step."""
+    def save(self, state: TrainingState, step: int) -> None:
+        """Start saving this rank's state after `step` as a local step:
+        staged, written, replicated and committed on the tier's thread; the
+        loop waits only for the staging copy, at its next optimizer step."""
         started = time.perf_counter()
         self.wait()
-        run = state.run_state()
-        self.cadence.saving(run.step)
-        meta = {"format": SHARD_FORMAT, "version": 1, "step": run.step, "owner": self.rank,
-                "world": self.coll.world, "layout": run.layout, "run": run.to_manifest(),
-                "rank_state": state.rng_state()}
+        self.cadence.saving(step)
+        # The RNG is global to the process: read it here, before the next
+        # step draws from it. The rest is read on the tier's thread before
+        # the staging copy is done, which the next optimizer step awaits.
+        rng = state.rng_state()
         self.staged, self.report = threading.Event(), SaveReport(self.events,
                                                                   "local_checkpoint_saved")
-        self.pending = self.executor.submit(self._stage_write_replicate,
-                                            training_rects(state, include_copies=True), meta,
-                                            started, self.staged, self.report)
+        self.pending = self.executor.submit(self._stage_write_replicate, state, rng, started,
+                                            self.staged, self.report)
         self._held(time.perf_counter() - started, self.report)
 
     def _held(self, seconds: float, report: SaveReport) -> None:
@@ -378,10 +377,15 @@ class LocalTier:
             wait_for(pending)
             self.cadence.held(time.perf_counter() - started)
 
-    def _stage_write_replicate(self, rects: list[Rect], meta: dict, started: float,
+    def _stage_write_replicate(self, state: TrainingState, rng: dict, started: float,
                                staged: threading.Event, report: SaveReport) -> None:
         try:
-            self.buffer, meta["rects"] = stage(rects, self.buffer)
+            run = state.run_state()
+            meta = {"format": SHARD_FORMAT, "version": 1, "step": run.step, "owner": self.rank,
+                    "world": self.coll.world, "layout": run.layout, "run": run.to_manifest(),
+                    "rank_state": rng}
+            self.buffer, meta["rects"] = stage(training_rects(state, include_copies=True),
+                                               self.buffer)
         finally:
             staged.set()
         add_checksums(self.buffer, meta["rects"])

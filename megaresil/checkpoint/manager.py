@@ -295,8 +295,8 @@ class Checkpointer:
         """Called once after each step: whether the local tier saves now."""
         return self.local is not None and self.local.due(step)
 
-    def save_local(self, state: TrainingState) -> None:
-        self.local.save(state)
+    def save_local(self, state: TrainingState, step: int) -> None:
+        self.local.save(state, step)
 
     def before_update(self) -> None:
         """Call before anything modifies the saved tensors (the optimizer step):

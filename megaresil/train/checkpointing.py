@@ -70,7 +70,7 @@ def save(trainer) -> None:
 
 
 def save_local(trainer) -> None:
-    trainer.checkpointer.save_local(trainer.checkpoint_state)
+    trainer.checkpointer.save_local(trainer.checkpoint_state, trainer.state.step)
 
 
 def candidates(trainer) -> list[Path]:
