@@ -116,7 +116,7 @@ def table(costs: dict, rec: dict) -> str:
              "",
              f"median step: {g['step_s_median']:.3f} s global-only, {l['step_s_median']:.3f} s "
              f"with the local tier (x{l['step_time_ratio']:.2f}); local blocking = "
-             f"{l['local_blocking_share_of_step']:.1%} of a step",
+             f"{l['local_blocking_share_of_step']:.2%} of a step",
              "",
              "| fault | tier loaded | steps lost | detection s | restart s | fault -> first step s | final loss equal |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
