@@ -222,6 +222,28 @@ class TrainConfig:
 
 
 @dataclass
+class LocalCheckpointConfig:
+    enabled: bool = doc(False, "Keep a fast tier of checkpoints in node-local storage, each "
+                        "rank's shard copied to `replicas` ranks on other nodes; restarts "
+                        "resume from the newest step every rank can recover (local or global).")
+    interval: int = doc(0, "Local save every this many steps; 0 chooses it: every step while a "
+                        "save holds the loop for at most 5% of a step, else the smallest "
+                        "interval that keeps it there (measured at each save).",
+                        bounds=NON_NEGATIVE)
+    dir: Optional[str] = doc(None, "Node-local root; null means /dev/shm/megaresil/<run id> "
+                             "(the temp dir when there is no /dev/shm). Each node (simulated "
+                             "ones too) uses its own node_<k> directory under it. Must lie "
+                             "outside the global checkpoint root.")
+    replicas: int = doc(1, "Peers on other nodes that hold a copy of each rank's shard (at most "
+                        "nodes - 1 are used).", bounds=NON_NEGATIVE)
+    keep: int = doc(2, "Local steps kept per rank; at least 2, so a save cut short by a failure "
+                    "still leaves a step every rank holds.", bounds=Bounds(2))
+    ranks_per_node: int = doc(0, "Ranks per node; 0 reads LOCAL_WORLD_SIZE (the ranks of one "
+                              "launcher agent). Smaller values simulate several nodes on one "
+                              "machine.", bounds=NON_NEGATIVE)
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = doc(0, "Save every this many steps (and at the last step); 0: only at "
                         "train.exit_at_step.", bounds=NON_NEGATIVE)
@@ -236,6 +258,8 @@ class CheckpointConfig:
     load: str = doc("auto", "auto: resume from the newest valid checkpoint under the root (error "
                     "if checkpoints exist but none is valid); none: start from scratch; or a "
                     "checkpoint directory to load.")
+    local: LocalCheckpointConfig = section(LocalCheckpointConfig, "The node-local tier with "
+                                           "peer replication.")
 
 
 @dataclass
@@ -618,7 +642,17 @@ def validate(cfg: RecipeConfig) -> None:
     if cfg.parallel.sequence_parallel:
         _require(cfg.parallel.tp > 1, "parallel.sequence_parallel",
                  "sequence parallelism needs tp > 1.", "set parallel.tp>1 or turn it off.")
+    _validate_local_tier(cfg)
     _validate_data(cfg)
+
+
+def _validate_local_tier(cfg: RecipeConfig) -> None:
+    per_node = cfg.checkpoint.local.ranks_per_node
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    if per_node:
+        _require(world % per_node == 0, "checkpoint.local.ranks_per_node",
+                 f"{per_node} does not divide the world size tp*pp*dp = {world}.",
+                 f"choose a divisor of {world}, or 0 for the launcher's LOCAL_WORLD_SIZE.")
 
 
 def _validate_data(cfg: RecipeConfig) -> None:

@@ -29,8 +29,9 @@ def spy_collectives(record: list) -> None:
 
 
 def probe(run_dir: str, out: str) -> None:
-    """Train with async saves at every step and the preemption check on,
-    stop, resume, train on; write which threads used which group."""
+    """Train with async saves and local saves at every step and the
+    preemption check on, stop, resume, train on; write which threads used
+    which group."""
     import torch
     import torch.distributed as dist
 
@@ -52,7 +53,9 @@ def probe(run_dir: str, out: str) -> None:
             "model.hidden_size=32", "model.num_heads=4", "model.vocab_size=128",
             "train.micro_batch_size=2", "train.global_batch_size=4", f"train.steps={steps}",
             "train.eval_batches=0", "logging.progress=false", "logging.tensorboard=false",
-            "checkpoint.async=true", "checkpoint.interval=1", f"run.dir={run_dir}"])
+            "checkpoint.async=true", "checkpoint.interval=1", f"run.dir={run_dir}",
+            "checkpoint.local.enabled=true", "checkpoint.local.interval=1",
+            f"checkpoint.local.dir={run_dir}-local"])
         job = trainer_job(cfg, torch.device("cpu"))(Supervision(preemption=PreemptionFlag()))
         job.run()
         job.close()
@@ -72,5 +75,5 @@ def test_every_process_group_is_used_by_one_thread(tmp_path):
     process.join(timeout=300)
     assert process.exitcode == 0
     usage = json.loads(out.read_text())
-    assert usage["calls"] > 0 and len(usage["threads"]) >= 2, usage  # saves ran on their thread
+    assert usage["calls"] > 0 and len(usage["threads"]) >= 3, usage  # saves ran on their threads
     assert usage["shared"] == [], f"groups used by more than one thread: {usage['shared']}"

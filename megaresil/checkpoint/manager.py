@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.backends import Backend, get_backend
 from megaresil.checkpoint.sharded import Rect, assign_writers
 from megaresil.checkpoint.state import RunState, TrainingState, training_rects
+
+if TYPE_CHECKING:
+    from megaresil.checkpoint.local_tier import LocalTier
 
 
 class Collectives:
@@ -71,6 +74,20 @@ class Collectives:
     def barrier(self) -> None:
         if self.group is not None:
             self._on_owner(lambda: dist.barrier(group=self.group))
+
+    def exchange(self, sends: list[tuple[int, int, torch.Tensor]],
+                 recvs: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Point-to-point: send each (peer, tag, tensor), and fill each
+        (peer, tag, tensor) from the send of that peer with that tag."""
+        if self.group is None:
+            return
+
+        def run():
+            works = [dist.isend(t, dst=peer, group=self.group, tag=tag) for peer, tag, t in sends]
+            works += [dist.irecv(t, src=peer, group=self.group, tag=tag) for peer, tag, t in recvs]
+            for work in works:
+                work.wait()
+        self._on_owner(run)
 
     def any(self, flag: bool) -> bool:
         if self.group is None:
@@ -155,8 +172,8 @@ class SaveReport:
     copy is done before the commit), and a loop that is waiting at that
     moment sends the event itself when its wait ends."""
 
-    def __init__(self, events):
-        self.events = events
+    def __init__(self, events, event: str = "checkpoint_saved"):
+        self.events, self.event = events, event
         self.lock = threading.Lock()
         self.held = 0.0  # seconds the loop has been held so far
         self.waiting = False  # the loop is in `loop_waiting`
@@ -187,14 +204,16 @@ class SaveReport:
 
     def _send(self) -> None:
         if self.figures is not None:
-            self.events.emit("checkpoint_saved", **self.figures, blocking_seconds=self.held)
+            self.events.emit(self.event, **self.figures, blocking_seconds=self.held)
             self.figures = None
 
 
 class Checkpointer:
     def __init__(self, root: Path, backend: str, *, group: Optional[dist.ProcessGroup],
-                 asynchronous: bool, keep: int, events, device: torch.device):
+                 asynchronous: bool, keep: int, events, device: torch.device,
+                 local: Optional[LocalTier] = None):
         self.root = root
+        self.local = local  # the node-local tier (local_tier.py), on a thread of its own
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save",
                                            initializer=save_thread_setup, initargs=(device,))
         self.coll = Collectives(group, self.executor)
@@ -272,10 +291,19 @@ class Checkpointer:
         self._write_and_commit(mine if on_cpu else self._stage(mine), state, rank_state,
                                started, report)
 
+    def local_due(self, step: int) -> bool:
+        """Called once after each step: whether the local tier saves now."""
+        return self.local is not None and self.local.due(step)
+
+    def save_local(self, state: TrainingState, step: int) -> None:
+        self.local.save(state, step)
+
     def before_update(self) -> None:
         """Call before anything modifies the saved tensors (the optimizer step):
         waits for an async save's staging copy and reports how long the loop
         was held."""
+        if self.local is not None:
+            self.local.before_update()
         if self.staged is None:
             return
         with self.report.loop_waiting():
@@ -353,6 +381,8 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
         if not self.abandoned:
             self.wait()
         self.executor.shutdown(wait=not self.abandoned)
@@ -364,6 +394,8 @@ class Checkpointer:
         stands, and its partial directory is cleaned at the next start."""
         self.abandoned = True
         self.pending = self.staged = self.report = None
+        if self.local is not None:
+            self.local.abandon()
 
     def barrier(self) -> None:
         """All ranks' checkpointers meet (start-up: after the partial saves

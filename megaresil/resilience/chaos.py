@@ -22,6 +22,7 @@ from typing import Optional
 
 import psutil
 
+from megaresil.checkpoint.local_tier import local_root
 from megaresil.config import load_recipe
 from megaresil.events import read_events
 from megaresil.ports import free_port
@@ -39,11 +40,15 @@ class Scenario:
     expect_restart: bool = True
     requeue_after_exit: bool = False  # like a scheduler rerunning a preempted job
     nodes: int = 1  # > 1: agents that form one elastic job; the last one is lost
+    lose_simulated_node: bool = False  # kill the local tier's last simulated node, wipe its dir
 
 
-def scenarios(rank: int, step: int, save_step: int) -> dict[str, Scenario]:
+def scenarios(rank: int, step: int, save_step: int, world: int = 2) -> dict[str, Scenario]:
     in_process = ["resilience.in_process=true"]
     relaunch = ["resilience.in_process=false", "resilience.max_restarts=2"]
+    # Local saves every step on two simulated nodes, each rank's shard copied to the other.
+    local = ["checkpoint.local.enabled=true", "checkpoint.local.interval=1",
+             "checkpoint.local.replicas=1", f"checkpoint.local.ranks_per_node={max(1, world // 2)}"]
     return {s.name: s for s in [
         Scenario("kill-rank", [{"kind": "kill", "rank": rank, "step": step}], relaunch),
         Scenario("raise-in-rank", [{"kind": "raise", "rank": rank, "step": step}], in_process),
@@ -66,6 +71,9 @@ def scenarios(rank: int, step: int, save_step: int) -> dict[str, Scenario]:
                  [{"kind": "kill", "rank": rank, "step": save_step, "section": "checkpoint"}],
                  relaunch),
         Scenario("node-loss", [], relaunch, nodes=2),
+        Scenario("kill-rank-local", [{"kind": "kill", "rank": rank, "step": step}],
+                 relaunch + local),
+        Scenario("node-loss-local", [], relaunch + local, lose_simulated_node=True),
     ]}
 
 
@@ -178,6 +186,28 @@ def run_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
     return host.wait(), lost_at
 
 
+def run_simulated_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
+                            lose_after_step: int) -> tuple[int, float]:
+    """One agent whose ranks form two simulated nodes for the local tier;
+    once `lose_after_step` is done, the second node's workers are killed and
+    its local directory deleted, as if the machine were replaced. The agent
+    relaunches the workers at the same layout. Returns (exit code, loss time)."""
+    cfg = load_recipe(recipe, overrides + [f"run.dir={run_dir}"])
+    per_node = cfg.checkpoint.local.ranks_per_node or world
+    node = (world - 1) // per_node
+    agent = subprocess.Popen(train_command(recipe, overrides, run_dir))
+    lost_at = wait_for_step(run_dir, lose_after_step, agent)
+    for proc in psutil.Process(agent.pid).children(recursive=True):
+        try:
+            if int(proc.environ().get("RANK", -1)) // per_node == node:
+                proc.kill()
+        except (psutil.NoSuchProcess, ValueError):
+            pass
+    shutil.rmtree(local_root(cfg.checkpoint.local.dir, str(run_dir)) / f"node_{node}",
+                  ignore_errors=True)
+    return agent.wait(), lost_at
+
+
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> float:
     while proc.poll() is None:
         if (run_dir / "metrics.jsonl").exists() and any(
@@ -231,7 +261,7 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
         overrides = [*overrides, f"checkpoint.interval={interval}"]
     fault_step = step or cfg.train.steps // 2 + 1
     save_step = interval * max(2, fault_step // interval)
-    table = scenarios(world - 1 if rank is None else rank, fault_step, save_step)
+    table = scenarios(world - 1 if rank is None else rank, fault_step, save_step, world)
     if name not in table:
         raise ValueError(f"--scenario: unknown scenario {name!r}; one of {sorted(table)}")
     scenario = table[name]
@@ -246,6 +276,9 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     if scenario.nodes > 1:
         code, fault_time = run_node_loss(recipe, overrides + scenario.settings, faulted, world,
                                          fault_step)
+    elif scenario.lose_simulated_node:
+        code, fault_time = run_simulated_node_loss(recipe, overrides + scenario.settings,
+                                                   faulted, world, fault_step)
     else:
         code = run_with_requeue(recipe, overrides + fault_overrides(scenario), faulted,
                                 requeues=int(scenario.requeue_after_exit))[-1].exit_code

@@ -2,6 +2,7 @@
 resumes from (restart-from-latest)."""
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -10,30 +11,66 @@ import torch
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.local_tier import LocalTier, local_root as local_dir_of
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.checkpoint.manager import Checkpointer
-from megaresil.config import RecipeConfig
+from megaresil.checkpoint.replication import Choice, Topology, ranks_per_node
+from megaresil.config import ConfigError, RecipeConfig
 
 
 def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
                        device: torch.device) -> Checkpointer:
+    group = checkpoint_group(cfg, watchdog)
+    local = None
+    if cfg.checkpoint.local.enabled:  # its own group too: it saves beside the global tier
+        local = build_local_tier(cfg, events, checkpoint_group(cfg, watchdog), device)
+    return Checkpointer(checkpoint_root(cfg), cfg.checkpoint.backend.value, group=group,
+                        asynchronous=cfg.checkpoint.async_, keep=cfg.checkpoint.keep,
+                        events=events, device=device, local=local)
+
+
+def checkpoint_group(cfg: RecipeConfig, watchdog) -> Optional[dist.ProcessGroup]:
     # A group of its own (gloo even under NCCL: checkpoint traffic is small
     # metadata), so async saves never interleave with training collectives,
     # and with the checkpoint budget as its timeout whatever section runs.
-    group = None
-    if dist.is_initialized():
-        group = dist.new_group(backend="gloo", timeout=timedelta(
-            seconds=cfg.resilience.watchdog.checkpoint_timeout_s))
-        if watchdog is not None:
-            watchdog.exempt_group(group)
-    return Checkpointer(checkpoint_root(cfg), cfg.checkpoint.backend.value, group=group,
-                        asynchronous=cfg.checkpoint.async_, keep=cfg.checkpoint.keep,
-                        events=events, device=device)
+    if not dist.is_initialized():
+        return None
+    group = dist.new_group(backend="gloo", timeout=timedelta(
+        seconds=cfg.resilience.watchdog.checkpoint_timeout_s))
+    if watchdog is not None:
+        watchdog.exempt_group(group)
+    return group
+
+
+def local_root(cfg: RecipeConfig) -> Path:
+    """checkpoint.local.dir, refused inside the global checkpoint root: the
+    local tier never writes there."""
+    root = local_dir_of(cfg.checkpoint.local.dir, cfg.run.dir)
+    shared = checkpoint_root(cfg).resolve()
+    if root.resolve() == shared or shared in root.resolve().parents:
+        raise ConfigError("checkpoint.local.dir", f"{root} lies inside the global checkpoint "
+                          f"root {shared}.", "point it at node-local storage (or leave it null "
+                          "for /dev/shm/megaresil/<run id>).")
+    return root
+
+
+def build_local_tier(cfg: RecipeConfig, events, group: Optional[dist.ProcessGroup],
+                     device: torch.device) -> LocalTier:
+    local = cfg.checkpoint.local
+    world = dist.get_world_size() if group is not None else 1
+    per_node = min(world, ranks_per_node(local.ranks_per_node, world,
+                                         os.environ.get("LOCAL_WORLD_SIZE")))
+    return LocalTier(local_root(cfg), Topology(world, per_node, local.replicas), group=group,
+                     interval=local.interval, keep=local.keep, events=events, device=device)
 
 
 def save(trainer) -> None:
     """Checkpoint the trainer's state at its current step."""
     trainer.checkpointer.save_training(trainer.checkpoint_state)
+
+
+def save_local(trainer) -> None:
+    trainer.checkpointer.save_local(trainer.checkpoint_state, trainer.state.step)
 
 
 def candidates(trainer) -> list[Path]:
@@ -47,11 +84,21 @@ def candidates(trainer) -> list[Path]:
     return fmt.committed_checkpoints(root)
 
 
-def choose(trainer) -> Optional[tuple[Path, dict]]:
-    """The newest checkpoint that passes (marker, manifest, checksums); each
-    one skipped is reported with its reason."""
-    skipped = []
+def step_of(path: Path) -> Optional[int]:
+    found = fmt.STEP_DIR.match(path.name)
+    return int(found.group(1)) if found else None
+
+
+def choose(trainer, newer_than: Optional[int] = None,
+           skipped: Optional[list] = None) -> Optional[tuple[Path, dict]]:
+    """The newest global checkpoint that passes (marker, manifest,
+    checksums); each one skipped is reported with its reason (and added to
+    `skipped`). With `newer_than` (a recoverable local step) only newer ones
+    are tried, and finding none valid is no error: the local step serves."""
+    skipped = [] if skipped is None else skipped
     for path in candidates(trainer):
+        if newer_than is not None and (step_of(path) or 0) <= newer_than:
+            break
         try:
             manifest = fmt.read_manifest(path)
             reason = trainer.checkpointer.verify(path, manifest)
@@ -62,6 +109,8 @@ def choose(trainer) -> Optional[tuple[Path, dict]]:
         skipped.append((path, reason))
         if trainer.layout.rank == 0:
             trainer.events.emit("checkpoint_skipped", path=str(path), reason=reason)
+    if newer_than is not None:
+        return None
     if trainer.cfg.checkpoint.load not in ("auto", "none"):
         raise NoValidCheckpoint(f"checkpoint.load={trainer.cfg.checkpoint.load}: {skipped[0][1]}")
     if skipped:
@@ -72,21 +121,73 @@ def choose(trainer) -> Optional[tuple[Path, dict]]:
     return None
 
 
+def find_local(trainer) -> tuple[Optional[Choice], str]:
+    """Collective over the local tier: the newest local step every rank can
+    recover (None when there is none, or the tier is not consulted) and, if
+    none, why."""
+    local, load = trainer.checkpointer.local, trainer.cfg.checkpoint.load
+    if local is None:
+        return None, "the local tier is off (checkpoint.local.enabled=false)"
+    if load != "auto":
+        return None, f"checkpoint.load={load} names what to load"
+    choice = local.find(trainer.checkpoint_state.layout_record())
+    if choice.step is None:
+        return None, "; ".join(choice.skipped) or "no local step is held"
+    return choice, ""
+
+
 def resume(trainer) -> None:
-    """Restart-from-latest: load the chosen checkpoint into the trainer, at
-    whatever layout it was saved from (the rects reshard it)."""
+    """Restart-from-latest across both tiers: the newest state every rank
+    can recover, a global checkpoint (at whatever layout it was saved from:
+    the rects reshard it) or a local step (same layout only), logged with the
+    tier and why the other was not used."""
     if trainer.layout.rank == 0:
         removed = fmt.clean_partials(trainer.checkpointer.root)
         for name in removed:
             trainer.events.emit("checkpoint_skipped", path=str(trainer.checkpointer.root / name),
                                 reason="incomplete save removed at start-up")
     trainer.checkpointer.barrier()
-    chosen = choose(trainer)
-    if chosen is None:
-        return
-    path, manifest = chosen
-    saved = trainer.checkpointer.load_training(path, manifest, trainer.checkpoint_state)
+    local, why_not_local = find_local(trainer)
+    skipped_global: list = []
+    chosen = choose(trainer, newer_than=local.step if local else None, skipped=skipped_global)
+    if chosen is not None:
+        path, manifest = chosen
+        saved = trainer.checkpointer.load_training(path, manifest, trainer.checkpoint_state)
+        if local is not None:
+            why_not_local = f"local step {local.step} is older than global step {saved.step}"
+        loaded(trainer, saved, path, "global", {"local": why_not_local})
+    elif local is not None:
+        saved = trainer.checkpointer.local.recover(local, trainer.checkpoint_state)
+        path = trainer.checkpointer.local.store.shard_dir(saved.step, trainer.layout.rank)
+        loaded(trainer, saved, path, "local", {"global": why_not_global(trainer, skipped_global,
+                                                                        saved.step)},
+               from_replicas=sorted(o for o, h in local.sources.items() if o != h))
+    else:
+        saved = None
+    if trainer.checkpointer.local is not None:
+        trainer.checkpointer.local.discard_after(saved.step if saved else None)
+
+
+def why_not_global(trainer, skipped: list, local_step: int) -> str:
+    reasons = [f"{p.name}: {r}" for p, r in skipped]
+    newest = next((s for p in candidates(trainer) if (s := step_of(p)) is not None), None)
+    if newest is None:
+        reasons.append("no global checkpoint")
+    elif newest <= local_step:
+        reasons.append(f"newest global step {newest} is not newer than local step {local_step}")
+    return "; ".join(reasons)
+
+
+def loaded(trainer, saved, path: Path, tier: str, skipped: dict, **extra) -> None:
     if trainer.layout.rank == 0:
         trainer.events.emit("checkpoint_loaded", step=saved.step, path=str(path),
                             saved_layout=saved.layout,
-                            layout=trainer.checkpoint_state.layout_record())
+                            layout=trainer.checkpoint_state.layout_record(), tier=tier,
+                            skipped=skipped, **extra)
+
+
+def finish(trainer) -> None:
+    """The run finished: with a global checkpoint of its last step
+    (checkpoint.interval > 0), the local shards are released."""
+    if trainer.checkpointer.local is not None and trainer.cfg.checkpoint.interval > 0:
+        trainer.checkpointer.local.remove_all()

@@ -238,6 +238,9 @@ class Trainer:
                     return self.stop("preempted")
                 if self.should_save(step):
                     self.save()
+                if self.checkpointer.local_due(step):
+                    with self.supervision.section("checkpoint", step):
+                        checkpointing.save_local(self)
                 if step == t.exit_at_step:
                     return "exited"
         except BaseException:
@@ -261,6 +264,8 @@ class Trainer:
 
     def stop(self, outcome: str) -> str:
         self.checkpointer.close()  # a preemption checkpoint must be committed before exit
+        if outcome == "finished":
+            checkpointing.finish(self)
         if self.layout.rank == 0:
             event = "run_finished" if outcome == "finished" else "preempted"
             self.events.emit(event, step=self.state.step)

@@ -37,6 +37,7 @@ class TrainerState:
         self.optimizer = AdamState(optimizer)
         self.position = position  # step and consumed samples, updated by the loop
         self.watchdog = watchdog
+        self.recipe = to_dict(cfg)  # once: converting the config takes ~0.1 s, saves are frequent
 
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         for chunk in self.chunks:
@@ -48,7 +49,7 @@ class TrainerState:
     def run_state(self) -> RunState:
         extra = {WATCHDOG: self.watchdog.calibration()} if self.watchdog is not None else {}
         return RunState(step=self.position.step, layout=self.layout_record(),
-                        recipe=to_dict(self.cfg), consumed_samples=self.position.consumed_samples,
+                        recipe=self.recipe, consumed_samples=self.position.consumed_samples,
                         optimizer_steps=self.optimizer.step_count(), extra=extra)
 
     def rng_state(self) -> dict:

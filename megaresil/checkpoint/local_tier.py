@@ -1,0 +1,532 @@
+"""The node-local checkpoint tier: frequent saves to fast node-local storage,
+each rank's shard copied to peers on other nodes, so a killed rank or a lost
+node costs at most the steps since the last local save.
+
+    LOCAL_ROOT/                     checkpoint.local.dir (/dev/shm/megaresil/<run id>)
+      node_<k>/                     one node's storage (simulated nodes each get one)
+        step_0000012/
+          rank_00003/               rank 3's shard at step 12 (its own, or a replica)
+            data.bin                every tensor of the rank's state, back to back
+            meta.json               step, layout, run state, RNG, each tensor's place + checksum
+            COMMITTED               last thing written
+          rank_00003.partial/       a write in progress (or one that died): never read
+
+A shard is the rank's whole state at the step (every rect it holds, the
+tied-embedding copy included), so a same-layout resume copies bytes back
+with no resharding and is bit-exact. A shard is written under its `.partial`
+name and renamed into place, then marked: a step counts only where the
+owner's shard, or a replica of it, is committed and passes its checksums.
+When the world changes shape (elastic shrink) the shards do not fit: the
+restart takes the global tier, which reshards (checkpointing.resume).
+
+Threads and groups as in manager.py: staging, writing, replication and the
+start-up collectives run on the tier's own thread over its own process
+group, never the training thread's nor the global checkpointer's.
+
+Storage: files in /dev/shm, not a helper process's memory. They outlive a
+killed or relaunched worker with no process to keep alive and no second
+failure domain, cost no disk I/O, and die with the node, which is what the
+replicas are for. Nothing is written under the global checkpoint root.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.manager import (Collectives, SaveReport, dtype_name, save_thread_setup,
+                                          wait_for)
+from megaresil.checkpoint.replication import (Choice, Holdings, Topology, complete_step,
+                                              decode_meta, encode_meta, header, transfers)
+from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.state import RunState, TrainingState, training_rects
+
+SHARD_FORMAT = "megaresil-local-shard"
+DATA, META = "data.bin", "meta.json"
+RANK_DIR = re.compile(r"^rank_(\d{5,})$")
+BUDGET = 0.05  # the share of a step a local save may hold the loop for (interval 0)
+
+
+def local_root(local_dir: Optional[str], run_dir: str) -> Path:
+    """checkpoint.local.dir, or its default for the run directory."""
+    return Path(local_dir) if local_dir else default_root(run_dir)
+
+
+def default_root(run_dir: str) -> Path:
+    """/dev/shm/megaresil/<run id>: the run id is the run directory's name and
+    a digest of its path, the same at every launch (a requeued job finds its
+    shards) and different for every run directory."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    run = Path(run_dir).resolve()
+    return base / "megaresil" / f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:10]}"
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank_{rank:05d}"
+
+
+# --- a shard in memory -----------------------------------------------------------------
+
+@dataclass
+class Shard:
+    meta: dict  # SHARD_FORMAT's fields: step, owner, world, layout, run, rank_state, rects
+    data: torch.Tensor  # flat uint8: every rect's bytes at its record's `start`
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
+
+    @property
+    def owner(self) -> int:
+        return self.meta["owner"]
+
+
+def stage(rects: list[Rect], buffer: Optional[torch.Tensor]) -> tuple[torch.Tensor, list[dict]]:
+    """Copy `rects` back to back into `buffer` (reused when it fits);
+    returns the buffer and each rect's record (checksums come later)."""
+    records, start = [], 0
+    for r in rects:
+        records.append({"key": r.key, "global_shape": list(r.global_shape),
+                        "offset": list(r.offset), "shape": list(r.shape),
+                        "dtype": dtype_name(r.tensor), "start": start, "nbytes": r.nbytes})
+        start += r.nbytes
+    if buffer is None or buffer.numel() != start:
+        buffer = torch.empty(start, dtype=torch.uint8)
+    for r, rec in zip(rects, records):
+        view_of(buffer, rec).copy_(r.tensor)
+    return buffer, records
+
+
+def view_of(data: torch.Tensor, record: dict) -> torch.Tensor:
+    """The tensor a record describes, as a view into a shard's bytes."""
+    raw = data[record["start"]: record["start"] + record["nbytes"]]
+    return raw.view(fmt.torch_dtype(record["dtype"])).view(record["shape"])
+
+
+def add_checksums(data: torch.Tensor, records: list[dict]) -> None:
+    for rec in records:
+        rec["checksum"] = fmt.checksum(data[rec["start"]: rec["start"] + rec["nbytes"]])
+
+
+def shard_problem(shard: Shard) -> Optional[str]:
+    """None when the shard's bytes match its checksums, else why not."""
+    size = sum(rec["nbytes"] for rec in shard.meta["rects"])
+    if shard.data.numel() != size:
+        return f"holds {shard.data.numel()} bytes, its manifest says {size}"
+    for rec in shard.meta["rects"]:
+        if fmt.checksum(shard.data[rec["start"]: rec["start"] + rec["nbytes"]]) != rec["checksum"]:
+            return f"checksum mismatch in {rec['key']} at offset {tuple(rec['offset'])}"
+    return None
+
+
+def unpack_into(shard: Shard, targets: list[Rect]) -> None:
+    """Fill this rank's `targets` from its own shard, matched by identity."""
+    saved = {(rec["key"], tuple(rec["offset"]), tuple(rec["shape"])): rec
+             for rec in shard.meta["rects"]}
+    wanted = {t.identity() for t in targets}
+    if wanted != set(saved):
+        differ = sorted(str(i[0]) for i in wanted ^ set(saved))
+        raise fmt.CheckpointError(f"the local shard of rank {shard.owner} at step {shard.step} "
+                                  f"does not hold this rank's tensors ({', '.join(differ[:4])}); "
+                                  "Fix: set checkpoint.local.enabled=false for this restart")
+    with torch.no_grad():
+        for t in targets:
+            t.tensor.copy_(view_of(shard.data, saved[t.identity()]))
+
+
+def saved_run_state(shard: Shard) -> RunState:
+    """The shard's run state, its owner's RNG state placed at the owner's
+    rank (the only one a rank restores)."""
+    saved = RunState.from_manifest(shard.meta["run"])
+    saved.rank_states = [None] * shard.meta["world"]
+    saved.rank_states[shard.owner] = shard.meta["rank_state"]
+    return saved
+
+
+# --- one node's directory --------------------------------------------------------------
+
+class NodeStore:
+    """One node's local directory (see the module docstring)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def shard_dir(self, step: int, owner: int) -> Path:
+        return self.root / fmt.step_dir_name(step) / rank_dir_name(owner)
+
+    def write(self, shard: Shard) -> None:
+        final = self.shard_dir(shard.step, shard.owner)
+        partial = final.with_name(final.name + ".partial")
+        with fmt.naming_write_errors(partial):
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+            with open(partial / DATA, "wb") as f:
+                f.write(memoryview(shard.data.numpy()))
+                f.flush()
+                os.fsync(f.fileno())
+            fmt.write_json_atomic(partial / META, shard.meta)
+            if final.exists():  # the step saved again after a restart: same state
+                shutil.rmtree(final)
+            partial.rename(final)
+            fmt.fsync_path(final.parent)
+            fmt.write_text_atomic(final / fmt.MARKER, "ok\n")
+
+    def read_meta(self, step: int, owner: int) -> dict:
+        directory = self.shard_dir(step, owner)
+        if not (directory / fmt.MARKER).exists():
+            raise fmt.CheckpointError("its save did not finish (no marker)")
+        try:
+            meta = json.loads((directory / META).read_text())
+        except (OSError, ValueError) as err:
+            raise fmt.CheckpointError(f"its {META} does not parse: {err}") from None
+        if meta.get("format") != SHARD_FORMAT or meta.get("step") != step \
+                or meta.get("owner") != owner:
+            raise fmt.CheckpointError(f"its {META} is not a local shard of rank {owner} at "
+                                      f"step {step}")
+        return meta
+
+    def read(self, step: int, owner: int) -> Shard:
+        meta = self.read_meta(step, owner)
+        data = np.fromfile(self.shard_dir(step, owner) / DATA, dtype=np.uint8)
+        return Shard(meta, torch.from_numpy(data))
+
+    def held(self) -> dict[int, list[int]]:
+        """{step: [owner ranks]} of the shard directories here (not validated)."""
+        found: dict[int, list[int]] = {}
+        for step_dir in fmt.committed_checkpoints(self.root):
+            step = int(fmt.STEP_DIR.match(step_dir.name).group(1))
+            found[step] = sorted(int(m.group(1)) for p in step_dir.iterdir()
+                                 if (m := RANK_DIR.match(p.name)))
+        return found
+
+    def report(self, layout: dict, world: int) -> Holdings:
+        """What this node holds: each shard's problem, or None when it looks
+        usable at this layout (checksums are verified later, for the step
+        chosen)."""
+        report: Holdings = {}
+        for step, owners in self.held().items():
+            for owner in owners:
+                try:
+                    meta = self.read_meta(step, owner)
+                    problem = None if meta["layout"] == layout and meta["world"] == world else (
+                        f"saved at another layout ({describe(meta['layout'])}, now "
+                        f"{describe(layout)})")
+                except fmt.CheckpointError as err:
+                    problem = str(err)
+                report.setdefault(step, {})[owner] = problem
+        return report
+
+    def remove(self, step: int, owners: list[int]) -> None:
+        """Remove `owners`' shards at `step`, and the step once it is empty."""
+        for owner in owners:
+            for name in (rank_dir_name(owner), rank_dir_name(owner) + ".partial"):
+                shutil.rmtree(self.root / fmt.step_dir_name(step) / name, ignore_errors=True)
+        try:
+            (self.root / fmt.step_dir_name(step)).rmdir()
+        except OSError:
+            pass  # other ranks' shards are still there (or it is gone)
+
+    def retain(self, keep: int, owner: int, owners: list[int]) -> None:
+        """Keep the newest `keep` steps of `owner`'s own shard; older steps
+        lose the shards of `owners` (what this rank writes)."""
+        steps = [s for s, held in self.held().items() if owner in held]
+        for step in sorted(steps, reverse=True)[keep:]:
+            self.remove(step, owners)
+
+    def discard_after(self, step: int, owners: list[int]) -> None:
+        """Shards of steps after the one resumed from: an abandoned future."""
+        for later in [s for s in self.held() if s > step]:
+            self.remove(later, owners)
+
+    def clean_partials(self, owners: list[int]) -> None:
+        for step in self.held():
+            for owner in owners:
+                shutil.rmtree(self.shard_dir(step, owner).with_name(
+                    rank_dir_name(owner) + ".partial"), ignore_errors=True)
+
+
+def describe(layout: dict) -> str:
+    return "x".join(f"{k}{layout.get(k)}" for k in ("tp", "pp", "dp"))
+
+
+# --- when to save ----------------------------------------------------------------------
+
+class Cadence:
+    """When the local tier saves: every `interval` steps or, with interval 0,
+    every step while a save holds the loop for at most BUDGET of a step, else
+    the smallest interval that keeps it there (re-measured at every save)."""
+
+    def __init__(self, interval: int):
+        self.fixed = interval
+        self.every = max(1, interval)
+        self.last: Optional[int] = None  # step of the last save
+        self.step_s: deque = deque(maxlen=16)  # recent step times, saves' holds left out
+        self.ticked: Optional[float] = None
+        self.held_since_tick = 0.0
+        self.held_by_save = 0.0  # the loop's hold for the last save, so far
+
+    def due(self, step: int) -> bool:
+        """Called once per step, after it."""
+        now = time.perf_counter()
+        if self.ticked is not None:
+            self.step_s.append(now - self.ticked - self.held_since_tick)
+        self.ticked, self.held_since_tick = now, 0.0
+        if self.fixed:
+            return step % self.fixed == 0
+        return self.last is None or step - self.last >= self.every
+
+    def held(self, seconds: float) -> None:
+        self.held_since_tick += seconds
+        self.held_by_save += seconds
+
+    def saving(self, step: int) -> None:
+        """A save starts at `step`: the previous one's hold is complete."""
+        if not self.fixed and self.last is not None and self.step_s:
+            budget = BUDGET * statistics.median(self.step_s)
+            self.every = max(1, math.ceil(self.held_by_save / budget)) if budget > 0 else 1
+        self.last, self.held_by_save = step, 0.0
+
+
+# --- the tier ----------------------------------------------------------------------------
+
+@dataclass
+class Found:
+    """The local step chosen at start-up, and this rank's shard of it."""
+    choice: Choice
+    shard: Optional[Shard] = None  # this rank's, once `recover` has it
+    path: Optional[Path] = None  # where the owner of rank 0's shard was read
+
+
+class LocalTier:
+    def __init__(self, root: Path, topology: Topology, *, group: Optional[dist.ProcessGroup],
+                 interval: int, keep: int, events, device: torch.device):
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-local",
+                                           initializer=save_thread_setup, initargs=(device,))
+        self.coll = Collectives(group, self.executor)
+        self.topology, self.keep, self.events = topology, keep, events
+        self.rank = self.coll.rank
+        self.store = NodeStore(root / f"node_{topology.node_of(self.rank)}")
+        self.mine = [self.rank, *topology.sources(self.rank)]  # the shards this rank writes
+        self.cadence = Cadence(interval)
+        self.buffer: Optional[torch.Tensor] = None  # staging, reused by every save
+        self.recv_buffers: dict[int, torch.Tensor] = {}
+        self.pending: Optional[Future] = None
+        self.staged: Optional[threading.Event] = None
+        self.report: Optional[SaveReport] = None
+        self.abandoned = False
+        self.loaded: dict[int, Shard] = {}  # start-up: shards of the chosen step, by owner
+
+    # --- saving --------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return self.cadence.due(step)
+
+    def save(self, state: TrainingState, step: int) -> None:
+        """Start saving this rank's state after `step` as a local step:
+        staged, written, replicated and committed on the tier's thread; the
+        loop waits only for the staging copy, at its next optimizer step."""
+        started = time.perf_counter()
+        self.wait()
+        self.cadence.saving(step)
+        # The RNG is global to the process: read it here, before the next
+        # step draws from it. The rest is read on the tier's thread before
+        # the staging copy is done, which the next optimizer step awaits.
+        rng = state.rng_state()
+        self.staged, self.report = threading.Event(), SaveReport(self.events,
+                                                                  "local_checkpoint_saved")
+        self.pending = self.executor.submit(self._stage_write_replicate, state, rng, started,
+                                            self.staged, self.report)
+        self._held(time.perf_counter() - started, self.report)
+
+    def _held(self, seconds: float, report: SaveReport) -> None:
+        report.loop_held(seconds)
+        self.cadence.held(seconds)
+
+    def before_update(self) -> None:
+        """Before the optimizer changes the weights: the staging copy must be done."""
+        if self.staged is None:
+            return
+        started = time.perf_counter()
+        with self.report.loop_waiting():
+            wait_for(self.staged)
+        self.cadence.held(time.perf_counter() - started)
+        self.staged = self.report = None
+
+    def wait(self) -> None:
+        self.before_update()
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            started = time.perf_counter()
+            wait_for(pending)
+            self.cadence.held(time.perf_counter() - started)
+
+    def _stage_write_replicate(self, state: TrainingState, rng: dict, started: float,
+                               staged: threading.Event, report: SaveReport) -> None:
+        try:
+            run = state.run_state()
+            meta = {"format": SHARD_FORMAT, "version": 1, "step": run.step, "owner": self.rank,
+                    "world": self.coll.world, "layout": run.layout, "run": run.to_manifest(),
+                    "rank_state": rng}
+            self.buffer, meta["rects"] = stage(training_rects(state, include_copies=True),
+                                               self.buffer)
+        finally:
+            staged.set()
+        add_checksums(self.buffer, meta["rects"])
+        own = Shard(meta, self.buffer)
+        self.store.write(own)
+        replica_started = time.perf_counter()
+        received = self._replicate(own)
+        for shard in received:
+            problem = shard_problem(shard)
+            if problem:  # never committed: the previous step's replica stands
+                raise fmt.CheckpointError(f"the replica of rank {shard.owner}'s step "
+                                          f"{shard.step} arrived damaged: {problem}")
+            self.store.write(shard)
+        replica_s = time.perf_counter() - replica_started
+        self.store.retain(self.keep, self.rank, self.mine)
+        figures = (own.data.numel(), sum(s.data.numel() for s in received),
+                   time.perf_counter() - started, replica_s)
+        gathered = self.coll.gather(figures)
+        if self.rank == 0 and not self.abandoned:
+            report.saved(step=meta["step"], bytes=sum(g[0] for g in gathered),
+                         replica_bytes=sum(g[1] for g in gathered),
+                         seconds=max(g[2] for g in gathered),
+                         replication_seconds=max(g[3] for g in gathered),
+                         replicas=self.topology.copies, path=str(self.store.root.parent))
+
+    def _replicate(self, own: Shard) -> list[Shard]:
+        """Send this rank's shard to its peers and take in its sources'."""
+        peers, sources = self.topology.peers(self.rank), self.topology.sources(self.rank)
+        if not peers:
+            return []
+        meta = encode_meta(own.meta)
+        heads = {src: torch.empty(2, dtype=torch.int64) for src in sources}
+        self.coll.exchange([(p, 0, header(meta, own.data)) for p in peers],
+                           [(s, 0, heads[s]) for s in sources])
+        metas = {s: torch.empty(int(heads[s][0]), dtype=torch.uint8) for s in sources}
+        for s in sources:
+            size = int(heads[s][1])
+            if s not in self.recv_buffers or self.recv_buffers[s].numel() != size:
+                self.recv_buffers[s] = torch.empty(size, dtype=torch.uint8)
+        self.coll.exchange([x for p in peers for x in ((p, 1, meta), (p, 2, own.data))],
+                           [x for s in sources for x in ((s, 1, metas[s]),
+                                                         (s, 2, self.recv_buffers[s]))])
+        return [Shard(decode_meta(metas[s]), self.recv_buffers[s]) for s in sources]
+
+    # --- start-up ------------------------------------------------------------------
+
+    def find(self, layout: dict) -> Choice:
+        """Collective: the newest local step every rank can recover at this
+        layout, checksums verified; this rank keeps what it holds of it."""
+        self.store.clean_partials(self.mine)
+        reports = self.coll.all_gather(self.store.report(layout, self.coll.world))
+        verified: set[int] = set()
+        while True:
+            choice = complete_step(reports, self.coll.world)
+            if choice.step is None or choice.step in verified:
+                return choice
+            step = choice.step
+            self.loaded.clear()  # of a step found wanting
+            mine = {owner: self._verified(step, owner)
+                    for owner, problem in reports[self.rank].get(step, {}).items()
+                    if problem is None}
+            for rank, found in enumerate(self.coll.all_gather(mine)):
+                if found:
+                    reports[rank][step].update(found)
+            verified.add(step)
+
+    def _verified(self, step: int, owner: int) -> Optional[str]:
+        try:
+            shard = self.store.read(step, owner)
+        except (OSError, ValueError, fmt.CheckpointError) as err:
+            return f"reading it failed: {err}"
+        problem = shard_problem(shard)
+        if problem is None:
+            self.loaded[owner] = shard
+        return problem
+
+    def recover(self, choice: Choice, state: TrainingState) -> RunState:
+        """Collective: shards move from holders to owners whose own copy is
+        missing or bad; each rank loads its own."""
+        sends, recvs, heads = [], [], {}
+        for holder, owner in transfers(choice.sources):
+            if holder == self.rank:
+                meta = encode_meta(self.loaded[owner].meta)
+                sends.append((owner, 0, header(meta, self.loaded[owner].data)))
+                sends += [(owner, 1, meta), (owner, 2, self.loaded[owner].data)]
+            if owner == self.rank:
+                heads[holder] = torch.empty(2, dtype=torch.int64)
+                recvs.append((holder, 0, heads[holder]))
+        # Headers first (sizes), then payloads; sends of both go out at once.
+        self.coll.exchange([s for s in sends if s[1] == 0], recvs)
+        payload = []
+        for holder, head in heads.items():
+            payload += [(holder, 1, torch.empty(int(head[0]), dtype=torch.uint8)),
+                        (holder, 2, torch.empty(int(head[1]), dtype=torch.uint8))]
+        self.coll.exchange([s for s in sends if s[1] > 0], payload)
+        shard = self._own_shard(choice, payload)
+        unpack_into(shard, training_rects(state, include_copies=True))
+        saved = saved_run_state(shard)
+        state.restore(saved)
+        self.loaded.clear()
+        return saved
+
+    def _own_shard(self, choice: Choice, payload: list) -> Shard:
+        holder = choice.sources[self.rank]
+        if holder == self.rank:
+            return self.loaded[self.rank]
+        (_, _, meta), (_, _, data) = payload  # from the one holder of this rank's shard
+        shard = Shard(decode_meta(meta), data)
+        problem = shard_problem(shard)
+        if problem:
+            raise fmt.CheckpointError(f"rank {self.rank}'s shard of step {choice.step} arrived "
+                                      f"from rank {holder} damaged: {problem}")
+        self.store.write(shard)  # this node holds its own shard again
+        return shard
+
+    def discard_after(self, step: Optional[int]) -> None:
+        """The run resumed from `step` (None: from scratch): later local steps
+        are from an abandoned future and must never be chosen. Shards read
+        at start-up are let go."""
+        self.loaded.clear()
+        self.store.discard_after(-1 if step is None else step, self.mine)
+
+    # --- ending ----------------------------------------------------------------------
+
+    def remove_all(self) -> None:
+        """The run finished with a global checkpoint of its last step: this
+        rank's local shards are no longer needed (they hold memory)."""
+        self.discard_after(None)
+        for path in (self.store.root, self.store.root.parent):
+            try:
+                path.rmdir()
+            except OSError:
+                pass  # other ranks' shards still there
+
+    def close(self) -> None:
+        if not self.abandoned:
+            self.wait()
+        self.executor.shutdown(wait=not self.abandoned)
+
+    def abandon(self) -> None:
+        """The job failed: do not wait for the save in flight (its peers may be
+        gone) and do not report it; the committed local steps stand."""
+        self.abandoned = True
+        self.pending = self.staged = self.report = None

@@ -1,0 +1,120 @@
+"""Who holds whose local shards, and how they move between ranks.
+
+Pure bookkeeping (no I/O, no process group): the node topology (node = the
+ranks of one launcher agent, or `ranks_per_node` simulated on one machine),
+which peers a rank replicates to, which local step every rank can recover
+and from whom, and a shard's wire form (two uint8/int64 tensors, for
+point-to-point sends on the local tier's own process group).
+
+A rank's replicas go to the rank with the same local rank on the next
+`replicas` nodes (ring order), so every node holds exactly `replicas` copies
+of each other node's shards and losing any `replicas` nodes loses no shard.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Topology:
+    world: int
+    ranks_per_node: int
+    replicas: int  # requested; `copies` is what the node count allows
+
+    def __post_init__(self):
+        if self.world % self.ranks_per_node:
+            raise ValueError(f"checkpoint.local.ranks_per_node: {self.ranks_per_node} does not "
+                             f"divide the world size {self.world}. Fix: choose a divisor of "
+                             f"{self.world} (or 0 to read LOCAL_WORLD_SIZE)")
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.ranks_per_node
+
+    @property
+    def copies(self) -> int:
+        """Replicas actually kept: one per other node at most."""
+        return min(self.replicas, self.nodes - 1)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def peers(self, rank: int) -> list[int]:
+        """The ranks that hold copies of `rank`'s shards."""
+        return [(rank + i * self.ranks_per_node) % self.world for i in range(1, self.copies + 1)]
+
+    def sources(self, rank: int) -> list[int]:
+        """The ranks whose shards `rank` holds copies of (same order as peers)."""
+        return [(rank - i * self.ranks_per_node) % self.world for i in range(1, self.copies + 1)]
+
+
+def ranks_per_node(configured: int, world: int, local_world_size: Optional[str]) -> int:
+    """`checkpoint.local.ranks_per_node`, or the launcher agent's
+    LOCAL_WORLD_SIZE, or (neither) the whole world on one node."""
+    if configured:
+        return configured
+    return int(local_world_size) if local_world_size else world
+
+
+# --- choosing the step ----------------------------------------------------------------
+
+# What a rank reports holding: {step: {owner rank: None (valid) or why not}}.
+Holdings = dict[int, dict[int, Optional[str]]]
+
+
+@dataclass
+class Choice:
+    """The newest local step every rank can recover, and from whom."""
+    step: Optional[int]
+    sources: dict[int, int]  # owner rank -> the rank that provides its shard
+    skipped: list[str]  # newer steps that could not be used, and why
+
+
+def complete_step(reports: list[Holdings], world: int) -> Choice:
+    """The newest step for which every owner rank has a valid shard on some
+    rank; each owner takes its own copy when valid, else the lowest-ranked
+    holder of a valid replica."""
+    skipped = []
+    for step in sorted({s for report in reports for s in report}, reverse=True):
+        holders = {owner: [] for owner in range(world)}
+        problems = []
+        for rank, report in enumerate(reports):
+            for owner, problem in report.get(step, {}).items():
+                if owner not in holders:
+                    problems.append(f"rank {rank} holds a shard of rank {owner}, outside the world")
+                elif problem is None:
+                    holders[owner].append(rank)
+                else:
+                    problems.append(f"rank {rank}'s copy of rank {owner}: {problem}")
+        missing = [owner for owner, found in holders.items() if not found]
+        if not missing:
+            sources = {owner: owner if owner in found else min(found)
+                       for owner, found in holders.items()}
+            return Choice(step, sources, skipped)
+        detail = f" ({'; '.join(problems[:4])})" if problems else ""
+        skipped.append(f"local step {step}: no valid shard of rank(s) {missing}{detail}")
+    return Choice(None, {}, skipped)
+
+
+def transfers(sources: dict[int, int]) -> list[tuple[int, int]]:
+    """(holder, owner) pairs where a shard must move to its owner."""
+    return sorted((holder, owner) for owner, holder in sources.items() if holder != owner)
+
+
+# --- wire form --------------------------------------------------------------------------
+
+def encode_meta(meta: dict) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
+
+
+def decode_meta(data: torch.Tensor) -> dict:
+    return json.loads(bytes(data.numpy()).decode())
+
+
+def header(meta: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """The sizes a receiver allocates for before the payload arrives."""
+    return torch.tensor([meta.numel(), data.numel()], dtype=torch.int64)

@@ -1,0 +1,239 @@
+"""The node-local checkpoint tier: shards, replication, which step a restart
+takes from which tier, and recovery of a lost node from its peers."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megaresil.checkpoint.local_tier import (Cadence, NodeStore, Shard, add_checksums,
+                                             shard_problem, stage, unpack_into)
+from megaresil.checkpoint.replication import Topology, complete_step, transfers
+from megaresil.checkpoint.sharded import Rect
+from megaresil.events import read_events, read_metrics
+from megaresil.ports import free_port
+
+LAYOUT = {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
+
+
+def rects(seed: float) -> list[Rect]:
+    return [Rect("model/w", (4, 6), (0, 2), torch.full((4, 3), seed)),
+            Rect("optim/m", (5,), (0,), torch.arange(5, dtype=torch.float64) + seed),
+            Rect("model/h", (3,), (0,), torch.tensor([1.0, 2.0, seed]).bfloat16())]
+
+
+def shard(step: int, owner: int, seed: float = 1.0, layout: dict = LAYOUT) -> Shard:
+    data, records = stage(rects(seed), None)
+    add_checksums(data, records)
+    return Shard({"format": "megaresil-local-shard", "step": step, "owner": owner,
+                  "world": layout["world_size"], "layout": layout, "rects": records,
+                  "run": {}, "rank_state": {}}, data.clone())
+
+
+# --- unit: topology and the choice of step -------------------------------------------------
+
+def test_replicas_go_to_other_nodes_and_at_most_one_per_other_node():
+    t = Topology(world=8, ranks_per_node=2, replicas=2)
+    for rank in range(8):
+        assert [t.node_of(p) for p in t.peers(rank)] and all(
+            t.node_of(p) != t.node_of(rank) for p in t.peers(rank))
+        assert all(rank in t.peers(s) for s in t.sources(rank))
+    assert Topology(world=4, ranks_per_node=2, replicas=3).copies == 1  # only one other node
+    assert Topology(world=4, ranks_per_node=4, replicas=1).peers(0) == []  # one node: none
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        Topology(world=6, ranks_per_node=4, replicas=1)
+
+
+def test_newest_step_complete_for_every_rank_own_copy_first_else_a_replica():
+    # Rank 0 holds its own shard and rank 1's replica; rank 1 lost step 6 (node loss).
+    reports = [{5: {0: None, 1: None}, 6: {0: None, 1: None}}, {5: {1: None, 0: None}}]
+    choice = complete_step(reports, world=2)
+    assert choice.step == 6 and choice.sources == {0: 0, 1: 0}
+    assert transfers(choice.sources) == [(0, 1)]
+    # Rank 0's own step-6 shard is corrupt and nobody else holds it: step 5, saying why.
+    reports[0][6][0] = "checksum mismatch in model/w"
+    choice = complete_step(reports, world=2)
+    assert choice.step == 5 and choice.sources == {0: 0, 1: 1}
+    assert "step 6" in choice.skipped[0] and "checksum mismatch" in choice.skipped[0]
+
+
+def test_a_different_layout_is_no_local_step_so_the_global_tier_serves(tmp_path):
+    """Elastic shrink: shards saved by 4 ranks do not fit 2; the local tier
+    offers nothing and says why (resume then takes the global tier)."""
+    store = NodeStore(tmp_path / "node_0")
+    four = {**LAYOUT, "dp": 4, "world_size": 4}
+    store.write(shard(7, 0, layout=four))
+    store.write(shard(7, 1, layout=four))
+    report = store.report(LAYOUT, world=2)
+    assert "another layout" in report[7][0]
+    choice = complete_step([report, {}], world=2)
+    assert choice.step is None and "another layout" in choice.skipped[0]
+
+
+# --- unit: the shard on disk -----------------------------------------------------------------
+
+def test_shard_round_trip_is_bit_exact_and_a_partial_write_is_never_held(tmp_path):
+    store = NodeStore(tmp_path)
+    store.write(shard(3, 1, seed=2.5))
+    (tmp_path / "step_0000004" / "rank_00001.partial").mkdir(parents=True)  # a save that died
+    assert store.held() == {3: [1], 4: []}
+    back = store.read(3, 1)
+    assert shard_problem(back) is None
+    targets = [Rect(r.key, r.global_shape, r.offset, torch.zeros_like(r.tensor))
+               for r in rects(2.5)]
+    unpack_into(back, targets)
+    for t, r in zip(targets, rects(2.5)):
+        assert t.tensor.dtype == r.tensor.dtype and torch.equal(t.tensor, r.tensor)
+    store.clean_partials([1])
+    assert not (tmp_path / "step_0000004" / "rank_00001.partial").exists()
+
+
+def test_a_flipped_byte_fails_the_checksum(tmp_path):
+    store = NodeStore(tmp_path)
+    store.write(shard(3, 0))
+    flip_byte(store.shard_dir(3, 0) / "data.bin")
+    assert "checksum mismatch" in shard_problem(store.read(3, 0))
+    assert store.report(LAYOUT, 2) == {3: {0: None}}  # cheap check passes: verified later
+
+
+def test_retention_keeps_the_newest_steps_of_what_this_rank_writes(tmp_path):
+    store = NodeStore(tmp_path)
+    for step in range(1, 5):
+        for owner in (0, 2, 1):  # rank 0's own, its replica of rank 2; rank 1 shares the node
+            store.write(shard(step, owner))
+        store.retain(keep=2, owner=0, owners=[0, 2])
+    held = store.held()
+    assert {s: o for s, o in held.items() if 0 in o or 2 in o} == {3: [0, 1, 2], 4: [0, 1, 2]}
+    assert held[1] == held[2] == [1]  # another rank's shards are its own to retire
+
+
+def test_adaptive_interval_is_the_smallest_keeping_the_hold_within_five_percent(monkeypatch):
+    clock = iter(float(i) for i in range(100))  # due() is called one second apart
+    monkeypatch.setattr("megaresil.checkpoint.local_tier.time.perf_counter", lambda: next(clock))
+    cadence = Cadence(interval=0)
+    assert cadence.due(1)
+    cadence.saving(1)
+    cadence.held(0.2)  # the save held the loop 0.2 s of a 1 s step (0.8 s of work)
+    assert cadence.due(2)  # every step until a save's hold is known
+    cadence.saving(2)
+    cadence.held(0.2)
+    every, work = cadence.every, 0.8
+    assert 0.2 / every <= 0.05 * work < 0.2 / (every - 1)
+    assert [s for s in range(3, 3 + every) if cadence.due(s)] == [2 + every]
+    cheap = Cadence(interval=0)
+    cheap.due(1), cheap.saving(1), cheap.held(0.01), cheap.due(2), cheap.saving(2)
+    assert cheap.every == 1
+    assert [s for s in range(1, 7) if Cadence(interval=3).due(s)] == [3, 6]
+
+
+def flip_byte(path: Path, at: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# --- end to end: 4 ranks on 2 simulated nodes ---------------------------------------------
+
+LOCAL = ["parallel.tp=2", "parallel.dp=2", "train.steps=9", "checkpoint.interval=4",
+         "checkpoint.local.enabled=true", "checkpoint.local.interval=1",
+         "checkpoint.local.ranks_per_node=2", "checkpoint.local.replicas=1",
+         "checkpoint.local.keep=2"]
+
+
+def _phases(rank: int, world: int, port: int, out: str) -> None:
+    """The reference run, then a run stopped and resumed four times, the
+    local tier's storage damaged differently before each resume."""
+    from tests.dist_harness import RECIPE, TINY
+    from megaresil.config import load_recipe
+    from megaresil.parallel.layout import ParallelLayout
+    from megaresil.train.loop import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = Path(out)
+    local = out / "local" / "node_0", out / "local" / "node_1"
+
+    def run(run_dir: str, *extra: str) -> None:
+        cfg = load_recipe(RECIPE, TINY + LOCAL + [f"run.dir={out / run_dir}",
+                                                  f"checkpoint.local.dir={out / 'local'}",
+                                                  *extra])
+        Trainer(cfg, ParallelLayout.from_config(cfg.parallel, torch.device("cpu"))).run()
+        dist.barrier()
+
+    def on_rank0(action) -> None:
+        if rank == 0:
+            action()
+        dist.barrier()
+
+    shard_data = lambda node, step, owner: local[node] / f"step_{step:07d}" / f"rank_{owner:05d}" / "data.bin"
+    run("reference", "checkpoint.local.enabled=false")
+    run("faulted", "train.exit_at_step=6")
+    # The global save of step 6 never happened; node 1 is lost with its storage.
+    on_rank0(lambda: (fmt_rmtree(out / "faulted" / "checkpoints" / "step_0000006"),
+                      fmt_rmtree(local[1])))
+    run("faulted", "train.exit_at_step=7")
+    on_rank0(lambda: flip_byte(shard_data(0, 7, 0), at=100))  # rank 0's own copy of step 7
+    run("faulted", "train.exit_at_step=8")
+    # Every copy of rank 1's steps 7 and 8 (its own on node 0, its replica on node 1).
+    on_rank0(lambda: [flip_byte(shard_data(node, step, 1), at=5)
+                      for node in (0, 1) for step in (7, 8)])
+    run("faulted")
+    dist.destroy_process_group()
+
+
+def fmt_rmtree(path: Path) -> None:
+    import shutil
+    shutil.rmtree(path)
+
+
+@pytest.mark.slow
+def test_restarts_take_the_newest_recoverable_step_from_either_tier_bit_exact(tmp_path):
+    mp.start_processes(_phases, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True,
+                       start_method="spawn")
+    loads = [e for e in read_events(tmp_path / "faulted") if e["event"] == "checkpoint_loaded"]
+    got = [(e["tier"], e["step"], e.get("from_replicas")) for e in loads]
+    assert got == [("local", 6, [2, 3]),  # node 1 lost: its ranks' shards from node 0
+                   ("local", 7, [0]),  # a corrupt own shard: the replica; local beats equal global
+                   ("global", 8, None)], got  # no step with every rank: the global tier
+    assert "rank(s) [1]" in loads[2]["skipped"]["local"]
+    assert "not newer" in loads[0]["skipped"]["global"]
+
+    # Bit for bit the reference: every step's loss and the final checkpoint.
+    losses = lambda run: {r["step"]: r["loss"] for r in read_metrics(tmp_path / run)
+                          if "loss" in r}
+    assert losses("faulted") == losses("reference")
+    from megaresil.checkpoint.diff import diff_checkpoints
+    final = [tmp_path / run / "checkpoints" / "step_0000009" for run in ("reference", "faulted")]
+    assert diff_checkpoints(*final).identical
+
+    # The local tier wrote nothing in the shared checkpoint directory, and
+    # released its shards once the run finished with a global checkpoint.
+    shared = {p.name for p in (tmp_path / "faulted" / "checkpoints").iterdir()}
+    assert shared == {"latest", "step_0000004", "step_0000007", "step_0000008", "step_0000009"}
+    assert [p for p in (tmp_path / "local").rglob("*") if p.is_file()] == []
+    saves = [e for e in read_events(tmp_path / "faulted") if e["event"] == "local_checkpoint_saved"]
+    assert saves and all(e["replicas"] == 1 and e["replica_bytes"] == e["bytes"] for e in saves)
+
+
+def test_settings_that_cannot_work_are_refused_naming_the_key(tmp_path):
+    from tests.dist_harness import RECIPE, TINY
+    from megaresil.config import ConfigError, load_recipe
+    from megaresil.train.checkpointing import local_root
+
+    with pytest.raises(ConfigError, match="checkpoint.local.ranks_per_node"):
+        load_recipe(RECIPE, TINY + ["parallel.dp=4", "train.global_batch_size=8",
+                                    "checkpoint.local.ranks_per_node=3"])
+    with pytest.raises(ConfigError, match="checkpoint.local.keep"):
+        load_recipe(RECIPE, TINY + ["checkpoint.local.keep=1"])
+    inside = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}",
+                                         f"checkpoint.local.dir={tmp_path}/checkpoints/local"])
+    with pytest.raises(ConfigError, match="inside the global checkpoint root"):
+        local_root(inside)
+    default = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}"])
+    assert tmp_path not in local_root(default).parents  # node-local, never the run directory
