@@ -10,10 +10,10 @@ ROOT=${ROOT:-/tmp/megaresil-observe-bench}
 OUT=bench/results/observe
 COMMON=(train.steps=30 train.eval_interval=10 checkpoint.interval=10 logging.straggler_interval=5)
 mkdir -p "$OUT"
-python -m megaresil chaos recipes/gpt-tiny.yaml --scenario slow-rank "${COMMON[@]}" \
-  run.dir="$ROOT/slow" | tee "$OUT/slow-rank.txt"
-python -m megaresil chaos recipes/gpt-tiny.yaml --scenario kill-rank "${COMMON[@]}" \
-  run.dir="$ROOT/kill" --reference "$ROOT/slow/reference" | tee "$OUT/kill-rank.txt"
+python -m megaresil chaos recipes/gpt-tiny.yaml "${COMMON[@]}" run.dir="$ROOT/slow" \
+  --scenario slow-rank | tee "$OUT/slow-rank.txt"
+python -m megaresil chaos recipes/gpt-tiny.yaml "${COMMON[@]}" run.dir="$ROOT/kill" \
+  --scenario kill-rank --reference "$ROOT/slow/reference" | tee "$OUT/kill-rank.txt"
 for name in slow kill; do
   scenario=$([ $name = slow ] && echo slow-rank || echo kill-rank)
   rm -rf "$OUT/$scenario"

@@ -174,7 +174,7 @@ def goodput_panel(runs: list[Run]):
             ax.text(left, i, f"  goodput {figures['goodput']:.1%}", va="center", fontsize=8)
         ax.set_yticks(range(len(runs)), [run.name for run in runs])
         ax.set(xlabel="seconds of wall time", title="Goodput: where the wall time went")
-        ax.legend(fontsize=7, ncol=8, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+        ax.legend(fontsize=7, ncol=8, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     return figure(draw, height=2.4 + 0.6 * len(runs))
 
 

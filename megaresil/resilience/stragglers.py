@@ -36,6 +36,8 @@ from megaresil.observe.sections import SectionTime
 
 MIN_EXCESS_S = 0.005  # per step: below this a section's difference is noise, not a straggler
 SKIPPED = ("setup",)
+# Uneven by design (rank 0 commits, replicas split the writes): shown, never a straggler.
+UNEVEN = ("checkpoint",)
 
 
 @dataclass
@@ -86,7 +88,8 @@ def judge(table: list[dict], pp: int, threshold: float) -> dict:
                 table[r]["sections"].get(section, {}).get("cpu_s", 0.0) for r in group)
             ratio = spent["cpu_s"] / median if median > 0 else 1.0
             ratios[rank][section] = ratio
-            if ratio >= threshold and spent["cpu_s"] - median >= MIN_EXCESS_S:
+            if (ratio >= threshold and spent["cpu_s"] - median >= MIN_EXCESS_S
+                    and section not in UNEVEN):
                 slow.append((rank, section, ratio))
         busy = [sum(s["cpu_s"] for s in table[r]["sections"].values()) for r in group]
         mine_busy = sum(s["cpu_s"] for s in mine["sections"].values())
