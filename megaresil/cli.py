@@ -20,6 +20,7 @@ EPILOG = """examples:
   megaresil train recipes/gpt-tiny.yaml train.steps=20 model.num_layers=2
   megaresil config docs
   megaresil data prepare --input corpus.jsonl --json-key text --output data/corpus
+  megaresil report runs/demo --compare runs/other
 """
 
 
@@ -201,6 +202,21 @@ def cmd_soak(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megaresil.observe.report import write_report
+
+    try:
+        page = write_report(Path(args.run_dir), [Path(p) for p in args.compare],
+                            Path(args.out) if args.out else None)
+    except FileNotFoundError as err:
+        print(f"megaresil: error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {page} (and its PNGs beside it)")
+    return 0
+
+
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML, e.g. recipes/gpt-tiny.yaml")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -259,6 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--hogs", type=int, default=0,
                       help="busy CPU processes beside the calibration and faulted runs")
     soak.set_defaults(func=cmd_soak, overrides_anywhere=True)
+
+    report = sub.add_parser("report", help="an HTML page with PNGs of a run: loss/eval "
+                            "curves, throughput and MFU, a timeline of restarts, checkpoints "
+                            "and faults, a per-rank straggler heat map, the goodput breakdown",
+                            description="Writes RUN_DIR/report/index.html (images inlined), "
+                            "one PNG per panel and summary.json.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (run.dir)")
+    report.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR",
+                        help="more runs to overlay (e.g. a reference, other layouts)")
+    report.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    report.set_defaults(func=cmd_report)
 
     config = sub.add_parser("config", help="inspect recipes and the config schema")
     config_sub = config.add_subparsers(dest="config_command", required=True)

@@ -263,9 +263,60 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    enabled: bool = doc(False, "Log every metrics.jsonl figure to Weights & Biases (rank 0; "
+                        "needs `pip install wandb`). A restart continues the same W&B run: its "
+                        "id is kept in run.dir/wandb_run_id.")
+    project: Optional[str] = doc(None, "W&B project (null: W&B's default).")
+    entity: Optional[str] = doc(None, "W&B entity (user or team; null: your default).")
+    name: Optional[str] = doc(None, "W&B run name (null: the run directory's name).")
+    mode: str = doc("online", "online, offline (write under run.dir/wandb, `wandb sync` later) "
+                    "or disabled.")
+
+
+@dataclass
+class MlflowConfig:
+    enabled: bool = doc(False, "Log every metrics.jsonl figure to MLflow (rank 0; needs `pip "
+                        "install mlflow-skinny` or mlflow). A restart continues the same MLflow "
+                        "run: its id is kept in run.dir/mlflow_run_id.")
+    tracking_uri: Optional[str] = doc(None, "MLflow tracking URI, e.g. http://host:5000 or "
+                                      "file:///path/mlruns (null: MLflow's default).")
+    experiment: Optional[str] = doc(None, "MLflow experiment name (null: MLflow's default).")
+
+
+@dataclass
 class LoggingConfig:
-    progress: bool = doc(True, "Progress bar on the console (rank 0).")
+    progress: bool = doc(True, "Progress bar on the console (rank 0); when false, or when the "
+                         "console is not a terminal, a plain line every log_interval steps.")
+    log_interval: int = doc(10, "Steps between plain console lines (step, loss, lr, grad norm, "
+                            "tok/s, MFU, step time).", bounds=POSITIVE)
     tensorboard: bool = doc(True, "Write TensorBoard scalars to run.dir/tb/.")
+    peak_tflops: Optional[float] = doc(None, "Peak TFLOP/s of one device (one rank) that MFU is "
+                                       "measured against, e.g. 989 for an H100/H200 in bf16; "
+                                       "null: measured once by a short matmul probe and cached "
+                                       "in data.cache_dir/peak_tflops.json.", bounds=POSITIVE)
+    straggler_interval: int = doc(10, "Every this many steps the ranks exchange their section "
+                                  "times (one small all-gather) and rank 0 scores them "
+                                  "(run.dir/stragglers.jsonl); 0 disables straggler detection.",
+                                  bounds=NON_NEGATIVE)
+    straggler_threshold: float = doc(1.5, "A rank whose training thread spends this many times "
+                                     "the median rank's time in a section is slow there.",
+                                     bounds=Bounds(1, low_open=True))
+    straggler_windows: int = doc(2, "Consecutive slow windows before `straggler_detected` is "
+                                 "written (once per rank and section while it lasts).",
+                                 bounds=POSITIVE)
+    wandb: WandbConfig = section(WandbConfig, "Weights & Biases.")
+    mlflow: MlflowConfig = section(MlflowConfig, "MLflow.")
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = doc(False, "Run torch.profiler over steps start_step .. start_step+steps-1 "
+                        "and write a trace per rank to run.dir/profile/ (open it in "
+                        "https://ui.perfetto.dev or TensorBoard's profiler plugin).")
+    start_step: int = doc(3, "First profiled step (after warm-up).", bounds=POSITIVE)
+    steps: int = doc(2, "Steps profiled.", bounds=POSITIVE)
+    ranks: list[int] = doc([0], "Ranks that profile (a trace per rank).")
 
 
 @dataclass
@@ -332,7 +383,9 @@ class RecipeConfig:
     optimizer: OptimizerConfig = section(OptimizerConfig, "AdamW and LR schedule.")
     train: TrainConfig = section(TrainConfig, "Training loop.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Distributed checkpointing.")
-    logging: LoggingConfig = section(LoggingConfig, "Console and TensorBoard output.")
+    logging: LoggingConfig = section(LoggingConfig, "Console, TensorBoard, W&B and MLflow "
+                                     "output; MFU and straggler detection.")
+    profile: ProfileConfig = section(ProfileConfig, "torch.profiler traces of chosen steps.")
     run: RunConfig = section(RunConfig, "Run directory.")
     resilience: ResilienceConfig = section(ResilienceConfig, "Detect, restart, recover.")
     faults: list[dict[str, Any]] = doc([], "Injected faults: a list of {kind, rank, step, "
@@ -631,9 +684,20 @@ def _validate_faults(faults: list[dict]) -> None:
                  f"{fault.get('mode')!r} is not a hang mode.", "use sleep, collective or gil.")
 
 
+def _validate_observing(cfg: RecipeConfig) -> None:
+    _require(cfg.logging.wandb.mode in WANDB_MODES, "logging.wandb.mode",
+             f"{cfg.logging.wandb.mode!r} is not a W&B mode.", f"use one of {list(WANDB_MODES)}.")
+    bad = [r for r in cfg.profile.ranks if not (isinstance(r, int) and r >= 0)]
+    _require(not bad, "profile.ranks", f"{bad} are not ranks.", "give ranks as integers >= 0.")
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
 def validate(cfg: RecipeConfig) -> None:
     """Cross-field rules; raises `ConfigError` naming the key and the fix."""
     _validate_bounds(cfg)
+    _validate_observing(cfg)
     _validate_optimizer(cfg.optimizer)
     _validate_model(cfg.model, cfg.parallel)
     _validate_batch(cfg)

@@ -21,6 +21,8 @@ FORBIDDEN = {
     "model": {"train", "checkpoint"},
     "checkpoint": {"train", "resilience"},
     "resilience": {"train"},
+    # Seeing a run reads its records and recipe; it drives nothing.
+    "observe": {"train", "resilience", "checkpoint", "data"},
 }
 # The wiring: the only parts that know every other part, so nothing else knows them.
 WIRING = {"launch", "cli", "__main__"}

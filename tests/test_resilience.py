@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +24,8 @@ FLOOR_S = 1.0
 SMALL = ["recipes/gpt-tiny.yaml", "parallel.tp=1", "parallel.pp=1", "parallel.dp=2",
          "train.steps=8", "logging.tensorboard=false", "train.eval_batches=0",
          f"resilience.watchdog.floor_s={FLOOR_S}", "resilience.watchdog.calibration_steps=2",
-         "data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8"]
+         "data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8",
+         "logging.straggler_interval=2"]
 SCENARIOS = ["kill-rank", "raise-in-rank", "hang-in-collective", "hang-outside-collective",
              "hang-holding-gil", "slow-rank", "sigterm", "corrupt-latest-checkpoint",
              "kill-during-checkpoint-save", "node-loss"]
@@ -52,9 +54,15 @@ def test_chaos_scenario_recovers_exactly(cli, chaos_root, scenario):
     events = [e["event"] for e in read_events(report["faulted"])]
     assert "run_finished" in events
     assert "fault_injected" in events or scenario == "node-loss"
-    if scenario == "slow-rank":  # slow but progressing: no alarm, no restart
+    assert (Path(report["report"]).parent / "stragglers.png").exists()
+    if scenario == "slow-rank":  # slow but progressing: no alarm, no restart; named
         assert report["hang_detected"] == 0 and report["restart_kind"] == "none"
+        assert report["stragglers"] == [1]
         return
+    if scenario == "raise-in-rank":  # goodput accounts for the measured restart time
+        goodput = json.loads((Path(report["faulted"]) / "goodput.json").read_text())
+        assert goodput["interruptions"] == 1
+        assert goodput["restarts_s"] == pytest.approx(report["restart_time_s"], rel=0.1)
     assert report["detection_latency_s"] is not None
     if scenario.startswith("hang"):
         assert report["detection_latency_s"] <= FLOOR_S + 2.0

@@ -28,6 +28,7 @@ from megaresil.events import read_events
 from megaresil.ports import free_port
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.events import read_metrics
+from megaresil.observe.report import write_report
 
 DETECTIONS = ("hang_detected", "worker_error", "preempted")
 
@@ -248,6 +249,7 @@ def analyse(reference: Path, faulted: Path, scenario: Scenario,
         ("requeue" if scenario.requeue_after_exit else "none"),
         "hang_detected": len(hangs), "culprit_ranks": hangs[0]["culprit_ranks"] if hangs else [],
         "checkpoints_skipped": [e["path"] for e in events if e["event"] == "checkpoint_skipped"],
+        "stragglers": sorted({e["rank"] for e in events if e["event"] == "straggler_detected"}),
     }
 
 
@@ -284,6 +286,7 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
                                 requeues=int(scenario.requeue_after_exit))[-1].exit_code
     result = {**analyse(reference, faulted, scenario, fault_time), "exit_code": code,
               "reference": str(reference), "faulted": str(faulted)}
+    result["report"] = str(write_report(faulted, [reference]))
     (root / f"chaos-{name}.json").write_text(json.dumps(result, indent=1))
     (root / "chaos.json").write_text(json.dumps(result, indent=1))
     return result
@@ -300,5 +303,7 @@ def format_result(r: dict) -> str:
         f"steps lost        {r['steps_lost']}",
         f"restart kind      {r['restart_kind']}",
         f"hangs detected    {r['hang_detected']} (culprits {r['culprit_ranks']})",
+        f"stragglers        {r['stragglers'] or 'none'}",
         f"final loss        {r['final_loss']!r} vs reference {r['reference_final_loss']!r}: "
-        f"{'equal' if r['final_loss_equal'] else 'DIFFERENT'}"])
+        f"{'equal' if r['final_loss_equal'] else 'DIFFERENT'}",
+        f"report            {r['report']}"])

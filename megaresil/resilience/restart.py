@@ -46,6 +46,7 @@ from megaresil.parallel.layout import backend_for
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.incidents import is_abort
 from megaresil.resilience.preemption import PreemptionFlag
+from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog import Watchdog, raise_in_thread
 
@@ -214,7 +215,11 @@ class WorkerLife:
         self.watchdog = (Watchdog(wd, rank=rank, world=world, store=self.store,
                                   run_dir=self.run_dir, events=self.events,
                                   exit_on_hang=None if res.in_process else HANG_EXIT_CODE,
-                                  workload=workload(cfg))
+                                  workload=workload(cfg),
+                                  stragglers=StragglerDetector(cfg.logging, rank=rank,
+                                                               run_dir=self.run_dir,
+                                                               events=self.events,
+                                                               pp=cfg.parallel.pp))
                          if wd.enabled else None)
         self.generation = 0
 

@@ -41,6 +41,7 @@ from megaresil.checkpoint.diff import diff_checkpoints
 from megaresil.checkpoint.format import committed_checkpoints, step_dir_name
 from megaresil.config import RecipeConfig, load_recipe
 from megaresil.events import read_events
+from megaresil.observe.report import write_report
 from megaresil.resilience.chaos import (DETECTIONS, Launch, measure_recovery, run_training,
                                         run_with_requeue, step_records)
 from megaresil.resilience.faults import fault_id
@@ -331,6 +332,7 @@ def run_soak(recipe: str, overrides: list[str], *, minutes: float, seed: int,
                   calibration=asdict(cal), reference_exit_code=ref_launch.exit_code,
                   schedule=placed, faulted=str(root / "faulted"), reference=str(reference))
     report["ok"] = report["ok"] and ref_launch.exit_code == 0
+    report["report"] = str(write_report(root / "faulted", [reference], root / "report"))
     (root / "soak.json").write_text(json.dumps(report, indent=1))
     return report
 
@@ -509,6 +511,7 @@ def format_report(r: dict) -> str:
         f"losses {'identical' if not r['steps_with_different_loss'] else 'DIFFERENT'} over "
         f"the reference's {r['reference_steps']} steps "
         f"(final {r['final_loss']!r} vs reference {r['reference_final_loss']!r})",
+        f"report: {r.get('report', '-')}",
         f"verdict: {'PASS' if r['ok'] else 'FAIL'}"]
     for alarm in r["false_alarms"]:
         lines.append(f"false alarm: {json.dumps(alarm)[:400]}")

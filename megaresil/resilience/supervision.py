@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from megaresil.observe.sections import SectionClock, SectionTime
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.watchdog import Watchdog
@@ -22,14 +23,17 @@ class Supervision:
     generation: int = 0  # restarts so far in this run directory
     on_first_step: Optional[Callable[[], None]] = None  # the generation made progress
     steps: int = 0  # steps completed in this generation
+    clock: SectionClock = field(default_factory=SectionClock)
+    step_times: dict[str, SectionTime] = field(default_factory=dict)  # the last step's
 
     @contextmanager
     def section(self, name: str, step: int):
         if self.watchdog is None:
-            self._enter(name, step)
-            yield
+            with self.clock.measure(name):
+                self._enter(name, step)
+                yield
             return
-        with self.watchdog.section(name, step):
+        with self.watchdog.section(name, step), self.clock.measure(name):
             self._enter(name, step)
             yield
 
@@ -39,8 +43,9 @@ class Supervision:
 
     def step_done(self) -> None:
         self.steps += 1
+        self.step_times = self.clock.take()
         if self.watchdog is not None:
-            self.watchdog.step_done()
+            self.watchdog.step_done(self.step_times, first_of_generation=self.steps == 1)
         if self.steps == 1 and self.on_first_step is not None:
             self.on_first_step()
 

@@ -101,6 +101,8 @@ from megaresil.compat import (abort_process_groups, collective_counts, has_nccl_
                               process_groups, set_gloo_timeout)
 from megaresil.config import SECTIONS, WatchdogConfig
 from megaresil.events import EventLog
+from megaresil.observe.sections import SectionTime
+from megaresil.resilience.stragglers import StragglerDetector
 
 SECTION_ORDER = {name: i for i, name in enumerate(SECTIONS)}
 PROGRESS_CPU_SHARE = 0.02  # CPU seconds per wall second below which a thread is not running
@@ -259,10 +261,12 @@ class Beat:
 class Watchdog:
     def __init__(self, cfg: WatchdogConfig, *, rank: int, world: int, store: dist.Store,
                  run_dir: Path, events: EventLog, exit_on_hang: int | None,
-                 workload: dict | None = None, guardian: bool = True):
+                 workload: dict | None = None, guardian: bool = True,
+                 stragglers: StragglerDetector | None = None):
         self.cfg, self.rank, self.world, self.store = cfg, rank, world, store
         self.hang_dir = Path(run_dir) / "hangs"
         self.events, self.exit_on_hang = events, exit_on_hang
+        self.stragglers = stragglers
         self.slowest: dict[str, float] = {}
         self.steps_seen = 0
         self.measured_on = {"world": world, "workload": workload, "machine": machine_kind()}
@@ -301,13 +305,21 @@ class Watchdog:
     def exempt_group(self, group) -> None:
         self.exempt.add(group)
 
-    def step_done(self) -> None:
+    def step_done(self, times: dict[str, SectionTime] | None = None,
+                  first_of_generation: bool = False) -> None:
+        """A step completed; with its section times, every
+        logging.straggler_interval steps the ranks compare them (a collective)."""
         self.steps_seen += 1
+        if self.stragglers is not None and times is not None:
+            step = self.current[1]
+            self.stragglers.step_done(step, times, warm_up=first_of_generation or step == 1)
 
     def begin_generation(self, generation: int) -> None:
         self.current = ("setup", self.current[1], time.monotonic())
         self.alarm, self.peers, self.next_heartbeat = None, {}, 0.0
         self.generation, self.aborted = generation, False
+        if self.stragglers is not None:
+            self.stragglers.restart()
 
     def pause(self) -> None:
         """Leave the generation: peers stop counting this rank as a culprit."""

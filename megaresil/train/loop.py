@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -26,7 +27,10 @@ from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, sync_tied_embedding_grads
 from megaresil.resilience.supervision import Supervision
 from megaresil.train import checkpointing
-from megaresil.train.metrics import MetricsLog
+from megaresil.observe.goodput import write_goodput
+from megaresil.observe.profiler import StepProfiler
+from megaresil.observe.sections import record_fields
+from megaresil.train.metrics import MetricsLog, StepFigures
 from megaresil.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
 from megaresil.train.state import TrainerState
 
@@ -180,7 +184,8 @@ class Trainer:
                   "lr": lr_at(step, self.cfg.optimizer, self.cfg.train.steps),
                   "grad_norm": grad_norm,
                   "tokens": self.state.consumed_samples * self.cfg.data.seq_len,
-                  "tokens_per_s": tokens / seconds, "time": time.time()}
+                  "tokens_per_s": tokens / seconds, "step_time_s": seconds,
+                  **record_fields(self.supervision.step_times), "time": time.time()}
         if self.supervision.generation:
             record["restart"] = self.supervision.generation
         return record
@@ -218,19 +223,23 @@ class Trainer:
         (at train.exit_at_step, after saving) or "preempted" (after saving)."""
         t = self.cfg.train
         log = self.open_metrics()
+        profiler = StepProfiler(self.cfg.profile, self.layout.rank, self.run_dir)
         started = time.perf_counter()
         try:
             while self.state.step < t.steps:
-                record = self.train_step()
+                with profiler.step(self.state.step + 1):
+                    record = self.train_step()
                 record["elapsed_s"] = time.perf_counter() - started
                 if log:
                     log.write(record)
                 step = record["step"]
                 if self.should_eval(step):
+                    eval_started = time.perf_counter()
                     with self.supervision.section("eval", step):
                         eval_loss = self.evaluate()
                     if log:
-                        log.write({"step": step, "eval_loss": eval_loss})
+                        log.write({"step": step, "eval_loss": eval_loss, "time": time.time(),
+                                   "eval_time_s": time.perf_counter() - eval_started})
                 # On the training thread's own (world) group: the checkpoint
                 # group belongs to the save thread while a save is in flight.
                 if self.supervision.preempted(None):
@@ -247,6 +256,7 @@ class Trainer:
             self.checkpointer.abandon()  # a failed job does not wait for its save
             raise
         finally:
+            profiler.finish()
             self.close()
             if log:
                 log.close()
@@ -267,16 +277,30 @@ class Trainer:
         if outcome == "finished":
             checkpointing.finish(self)
         if self.layout.rank == 0:
-            event = "run_finished" if outcome == "finished" else "preempted"
-            self.events.emit(event, step=self.state.step)
+            goodput = write_goodput(self.run_dir)
+            if outcome == "finished":
+                self.events.emit("run_finished", step=self.state.step, goodput=goodput)
+            else:
+                self.events.emit("preempted", step=self.state.step)
         return outcome
 
     def open_metrics(self) -> MetricsLog | None:
         if not self.layout.is_logging_rank:
             return None
         (self.run_dir / "recipe.yaml").write_text(to_yaml(self.cfg))
-        return MetricsLog(self.run_dir, self.cfg.logging, total_steps=self.cfg.train.steps,
+        self.events.emit("generation_started", generation=self.supervision.generation,
+                         step=self.state.step, **process_times())
+        return MetricsLog(self.run_dir, self.cfg, StepFigures.for_recipe(self.cfg, self.layout.device),
                           start_step=self.state.step)
+
+
+def process_times() -> dict[str, float]:
+    """When this worker process and the job that launched it started (its
+    parent: the launcher's agent, or torchrun), for goodput's start-up time."""
+    me = psutil.Process()
+    parent = me.parent()
+    return {"process_started": me.create_time(),
+            "launched_at": parent.create_time() if parent else me.create_time()}
 
 
 

@@ -1,51 +1,121 @@
-"""Per-step metrics: `metrics.jsonl` (the contract), TensorBoard scalars and a
-console progress bar. Only the logging rank writes."""
+"""Per-step metrics: `metrics.jsonl` (the contract), the trackers (TensorBoard,
+W&B, MLflow) and the console (a progress bar, or a plain line every
+log_interval steps). Only the logging rank writes.
+
+Each step record gains the figures of observe/flops.py: `tflops` (model
+TFLOP/s per device) and `mfu` (tflops / the device's peak)."""
 from __future__ import annotations
 
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from tqdm import tqdm
 
-from megaresil.config import LoggingConfig
+from megaresil.config import LoggingConfig, Precision, RecipeConfig, to_dict
+from megaresil.observe.flops import achieved_tflops, flops_per_step
+from megaresil.observe.loggers import build_loggers
+from megaresil.observe.memory import peak_memory_mb
+from megaresil.observe.peak import cached_peak_tflops
+
+
+@dataclass
+class StepFigures:
+    """What turns a step's time into TFLOP/s and MFU."""
+    flops_per_step: int
+    devices: int
+    peak_tflops: Optional[float]
+    device: torch.device
+
+    @classmethod
+    def for_recipe(cls, cfg: RecipeConfig, device: torch.device) -> "StepFigures":
+        p = cfg.parallel
+        return cls(flops_per_step(cfg), p.tp * p.pp * p.dp, peak_tflops(cfg, device), device)
+
+    def of(self, step_time_s: float) -> dict[str, float]:
+        tflops = achieved_tflops(self.flops_per_step, step_time_s, self.devices)
+        figures = {"tflops": tflops, "mem_peak_mb": peak_memory_mb(self.device)}
+        if self.peak_tflops:
+            figures["mfu"] = tflops / self.peak_tflops
+        return figures
+
+
+def peak_tflops(cfg: RecipeConfig, device: torch.device) -> float:
+    if cfg.logging.peak_tflops:
+        return cfg.logging.peak_tflops
+    bf16 = cfg.train.precision == Precision.bf16 or (cfg.train.precision == Precision.auto
+                                                      and device.type == "cuda")
+    return cached_peak_tflops(Path(cfg.data.cache_dir) / "peak_tflops.json", device,
+                              torch.bfloat16 if bf16 else torch.float32)
+
+
+def console_line(record: dict[str, Any], total_steps: int) -> str:
+    """step, loss, lr, grad norm, tok/s, MFU, step time."""
+    mfu = f"{100 * record['mfu']:.2f}%" if "mfu" in record else "-"
+    return (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "
+            f"lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f} | "
+            f"{record['tokens_per_s']:,.0f} tok/s | MFU {mfu} | "
+            f"step {record.get('step_time_s', 0.0):.3f} s")
+
+
+class Console:
+    """A progress bar on a terminal; otherwise (or with logging.progress
+    false) a plain line every log_interval steps and at the last step."""
+
+    def __init__(self, cfg: LoggingConfig, total_steps: int, start_step: int):
+        self.total, self.interval = total_steps, cfg.log_interval
+        self.bar: Optional[tqdm] = (tqdm(total=total_steps, initial=start_step, unit="step",
+                                         dynamic_ncols=True)
+                                    if cfg.progress and sys.stderr.isatty() else None)
+
+    def show(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        if "eval_loss" in record:
+            self._print(f"step {step}: eval_loss {record['eval_loss']:.4f}")
+        elif self.bar is not None:
+            mfu = f"{100 * record['mfu']:.2f}%" if "mfu" in record else "-"
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                 tok_s=f"{record['tokens_per_s']:.0f}", mfu=mfu, refresh=False)
+            self.bar.update(step - self.bar.n)
+        elif step % self.interval == 0 or step == self.total:
+            self._print(console_line(record, self.total))
+
+    def _print(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 class MetricsLog:
-    def __init__(self, run_dir: str | Path, cfg: LoggingConfig, *, total_steps: int,
+    def __init__(self, run_dir: str | Path, cfg: RecipeConfig, figures: StepFigures, *,
                  start_step: int):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = self.path.open("a")
-        self.tb = self._tensorboard(Path(run_dir) / "tb") if cfg.tensorboard else None
-        self.bar: Optional[tqdm] = (tqdm(total=total_steps, initial=start_step, unit="step",
-                                         dynamic_ncols=True) if cfg.progress else None)
-
-    @staticmethod
-    def _tensorboard(path: Path):
-        # Imported here: tensorboard costs ~1 s and only the logging rank needs it.
-        from torch.utils.tensorboard import SummaryWriter
-        return SummaryWriter(str(path))
+        self.figures = figures
+        self.loggers = build_loggers(Path(run_dir), cfg.logging, to_dict(cfg))
+        self.console = Console(cfg.logging, cfg.train.steps, start_step)
 
     def write(self, record: dict[str, Any]) -> None:
         """One JSON line per record; floats keep full precision (json uses repr)."""
+        if "step_time_s" in record:
+            record.update(self.figures.of(record["step_time_s"]))
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        step = record["step"]
-        if self.tb is not None:
-            for name, value in record.items():
-                if name != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(name, value, step)
-        if self.bar is not None and "loss" in record:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                 tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-            self.bar.update(step - self.bar.n)
-        elif self.bar is not None and "eval_loss" in record:
-            self.bar.write(f"step {step}: eval_loss {record['eval_loss']:.4f}")
+        for logger in self.loggers:
+            logger.log(record, record["step"])
+        self.console.show(record)
 
     def close(self) -> None:
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.bar is not None:
-            self.bar.close()
+        for logger in self.loggers:
+            logger.close()
+        self.console.close()

@@ -1,0 +1,148 @@
+"""Straggler detection: which rank is slow, and where.
+
+Every `logging.straggler_interval` steps each rank hands in its window's
+section times (training-thread CPU and wall seconds per step, see
+observe/sections.py) and peak memory through one small all-gather on the
+training thread's own world group. Rank 0 compares each rank with the median
+of its peers (the ranks of its pipeline stage, which do the same work; all
+ranks when a stage has one) section by section, on CPU time: a rank waiting
+in a collective for a slow peer gains almost none, so the waiting ranks are
+not blamed, only the one they wait for. For an even count the lower median
+is used, so with two ranks the slow one is compared with the other.
+
+Written by rank 0: a line per window in run.dir/stragglers.jsonl (every
+rank's times, ratios, relative performance score = peers' median busy time /
+the rank's, 1.0 typical and lower slower, the way NVIDIA's resiliency
+extension scores ranks; and peak memory), and `straggler_detected` (rank,
+section, ratio, window) once a rank has been `straggler_threshold` times its
+peers' median in a section for `straggler_windows` windows in a row; again
+only after it recovered. Slowness is never an alarm: nothing is aborted.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megaresil.config import LoggingConfig
+from megaresil.events import EventLog
+from megaresil.observe.memory import peak_memory_mb
+from megaresil.observe.sections import SectionTime
+
+MIN_EXCESS_S = 0.005  # per step: below this a section's difference is noise, not a straggler
+SKIPPED = ("setup",)
+# Uneven by design (rank 0 commits, replicas split the writes): shown, never a straggler.
+UNEVEN = ("checkpoint",)
+
+
+@dataclass
+class Window:
+    steps: int = 0
+    first: int = 0
+    times: dict[str, SectionTime] = field(default_factory=dict)
+
+    def add(self, step: int, times: dict[str, SectionTime]) -> None:
+        self.first = self.first or step
+        self.steps += 1
+        for name, spent in times.items():
+            mine = self.times.setdefault(name, SectionTime())
+            mine.wall_s += spent.wall_s
+            mine.cpu_s += spent.cpu_s
+
+    def per_step(self) -> dict:
+        return {name: {k: v / self.steps for k, v in asdict(t).items()}
+                for name, t in self.times.items() if name not in SKIPPED}
+
+
+def this_device() -> torch.device:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def peers(rank: int, world: int, pp: int) -> list[int]:
+    """The ranks of `rank`'s pipeline stage (mesh order pp, dp, tp), or all
+    ranks when the stage has no other."""
+    per_stage = world // pp if pp and world % pp == 0 else world
+    stage = [r for r in range(world) if r // per_stage == rank // per_stage]
+    return stage if len(stage) > 1 else list(range(world))
+
+
+def judge(table: list[dict], pp: int, threshold: float) -> dict:
+    """Ratios to the peers' median per rank and section, relative scores and
+    the (rank, section) pairs over the threshold, for one window."""
+    world = len(table)
+    ratios: dict[int, dict[str, float]] = {}
+    scores: dict[int, float] = {}
+    slow = []
+    for rank, mine in enumerate(table):
+        group = peers(rank, world, pp)
+        ratios[rank] = {}
+        for section, spent in mine["sections"].items():
+            median = statistics.median_low(
+                table[r]["sections"].get(section, {}).get("cpu_s", 0.0) for r in group)
+            ratio = spent["cpu_s"] / median if median > 0 else 1.0
+            ratios[rank][section] = ratio
+            if (ratio >= threshold and spent["cpu_s"] - median >= MIN_EXCESS_S
+                    and section not in UNEVEN):
+                slow.append((rank, section, ratio))
+        busy = [sum(s["cpu_s"] for s in table[r]["sections"].values()) for r in group]
+        mine_busy = sum(s["cpu_s"] for s in mine["sections"].values())
+        scores[rank] = min(1.0, statistics.median_low(busy) / mine_busy) if mine_busy else 1.0
+    return {"ratios": ratios, "scores": scores, "slow": slow}
+
+
+class StragglerDetector:
+    def __init__(self, cfg: LoggingConfig, *, rank: int, run_dir: Path, events: EventLog,
+                 pp: int = 1):
+        self.cfg, self.rank, self.pp, self.events = cfg, rank, pp, events
+        self.path = Path(run_dir) / "stragglers.jsonl"
+        self.window = Window()
+        self.streaks: dict[tuple[int, str], int] = {}
+
+    def step_done(self, step: int, times: dict[str, SectionTime], *, warm_up: bool) -> None:
+        """After each step on every rank (the same steps everywhere): steps
+        with one-off warm-up costs are left out of the window."""
+        if not self.cfg.straggler_interval:
+            return
+        if not warm_up:
+            self.window.add(step, times)
+        if step % self.cfg.straggler_interval == 0:
+            self.exchange(step)
+
+    def restart(self) -> None:
+        self.window = Window()
+
+    def exchange(self, step: int) -> None:
+        mine = {"steps": self.window.steps, "first": self.window.first,
+                "sections": self.window.per_step(),
+                "mem_peak_mb": peak_memory_mb(this_device())}
+        self.window = Window()
+        table = [mine]
+        if dist.is_initialized():
+            table = [None] * dist.get_world_size()
+            dist.all_gather_object(table, mine)
+        if self.rank == 0 and all(t["steps"] for t in table):
+            self.report(step, table)
+
+    def report(self, step: int, table: list[dict]) -> None:
+        found = judge(table, self.pp, self.cfg.straggler_threshold)
+        window = [min(t["first"] for t in table), step]
+        line = {"time": time.time(), "window": window, "steps": table[0]["steps"],
+                "sections": {r: t["sections"] for r, t in enumerate(table)},
+                "ratios": found["ratios"], "scores": found["scores"],
+                "mem_peak_mb": {r: t["mem_peak_mb"] for r, t in enumerate(table)}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        slow_now = {(r, s): ratio for r, s, ratio in found["slow"]}
+        self.streaks = {key: self.streaks.get(key, 0) + 1 for key in slow_now}
+        for (rank, section), streak in self.streaks.items():
+            if streak == self.cfg.straggler_windows:
+                self.events.emit("straggler_detected", rank=rank, section=section,
+                                 ratio=round(slow_now[(rank, section)], 3), window=window,
+                                 score=round(found["scores"][rank], 3))
