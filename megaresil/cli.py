@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rdzv-conf", metavar="KEY=VALUE,...",
                        help="rendezvous options, e.g. is_host=1 on the agent that hosts the "
                             "rendezvous store (it must outlive the others)")
-    train.set_defaults(func=cmd_train)
+    train.set_defaults(func=cmd_train, overrides_anywhere=True)
 
     chaos = sub.add_parser("chaos", help="run a fault scenario beside a fault-free reference "
                            "and report detection latency, restart time, steps lost and "

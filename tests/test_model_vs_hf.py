@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hf_harness import parallel_logits
+from hf_harness import llama32_style, parallel_logits
 from megaresil.checkpoint.hf import config_from_hf, from_hf
 from megaresil.config import Flavour, ModelConfig, model_from_dict
 from megaresil.ports import free_port
@@ -57,21 +57,6 @@ def test_llama_matches_llamaforcausallm(kv_heads):
         expected = hf(tokens).logits
         got = ours_from(hf, cfg).logits(tokens)
     assert relative_error(got, expected) <= 1e-5
-
-
-def llama32_style(**overrides):
-    """A tiny random model of Llama 3.2 1B's family: GQA, tied embeddings,
-    Llama 3 RoPE scaling whose three frequency bands all occur at head_dim 16
-    (original context 64, factor 8, low 1, high 4), theta 500000."""
-    torch.manual_seed(0)
-    config = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 64})
-    config.update(overrides)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
 
 
 def test_llama32_style_with_rope_scaling_and_tied_embeddings_matches():

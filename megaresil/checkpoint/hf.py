@@ -264,8 +264,8 @@ def _gpt2_config_from_hf(hf: dict, notes: list[str]) -> dict:
             "max_seq_len": hf["n_positions"], "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
             "tie_embeddings": hf.get("tie_word_embeddings", True), "dropout": resid,
             "attention_dropout": hf.get("attn_pdrop", 0.1),
-            "bos_token_id": hf.get("bos_token_id", 50256),
-            "eos_token_id": hf.get("eos_token_id", 50256)}
+            "bos_token_id": _token_id(hf, "bos_token_id", notes),
+            "eos_token_id": _token_id(hf, "eos_token_id", notes)}
 
 
 def _rope_from_hf(hf: dict) -> dict:
@@ -296,6 +296,10 @@ def _token_id(hf: dict, key: str, notes: list[str]) -> Optional[int]:
     if isinstance(token, list):  # instruction-tuned Llamas list several ends
         notes.append(f"config.json {key}={token}: megaresil keeps one id, {token[0]}")
         token = token[0] if token else None
+    if token is not None and token >= hf["vocab_size"]:  # GPT2Config's default 50256 in a small vocabulary
+        notes.append(f"config.json {key}={token} is outside its vocabulary "
+                     f"({hf['vocab_size']}); not carried over")
+        token = None
     return token
 
 
