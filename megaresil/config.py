@@ -133,7 +133,8 @@ class RopeScalingConfig:
 @dataclass
 class ModelConfig:
     flavour: Flavour = doc(Flavour.gpt2, "gpt2: learned positions, LayerNorm, GELU, biases, tied "
-                           "embeddings. llama: RoPE, RMSNorm, SwiGLU, no biases, GQA, untied head.")
+                           "embeddings. llama: RoPE, RMSNorm, SwiGLU, no biases, GQA, untied "
+                           "head by default.")
     num_layers: int = doc(4, "Number of transformer blocks.", bounds=POSITIVE)
     hidden_size: int = doc(128, "Model width (d_model).", bounds=POSITIVE)
     num_heads: int = doc(4, "Attention (query) heads; must divide hidden_size.", bounds=POSITIVE)

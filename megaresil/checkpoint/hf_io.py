@@ -219,9 +219,11 @@ class HFTensorSource:
             raise fmt.CheckpointError(f"{where} holds {_named(unused)} that a {cfg.flavour.value} "
                                       "model as its config.json describes does not use. Fix: "
                                       "export the model without them, or correct config.json.")
-        if hf.TIED_HEAD in self.weights.shapes and not torch.equal(
-                self.weights.get(hf.TIED_HEAD), self.weights.get(self.mapping[
-                    "model/embed.tokens.weight"].sources[0])):
+        tied_head_stored = (hf.TIED_HEAD in self.weights.shapes
+                            and "model/head.weight" not in self.mapping)
+        embedding = self.mapping["model/embed.tokens.weight"].sources[0]
+        if tied_head_stored and not torch.equal(self.weights.get(hf.TIED_HEAD),
+                                                self.weights.get(embedding)):
             raise fmt.CheckpointError(f"{where}: config.json ties the embeddings but "
                                       f"{hf.TIED_HEAD} differs from the input embedding. Fix: set "
                                       "tie_word_embeddings to false in config.json.")
