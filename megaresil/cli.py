@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 EPILOG = """examples:
   megaresil train recipes/gpt-tiny.yaml run.dir=runs/demo
   megaresil train recipes/gpt-tiny.yaml train.steps=20 model.num_layers=2
+  megaresil train recipes/llama-3.2-1b.yaml --from-hf models/Llama-3.2-1B
   megaresil config docs
   megaresil data prepare --input corpus.jsonl --json-key text --output data/corpus
   megaresil report runs/demo --compare runs/other
@@ -25,23 +26,29 @@ EPILOG = """examples:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from megaresil.launch import Membership, inside_torchrun, launch, slurm_task, worker
+    from pathlib import Path
+
+    from megaresil.launch import (Membership, from_hf_overrides, inside_torchrun, launch,
+                                  slurm_task, worker)
     from megaresil.slurm import SlurmStep
 
+    overrides = args.overrides
+    if args.from_hf:
+        overrides = from_hf_overrides(Path(args.from_hf), args.recipe, overrides)
     if inside_torchrun():
-        worker(args.recipe, args.overrides)
+        worker(args.recipe, overrides)
         return 0
-    cfg = load_recipe(args.recipe, args.overrides)
+    cfg = load_recipe(args.recipe, overrides)
     step = SlurmStep.from_environ()
     if step is not None and step.one_task_per_rank:
-        return slurm_task(args.recipe, args.overrides, cfg, step)
+        return slurm_task(args.recipe, overrides, cfg, step)
     if step is not None and not args.nnodes:
         world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
         membership = Membership.for_slurm(step, world, args.nproc_per_node)
     else:
         membership = Membership.parse(args.nnodes, args.nproc_per_node, args.rdzv_endpoint,
                                       args.rdzv_id, args.rdzv_conf or "")
-    return launch(args.recipe, args.overrides, cfg, membership)
+    return launch(args.recipe, overrides, cfg, membership)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -116,6 +123,9 @@ def _convert_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.to_hf and any(option is not None for option in layout_options):
         parser.error("--to-hf exports the weights alone: layout, backend, --weights-only and "
                      "--set do not apply")
+    export_options = [args.tokenizer, args.max_shard_size, args.dtype]
+    if not args.to_hf and any(option is not None for option in export_options):
+        parser.error("--tokenizer, --max-shard-size and --dtype apply to --to-hf only")
     return paths
 
 
@@ -123,11 +133,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from megaresil.checkpoint.convert import convert
-    from megaresil.checkpoint.hf_io import export_to_hf, import_from_hf
+    from megaresil.checkpoint.hf_io import export_to_hf, import_from_hf, parse_size
 
     paths = _convert_paths(args.parser, args)
     if args.to_hf:
-        written = export_to_hf(paths[0], Path(args.to_hf), overwrite=args.overwrite)
+        try:
+            shard_bytes = parse_size(args.max_shard_size or "5GB")
+        except ValueError as err:
+            args.parser.error(f"--max-shard-size: {err}")
+        written = export_to_hf(paths[0], Path(args.to_hf), overwrite=args.overwrite,
+                               tokenizer=args.tokenizer, max_shard_bytes=shard_bytes,
+                               dtype=args.dtype)
     elif args.from_hf:
         written = import_from_hf(Path(args.from_hf), paths[0], _convert_target(args),
                                  recipe=Path(args.recipe) if args.recipe else None,
@@ -172,7 +188,16 @@ def add_convert_parser(sub) -> None:
                          help="other recipe overrides, e.g. train.global_batch_size=32 "
                          "(repeatable)")
     convert.add_argument("--to-hf", metavar="DIR", help="export the weights as a transformers "
-                         "model directory (config.json + model.safetensors)")
+                         "model directory (config.json, safetensors weights, tokenizer files)")
+    convert.add_argument("--tokenizer", metavar="SPEC", help="with --to-hf: the tokenizer to "
+                         "write (a tokenizer.json, a model directory, gpt2, bpe or byte); "
+                         "default: the recipe's data.tokenizer")
+    convert.add_argument("--max-shard-size", metavar="SIZE", help="with --to-hf: largest "
+                         "safetensors file (e.g. 5GB, the default); more weights are split into "
+                         "shards with model.safetensors.index.json")
+    convert.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                         help="with --to-hf: the exported weights' dtype (default: as stored, "
+                         "float32)")
     convert.add_argument("--from-hf", metavar="DIR", help="import a transformers GPT-2 or Llama "
                          "model directory as a weights-only checkpoint")
     convert.add_argument("--recipe", help="with --from-hf: training keys from this recipe "
@@ -233,6 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a recipe (launches tp*pp*dp local workers "
                            "through TorchElastic; inside torchrun, runs as one worker)")
     add_recipe_args(train)
+    train.add_argument("--from-hf", metavar="DIR",
+                       help="start from a Hugging Face model directory's weights: model.* "
+                            "from its config.json, data.tokenizer from its tokenizer, "
+                            "checkpoint.init_from=DIR (fresh optimizer, step 0); a run that "
+                            "already has checkpoints resumes from them instead")
     train.add_argument("--nnodes", metavar="MIN:MAX",
                        help="elastic membership: agents (nodes) that form the job; when one "
                             "is lost the rest re-form with dp shrunk (tp and pp kept)")
@@ -244,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rdzv-conf", metavar="KEY=VALUE,...",
                        help="rendezvous options, e.g. is_host=1 on the agent that hosts the "
                             "rendezvous store (it must outlive the others)")
-    train.set_defaults(func=cmd_train)
+    train.set_defaults(func=cmd_train, overrides_anywhere=True)
 
     chaos = sub.add_parser("chaos", help="run a fault scenario beside a fault-free reference "
                            "and report detection latency, restart time, steps lost and "

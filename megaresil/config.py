@@ -103,6 +103,11 @@ class CheckpointBackend(str, enum.Enum):
     zarr = "zarr"
 
 
+class RopeScalingType(str, enum.Enum):
+    none = "none"
+    llama3 = "llama3"
+
+
 class Precision(str, enum.Enum):
     auto = "auto"
     fp32 = "fp32"
@@ -110,9 +115,26 @@ class Precision(str, enum.Enum):
 
 
 @dataclass
+class RopeScalingConfig:
+    type: RopeScalingType = doc(RopeScalingType.none, "none: plain RoPE. llama3: Llama 3.1/3.2's "
+                                "frequency scaling (long wavelengths divided by factor, a smooth "
+                                "ramp between low_freq_factor and high_freq_factor).")
+    factor: float = doc(8.0, "llama3: how much the long wavelengths are stretched.",
+                        bounds=POSITIVE)
+    low_freq_factor: float = doc(1.0, "llama3: wavelengths above original_max_seq_len / this "
+                                 "are scaled by factor.", bounds=POSITIVE)
+    high_freq_factor: float = doc(4.0, "llama3: wavelengths below original_max_seq_len / this "
+                                  "are kept.", bounds=POSITIVE)
+    original_max_seq_len: int = doc(8192, "llama3: the context length the model was "
+                                    "pre-trained at (HF original_max_position_embeddings).",
+                                    bounds=POSITIVE)
+
+
+@dataclass
 class ModelConfig:
     flavour: Flavour = doc(Flavour.gpt2, "gpt2: learned positions, LayerNorm, GELU, biases, tied "
-                           "embeddings. llama: RoPE, RMSNorm, SwiGLU, no biases, GQA, untied head.")
+                           "embeddings. llama: RoPE, RMSNorm, SwiGLU, no biases, GQA, untied "
+                           "head by default.")
     num_layers: int = doc(4, "Number of transformer blocks.", bounds=POSITIVE)
     hidden_size: int = doc(128, "Model width (d_model).", bounds=POSITIVE)
     num_heads: int = doc(4, "Attention (query) heads; must divide hidden_size.", bounds=POSITIVE)
@@ -135,6 +157,13 @@ class ModelConfig:
     attention_dropout: float = doc(0.0, "Dropout on attention probabilities.", bounds=FRACTION)
     norm_eps: float = doc(1e-5, "Epsilon of LayerNorm / RMSNorm.", bounds=POSITIVE)
     rope_theta: float = doc(10000.0, "RoPE base frequency (llama).", bounds=POSITIVE)
+    rope_scaling: RopeScalingConfig = section(RopeScalingConfig, "RoPE frequency scaling (llama).")
+    bos_token_id: Optional[int] = doc(None, "Beginning-of-sequence token id, written to an "
+                                      "exported config.json; null means the tokenizer's "
+                                      "end-of-document token (GPT-2's convention).",
+                                      bounds=NON_NEGATIVE)
+    eos_token_id: Optional[int] = doc(None, "End-of-sequence token id (as bos_token_id).",
+                                      bounds=NON_NEGATIVE)
     init_std: float = doc(0.02, "Std of the normal init; output projections use "
                                 "init_std / sqrt(2 * num_layers) as in GPT-2.", bounds=POSITIVE)
     recompute: Recompute = doc(Recompute.none, "Activation recomputation: none, selective "
@@ -258,6 +287,16 @@ class CheckpointConfig:
     load: str = doc("auto", "auto: resume from the newest valid checkpoint under the root (error "
                     "if checkpoints exist but none is valid); none: start from scratch; or a "
                     "checkpoint directory to load.")
+    init_from: Optional[str] = doc(None, "Start a new run from these weights: a megaresil "
+                                   "checkpoint (weights-only or full, any layout) or a Hugging "
+                                   "Face model directory (config.json + safetensors). Fresh "
+                                   "optimizer, step 0, data from the start. Used only when "
+                                   "checkpoint.load finds nothing to resume: a restarted run "
+                                   "resumes from its own newest checkpoint.")
+    init_from_optimizer: bool = doc(False, "With init_from a full megaresil checkpoint: also "
+                                    "take its optimizer state, step and data position (and its "
+                                    "RNG at the same layout), i.e. continue that run in this "
+                                    "run directory.")
     local: LocalCheckpointConfig = section(LocalCheckpointConfig, "The node-local tier with "
                                            "peer replication.")
 
@@ -507,6 +546,15 @@ def from_dict(data: dict) -> RecipeConfig:
     return cfg
 
 
+def model_from_dict(data: dict) -> ModelConfig:
+    """A `ModelConfig` from plain `model.*` keys, the rest defaults (its
+    rules against the rest of a recipe are not checked here)."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), data))
+    except OmegaConfBaseException as err:
+        raise _explain_omegaconf(err) from None
+
+
 def to_dict(cfg: RecipeConfig) -> dict:
     """Plain, YAML/JSON-safe dict of a resolved recipe."""
     return _to_public_keys(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
@@ -598,6 +646,31 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
         _require(m.num_kv_heads in (None, m.num_heads), "model.num_kv_heads",
                  "gpt2 flavour has no grouped-query attention.",
                  "leave num_kv_heads null for gpt2, or use flavour=llama.")
+
+
+def _validate_rope_scaling(m: ModelConfig) -> None:
+    r = m.rope_scaling
+    if r.type == RopeScalingType.llama3:
+        _require(m.flavour == Flavour.llama, "model.rope_scaling.type",
+                 "RoPE scaling needs RoPE, which only the llama flavour has.",
+                 "set model.flavour=llama or rope_scaling.type=none.")
+        _require(r.high_freq_factor > r.low_freq_factor, "model.rope_scaling.high_freq_factor",
+                 f"{r.high_freq_factor} must exceed low_freq_factor={r.low_freq_factor}.",
+                 "use Llama 3's values (low 1, high 4) or others with high > low.")
+
+
+def _validate_token_ids(m: ModelConfig) -> None:
+    for name in ("bos_token_id", "eos_token_id"):
+        token = getattr(m, name)
+        _require(token is None or token < m.vocab_size, f"model.{name}",
+                 f"{token} is outside the vocabulary (vocab_size={m.vocab_size}).",
+                 "give an id below model.vocab_size, or null.")
+
+
+def _validate_init_from(c: CheckpointConfig) -> None:
+    _require(not c.init_from_optimizer or bool(c.init_from), "checkpoint.init_from_optimizer",
+             "is set but checkpoint.init_from is not.",
+             "set checkpoint.init_from=PATH (a full checkpoint) or drop init_from_optimizer.")
 
 
 def _validate_batch(cfg: RecipeConfig) -> None:
@@ -700,12 +773,15 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_observing(cfg)
     _validate_optimizer(cfg.optimizer)
     _validate_model(cfg.model, cfg.parallel)
+    _validate_rope_scaling(cfg.model)
+    _validate_token_ids(cfg.model)
     _validate_batch(cfg)
     _validate_pipeline(cfg)
     _validate_faults(cfg.faults)
     if cfg.parallel.sequence_parallel:
         _require(cfg.parallel.tp > 1, "parallel.sequence_parallel",
                  "sequence parallelism needs tp > 1.", "set parallel.tp>1 or turn it off.")
+    _validate_init_from(cfg.checkpoint)
     _validate_local_tier(cfg)
     _validate_data(cfg)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import yaml
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import (ChildFailedError, get_error_handler,
@@ -58,6 +59,52 @@ class Membership:
         """One agent per node of the Slurm step, meeting on its first node."""
         return cls(step.nodes, step.nodes, nproc_per_node or step.ranks_per_node(world),
                    f"{step.master}:{step.port}", step.job_name)
+
+
+def _flat_keys(prefix: str, values: dict) -> dict[str, object]:
+    """{'model.rope_scaling.type': ...} from nested {'rope_scaling': {'type': ...}}."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flat_keys(f"{prefix}{key}.", value))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _yaml_scalar(value: object) -> str:
+    """A value as an override's text (overrides are parsed as YAML)."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
+def from_hf_overrides(hf_dir: Path, recipe: str, overrides: list[str]) -> list[str]:
+    """`megaresil train RECIPE --from-hf DIR` as plain overrides: the model's
+    architecture and hyper-parameters from DIR's config.json, its tokenizer
+    (when DIR has one) and checkpoint.init_from=DIR; the user's own KEY=VALUE
+    overrides still win. A recipe value replaced by config.json's, and a
+    setting config.json has that megaresil cannot carry, is said in one line."""
+    from megaresil.checkpoint.hf_io import hf_model_keys
+    from megaresil.checkpoint.hf_tokenizer import TOKENIZER
+    from megaresil.config import parse_override, to_dict
+
+    hf_dir = hf_dir.resolve()
+    model_keys, notes = hf_model_keys(hf_dir)
+    wanted = _flat_keys("model.", model_keys)
+    if (hf_dir / TOKENIZER).is_file():
+        wanted["data.tokenizer"] = str(hf_dir)
+    wanted["checkpoint.init_from"] = str(hf_dir)
+    given = {parse_override(text)[0] for text in overrides}
+    recipe_values = _flat_keys("", to_dict(load_recipe(recipe, overrides)))
+    for key, value in wanted.items():
+        if key not in given and key in recipe_values and recipe_values[key] != value:
+            notes.append(f"{key}: {value!r} from {hf_dir / 'config.json'} replaces the "
+                         f"recipe's {recipe_values[key]!r}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in notes:
+            print(f"megaresil: {note}", file=sys.stderr)
+    hf_overrides = [f"{key}={_yaml_scalar(value)}" for key, value in wanted.items()
+                    if key not in given]
+    return hf_overrides + overrides
 
 
 def inside_torchrun() -> bool:

@@ -20,18 +20,17 @@ import pytest
 import torch
 
 from dist_harness import ROOT, Case, run_cases
+from hf_harness import megaresil_model
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.convert import Target, convert, converted_state
 from megaresil.checkpoint.diff import diff_checkpoints
 from megaresil.checkpoint.offline import write_checkpoint
 from megaresil.checkpoint.planning import planned_rects, recipe_layout
-from megaresil.checkpoint.sources import CheckpointSource, full_tensors
+from megaresil.checkpoint.sources import CheckpointSource
 from megaresil.checkpoint.state import RunState
 from megaresil.cli import main
 from megaresil.config import RecipeConfig, from_dict, to_dict
 from megaresil.events import read_events
-from megaresil.model.gpt import GPT
-from megaresil.model.init import load_full_state
 from megaresil.events import read_metrics
 
 SOURCE = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "optimizer.distributed=true",
@@ -198,17 +197,6 @@ transformers = pytest.importorskip("transformers")
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
-
-
-def megaresil_model(checkpoint: Path) -> GPT:
-    """The single-process model holding a checkpoint's weights."""
-    source = CheckpointSource(checkpoint)
-    cfg = from_dict(source.manifest["recipe"]).model
-    model = GPT(cfg).eval()
-    keys = [key for key in source.tensors if key.startswith("model/")]
-    load_full_state(model, cfg, {key.removeprefix("model/"): t
-                                 for key, t in full_tensors(source, keys)})
-    return model
 
 
 def test_gpt2_export_loads_in_transformers_with_the_same_logits(trained, tmp_path):

@@ -1,10 +1,14 @@
 """Our model against Hugging Face transformers' reference implementations:
-same config and weights (random init, no download) must give the same logits."""
+same config and weights (random init, no download) must give the same logits,
+in one process and at tp=2 x pp=2 (the weights loaded as a run's init_from)."""
 import pytest
 import torch
+import torch.multiprocessing as mp
 
-from megaresil.checkpoint.hf import from_hf
-from megaresil.config import Flavour, ModelConfig
+from hf_harness import llama32_style, parallel_logits
+from megaresil.checkpoint.hf import config_from_hf, from_hf
+from megaresil.config import Flavour, ModelConfig, model_from_dict
+from megaresil.ports import free_port
 from megaresil.model.gpt import GPT
 from megaresil.model.init import load_full_state
 
@@ -53,3 +57,31 @@ def test_llama_matches_llamaforcausallm(kv_heads):
         expected = hf(tokens).logits
         got = ours_from(hf, cfg).logits(tokens)
     assert relative_error(got, expected) <= 1e-5
+
+
+def test_llama32_style_with_rope_scaling_and_tied_embeddings_matches():
+    hf = llama32_style()
+    keys, notes = config_from_hf(hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    cfg = model_from_dict(keys)
+    assert cfg.rope_scaling.type.value == "llama3" and cfg.tie_embeddings and not notes
+    tokens = torch.randint(0, 300, (2, 128))  # past the original context: all bands matter
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = ours_from(hf, cfg).logits(tokens)
+        unscaled = ours_from(hf, model_from_dict({**keys, "rope_scaling": {"type": "none"}}))
+        assert relative_error(unscaled.logits(tokens), expected) > 1e-3  # scaling is exercised
+    assert relative_error(got, expected) <= 1e-5
+
+
+@pytest.mark.slow
+def test_llama32_style_matches_at_tp2_pp2_when_started_from_the_hf_directory(tmp_path):
+    hf = llama32_style()
+    hf.save_pretrained(tmp_path / "hf")
+    tokens = torch.randint(0, 300, (2, 128))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    mp.start_processes(parallel_logits, args=(4, free_port(), str(tmp_path / "hf"),
+                                               str(tmp_path)), nprocs=4, join=True,
+                       start_method="spawn")
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    assert relative_error(torch.load(tmp_path / "logits.pt"), expected) <= 1e-5

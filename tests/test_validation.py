@@ -109,5 +109,6 @@ def _all_numbers_set() -> RecipeConfig:
     appears in `numeric_fields`."""
     cfg = RecipeConfig()
     cfg.model.num_kv_heads = cfg.model.ffn_hidden_size = 1
+    cfg.model.bos_token_id = cfg.model.eos_token_id = 1
     cfg.optimizer.decay_steps = cfg.train.exit_at_step = 1
     return cfg

@@ -6,10 +6,13 @@ it from there.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Optional
+
 import torch
 
 from megaresil.checkpoint.format import CheckpointError
-from megaresil.config import Flavour, ModelConfig
+from megaresil.config import Flavour, ModelConfig, RopeScalingType
 from megaresil.model.gpt import ties_embeddings
 from megaresil.model.layers import ffn_size
 
@@ -33,57 +36,88 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int):
     return q, k, v
 
 
-def _gpt2_layer_from_hf(sd: dict, i: int, cfg: ModelConfig) -> dict:
-    h = f"transformer.h.{i}."
-    heads = cfg.num_heads
-    out = {}
+@dataclass(frozen=True)
+class Mapped:
+    """One megaresil tensor, made from Hugging Face tensors `sources` by
+    `combine` (which also works on meta tensors, giving shapes unread)."""
+    sources: tuple[str, ...]
+    combine: Callable[..., torch.Tensor] = lambda t: t
+
+
+def _transposed(source: str) -> Mapped:
     # GPT-2's Conv1D stores (in, out): transpose to nn.Linear's (out, in).
-    qkv_w = sd[h + "attn.c_attn.weight"].t()
-    out[f"layers.{i}.attn.qkv.weight"] = fuse_qkv(*qkv_w.chunk(3, dim=0), heads, heads)
-    out[f"layers.{i}.attn.qkv.bias"] = fuse_qkv(*sd[h + "attn.c_attn.bias"].chunk(3), heads, heads)
+    return Mapped((source,), lambda t: t.t())
+
+
+def _gpt2_layer_from_hf(i: int, cfg: ModelConfig) -> dict[str, Mapped]:
+    h, o, heads = f"transformer.h.{i}.", f"layers.{i}.", cfg.num_heads
+    fused = lambda t: fuse_qkv(*t.chunk(3, dim=0), heads, heads)  # noqa: E731
+    out = {o + "attn.qkv.weight": Mapped((h + "attn.c_attn.weight",), lambda w: fused(w.t())),
+           o + "attn.qkv.bias": Mapped((h + "attn.c_attn.bias",), fused)}
     for ours, theirs in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
                          ("mlp.proj", "mlp.c_proj")):
-        out[f"layers.{i}.{ours}.weight"] = sd[h + theirs + ".weight"].t()
-        out[f"layers.{i}.{ours}.bias"] = sd[h + theirs + ".bias"]
+        out[o + ours + ".weight"] = _transposed(h + theirs + ".weight")
+        out[o + ours + ".bias"] = Mapped((h + theirs + ".bias",))
     for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
-        out[f"layers.{i}.{ours}.weight"] = sd[h + theirs + ".weight"]
-        out[f"layers.{i}.{ours}.bias"] = sd[h + theirs + ".bias"]
+        out[o + ours + ".weight"] = Mapped((h + theirs + ".weight",))
+        out[o + ours + ".bias"] = Mapped((h + theirs + ".bias",))
     return out
 
 
-def _llama_layer_from_hf(sd: dict, i: int, cfg: ModelConfig) -> dict:
-    h = f"model.layers.{i}."
-    a = h + "self_attn."
+def _llama_layer_from_hf(i: int, cfg: ModelConfig) -> dict[str, Mapped]:
+    h, o = f"model.layers.{i}.", f"layers.{i}."
     kv = cfg.num_kv_heads or cfg.num_heads
+    qkv = tuple(f"{h}self_attn.{name}_proj.weight" for name in "qkv")
     return {
-        f"layers.{i}.norm1.weight": sd[h + "input_layernorm.weight"],
-        f"layers.{i}.attn.qkv.weight": fuse_qkv(sd[a + "q_proj.weight"], sd[a + "k_proj.weight"],
-                                                sd[a + "v_proj.weight"], cfg.num_heads, kv),
-        f"layers.{i}.attn.proj.weight": sd[a + "o_proj.weight"],
-        f"layers.{i}.norm2.weight": sd[h + "post_attention_layernorm.weight"],
-        f"layers.{i}.mlp.gate.weight": sd[h + "mlp.gate_proj.weight"],
-        f"layers.{i}.mlp.up.weight": sd[h + "mlp.up_proj.weight"],
-        f"layers.{i}.mlp.down.weight": sd[h + "mlp.down_proj.weight"],
+        o + "norm1.weight": Mapped((h + "input_layernorm.weight",)),
+        o + "attn.qkv.weight": Mapped(qkv, lambda q, k, v: fuse_qkv(q, k, v, cfg.num_heads, kv)),
+        o + "attn.proj.weight": Mapped((h + "self_attn.o_proj.weight",)),
+        o + "norm2.weight": Mapped((h + "post_attention_layernorm.weight",)),
+        o + "mlp.gate.weight": Mapped((h + "mlp.gate_proj.weight",)),
+        o + "mlp.up.weight": Mapped((h + "mlp.up_proj.weight",)),
+        o + "mlp.down.weight": Mapped((h + "mlp.down_proj.weight",)),
     }
+
+
+def hf_mapping(cfg: ModelConfig) -> dict[str, Mapped]:
+    """Each of megaresil's full, layout-free tensors, as made from a
+    transformers state dict's tensors."""
+    if cfg.flavour == Flavour.gpt2:
+        out = {"embed.tokens.weight": Mapped(("transformer.wte.weight",)),
+               "embed.positions.weight": Mapped(("transformer.wpe.weight",)),
+               "norm.weight": Mapped(("transformer.ln_f.weight",)),
+               "norm.bias": Mapped(("transformer.ln_f.bias",))}
+        layer_fn = _gpt2_layer_from_hf
+    else:
+        out = {"embed.tokens.weight": Mapped(("model.embed_tokens.weight",)),
+               "norm.weight": Mapped(("model.norm.weight",))}
+        layer_fn = _llama_layer_from_hf
+    if not ties_embeddings(cfg):
+        out["head.weight"] = Mapped(("lm_head.weight",))
+    for i in range(cfg.num_layers):
+        out.update(layer_fn(i, cfg))
+    return out
+
+
+# Tensors a transformers file may hold that are not weights (buffers older
+# versions saved); they carry nothing to import.
+NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+TIED_HEAD = "lm_head.weight"
+
+
+def unused_hf_keys(held: Iterable[str], cfg: ModelConfig) -> list[str]:
+    """The weights of a transformers model that the mapping would not use
+    (so the model is not the one the config describes), beyond buffers; a
+    tied head is the caller's to compare with the embedding."""
+    used = {source for m in hf_mapping(cfg).values() for source in m.sources}
+    return sorted(key for key in held if key not in used and not key.endswith(NOT_WEIGHTS)
+                  and not (key == TIED_HEAD and ties_embeddings(cfg)))
 
 
 def from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A transformers state dict → megaresil's full, layout-free state dict."""
-    if cfg.flavour == Flavour.gpt2:
-        out = {"embed.tokens.weight": sd["transformer.wte.weight"],
-               "embed.positions.weight": sd["transformer.wpe.weight"],
-               "norm.weight": sd["transformer.ln_f.weight"],
-               "norm.bias": sd["transformer.ln_f.bias"]}
-        layer_fn = _gpt2_layer_from_hf
-    else:
-        out = {"embed.tokens.weight": sd["model.embed_tokens.weight"],
-               "norm.weight": sd["model.norm.weight"]}
-        layer_fn = _llama_layer_from_hf
-    if not ties_embeddings(cfg):
-        out["head.weight"] = sd["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        out.update(layer_fn(sd, i, cfg))
-    return out
+    return {key: m.combine(*(sd[source] for source in m.sources))
+            for key, m in hf_mapping(cfg).items()}
 
 
 def _gpt2_layer_to_hf(ours: dict, i: int, cfg: ModelConfig) -> dict:
@@ -119,24 +153,39 @@ def _llama_layer_to_hf(ours: dict, i: int, cfg: ModelConfig) -> dict:
     }
 
 
-def to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """megaresil's full, layout-free state dict → a transformers state dict
-    (contiguous tensors, as safetensors stores them). A tied head is not
-    stored: transformers ties it on load."""
+def _top_to_hf(ours: dict, cfg: ModelConfig) -> dict:
     if cfg.flavour == Flavour.gpt2:
         out = {"transformer.wte.weight": ours["embed.tokens.weight"],
                "transformer.wpe.weight": ours["embed.positions.weight"],
                "transformer.ln_f.weight": ours["norm.weight"],
                "transformer.ln_f.bias": ours["norm.bias"]}
-        layer_fn = _gpt2_layer_to_hf
     else:
         out = {"model.embed_tokens.weight": ours["embed.tokens.weight"],
                "model.norm.weight": ours["norm.weight"]}
-        layer_fn = _llama_layer_to_hf
     if not ties_embeddings(cfg):
         out["lm_head.weight"] = ours["head.weight"]
+    return out
+
+
+def to_hf_parts(cfg: ModelConfig) -> Iterator[tuple[list[str], Callable[[dict], dict]]]:
+    """to_hf a piece at a time (embeddings, norm and head, then each layer):
+    (our keys it reads, function from those tensors to transformers'), so an
+    export holds one piece in memory, not the model."""
+    keys = sorted(hf_mapping(cfg))
+    layer_fn = _gpt2_layer_to_hf if cfg.flavour == Flavour.gpt2 else _llama_layer_to_hf
+    yield [k for k in keys if not k.startswith("layers.")], lambda ours: _top_to_hf(ours, cfg)
     for i in range(cfg.num_layers):
-        out.update(layer_fn(ours, i, cfg))
+        yield ([k for k in keys if k.startswith(f"layers.{i}.")],
+               lambda ours, i=i: layer_fn(ours, i, cfg))
+
+
+def to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """megaresil's full, layout-free state dict → a transformers state dict
+    (contiguous tensors, as safetensors stores them). A tied head is not
+    stored: transformers ties it on load."""
+    out = {}
+    for _, part in to_hf_parts(cfg):
+        out.update(part(ours))
     return {name: t.contiguous() for name, t in out.items()}
 
 
@@ -157,23 +206,38 @@ def _gpt2_config_to_hf(cfg: ModelConfig) -> dict:
             "attn_pdrop": cfg.attention_dropout}
 
 
+def _rope_to_hf(cfg: ModelConfig) -> dict:
+    scaling = cfg.rope_scaling
+    if scaling.type == RopeScalingType.none:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_seq_len}
+
+
 def _llama_config_to_hf(cfg: ModelConfig) -> dict:
+    rope = _rope_to_hf(cfg)
     return {"model_type": "llama", "num_hidden_layers": cfg.num_layers,
             "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_heads,
             "num_key_value_heads": cfg.num_kv_heads or cfg.num_heads,
             "head_dim": cfg.hidden_size // cfg.num_heads, "intermediate_size": ffn_size(cfg),
             "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-            # Older transformers read rope_theta, newer ones rope_parameters.
-            "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            # Older transformers read rope_theta and rope_scaling, newer ones rope_parameters.
+            "rope_theta": cfg.rope_theta, "rope_parameters": rope,
+            "rope_scaling": None if rope["rope_type"] == "default" else rope,
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
             "attention_dropout": cfg.attention_dropout}
 
 
-def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
-    """The config.json of the equivalent transformers model."""
+def config_to_hf(cfg: ModelConfig, dtype: str, bos: Optional[int] = None,
+                 eos: Optional[int] = None) -> dict:
+    """The config.json of the equivalent transformers model; `bos`/`eos`
+    are the token ids to declare (None leaves transformers' defaults)."""
     specific = _gpt2_config_to_hf(cfg) if cfg.flavour == Flavour.gpt2 else _llama_config_to_hf(cfg)
-    return {"architectures": [ARCHITECTURES[cfg.flavour]], **specific,
+    tokens = {name: token for name, token in (("bos_token_id", bos), ("eos_token_id", eos))
+              if token is not None}
+    return {"architectures": [ARCHITECTURES[cfg.flavour]], **specific, **tokens,
             "vocab_size": cfg.vocab_size, "tie_word_embeddings": ties_embeddings(cfg),
             "initializer_range": cfg.init_std,
             "dtype": dtype, "torch_dtype": dtype}  # newer transformers read dtype, older torch_dtype
@@ -185,26 +249,61 @@ def _require_hf(ok: bool, key: str, problem: str) -> None:
                                "variant. Fix: convert a model without it.")
 
 
-def _gpt2_config_from_hf(hf: dict) -> dict:
+def _gpt2_config_from_hf(hf: dict, notes: list[str]) -> dict:
     _require_hf(hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
                 "activation_function", f"{hf.get('activation_function')!r} is not tanh-GELU")
     for flag in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
         _require_hf(not hf.get(flag, False), flag, "is set")
     _require_hf(hf.get("scale_attn_weights", True), "scale_attn_weights", "is off")
+    resid, embd = hf.get("resid_pdrop", 0.1), hf.get("embd_pdrop", 0.1)
+    if embd != resid:
+        notes.append(f"config.json has embd_pdrop={embd} and resid_pdrop={resid}; megaresil has "
+                     f"one model.dropout for both and uses {resid}")
     return {"flavour": "gpt2", "num_layers": hf["n_layer"], "hidden_size": hf["n_embd"],
             "num_heads": hf["n_head"], "num_kv_heads": None, "ffn_hidden_size": hf.get("n_inner"),
             "max_seq_len": hf["n_positions"], "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
-            "tie_embeddings": hf.get("tie_word_embeddings", True)}
+            "tie_embeddings": hf.get("tie_word_embeddings", True), "dropout": resid,
+            "attention_dropout": hf.get("attn_pdrop", 0.1),
+            "bos_token_id": _token_id(hf, "bos_token_id", notes),
+            "eos_token_id": _token_id(hf, "eos_token_id", notes)}
 
 
-def _rope_theta(hf: dict) -> float:
+def _rope_from_hf(hf: dict) -> dict:
+    """rope_theta and rope_scaling from either spelling: rope_parameters
+    (transformers 5) or rope_theta + rope_scaling (earlier, and the files
+    published for Llama 3.x)."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    _require_hf(rope.get("rope_type", rope.get("type", "default")) == "default", "rope_parameters",
-                f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r}")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    _require_hf(kind in ("default", "llama3"), "rope_parameters", f"RoPE scaling {kind!r} (only "
+                "Llama 3's 'llama3' scaling is implemented)")
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if kind == "default":
+        return {"rope_theta": theta, "rope_scaling": {"type": "none"}}
+    try:
+        scaling = {"type": "llama3", "factor": float(rope["factor"]),
+                   "low_freq_factor": float(rope["low_freq_factor"]),
+                   "high_freq_factor": float(rope["high_freq_factor"]),
+                   "original_max_seq_len": int(rope["original_max_position_embeddings"])}
+    except KeyError as err:
+        raise UnsupportedModel(f"config.json rope_parameters: llama3 scaling without "
+                               f"{err.args[0]!r}. Fix: save the config with transformers' "
+                               "save_pretrained.") from None
+    return {"rope_theta": theta, "rope_scaling": scaling}
 
 
-def _llama_config_from_hf(hf: dict) -> dict:
+def _token_id(hf: dict, key: str, notes: list[str]) -> Optional[int]:
+    token = hf.get(key)
+    if isinstance(token, list):  # instruction-tuned Llamas list several ends
+        notes.append(f"config.json {key}={token}: megaresil keeps one id, {token[0]}")
+        token = token[0] if token else None
+    if token is not None and token >= hf["vocab_size"]:  # GPT2Config's default 50256 in a small vocabulary
+        notes.append(f"config.json {key}={token} is outside its vocabulary "
+                     f"({hf['vocab_size']}); not carried over")
+        token = None
+    return token
+
+
+def _llama_config_from_hf(hf: dict, notes: list[str]) -> dict:
     heads = hf["num_attention_heads"]
     _require_hf(hf.get("hidden_act", "silu") == "silu", "hidden_act", f"{hf.get('hidden_act')!r}")
     for flag in ("attention_bias", "mlp_bias"):
@@ -216,12 +315,17 @@ def _llama_config_from_hf(hf: dict) -> dict:
             "num_kv_heads": hf.get("num_key_value_heads") or heads,
             "ffn_hidden_size": hf["intermediate_size"],
             "max_seq_len": hf["max_position_embeddings"], "norm_eps": hf.get("rms_norm_eps", 1e-6),
-            "rope_theta": _rope_theta(hf), "tie_embeddings": hf.get("tie_word_embeddings", False)}
+            **_rope_from_hf(hf), "tie_embeddings": hf.get("tie_word_embeddings", False),
+            # transformers' Llama has attention dropout only.
+            "dropout": 0.0, "attention_dropout": hf.get("attention_dropout", 0.0),
+            "bos_token_id": _token_id(hf, "bos_token_id", notes),
+            "eos_token_id": _token_id(hf, "eos_token_id", notes)}
 
 
-def config_from_hf(hf: dict) -> dict:
-    """A transformers config.json → megaresil's `model.*` keys (the
-    architecture only: dropout and init are training choices)."""
+def config_from_hf(hf: dict) -> tuple[dict, list[str]]:
+    """A transformers config.json → megaresil's `model.*` keys (architecture,
+    dropout, init scale, token ids), and one line per setting that could not
+    be carried over exactly."""
     architecture = (hf.get("architectures") or [None])[0]
     flavours = {arch: flavour for flavour, arch in ARCHITECTURES.items()}
     if architecture not in flavours:
@@ -230,8 +334,11 @@ def config_from_hf(hf: dict) -> dict:
                                "them.")
     from_hf_config = (_gpt2_config_from_hf if flavours[architecture] == Flavour.gpt2
                       else _llama_config_from_hf)
+    notes: list[str] = []
     try:
-        return {**from_hf_config(hf), "vocab_size": hf["vocab_size"]}
+        model = from_hf_config(hf, notes)
+        model.update(vocab_size=hf["vocab_size"], init_std=hf.get("initializer_range", 0.02))
     except KeyError as err:
         raise UnsupportedModel(f"config.json has no {err.args[0]!r}, which {architecture} needs. "
                                "Fix: save the config with transformers' save_pretrained.") from None
+    return model, notes

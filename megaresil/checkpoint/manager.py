@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.backends import Backend, get_backend
-from megaresil.checkpoint.sharded import Rect, assign_writers
-from megaresil.checkpoint.state import RunState, TrainingState, training_rects
+from megaresil.checkpoint.sharded import WEIGHTS, Rect, assign_writers
+from megaresil.checkpoint.state import RunState, TrainingState, training_rects, weight_rects
 
 if TYPE_CHECKING:
     from megaresil.checkpoint.local_tier import LocalTier
@@ -420,6 +420,17 @@ class Checkpointer:
         check_shapes(manifest["tensors"], targets, consumed)
         get_backend(manifest["backend"]).read(directory, manifest, targets)
 
+    def load_weights(self, source, state: TrainingState) -> None:
+        """Fill a trainer's weights (not its optimizer state) from `source`, a
+        TensorSource (a checkpoint's or a Hugging Face model's global
+        tensors) of any layout, after checking that its weights are exactly
+        those every rank together loads, at their shapes."""
+        targets = weight_rects(state)
+        consumed = set().union(*self.coll.all_gather(sorted({t.key for t in targets})))
+        held = {key: entry for key, entry in source.tensors.items() if key.startswith(WEIGHTS)}
+        check_shapes(held, targets, consumed)
+        source.read(targets)
+
     def load_training(self, directory: Path, manifest: dict, state: TrainingState) -> RunState:
         """Load a checkpoint into a trainer's state, at whatever layout it was
         saved from (the rects reshard it); returns what it saved."""
@@ -427,8 +438,9 @@ class Checkpointer:
         if saved.weights_only:
             raise fmt.CheckpointError(
                 f"{directory} holds weights only (no optimizer state), so training cannot resume "
-                "from it exactly. Fix: convert it again without --weights-only, or start a new "
-                "run from it as initial weights (not supported yet).")
+                "from it exactly. Fix: start a new run from it with checkpoint.init_from="
+                f"{directory} (fresh optimizer, step 0), or convert it again without "
+                "--weights-only.")
         self.load(directory, manifest, training_rects(state, include_copies=True))
         state.restore(saved)
         return saved

@@ -124,3 +124,9 @@ def training_rects(state: TrainingState, *, include_copies: bool = False) -> lis
     the tied-embedding copy (a load target, never saved)."""
     return state_rects(state.named_parameters(), state.model_config, state.optimizer.moments(),
                        include_copies)
+
+
+def weight_rects(state: TrainingState) -> list[Rect]:
+    """The weights of a trainer on this rank, tied-embedding copy included:
+    what a run that starts from another model's weights loads."""
+    return state_rects(state.named_parameters(), state.model_config, None, include_copies=True)

@@ -54,11 +54,13 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def hf_tokenizer(self) -> tokenizers.Tokenizer:
-        raise ValueError("data.tokenizer: the 'byte' tokenizer has no Hugging Face form. "
-                         "Fix: train with data.tokenizer=bpe, gpt2 or a Hugging Face tokenizer.")
+        """A byte-level BPE without merges: it encodes exactly like this one
+        (each byte's id is the byte, end of document 256)."""
+        vocab = {char: byte for byte, char in _byte_to_unicode().items()}
+        return _byte_level(models.BPE(vocab=vocab, merges=[]))
 
     def special_tokens(self) -> dict[str, str]:
-        return {}
+        return {"eos_token": ENDOFTEXT}
 
 
 class HFTokenizer:
@@ -109,15 +111,35 @@ class TiktokenTokenizer:
         vocab = json.loads((self._bpe_files / "encoder.json").read_text(encoding="utf-8"))
         lines = (self._bpe_files / "vocab.bpe").read_text(encoding="utf-8").splitlines()
         merges = [tuple(line.split(" ")) for line in lines[1:] if line]  # line 0: #version
-        model = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges))
-        model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        model.decoder = decoders.ByteLevel()
-        model.post_processor = processors.ByteLevel(trim_offsets=False)
-        model.add_special_tokens([tokenizers.AddedToken(ENDOFTEXT, special=True)])
-        return model
+        return _byte_level(models.BPE(vocab=vocab, merges=merges))
 
     def special_tokens(self) -> dict[str, str]:
         return {"eos_token": ENDOFTEXT, "bos_token": ENDOFTEXT}
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character table, which byte-level BPE vocabularies use."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _byte_level(model: models.Model) -> tokenizers.Tokenizer:
+    """A byte-level BPE over `model` with the end-of-document token, as
+    transformers' GPT-2 tokenizer is built."""
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.add_special_tokens([tokenizers.AddedToken(ENDOFTEXT, special=True)])
+    return tokenizer
 
 
 def _token_id(model: tokenizers.Tokenizer, token: str) -> int:

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megaresil.config import Flavour, ModelConfig, Recompute
+from megaresil.config import Flavour, ModelConfig, Recompute, RopeScalingType
 from megaresil.parallel.random import LayoutDropout
 from megaresil.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
                                                 enter_tp_region, mark_sequence_parallel)
@@ -47,22 +47,54 @@ def sequence_dropout(p: float, site: str, seed: int, tp: TPGroup) -> LayoutDropo
                          local_slice=lambda m: m.chunk(tp.size, dim=0)[tp.rank])
 
 
+def rope_frequencies(head_dim: int, cfg: ModelConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies (D/2,), with Llama 3's scaling when the
+    config asks for it (computed as transformers does, in float32)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
+    scaling = cfg.rope_scaling
+    if scaling.type == RopeScalingType.none:
+        return inv_freq
+    # Llama 3: long wavelengths (past the pre-training context / low_freq_factor)
+    # are stretched by `factor`, short ones (below context / high_freq_factor)
+    # kept, and those between interpolated smoothly.
+    context = scaling.original_max_seq_len
+    wavelen = 2 * math.pi / inv_freq
+    long_wave = wavelen > context / scaling.low_freq_factor
+    short_wave = wavelen < context / scaling.high_freq_factor
+    scaled = torch.where(long_wave, inv_freq / scaling.factor, inv_freq)
+    smooth = ((context / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    return torch.where(~short_wave & ~long_wave, smoothed, scaled)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE in the rotate-half convention (the one Hugging Face Llama uses), so
-    q/k projection weights need no permutation when converting."""
+    q/k projection weights need no permutation when converting.
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+    The cos/sin tables cover the longest sequence seen so far, built on first
+    use: a table of max_seq_len rows (131072 for Llama 3.2) per layer would
+    cost far more memory than the sequences trained on need."""
+
+    def __init__(self, head_dim: int, cfg: ModelConfig):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, D/2)
-        angles = torch.cat([angles, angles], dim=-1)  # (T, D)
         # Not parameters and not checkpoint state: recomputed from the config.
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("inv_freq", rope_frequencies(head_dim, cfg), persistent=False)
+        self.tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (cos, sin), (T, D)
+
+    def cos_sin(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tables is None or self.tables[0].shape[0] < T or self.tables[0].device != device:
+            positions = torch.arange(T, dtype=torch.float32, device=device)
+            angles = torch.outer(positions, self.inv_freq.to(device))  # (T, D/2)
+            angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+            self.tables = (angles.cos(), angles.sin())
+        cos, sin = self.tables
+        return cos[:T], sin[:T]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, heads, T, D)
-        T = x.shape[-2]
-        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        cos, sin = self.cos_sin(x.shape[-2], x.device)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -86,7 +118,7 @@ class Attention(nn.Module):
         qkv_rows = (cfg.num_heads + 2 * kv_heads) * self.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, tp, bias=bias)
         self.proj = RowParallelLinear(cfg.num_heads * self.head_dim, cfg.hidden_size, tp, bias=bias)
-        self.rope = (RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.rope = (RotaryEmbedding(self.head_dim, cfg)
                      if cfg.flavour == Flavour.llama else None)
         # Attention-probability dropout drawn over all heads, sliced to ours.
         self.prob_dropout = LayoutDropout(

@@ -59,6 +59,9 @@ FORMATS: dict[str, Callable[[dict], str]] = {
     "worker_error": _error,
     "restart": _restart,
     "checkpoint_loaded": _loaded,
+    "initialized_from": lambda e: (f"started from the weights of {e.get('path')}"
+                                   + (f" with its optimizer state, at step {e.get('step')}"
+                                      if e.get("optimizer") else " (fresh optimizer, step 0)")),
     "checkpoint_skipped": lambda e: f"skipped checkpoint {e.get('path')}: {e.get('reason')}",
     "preempted": lambda e: (f"preempted: saved step {e.get('step')}; exiting for a requeue "
                             "(run the same command again to continue)"),

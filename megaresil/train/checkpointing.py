@@ -1,7 +1,9 @@
-"""What the training loop saves and restores, and which checkpoint it
-resumes from (restart-from-latest)."""
+"""What the training loop saves and restores, which checkpoint it resumes
+from (restart-from-latest), and the weights a new run starts from
+(checkpoint.init_from)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -13,9 +15,13 @@ import torch.distributed as dist
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local_tier import LocalTier, local_root as local_dir_of
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
+from megaresil.checkpoint.hf_io import hf_model_keys, hf_source, is_hf_directory
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.replication import Choice, Topology, ranks_per_node
-from megaresil.config import ConfigError, RecipeConfig
+from megaresil.checkpoint.sources import CheckpointSource
+from megaresil.config import ConfigError, ModelConfig, RecipeConfig, model_from_dict
+from megaresil.model.gpt import ties_embeddings
+from megaresil.model.layers import ffn_size
 
 
 def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
@@ -164,6 +170,9 @@ def resume(trainer) -> None:
                from_replicas=sorted(o for o, h in local.sources.items() if o != h))
     else:
         saved = None
+        # Nothing of this run's own to resume: a new run, from other weights if asked.
+        if trainer.cfg.checkpoint.init_from:
+            initialize_from(trainer, Path(trainer.cfg.checkpoint.init_from))
     if trainer.checkpointer.local is not None:
         trainer.checkpointer.local.discard_after(saved.step if saved else None)
 
@@ -191,3 +200,74 @@ def finish(trainer) -> None:
     (checkpoint.interval > 0), the local shards are released."""
     if trainer.checkpointer.local is not None and trainer.cfg.checkpoint.interval > 0:
         trainer.checkpointer.local.remove_all()
+
+
+# --- checkpoint.init_from: a new run from other weights ---------------------------
+
+
+def _architecture(m: ModelConfig) -> dict:
+    """What a model computes, beyond its tensors' shapes and keys (which the
+    load checks itself), with defaults resolved."""
+    return {"flavour": m.flavour.value, "norm_eps": m.norm_eps, "num_heads": m.num_heads,
+            "num_kv_heads": m.num_kv_heads or m.num_heads, "rope_theta": m.rope_theta,
+            "rope_scaling": dataclasses.asdict(m.rope_scaling), "tied": ties_embeddings(m),
+            "ffn_hidden_size": ffn_size(m)}
+
+
+def _require_same_model(path: Path, saved: ModelConfig, ours: ModelConfig) -> None:
+    theirs, mine = _architecture(saved), _architecture(ours)
+    differences = [f"{key}={theirs[key]} (this recipe: {mine[key]})"
+                   for key in theirs if theirs[key] != mine[key]]
+    if differences:
+        raise fmt.CheckpointError(
+            f"checkpoint.init_from={path} holds a different model: {'; '.join(differences)}. "
+            "Fix: set model.* as the source has it (megaresil train --from-hf DIR takes them "
+            "from a Hugging Face config.json).")
+
+
+def _init_source(trainer, path: Path):
+    """The weights to start from, checked against this run's model."""
+    ours = trainer.cfg.model
+    if is_hf_directory(path):
+        if trainer.cfg.checkpoint.init_from_optimizer:
+            raise fmt.CheckpointError(f"checkpoint.init_from={path} is a Hugging Face model, "
+                                      "which has no optimizer state. Fix: drop "
+                                      "checkpoint.init_from_optimizer.")
+        model_keys, _ = hf_model_keys(path)
+        _require_same_model(path, model_from_dict(model_keys), ours)
+        return hf_source(path, ours), None
+    try:
+        source = CheckpointSource(path)
+    except fmt.CheckpointError as err:
+        raise fmt.CheckpointError(f"checkpoint.init_from={path}: {err}. Fix: give a committed "
+                                  "checkpoint (RUN/checkpoints/step_N) or a Hugging Face model "
+                                  "directory.") from None
+    reason = trainer.checkpointer.verify(path, source.manifest)
+    if reason:
+        raise fmt.CheckpointError(f"checkpoint.init_from={path} is corrupt: {reason}. Fix: "
+                                  "start from an earlier checkpoint.")
+    _require_same_model(path, model_from_dict(source.manifest["recipe"]["model"]), ours)
+    if trainer.cfg.checkpoint.init_from_optimizer and source.manifest.get("weights_only"):
+        raise fmt.CheckpointError(f"checkpoint.init_from={path} holds weights only, so "
+                                  "checkpoint.init_from_optimizer has no optimizer state to take. "
+                                  "Fix: drop init_from_optimizer, or give a full checkpoint.")
+    return source, source.manifest
+
+
+def initialize_from(trainer, path: Path) -> None:
+    """Start a new run from the weights at `path` (any layout): step 0, a
+    fresh optimizer and data from the start, unless init_from_optimizer
+    takes a full checkpoint's optimizer state, step and data position too."""
+    source, manifest = _init_source(trainer, path)
+    with_optimizer = trainer.cfg.checkpoint.init_from_optimizer
+    if with_optimizer:
+        saved = trainer.checkpointer.load_training(path, manifest, trainer.checkpoint_state)
+        step, saved_layout = saved.step, saved.layout
+    else:
+        trainer.checkpointer.load_weights(source, trainer.checkpoint_state)
+        step, saved_layout = 0, manifest["layout"] if manifest else None
+    if trainer.layout.rank == 0:
+        trainer.events.emit("initialized_from", path=str(path), step=step,
+                            source="checkpoint" if manifest else "hugging_face",
+                            optimizer=with_optimizer, saved_layout=saved_layout,
+                            layout=trainer.checkpoint_state.layout_record())
