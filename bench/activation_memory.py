@@ -25,8 +25,9 @@ shows rank 0 (the ranks agree to the byte).
         [--heads 8] [--micro-batch 1] [--steps 2] [--out bench/results] [--quick]
 
 Step time is forward + backward of the layers (the optimizer step does not
-depend on the variant), the slowest rank's, the fastest of `--steps` steps
-timed without the meter, after one metered step.
+depend on the variant), the slowest rank's, the fastest of `--steps` rounds
+timed without the meter after one metered step; each round times every
+variant in turn, so a busy spell of the shared machine hits all of them.
 """
 from __future__ import annotations
 
@@ -124,31 +125,59 @@ def one_step(model: GPT, x0: torch.Tensor, weights: torch.Tensor, samples: torch
     return held
 
 
-def measure(name: str, cfg: ModelConfig, tp: TPGroup, args: argparse.Namespace) -> Row:
+@dataclass
+class Setup:
+    """One variant's layers and inputs on this rank."""
+    name: str
+    cfg: ModelConfig
+    model: GPT
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # x0, weights, samples
+
+
+def build(name: str, cfg: ModelConfig, tp: TPGroup, args: argparse.Namespace) -> Setup:
     model = GPT(cfg, tp=tp, seed=1, first=False, last=False)
     initialize(model, cfg, seed=1)
     gen = torch.Generator().manual_seed(0)
     shape = (args.micro_batch, args.seq, args.hidden)
     x0 = torch.randn(*shape, generator=gen, requires_grad=True)
-    weights = torch.randn(*shape, generator=gen)
-    samples = torch.arange(args.micro_batch)
-    if cfg.activation_offload == ActivationOffload.cpu:
-        one_step(model, x0, weights, samples, None)  # fills the host pool, as any first step
+    return Setup(name, cfg, model, (x0, torch.randn(*shape, generator=gen),
+                                    torch.arange(args.micro_batch)))
+
+
+def measure_memory(setup: Setup) -> tuple[int, int]:
+    """(held, peak) device bytes of one metered step."""
+    if setup.cfg.activation_offload == ActivationOffload.cpu:
+        one_step(setup.model, *setup.inputs, None)  # fills the host pool, as any first step
     meter = ActivationMeter(torch.device("cpu"))
-    held = one_step(model, x0, weights, samples, meter)
-    times = []
+    held = one_step(setup.model, *setup.inputs, meter)
+    return held, meter.reading().peak_device_bytes
+
+
+def timed_step(setup: Setup) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    one_step(setup.model, *setup.inputs, None)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
+    return elapsed.item()
+
+
+def measure_all(setups: list[Setup], tp: TPGroup, args: argparse.Namespace) -> list[Row]:
+    """Memory from one metered step each; then `args.steps` rounds timing every
+    variant in turn, so a busy spell of the shared machine hits all of them."""
+    memory = [measure_memory(s) for s in setups]
+    times: list[list[float]] = [[] for _ in setups]
     for _ in range(args.steps):
-        dist.barrier()
-        start = time.perf_counter()
-        one_step(model, x0, weights, samples, None)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
-    pool = model.checkpoints.pool
-    grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
-    return Row(name, held, meter.reading().peak_device_bytes, grads,
-               pool.peak_bytes if pool else 0,
-               textbook(cfg, args.seq, args.micro_batch, tp.size), min(times), times)
+        for setup, mine in zip(setups, times):
+            mine.append(timed_step(setup))
+    rows = []
+    for setup, (held, peak), mine in zip(setups, memory, times):
+        pool = setup.model.checkpoints.pool
+        grads = sum(p.grad.nbytes for p in setup.model.parameters() if p.grad is not None)
+        rows.append(Row(setup.name, held, peak, grads, pool.peak_bytes if pool else 0,
+                        textbook(setup.cfg, args.seq, args.micro_batch, tp.size),
+                        min(mine), mine))
+    return rows
 
 
 def model_config(args: argparse.Namespace, **variant) -> ModelConfig:
@@ -163,8 +192,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, result: str) -> None
     dist.init_process_group("gloo", rank=rank, world_size=TP)
     try:
         tp = TPGroup(group=dist.group.WORLD, size=TP, rank=rank)
-        rows = [measure(name, model_config(args, **kw), tp, args)
-                for name, kw in variants(args.layers).items()]
+        setups = [build(name, model_config(args, **kw), tp, args)
+                  for name, kw in variants(args.layers).items()]
+        rows = measure_all(setups, tp, args)
         if rank == 0:
             Path(result).write_text(json.dumps([asdict(r) for r in rows]))
     finally:
@@ -253,7 +283,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant")
+    parser.add_argument("--steps", type=int, default=3, help="timed rounds (one step of "
+                        "every variant each)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true",
                         help="4 layers, hidden 128, seq 128, 1 timed step (a smoke run)")
