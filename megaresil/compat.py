@@ -171,6 +171,14 @@ def tree_map_only(kind: type, fn: Callable[[Any], Any], tree: Any) -> Any:
     return torch_tree_map_only(kind, fn, tree)
 
 
+def torch_dispatch_mode() -> type:
+    """The base class of Python dispatch modes (`torch.utils._python_dispatch`):
+    a mode sees every aten op, below autograd, with its outputs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
 # --- torch.save's files and DCP's storage records -------------------------------------
 
 

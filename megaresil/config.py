@@ -90,6 +90,16 @@ class Recompute(str, enum.Enum):
     full = "full"
 
 
+class RecomputePolicy(str, enum.Enum):
+    uniform = "uniform"
+    block = "block"
+
+
+class ActivationOffload(str, enum.Enum):
+    none = "none"
+    cpu = "cpu"
+
+
 class PipelineSchedule(str, enum.Enum):
     auto = "auto"
     gpipe = "gpipe"
@@ -168,6 +178,24 @@ class ModelConfig:
                                 "init_std / sqrt(2 * num_layers) as in GPT-2.", bounds=POSITIVE)
     recompute: Recompute = doc(Recompute.none, "Activation recomputation: none, selective "
                                "(attention core only) or full (whole block).")
+    recompute_policy: RecomputePolicy = doc(RecomputePolicy.uniform, "Which layers full "
+                                            "recomputation covers (Megatron's recompute method): "
+                                            "uniform: every layer, in checkpointed groups of "
+                                            "model.recompute_layers consecutive layers (one stored "
+                                            "input per group); block: only the first "
+                                            "model.recompute_layers layers of each pipeline chunk, "
+                                            "the others keep all their activations.")
+    recompute_layers: int = doc(1, "N of model.recompute_policy (layers per group for uniform, "
+                                "recomputed layers per pipeline chunk for block); at most the "
+                                "layers of one chunk, num_layers / (pp * vpp).", bounds=POSITIVE)
+    activation_partition: bool = doc(False, "Store each checkpointed layer input split across "
+                                     "the TP group (1/tp per rank) and all-gather it before "
+                                     "recomputation, as DeepSpeed's partition_activations. Needs "
+                                     "recompute=full, tp > 1 and sequence parallelism off.")
+    activation_offload: ActivationOffload = doc(ActivationOffload.none, "cpu: move checkpointed "
+                                                "layer inputs to host memory during forward (pinned, "
+                                                "copied on a side stream on CUDA; a host buffer pool "
+                                                "on CPU) and back for backward. Needs recompute=full.")
 
 
 @dataclass
@@ -642,6 +670,7 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
     _require(m.num_layers % (p.pp * p.vpp) == 0, "model.num_layers",
              f"{m.num_layers} layers do not divide into pp*vpp={p.pp * p.vpp} chunks.",
              "choose num_layers a multiple of parallel.pp * parallel.vpp.")
+    _validate_activation_memory(m, p)
     if m.flavour == Flavour.gpt2:
         _require(m.num_kv_heads in (None, m.num_heads), "model.num_kv_heads",
                  "gpt2 flavour has no grouped-query attention.",
@@ -671,6 +700,30 @@ def _validate_init_from(c: CheckpointConfig) -> None:
     _require(not c.init_from_optimizer or bool(c.init_from), "checkpoint.init_from_optimizer",
              "is set but checkpoint.init_from is not.",
              "set checkpoint.init_from=PATH (a full checkpoint) or drop init_from_optimizer.")
+
+def _validate_activation_memory(m: ModelConfig, p: ParallelConfig) -> None:
+    full = m.recompute == Recompute.full
+    chunk_layers = m.num_layers // (p.pp * p.vpp)
+    custom_policy = m.recompute_layers != 1 or m.recompute_policy != RecomputePolicy.uniform
+    _require(full or not custom_policy, "model.recompute_layers",
+             f"recompute_policy/recompute_layers choose layers of full recomputation, but "
+             f"recompute={m.recompute.value}.", "set model.recompute=full or leave them at "
+             "uniform/1.")
+    _require(m.recompute_layers <= chunk_layers, "model.recompute_layers",
+             f"{m.recompute_layers} exceeds the {chunk_layers} layers of a pipeline chunk "
+             f"(num_layers / (pp*vpp)).", f"choose recompute_layers <= {chunk_layers}.")
+    if m.activation_partition:
+        _require(full, "model.activation_partition",
+                 "partitions the inputs of fully recomputed layers, but recompute="
+                 f"{m.recompute.value}.", "set model.recompute=full.")
+        _require(p.tp > 1, "model.activation_partition", "splits checkpoints across the TP group "
+                 "but tp=1.", "set parallel.tp > 1 or turn it off.")
+        _require(not p.sequence_parallel, "model.activation_partition", "with sequence "
+                 "parallelism each rank's checkpoints are already 1/tp of the sequence.",
+                 "turn parallel.sequence_parallel off or activation_partition off.")
+    _require(full or m.activation_offload == ActivationOffload.none, "model.activation_offload",
+             f"offloads the inputs of fully recomputed layers, but recompute={m.recompute.value}.",
+             "set model.recompute=full or activation_offload=none.")
 
 
 def _validate_batch(cfg: RecipeConfig) -> None:

@@ -1,5 +1,7 @@
 """Every TP/PP/DP layout reproduces the single-process run: losses within 1e-5
-relative per step over 10 steps (fp32), and the same gradients after a step."""
+relative per step over 10 steps (fp32), and the same gradients after a step.
+Layouts with activation recomputation, partitioned or offloaded checkpoints
+are held to the reference without recomputation."""
 from __future__ import annotations
 
 import pytest
@@ -21,6 +23,9 @@ TP = ["parallel.tp=2"]
 SP = ["parallel.sequence_parallel=true"]
 DISTOPT = ["optimizer.distributed=true"]
 THREE_D = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]
+FULL = ["model.recompute=full"]
+PARTITION = FULL + ["model.activation_partition=true"]
+OFFLOAD = ["model.activation_offload=cpu"]
 
 # (layout name, overrides, variants), grouped by world size.
 LAYOUTS = {
@@ -33,13 +38,21 @@ LAYOUTS = {
         ("pp2_gpipe", ["parallel.pp=2", "parallel.schedule=gpipe"], ["gpt2", "llama"]),
         ("pp2_vpp2", ["parallel.pp=2", "parallel.vpp=2"], ["gpt2", "llama", "gpt2_dropout"]),
         ("pp2_vpp2_zero_bubble", ["parallel.pp=2", "parallel.vpp=2",
-                                  "parallel.schedule=interleaved_zero_bubble"], ["gpt2"])],
+                                  "parallel.schedule=interleaved_zero_bubble"], ["gpt2"]),
+        ("tp2_partition_offload", TP + PARTITION + OFFLOAD, ["gpt2_dropout"]),
+        ("pp2_block1_offload", ["parallel.pp=2"] + FULL + OFFLOAD +
+         ["model.recompute_policy=block", "model.recompute_layers=1"], ["gpt2_dropout"]),
+        ("pp2_vpp2_zero_bubble_full_offload", ["parallel.pp=2", "parallel.vpp=2",
+                                               "parallel.schedule=interleaved_zero_bubble"]
+         + FULL + OFFLOAD, ["gpt2_dropout"])],
     4: [("tp4", ["parallel.tp=4"], ["gpt2", "llama"]),
         ("dp4", ["parallel.dp=4"], ["gpt2", "llama"]),
         ("tp2_dp2", TP + ["parallel.dp=2"], ["gpt2", "llama"]),
         ("pp4_1f1b", ["parallel.pp=4"], ["gpt2", "llama"])],
     8: [("tp2_pp2_dp2", THREE_D, ["gpt2", "llama", "gpt2_untied", "llama_tied"]),
-        ("tp2_pp2_dp2_sp_distopt", THREE_D + SP + DISTOPT, ["gpt2", "llama"])],
+        ("tp2_pp2_dp2_sp_distopt", THREE_D + SP + DISTOPT, ["gpt2", "llama"]),
+        ("tp2_pp2_dp2_partition_uniform2", THREE_D + PARTITION + ["model.recompute_layers=2"],
+         ["gpt2_dropout"])],
 }
 
 

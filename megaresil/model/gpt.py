@@ -5,12 +5,14 @@ layer 17 lives), so a checkpoint's keys do not depend on the parallel layout.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from megaresil.config import Flavour, ModelConfig
+from megaresil.model.activations import CheckpointStore, recompute_segments
 from megaresil.model.layers import Block, make_norm, sequence_dropout
 from megaresil.parallel.tensor_parallel import (ColumnParallelLinear, TPGroup,
                                                 VocabParallelEmbedding, enter_tp_region,
@@ -73,6 +75,8 @@ class GPT(nn.Module):
             self.embed.tokens.weight.pipeline_copy = not first
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.layers = nn.ModuleDict({str(i): Block(cfg, tp, index=i, seed=seed) for i in layer_ids})
+        self.segments = recompute_segments(cfg, layer_ids)
+        self.checkpoints = CheckpointStore.for_model(cfg, tp)
         if last:
             self.norm = make_norm(cfg, tp)
             self.head = (None if self.tied else
@@ -83,14 +87,24 @@ class GPT(nn.Module):
         rank's vocabulary slice of the logits (last chunk) out."""
         if self.first:
             x = self.embed(x, samples)  # (B, T, C), or (B, T/tp, C) under SP
-        for layer in self.layers.values():
-            x = layer(x, samples)
+        for layer_ids, recompute in self.segments:
+            if recompute and self.training:
+                run = functools.partial(self.run_layers, layer_ids)
+                x = self.checkpoints.run(run, x, samples)
+            else:
+                x = self.run_layers(layer_ids, x, samples)
         if not self.last:
             return x
         x = self.norm(x)
         if self.head is not None:
             return self.head(x)  # (B, T, padded V / tp)
         return nn.functional.linear(enter_tp_region(x, self.tp), self.embed.tokens.weight)
+
+    def run_layers(self, layer_ids: list[int], x: torch.Tensor,
+                   samples: Optional[torch.Tensor]) -> torch.Tensor:
+        for i in layer_ids:
+            x = self.layers[str(i)](x, samples)
+        return x
 
     def example_io(self, micro_batch: int, seq_len: int, output_dtype: torch.dtype,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

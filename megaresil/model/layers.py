@@ -205,13 +205,8 @@ class Block(nn.Module):
         self.mlp = mlp_cls(cfg, tp, ffn=ffn_size(cfg))
         self.attn_dropout = sequence_dropout(cfg.dropout, site + ".attn_out", seed, tp)
         self.mlp_dropout = sequence_dropout(cfg.dropout, site + ".mlp_out", seed, tp)
-        self.recompute_all = cfg.recompute == Recompute.full
-
-    def _forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
-        x = x + self.attn_dropout(self.attn(self.norm1(x), samples), samples)
-        return x + self.mlp_dropout(self.mlp(self.norm2(x)), samples)
 
     def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.recompute_all and self.training:
-            return checkpoint(self._forward, x, samples, use_reentrant=False)
-        return self._forward(x, samples)
+        # Full recomputation wraps whole groups of blocks (model/activations.py).
+        x = x + self.attn_dropout(self.attn(self.norm1(x), samples), samples)
+        return x + self.mlp_dropout(self.mlp(self.norm2(x)), samples)
