@@ -166,6 +166,61 @@ def cmd_ckpt_diff(args: argparse.Namespace) -> int:
     return 0 if report.within else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import replace
+    from pathlib import Path
+
+    from megaresil.plan.profile import job_kinds, load_profile
+    from megaresil.plan.report import Scale, format_plan, plan, read_run_costs, trace_kinds
+
+    profile = load_profile(args.profile) if args.profile else load_profile()
+    kinds = job_kinds(profile, args.gpus)
+    if args.failure_trace:
+        kinds = trace_kinds(Path(args.failure_trace))
+    elif args.mtbf_hours:  # the profile's mix of kinds, at this MTBF per GPU
+        factor = args.gpus / (args.mtbf_hours * 3600) / sum(k.per_s for k in kinds)
+        kinds = [replace(k, per_s=k.per_s * factor) for k in kinds]
+    scale = (Scale(args.state_bytes, args.gpus, args.storage_gbps * 1e9)
+             if args.state_bytes else None)
+    costs = read_run_costs(Path(args.run_dir))
+    report = plan(costs, kinds, replacement_s=(args.replacement_s if args.replacement_s
+                                               is not None else
+                                               profile.get("node_replacement_extra_s", 0.0)),
+                  scale=scale, step_s=args.step_s,
+                  simulate_days=args.days if args.simulate else None, seed=args.seed)
+    report["costs"] = costs.to_dict()
+    print(json.dumps(report, indent=1) if args.json else format_plan(report))
+    return 0
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the checkpoint interval and goodput to expect at scale, "
+                       "from a run's measured costs (and --simulate: a simulated long run)",
+                       description="Failures: --mtbf-hours (per GPU, with the profile's mix of "
+                       "kinds), or --failure-trace, else the profile's own rates (default: "
+                       "Llama 3 405B's, megaresil/plan/profiles/llama3_405b.yaml).")
+    p.add_argument("run_dir", help="a run directory (or a JSON written by plan --json)")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--mtbf-hours", type=float, help="mean time between failures of one GPU")
+    p.add_argument("--failure-trace", help='JSON lines {"hours": T, "path": in_process|'
+                   'relaunch|node_replacement}')
+    p.add_argument("--profile", help="failure profile YAML")
+    p.add_argument("--replacement-s", type=float,
+                   help="seconds a spare host takes to replace a failed one (default: the "
+                        "profile's)")
+    p.add_argument("--state-bytes", type=float, help="scale save and load costs to this "
+                   "checkpoint size, spread over --gpus ranks")
+    p.add_argument("--storage-gbps", type=float, default=2000.0,
+                   help="aggregate storage GB/s that bounds a scaled save and load")
+    p.add_argument("--step-s", type=float, help="step time (default: the run's)")
+    p.add_argument("--simulate", action="store_true", help="also simulate each policy")
+    p.add_argument("--days", type=float, default=54.0, help="simulated days of work")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+
 def add_convert_parser(sub) -> None:
     convert = sub.add_parser(
         "convert", help="convert a checkpoint to another layout or backend, or to/from Hugging "
@@ -316,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="more runs to overlay (e.g. a reference, other layouts)")
     report.add_argument("--out", help="output directory (default RUN_DIR/report)")
     report.set_defaults(func=cmd_report)
+
+    add_plan_parser(sub)
 
     config = sub.add_parser("config", help="inspect recipes and the config schema")
     config_sub = config.add_subparsers(dest="config_command", required=True)

@@ -1,0 +1,108 @@
+"""What a run directory says its resilience costs: step time, the blocking and
+total seconds of a save per tier, and each outage (a restart or preemption
+between two completed steps) with its kind, downtime and recomputed steps."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from megaresil.events import read_events, read_metrics
+
+# An outage's kind is its costliest recovery: a preemption requeues the whole
+# job, a relaunch restarts every worker, an in-process restart keeps them.
+SEVERITY = ("in_process", "relaunch", "requeue")
+
+
+@dataclass
+class SaveCost:
+    tier: str  # global | local
+    saves: int
+    blocking_s: float  # median seconds the step loop waits per save
+    total_s: float  # median seconds until the save is durable
+    bytes: int  # bytes per save (all ranks)
+    ranks: int = 1  # ranks that wrote them
+
+
+@dataclass
+class Outage:
+    kind: str  # in_process | relaunch | requeue
+    downtime_s: float  # end of the last step before it to the start of the first step after
+    steps_lost: int  # steps done before it and computed again after
+
+
+@dataclass
+class RunCosts:
+    step_s: float
+    steps: int  # the last step reached
+    interval: Optional[int]  # steps between global saves, as the saves show
+    saves: dict[str, SaveCost] = field(default_factory=dict)
+    outages: list[Outage] = field(default_factory=list)
+
+    def restart_s(self) -> dict[str, float]:
+        """Mean downtime per outage kind: the expected cost the planner needs."""
+        kinds = {o.kind for o in self.outages}
+        return {k: statistics.fmean(o.downtime_s for o in self.outages if o.kind == k)
+                for k in SEVERITY if k in kinds}
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "restart_s": self.restart_s()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunCosts":
+        return cls(step_s=d["step_s"], steps=d["steps"], interval=d["interval"],
+                   saves={t: SaveCost(**s) for t, s in d["saves"].items()},
+                   outages=[Outage(**o) for o in d["outages"]])
+
+
+def step_seconds(record: dict) -> float:
+    """A step's own compute time, from its token rate (tokens is cumulative)."""
+    return record["tokens"] / record["step"] / record["tokens_per_s"]
+
+
+def read_costs(run_dir: str | Path) -> RunCosts:
+    run_dir = Path(run_dir)
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    if not records:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no step: run some steps first "
+                         "(megaresil train ... run.dir={run_dir})")
+    events = read_events(run_dir)
+    saves = {tier: save_cost(tier, events, name) for tier, name in
+             (("global", "checkpoint_saved"), ("local", "local_checkpoint_saved"))}
+    global_steps = sorted({e["step"] for e in events if e["event"] == "checkpoint_saved"})
+    # The commonest gap: preemption saves and restarts add odd ones.
+    gaps = [b - a for a, b in zip(global_steps, global_steps[1:]) if b > a]
+    # The mean: the expected step time, slow steps after restarts included.
+    return RunCosts(step_s=statistics.fmean(step_seconds(r) for r in records),
+                    steps=max(r["step"] for r in records),
+                    interval=statistics.mode(gaps) if gaps else None,
+                    saves={t: s for t, s in saves.items() if s is not None},
+                    outages=outages(records, events))
+
+
+def save_cost(tier: str, events: list[dict], name: str) -> Optional[SaveCost]:
+    saved = [e for e in events if e["event"] == name and e.get("rank", 0) == 0]
+    if not saved:
+        return None
+    return SaveCost(tier=tier, saves=len(saved),
+                    blocking_s=statistics.median(e["blocking_seconds"] for e in saved),
+                    total_s=statistics.median(e["seconds"] for e in saved),
+                    bytes=int(statistics.median(e["bytes"] for e in saved)),
+                    ranks=len(saved[-1].get("bytes_per_rank") or [0]))
+
+
+def outages(records: list[dict], events: list[dict]) -> list[Outage]:
+    """One per pair of consecutive step records with a restart or preemption
+    between them (faults on the way to recovery fold into the same outage)."""
+    found = []
+    triggers = [e for e in events if e["event"] in ("restart", "preempted")]
+    for before, after in zip(records, records[1:]):
+        inside = [e for e in triggers if before["time"] < e["time"] < after["time"]]
+        if not inside:
+            continue
+        kinds = ["requeue" if e["event"] == "preempted" else e["kind"] for e in inside]
+        found.append(Outage(kind=max(kinds, key=SEVERITY.index),
+                            downtime_s=after["time"] - step_seconds(after) - before["time"],
+                            steps_lost=max(0, before["step"] - (after["step"] - 1))))
+    return found

@@ -1,0 +1,137 @@
+"""`megaresil plan`: policies from a run's measured costs, their best
+checkpoint interval and expected goodput (model.py), and the simulated run
+(simulate.py) on a failure profile."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megaresil.plan.costs import RunCosts, SaveCost
+from megaresil.plan.model import Policy, daly_interval, young_interval
+from megaresil.plan.simulate import Kind, Setup, simulate
+
+
+@dataclass
+class Scale:
+    """Costs measured on a small state, carried to a large one: a save's
+    blocking snapshot grows with the bytes each rank holds; its total time is
+    the measured one (fixed costs: barriers, metadata, commit) plus the state
+    written at the storage's aggregate bandwidth; every recovery also reads
+    the state back at that bandwidth."""
+    state_bytes: float
+    gpus: int
+    storage_bytes_per_s: float
+
+    def save(self, save: SaveCost) -> SaveCost:
+        factor = self.state_bytes / self.gpus / (save.bytes / save.ranks)
+        return SaveCost(save.tier, save.saves, save.blocking_s * factor,
+                        save.total_s + self.load_s(), int(self.state_bytes), self.gpus)
+
+    def load_s(self) -> float:
+        return self.state_bytes / self.storage_bytes_per_s
+
+
+def restart_costs(costs: RunCosts, replacement_s: float, scale: Optional[Scale]) -> dict:
+    measured = costs.restart_s()
+    if "relaunch" not in measured:
+        raise ValueError("the run has no measured relaunch: give a run directory with one "
+                         "(megaresil chaos RECIPE --scenario kill-rank, or a soak's faulted/)")
+    load = scale.load_s() if scale else 0.0
+    paths = {p: s + load for p, s in measured.items()}
+    paths["node_replacement"] = paths["relaunch"] + replacement_s
+    return paths
+
+
+def policies(costs: RunCosts, kinds: list[Kind], restart_s: dict) -> list[tuple[Policy, dict]]:
+    """(policy, downtime per path it uses) for global-only saves, the local
+    tier, and in-process restart; a policy the run measured nothing for is left out."""
+    def mean_restart(paths: dict) -> float:
+        total = sum(k.per_s for k in kinds)
+        return sum(k.per_s * paths[k.path] for k in kinds) / total
+
+    no_in_process = {**restart_s, "in_process": restart_s["relaunch"]}
+    g = costs.saves["global"]
+    found = [(Policy("global only", g.blocking_s, g.total_s, mean_restart(no_in_process)),
+              no_in_process)]
+    if "local" in costs.saves:
+        loc = costs.saves["local"]
+        found.append((Policy("with the local tier", loc.blocking_s, loc.total_s,
+                             mean_restart(no_in_process)), no_in_process))
+    if "in_process" in restart_s:
+        best = found[-1][0]
+        found.append((Policy(f"{best.name} + in-process restart", best.blocking_s,
+                             best.total_s, mean_restart(restart_s)), restart_s))
+    return found
+
+
+def plan(costs: RunCosts, kinds: list[Kind], *, replacement_s: float,
+         scale: Optional[Scale] = None, step_s: Optional[float] = None,
+         simulate_days: Optional[float] = None, seed: int = 0) -> dict:
+    if scale:
+        costs = RunCosts(costs.step_s, costs.steps, costs.interval,
+                         {t: scale.save(s) for t, s in costs.saves.items()}, costs.outages)
+    step = step_s or costs.step_s
+    mtbf = 1 / sum(k.per_s for k in kinds)
+    restart_s = restart_costs(costs, replacement_s, scale)
+    rows = []
+    for policy, paths in policies(costs, kinds, restart_s):
+        tau = policy.best_interval(mtbf, step)
+        row = {"policy": policy.name, "blocking_s": policy.blocking_s,
+               "total_s": policy.total_s, "mean_restart_s": policy.restart_s,
+               "young_s": young_interval(max(policy.blocking_s, 1e-9), mtbf),
+               "daly_s": daly_interval(max(policy.blocking_s, 1e-9), mtbf),
+               "best_interval_steps": round(tau / step), "expected_goodput":
+               policy.goodput(tau, mtbf)}
+        if simulate_days:
+            setup = Setup(steps=int(simulate_days * 86400 / step), step_s=step,
+                          interval=round(tau / step), blocking_s=policy.blocking_s,
+                          total_s=policy.total_s, restart_s=paths)
+            row["simulated"] = simulate(setup, kinds, seed=seed).to_dict()
+        rows.append(row)
+    return {"step_s": step, "job_mtbf_h": mtbf / 3600, "restart_s": restart_s,
+            "saves": {t: vars(s) for t, s in costs.saves.items()},
+            "local_tier_measured": "local" in costs.saves,
+            "in_process_measured": "in_process" in costs.restart_s(), "policies": rows}
+
+
+def trace_kinds(path: Path) -> list[Kind]:
+    """A failure trace (JSON lines {"hours": when, "path": recovery path}) as
+    one rate per path: count over the trace's span."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"failure trace {path} is empty: one JSON line per failure, "
+                         '{"hours": 3.2, "path": "relaunch"}')
+    span_s = max(r["hours"] for r in rows) * 3600
+    paths = sorted({r["path"] for r in rows})
+    return [Kind(p, sum(r["path"] == p for r in rows) / span_s, p) for p in paths]
+
+
+def format_plan(report: dict) -> str:
+    lines = [f"step {report['step_s']:.3f} s, job MTBF {report['job_mtbf_h']:.2f} h, "
+             "downtime per path: " + ", ".join(f"{p} {s:.1f} s"
+                                               for p, s in report["restart_s"].items())]
+    if not report["local_tier_measured"]:
+        lines.append("the run has no local-tier save (local_checkpoint_saved): no local policy")
+    if not report["in_process_measured"]:
+        lines.append("the run has no in-process restart: no in-process policy")
+    lines.append(f"{'policy':<40} {'block s':>9} {'total s':>8} {'restart s':>9} "
+                 f"{'Young s':>8} {'Daly s':>8} {'interval':>8} {'goodput':>8} {'simulated':>9}")
+    for r in report["policies"]:
+        sim = r.get("simulated")
+        lines.append(f"{r['policy']:<40} {r['blocking_s']:>9.4f} {r['total_s']:>8.2f} "
+                     f"{r['mean_restart_s']:>9.1f} {r['young_s']:>8.1f} {r['daly_s']:>8.1f} "
+                     f"{r['best_interval_steps']:>8} {r['expected_goodput']:>8.1%} "
+                     f"{format(sim['goodput'], '.1%') if sim else '-':>9}")
+    return "\n".join(lines)
+
+
+def read_run_costs(source: Path) -> RunCosts:
+    """A run directory, or the JSON `megaresil plan --json` wrote of one."""
+    from megaresil.plan.costs import read_costs
+
+    if source.is_file():
+        data = json.loads(source.read_text())
+        return RunCosts.from_dict(data.get("costs", data))
+    return read_costs(source)
