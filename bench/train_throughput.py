@@ -153,12 +153,15 @@ Notes
 
 def write_results(rows: list[dict], out: Path, steps: int, rounds: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[1]  # 5-minute load average: how busy the shared machine was
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "steps": steps,
-            "rounds": rounds, "warmup_steps_dropped": WARMUP_STEPS}
+            "rounds": rounds, "warmup_steps_dropped": WARMUP_STEPS, "load_avg_5min": load}
     (out / "train_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["# megaresil step vs a plain PyTorch loop (CPU)", "",
              f"{steps} steps per run (first {WARMUP_STEPS} dropped, median), best of {rounds} "
-             f"alternating rounds, {os.cpu_count()} cores.", "",
+             f"alternating rounds, {os.cpu_count()} cores, 5-minute load average {load:.1f} "
+             "when written (above the core count, other work competed for the cores and the "
+             "ratios carry that noise).", "",
              "| size | layout | megaresil s/step | plain loop s/step | plain/megaresil |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['size']} | {r['layout']} | {r['megaresil_step_s']:.3f} | "

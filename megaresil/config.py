@@ -624,6 +624,10 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_batch(cfg)
     _validate_pipeline(cfg)
     _validate_faults(cfg.faults)
+    if cfg.model.backend == Backend.te:
+        _require(cfg.parallel.tp == 1, "model.backend",
+                 "te runs at parallel.tp=1 for now (TE's tensor-parallel modes are not wired).",
+                 "set parallel.tp=1 (dp/pp are fine), or model.backend=local.")
     if cfg.train.fp8 != FP8.none:
         _require(cfg.model.backend == Backend.te, "train.fp8",
                  "FP8 needs Transformer Engine's layers.", "set model.backend=te, or train.fp8=none.")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from dist_harness import Case, recipe_for, train_case
@@ -27,12 +28,20 @@ def run(tmp_path: Path, name: str, overrides: list[str], **case) -> Trainer:
     return train_case(Case(name, overrides, **case), tmp_path / name, CPU)
 
 
-def test_bf16_tracks_fp32_within_bf16_rounding(tmp_path):
-    trainer = run(tmp_path, "bf16", BF16)
-    run(tmp_path, "fp32", ["train.precision=fp32"])
-    assert all(p.dtype == torch.bfloat16 for p in trainer.params)
-    assert all(p.dtype == torch.float32 for p in trainer.opt_params)
-    fp32, bf16 = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """bf16 and fp32 straight through, and bf16 stopped at step 5 and resumed."""
+    out = tmp_path_factory.mktemp("precision")
+    trainers = {"bf16": run(out, "bf16", BF16), "fp32": run(out, "fp32", ["train.precision=fp32"])}
+    run(out, "resumed", BF16 + ["train.exit_at_step=5"], resume=True)
+    return out, trainers
+
+
+def test_bf16_tracks_fp32_within_bf16_rounding(runs):
+    out, trainers = runs
+    assert all(p.dtype == torch.bfloat16 for p in trainers["bf16"].params)
+    assert all(p.dtype == torch.float32 for p in trainers["bf16"].opt_params)
+    fp32, bf16 = losses(out / "fp32"), losses(out / "bf16")
     assert len(bf16) == len(fp32) == 10
     drift = [abs(b - f) / f for b, f in zip(bf16, fp32)]
     assert max(drift) < 2e-3, drift  # bf16 keeps ~3 significant digits
@@ -40,10 +49,9 @@ def test_bf16_tracks_fp32_within_bf16_rounding(tmp_path):
     assert bf16[-1] < bf16[0] - 0.15
 
 
-def test_bf16_resume_is_bit_exact(tmp_path):
-    run(tmp_path, "straight", BF16)
-    run(tmp_path, "resumed", BF16 + ["train.exit_at_step=5"], resume=True)
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+def test_bf16_resume_is_bit_exact(runs):
+    out, _ = runs
+    assert losses(out / "resumed") == losses(out / "bf16")
 
 
 def test_bf16_checkpoint_holds_fp32_main_state_and_resumes_in_fp32(tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megaresil.config import Precision, RecipeConfig, microbatches_per_step, resolved_schedule, to_yaml
+from megaresil.config import FP8, Backend, Precision, RecipeConfig, microbatches_per_step, resolved_schedule, to_yaml
 from megaresil.data import build_datasets
 from megaresil.data.sampler import collate, micro_batches
 from megaresil.events import EventLog
@@ -28,7 +28,8 @@ from megaresil.resilience.supervision import Supervision
 from megaresil.train import checkpointing
 from megaresil.train.metrics import MetricsLog
 from megaresil.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
-from megaresil.train.precision import MainParams, autocast_for, optimizer_params, resolve
+from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
+                                       optimizer_params, resolve)
 from megaresil.train.state import TrainerState
 
 
@@ -57,7 +58,11 @@ def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> list[GPT]:
     chunks = build_chunks(cfg.model, layout, cfg.train.seed)
     for chunk in chunks:
         initialize(chunk, cfg.model, cfg.train.seed)
-    return [chunk.to(layout.device) for chunk in chunks]
+    chunks = [chunk.to(layout.device) for chunk in chunks]
+    if cfg.model.backend == Backend.te:
+        from megaresil.model import te  # imports only where TE is wanted
+        chunks = [te.convert(chunk, layout.device) for chunk in chunks]
+    return chunks
 
 
 def dp_mean(value: torch.Tensor, layout: ParallelLayout) -> float:
@@ -85,11 +90,13 @@ class Trainer:
         self.main = MainParams(self.params) if self.precision == Precision.bf16 else None
         # What the optimizer steps, grads are reduced on and checkpoints hold.
         self.opt_params = optimizer_params(self.params, self.main)
-        self.autocast, logits_dtype = autocast_for(self.precision, layout.device)
+        self.autocast = ComputeContext(self.precision, layout.device,
+                                       fp8=cfg.train.fp8 != FP8.none)
         self.pipeline = (Pipeline(self.chunks, layout, resolved_schedule(cfg.parallel),
                                   n_microbatches=microbatches_per_step(cfg),
                                   micro_batch=cfg.train.micro_batch_size,
-                                  seq_len=cfg.data.seq_len, output_dtype=logits_dtype,
+                                  seq_len=cfg.data.seq_len,
+                                  output_dtype=logits_dtype(self.precision),
                                   # The mean is taken in the grad buffers, where
                                   # bf16 grads have already moved to fp32.
                                   scale_grads=False)

@@ -29,13 +29,31 @@ def resolve(precision: Precision, device: torch.device) -> Precision:
     return Precision.bf16 if device.type == "cuda" else Precision.fp32
 
 
-def autocast_for(precision: Precision, device: torch.device):
-    """(autocast context, dtype of the logits the model produces)."""
-    if precision == Precision.amp:
-        return torch.autocast(device.type, dtype=torch.bfloat16), torch.bfloat16
-    if precision == Precision.bf16:
-        return contextlib.nullcontext(), torch.bfloat16
-    return contextlib.nullcontext(), torch.float32
+class ComputeContext:
+    """Entered around every forward: bf16 autocast under `amp`, TE's FP8
+    autocast under train.fp8. Reusable (a fresh FP8 context each time)."""
+
+    def __init__(self, precision: Precision, device: torch.device, fp8: bool):
+        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
+                         if precision == Precision.amp else None)
+        self.fp8 = fp8
+        self.stack: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        if self.autocast is not None:
+            stack.enter_context(self.autocast)
+        if self.fp8:
+            from megaresil.model import te
+            stack.enter_context(te.fp8_context(True))
+        self.stack.append(stack)
+
+    def __exit__(self, *exc) -> None:
+        self.stack.pop().__exit__(*exc)
+
+
+def logits_dtype(precision: Precision) -> torch.dtype:
+    return torch.float32 if precision == Precision.fp32 else torch.bfloat16
 
 
 def main_copy(param: nn.Parameter) -> nn.Parameter:
