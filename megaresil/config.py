@@ -122,6 +122,17 @@ class Precision(str, enum.Enum):
     auto = "auto"
     fp32 = "fp32"
     bf16 = "bf16"
+    amp = "amp"
+
+
+class Backend(str, enum.Enum):
+    local = "local"
+    te = "te"
+
+
+class FP8(str, enum.Enum):
+    none = "none"
+    hybrid = "hybrid"
 
 
 @dataclass
@@ -176,6 +187,9 @@ class ModelConfig:
                                       bounds=NON_NEGATIVE)
     init_std: float = doc(0.02, "Std of the normal init; output projections use "
                                 "init_std / sqrt(2 * num_layers) as in GPT-2.", bounds=POSITIVE)
+    backend: Backend = doc(Backend.local, "Layer implementation: local (megaresil's own TP "
+                           "layers) or te (NVIDIA Transformer Engine; CUDA only, same checkpoint "
+                           "keys).")
     recompute: Recompute = doc(Recompute.none, "Activation recomputation: none, selective "
                                "(attention core only) or full (whole block).")
     recompute_policy: RecomputePolicy = doc(RecomputePolicy.uniform, "Which layers full "
@@ -271,8 +285,15 @@ class TrainConfig:
                              "when eval_batches > 0).", bounds=NON_NEGATIVE)
     eval_batches: int = doc(2, "Global batches of held-out data per evaluation; 0 disables eval.",
                             bounds=NON_NEGATIVE)
-    precision: Precision = doc(Precision.auto, "auto: fp32 on CPU, bf16 autocast on CUDA.")
-    deterministic: bool = doc(True, "Use deterministic kernels (bit-identical reruns).")
+    precision: Precision = doc(Precision.auto, "fp32; bf16 (Megatron style: bf16 params and "
+                               "activations, fp32 main params, grads and optimizer state, fp32 "
+                               "softmax/CE); amp (bf16 autocast over fp32 params); auto: fp32 on "
+                               "CPU, bf16 on CUDA.")
+    fp8: FP8 = doc(FP8.none, "FP8 compute with model.backend=te: hybrid (E4M3 forward, E5M2 "
+                   "backward, delayed scaling).")
+    deterministic: Optional[bool] = doc(None, "Deterministic kernels (bit-identical reruns); "
+                                        "null means true on CPU, false on CUDA (flash/cuDNN "
+                                        "attention allowed).")
     exit_at_step: Optional[int] = doc(None, "Save a checkpoint after this step and exit 0; the "
                                       "LR schedule still follows train.steps, so running again "
                                       "without it continues exactly.", bounds=POSITIVE)
@@ -831,6 +852,13 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_batch(cfg)
     _validate_pipeline(cfg)
     _validate_faults(cfg.faults)
+    if cfg.model.backend == Backend.te:
+        _require(cfg.parallel.tp == 1, "model.backend",
+                 "te runs at parallel.tp=1 for now (TE's tensor-parallel modes are not wired).",
+                 "set parallel.tp=1 (dp/pp are fine), or model.backend=local.")
+    if cfg.train.fp8 != FP8.none:
+        _require(cfg.model.backend == Backend.te, "train.fp8",
+                 "FP8 needs Transformer Engine's layers.", "set model.backend=te, or train.fp8=none.")
     if cfg.parallel.sequence_parallel:
         _require(cfg.parallel.tp > 1, "parallel.sequence_parallel",
                  "sequence parallelism needs tp > 1.", "set parallel.tp>1 or turn it off.")

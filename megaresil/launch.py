@@ -135,11 +135,22 @@ def lost_worker_line(record: logging.LogRecord) -> bool:
     return "closing signal" not in message
 
 
+def check_local_gpus(nproc: int, gpus: int) -> None:
+    """On a CUDA machine each local worker owns one GPU (cuda:LOCAL_RANK): say
+    so before starting them, not with "invalid device ordinal" from each."""
+    if 0 < gpus < nproc:
+        raise ConfigError("parallel", f"tp*pp*dp needs {nproc} local workers but this node "
+                          f"sees {gpus} GPU(s) (one worker per GPU).",
+                          f"lower parallel.dp/tp/pp to fit {gpus} GPU(s), or run on more nodes "
+                          "with --nnodes and --rdzv-endpoint.")
+
+
 def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
            membership: Membership = Membership()) -> int:
     """Run local workers under a TorchElastic agent; returns the exit code."""
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     nproc = membership.nproc_per_node or world
+    check_local_gpus(nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))

@@ -110,9 +110,11 @@ class GPT(nn.Module):
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty tensors shaped as `stage_forward`'s input and output for one
         micro-batch: token ids or hidden states in; hidden states or logits
-        (in `output_dtype`) out. Hidden states are sequence-sharded under SP."""
+        (in `output_dtype`) out. Hidden states are sequence-sharded under SP and
+        in the parameters' dtype (bf16 under train.precision=bf16)."""
         seq = seq_len // self.tp.size if self.tp.sequence_parallel else seq_len
-        hidden = torch.empty(micro_batch, seq, self.cfg.hidden_size, device=device)
+        hidden = torch.empty(micro_batch, seq, self.cfg.hidden_size, device=device,
+                             dtype=next(self.parameters()).dtype)
         tokens = torch.empty(micro_batch, seq_len, dtype=torch.long, device=device)
         logits = torch.empty(micro_batch, seq_len, self.padded_vocab // self.tp.size,
                              dtype=output_dtype, device=device)

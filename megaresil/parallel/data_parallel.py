@@ -1,17 +1,30 @@
-"""Data-parallel gradient averaging with our own buckets.
+"""Gradients in contiguous buffers, reduced over data parallelism in buckets.
 
 Why not DistributedDataParallel: it hides which grads are final behind its
 reducer, its first use imports torch._dynamo (seconds of restart time on a
 small CPU box), and the distributed optimizer needs a reduce-scatter path that
-DDP does not offer. Here every parameter gets a post-accumulate-grad hook; on
-the micro-batch that ends a step, a bucket whose grads are all ready is
-flattened and all-reduced asynchronously while backward goes on through the
-earlier layers, so communication overlaps compute. Earlier micro-batches only
-accumulate locally: one sync per optimizer step.
+DDP does not offer.
+
+Every bucket owns one flat buffer and each of its parameters' grads is a view
+into it (Megatron's grad buffer, DDP's gradient_as_bucket_view), so a step
+allocates, concatenates and copies nothing: the buffer is reduced in place.
+Two ways a grad lands in its view:
+- same dtype (fp32 training): `param.grad` *is* the view before backward
+  starts, and autograd accumulates into it in place;
+- bf16 parameters with fp32 main grads (train.precision=bf16): the view is
+  the fp32 main parameter's `.grad`; a post-accumulate-grad hook adds each
+  micro-batch's bf16 grad into it and frees the bf16 grad, so accumulation over
+  micro-batches happens in fp32, as Megatron's `main_grad` does.
+
+On the micro-batch that ends a step, a bucket whose grads are all ready is
+handed to the reducer (an all-reduce here, a reduce-scatter in the distributed
+optimizer) asynchronously while backward goes on through the earlier layers,
+so communication overlaps compute. Earlier micro-batches only accumulate
+locally: one sync per optimizer step.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,38 +33,82 @@ import torch.nn as nn
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
-class _Bucket:
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = params
+class Bucket:
+    """A run of parameters whose grads share one flat buffer."""
+
+    def __init__(self, params: list[nn.Parameter], targets: list[nn.Parameter]):
+        self.params = params  # what the model computes with (autograd's leaves)
+        self.targets = targets  # what the optimizer steps; their .grad are views of `buffer`
+        dtype, device = targets[0].dtype, targets[0].device
+        self.buffer = torch.zeros(sum(t.numel() for t in targets), dtype=dtype, device=device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for target in targets:
+            self.views.append(self.buffer[offset:offset + target.numel()].view_as(target))
+            offset += target.numel()
         self.ready = 0
-        self.flat: Optional[torch.Tensor] = None
         self.work: Optional[dist.Work] = None
+        self.launched = False
 
 
-class GradBuckets:
-    """Averages `.grad` over `group` in buckets, overlapped with backward."""
+class Reducer(Protocol):
+    """What happens to a bucket's summed grads once they are final."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, size: int,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def launch(self, bucket: Bucket) -> Optional[dist.Work]:
+        """Start reducing `bucket` (asynchronously); None when nothing is pending."""
+
+    def landed(self, bucket: Bucket) -> None:
+        """`bucket`'s reduction finished: put its result where the optimizer reads it."""
+
+
+class AllReduceMean:
+    """Average every bucket over a data-parallel group, in place."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int):
         self.group, self.size = group, size
-        self.buckets = self._make_buckets(params, bucket_bytes)
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+
+    def launch(self, bucket: Bucket) -> Optional[dist.Work]:
+        bucket.buffer.div_(self.size)
+        return dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    def landed(self, bucket: Bucket) -> None:
+        pass  # reduced in place: the grads already are the views
+
+
+def make_buckets(params: list[nn.Parameter], targets: list[nn.Parameter],
+                 bucket_bytes: int) -> list[Bucket]:
+    """Buckets of about `bucket_bytes`, filled in reverse order of definition,
+    the order in which backward makes grads ready."""
+    buckets, current, used = [], [], 0
+    for param, target in reversed(list(zip(params, targets))):
+        current.append((param, target))
+        used += target.numel() * target.element_size()
+        if used >= bucket_bytes:
+            buckets.append(Bucket(*map(list, zip(*current))))
+            current, used = [], 0
+    if current:
+        buckets.append(Bucket(*map(list, zip(*current))))
+    return buckets
+
+
+class GradBuffers:
+    """The grads of `params`, held as views of per-bucket flat buffers in the
+    `targets` (the params themselves, or their fp32 main copies), reduced by
+    `reducer` (None: nothing to reduce, dp=1) overlapped with backward."""
+
+    def __init__(self, params: list[nn.Parameter], targets: list[nn.Parameter],
+                 reducer: Optional[Reducer], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.reducer = reducer
+        self.buckets = make_buckets(params, targets, bucket_bytes)
+        self.bucket_of: dict[nn.Parameter, Bucket] = {}
+        self.view_of: dict[nn.Parameter, torch.Tensor] = {}
+        for bucket in self.buckets:
+            for param, target, view in zip(bucket.params, bucket.targets, bucket.views):
+                self.bucket_of[param], self.view_of[param] = bucket, view
+                target.grad = view
+        self.separate = any(p is not t for p, t in zip(params, targets))
         self.armed = False
         self.handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
-
-    @staticmethod
-    def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
-        # Grads become ready roughly in reverse order of definition.
-        buckets, current, used = [], [], 0
-        for param in reversed(params):
-            current.append(param)
-            used += param.numel() * param.element_size()
-            if used >= bucket_bytes:
-                buckets.append(_Bucket(current))
-                current, used = [], 0
-        if current:
-            buckets.append(_Bucket(current))
-        return buckets
 
     def close(self) -> None:
         """Remove the grad hooks. A hook and its parameter reference each other
@@ -63,12 +120,13 @@ class GradBuckets:
         self.handles = []
 
     def arm(self) -> None:
-        """The next backward is the step's last micro-batch: sync as grads land."""
-        self.armed = True
+        """The next backward is the step's last micro-batch: reduce as grads land."""
+        self.armed = self.reducer is not None
         for bucket in self.buckets:
-            bucket.ready, bucket.work = 0, None
+            bucket.ready, bucket.work, bucket.launched = 0, None, False
 
     def _grad_ready(self, param: nn.Parameter) -> None:
+        self._fold(param)
         if not self.armed:
             return
         bucket = self.bucket_of[param]
@@ -76,33 +134,53 @@ class GradBuckets:
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.size)
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+    def _fold(self, param: nn.Parameter) -> None:
+        """Move a bf16 grad into its fp32 main grad (no-op when they are one)."""
+        if self.separate and param.grad is not None:
+            self.view_of[param].add_(param.grad)
+            param.grad = None
+
+    def fold_all(self, divisor: int = 1) -> None:
+        """Fold grads that reached `.grad` without the hook (a schedule's
+        `autograd.grad` path), then divide the sums by `divisor` (a pipeline's
+        micro-batch count: its schedule leaves them unscaled)."""
+        for param in self.bucket_of:
+            self._fold(param)
+        if divisor != 1:
+            for bucket in self.buckets:
+                bucket.buffer.div_(divisor)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launched = True
+        bucket.work = self.reducer.launch(bucket)
 
     def finish(self) -> None:
-        """Wait for every bucket and write the averaged grads back. Buckets the
-        hooks did not launch (not armed, e.g. under a pipeline schedule that
-        runs all backwards itself) are reduced now."""
+        """Wait for every bucket's reduction. Buckets the hooks did not launch
+        (not armed, e.g. under a pipeline schedule that runs all backwards
+        itself, or a param got no grad this step) are reduced now."""
+        if self.reducer is None:
+            return
         for bucket in self.buckets:
-            if bucket.work is None:  # a param got no grad this step
+            if not bucket.launched:
                 self._launch(bucket)
-            bucket.work.wait()
-            offset = 0
-            for param in bucket.params:
-                n = param.numel()
-                param.grad = bucket.flat[offset:offset + n].view_as(param).clone()
-                offset += n
-            bucket.flat, bucket.work = None, None
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            self.reducer.landed(bucket)
+            bucket.work, bucket.launched = None, False
         self.armed = False
 
+    def zero(self) -> None:
+        """Start the next step's accumulation (the views stay in place)."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
 
-def all_reduce_sequence_parallel_grads(params: list[nn.Parameter],
+
+def all_reduce_sequence_parallel_grads(entries: list[tuple[nn.Parameter, torch.Tensor]],
                                        tp_group: Optional[dist.ProcessGroup]) -> None:
-    """Sum grads of replicated params that saw only a sequence shard (SP)."""
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False)
-             and p.grad is not None]
+    """Sum grads of replicated params that saw only a sequence shard (SP).
+    `entries` pairs each param with the grad this rank holds of it."""
+    grads = [g for p, g in entries if getattr(p, "sequence_parallel", False)]
     if tp_group is None or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -47,11 +47,37 @@ def _padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1) if t.ndim == 0 else t
+
+
+def _row_size(shard: RowShard) -> int:
+    """Elements in one row of the shard's parameter."""
+    return _rows(shard.param.data)[0].numel()
+
+
+def _bucketed(shards: list[RowShard], bucket_bytes: int) -> list[list[RowShard]]:
+    buckets, current, used = [], [], 0
+    for shard in shards:
+        current.append(shard)
+        used += shard.param.numel() * shard.param.element_size()
+        if used >= bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+    return buckets + ([current] if current else [])
+
+
 class DistributedOptimizer:
-    """Wraps an optimizer class so it steps only this rank's row shards."""
+    """Wraps an optimizer class so it steps only this rank's row shards.
+
+    It is the data-parallel `Reducer` of the grad buffers (parallel/
+    data_parallel.py): one reduce-scatter per grad bucket, launched as the
+    bucket's grads become final during backward. After the step the updated
+    rows travel back in one all-gather per bucket of about `bucket_bytes`."""
 
     def __init__(self, param_groups: list[dict], optimizer_cls, optimizer_kwargs: dict, *,
-                 group: dist.ProcessGroup, dp: int, dp_rank: int):
+                 group: dist.ProcessGroup, dp: int, dp_rank: int,
+                 bucket_bytes: int = 25 * 2**20):
         self.group, self.dp, self.dp_rank = group, dp, dp_rank
         self.shards: list[RowShard] = []
         inner_groups = []
@@ -62,26 +88,38 @@ class DistributedOptimizer:
             owned = [s.view for s in shards if s.stop > s.start]
             inner_groups.append({**param_group, "params": owned})
         self.inner = optimizer_cls(inner_groups, **optimizer_kwargs)
+        self.shard_of = {s.param: s for s in self.shards}
+        self.gather_buckets = _bucketed(self.shards, bucket_bytes)
+        self.scattered: dict[int, torch.Tensor] = {}  # id(grad bucket) -> this rank's rows
 
     @property
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
-    def reduce_scatter_grads(self) -> None:
-        """Average each grad over DP and keep this rank's rows as the shard's grad."""
-        pending = []
-        for shard in self.shards:
-            grad = shard.param.grad if shard.param.grad is not None else torch.zeros_like(shard.param)
-            grad = grad.reshape(-1) if grad.ndim == 0 else grad
-            padded = _padded_rows(grad, shard.rows_per_rank * self.dp) / self.dp
-            out = torch.empty_like(padded[: shard.rows_per_rank])
-            work = dist.reduce_scatter(out, list(padded.chunk(self.dp)), group=self.group,
-                                       async_op=True)
-            pending.append((shard, out, work))
-        for shard, out, work in pending:
-            work.wait()
-            shard.view.grad = out[: shard.stop - shard.start]
-            shard.param.grad = None
+    # --- Reducer: grads ---------------------------------------------------------------
+
+    def launch(self, bucket) -> dist.Work:
+        """Reduce-scatter a grad bucket: rank r receives the DP mean of every
+        parameter's r-th row block, laid end to end."""
+        shards = [self.shard_of[t] for t in bucket.targets]
+        # (dp, sum of row blocks): row r holds every parameter's r-th block.
+        staged = torch.cat([_padded_rows(_rows(view), s.rows_per_rank * self.dp).reshape(self.dp, -1)
+                            for s, view in zip(shards, bucket.views)], dim=1).div_(self.dp)
+        out = torch.empty_like(staged[0])
+        self.scattered[id(bucket)] = out
+        return dist.reduce_scatter(out, list(staged.unbind(0)), group=self.group, async_op=True)
+
+    def landed(self, bucket) -> None:
+        """Hand each owned row block of the reduced bucket to its shard as its grad."""
+        out, offset = self.scattered.pop(id(bucket)), 0
+        for target in bucket.targets:
+            shard = self.shard_of[target]
+            width = shard.rows_per_rank * _row_size(shard)
+            block = out[offset:offset + width].view(shard.rows_per_rank, *shard.view.shape[1:])
+            shard.view.grad = block[: shard.stop - shard.start]
+            offset += width
+
+    # --- step and parameters ----------------------------------------------------------
 
     @torch.no_grad()
     def step(self) -> None:
@@ -90,17 +128,29 @@ class DistributedOptimizer:
 
     def _all_gather_params(self) -> None:
         pending = []
-        for shard in self.shards:
-            mine = _padded_rows(shard.view.data, shard.rows_per_rank)
+        for shards in self.gather_buckets:
+            mine = torch.cat([_padded_rows(s.view.data, s.rows_per_rank).reshape(-1)
+                              for s in shards])
             gathered = [torch.empty_like(mine) for _ in range(self.dp)]
-            pending.append((shard, gathered, dist.all_gather(gathered, mine, group=self.group,
-                                                             async_op=True)))
-        for shard, gathered, work in pending:
+            pending.append((shards, gathered, dist.all_gather(gathered, mine, group=self.group,
+                                                              async_op=True)))
+        for shards, gathered, work in pending:
             work.wait()
-            full = shard.param.data if shard.param.ndim > 0 else shard.param.data.view(1)
-            full.copy_(torch.cat(gathered)[: full.shape[0]])
+            self._scatter_back(shards, gathered)
+
+    @staticmethod
+    def _scatter_back(shards: list[RowShard], gathered: list[torch.Tensor]) -> None:
+        """Copy every rank's updated rows into the full parameters."""
+        offset = 0
+        for shard in shards:
+            full = _rows(shard.param.data)
+            width = shard.rows_per_rank * _row_size(shard)
+            blocks = [g[offset:offset + width].view(shard.rows_per_rank, *full.shape[1:])
+                      for g in gathered]
+            full.copy_(torch.cat(blocks)[: full.shape[0]])
+            offset += width
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the shards' grads; the full grads live in the grad buffers."""
         for shard in self.shards:
             shard.view.grad = None
-            shard.param.grad = None

@@ -108,9 +108,11 @@ def example_io(chunk: StageChunk, micro_batch: int, seq_len: int, output_dtype: 
 class Pipeline:
     def __init__(self, chunks: Sequence[StageChunk], layout: ParallelLayout,
                  schedule: PipelineSchedule, *, n_microbatches: int, micro_batch: int,
-                 seq_len: int, output_dtype: torch.dtype = torch.float32):
+                 seq_len: int, output_dtype: torch.dtype = torch.float32,
+                 scale_grads: bool = True):
         """`output_dtype`: what the last chunk's output comes out as (under
-        autocast, its dtype)."""
+        autocast, its dtype). `scale_grads`: leave the grads as the mean over
+        micro-batches; off, as their sum (for a caller that scales them itself)."""
         self.layout = layout
         self.feeds = [SampleFeed() for _ in chunks]
         self.last_chunk = chunks[-1] if chunks[-1].last else None
@@ -125,7 +127,8 @@ class Pipeline:
                                         group=layout.group("pp")))
         cls = SCHEDULE_CLASSES[schedule]
         target = stages if schedule in MULTI_STAGE else stages[0]
-        self.schedule = cls(target, n_microbatches=n_microbatches, loss_fn=self._loss)
+        self.schedule = cls(target, n_microbatches=n_microbatches, loss_fn=self._loss,
+                            scale_grads=scale_grads)
 
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.last_chunk.loss(output, targets)
@@ -146,7 +149,8 @@ class Pipeline:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor,
                    samples: list[torch.Tensor]) -> torch.Tensor:
-        """Forward and backward of all micro-batches (grads scaled by 1/m);
+        """Forward and backward of all micro-batches (grads scaled by 1/m
+        unless built with scale_grads=False);
         returns the mean micro-batch loss (zero off the last stage)."""
         return self._run(self.schedule.step, inputs, targets, samples)
 
@@ -155,10 +159,11 @@ class Pipeline:
         return self._run(self.schedule.eval, inputs, targets, None)
 
 
-def sync_tied_embedding_grads(params: list[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
-    """Sum the grads of the embedding and its copy on the last stage."""
-    for param in params:
+def sync_tied_embedding_grads(entries: list[tuple[nn.Parameter, torch.Tensor]],
+                              group: Optional[dist.ProcessGroup]) -> None:
+    """Sum the grads of the embedding and its copy on the last stage. `entries`
+    pairs each param with the grad this rank holds of it (the same rows on
+    both stages)."""
+    for param, grad in entries:
         if getattr(param, "tied_across_pipeline", False) and group is not None:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=group)
+            dist.all_reduce(grad, group=group)

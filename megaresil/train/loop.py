@@ -1,7 +1,6 @@
 """The training loop: one function per part of a step, wired by `train`."""
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import time
@@ -14,14 +13,15 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megaresil.config import Precision, RecipeConfig, microbatches_per_step, resolved_schedule, to_yaml
+from megaresil.config import FP8, Backend, Precision, RecipeConfig, microbatches_per_step, resolved_schedule, to_yaml
 from megaresil.data import build_datasets
 from megaresil.data.sampler import collate, micro_batches
 from megaresil.events import EventLog
 from megaresil.model.chunks import build_chunks
 from megaresil.model.gpt import GPT
 from megaresil.model.init import initialize
-from megaresil.parallel.data_parallel import GradBuckets, all_reduce_sequence_parallel_grads
+from megaresil.parallel.data_parallel import (AllReduceMean, GradBuffers,
+                                               all_reduce_sequence_parallel_grads)
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, sync_tied_embedding_grads
@@ -32,6 +32,8 @@ from megaresil.observe.profiler import StepProfiler
 from megaresil.observe.sections import record_fields
 from megaresil.train.metrics import MetricsLog, StepFigures
 from megaresil.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
+from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
+                                       optimizer_params, resolve)
 from megaresil.train.state import TrainerState
 
 
@@ -42,23 +44,17 @@ class TrainState:
     consumed_samples: int = 0
 
 
-def make_deterministic(cfg: RecipeConfig) -> None:
+def make_deterministic(cfg: RecipeConfig, device: torch.device) -> None:
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    if cfg.train.deterministic:
+    deterministic = cfg.train.deterministic
+    if deterministic is None:  # CPU kernels are deterministic anyway; on CUDA it costs speed
+        deterministic = device.type != "cuda"
+    if deterministic:
         # cuBLAS needs a fixed workspace for deterministic results.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-
-
-def autocast_for(cfg: RecipeConfig, device: torch.device):
-    """(autocast context, dtype of the logits it produces)."""
-    use_bf16 = cfg.train.precision == Precision.bf16 or (
-        cfg.train.precision == Precision.auto and device.type == "cuda")
-    if not use_bf16:
-        return contextlib.nullcontext(), torch.float32
-    return torch.autocast(device.type, dtype=torch.bfloat16), torch.bfloat16
 
 
 def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> list[GPT]:
@@ -66,7 +62,11 @@ def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> list[GPT]:
     chunks = build_chunks(cfg.model, layout, cfg.train.seed)
     for chunk in chunks:
         initialize(chunk, cfg.model, cfg.train.seed)
-    return [chunk.to(layout.device) for chunk in chunks]
+    chunks = [chunk.to(layout.device) for chunk in chunks]
+    if cfg.model.backend == Backend.te:
+        from megaresil.model import te  # imports only where TE is wanted
+        chunks = [te.convert(chunk, layout.device) for chunk in chunks]
+    return chunks
 
 
 def dp_mean(value: torch.Tensor, layout: ParallelLayout) -> float:
@@ -84,30 +84,55 @@ class Trainer:
         self.cfg, self.layout = cfg, layout
         self.supervision = supervision or Supervision()
         self.run_dir = Path(cfg.run.dir)
-        make_deterministic(cfg)
+        make_deterministic(cfg, layout.device)
         self.train_data, self.valid_data, _ = build_datasets(
             cfg.data, cfg.model.vocab_size, cfg.train.seed, need_valid=cfg.train.eval_batches > 0)
         self.chunks = build_model(cfg, layout)
         self.model = torch.nn.ModuleList(self.chunks)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.autocast, logits_dtype = autocast_for(cfg, layout.device)
+        self.precision = resolve(cfg.train.precision, layout.device)
+        self.main = MainParams(self.params) if self.precision == Precision.bf16 else None
+        # What the optimizer steps, grads are reduced on and checkpoints hold.
+        self.opt_params = optimizer_params(self.params, self.main)
+        self.autocast = ComputeContext(self.precision, layout.device,
+                                       fp8=cfg.train.fp8 != FP8.none)
         self.pipeline = (Pipeline(self.chunks, layout, resolved_schedule(cfg.parallel),
                                   n_microbatches=microbatches_per_step(cfg),
                                   micro_batch=cfg.train.micro_batch_size,
-                                  seq_len=cfg.data.seq_len, output_dtype=logits_dtype)
+                                  seq_len=cfg.data.seq_len,
+                                  output_dtype=logits_dtype(self.precision),
+                                  # The mean is taken in the grad buffers, where
+                                  # bf16 grads have already moved to fp32.
+                                  scale_grads=False)
                          if layout.pp > 1 else None)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, layout)
+        self.optimizer = build_optimizer(self.opt_params, cfg.optimizer, layout)
         self.sharded_optimizer = isinstance(self.optimizer, DistributedOptimizer)
-        self.buckets = (GradBuckets(self.params, layout.group("dp"), layout.dp)
-                        if layout.dp > 1 and not self.sharded_optimizer else None)
+        self.grads = GradBuffers(self.params, self.opt_params, self.reducer())
         self.state = TrainState()
         self.events = EventLog(self.run_dir, layout.rank)
         self.checkpointer = checkpointing.build_checkpointer(cfg, self.events,
                                                              self.supervision.watchdog,
                                                              device=layout.device)
-        self.checkpoint_state = TrainerState(cfg, layout, self.chunks, self.optimizer, self.state,
-                                             self.supervision.watchdog)
+        self.checkpoint_state = TrainerState(cfg, layout, list(self.named_state_parameters()),
+                                             self.optimizer, self.state, self.supervision.watchdog,
+                                             after_load=self.main.copy_to_model if self.main
+                                             else None)
         checkpointing.resume(self)
+
+    def reducer(self):
+        """How grads are reduced over data parallelism: a reduce-scatter per
+        bucket into the distributed optimizer, an all-reduce, or nothing (dp=1)."""
+        if self.sharded_optimizer:
+            return self.optimizer
+        if self.layout.dp > 1:
+            return AllReduceMean(self.layout.group("dp"), self.layout.dp)
+        return None
+
+    def named_state_parameters(self):
+        """(layout-free key, what the checkpoint holds for it): the fp32 main
+        copy under bf16, else the parameter."""
+        names = [key for key, p in self.named_parameters() if p.requires_grad]
+        return zip(names, self.opt_params)
 
     def batches(self, dataset, consumed: int) -> list[tuple[torch.Tensor, ...]]:
         """This DP rank's micro-batches: (inputs, targets, global sample indices)."""
@@ -129,13 +154,16 @@ class Trainer:
         if self.pipeline is not None:
             inputs, targets, samples = zip(*batches)
             with self.autocast:
-                return self.pipeline.train_step(torch.cat(inputs), torch.cat(targets),
+                loss = self.pipeline.train_step(torch.cat(inputs), torch.cat(targets),
                                                 list(samples))
+            # The schedule sums the micro-batches' grads; make them the mean.
+            self.grads.fold_all(divisor=len(batches))
+            return loss
         model = self.chunks[0]
         total = torch.zeros((), device=self.layout.device)
         for i, (inputs, targets, samples) in enumerate(batches):
-            if self.buckets is not None and i == len(batches) - 1:
-                self.buckets.arm()  # overlap the DP all-reduce with the last backward
+            if i == len(batches) - 1:
+                self.grads.arm()  # overlap the DP reduction with the last backward
             with self.autocast:
                 loss = model(inputs, targets, samples) / len(batches)
             loss.backward()
@@ -144,15 +172,17 @@ class Trainer:
 
     def sync_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """Finish the grad reductions; returns (param, grad this rank steps on)."""
-        if self.buckets is not None:
-            self.buckets.finish()
-        all_reduce_sequence_parallel_grads(self.params, self.layout.group("tp")
+        self.grads.finish()  # DP mean, or under the distributed optimizer its row shards
+        if self.sharded_optimizer:
+            entries = [(s.param, s.view.grad) for s in self.optimizer.shards]
+        else:
+            entries = [(p, p.grad) for p in self.opt_params]
+        # Linear sums over TP / the embedding group: on whichever grads this
+        # rank holds, the same rows on every rank of those groups.
+        all_reduce_sequence_parallel_grads(entries, self.layout.group("tp")
                                            if self.layout.tp > 1 else None)
-        sync_tied_embedding_grads(self.params, self.layout.embedding_group)
-        if not self.sharded_optimizer:
-            return [(p, p.grad) for p in self.params if p.grad is not None]
-        self.optimizer.reduce_scatter_grads()
-        return [(s.param, s.view.grad) for s in self.optimizer.shards if s.view.grad is not None]
+        sync_tied_embedding_grads(entries, self.layout.embedding_group)
+        return entries
 
     def optimizer_step(self, step: int) -> float:
         entries = self.sync_grads()
@@ -161,7 +191,11 @@ class Trainer:
         set_lr(self.optimizer, lr_at(step, self.cfg.optimizer, self.cfg.train.steps))
         self.checkpointer.before_update()  # an async save may still be copying the weights
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.main is not None:
+            self.main.copy_to_model()
+        self.grads.zero()
+        if self.sharded_optimizer:
+            self.optimizer.zero_grad()
         return norm.item()
 
     def train_step(self) -> dict:
@@ -265,8 +299,7 @@ class Trainer:
     def close(self) -> None:
         """Finish the save in flight and release what would outlive the trainer."""
         self.checkpointer.close()
-        if self.buckets is not None:
-            self.buckets.close()
+        self.grads.close()
 
     def save(self) -> None:
         with self.supervision.section("checkpoint", self.state.step):

@@ -7,7 +7,7 @@ rank's RNG and the watchdog's calibration, and nothing else of the trainer.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 import torch.nn as nn
 
@@ -30,9 +30,15 @@ class TrainerState:
     """One rank's training state (implements checkpoint.state.TrainingState).
     Holds the trainer's live objects: saving reads them, loading fills them."""
 
-    def __init__(self, cfg: RecipeConfig, layout: ParallelLayout, chunks: list[nn.Module],
-                 optimizer, position: TrainState, watchdog: Optional[Watchdog] = None):
-        self.cfg, self.layout, self.chunks = cfg, layout, chunks
+    def __init__(self, cfg: RecipeConfig, layout: ParallelLayout,
+                 named_params: list[tuple[str, nn.Parameter]], optimizer, position: TrainState,
+                 watchdog: Optional[Watchdog] = None,
+                 after_load: Optional[Callable[[], None]] = None):
+        """`named_params`: what is saved under each key (under bf16, the fp32
+        main copies); `after_load` runs once loaded tensors are in place (it
+        copies main weights into a bf16 model)."""
+        self.cfg, self.layout, self.named_params = cfg, layout, named_params
+        self.after_load = after_load
         self.model_config = cfg.model
         self.optimizer = AdamState(optimizer)
         self.position = position  # step and consumed samples, updated by the loop
@@ -40,8 +46,7 @@ class TrainerState:
         self.recipe = to_dict(cfg)  # once: converting the config takes ~0.1 s, saves are frequent
 
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
-        for chunk in self.chunks:
-            yield from chunk.named_parameters()
+        return iter(self.named_params)
 
     def layout_record(self) -> dict:
         return layout_record(self.layout, self.optimizer.sharded)
@@ -56,6 +61,8 @@ class TrainerState:
         return capture_rng_state()
 
     def restore(self, saved: RunState) -> None:
+        if self.after_load is not None:
+            self.after_load()
         self.optimizer.set_step_count(saved.optimizer_steps)
         self.position.step = saved.step
         self.position.consumed_samples = saved.consumed_samples

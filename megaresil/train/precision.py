@@ -1,0 +1,85 @@
+"""Numeric precision of training: fp32, bf16 Megatron style, or bf16 autocast.
+
+- `fp32`: parameters, activations and grads in fp32 (exact layout equivalence).
+- `bf16` (Megatron's mixed precision): the model's parameters and activations
+  are bf16; the optimizer steps fp32 *main* copies of them, whose fp32 grads
+  accumulate the micro-batches' bf16 grads (data_parallel.GradBuffers), and
+  copies the result back to bf16 after each step. Softmax/cross-entropy run in
+  fp32. Checkpoints hold the fp32 main weights and moments, so a bf16 run
+  resumes under fp32 and vice versa.
+- `amp`: fp32 parameters under bf16 autocast (the previous `bf16`).
+- `auto`: fp32 on CPU, bf16 on CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from megaresil.config import Precision
+
+# Attributes the parallel code reads off a parameter (tp_dim, sequence_parallel,
+# tied_across_pipeline, ...) live in its __dict__: a main copy carries them all.
+
+
+def resolve(precision: Precision, device: torch.device) -> Precision:
+    if precision != Precision.auto:
+        return precision
+    return Precision.bf16 if device.type == "cuda" else Precision.fp32
+
+
+class ComputeContext:
+    """Entered around every forward: bf16 autocast under `amp`, TE's FP8
+    autocast under train.fp8. Reusable (a fresh FP8 context each time)."""
+
+    def __init__(self, precision: Precision, device: torch.device, fp8: bool):
+        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
+                         if precision == Precision.amp else None)
+        self.fp8 = fp8
+        self.stack: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        if self.autocast is not None:
+            stack.enter_context(self.autocast)
+        if self.fp8:
+            from megaresil.model import te
+            stack.enter_context(te.fp8_context(True))
+        self.stack.append(stack)
+
+    def __exit__(self, *exc) -> None:
+        self.stack.pop().__exit__(*exc)
+
+
+def logits_dtype(precision: Precision) -> torch.dtype:
+    return torch.float32 if precision == Precision.fp32 else torch.bfloat16
+
+
+def main_copy(param: nn.Parameter) -> nn.Parameter:
+    """An fp32 Parameter with `param`'s values and marks."""
+    main = nn.Parameter(param.detach().to(torch.float32, copy=True))
+    main.__dict__.update({k: v for k, v in vars(param).items() if not k.startswith("_")})
+    return main
+
+
+class MainParams:
+    """fp32 main copies of a model's parameters, which are cast to bf16 here."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.model = params
+        self.main = [main_copy(p) for p in params]
+        for param in params:
+            param.data = param.data.to(torch.bfloat16)
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """After an optimizer step or a checkpoint load: bf16 model := fp32 main."""
+        for param, main in zip(self.model, self.main):
+            param.copy_(main)
+
+
+def optimizer_params(params: list[nn.Parameter], main: MainParams | None) -> list[nn.Parameter]:
+    """What the optimizer steps and the checkpoint holds: the fp32 main copies
+    under bf16, else the parameters themselves."""
+    return main.main if main is not None else params

@@ -1,0 +1,107 @@
+"""The GPU path: its CPU-checkable logic here, the rest under `pytest -m gpu`
+(run by tools/gpu_check.sh on a CUDA machine)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from megaresil.config import ConfigError, ModelConfig, Precision, load_recipe
+from megaresil.launch import check_local_gpus
+from megaresil.model import te
+from megaresil.model.gpt import GPT
+from megaresil.model.init import initialize
+from megaresil.train.precision import resolve
+
+from dist_harness import RECIPE, ROOT, TINY
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_precision_auto_is_fp32_on_cpu_and_bf16_on_cuda():
+    assert resolve(Precision.auto, torch.device("cpu")) == Precision.fp32
+    assert resolve(Precision.auto, torch.device("cuda", 0)) == Precision.bf16
+    assert resolve(Precision.amp, torch.device("cuda", 0)) == Precision.amp
+
+
+def test_launcher_names_a_gpu_shortfall():
+    check_local_gpus(8, 0)  # a CPU machine: gloo workers, no GPU needed
+    check_local_gpus(8, 8)
+    with pytest.raises(ConfigError, match="needs 8 local workers but this node sees 4 GPU"):
+        check_local_gpus(8, 4)
+
+
+def test_te_backend_is_refused_clearly_where_it_cannot_run():
+    if te.available():
+        pytest.skip("Transformer Engine imports here")
+    with pytest.raises(RuntimeError, match="model.backend=local"):
+        te.require()
+    with pytest.raises(ConfigError, match="train.fp8"):
+        load_recipe(RECIPE, TINY + ["train.fp8=hybrid"])
+    with pytest.raises(ConfigError, match="model.backend"):
+        load_recipe(RECIPE, TINY + ["model.backend=te", "parallel.tp=2"])
+
+
+def test_gpu_check_dry_run_runs_every_check(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    summary = gpu_check.run_checks(gpu_check.Check(dry_run=True, workdir=tmp_path))
+    for check in gpu_check.CHECKS:
+        result = summary[check.__name__]
+        assert "error" not in result, (check.__name__, result.get("traceback"))
+    assert summary["bf16_vs_fp32_loss"]["ok"]
+    assert summary["throughput_1b"]["tokens_per_s"] > 0
+    assert summary["checkpoint_io"]["async"]["gb"] > 0
+
+
+# --- on CUDA (pytest -m gpu) -----------------------------------------------------------
+
+
+def tiny_model(flavour: str) -> GPT:
+    extra = {"flavour": "llama", "num_kv_heads": 2} if flavour == "llama" else {}
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, vocab_size=300, max_seq_len=32,
+                      **extra)
+    model = GPT(cfg)
+    initialize(model, cfg, seed=0)
+    return model
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+def test_cuda_logits_match_cpu_in_fp32(flavour, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = tiny_model(flavour)
+    tokens = torch.randint(300, (2, 32))
+    with torch.no_grad():
+        cpu = model.logits(tokens)
+        gpu = model.cuda().logits(tokens.cuda()).cpu()
+    torch.testing.assert_close(gpu, cpu, rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_bf16_training_on_cuda_keeps_fp32_main_state(tmp_path):
+    from megaresil.parallel.layout import ParallelLayout
+    from megaresil.train.loop import Trainer
+
+    cfg = load_recipe(RECIPE, TINY + ["train.precision=bf16", f"run.dir={tmp_path}"])
+    trainer = Trainer(cfg, ParallelLayout(device=torch.device("cuda", 0)))
+    trainer.run()
+    assert {p.dtype for p in trainer.params} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.opt_params} == {torch.float32}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not te.available(), reason="needs Transformer Engine")
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+def test_te_backend_keeps_keys_and_logits(flavour):
+    local = tiny_model(flavour).cuda()
+    engine = te.convert(tiny_model(flavour).cuda(), torch.device("cuda", 0))
+    assert [k for k, _ in engine.named_parameters()] == [k for k, _ in local.named_parameters()]
+    tokens = torch.randint(300, (2, 32), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(engine.logits(tokens), local.logits(tokens),
+                                   rtol=1e-3, atol=1e-3)
