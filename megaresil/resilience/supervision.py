@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -20,7 +20,6 @@ class Supervision:
     faults: Optional[FaultInjector] = None
     preemption: Optional[PreemptionFlag] = None
     generation: int = 0  # restarts so far in this run directory
-    on_first_step: Optional[Callable[[], None]] = None  # the generation made progress
     steps: int = 0  # steps completed in this generation
 
     @contextmanager
@@ -41,8 +40,6 @@ class Supervision:
         self.steps += 1
         if self.watchdog is not None:
             self.watchdog.step_done()
-        if self.steps == 1 and self.on_first_step is not None:
-            self.on_first_step()
 
     def preempted(self, group: Optional[dist.ProcessGroup]) -> bool:
         """Whether any rank was signalled: a collective on `group`, which must
