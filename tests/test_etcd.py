@@ -103,6 +103,8 @@ def test_etcd_first_node_loss_reforms_at_dp1(cli, etcd, reference, tmp_path):
     events = read_events(report["faulted"])
     loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
     assert loaded[-1]["saved_layout"]["dp"] == 2 and loaded[-1]["layout"]["dp"] == 1
+    # The survivor names the lost peer although the store went with it.
+    assert any(e["event"] == "worker_error" and e["lost_peer"] for e in events), events
     restarts = [e for e in events if e["event"] == "restart"]
     assert [(e["kind"], e["generation"]) for e in restarts] == [("relaunch", 1)]
     assert "run_finished" in [e["event"] for e in events]

@@ -194,7 +194,12 @@ class AbortBoard:
         """A connection closed under us means a lost peer, unless a peer
         announced this generation's abort first: then it is that (live) peer
         tearing down its process group before we heard of the abort."""
-        return lost_peer_error(err) and not self.announced(generation)
+        if not lost_peer_error(err):
+            return False
+        try:
+            return not self.announced(generation)
+        except dist.DistNetworkError:  # the store went with the peer: its node is lost
+            return True
 
 
 @dataclass
@@ -305,7 +310,8 @@ class WorkerLife:
                          section=section, lost_peer=peer_gone, fatal=isinstance(err, FATAL),
                          generation=self.generation, pid=os.getpid(),
                          rss_mb=psutil.Process().memory_info().rss / 2**20)
-        self._stop_if_fatal(err)
+        if not peer_gone:  # else the store may be gone too, and the launcher re-forms the job
+            self._stop_if_fatal(err)
         allowed = self.policy.failed(made_progress)
         stopping = self.preemption.signalled_at is not None  # told to stop: no restart here
         if not (self.cfg.resilience.in_process and allowed and not peer_gone and not stopping
