@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import (ChildFailedError, get_error_handler,
                                                              record)
-from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
@@ -108,6 +108,9 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
+    if membership.backend == "etcd":  # it logs every step of every round, on its own handler
+        from torch.distributed.elastic.rendezvous import etcd_rendezvous
+        etcd_rendezvous.logger.setLevel(logging.WARNING)
     config = LaunchConfig(
         min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
         rdzv_backend=membership.backend, rdzv_endpoint=membership.endpoint,
@@ -168,6 +171,10 @@ def failure_summary(err: ChildFailedError) -> str:
 def rendezvous_lost(membership: Membership, err: RendezvousError) -> str:
     """Why the agents can no longer meet, and, when the c10d host is gone,
     what survives that."""
+    if isinstance(err, RendezvousClosedError):  # etcd keeps a finished job's rendezvous
+        return (f"the rendezvous {membership.run_id!r} at {membership.endpoint} is closed: a job "
+                "with this --rdzv-id already ended; give every job (and every requeue of it) "
+                "its own --rdzv-id")
     if membership.host_can_be_lost:
         return f"the rendezvous at {membership.endpoint} failed: {err}"
     return (f"the c10d rendezvous host {membership.endpoint} is gone (the agent started with "

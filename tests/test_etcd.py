@@ -12,7 +12,8 @@ import sys
 import urllib.request
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
+                                                  RendezvousConnectionError)
 
 from conftest import ROOT
 from etcd_server import LocalEtcd, missing_reason
@@ -70,6 +71,9 @@ def test_etcd_is_what_a_lost_c10d_host_is_told_to_use():
     assert "--rdzv-backend etcd-v2 --rdzv-endpoint ETCD_HOST:PORT" in c10d
     etcd = rendezvous_lost(Membership.parse("1:2", 2, "etcd0:2379", "job", backend="etcd"), lost)
     assert "etcd0:2379" in etcd and "--rdzv-backend" not in etcd
+    reused = rendezvous_lost(Membership.parse("1:2", 2, "etcd0:2379", "job", backend="etcd-v2"),
+                             RendezvousClosedError())
+    assert "'job' at etcd0:2379 is closed" in reused and "its own --rdzv-id" in reused
 
 
 def test_etcd_restart_numbers_and_back_off_come_from_the_run_directory(tmp_path):
