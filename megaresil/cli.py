@@ -36,7 +36,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return slurm_task(args.recipe, args.overrides, cfg, step)
     if step is not None and not args.nnodes:
         world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-        membership = Membership.for_slurm(step, world, args.nproc_per_node)
+        membership = Membership.for_slurm(step, world, args.nproc_per_node, args.rdzv_backend,
+                                          args.rdzv_endpoint)
     else:
         membership = Membership.parse(args.nnodes, args.nproc_per_node, args.rdzv_endpoint,
                                       args.rdzv_id, args.rdzv_conf or "", args.rdzv_backend)

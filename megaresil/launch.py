@@ -63,11 +63,17 @@ class Membership:
         return self.backend != "c10d" or self.max_nodes == 1
 
     @classmethod
-    def for_slurm(cls, step: SlurmStep, world: int,
-                  nproc_per_node: Optional[int]) -> "Membership":
-        """One agent per node of the Slurm step, meeting on its first node."""
-        return cls(step.nodes, step.nodes, nproc_per_node or step.ranks_per_node(world),
-                   f"{step.master}:{step.port}", step.job_name)
+    def for_slurm(cls, step: SlurmStep, world: int, nproc_per_node: Optional[int],
+                  backend: str = "c10d", etcd_endpoint: Optional[str] = None) -> "Membership":
+        """One agent per node of the Slurm step, meeting on its first node
+        (c10d) or at an etcd server, where each requeue of the job needs a
+        rendezvous of its own (etcd keeps a finished one, closed)."""
+        nodes, nproc = step.nodes, nproc_per_node or step.ranks_per_node(world)
+        if backend == "c10d":
+            return cls(nodes, nodes, nproc, f"{step.master}:{step.port}", step.job_name)
+        requeue = os.environ.get("SLURM_RESTART_COUNT", "0")
+        return cls.parse(f"1:{nodes}", nproc, etcd_endpoint, f"{step.job_name}-{requeue}",
+                         backend=backend)
 
 
 def inside_torchrun() -> bool:

@@ -21,7 +21,9 @@ from megaresil.config import ConfigError
 from megaresil.events import EventLog, read_events
 from megaresil.launch import Membership, rendezvous_lost
 from megaresil.resilience.restart import relaunches_without_progress, restarts_recorded
+from megaresil.slurm import SlurmStep
 from test_resilience import SMALL
+from test_slurm import step_env
 
 needs_etcd = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
 
@@ -62,6 +64,17 @@ def test_etcd_backend_is_chosen_and_needs_the_server_endpoint():
     assert not Membership.parse("1:2", 2, "node0:29500", "job").host_can_be_lost
     with pytest.raises(ConfigError, match="ETCD_HOST:PORT"):
         Membership.parse("1:2", 2, None, "job", backend="etcd")
+
+
+def test_etcd_under_slurm_meets_at_the_server_once_per_requeue(monkeypatch):
+    step = SlurmStep.from_environ(step_env(SLURM_STEP_TASKS_PER_NODE="1(x2)",
+                                           SLURM_STEP_NUM_TASKS="2"))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
+    membership = Membership.for_slurm(step, 8, None, "etcd-v2", "etcd0:2379")
+    assert (membership.min_nodes, membership.max_nodes, membership.nproc_per_node) == (1, 2, 4)
+    assert (membership.endpoint, membership.run_id) == ("etcd0:2379", "slurm-4242-3")
+    with pytest.raises(ConfigError, match="ETCD_HOST:PORT"):
+        Membership.for_slurm(step, 8, None, "etcd-v2", None)
 
 
 def test_etcd_is_what_a_lost_c10d_host_is_told_to_use():
