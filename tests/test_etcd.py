@@ -12,6 +12,7 @@ import sys
 import urllib.request
 
 import pytest
+import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousConnectionError)
 
@@ -20,7 +21,8 @@ from etcd_server import LocalEtcd, missing_reason
 from megaresil.config import ConfigError
 from megaresil.events import EventLog, read_events
 from megaresil.launch import Membership, rendezvous_lost
-from megaresil.resilience.restart import relaunches_without_progress, restarts_recorded
+from megaresil.resilience.restart import (AbortBoard, relaunches_without_progress,
+                                          restarts_recorded)
 from megaresil.slurm import SlurmStep
 from test_resilience import SMALL
 from test_slurm import step_env
@@ -102,6 +104,20 @@ def test_etcd_restart_numbers_and_back_off_come_from_the_run_directory(tmp_path)
     assert relaunches_without_progress(tmp_path) == 0  # a step done since: no back-off
     log.emit("restart", kind="relaunch", generation=3)
     assert relaunches_without_progress(tmp_path) == 0  # (the step's time is in the future)
+
+
+class GoneStore(dist.Store):
+    """A launch store whose host went with the lost node."""
+
+    def check(self, keys):
+        raise dist.DistNetworkError("sendBytes failed: Broken pipe")
+
+
+def test_etcd_a_peer_that_took_the_store_with_it_is_a_lost_peer():
+    closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5300")
+    board = AbortBoard(GoneStore(), rank=1)
+    assert board.peer_gone(0, closed)
+    assert not board.peer_gone(0, RuntimeError("something else"))
 
 
 def chaos_first_node_loss(cli, reference, run_dir, *backend: str):
