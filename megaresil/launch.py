@@ -17,7 +17,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import (ChildFailedError, get_error_handler,
                                                              record)
-from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
+                                                  RendezvousConnectionError, RendezvousError)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
@@ -181,8 +182,8 @@ def rendezvous_lost(membership: Membership, err: RendezvousError) -> str:
         return (f"the rendezvous {membership.run_id!r} at {membership.endpoint} is closed: a job "
                 "with this --rdzv-id already ended; give every job (and every requeue of it) "
                 "its own --rdzv-id")
-    if membership.host_can_be_lost:
-        return f"the rendezvous at {membership.endpoint} failed: {err}"
+    if membership.host_can_be_lost or not isinstance(err, RendezvousConnectionError):
+        return f"the rendezvous at {membership.endpoint} failed: {type(err).__name__}: {err}"
     return (f"the c10d rendezvous host {membership.endpoint} is gone (the agent started with "
             "is_host=1, usually the first node, was lost), so no node can rejoin; to survive "
             "losing any node, run the rendezvous in etcd: --rdzv-backend etcd-v2 "

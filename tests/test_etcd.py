@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
-                                                  RendezvousConnectionError)
+                                                  RendezvousConnectionError,
+                                                  RendezvousTimeoutError)
 
 from conftest import ROOT
 from etcd_server import LocalEtcd, missing_reason
@@ -86,6 +87,9 @@ def test_etcd_is_what_a_lost_c10d_host_is_told_to_use():
     assert "--rdzv-backend etcd-v2 --rdzv-endpoint ETCD_HOST:PORT" in c10d
     etcd = rendezvous_lost(Membership.parse("1:2", 2, "etcd0:2379", "job", backend="etcd"), lost)
     assert "etcd0:2379" in etcd and "--rdzv-backend" not in etcd
+    late = rendezvous_lost(Membership.parse("1:2", 2, "node0:29500", "job"),
+                           RendezvousTimeoutError("join timed out"))
+    assert "RendezvousTimeoutError: join timed out" in late and "is gone" not in late
     reused = rendezvous_lost(Membership.parse("1:2", 2, "etcd0:2379", "job", backend="etcd-v2"),
                              RendezvousClosedError())
     assert "'job' at etcd0:2379 is closed" in reused and "its own --rdzv-id" in reused
