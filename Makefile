@@ -31,12 +31,13 @@ demo: setup
 test: setup cluster-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The test_slurm_* tests run a real one-host Slurm cluster. As root on a
-# machine with apt (CI, a fresh VM) its Debian packages are installed here;
-# elsewhere those tests skip and say why.
-CLUSTER_PKGS ?= slurmctld slurmd slurm-client munge
+# The test_slurm_* tests run a real one-host Slurm cluster, the test_etcd_*
+# tests a real etcd server. As root on a machine with apt (CI, a fresh VM)
+# their Debian packages are installed here; elsewhere those tests skip and say why.
+CLUSTER_PKGS ?= slurmctld slurmd slurm-client munge etcd-server
 cluster-deps:
-	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null; then \
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		! { command -v slurmctld && command -v etcd; } >/dev/null; then \
 		echo "installing $(CLUSTER_PKGS) for the cluster tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 			$(CLUSTER_PKGS) >/dev/null; \

@@ -44,10 +44,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         return slurm_task(args.recipe, overrides, cfg, step)
     if step is not None and not args.nnodes:
         world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-        membership = Membership.for_slurm(step, world, args.nproc_per_node)
+        membership = Membership.for_slurm(step, world, args.nproc_per_node, args.rdzv_backend,
+                                          args.rdzv_endpoint)
     else:
         membership = Membership.parse(args.nnodes, args.nproc_per_node, args.rdzv_endpoint,
-                                      args.rdzv_id, args.rdzv_conf or "")
+                                      args.rdzv_id, args.rdzv_conf or "", args.rdzv_backend)
     return launch(args.recipe, overrides, cfg, membership)
 
 
@@ -263,11 +264,12 @@ def add_convert_parser(sub) -> None:
 def cmd_chaos(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megaresil.resilience.chaos import format_result, run_scenario
+    from megaresil.resilience.chaos import Rendezvous, format_result, run_scenario
 
     result = run_scenario(args.recipe, args.overrides, args.scenario,
                           reference=Path(args.reference) if args.reference else None,
-                          rank=args.rank, step=args.step)
+                          rank=args.rank, step=args.step,
+                          rendezvous=Rendezvous(args.rdzv_backend, args.rdzv_endpoint))
     print(format_result(result))
     ok = result["recovered"] and result["final_loss_equal"]
     return 0 if ok else 1
@@ -323,8 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "is lost the rest re-form with dp shrunk (tp and pp kept)")
     train.add_argument("--nproc-per-node", type=int,
                        help="workers per agent (default: tp*pp*dp on one node)")
+    train.add_argument("--rdzv-backend", default="c10d", choices=("c10d", "etcd", "etcd-v2"),
+                       help="where the agents meet (with --nnodes): c10d (default) in a store "
+                            "hosted by one agent, which must outlive the others; etcd-v2 or "
+                            "etcd in an etcd server (--enable-v2), so any node may be lost")
     train.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                       help="rendezvous endpoint shared by all agents (with --nnodes)")
+                       help="rendezvous endpoint shared by all agents (with --nnodes): the "
+                            "c10d host agent's, or the etcd server's")
     train.add_argument("--rdzv-id", help="job id shared by all agents (with --nnodes)")
     train.add_argument("--rdzv-conf", metavar="KEY=VALUE,...",
                        help="rendezvous options, e.g. is_host=1 on the agent that hosts the "
@@ -339,10 +346,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kill-rank, raise-in-rank, hang-in-collective, "
                             "hang-outside-collective, slow-rank, sigterm, "
                             "hang-holding-gil, corrupt-latest-checkpoint, "
-                            "kill-during-checkpoint-save, node-loss")
+                            "kill-during-checkpoint-save, node-loss, node-loss-first "
+                            "(the node that started first: the c10d host)")
     chaos.add_argument("--rank", type=int, help="faulty rank (default: the last)")
     chaos.add_argument("--step", type=int, help="fault step (default: train.steps/2 + 1)")
     chaos.add_argument("--reference", help="reuse this fault-free run directory as the reference")
+    chaos.add_argument("--rdzv-backend", default="c10d", choices=("c10d", "etcd", "etcd-v2"),
+                       help="where the node-loss scenarios' agents meet (etcd needs "
+                            "--rdzv-endpoint ETCD_HOST:PORT)")
+    chaos.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="the etcd server of --rdzv-backend etcd or etcd-v2")
     chaos.set_defaults(func=cmd_chaos)
 
     soak = sub.add_parser("soak", help="one long run with faults of every kind at random steps "

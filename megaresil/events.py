@@ -43,4 +43,5 @@ def read_events(run_dir: str | Path) -> list[dict]:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    return read_jsonl(Path(run_dir) / "metrics.jsonl")
+    path = Path(run_dir) / "metrics.jsonl"
+    return read_jsonl(path) if path.exists() else []

@@ -18,6 +18,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import (ChildFailedError, get_error_handler,
                                                              record)
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
+                                                  RendezvousConnectionError, RendezvousError)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
@@ -40,25 +42,40 @@ class Membership:
     endpoint: str = "localhost:0"
     run_id: Optional[str] = None
     rdzv_conf: dict = dataclasses.field(default_factory=dict)
+    # c10d: the rendezvous store lives in the agent started with is_host=1,
+    # which must outlive the others; etcd, etcd-v2: in an etcd server apart
+    # from the training nodes, so any node may be lost.
+    backend: str = "c10d"
 
     @classmethod
     def parse(cls, nnodes: Optional[str], nproc_per_node: Optional[int], endpoint: Optional[str],
-              run_id: Optional[str], rdzv_conf: str = "") -> "Membership":
+              run_id: Optional[str], rdzv_conf: str = "", backend: str = "c10d") -> "Membership":
         if not nnodes:
             return cls(nproc_per_node=nproc_per_node)
         conf = dict(item.split("=", 1) for item in rdzv_conf.split(",") if item)
         low, _, high = nnodes.partition(":")
         if not endpoint:
+            where = "HOST:PORT" if backend == "c10d" else "ETCD_HOST:PORT"
             raise ConfigError("--rdzv-endpoint", "several nodes need a rendezvous endpoint.",
-                              "add --rdzv-endpoint HOST:PORT (the same on every node).")
-        return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf)
+                              f"add --rdzv-endpoint {where} (the same on every node).")
+        return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf, backend)
+
+    @property
+    def host_can_be_lost(self) -> bool:
+        return self.backend != "c10d" or self.max_nodes == 1
 
     @classmethod
-    def for_slurm(cls, step: SlurmStep, world: int,
-                  nproc_per_node: Optional[int]) -> "Membership":
-        """One agent per node of the Slurm step, meeting on its first node."""
-        return cls(step.nodes, step.nodes, nproc_per_node or step.ranks_per_node(world),
-                   f"{step.master}:{step.port}", step.job_name)
+    def for_slurm(cls, step: SlurmStep, world: int, nproc_per_node: Optional[int],
+                  backend: str = "c10d", etcd_endpoint: Optional[str] = None) -> "Membership":
+        """One agent per node of the Slurm step, meeting on its first node
+        (c10d) or at an etcd server, where each requeue of the job needs a
+        rendezvous of its own (etcd keeps a finished one, closed)."""
+        nodes, nproc = step.nodes, nproc_per_node or step.ranks_per_node(world)
+        if backend == "c10d":
+            return cls(nodes, nodes, nproc, f"{step.master}:{step.port}", step.job_name)
+        requeue = os.environ.get("SLURM_RESTART_COUNT", "0")
+        return cls.parse(f"1:{nodes}", nproc, etcd_endpoint, f"{step.job_name}-{requeue}",
+                         backend=backend)
 
 
 def _flat_keys(prefix: str, values: dict) -> dict[str, object]:
@@ -156,9 +173,12 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
+    if membership.backend == "etcd":  # it logs every step of every round, on its own handler
+        from torch.distributed.elastic.rendezvous import etcd_rendezvous
+        etcd_rendezvous.logger.setLevel(logging.WARNING)
     config = LaunchConfig(
         min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
-        rdzv_backend="c10d", rdzv_endpoint=membership.endpoint,
+        rdzv_backend=membership.backend, rdzv_endpoint=membership.endpoint,
         # Wait 5 s (not 30) for more nodes once the minimum is there, and call
         # a node gone after ~2 s without keep-alives (not 15): a job that lost
         # a node re-forms in seconds.
@@ -181,6 +201,9 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         print(f"megaresil: giving up: {failure_summary(err)}; the run directory keeps the "
               f"newest checkpoint (rerun the same command to resume after fixing the cause)",
               file=sys.stderr)
+        return 1
+    except RendezvousError as err:
+        print(f"megaresil: giving up: {rendezvous_lost(membership, err)}", file=sys.stderr)
         return 1
     except SignalException as err:  # the launcher itself was told to stop
         ending = last_ending(run_dir, events_before)
@@ -208,6 +231,21 @@ def failure_summary(err: ChildFailedError) -> str:
     elif not first_line or first_line.startswith("To enable traceback"):
         first_line = "the process exited without a report"
     return f"rank {rank} ended with exit code {failure.exitcode}: {first_line[:300]}"
+
+
+def rendezvous_lost(membership: Membership, err: RendezvousError) -> str:
+    """Why the agents can no longer meet, and, when the c10d host is gone,
+    what survives that."""
+    if isinstance(err, RendezvousClosedError):  # etcd keeps a finished job's rendezvous
+        return (f"the rendezvous {membership.run_id!r} at {membership.endpoint} is closed: a job "
+                "with this --rdzv-id already ended; give every job (and every requeue of it) "
+                "its own --rdzv-id")
+    if membership.host_can_be_lost or not isinstance(err, RendezvousConnectionError):
+        return f"the rendezvous at {membership.endpoint} failed: {type(err).__name__}: {err}"
+    return (f"the c10d rendezvous host {membership.endpoint} is gone (the agent started with "
+            "is_host=1, usually the first node, was lost), so no node can rejoin; to survive "
+            "losing any node, run the rendezvous in etcd: --rdzv-backend etcd-v2 "
+            "--rdzv-endpoint ETCD_HOST:PORT")
 
 
 def last_ending(run_dir: Path, events_before: int) -> Optional[dict]:

@@ -41,6 +41,7 @@ class Scenario:
     expect_restart: bool = True
     requeue_after_exit: bool = False  # like a scheduler rerunning a preempted job
     nodes: int = 1  # > 1: agents that form one elastic job; the last one is lost
+    lose_first: bool = False  # lose the node that started first instead (the c10d host)
     lose_simulated_node: bool = False  # kill the local tier's last simulated node, wipe its dir
 
 
@@ -72,6 +73,7 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2) -> dict[str,
                  [{"kind": "kill", "rank": rank, "step": save_step, "section": "checkpoint"}],
                  relaunch),
         Scenario("node-loss", [], relaunch, nodes=2),
+        Scenario("node-loss-first", [], relaunch, nodes=2, lose_first=True),
         Scenario("kill-rank-local", [{"kind": "kill", "rank": rank, "step": step}],
                  relaunch + local),
         Scenario("node-loss-local", [], relaunch + local, lose_simulated_node=True),
@@ -170,21 +172,42 @@ def fault_overrides(scenario: Scenario) -> list[str]:
     return [f"faults={json.dumps(scenario.faults)}", *scenario.settings]
 
 
+@dataclass
+class Rendezvous:
+    """Where the agents of a multi-node scenario meet: c10d in the first
+    agent (on a free local port unless given), or an etcd server's endpoint."""
+    backend: str = "c10d"
+    endpoint: Optional[str] = None
+
+    def options(self, first: bool) -> list[str]:
+        if self.backend == "c10d":
+            return ["--rdzv-conf", f"is_host={int(first)}"]
+        if not self.endpoint:
+            raise ValueError(f"--rdzv-backend {self.backend} needs the etcd server: "
+                             "add --rdzv-endpoint ETCD_HOST:PORT")
+        return []
+
+
 def run_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
-                  lose_after_step: int) -> tuple[int, float]:
+                  lose_after_step: int, *, lose_first: bool = False,
+                  rendezvous: Rendezvous = Rendezvous()) -> tuple[int, float]:
     """Two agents ("nodes") form one elastic job; once `lose_after_step` is
-    done, the second agent and its workers are killed. The first hosts the
-    rendezvous store, so it outlives the loss. Returns (exit code, loss time)."""
-    membership = ["--nnodes", "1:2", "--nproc-per-node", str(world // 2), "--rdzv-endpoint",
-                  f"127.0.0.1:{free_port()}", "--rdzv-id", f"chaos-{os.getpid()}"]
+    done, one agent and its workers are killed: the second, or with
+    `lose_first` the first (with c10d it hosts the rendezvous store; as the
+    lower pid on this machine it is also rank 0, whose agent hosts the
+    workers' store). Returns (the survivor's exit code, loss time)."""
+    endpoint = rendezvous.endpoint or f"127.0.0.1:{free_port()}"
+    membership = ["--nnodes", "1:2", "--nproc-per-node", str(world // 2),
+                  "--rdzv-backend", rendezvous.backend, "--rdzv-endpoint", endpoint,
+                  "--rdzv-id", f"chaos-{os.getpid()}-{int(time.time())}"]
     command = train_command(recipe, overrides, run_dir) + membership
-    host = subprocess.Popen(command + ["--rdzv-conf", "is_host=1"])
-    other = subprocess.Popen(command + ["--rdzv-conf", "is_host=0"])
-    lost_at = wait_for_step(run_dir, lose_after_step, host)
-    node = psutil.Process(other.pid)
-    for proc in [node, *node.children(recursive=True)]:
-        proc.kill()
-    return host.wait(), lost_at
+    first = subprocess.Popen(command + rendezvous.options(first=True))
+    second = subprocess.Popen(command + rendezvous.options(first=False))
+    lost, survivor = (first, second) if lose_first else (second, first)
+    lost_at = wait_for_step(run_dir, lose_after_step, survivor)
+    kill_tree(lost.pid)
+    lost.wait()
+    return survivor.wait(), lost_at
 
 
 def run_simulated_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
@@ -254,7 +277,8 @@ def analyse(reference: Path, faulted: Path, scenario: Scenario,
 
 
 def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Optional[Path],
-                 rank: Optional[int], step: Optional[int]) -> dict:
+                 rank: Optional[int], step: Optional[int],
+                 rendezvous: Rendezvous = Rendezvous()) -> dict:
     cfg = load_recipe(recipe, overrides)
     root = Path(cfg.run.dir)
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
@@ -277,7 +301,8 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     fault_time = None
     if scenario.nodes > 1:
         code, fault_time = run_node_loss(recipe, overrides + scenario.settings, faulted, world,
-                                         fault_step)
+                                         fault_step, lose_first=scenario.lose_first,
+                                         rendezvous=rendezvous)
     elif scenario.lose_simulated_node:
         code, fault_time = run_simulated_node_loss(recipe, overrides + scenario.settings,
                                                    faulted, world, fault_step)

@@ -18,6 +18,12 @@ Restarts are bounded by *consecutive* failures without progress (a
 generation that completes a step resets the count), so a long run survives
 many spaced faults while a fault that recurs at once gives up; repeated
 failures back off exponentially before the ranks meet again.
+
+Restart numbers and the back-off's count come from the run directory's own
+records (`restart` events, metrics.jsonl's steps), not from the launch store:
+that store lives in one agent or rank (the rendezvous' rank 0) and is gone
+with its node, while the run directory is shared by every node (the global
+checkpoints live there) and outlives any of them.
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ from megaresil.checkpoint.format import CheckpointError
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.compat import abort_process_groups, lost_peer_error
 from megaresil.config import ConfigError, RecipeConfig
-from megaresil.events import EventLog, read_events
+from megaresil.events import EventLog, read_events, read_metrics
 from megaresil.parallel.layout import backend_for
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.incidents import is_abort
@@ -55,8 +61,6 @@ HANG_EXIT_CODE = 86  # a hang without in-process restart: the launcher restarts 
 # disk): the whole job stops at once, on every rank, with the reason.
 FATAL = (ConfigError, NoValidCheckpoint, CheckpointError)
 NOT_RESTARTABLE = (*FATAL, KeyboardInterrupt, SystemExit)
-RESTART_COUNTER = "megaresil/restarts"
-PROGRESS_ATTEMPT = "megaresil/last_progress_attempt"  # the last launch attempt that stepped
 MAX_BACKOFF_S = 30.0
 
 
@@ -73,9 +77,11 @@ JobFactory = Callable[[Supervision], Job]
 
 
 def launch_store(rank: int, world: int) -> dist.Store:
-    """The store of this launch: hosted by the TorchElastic agent when there
-    is one (so no rank is a single point of failure), else by rank 0. It
-    outlives relaunches of the worker group."""
+    """The store of this launch attempt's coordination (process groups,
+    abort board, heartbeats): hosted by the TorchElastic agent of node rank 0
+    when it shares one (c10d, etcd-v2), else by rank 0 (etcd, Slurm tasks).
+    Nothing in it needs to outlive the attempt: each attempt uses its own
+    prefix, and an attempt that loses the store's node is over anyway."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return dist.TCPStore(host, port, world, is_master=rank == 0 and not hosted_by_agent,
@@ -90,6 +96,18 @@ def backoff_s(consecutive: int, base: float) -> float:
     """Wait before the `consecutive`-th restart in a row without progress:
     none for the first, then base, 2*base, ... capped."""
     return 0.0 if consecutive <= 1 else min(MAX_BACKOFF_S, base * 2 ** (consecutive - 2))
+
+
+def restarts_recorded(run_dir: Path) -> int:
+    """Restarts so far in this run directory: the generation a rank is in."""
+    return sum(e["event"] == "restart" for e in read_events(run_dir))
+
+
+def relaunches_without_progress(run_dir: Path) -> int:
+    """Relaunches recorded since the last optimizer step was completed."""
+    last_step = max((r["time"] for r in read_metrics(run_dir) if "loss" in r), default=0.0)
+    return sum(e["event"] == "restart" and e.get("kind") == "relaunch" and e["time"] > last_step
+               for e in read_events(run_dir))
 
 
 def newest_step(cfg: RecipeConfig) -> Optional[int]:
@@ -177,7 +195,12 @@ class AbortBoard:
         """A connection closed under us means a lost peer, unless a peer
         announced this generation's abort first: then it is that (live) peer
         tearing down its process group before we heard of the abort."""
-        return lost_peer_error(err) and not self.announced(generation)
+        if not lost_peer_error(err):
+            return False
+        try:
+            return not self.announced(generation)
+        except dist.DistNetworkError:  # the store went with the peer: its node is lost
+            return True
 
 
 @dataclass
@@ -203,10 +226,10 @@ class WorkerLife:
         self.make_job = make_job
         self.run_dir = Path(cfg.run.dir)
         self.events = EventLog(self.run_dir, rank)
-        self.base_store = store if store is not None else launch_store(rank, world)
         # One prefix per launch attempt and one per generation inside it: a
         # stale address of an earlier attempt can never be read.
-        self.store = dist.PrefixStore(f"megaresil/attempt_{attempt()}", self.base_store)
+        self.store = dist.PrefixStore(f"megaresil/attempt_{attempt()}",
+                                      store if store is not None else launch_store(rank, world))
         self.board = AbortBoard(self.store, rank)
         res = cfg.resilience
         self.policy = RestartPolicy(res.max_in_process_restarts, res.restart_backoff_s)
@@ -235,23 +258,21 @@ class WorkerLife:
                 self.watchdog.close()
 
     def _after_relaunch(self) -> None:
-        """On a relaunched attempt: number the restart, and back off when the
-        previous attempts made no progress either."""
-        if attempt() == 0:
+        """On a relaunched attempt, rank 0 numbers the restart and backs off
+        when the previous attempts made no progress either; the other ranks
+        wait for it in the next rendezvous."""
+        if attempt() == 0 or self.rank != 0:
             return
-        since = self.base_store.add(PROGRESS_ATTEMPT, 0)  # 0: no attempt stepped yet
-        consecutive = attempt() - since
-        if self.rank == 0:
-            self._count_restart("relaunch", last_failure(self.run_dir), attempt(),
-                                self.cfg.resilience.max_restarts)
+        consecutive = relaunches_without_progress(self.run_dir) + 1
+        self._count_restart("relaunch", last_failure(self.run_dir), attempt(),
+                            self.cfg.resilience.max_restarts)
         time.sleep(backoff_s(consecutive, self.cfg.resilience.restart_backoff_s))
 
     def _count_restart(self, kind: str, reason: str, number: int, limit: int) -> None:
-        """Rank 0 numbers restarts in the launch store; every rank reads the
-        number after the next rendezvous, so all agree on it."""
-        generation = self.base_store.add(RESTART_COUNTER, 1)
-        self.events.emit("restart", kind=kind, generation=generation, reason=reason[:500],
-                         from_step=newest_step(self.cfg), attempt=number,
+        """Rank 0 records the restart before the next rendezvous; every rank
+        counts the recorded restarts after it, so all agree on the number."""
+        self.events.emit("restart", kind=kind, generation=restarts_recorded(self.run_dir) + 1,
+                         reason=reason[:500], from_step=newest_step(self.cfg), attempt=number,
                          max_attempts=limit)
 
     def _one_generation(self) -> Optional[str]:
@@ -278,17 +299,12 @@ class WorkerLife:
             self._teardown()
 
     def _supervision(self) -> Supervision:
-        generation = self.base_store.add(RESTART_COUNTER, 0)
+        generation = restarts_recorded(self.run_dir)
         if self.watchdog is not None:
             self.watchdog.begin_generation(self.generation)
         faults = FaultInjector(self.cfg.faults, rank=self.rank, run_dir=self.run_dir,
                                checkpoint_root=checkpoint_root(self.cfg), events=self.events)
-        return Supervision(self.watchdog, faults, self.preemption, generation,
-                           on_first_step=self._mark_progress)
-
-    def _mark_progress(self) -> None:
-        if self.rank == 0:
-            self.base_store.set(PROGRESS_ATTEMPT, str(attempt()))
+        return Supervision(self.watchdog, faults, self.preemption, generation)
 
     def _handle_failure(self, err: BaseException, made_progress: bool) -> None:
         """Re-raise what the launcher must handle; otherwise record the
@@ -299,7 +315,8 @@ class WorkerLife:
                          section=section, lost_peer=peer_gone, fatal=isinstance(err, FATAL),
                          generation=self.generation, pid=os.getpid(),
                          rss_mb=psutil.Process().memory_info().rss / 2**20)
-        self._stop_if_fatal(err)
+        if not peer_gone:  # else the store may be gone too, and the launcher re-forms the job
+            self._stop_if_fatal(err)
         allowed = self.policy.failed(made_progress)
         stopping = self.preemption.signalled_at is not None  # told to stop: no restart here
         if not (self.cfg.resilience.in_process and allowed and not peer_gone and not stopping

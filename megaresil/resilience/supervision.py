@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -21,7 +21,6 @@ class Supervision:
     faults: Optional[FaultInjector] = None
     preemption: Optional[PreemptionFlag] = None
     generation: int = 0  # restarts so far in this run directory
-    on_first_step: Optional[Callable[[], None]] = None  # the generation made progress
     steps: int = 0  # steps completed in this generation
     clock: SectionClock = field(default_factory=SectionClock)
     step_times: dict[str, SectionTime] = field(default_factory=dict)  # the last step's
@@ -46,8 +45,6 @@ class Supervision:
         self.step_times = self.clock.take()
         if self.watchdog is not None:
             self.watchdog.step_done(self.step_times, first_of_generation=self.steps == 1)
-        if self.steps == 1 and self.on_first_step is not None:
-            self.on_first_step()
 
     def preempted(self, group: Optional[dist.ProcessGroup]) -> bool:
         """Whether any rank was signalled: a collective on `group`, which must
