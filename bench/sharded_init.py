@@ -102,7 +102,8 @@ def main() -> None:
         [sys.executable, __file__, "--side", side, "--tp", str(args.tp), "--rank", str(args.rank)],
         check=True, capture_output=True, text=True).stdout) for side in ("before", "after")]
     before, after = rows
-    result = {"model": {**CONFIG, "flavour": "llama", "global_param_mb": round(global_param_mb(), 1)},
+    model = {**CONFIG, "flavour": "llama", "global_param_mb": round(global_param_mb(), 1)}
+    result = {"model": model,
               "tp": args.tp, "rank": args.rank, "sides": rows,
               "peak_rss_ratio_after_over_before": round(after["peak_rss_above_import_mb"]
                                                         / before["peak_rss_above_import_mb"], 3),

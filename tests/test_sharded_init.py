@@ -73,3 +73,18 @@ def test_a_rank_draws_only_the_blocks_its_slice_touches(small_draws, monkeypatch
         units = init.local_units(param)
         touched = set(range(units.start // 7, -(-units.stop // 7)))
         assert drawn.get(key, set()) <= touched, key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_materialized_on_the_gpu_holds_the_cpu_values():
+    """Draws stay on the host's generator: the device changes nothing."""
+    cfg = config("llama")
+    with torch.device("meta"):
+        model = GPT(cfg, tp=TPGroup(size=2, rank=1), seed=5)
+    on_gpu = init.materialize(model, cfg, seed=5, device=torch.device("cuda"))
+    on_cpu = dict(sharded_model(cfg, 2, 1).named_parameters())
+    for key, param in on_gpu.named_parameters():
+        assert param.is_cuda, key
+        torch.testing.assert_close(param.cpu(), on_cpu[key], rtol=0, atol=0, msg=key)
+    assert all(b.is_cuda for b in on_gpu.buffers())

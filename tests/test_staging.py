@@ -70,7 +70,7 @@ def test_async_save_copies_waits_then_orders_the_update(tmp_path, monkeypatch):
     tensor.add_(1.0)  # the optimizer step
     ckpt.close()
     loop = threading.current_thread().name
-    save_thread = [c for c in calls if c[0] == "into"][0][1]
+    save_thread = next(name for what, name in calls if what == "into")
     assert save_thread != loop
     assert calls.index(("into", save_thread)) < calls.index(("wait_on_host", save_thread)) \
         < calls.index(("write", save_thread))
