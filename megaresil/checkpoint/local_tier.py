@@ -56,6 +56,7 @@ from megaresil.checkpoint.manager import (Collectives, SaveReport, dtype_name, s
 from megaresil.checkpoint.replication import (Choice, Holdings, Topology, complete_step,
                                               decode_meta, encode_meta, header, transfers)
 from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunState, TrainingState, training_rects
 
 SHARD_FORMAT = "megaresil-local-shard"
@@ -98,9 +99,12 @@ class Shard:
         return self.meta["owner"]
 
 
-def stage(rects: list[Rect], buffer: Optional[torch.Tensor]) -> tuple[torch.Tensor, list[dict]]:
-    """Copy `rects` back to back into `buffer` (reused when it fits);
-    returns the buffer and each rect's record (checksums come later)."""
+def stage(rects: list[Rect], buffer: Optional[torch.Tensor],
+          copy: Optional[StagingCopy] = None) -> tuple[torch.Tensor, list[dict]]:
+    """Copy `rects` back to back into `buffer` (reused when it fits) by
+    `copy` (enqueued on a GPU: see StagingCopy); returns the buffer and each
+    rect's record (checksums come later)."""
+    copy = copy or StagingCopy.of([r.tensor for r in rects])
     records, start = [], 0
     for r in rects:
         records.append({"key": r.key, "global_shape": list(r.global_shape),
@@ -108,9 +112,8 @@ def stage(rects: list[Rect], buffer: Optional[torch.Tensor]) -> tuple[torch.Tens
                         "dtype": dtype_name(r.tensor), "start": start, "nbytes": r.nbytes})
         start += r.nbytes
     if buffer is None or buffer.numel() != start:
-        buffer = torch.empty(start, dtype=torch.uint8)
-    for r, rec in zip(rects, records):
-        view_of(buffer, rec).copy_(r.tensor)
+        buffer = copy.host_empty((start,), torch.uint8)
+    copy.into([view_of(buffer, rec) for rec in records], [r.tensor for r in rects])
     return buffer, records
 
 
@@ -319,6 +322,7 @@ class LocalTier:
                  interval: int, keep: int, events, device: torch.device):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-local",
                                            initializer=save_thread_setup, initargs=(device,))
+        self.device = device  # of the training state; the tier's thread works on it
         self.coll = Collectives(group, self.executor)
         self.topology, self.keep, self.events = topology, keep, events
         self.rank = self.coll.rank
@@ -329,6 +333,7 @@ class LocalTier:
         self.recv_buffers: dict[int, torch.Tensor] = {}
         self.pending: Optional[Future] = None
         self.staged: Optional[threading.Event] = None
+        self.copy: Optional[StagingCopy] = None  # the staging copy in flight
         self.report: Optional[SaveReport] = None
         self.abandoned = False
         self.loaded: dict[int, Shard] = {}  # start-up: shards of the chosen step, by owner
@@ -351,8 +356,9 @@ class LocalTier:
         rng = state.rng_state()
         self.staged, self.report = threading.Event(), SaveReport(self.events,
                                                                   "local_checkpoint_saved")
+        self.copy = StagingCopy(self.device)
         self.pending = self.executor.submit(self._stage_write_replicate, state, rng, started,
-                                            self.staged, self.report)
+                                            self.copy, self.staged, self.report)
         self._held(time.perf_counter() - started, self.report)
 
     def _held(self, seconds: float, report: SaveReport) -> None:
@@ -366,8 +372,9 @@ class LocalTier:
         started = time.perf_counter()
         with self.report.loop_waiting():
             wait_for(self.staged)
+        self.copy.order_before_update()
         self.cadence.held(time.perf_counter() - started)
-        self.staged = self.report = None
+        self.staged = self.report = self.copy = None
 
     def wait(self) -> None:
         self.before_update()
@@ -378,16 +385,18 @@ class LocalTier:
             self.cadence.held(time.perf_counter() - started)
 
     def _stage_write_replicate(self, state: TrainingState, rng: dict, started: float,
-                               staged: threading.Event, report: SaveReport) -> None:
+                               copy: StagingCopy, staged: threading.Event,
+                               report: SaveReport) -> None:
         try:
             run = state.run_state()
             meta = {"format": SHARD_FORMAT, "version": 1, "step": run.step, "owner": self.rank,
                     "world": self.coll.world, "layout": run.layout, "run": run.to_manifest(),
                     "rank_state": rng}
             self.buffer, meta["rects"] = stage(training_rects(state, include_copies=True),
-                                               self.buffer)
+                                               self.buffer, copy)
         finally:
             staged.set()
+        copy.wait_on_host()
         add_checksums(self.buffer, meta["rects"])
         own = Shard(meta, self.buffer)
         self.store.write(own)
@@ -529,4 +538,4 @@ class LocalTier:
         """The job failed: do not wait for the save in flight (its peers may be
         gone) and do not report it; the committed local steps stand."""
         self.abandoned = True
-        self.pending = self.staged = self.report = None
+        self.pending = self.staged = self.report = self.copy = None

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.backends import Backend, get_backend
 from megaresil.checkpoint.sharded import WEIGHTS, Rect, assign_writers
+from megaresil.checkpoint.staging import StagingCopy
+from megaresil.parallel.layout import use_device
 from megaresil.checkpoint.state import RunState, TrainingState, training_rects, weight_rects
 
 if TYPE_CHECKING:
@@ -154,13 +156,6 @@ def save_thread_setup(device: torch.device) -> None:
     use_device(device)
 
 
-def use_device(device: torch.device) -> None:
-    """Make `device` the calling thread's CUDA device. A new thread starts on
-    GPU 0: its copies, allocations and synchronize() would go there."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-
-
 class SaveReport:
     """The `checkpoint_saved` event of one save: the save's figures come from
     the thread that commits it (rank 0), `blocking_seconds` from the loop,
@@ -224,6 +219,7 @@ class Checkpointer:
         self.layout_plan: Optional[dict[str, dict]] = None  # of the written rects, every rank's
         self.pending: Optional[Future] = None
         self.staged: Optional[threading.Event] = None  # async: set once the staging copy is done
+        self.copy: Optional[StagingCopy] = None  # async: the staging copy in flight
         self.report: Optional[SaveReport] = None  # async: of the save in flight
         self.abandoned = False  # the job failed: the save in flight must not commit
 
@@ -244,17 +240,12 @@ class Checkpointer:
                                             for rank, mine in enumerate(gathered)])
         return [r for r in rects if self.writers[r.identity()] == self.coll.rank]
 
-    def _stage(self, rects: list[Rect]) -> list[Rect]:
-        """Copy the rects into staging memory: after this, training may go on."""
-        on_gpu = any(r.tensor.is_cuda for r in rects)
-        staged = []
-        for r in rects:
-            copy = torch.empty(r.tensor.shape, dtype=r.tensor.dtype, pin_memory=on_gpu)
-            copy.copy_(r.tensor, non_blocking=on_gpu)
-            staged.append(Rect(r.key, r.global_shape, r.offset, copy))
-        if on_gpu:
-            torch.cuda.synchronize(self.device)
-        return staged
+    @staticmethod
+    def _stage(rects: list[Rect], copy: StagingCopy) -> list[Rect]:
+        """Copy the rects into staging memory (enqueued on a GPU: see
+        StagingCopy); once it is done, training may change them."""
+        copies = copy.to_host([r.tensor for r in rects])
+        return [Rect(r.key, r.global_shape, r.offset, c) for r, c in zip(rects, copies)]
 
     def save_training(self, state: TrainingState) -> None:
         """Checkpoint a trainer's state: its tensors, its run state and this
@@ -278,8 +269,9 @@ class Checkpointer:
             self._save_now(rects, state, rank_state, started, report)
             return
         self.staged, self.report = threading.Event(), report
+        self.copy = StagingCopy.of([r.tensor for r in rects])
         self.pending = self.executor.submit(self._stage_write_commit, rects, state, rank_state,
-                                            started, self.staged, report)
+                                            started, self.copy, self.staged, report)
         report.loop_held(time.perf_counter() - started)
 
     def _save_now(self, rects: list[Rect], state: RunState, rank_state: dict, started: float,
@@ -287,9 +279,11 @@ class Checkpointer:
         mine = self._my_writes(rects)
         # On the CPU a synchronous save writes straight from the live tensors
         # (nothing changes them meanwhile); GPU tensors are copied.
-        on_cpu = all(r.tensor.device.type == "cpu" for r in mine)
-        self._write_and_commit(mine if on_cpu else self._stage(mine), state, rank_state,
-                               started, report)
+        copy = StagingCopy.of([r.tensor for r in mine])
+        if copy.on_gpu:
+            mine = self._stage(mine, copy)
+            copy.wait_on_host()
+        self._write_and_commit(mine, state, rank_state, started, report)
 
     def local_due(self, step: int) -> bool:
         """Called once after each step: whether the local tier saves now."""
@@ -300,15 +294,17 @@ class Checkpointer:
 
     def before_update(self) -> None:
         """Call before anything modifies the saved tensors (the optimizer step):
-        waits for an async save's staging copy and reports how long the loop
-        was held."""
+        waits for an async save's staging copy (on a GPU: for it to be
+        enqueued, then the training stream waits for it) and reports how long
+        the loop was held."""
         if self.local is not None:
             self.local.before_update()
         if self.staged is None:
             return
         with self.report.loop_waiting():
             wait_for(self.staged)
-        self.staged = self.report = None
+        self.copy.order_before_update()
+        self.staged = self.report = self.copy = None
 
     def wait(self) -> None:
         """Wait for an in-flight save; re-raises its failure."""
@@ -318,11 +314,13 @@ class Checkpointer:
             wait_for(pending)
 
     def _stage_write_commit(self, rects: list[Rect], state: RunState, rank_state: dict,
-                            started: float, staged: threading.Event, report: SaveReport) -> None:
+                            started: float, copy: StagingCopy, staged: threading.Event,
+                            report: SaveReport) -> None:
         try:
-            copies = self._stage(self._my_writes(rects))
+            copies = self._stage(self._my_writes(rects), copy)
         finally:
             staged.set()
+        copy.wait_on_host()
         self._write_and_commit(copies, state, rank_state, started, report)
 
     def _write_and_commit(self, staged: list[Rect], state: RunState, rank_state: dict,
@@ -393,7 +391,7 @@ class Checkpointer:
         thread) and do not let it commit; the newest committed checkpoint
         stands, and its partial directory is cleaned at the next start."""
         self.abandoned = True
-        self.pending = self.staged = self.report = None
+        self.pending = self.staged = self.report = self.copy = None
         if self.local is not None:
             self.local.abandon()
 

@@ -1,9 +1,15 @@
-"""Layout-free, reproducible parameter initialisation.
+"""Layout-free, reproducible parameter initialisation, drawn shard by shard.
 
-Every parameter's full (global) tensor is drawn from a generator seeded by
-(seed, parameter key), then this rank keeps its slice. A parameter therefore
-gets the same values whatever the tp/pp/dp layout and whatever else the model
-holds, which is what lets every layout reproduce the single-process run.
+A parameter's global tensor is a pure function of (seed, parameter key): its
+units (indices along the dim tensor parallelism cuts, dim 0 when it is not
+cut) are taken in fixed blocks of UNITS_PER_DRAW, and each block is drawn from
+its own generator seeded by (seed, key, block). A rank therefore draws only
+the blocks its slice touches, straight into the parameter wherever it lives
+(a model built on the meta device is materialised here), and gets exactly the
+values a single process holds for that slice. That keeps every layout
+reproducing the single-process run without any rank ever holding a global
+tensor, and without drawing one either (init time is O(local), not O(model)).
+Values do not depend on what else the model holds.
 """
 from __future__ import annotations
 
@@ -18,22 +24,25 @@ from megaresil.config import ModelConfig
 # Output projections of each residual branch get the GPT-2 scaled init.
 RESIDUAL_OUTPUTS = ("attn.proj.weight", "mlp.proj.weight", "mlp.down.weight")
 
+# Torch's CPU generator keeps only the low 32 bits of a seed, so every block
+# seed is one draw from 2^32: blocks of 256 units keep a 70B model near 35k
+# seeds (about 0.15 expected pairs of blocks sharing one), while a rank draws at
+# most two partial blocks beyond its own slice per parameter.
+UNITS_PER_DRAW = 256
+
 
 def key_seed(seed: int, key: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63)
 
 
-def full_init(key: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """The global tensor for `key` (unpadded shape for the vocab tensors)."""
-    if key.endswith("bias"):
-        return torch.zeros(shape)
-    if "norm" in key:
-        return torch.ones(shape)
-    std = cfg.init_std
+def block_seed(seed: int, key: str, block: int) -> int:
+    return (key_seed(seed, key) * 0x9E3779B1 + block * 0x85EBCA77) % (2**63)
+
+
+def init_std(key: str, cfg: ModelConfig) -> float:
     if key.endswith(RESIDUAL_OUTPUTS):
-        std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-    generator = torch.Generator().manual_seed(key_seed(seed, key))
-    return torch.randn(shape, generator=generator) * std
+        return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    return cfg.init_std
 
 
 def vocab_rows(key: str, cfg: ModelConfig) -> bool:
@@ -51,6 +60,84 @@ def global_shape(key: str, param: torch.Tensor, cfg: ModelConfig) -> torch.Size:
     return torch.Size(shape)
 
 
+def unit_dim(param: torch.Tensor) -> int:
+    """The dim whose indices are drawn block by block: the one TP cuts."""
+    dim = getattr(param, "tp_dim", None)
+    return 0 if dim is None else dim
+
+
+def local_units(param: torch.Tensor) -> range:
+    """The global indices along `unit_dim` this rank's slice covers (past the
+    real vocabulary for padded vocab rows)."""
+    count = param.shape[unit_dim(param)]
+    start = getattr(param, "tp_rank", 0) * count
+    return range(start, start + count)
+
+
+@torch.no_grad()
+def draw_normal(param: torch.Tensor, key: str, cfg: ModelConfig, seed: int) -> None:
+    """Fill `param` with its slice of the global N(0, std) tensor for `key`,
+    one block at a time (host memory: one block); units past the real
+    vocabulary are zero."""
+    dim = unit_dim(param)
+    shape = global_shape(key, param, cfg)
+    units, unit_shape = shape[dim], shape[:dim] + shape[dim + 1:]
+    target = param.movedim(dim, 0)  # a view: unit-major
+    mine = local_units(param)
+    target[max(units, mine.start) - mine.start:].zero_()
+    generator, std = torch.Generator(), init_std(key, cfg)
+    stop = min(mine.stop, units)
+    blocks = (range(mine.start // UNITS_PER_DRAW, -(-stop // UNITS_PER_DRAW))
+              if stop > mine.start else range(0))  # all padding: nothing to draw
+    for block in blocks:
+        lo, hi = block * UNITS_PER_DRAW, min((block + 1) * UNITS_PER_DRAW, units)
+        generator.manual_seed(block_seed(seed, key, block))
+        values = torch.empty(hi - lo, *unit_shape).normal_(generator=generator).mul_(std)
+        first, last = max(lo, mine.start), min(hi, stop)
+        target[first - mine.start:last - mine.start].copy_(values[first - lo:last - lo])
+
+
+@torch.no_grad()
+def initialize_parameter(param: torch.Tensor, key: str, cfg: ModelConfig, seed: int) -> None:
+    if key.endswith("bias"):
+        param.zero_()
+    elif "norm" in key:
+        param.fill_(1.0)
+    else:
+        draw_normal(param, key, cfg, seed)
+
+
+def initialize(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Fill every parameter of `model` (in place, on its device) from its key."""
+    for key, param in model.named_parameters():
+        initialize_parameter(param, key, cfg, seed)
+
+
+def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> nn.Module:
+    """Give a model built under `torch.device("meta")` storage on `device` for
+    this rank's slices only, and initialise them there.
+
+    Parameters are replaced by new ones that keep their marks (tp_dim, ...);
+    buffers are built for real even under a meta build (they are small and
+    computed, not drawn), so they only move."""
+    for key, param in list(model.named_parameters()):
+        owner_name, _, name = key.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        real = nn.Parameter(torch.empty_like(param, device=device),
+                            requires_grad=param.requires_grad)
+        real.__dict__.update(vars(param))
+        setattr(owner, name, real)
+        initialize_parameter(real, key, cfg, seed)
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                raise ValueError(f"buffer {name} of {type(module).__name__} was built on the meta "
+                                 "device and cannot be materialised; build it on the CPU in its "
+                                 "module's __init__ (see RotaryEmbedding)")
+            setattr(module, name, buffer.to(device))
+    return model
+
+
 def local_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's block of a global tensor, padding the vocabulary with zeros
     up to the padded size first."""
@@ -66,12 +153,6 @@ def local_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 def assign_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's slice of a global tensor into `param`."""
     param.copy_(local_slice(param, full).to(param.dtype))
-
-
-def initialize(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Fill every parameter of `model` from its key."""
-    for key, param in model.named_parameters():
-        assign_full(param, full_init(key, global_shape(key, param, cfg), cfg, seed))
 
 
 def load_full_state(model: nn.Module, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:

@@ -50,7 +50,9 @@ def sequence_dropout(p: float, site: str, seed: int, tp: TPGroup) -> LayoutDropo
 def rope_frequencies(head_dim: int, cfg: ModelConfig) -> torch.Tensor:
     """RoPE's inverse frequencies (D/2,), with Llama 3's scaling when the
     config asks for it (computed as transformers does, in float32)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    # On the CPU even under a meta-device build: a buffer is computed, not
+    # drawn, so model/init.py's materialize only moves it.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** exponents)
     scaling = cfg.rope_scaling
     if scaling.type == RopeScalingType.none:

@@ -28,6 +28,14 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's CUDA device: first thing on every
+    thread that touches CUDA. A new thread starts on GPU 0, where its copies,
+    allocations, events, synchronize() and NCCL calls would otherwise go."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

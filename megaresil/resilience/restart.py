@@ -48,7 +48,7 @@ from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.compat import abort_process_groups, lost_peer_error
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import EventLog, read_events, read_metrics
-from megaresil.parallel.layout import backend_for
+from megaresil.parallel.layout import backend_for, use_device
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.incidents import is_abort
 from megaresil.resilience.preemption import PreemptionFlag
@@ -223,6 +223,7 @@ class WorkerLife:
     def __init__(self, cfg: RecipeConfig, rank: int, world: int, device: torch.device,
                  make_job: JobFactory, *, store: Optional[dist.Store] = None):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        use_device(device)  # the training thread's; the other threads set theirs
         self.make_job = make_job
         self.run_dir = Path(cfg.run.dir)
         self.events = EventLog(self.run_dir, rank)
@@ -242,7 +243,8 @@ class WorkerLife:
                                   stragglers=StragglerDetector(cfg.logging, rank=rank,
                                                                run_dir=self.run_dir,
                                                                events=self.events,
-                                                               pp=cfg.parallel.pp))
+                                                               pp=cfg.parallel.pp),
+                                  device=self.device)
                          if wd.enabled else None)
         self.generation = 0
 

@@ -102,6 +102,7 @@ from megaresil.compat import (abort_process_groups, collective_counts, has_nccl_
 from megaresil.config import SECTIONS, WatchdogConfig
 from megaresil.events import EventLog
 from megaresil.observe.sections import SectionTime
+from megaresil.parallel.layout import use_device
 from megaresil.resilience.stragglers import StragglerDetector
 
 SECTION_ORDER = {name: i for i, name in enumerate(SECTIONS)}
@@ -262,8 +263,10 @@ class Watchdog:
     def __init__(self, cfg: WatchdogConfig, *, rank: int, world: int, store: dist.Store,
                  run_dir: Path, events: EventLog, exit_on_hang: int | None,
                  workload: dict | None = None, guardian: bool = True,
-                 stragglers: StragglerDetector | None = None):
+                 stragglers: StragglerDetector | None = None,
+                 device: torch.device = torch.device("cpu")):
         self.cfg, self.rank, self.world, self.store = cfg, rank, world, store
+        self.device = device  # the trainer's: the monitor thread aborts NCCL groups on it
         self.hang_dir = Path(run_dir) / "hangs"
         self.events, self.exit_on_hang = events, exit_on_hang
         self.stragglers = stragglers
@@ -378,6 +381,7 @@ class Watchdog:
         return f"{what}/{generation}" + (f"/{rank}" if rank is not None else "")
 
     def _monitor(self) -> None:
+        use_device(self.device)
         while not self.stop.wait(self.cfg.poll_s):
             if self.tick is not None:
                 self.tick[:8] = struct.pack("d", time.monotonic())

@@ -19,7 +19,7 @@ from megaresil.data.sampler import collate, micro_batches
 from megaresil.events import EventLog
 from megaresil.model.chunks import build_chunks
 from megaresil.model.gpt import GPT
-from megaresil.model.init import initialize
+from megaresil.model.init import materialize
 from megaresil.parallel.data_parallel import (AllReduceMean, GradBuffers,
                                                all_reduce_sequence_parallel_grads)
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
@@ -58,11 +58,12 @@ def make_deterministic(cfg: RecipeConfig, device: torch.device) -> None:
 
 
 def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> list[GPT]:
-    """This rank's model chunks, initialised: the whole model when pp=1."""
-    chunks = build_chunks(cfg.model, layout, cfg.train.seed)
-    for chunk in chunks:
-        initialize(chunk, cfg.model, cfg.train.seed)
-    chunks = [chunk.to(layout.device) for chunk in chunks]
+    """This rank's model chunks, initialised: the whole model when pp=1.
+    Built on the meta device, then only this rank's slices are allocated and
+    drawn, on the rank's device (no global tensor, no host copy of the model)."""
+    with torch.device("meta"):
+        chunks = build_chunks(cfg.model, layout, cfg.train.seed)
+    chunks = [materialize(chunk, cfg.model, cfg.train.seed, layout.device) for chunk in chunks]
     if cfg.model.backend == Backend.te:
         from megaresil.model import te  # imports only where TE is wanted
         chunks = [te.convert(chunk, layout.device) for chunk in chunks]

@@ -1,0 +1,137 @@
+"""Device hygiene of saving: the staging copy's protocol (which thread copies,
+waits and orders the update) on the CPU, the real streams and events under
+`pytest -m gpu`, and every CUDA-touching thread setting its device."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint import manager
+from megaresil.checkpoint.manager import Checkpointer
+from megaresil.checkpoint.planning import recipe_layout
+from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.staging import StagingCopy
+from megaresil.config import RecipeConfig, WatchdogConfig, to_dict
+from megaresil.events import EventLog
+from megaresil.resilience.watchdog import Watchdog
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def state_of(tensor: torch.Tensor) -> tuple[list[Rect], manager.RunState]:
+    cfg = RecipeConfig()
+    state = manager.RunState(step=1, layout=recipe_layout(cfg), recipe=to_dict(cfg),
+                             consumed_samples=0, optimizer_steps=1)
+    return [Rect("model/w", tuple(tensor.shape), (0, 0), tensor)], state
+
+
+def saved_value(root, like: torch.Tensor) -> torch.Tensor:
+    directory = root / "step_0000001"
+    target = Rect("model/w", tuple(like.shape), (0, 0), torch.zeros(like.shape, dtype=like.dtype))
+    manifest = json.loads((directory / fmt.MANIFEST).read_text())
+    Checkpointer(root, "zarr", group=None, asynchronous=False, keep=1, events=EventLog(root),
+                 device=torch.device("cpu")).load(directory, manifest, [target])
+    return target.tensor
+
+
+def test_async_save_copies_waits_then_orders_the_update(tmp_path, monkeypatch):
+    """The copy is made on the save thread, which waits for it on the host
+    before writing; the loop's next update orders itself after the copy; and
+    what is written is the value at the save call, not the updated one."""
+    calls = []
+
+    class Recording(StagingCopy):
+        def into(self, targets, sources):
+            calls.append(("into", threading.current_thread().name))
+            super().into(targets, sources)
+
+        def wait_on_host(self):
+            calls.append(("wait_on_host", threading.current_thread().name))
+
+        def order_before_update(self):
+            calls.append(("order_before_update", threading.current_thread().name))
+
+    monkeypatch.setattr(manager, "StagingCopy", Recording)
+    ckpt = Checkpointer(tmp_path, "zarr", group=None, asynchronous=True, keep=1,
+                        events=EventLog(tmp_path), device=torch.device("cpu"))
+    write = ckpt.backend.write
+    ckpt.backend.write = lambda *args: (calls.append(("write", threading.current_thread().name)),
+                                        write(*args))[1]
+    tensor = torch.arange(64.0).reshape(8, 8)
+    expected = tensor.clone()
+    ckpt.save(*state_of(tensor), rank_state={})
+    ckpt.before_update()
+    tensor.add_(1.0)  # the optimizer step
+    ckpt.close()
+    loop = threading.current_thread().name
+    save_thread = next(name for what, name in calls if what == "into")
+    assert save_thread != loop
+    assert calls.index(("into", save_thread)) < calls.index(("wait_on_host", save_thread)) \
+        < calls.index(("write", save_thread))
+    assert ("order_before_update", loop) in calls
+    torch.testing.assert_close(saved_value(tmp_path, tensor), expected, rtol=0, atol=0)
+
+
+def test_staging_host_memory_is_pinned_only_for_gpu_sources():
+    cpu = StagingCopy.of([torch.zeros(2)])
+    assert not cpu.on_gpu and not cpu.host_empty((4,), torch.bfloat16).is_pinned()
+    source = torch.randn(3, 5, dtype=torch.bfloat16)
+    (copy,) = cpu.to_host([source])
+    assert copy.dtype == torch.bfloat16 and copy.data_ptr() != source.data_ptr()
+    torch.testing.assert_close(copy, source, rtol=0, atol=0)
+
+
+def test_watchdog_thread_works_on_the_trainers_device(tmp_path, monkeypatch):
+    """The monitor thread (which aborts NCCL groups) makes the trainer's
+    device current first; it would start on GPU 0."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: calls.append((threading.current_thread().name, device)))
+    wd = Watchdog(WatchdogConfig(poll_s=0.05), rank=0, world=1, store=dist.HashStore(),
+                  run_dir=tmp_path, events=EventLog(tmp_path, 0), exit_on_hang=None,
+                  guardian=False, device=torch.device("cuda", 1))
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.02)
+    wd.close()
+    assert calls == [("megaresil-watchdog", torch.device("cuda", 1))]
+
+
+@pytest.mark.gpu
+@CUDA
+def test_async_save_from_the_gpu_sees_the_last_update_and_not_the_next(tmp_path):
+    """The side-stream copy starts after the work queued before the save (a
+    long queue of kernels ending in an update) and the next update waits for
+    it: the checkpoint holds exactly the value at the save call."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    tensor = torch.randn(4096, 4096, device=device)
+    busy = torch.randn(4096, 4096, device=device)
+    expected = (tensor * 2).cpu()
+    for _ in range(20):  # keep the training stream busy past the save call
+        busy = busy @ busy / 4096
+    tensor.mul_(2)
+    ckpt = Checkpointer(tmp_path, "zarr", group=None, asynchronous=True, keep=1,
+                        events=EventLog(tmp_path), device=device)
+    ckpt.save(*state_of(tensor), rank_state={})
+    ckpt.before_update()
+    tensor.add_(1.0)  # the next optimizer step
+    ckpt.close()
+    torch.testing.assert_close(saved_value(tmp_path, tensor), expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_gpu_staging_uses_pinned_memory_and_its_own_stream():
+    device = torch.device("cuda", torch.cuda.current_device())
+    copy = StagingCopy.of([torch.zeros(1, device=device)])
+    (host,) = copy.to_host([torch.arange(1 << 20, device=device, dtype=torch.float32)])
+    assert host.is_pinned() and copy.done is not None
+    copy.wait_on_host()
+    copy.order_before_update()
+    assert torch.equal(host, torch.arange(1 << 20, dtype=torch.float32))
