@@ -123,8 +123,8 @@ def test_preemption_signal_to_the_launcher_saves_and_exits_preempted(tmp_path, s
     assert "run_finished" not in [e["event"] for e in events]
 
 
-def test_dropped_grad_buckets_free_their_parameters():
-    """GradBuckets' hooks and the params reference each other through
+def test_dropped_grad_buffers_free_their_parameters():
+    """GradBuffers' hooks and the params reference each other through
     autograd's C++ side: without close(), a dropped trainer's model would
     stay alive across in-process restarts."""
     import gc
@@ -132,11 +132,12 @@ def test_dropped_grad_buckets_free_their_parameters():
 
     import torch
 
-    from megaresil.parallel.data_parallel import GradBuckets
+    from megaresil.parallel.data_parallel import GradBuffers
 
     def weights(close: bool) -> weakref.ref:
         layer = torch.nn.Linear(4, 4)
-        buckets = GradBuckets(list(layer.parameters()), None, 1)
+        params = list(layer.parameters())
+        buckets = GradBuffers(params, params, reducer=None)
         if close:
             buckets.close()
         return weakref.ref(layer.weight)
