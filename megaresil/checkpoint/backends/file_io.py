@@ -42,13 +42,15 @@ def prefetch(fd: int, ranges: Iterable[tuple[int, int]]) -> None:
 
 
 class FsyncBehind:
-    """fsyncs files on a thread as the writer finishes them (fsync releases
+    """fsyncs files on threads as the writer finishes them (fsync releases
     the GIL), so flushing one file overlaps writing the next, and the last
-    flush the caller's checksums. `wait` returns once all are durable and
-    re-raises the first failure, named (a delayed ENOSPC or EIO)."""
+    flush the caller's checksums. A few at once: each fsync waits for a flush
+    of the disk's cache, which concurrent ones share. `wait` returns once all
+    are durable and re-raises the first failure, named (a delayed ENOSPC or
+    EIO)."""
 
-    def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fsync")
+    def __init__(self, threads: int = 4) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-fsync")
         self.flushed = []
 
     def add(self, path: Path) -> None:

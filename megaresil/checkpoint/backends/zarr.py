@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 import torch
@@ -75,8 +75,6 @@ class ZarrBackend:
                                          torch_dtype(entry["dtype"]).itemsize, entry["rects"])
             (root / key).mkdir(exist_ok=True)
             _write_json(root / key / METADATA, layout.metadata())
-            for parent in {(root / key / layout.file_name(s)).parent for s in layout.shards()}:
-                parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, directory: Path, rects: list[Rect], rank: int) -> Written:
         root = directory / "zarr"
@@ -104,13 +102,22 @@ class ZarrBackend:
                 layouts[target.key] = _layout_of(root, target.key)
             layout = layouts[target.key]
             for shard, pieces in layout.pieces(target.offset, target.shape).items():
-                path = inside(root, f"{target.key}/{layout.file_name(shard)}")
+                path = _array_dir(root, target.key) / layout.file_name(shard)
                 reads.setdefault(path, []).extend((target, layout, shard, p) for p in pieces)
         _read_files(reads)
 
 
+def _array_dir(root: Path, key: str) -> Path:
+    """`root / key`, refusing a key (from a manifest) that would leave
+    `root`: checked by its parts, as resolving every path is slow."""
+    parts = PurePosixPath(key).parts
+    if not parts or key.startswith("/") or any(p in ("..", ".") for p in parts):
+        raise CheckpointError(f"manifest names a file outside the checkpoint: {key!r}")
+    return root / key
+
+
 def _layout_of(root: Path, key: str) -> ArrayLayout:
-    path = inside(root, f"{key}/{METADATA}")
+    path = _array_dir(root, key) / METADATA
     try:
         return ArrayLayout.parse(path.read_text())
     except FileNotFoundError:

@@ -117,6 +117,7 @@ class ArrayLayout:
     shard: tuple[int, ...]  # the chunk grid: one file each
     inner: tuple[int, ...]  # chunks inside a shard (== shard when unsharded)
     sharded: bool
+    separator: str = "."  # of chunk keys: "c.0.1"; arrays written before shards have "/"
 
     @classmethod
     def planned(cls, global_shape: list[int], torch_dtype: str, itemsize: int,
@@ -134,6 +135,10 @@ class ArrayLayout:
         if grid["name"] != "regular":
             raise ValueError(f"chunk grid {grid['name']!r}")
         shard = tuple(grid["configuration"]["chunk_shape"])
+        encoding = meta["chunk_key_encoding"]
+        separator = encoding.get("configuration", {}).get("separator", "/")
+        if encoding["name"] != "default":
+            raise ValueError(f"chunk key encoding {encoding['name']!r}")
         codecs = meta["codecs"]
         sharded = codecs[0]["name"] == "sharding_indexed"
         if sharded:
@@ -148,7 +153,8 @@ class ArrayLayout:
                 codecs[0].get("configuration", {}).get("endian", "little") != "little":
             raise ValueError(f"codecs {[c['name'] for c in codecs]} (not plain little-endian bytes)")
         torch_dtype = meta.get("attributes", {}).get("torch_dtype", meta["data_type"])
-        return cls(tuple(meta["shape"]), meta["data_type"], torch_dtype, shard, inner, sharded)
+        return cls(tuple(meta["shape"]), meta["data_type"], torch_dtype, shard, inner, sharded,
+                   separator)
 
     def metadata(self) -> dict:
         """The array's zarr.json."""
@@ -160,7 +166,7 @@ class ArrayLayout:
         return {"zarr_format": 3, "node_type": "array", "shape": list(self.shape),
                 "data_type": self.dtype,
                 "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.shard)}},
-                "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+                "chunk_key_encoding": {"name": "default", "configuration": {"separator": self.separator}},
                 "fill_value": fill, "codecs": codecs, "attributes": {"torch_dtype": self.torch_dtype},
                 "storage_transformers": []}
 
@@ -182,8 +188,10 @@ class ArrayLayout:
         return itertools.product(*(range(_ceil_div(n, s)) for n, s in zip(self.shape, self.shard)))
 
     def file_name(self, shard: tuple[int, ...]) -> str:
-        """The shard's file, relative to the array's directory."""
-        return "/".join(["c", *map(str, shard)])
+        """The shard's file in the array's directory (zarr's default chunk
+        key encoding with the "." separator: no directory per row of shards,
+        each of which the commit would have to fsync)."""
+        return self.separator.join(["c", *map(str, shard)])
 
     def in_bounds(self, shard: tuple[int, ...]) -> tuple[int, ...]:
         """Inner chunks per dimension of `shard` that hold array elements."""
