@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from megaresil.checkpoint.backends.file_io import PAGE, FsyncBehind, start_writeback
+from megaresil.checkpoint.backends.file_io import (PAGE, FsyncBehind, fsync_threads,
+                                                   start_writeback)
 from megaresil.checkpoint.format import naming_write_errors
 from megaresil.compat import dcp_storage_info, torch_save_options
 
@@ -155,7 +156,9 @@ def merged(notes: list[tuple[dict, list]]) -> tuple[Metadata, list[list]]:
 def fsynced_in_background(files: set[Path]) -> Callable[[], None]:
     """fsync `files` on a thread, so the caller's checksums overlap the flush
     to disk; the returned wait re-raises its error."""
-    flushing = FsyncBehind()
+    threads = fsync_threads(1)
+    flushing = FsyncBehind(threads)
     for path in sorted(files):
         flushing.add(path)
+    threads.shutdown(wait=False)  # the thread ends once its queue is done
     return flushing.wait

@@ -41,27 +41,27 @@ def prefetch(fd: int, ranges: Iterable[tuple[int, int]]) -> None:
         os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
 
 
-class FsyncBehind:
-    """fsyncs files on threads as the writer finishes them (fsync releases
-    the GIL), so flushing one file overlaps writing the next, and the last
-    flush the caller's checksums. A few at once: each fsync waits for a flush
-    of the disk's cache, which concurrent ones share. `wait` returns once all
-    are durable and re-raises the first failure, named (a delayed ENOSPC or
-    EIO)."""
+def fsync_threads(threads: int) -> ThreadPoolExecutor:
+    """Threads for FsyncBehind. A few at once: each fsync waits for a flush
+    of the disk's cache, which concurrent ones share."""
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-fsync")
 
-    def __init__(self, threads: int = 4) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-fsync")
-        self.flushed = []
+
+class FsyncBehind:
+    """fsyncs files on `threads` as the writer finishes them (fsync releases
+    the GIL), so flushing one file overlaps writing the next, and the last
+    flush the caller's checksums. `wait` returns once this writer's files are
+    durable and re-raises the first failure, named (a delayed ENOSPC or EIO)."""
+
+    def __init__(self, threads: ThreadPoolExecutor):
+        self.threads, self.flushed = threads, []
 
     def add(self, path: Path) -> None:
-        self.flushed.append(self.pool.submit(_fsync_named, path))
+        self.flushed.append(self.threads.submit(_fsync_named, path))
 
     def wait(self) -> None:
-        try:
-            for flushed in self.flushed:
-                flushed.result()
-        finally:
-            self.pool.shutdown(wait=False)
+        for flushed in self.flushed:
+            flushed.result()
 
 
 def _fsync_named(path: Path) -> None:

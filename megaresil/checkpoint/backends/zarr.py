@@ -27,7 +27,8 @@ import torch
 
 from megaresil.checkpoint.backends import Written
 from megaresil.checkpoint.backends.dcp_read import narrowed
-from megaresil.checkpoint.backends.file_io import FsyncBehind, prefetch, start_writeback
+from megaresil.checkpoint.backends.file_io import (FsyncBehind, fsync_threads, prefetch,
+                                                   start_writeback)
 from megaresil.checkpoint.backends.zarr_layout import ArrayLayout, Piece, runs
 from megaresil.checkpoint.format import (CheckpointError, inside, naming_write_errors,
                                          tensor_bytes, torch_dtype)
@@ -65,6 +66,16 @@ class ZarrBackend:
     name = "zarr"
     one_file_per_write = False
 
+    def __init__(self) -> None:
+        # Started at the first write and kept: an offline writer calls write
+        # once per rect, and starting threads for each costs more than the fsyncs.
+        self.threads = None
+
+    def _fsync_behind(self) -> FsyncBehind:
+        if self.threads is None:
+            self.threads = fsync_threads(4)
+        return FsyncBehind(self.threads)
+
     def prepare(self, directory: Path, layout_plan: dict[str, dict]) -> None:
         root = directory / "zarr"
         for group in sorted(_groups(layout_plan)):
@@ -78,7 +89,7 @@ class ZarrBackend:
 
     def write(self, directory: Path, rects: list[Rect], rank: int) -> Written:
         root = directory / "zarr"
-        flushing = FsyncBehind()
+        flushing = self._fsync_behind()
         for rect in rects:
             if rect.tensor.numel():
                 _write_rect(root, rect, flushing)
@@ -88,7 +99,7 @@ class ZarrBackend:
     def finish(self, directory: Path, notes: list[list[str]]) -> None:
         """The groups' metadata made durable (an array's is made durable by
         the writer of its first element); `notes`: every write's keys."""
-        flushing = FsyncBehind()
+        flushing = self._fsync_behind()
         for group in sorted(_groups({key for keys in notes for key in keys})):
             flushing.add(directory / "zarr" / group / METADATA)
         flushing.wait()
