@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Iterator
 
@@ -107,10 +108,11 @@ class ZarrBackend:
     def read(self, directory: Path, manifest: dict, targets: list[Rect]) -> None:
         root = inside(directory, "zarr")
         reads: dict[Path, list[tuple[Rect, ArrayLayout, tuple, Piece]]] = {}
-        layouts: dict[str, ArrayLayout] = {}
+        keys = sorted({t.key for t in targets})
+        # Many small files, each a wait for the disk from a cold cache: read at once.
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="ckpt-read") as pool:
+            layouts = dict(zip(keys, pool.map(lambda key: _layout_of(root, key), keys)))
         for target in targets:
-            if target.key not in layouts:
-                layouts[target.key] = _layout_of(root, target.key)
             layout = layouts[target.key]
             for shard, pieces in layout.pieces(target.offset, target.shape).items():
                 path = _array_dir(root, target.key) / layout.file_name(shard)
