@@ -38,7 +38,8 @@ Reading the results. "size GB" is the unique state (1 GB = 1e9 bytes); every
 GB/s figure is that size over the time, for saves and loads alike. A load has
 every rank fill its whole local view, so the bytes read are dp times the
 unique size for every method (the replicas read the same data); the ratios are
-unaffected. "vs raw" is the method's GB/s divided by raw's: 1.00 is as fast as
+unaffected. "files" counts what the method left on disk, metadata included.
+"vs raw" is the method's GB/s divided by raw's: 1.00 is as fast as
 raw bytes, 0.50 takes twice as long. Raw is the floor in work done, not a hard
 limit on time: a method can come out above 1.00 where its I/O pattern suits
 the disk better, or by noise. Every operation is timed between two barriers
@@ -493,13 +494,13 @@ def raw_row(rows: list[Row], row: Row) -> Row:
 
 def markdown_table(rows: list[Row]) -> str:
     lines = ["| method | size GB | save s | save GB/s | save vs raw | load s | load GB/s "
-             "| load vs raw |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| load vs raw | files |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         raw = raw_row(rows, r)
         lines.append(f"| {r.method} | {r.size_gb:.3f} | {r.save_s:.2f} | {r.size_gb / r.save_s:.2f} "
                      f"| {raw.save_s / r.save_s:.2f} | {r.load_s:.2f} "
-                     f"| {r.size_gb / r.load_s:.2f} | {raw.load_s / r.load_s:.2f} |")
+                     f"| {r.size_gb / r.load_s:.2f} | {raw.load_s / r.load_s:.2f} | {r.files} |")
     return "\n".join(lines)
 
 
@@ -509,13 +510,15 @@ def async_lines(async_rows: list[AsyncRow]) -> str:
                      for a in async_rows)
 
 
-def header(args: argparse.Namespace, cold: bool) -> str:
+def header(args: argparse.Namespace, cold: bool, load: tuple[float, float]) -> str:
     runs = f"fastest of {args.repeats} runs" if args.repeats > 1 else "one run"
     cache = ("page cache dropped before every operation" if cold else
              "warm cache: could not drop the page cache (needs root), loads may read memory")
     return (f"Checkpoint I/O: {args.ranks} gloo ranks (tp={TP} x dp={args.ranks // TP}), fp32 "
             f"weights + 2 AdamW moments, {runs}, {cache}; "
-            f"{os.cpu_count()} CPU cores, torch {torch.__version__}.")
+            f"{os.cpu_count()} CPU cores, torch {torch.__version__}; 1-minute load average "
+            f"{load[0]:.1f} before and {load[1]:.1f} after (above the core count: other work "
+            "shared the machine).")
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -548,19 +551,20 @@ def plot(rows: list[Row], path: Path) -> None:
 
 
 def write_results(rows: list[Row], async_rows: list[AsyncRow], cold: bool,
-                  args: argparse.Namespace, elapsed_s: float) -> None:
+                  args: argparse.Namespace, elapsed_s: float, load: tuple[float, float]) -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     setup = {"ranks": args.ranks, "tp": TP, "dp": args.ranks // TP, "sizes_gb": args.sizes,
              "repeats": args.repeats, "methods": list(args.methods),
              "dtype": "float32", "cold_cache": cold, "async_backend": ASYNC_BACKEND,
              "cpu_count": os.cpu_count(), "platform": platform.platform(),
-             "torch": torch.__version__, "wall_s": round(elapsed_s, 1)}
+             "torch": torch.__version__, "wall_s": round(elapsed_s, 1),
+             "load_average_1min": list(load)}
     (out / "checkpoint_io.json").write_text(json.dumps(
         {"setup": setup, "rows": [asdict(r) for r in rows],
          "async": [asdict(a) for a in async_rows]}, indent=2) + "\n")
     (out / "checkpoint_io.md").write_text(
-        f"{header(args, cold)}\n\n{markdown_table(rows)}\n\n{async_lines(async_rows)}\n")
+        f"{header(args, cold, load)}\n\n{markdown_table(rows)}\n\n{async_lines(async_rows)}\n")
     plot(rows, out / "checkpoint_io.png")
     print(f"wrote {out}/checkpoint_io.{{json,md,png}}")
 
@@ -606,17 +610,17 @@ def check_space(args: argparse.Namespace) -> None:
 def main() -> None:
     args = parse_args()
     check_space(args)
-    start = time.perf_counter()
+    start, load_before = time.perf_counter(), os.getloadavg()[0]
     rows, async_rows, cold = run(args.ranks, args.sizes, args.repeats, args.methods, args.dir)
-    elapsed = time.perf_counter() - start
-    print(header(args, cold))
+    elapsed, load = time.perf_counter() - start, (load_before, os.getloadavg()[0])
+    print(header(args, cold, load))
     print()
     print(markdown_table(rows))
     print()
     print(async_lines(async_rows))
     print(f"{len(args.sizes)} size(s) x {args.repeats} run(s) in {elapsed:.1f} s, "
           "process start-up included")
-    write_results(rows, async_rows, cold, args, elapsed)
+    write_results(rows, async_rows, cold, args, elapsed, load)
 
 
 if __name__ == "__main__":

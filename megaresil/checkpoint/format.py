@@ -26,6 +26,7 @@ import math
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -38,6 +39,7 @@ MANIFEST = "metadata.json"
 MARKER = "COMMITTED"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
+_FSYNC_THREADS = 16
 
 
 class CheckpointError(RuntimeError):
@@ -117,14 +119,17 @@ def fsync_path(path: Path) -> None:
 
 
 def fsync_tree(root: Path, only: Optional[set[str]] = None) -> None:
-    """fsync every file under `root` (or only those named relative paths), then
-    every directory, so renames that follow see durable data."""
+    """fsync every file under `root` (or only those named relative paths) and
+    every directory, so renames that follow see durable data. Many at once:
+    each fsync waits for a flush of the disk's cache, which concurrent ones
+    share (a zarr checkpoint has a directory per tensor)."""
+    paths = []
     for dirpath, _, files in os.walk(root):
-        for name in files:
-            path = Path(dirpath) / name
-            if only is None or str(path.relative_to(root)) in only:
-                fsync_path(path)
-        fsync_path(Path(dirpath))
+        paths += [Path(dirpath) / name for name in files
+                  if only is None or str((Path(dirpath) / name).relative_to(root)) in only]
+        paths.append(Path(dirpath))
+    with ThreadPoolExecutor(max_workers=_FSYNC_THREADS, thread_name_prefix="ckpt-fsync") as pool:
+        list(pool.map(fsync_path, paths))
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

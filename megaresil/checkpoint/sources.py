@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.backends import get_backend
-from megaresil.checkpoint.backends.zarr import region
+from megaresil.checkpoint.backends.dcp_read import narrowed
 from megaresil.checkpoint.manager import dtype_name, verify_shards
 from megaresil.checkpoint.sharded import Rect
 
@@ -85,7 +85,7 @@ class FullTensorSource:
 
     def read(self, targets: list[Rect]) -> None:
         for target in targets:
-            target.tensor.copy_(self.full[target.key][region(target.offset, target.shape)])
+            target.tensor.copy_(narrowed(self.full[target.key], target.offset, target.shape))
 
 
 def _entry_bytes(entry: dict) -> int:

@@ -10,8 +10,6 @@ own manifest records.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -23,14 +21,15 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from megaresil.checkpoint.format import fsync_path, naming_write_errors
+from megaresil.checkpoint.backends.file_io import (PAGE, FsyncBehind, fsync_threads,
+                                                   start_writeback)
+from megaresil.checkpoint.format import naming_write_errors
 from megaresil.compat import dcp_storage_info, torch_save_options
 
 
 # Chunks of at least _ALIGNED_FROM bytes start on page boundaries, and so
 # does their tensor data; smaller ones are packed (padding them would waste
 # more than the alignment gains).
-_PAGE = 4096
 _ALIGNED_FROM = 1 << 20
 # Writeback of what is written is started every _WRITEBACK_EVERY bytes.
 _WRITEBACK_EVERY = 16 << 20
@@ -38,28 +37,18 @@ _WRITEBACK_EVERY = 16 << 20
 
 class EarlyWriteback:
     """Starts the disk writing a file's pages while later ones are still
-    being copied into the page cache.
-
-    Left alone, the kernel holds a checkpoint's pages in memory until the
-    final fsync (they are far below its dirty thresholds), so the disk idles
-    while the data is copied in and the CPU idles while it is flushed.
-    posix_fadvise(DONTNEED) on written pages starts their writeback without
-    waiting for it (Linux; PostgreSQL flushes its checkpoints this way where
-    sync_file_range, which Python lacks, is not available), so the two
-    overlap; bench/README.md has the measured effect. Only whole pages are
-    handed over, so a page the next chunk still writes into is never under
-    writeback. A no-op where posix_fadvise does not exist."""
+    being copied into the page cache (file_io.start_writeback), every
+    _WRITEBACK_EVERY bytes of a file written front to back."""
 
     def __init__(self, stream):
         self.stream, self.started_to = stream, 0
 
     def written(self) -> None:
-        end = self.stream.tell() // _PAGE * _PAGE
-        if end - self.started_to < _WRITEBACK_EVERY or not hasattr(os, "posix_fadvise"):
+        end = self.stream.tell() // PAGE * PAGE
+        if end - self.started_to < _WRITEBACK_EVERY:
             return
         self.stream.flush()
-        os.posix_fadvise(self.stream.fileno(), self.started_to, end - self.started_to,
-                         os.POSIX_FADV_DONTNEED)
+        start_writeback(self.stream.fileno(), self.started_to, end)
         self.started_to = end
 
 
@@ -101,13 +90,13 @@ class RankWriter(dcp.FileSystemWriter):
                 tensor = _compact(planner.resolve_data(item).detach())
                 aligned = tensor.nbytes >= _ALIGNED_FROM
                 if aligned:
-                    stream.write(bytes(-stream.tell() % _PAGE))
+                    stream.write(bytes(-stream.tell() % PAGE))
                 start = stream.tell()
                 # DCP stores each chunk as a torch.save zip, whose CRC-32
                 # costs a large share of the write time and is never checked
                 # (torch.load does not read it); the manifest's xxh3
                 # checksums, checked at every start-up, cover the same bytes.
-                with torch_save_options(crc32=False, alignment=_PAGE if aligned else None):
+                with torch_save_options(crc32=False, alignment=PAGE if aligned else None):
                     _save_keeping_errno(tensor, stream)
                 length = stream.tell() - start
                 writeback.written()
@@ -165,15 +154,11 @@ def merged(notes: list[tuple[dict, list]]) -> tuple[Metadata, list[list]]:
 
 
 def fsynced_in_background(files: set[Path]) -> Callable[[], None]:
-    """fsync `files` on a thread (fsync releases the GIL), so the caller's
-    checksums overlap the flush to disk; the returned wait re-raises its error."""
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-fsync")
-    flushed = pool.submit(_fsync_each, sorted(files))
-    pool.shutdown(wait=False)
-    return flushed.result
-
-
-def _fsync_each(files: list[Path]) -> None:
-    for path in files:
-        with naming_write_errors(path):  # a delayed ENOSPC or EIO surfaces here
-            fsync_path(path)
+    """fsync `files` on a thread, so the caller's checksums overlap the flush
+    to disk; the returned wait re-raises its error."""
+    threads = fsync_threads(1)
+    flushing = FsyncBehind(threads)
+    for path in sorted(files):
+        flushing.add(path)
+    threads.shutdown(wait=False)  # the thread ends once its queue is done
+    return flushing.wait
