@@ -78,6 +78,24 @@ def default_root(run_dir: str) -> Path:
     return base / "megaresil" / f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:10]}"
 
 
+def node_dir(root: Path, node: int) -> Path:
+    """One node's directory under the local root."""
+    return root / f"node_{node}"
+
+
+def newest_complete_step(root: Path, world: int) -> Optional[int]:
+    """The newest local step with a committed shard of every rank (its own
+    or a replica) in the node directories visible here: the step a restart
+    will try first (checksums are verified then, by every rank)."""
+    owners: dict[int, set] = {}
+    for node in root.glob("node_*"):
+        store = NodeStore(node)
+        for step, held in store.held().items():
+            owners.setdefault(step, set()).update(
+                o for o in held if (store.shard_dir(step, o) / fmt.MARKER).exists())
+    return max((s for s, held in owners.items() if held >= set(range(world))), default=None)
+
+
 def rank_dir_name(rank: int) -> str:
     return f"rank_{rank:05d}"
 
@@ -212,8 +230,11 @@ class NodeStore:
         found: dict[int, list[int]] = {}
         for step_dir in fmt.committed_checkpoints(self.root):
             step = int(fmt.STEP_DIR.match(step_dir.name).group(1))
-            found[step] = sorted(int(m.group(1)) for p in step_dir.iterdir()
-                                 if (m := RANK_DIR.match(p.name)))
+            try:
+                names = [p.name for p in step_dir.iterdir()]
+            except FileNotFoundError:
+                continue  # retired meanwhile by another rank's retention
+            found[step] = sorted(int(m.group(1)) for n in names if (m := RANK_DIR.match(n)))
         return found
 
     def report(self, layout: dict, world: int) -> Holdings:
@@ -322,7 +343,7 @@ class LocalTier:
         self.coll = Collectives(group, self.executor)
         self.topology, self.keep, self.events = topology, keep, events
         self.rank = self.coll.rank
-        self.store = NodeStore(root / f"node_{topology.node_of(self.rank)}")
+        self.store = NodeStore(node_dir(root, topology.node_of(self.rank)))
         self.mine = [self.rank, *topology.sources(self.rank)]  # the shards this rank writes
         self.cadence = Cadence(interval)
         self.buffer: Optional[torch.Tensor] = None  # staging, reused by every save
