@@ -116,6 +116,23 @@ def test_corrupt_local_fault_damages_only_the_ranks_own_committed_shards(tmp_pat
     assert all(shard_problem(store.read(s, 1)) is None for s in (3, 4))
 
 
+def test_a_lost_node_comes_back_empty_once_its_worker_is_dead(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    node = tmp_path / "node_1"
+    NodeStore(node).write(shard(3, 1))
+    worker = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                             "from megaresil.resilience.faults import lose_node; "
+                             "lose_node(Path(sys.argv[1]))", str(node)])
+    assert worker.returncode == -9  # SIGKILL
+    deadline = time.time() + 30
+    while node.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not node.exists()
+
+
 def test_the_restart_line_names_the_newest_step_of_either_tier(tmp_path):
     from tests.dist_harness import RECIPE, TINY
     from megaresil.config import load_recipe

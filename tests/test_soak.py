@@ -78,6 +78,8 @@ def test_which_tier_a_restart_loaded_decides_what_a_corruption_shows():
     assert repaired["detected"] and repaired["detection_latency_s"] == 2.0
     assert not row("corrupt_local_checkpoint", {"tier": "local", "from_replicas": []})["detected"]
     assert row("corrupt_local_checkpoint", {"tier": "global"})["detected"]
+    assert row("lose_local_node", {"tier": "local", "from_replicas": [2, 3]})["detected"]
+    assert not row("lose_local_node", {"tier": "local", "from_replicas": [3]})["detected"]
 
 
 def test_fitting_gives_longer_soaks_more_steps_and_episodes():

@@ -15,19 +15,21 @@ checkpoint, as the first generation's setup has seen no restart.
 Two kinds act on the local checkpoint tier (checkpoint.local), on the
 faulty rank's node directory: `corrupt_local_checkpoint` flips a byte in
 every committed shard of the rank's own (the replicas on other nodes stay
-good), and `lose_local_node` deletes the node's whole directory and kills
-the rank, as if its machine were replaced.
+good), and `lose_local_node` kills the rank and deletes the node's whole
+directory once its workers are gone, as if its machine were replaced.
 """
 from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
@@ -93,8 +95,35 @@ class FaultInjector:
                 except FileNotFoundError:
                     pass  # retired by retention meanwhile: nothing left to damage
         elif kind == "lose_local_node":
-            shutil.rmtree(self.local_node_dir, ignore_errors=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            lose_node(self.local_node_dir)
+
+
+# Run apart from the workers: wait for the given processes to end, then
+# delete the directory (argv: directory, timeout, pids).
+DELETE_AFTER = """
+import shutil, sys, psutil
+procs = []
+for pid in sys.argv[3:]:
+    try:
+        procs.append(psutil.Process(int(pid)))
+    except psutil.NoSuchProcess:
+        pass
+psutil.wait_procs(procs, timeout=float(sys.argv[2]))
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
+SIBLINGS_STOP_S = 30.0  # the launcher stops a dead worker's siblings within a few seconds
+
+
+def lose_node(node_dir: Path) -> None:
+    """Kill this worker and delete its node's local directory once it and its
+    sibling workers (the node's other ranks, which the launcher stops after a
+    death) are gone, so no save they had in flight writes anything back: the
+    node comes back empty, as a replaced machine would."""
+    parent = psutil.Process().parent()
+    pids = [str(p.pid) for p in (parent.children() if parent else [])] or [str(os.getpid())]
+    subprocess.Popen([sys.executable, "-c", DELETE_AFTER, str(node_dir), str(SIBLINGS_STOP_S),
+                      *pids], start_new_session=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class InjectedFault(RuntimeError):

@@ -71,7 +71,8 @@ HANG_SECTIONS = ("data", "forward_backward", "optimizer")
 # What says a fault of each kind was noticed (a restart also counts, except
 # for a corrupted checkpoint: only skipping it on a load shows it was seen).
 # A corrupted local shard is seen where the load takes its rank's shard from
-# a replica (or leaves the local tier for the global one): see local_repair.
+# a replica (or leaves the local tier for the global one): see local_repair;
+# a lost node needs that as well as the restart.
 DETECTED_BY = {"kill": DETECTIONS, "raise": ("worker_error",), "hang": ("hang_detected",),
                "sigterm": ("preempted",), "corrupt_checkpoint": ("checkpoint_skipped",),
                "slow": (), "lose_local_node": DETECTIONS, "corrupt_local_checkpoint": ()}
@@ -436,6 +437,8 @@ def fault_row(fault: dict, episode: str, events: list[dict], records: list[dict]
     load = next((e for e in events if e["event"] == "checkpoint_loaded" and e["time"] > t), None)
     if fault["kind"] == "corrupt_local_checkpoint" and local_repair(load, fault["rank"]):
         detected_at = load["time"]
+    if fault["kind"] == "lose_local_node" and not local_repair(load, fault["rank"]):
+        detected_at = None  # the restart must also have found the node's shards gone
     # A newer local step served: the damaged global checkpoint was never read.
     not_read = (fault["kind"] == "corrupt_checkpoint" and detected_at is None
                 and load is not None and load.get("tier") == "local")
