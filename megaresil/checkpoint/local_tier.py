@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
+from megaresil.compat import detach_process_group
 from megaresil.checkpoint.manager import (Collectives, SaveReport, dtype_name, save_thread_setup,
                                           wait_for)
 from megaresil.checkpoint.replication import (Choice, Holdings, Topology, complete_step,
@@ -551,3 +552,7 @@ class LocalTier:
         gone) and do not report it; the committed local steps stand."""
         self.abandoned = True
         self.pending = self.staged = self.report = None
+        # A save every step is nearly always in flight when a job fails: its
+        # blocked collective must not hold up the generation's teardown.
+        if self.coll.group is not None:
+            detach_process_group(self.coll.group)
