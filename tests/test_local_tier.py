@@ -150,7 +150,9 @@ def test_the_restart_line_names_the_newest_step_of_either_tier(tmp_path):
     assert newest_step(off, world=2) == (4, "global")
     assert newest_step(on, world=2) == (5, "local")
     (tmp_path / "checkpoints" / "step_0000005").mkdir()
-    assert newest_step(on, world=2) == (5, "global")  # the restart prefers it on a tie
+    assert newest_step(on, world=2) == (5, "local")  # the restart reads it on a tie
+    (tmp_path / "checkpoints" / "step_0000006").mkdir()
+    assert newest_step(on, world=2) == (6, "global")
 
 
 def test_retention_keeps_the_newest_steps_of_what_this_rank_writes(tmp_path):

@@ -97,13 +97,13 @@ def backoff_s(consecutive: int, base: float) -> float:
 def newest_step(cfg: RecipeConfig, world: int) -> tuple[Optional[int], Optional[str]]:
     """(step, tier) of the newest committed state in either tier, what a
     restart resumes from unless it proves invalid, for the console line; the
-    global tier when the two hold the same step (the restart prefers it)."""
+    local tier when the two hold the same step (the restart reads it then)."""
     committed = fmt.committed_checkpoints(checkpoint_root(cfg))
     found = [(int(fmt.STEP_DIR.match(committed[0].name).group(1)), "global")] if committed else []
     if cfg.checkpoint.local.enabled:
         step = newest_complete_step(local_root(cfg.checkpoint.local.dir, cfg.run.dir), world)
         found += [(step, "local")] if step is not None else []
-    return max(found, key=lambda f: (f[0], f[1] == "global"), default=(None, None))
+    return max(found, key=lambda f: (f[0], f[1] == "local"), default=(None, None))
 
 
 def local_node_dir(cfg: RecipeConfig, rank: int, world: int) -> Optional[Path]:
