@@ -373,7 +373,7 @@ class LocalTier:
         rng = state.rng_state()
         self.staged, self.report = threading.Event(), SaveReport(self.events,
                                                                   "local_checkpoint_saved")
-        self.pending = self.executor.submit(self._stage_write_replicate, state, rng, started,
+        self.pending = self.executor.submit(self._stage_write_replicate, [state], rng, started,
                                             self.staged, self.report)
         self._held(time.perf_counter() - started, self.report)
 
@@ -399,8 +399,13 @@ class LocalTier:
             wait_for(pending)
             self.cadence.held(time.perf_counter() - started)
 
-    def _stage_write_replicate(self, state: TrainingState, rng: dict, started: float,
+    def _stage_write_replicate(self, holder: list[TrainingState], rng: dict, started: float,
                                staged: threading.Event, report: SaveReport) -> None:
+        # The state comes in a holder emptied once staged: a save abandoned
+        # with a job blocks in its collectives until their timeout, and must
+        # not keep the job's model (and its process groups, whose sockets
+        # tell peers blocked on them that this rank left) alive meanwhile.
+        state = holder.pop()
         try:
             run = state.run_state()
             meta = {"format": SHARD_FORMAT, "version": 1, "step": run.step, "owner": self.rank,
@@ -409,6 +414,7 @@ class LocalTier:
             self.buffer, meta["rects"] = stage(training_rects(state, include_copies=True),
                                                self.buffer)
         finally:
+            del state
             staged.set()
         add_checksums(self.buffer, meta["rects"])
         own = Shard(meta, self.buffer)
