@@ -189,20 +189,20 @@ def _adjacent(rng, lo, hi, plan, restarts_before):
 
 def episodes(local: bool = False) -> list[Episode]:
     """One of each, roughly cheapest first; with `local`, the local tier's
-    own come right after the two cheapest, so a short soak damages it too."""
+    own are the first that relaunch, so a soak of a few minutes damages it."""
     return [
         Episode("slow", 0, lambda c: c.slow, _single("slow", seconds=SLOW_S)),
         Episode("raise", 1, lambda c: c.in_process + c.recompute, _single("raise")),
+        Episode("hang-sleep", 1, lambda c: c.detect_hang + c.in_process + c.recompute,
+                _single("hang", mode="sleep")),
+        Episode("hang-collective", 1, lambda c: c.detect_hang + c.in_process + c.recompute,
+                _single("hang", mode="collective")),
     ] + ([
         Episode("lose-local-node", 1, lambda c: c.relaunch + c.recompute,
                 _single("lose_local_node")),
         Episode("corrupt-local-then-kill", 1, lambda c: c.relaunch + c.recompute,
                 _corrupt_local_then_kill),
     ] if local else []) + [
-        Episode("hang-sleep", 1, lambda c: c.detect_hang + c.in_process + c.recompute,
-                _single("hang", mode="sleep")),
-        Episode("hang-collective", 1, lambda c: c.detect_hang + c.in_process + c.recompute,
-                _single("hang", mode="collective")),
         Episode("kill", 1, lambda c: c.relaunch + c.recompute, _single("kill")),
         Episode("sigterm", 0, lambda c: c.relaunch, _single("sigterm")),
         Episode("adjacent-faults", 2, lambda c: 2 * (c.detect_hang + c.in_process + c.recompute),
