@@ -279,7 +279,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from megaresil.resilience.soak import format_report, run_soak
 
     report = run_soak(args.recipe, args.overrides, minutes=args.minutes, seed=args.seed,
-                      hogs=args.hogs)
+                      hogs=args.hogs, local=args.local_tier)
     print(format_report(report))
     return 0 if report["ok"] else 1
 
@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     soak.add_argument("--hogs", type=int, default=0,
                       help="busy CPU processes beside the calibration and faulted runs")
+    soak.add_argument("--no-local-tier", dest="local_tier", action="store_false",
+                      help="global checkpoints only (by default the soak saves to the local "
+                           "tier every step on two simulated nodes and damages it too)")
     soak.set_defaults(func=cmd_soak, overrides_anywhere=True)
 
     report = sub.add_parser("report", help="an HTML page with PNGs of a run: loss/eval "

@@ -96,6 +96,16 @@ def set_gloo_timeout(group: dist.ProcessGroup, seconds: float) -> bool:
     return True
 
 
+def detach_process_group(group: dist.ProcessGroup) -> None:
+    """Leave `group` out of the world's teardown: destroy_process_group()
+    shuts groups down from c10d's name registry, and a gloo group's shutdown
+    waits for an op still blocked in it (an abandoned save thread's), which
+    keeps every group shut down after it (the training ones) open until that
+    op times out, so peers blocked on them wait too. Detached, the group
+    ends when its op times out and its last reference goes."""
+    dist.distributed_c10d._world.pg_names.pop(group, None)
+
+
 def abort_process_groups() -> None:
     """Abort every process group's communicators (NCCL frees blocked
     collectives this way; gloo ignores it, see design.md §4)."""

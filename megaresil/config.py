@@ -478,7 +478,9 @@ class RecipeConfig:
     resilience: ResilienceConfig = section(ResilienceConfig, "Detect, restart, recover.")
     faults: list[dict[str, Any]] = doc([], "Injected faults: a list of {kind, rank, step, "
                                        "section?, seconds?, mode?, generation?}; kind in kill, "
-                                       "raise, hang, slow, sigterm, corrupt_checkpoint. Each fires "
+                                       "raise, hang, slow, sigterm, corrupt_checkpoint, "
+                                       "corrupt_local_checkpoint, lose_local_node (the last "
+                                       "two need checkpoint.local). Each fires "
                                        "once per run directory; generation: G waits for the "
                                        "run's G-th restart (with section: setup, step: 0: a "
                                        "fault during that restart).")
@@ -800,7 +802,9 @@ def _validate_pipeline(cfg: RecipeConfig) -> None:
                  f"{p.pp * cfg.train.micro_batch_size * p.dp} or use schedule=gpipe.")
 
 
-FAULT_KINDS = ("kill", "raise", "hang", "slow", "sigterm", "corrupt_checkpoint")
+FAULT_KINDS = ("kill", "raise", "hang", "slow", "sigterm", "corrupt_checkpoint",
+               "corrupt_local_checkpoint", "lose_local_node")
+LOCAL_FAULT_KINDS = ("corrupt_local_checkpoint", "lose_local_node")
 FAULT_KEYS = {"kind", "rank", "step", "section", "seconds", "mode", "generation"}
 SECTIONS = ("setup", "data", "forward_backward", "optimizer", "checkpoint", "eval")
 
@@ -852,6 +856,10 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_batch(cfg)
     _validate_pipeline(cfg)
     _validate_faults(cfg.faults)
+    local_faults = [f["kind"] for f in cfg.faults if f["kind"] in LOCAL_FAULT_KINDS]
+    _require(cfg.checkpoint.local.enabled or not local_faults, "faults",
+             f"{local_faults[0] if local_faults else ''} acts on the local checkpoint tier, "
+             "which is off.", "set checkpoint.local.enabled=true.")
     if cfg.model.backend == Backend.te:
         _require(cfg.parallel.tp == 1, "model.backend",
                  "te runs at parallel.tp=1 for now (TE's tensor-parallel modes are not wired).",

@@ -100,6 +100,61 @@ def test_a_flipped_byte_fails_the_checksum(tmp_path):
     assert store.report(LAYOUT, 2) == {3: {0: None}}  # cheap check passes: verified later
 
 
+def test_corrupt_local_fault_damages_only_the_ranks_own_committed_shards(tmp_path):
+    from megaresil.events import EventLog
+    from megaresil.resilience.faults import FaultInjector
+
+    store = NodeStore(tmp_path / "node_0")
+    for step in (3, 4):
+        store.write(shard(step, 0))
+        store.write(shard(step, 1))  # a replica this node holds
+    fault = {"kind": "corrupt_local_checkpoint", "rank": 0, "step": 5, "section": "data"}
+    FaultInjector([fault], rank=0, run_dir=tmp_path, checkpoint_root=tmp_path / "global",
+                  events=EventLog(tmp_path, 0),
+                  local_node_dir=store.root).on_section("data", 5)
+    assert all("checksum mismatch" in shard_problem(store.read(s, 0)) for s in (3, 4))
+    assert all(shard_problem(store.read(s, 1)) is None for s in (3, 4))
+
+
+def test_a_lost_node_comes_back_empty_once_its_worker_is_dead(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    node = tmp_path / "node_1"
+    NodeStore(node).write(shard(3, 1))
+    worker = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                             "from megaresil.resilience.faults import lose_node; "
+                             "lose_node(Path(sys.argv[1]))", str(node)])
+    assert worker.returncode == -9  # SIGKILL
+    deadline = time.time() + 30
+    while node.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not node.exists()
+
+
+def test_the_restart_line_names_the_newest_step_of_either_tier(tmp_path):
+    from tests.dist_harness import RECIPE, TINY
+    from megaresil.config import load_recipe
+    from megaresil.resilience.restart import newest_step
+
+    overrides = TINY + [f"run.dir={tmp_path}", f"checkpoint.local.dir={tmp_path}/local"]
+    (tmp_path / "checkpoints" / "step_0000004").mkdir(parents=True)
+    off = load_recipe(RECIPE, overrides)
+    on = load_recipe(RECIPE, overrides + ["checkpoint.local.enabled=true"])
+    nodes = [NodeStore(tmp_path / "local" / f"node_{n}") for n in (0, 1)]
+    for step in (5, 6):
+        nodes[0].write(shard(step, 0))
+        nodes[1].write(shard(step, 0))  # rank 0's replica
+    nodes[1].write(shard(5, 1))  # rank 1 has step 5 only: step 6 is incomplete
+    assert newest_step(off, world=2) == (4, "global")
+    assert newest_step(on, world=2) == (5, "local")
+    (tmp_path / "checkpoints" / "step_0000005").mkdir()
+    assert newest_step(on, world=2) == (5, "local")  # the restart reads it on a tie
+    (tmp_path / "checkpoints" / "step_0000006").mkdir()
+    assert newest_step(on, world=2) == (6, "global")
+
+
 def test_retention_keeps_the_newest_steps_of_what_this_rank_writes(tmp_path):
     store = NodeStore(tmp_path)
     for step in range(1, 5):
@@ -231,6 +286,8 @@ def test_settings_that_cannot_work_are_refused_naming_the_key(tmp_path):
                                     "checkpoint.local.ranks_per_node=3"])
     with pytest.raises(ConfigError, match="checkpoint.local.keep"):
         load_recipe(RECIPE, TINY + ["checkpoint.local.keep=1"])
+    with pytest.raises(ConfigError, match="lose_local_node acts on the local checkpoint tier"):
+        load_recipe(RECIPE, TINY + ['faults=[{"kind": "lose_local_node", "rank": 0, "step": 2}]'])
     inside = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}",
                                          f"checkpoint.local.dir={tmp_path}/checkpoints/local"])
     with pytest.raises(ConfigError, match="inside the global checkpoint root"):

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
+from megaresil.compat import detach_process_group
 from megaresil.checkpoint.manager import (Collectives, SaveReport, dtype_name, save_thread_setup,
                                           wait_for)
 from megaresil.checkpoint.replication import (Choice, Holdings, Topology, complete_step,
@@ -77,6 +78,24 @@ def default_root(run_dir: str) -> Path:
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     run = Path(run_dir).resolve()
     return base / "megaresil" / f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:10]}"
+
+
+def node_dir(root: Path, node: int) -> Path:
+    """One node's directory under the local root."""
+    return root / f"node_{node}"
+
+
+def newest_complete_step(root: Path, world: int) -> Optional[int]:
+    """The newest local step with a committed shard of every rank (its own
+    or a replica) in the node directories visible here: the step a restart
+    will try first (checksums are verified then, by every rank)."""
+    owners: dict[int, set] = {}
+    for node in root.glob("node_*"):
+        store = NodeStore(node)
+        for step, held in store.held().items():
+            owners.setdefault(step, set()).update(
+                o for o in held if (store.shard_dir(step, o) / fmt.MARKER).exists())
+    return max((s for s, held in owners.items() if held >= set(range(world))), default=None)
 
 
 def rank_dir_name(rank: int) -> str:
@@ -215,8 +234,11 @@ class NodeStore:
         found: dict[int, list[int]] = {}
         for step_dir in fmt.committed_checkpoints(self.root):
             step = int(fmt.STEP_DIR.match(step_dir.name).group(1))
-            found[step] = sorted(int(m.group(1)) for p in step_dir.iterdir()
-                                 if (m := RANK_DIR.match(p.name)))
+            try:
+                names = [p.name for p in step_dir.iterdir()]
+            except FileNotFoundError:
+                continue  # retired meanwhile by another rank's retention
+            found[step] = sorted(int(m.group(1)) for n in names if (m := RANK_DIR.match(n)))
         return found
 
     def report(self, layout: dict, world: int) -> Holdings:
@@ -326,7 +348,7 @@ class LocalTier:
         self.coll = Collectives(group, self.executor)
         self.topology, self.keep, self.events = topology, keep, events
         self.rank = self.coll.rank
-        self.store = NodeStore(root / f"node_{topology.node_of(self.rank)}")
+        self.store = NodeStore(node_dir(root, topology.node_of(self.rank)))
         self.mine = [self.rank, *topology.sources(self.rank)]  # the shards this rank writes
         self.cadence = Cadence(interval)
         self.buffer: Optional[torch.Tensor] = None  # staging, reused by every save
@@ -357,7 +379,7 @@ class LocalTier:
         self.staged, self.report = threading.Event(), SaveReport(self.events,
                                                                   "local_checkpoint_saved")
         self.copy = StagingCopy(self.device)
-        self.pending = self.executor.submit(self._stage_write_replicate, state, rng, started,
+        self.pending = self.executor.submit(self._stage_write_replicate, [state], rng, started,
                                             self.copy, self.staged, self.report)
         self._held(time.perf_counter() - started, self.report)
 
@@ -384,9 +406,14 @@ class LocalTier:
             wait_for(pending)
             self.cadence.held(time.perf_counter() - started)
 
-    def _stage_write_replicate(self, state: TrainingState, rng: dict, started: float,
+    def _stage_write_replicate(self, holder: list[TrainingState], rng: dict, started: float,
                                copy: StagingCopy, staged: threading.Event,
                                report: SaveReport) -> None:
+        # The state comes in a holder emptied once staged: a save abandoned
+        # with a job blocks in its collectives until their timeout, and must
+        # not keep the job's model (and its process groups, whose sockets
+        # tell peers blocked on them that this rank left) alive meanwhile.
+        state = holder.pop()
         try:
             run = state.run_state()
             meta = {"format": SHARD_FORMAT, "version": 1, "step": run.step, "owner": self.rank,
@@ -395,6 +422,7 @@ class LocalTier:
             self.buffer, meta["rects"] = stage(training_rects(state, include_copies=True),
                                                self.buffer, copy)
         finally:
+            del state
             staged.set()
         copy.wait_on_host()
         add_checksums(self.buffer, meta["rects"])
@@ -539,3 +567,7 @@ class LocalTier:
         gone) and do not report it; the committed local steps stand."""
         self.abandoned = True
         self.pending = self.staged = self.report = self.copy = None
+        # A save every step is nearly always in flight when a job fails: its
+        # blocked collective must not hold up the generation's teardown.
+        if self.coll.group is not None:
+            detach_process_group(self.coll.group)

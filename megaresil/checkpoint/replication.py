@@ -54,10 +54,11 @@ class Topology:
 
 def ranks_per_node(configured: int, world: int, local_world_size: Optional[str]) -> int:
     """`checkpoint.local.ranks_per_node`, or the launcher agent's
-    LOCAL_WORLD_SIZE, or (neither) the whole world on one node."""
+    LOCAL_WORLD_SIZE, or (neither) the whole world on one node; never more
+    than the world."""
     if configured:
-        return configured
-    return int(local_world_size) if local_world_size else world
+        return min(world, configured)
+    return min(world, int(local_world_size)) if local_world_size else world
 
 
 # --- choosing the step ----------------------------------------------------------------

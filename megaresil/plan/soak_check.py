@@ -11,7 +11,7 @@ def recovery_path(fault: dict) -> str:
     """How megaresil recovers from an injected fault of this kind."""
     if fault["kind"] == "sigterm":
         return "requeue"  # the job saves, exits 75 and is requeued
-    if fault["kind"] == "kill" or fault.get("mode") == "gil":
+    if fault["kind"] in ("kill", "lose_local_node") or fault.get("mode") == "gil":
         return "relaunch"  # a dead (or GIL-holding, then killed) worker
     return "in_process"  # an exception or a hang the watchdog aborts
 
@@ -40,7 +40,9 @@ def episode_trace(faults: list[dict]) -> list[TraceFault]:
         trace += [TraceFault(step, SLOW, f.get("seconds", 0.0)) for f in group
                   if f["kind"] == "slow"]
         trace += [TraceFault(step, CORRUPT) for f in group if f["kind"] == "corrupt_checkpoint"]
-        paths = [recovery_path(f) for f in group if f["kind"] not in ("slow", "corrupt_checkpoint")]
+        # A corrupted local shard costs no outage of its own (a replica serves).
+        paths = [recovery_path(f) for f in group
+                 if f["kind"] not in ("slow", "corrupt_checkpoint", "corrupt_local_checkpoint")]
         if paths:
             trace.append(TraceFault(step, max(paths, key=DECIDES.index)))
     return trace

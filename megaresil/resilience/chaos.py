@@ -22,7 +22,7 @@ from typing import Optional
 
 import psutil
 
-from megaresil.checkpoint.local_tier import local_root
+from megaresil.checkpoint.local_tier import local_root, node_dir
 from megaresil.config import load_recipe
 from megaresil.events import read_events
 from megaresil.ports import free_port
@@ -45,12 +45,17 @@ class Scenario:
     lose_simulated_node: bool = False  # kill the local tier's last simulated node, wipe its dir
 
 
+def local_tier_settings(world: int) -> list[str]:
+    """Local saves every step on two simulated nodes, each rank's shard
+    copied to the other."""
+    return ["checkpoint.local.enabled=true", "checkpoint.local.interval=1",
+            "checkpoint.local.replicas=1", f"checkpoint.local.ranks_per_node={max(1, world // 2)}"]
+
+
 def scenarios(rank: int, step: int, save_step: int, world: int = 2) -> dict[str, Scenario]:
     in_process = ["resilience.in_process=true"]
     relaunch = ["resilience.in_process=false", "resilience.max_restarts=2"]
-    # Local saves every step on two simulated nodes, each rank's shard copied to the other.
-    local = ["checkpoint.local.enabled=true", "checkpoint.local.interval=1",
-             "checkpoint.local.replicas=1", f"checkpoint.local.ranks_per_node={max(1, world // 2)}"]
+    local = local_tier_settings(world)
     return {s.name: s for s in [
         Scenario("kill-rank", [{"kind": "kill", "rank": rank, "step": step}], relaunch),
         Scenario("raise-in-rank", [{"kind": "raise", "rank": rank, "step": step}], in_process),
@@ -227,7 +232,7 @@ def run_simulated_node_loss(recipe: str, overrides: list[str], run_dir: Path, wo
                 proc.kill()
         except (psutil.NoSuchProcess, ValueError):
             pass
-    shutil.rmtree(local_root(cfg.checkpoint.local.dir, str(run_dir)) / f"node_{node}",
+    shutil.rmtree(node_dir(local_root(cfg.checkpoint.local.dir, str(run_dir)), node),
                   ignore_errors=True)
     return agent.wait(), lost_at
 

@@ -11,19 +11,29 @@ G restarts (its `restart` events), counted when a generation begins. With
 `section: setup, step: 0` that is a fault during a restart: it fires while the
 G-th restart (or the first one after it) builds the trainer and loads the
 checkpoint, as the first generation's setup has seen no restart.
+
+Two kinds act on the local checkpoint tier (checkpoint.local), on the
+faulty rank's node directory: `corrupt_local_checkpoint` flips a byte in
+every committed shard of the rank's own (the replicas on other nodes stay
+good), and `lose_local_node` kills the rank and deletes the node's whole
+directory once its workers are gone, as if its machine were replaced.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.local_tier import DATA, NodeStore
 from megaresil.events import EventLog, read_events
 
 
@@ -34,7 +44,7 @@ def fault_id(fault: dict) -> str:
 
 class FaultInjector:
     def __init__(self, faults: list[dict], *, rank: int, run_dir: Path, checkpoint_root: Path,
-                 events: EventLog):
+                 events: EventLog, local_node_dir: Optional[Path] = None):
         # Rank 0 records a restart before the rendezvous of the generation it
         # starts, so every rank counts the same restarts here.
         history = read_events(run_dir)
@@ -44,6 +54,8 @@ class FaultInjector:
                         and f.get("generation", 0) <= restarts]
         self.slow_seconds = 0.0
         self.events, self.checkpoint_root = events, checkpoint_root
+        # None when the local tier is off (config refuses local faults then).
+        self.rank, self.local_node_dir = rank, local_node_dir
         # Every rank takes part in creating the group a collective hang blocks
         # on; afterwards only the faulty rank ever enters it.
         wants_group = any(f["kind"] == "hang" and f.get("mode") == "collective" for f in faults)
@@ -76,6 +88,42 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGTERM)
         elif kind == "corrupt_checkpoint":
             corrupt_newest(self.checkpoint_root)
+        elif kind == "corrupt_local_checkpoint":
+            for shard in own_local_shards(self.local_node_dir, self.rank):
+                try:
+                    flip_middle_byte(shard / DATA)
+                except FileNotFoundError:
+                    pass  # retired by retention meanwhile: nothing left to damage
+        elif kind == "lose_local_node":
+            lose_node(self.local_node_dir)
+
+
+# Run apart from the workers: wait for the given processes to end, then
+# delete the directory (argv: directory, timeout, pids).
+DELETE_AFTER = """
+import shutil, sys, psutil
+procs = []
+for pid in sys.argv[3:]:
+    try:
+        procs.append(psutil.Process(int(pid)))
+    except psutil.NoSuchProcess:
+        pass
+psutil.wait_procs(procs, timeout=float(sys.argv[2]))
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
+SIBLINGS_STOP_S = 30.0  # the launcher stops a dead worker's siblings within a few seconds
+
+
+def lose_node(node_dir: Path) -> None:
+    """Kill this worker and delete its node's local directory once it and its
+    sibling workers (the node's other ranks, which the launcher stops after a
+    death) are gone, so no save they had in flight writes anything back: the
+    node comes back empty, as a replaced machine would."""
+    parent = psutil.Process().parent()
+    pids = [str(p.pid) for p in (parent.children() if parent else [])] or [str(os.getpid())]
+    subprocess.Popen([sys.executable, "-c", DELETE_AFTER, str(node_dir), str(SIBLINGS_STOP_S),
+                      *pids], start_new_session=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class InjectedFault(RuntimeError):
@@ -110,9 +158,20 @@ def corrupt_newest(root: Path) -> Optional[Path]:
     files = [p for p in checkpoints[0].rglob("*") if p.is_file()
              and p.name not in (fmt.MANIFEST, fmt.MARKER, ".metadata", "zarr.json")]
     target = max(files, key=lambda p: p.stat().st_size)
+    flip_middle_byte(target)
+    return target
+
+
+def own_local_shards(node_dir: Path, rank: int) -> list[Path]:
+    """This rank's own committed local shards in its node's directory."""
+    store = NodeStore(node_dir)
+    return [d for step, owners in store.held().items() if rank in owners
+            and ((d := store.shard_dir(step, rank)) / fmt.MARKER).exists()]
+
+
+def flip_middle_byte(target: Path) -> None:
     with open(target, "r+b") as f:
         f.seek(target.stat().st_size // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    return target

@@ -36,7 +36,8 @@ def _error(e: dict) -> str:
 
 
 def _restart(e: dict) -> str:
-    start = (f"from step {e['from_step']}" if e.get("from_step") is not None
+    tier = f" ({e['from_tier']} tier)" if e.get("from_tier") else ""
+    start = (f"from step {e['from_step']}{tier}" if e.get("from_step") is not None
              else "from the start (no checkpoint yet)")
     how = "in-process" if e.get("kind") == "in_process" else "by relaunching the workers"
     return (f"restarting {how} {start}, attempt {e.get('attempt')} of "

@@ -44,7 +44,9 @@ import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.format import CheckpointError
+from megaresil.checkpoint.local_tier import local_root, newest_complete_step, node_dir
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
+from megaresil.checkpoint.replication import ranks_per_node
 from megaresil.compat import abort_process_groups, lost_peer_error
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import EventLog, read_events, read_metrics
@@ -110,11 +112,25 @@ def relaunches_without_progress(run_dir: Path) -> int:
                for e in read_events(run_dir))
 
 
-def newest_step(cfg: RecipeConfig) -> Optional[int]:
-    """The step of the newest committed checkpoint (what a restart resumes
-    from unless it proves invalid), for the console line."""
+def newest_step(cfg: RecipeConfig, world: int) -> tuple[Optional[int], Optional[str]]:
+    """(step, tier) of the newest committed state in either tier, what a
+    restart resumes from unless it proves invalid, for the console line; the
+    local tier when the two hold the same step (the restart reads it then)."""
     committed = fmt.committed_checkpoints(checkpoint_root(cfg))
-    return int(fmt.STEP_DIR.match(committed[0].name).group(1)) if committed else None
+    found = [(int(fmt.STEP_DIR.match(committed[0].name).group(1)), "global")] if committed else []
+    if cfg.checkpoint.local.enabled:
+        step = newest_complete_step(local_root(cfg.checkpoint.local.dir, cfg.run.dir), world)
+        found += [(step, "local")] if step is not None else []
+    return max(found, key=lambda f: (f[0], f[1] == "local"), default=(None, None))
+
+
+def local_node_dir(cfg: RecipeConfig, rank: int, world: int) -> Optional[Path]:
+    """This rank's node directory of the local tier (None when it is off)."""
+    local = cfg.checkpoint.local
+    if not local.enabled:
+        return None
+    per_node = ranks_per_node(local.ranks_per_node, world, os.environ.get("LOCAL_WORLD_SIZE"))
+    return node_dir(local_root(local.dir, cfg.run.dir), rank // per_node)
 
 
 class JobFailed(Exception):
@@ -273,8 +289,10 @@ class WorkerLife:
     def _count_restart(self, kind: str, reason: str, number: int, limit: int) -> None:
         """Rank 0 records the restart before the next rendezvous; every rank
         counts the recorded restarts after it, so all agree on the number."""
+        from_step, from_tier = newest_step(self.cfg, self.world)
         self.events.emit("restart", kind=kind, generation=restarts_recorded(self.run_dir) + 1,
-                         reason=reason[:500], from_step=newest_step(self.cfg), attempt=number,
+                         reason=reason[:500], from_step=from_step, from_tier=from_tier,
+                         attempt=number,
                          max_attempts=limit)
 
     def _one_generation(self) -> Optional[str]:
@@ -305,7 +323,8 @@ class WorkerLife:
         if self.watchdog is not None:
             self.watchdog.begin_generation(self.generation)
         faults = FaultInjector(self.cfg.faults, rank=self.rank, run_dir=self.run_dir,
-                               checkpoint_root=checkpoint_root(self.cfg), events=self.events)
+                               checkpoint_root=checkpoint_root(self.cfg), events=self.events,
+                               local_node_dir=local_node_dir(self.cfg, self.rank, self.world))
         return Supervision(self.watchdog, faults, self.preemption, generation)
 
     def _handle_failure(self, err: BaseException, made_progress: bool) -> None:

@@ -10,6 +10,15 @@ checkpoint followed by a kill), a fault during a save, one during a restart
 faults on adjacent steps. A job that exits preempted (75) is requeued like a
 scheduler would. CPU hogs may run beside it.
 
+The local checkpoint tier is on unless asked otherwise (`local=False`): a
+local save every step on two simulated nodes, each rank's shard replicated
+to the other, so most faults cost one step. Two more episodes then damage
+it: a rank's own local shards corrupted before it is killed (the restart
+must take them from their replicas) and a lost node (its local directory
+deleted and a rank killed: its ranks' shards come from the other node). A
+corrupted global checkpoint is then often not read at all (a newer local
+step serves): the report says so instead of counting it undetected.
+
 How long: a short fault-free calibration run measures start-up and step
 time. Episodes are taken, cheapest first for the first round of kinds (so a
 short soak still sees several) and in seeded random order after that, while
@@ -42,8 +51,9 @@ from megaresil.checkpoint.format import committed_checkpoints, step_dir_name
 from megaresil.config import RecipeConfig, load_recipe
 from megaresil.events import read_events
 from megaresil.observe.report import write_report
-from megaresil.resilience.chaos import (DETECTIONS, Launch, measure_recovery, run_training,
-                                        run_with_requeue, step_records)
+from megaresil.resilience.chaos import (DETECTIONS, Launch, local_tier_settings,
+                                        measure_recovery, run_training, run_with_requeue,
+                                        step_records)
 from megaresil.resilience.faults import fault_id
 
 CALIBRATION_STEPS = 6
@@ -60,9 +70,13 @@ ALARMS = ("hang_detected", "worker_error")
 HANG_SECTIONS = ("data", "forward_backward", "optimizer")
 # What says a fault of each kind was noticed (a restart also counts, except
 # for a corrupted checkpoint: only skipping it on a load shows it was seen).
+# A corrupted local shard is seen where the load takes its rank's shard from
+# a replica (or leaves the local tier for the global one): see local_repair;
+# a lost node needs that as well as the restart.
 DETECTED_BY = {"kill": DETECTIONS, "raise": ("worker_error",), "hang": ("hang_detected",),
                "sigterm": ("preempted",), "corrupt_checkpoint": ("checkpoint_skipped",),
-               "slow": ()}
+               "slow": (), "lose_local_node": DETECTIONS, "corrupt_local_checkpoint": ()}
+CORRUPTIONS = ("corrupt_checkpoint", "corrupt_local_checkpoint")  # no restart of their own
 
 
 @dataclass
@@ -139,6 +153,14 @@ def _corrupt_then_kill(rng, lo, hi, plan, restarts_before):
             _fault(rng, plan, "kill", step, ["forward_backward", "optimizer"])]
 
 
+def _corrupt_local_then_kill(rng, lo, hi, plan, restarts_before):
+    # One rank, one section, the corruption first: nothing this rank commits
+    # comes between them, so the restart finds every own shard damaged.
+    fault = _fault(rng, plan, "corrupt_local_checkpoint", rng.randint(lo, hi),
+                   ["forward_backward", "optimizer"])
+    return [fault, {**fault, "kind": "kill"}]
+
+
 def _during_save(rng, lo, hi, plan, restarts_before):
     step = rng.choice(steps_at_phase(lo, hi, 0))
     return [_fault(rng, plan, rng.choice(["kill", "raise"]), step, ["checkpoint"])]
@@ -165,8 +187,9 @@ def _adjacent(rng, lo, hi, plan, restarts_before):
             for kind, s in ((first, step), (second, step + 1))]
 
 
-def episodes() -> list[Episode]:
-    """One of each, roughly cheapest first."""
+def episodes(local: bool = False) -> list[Episode]:
+    """One of each, roughly cheapest first; with `local`, the local tier's
+    own are the first that relaunch, so a soak of a few minutes damages it."""
     return [
         Episode("slow", 0, lambda c: c.slow, _single("slow", seconds=SLOW_S)),
         Episode("raise", 1, lambda c: c.in_process + c.recompute, _single("raise")),
@@ -174,6 +197,12 @@ def episodes() -> list[Episode]:
                 _single("hang", mode="sleep")),
         Episode("hang-collective", 1, lambda c: c.detect_hang + c.in_process + c.recompute,
                 _single("hang", mode="collective")),
+    ] + ([
+        Episode("lose-local-node", 1, lambda c: c.relaunch + c.recompute,
+                _single("lose_local_node")),
+        Episode("corrupt-local-then-kill", 1, lambda c: c.relaunch + c.recompute,
+                _corrupt_local_then_kill),
+    ] if local else []) + [
         Episode("kill", 1, lambda c: c.relaunch + c.recompute, _single("kill")),
         Episode("sigterm", 0, lambda c: c.relaunch, _single("sigterm")),
         Episode("adjacent-faults", 2, lambda c: 2 * (c.detect_hang + c.in_process + c.recompute),
@@ -205,9 +234,9 @@ def estimate_costs(cal: Calibration, cfg: RecipeConfig) -> Costs:
                  recompute=SAVE_INTERVAL * cal.step_s, slow=SPACING * SLOW_S)
 
 
-def episode_order(rng: random.Random, count: int) -> list[Episode]:
+def episode_order(rng: random.Random, count: int, local: bool) -> list[Episode]:
     """Every kind once, cheapest first, then seeded random rounds."""
-    catalogue = episodes()
+    catalogue = episodes(local)
     order = list(catalogue)
     while len(order) < count:
         round_ = list(catalogue)
@@ -222,7 +251,7 @@ def fit(cal: Calibration, cfg: RecipeConfig, minutes: float, seed: int) -> tuple
     budget = minutes * 60 - cal.startup_s
     costs = estimate_costs(cal, cfg)
     chosen, spent = 0, 0.0
-    for episode in episode_order(random.Random(seed), 1000):
+    for episode in episode_order(random.Random(seed), 1000, cfg.checkpoint.local.enabled):
         steps_needed = first_fault_step(cfg) + (chosen + 1) * SPACING + 1
         if chosen and spent + episode.cost(costs) + steps_needed * cal.step_s > budget:
             break
@@ -236,7 +265,7 @@ def schedule(cfg: RecipeConfig, seed: int, steps: int, count: int) -> list[dict]
     episode, the episodes in seeded random order, each placed at random in its
     slot. Returns [{episode, faults}] in step order."""
     rng = random.Random(seed)
-    chosen = episode_order(rng, count)
+    chosen = episode_order(rng, count, cfg.checkpoint.local.enabled)
     rng.shuffle(chosen)
     first, last = first_fault_step(cfg), steps - 1
     width = max(SPACING, (last - first + 1) // max(count, 1))
@@ -263,7 +292,8 @@ def schedule(cfg: RecipeConfig, seed: int, steps: int, count: int) -> list[dict]
 # --- running -------------------------------------------------------------------------
 
 def soak_settings(world_faults: int) -> list[str]:
-    """Restarts on (whatever the defaults), sized to the faults; async saves."""
+    """Restarts on (whatever the defaults), sized to the faults; async saves
+    (the local tier's settings are added by run_soak)."""
     restarts = 2 * world_faults + 2
     return ["checkpoint.async=true", f"checkpoint.interval={SAVE_INTERVAL}",
             f"checkpoint.keep={KEEP}", "resilience.in_process=true",
@@ -302,14 +332,19 @@ def start_hogs(count: int) -> list[subprocess.Popen]:
 
 
 def run_soak(recipe: str, overrides: list[str], *, minutes: float, seed: int,
-             hogs: int = 0) -> dict:
-    """Calibrate, run the faulted job (hogs beside it), then the reference;
-    the report is also written to RUN_DIR/soak.json."""
+             hogs: int = 0, local: bool = True) -> dict:
+    """Calibrate, run the faulted job (hogs beside it), then the reference,
+    all with the local tier when `local`; the report is also written to
+    RUN_DIR/soak.json."""
+    if local:
+        p = load_recipe(recipe, overrides).parallel
+        overrides = [*local_tier_settings(p.tp * p.pp * p.dp), *overrides]
     cfg = load_recipe(recipe, overrides)
     root = Path(cfg.run.dir)
     hog_procs = start_hogs(hogs)
     try:
-        cal = calibrate(recipe, overrides + soak_settings(len(episodes())), root / "calibration")
+        cal = calibrate(recipe, overrides + soak_settings(len(episodes(local))),
+                        root / "calibration")
         count, steps = fit(cal, cfg, minutes, seed)
         placed = schedule(cfg, seed, steps, count)
         faults = [f for p in placed for f in p["faults"]]
@@ -329,6 +364,7 @@ def run_soak(recipe: str, overrides: list[str], *, minutes: float, seed: int,
                               log=_log(reference, "train.log"), timeout_s=3 * expected + 120)
     report = analyse(root / "faulted", reference, placed, launches, cfg, steps)
     report.update(seed=seed, minutes=minutes, hogs=hogs, steps=steps, episodes=count,
+                  local_tier=cfg.checkpoint.local.enabled,
                   calibration=asdict(cal), reference_exit_code=ref_launch.exit_code,
                   schedule=placed, faulted=str(root / "faulted"), reference=str(reference))
     report["ok"] = report["ok"] and ref_launch.exit_code == 0
@@ -385,8 +421,9 @@ def fault_row(fault: dict, episode: str, events: list[dict], records: list[dict]
     name = fault_id(fault)
     row = {"fault": name, "episode": episode, "kind": fault["kind"], "mode": fault.get("mode"),
            "rank": fault["rank"], "step": fault["step"], "section": fault["section"],
-           "injected": False, "detected": False, "recovered": False,
-           "detection_latency_s": None, "steps_lost": 0, "time_lost_s": None}
+           "injected": False, "detected": False, "not_read": False, "recovered": False,
+           "detection_latency_s": None, "steps_lost": 0, "time_lost_s": None,
+           "loaded_tier": None, "from_replicas": None}
     fired = next((e for e in events if e["event"] == "fault_injected" and e["fault"] == name),
                  None)
     if fired is None:
@@ -394,15 +431,32 @@ def fault_row(fault: dict, episode: str, events: list[dict], records: list[dict]
     t = fired["time"]
     expected = DETECTED_BY[fault["kind"]]
     rec = measure_recovery(events, records, t, expected)
-    restart_counts = fault["kind"] not in ("slow", "corrupt_checkpoint")
+    restart_counts = fault["kind"] not in ("slow", *CORRUPTIONS)
     detected_at = min((e["time"] for e in events if e["time"] >= t and e["event"] in expected),
                       default=rec["detected_at"] if restart_counts else None)
-    row.update(injected=True, time=t, detected=detected_at is not None,
+    load = next((e for e in events if e["event"] == "checkpoint_loaded" and e["time"] > t), None)
+    if fault["kind"] == "corrupt_local_checkpoint" and local_repair(load, fault["rank"]):
+        detected_at = load["time"]
+    if fault["kind"] == "lose_local_node" and not local_repair(load, fault["rank"]):
+        detected_at = None  # the restart must also have found the node's shards gone
+    # A newer local step served: the damaged global checkpoint was never read.
+    not_read = (fault["kind"] == "corrupt_checkpoint" and detected_at is None
+                and load is not None and load.get("tier") == "local")
+    row.update(injected=True, time=t, detected=detected_at is not None, not_read=not_read,
+               loaded_tier=load and load.get("tier"),
+               from_replicas=load and load.get("from_replicas"),
                detection_latency_s=None if detected_at is None else detected_at - t,
                recovered=any(r["time"] > t and r["step"] >= fault["step"] for r in records),
                steps_lost=rec["steps_lost"] if fault["kind"] != "slow" else 0,
                time_lost_s=time_lost(fault, t, rec, events, records, step_s))
     return row
+
+
+def local_repair(load: Optional[dict], rank: int) -> bool:
+    """Whether a load went round `rank`'s own local shards: it took them from
+    a replica, or left the local tier for the global one."""
+    return load is not None and (load.get("tier") == "global"
+                                 or rank in (load.get("from_replicas") or []))
 
 
 def time_lost(fault: dict, t: float, rec: dict, events: list[dict], records: list[dict],
@@ -490,19 +544,22 @@ def format_report(r: dict) -> str:
     for f in r["faults"]:
         kind = f["kind"] + (f"/{f['mode']}" if f["mode"] else "")
         detected = (seconds(f["detection_latency_s"]) + " s" if f["detected"] else
-                    "n/a" if f["kind"] == "slow" else "no")
+                    "n/a" if f["kind"] == "slow" else "not read" if f.get("not_read") else "no")
         lines.append(f"{f['step']:>5} {f['episode']:<28} {kind:<24} {f['rank']:>4} "
                      f"{f['section']:<16} {detected if f['injected'] else 'NOT FIRED':>8} "
                      f"{str(f['recovered']):>9} {f['steps_lost']:>4} "
                      f"{seconds(f['time_lost_s']):>7} s")
     rows = r["faults"]
-    detectable = [f for f in rows if f["kind"] != "slow"]
+    detectable = [f for f in rows if f["kind"] != "slow" and not f.get("not_read")]
     lines += [
         "",
-        f"steps {r['steps']}, seed {r['seed']}, hogs {r['hogs']}, launches "
+        f"steps {r['steps']}, seed {r['seed']}, hogs {r['hogs']}, local tier "
+        f"{'on' if r.get('local_tier') else 'off'}, launches "
         f"{len(r['launches'])} (exit codes {[x['exit_code'] for x in r['launches']]})",
         f"faults: injected {sum(f['injected'] for f in rows)}/{len(rows)}, detected "
-        f"{sum(f['detected'] for f in detectable)}/{len(detectable)} (slow is not an alarm), "
+        f"{sum(f['detected'] for f in detectable)}/{len(detectable)} (slow is not an alarm; "
+        f"{sum(bool(f.get('not_read')) for f in rows)} corrupted global checkpoint(s) never "
+        f"read, a newer local step served), "
         f"recovered {sum(f['recovered'] for f in rows)}/{len(rows)}",
         f"false alarms {len(r['false_alarms'])}, warnings (hang_suspected) {r['warnings']}",
         f"steps lost {sum(f['steps_lost'] for f in rows)}, goodput {r['goodput']:.1%} "

@@ -64,8 +64,7 @@ def build_local_tier(cfg: RecipeConfig, events, group: Optional[dist.ProcessGrou
                      device: torch.device) -> LocalTier:
     local = cfg.checkpoint.local
     world = dist.get_world_size() if group is not None else 1
-    per_node = min(world, ranks_per_node(local.ranks_per_node, world,
-                                         os.environ.get("LOCAL_WORLD_SIZE")))
+    per_node = ranks_per_node(local.ranks_per_node, world, os.environ.get("LOCAL_WORLD_SIZE"))
     return LocalTier(local_root(cfg), Topology(world, per_node, local.replicas), group=group,
                      interval=local.interval, keep=local.keep, events=events, device=device)
 
