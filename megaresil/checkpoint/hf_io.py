@@ -23,7 +23,7 @@ import torch
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint import hf
-from megaresil.checkpoint.backends.zarr import region
+from megaresil.checkpoint.backends.dcp_read import narrowed
 from megaresil.checkpoint.convert import Target, fresh_rank_states, open_source, target_recipe
 from megaresil.checkpoint.hf_tokenizer import (export_token_ids, load_export_tokenizer,
                                                write_tokenizer)
@@ -240,7 +240,7 @@ class HFTensorSource:
         for key, group in itertools.groupby(ordered, key=lambda t: t.key):
             full = self.full(key)
             for target in group:
-                target.tensor.copy_(full[region(target.offset, target.shape)])
+                target.tensor.copy_(narrowed(full, target.offset, target.shape))
 
 
 def hf_model_keys(directory: Path) -> tuple[dict, list[str]]:
