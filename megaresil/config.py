@@ -889,8 +889,8 @@ def _validate_data(cfg: RecipeConfig) -> None:
     if data.source == "indexed":
         _require(bool(data.path) != bool(data.paths), "data.path",
                  "source 'indexed' needs one dataset prefix (data.path) or a blend (data.paths), "
-                 "not both.", "set data.path=PREFIX (the part before .bin/.idx) or "
-                 "data.paths='[0.7, PREFIX_A, 0.3, PREFIX_B]'.")
+                 "not both.", "set data.path=PREFIX (the part before .bin/.idx), or for a "
+                 "blend data.path=null data.paths='[0.7, PREFIX_A, 0.3, PREFIX_B]'.")
     else:
         _require(not (data.path or data.paths), "data.source",
                  f"data.path/data.paths are read only by source 'indexed', not {data.source!r}.",
