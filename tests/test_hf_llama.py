@@ -58,8 +58,8 @@ def test_from_hf_trains_at_pp2_exports_and_generates_with_transformers(cli, tmp_
     llama32_style(attention_dropout=0.1).save_pretrained(hf_dir)
     save_tokenizer(hf_dir)
     result = cli("train", "recipes/llama-3.2-1b.yaml", "--from-hf", str(hf_dir), f"run.dir={run}",
-                 "data.source=synthetic", "data.seq_len=32", "parallel.tp=1", "parallel.pp=2",
-                 "parallel.dp=1", "train.micro_batch_size=2", "train.global_batch_size=4",
+                 "data.source=synthetic", "data.path=null", "data.seq_len=32", "parallel.tp=1",
+                 "parallel.pp=2", "parallel.dp=1", "train.micro_batch_size=2", "train.global_batch_size=4",
                  "train.steps=3", "train.eval_batches=0", "optimizer.warmup_steps=1",
                  "checkpoint.interval=3", *QUIET)
     assert "model.num_layers: 4 from" in result.stderr  # the recipe's 16 is replaced, and said
