@@ -115,12 +115,15 @@ def relaunches_without_progress(run_dir: Path) -> int:
 def newest_step(cfg: RecipeConfig, world: int) -> tuple[Optional[int], Optional[str]]:
     """(step, tier) of the newest committed state in either tier, what a
     restart resumes from unless it proves invalid, for the console line; the
-    local tier when the two hold the same step (the restart reads it then)."""
+    local tier when the two hold the same step (the restart reads it then).
+    Without a local tier there is no choice to name: the tier is None."""
     committed = fmt.committed_checkpoints(checkpoint_root(cfg))
-    found = [(int(fmt.STEP_DIR.match(committed[0].name).group(1)), "global")] if committed else []
-    if cfg.checkpoint.local.enabled:
-        step = newest_complete_step(local_root(cfg.checkpoint.local.dir, cfg.run.dir), world)
-        found += [(step, "local")] if step is not None else []
+    newest_global = int(fmt.STEP_DIR.match(committed[0].name).group(1)) if committed else None
+    if not cfg.checkpoint.local.enabled:
+        return newest_global, None
+    found = [(newest_global, "global")] if committed else []
+    step = newest_complete_step(local_root(cfg.checkpoint.local.dir, cfg.run.dir), world)
+    found += [(step, "local")] if step is not None else []
     return max(found, key=lambda f: (f[0], f[1] == "local"), default=(None, None))
 
 
