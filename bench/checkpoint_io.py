@@ -523,11 +523,8 @@ def header(args: argparse.Namespace, cold: bool, load: tuple[float, float]) -> s
 
 def plot(rows: list[Row], path: Path) -> None:
     """GB/s per method and size, saves and loads side by side."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("note: matplotlib is not installed (pip install matplotlib); skipping the plot")
-        return
+    import matplotlib  # a dependency of megaresil (its reports draw with it)
+
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 

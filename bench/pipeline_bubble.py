@@ -241,11 +241,8 @@ def markdown_table(rows: list[Row]) -> str:
 
 def plot(rows: list[Row], path: Path) -> None:
     """Measured bubble against m per schedule (solid), with the theory (black)."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("note: matplotlib is not installed (pip install matplotlib); skipping the plot")
-        return
+    import matplotlib  # a dependency of megaresil (its reports draw with it)
+
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
