@@ -250,7 +250,8 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def write_results(rows: list[Row], args: argparse.Namespace, elapsed_s: float) -> None:
+def write_results(rows: list[Row], args: argparse.Namespace, elapsed_s: float,
+                  load_before: float) -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     setup = {"tp": TP, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
@@ -258,7 +259,10 @@ def write_results(rows: list[Row], args: argparse.Namespace, elapsed_s: float) -
              "dropout": 0.1, "attention_dropout": 0.1, "timed_steps": args.steps,
              "backend": "gloo", "cpu_count": os.cpu_count(), "platform": platform.platform(),
              "torch": torch.__version__, "wall_s": round(elapsed_s, 1),
-             "note": "other jobs shared the machine's CPUs: compare step times as ratios"}
+             "load_average_1min": {"before": round(load_before, 2),
+                                   "after": round(os.getloadavg()[0], 2)},
+             "note": "step times depend on what else ran on the machine: compare them as "
+                     "ratios, and read the load averages"}
     (out / "activation_memory.json").write_text(json.dumps(
         {"setup": setup, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]}, indent=2,
         default=str) + "\n")
@@ -266,7 +270,8 @@ def write_results(rows: list[Row], args: argparse.Namespace, elapsed_s: float) -
               f"hidden {args.hidden}, {args.heads} heads, seq {args.seq}, micro-batch "
               f"{args.micro_batch}, fp32, dropout 0.1; measured with ActivationMeter; "
               f"step = forward + backward of the layers, fastest of {args.steps}; "
-              f"{os.cpu_count()} CPU cores shared with other work, torch {torch.__version__}.\n\n")
+              f"{os.cpu_count()} CPU cores (1-minute load average {load_before:.1f} before, "
+              f"{os.getloadavg()[0]:.1f} after), torch {torch.__version__}.\n\n")
     (out / "activation_memory.md").write_text(header + markdown_table(rows) + "\n")
     plot(rows, out / "activation_memory.png")
     print(header + markdown_table(rows))
@@ -294,9 +299,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     rows = run(args)
-    write_results(rows, args, time.perf_counter() - started)
+    write_results(rows, args, time.perf_counter() - started, load_before)
 
 
 if __name__ == "__main__":
