@@ -24,6 +24,22 @@ handed to the reducer (an all-reduce here, a reduce-scatter in the distributed
 optimizer) asynchronously while backward goes on through the earlier layers,
 so communication overlaps compute. Earlier micro-batches only accumulate
 locally: one sync per optimizer step.
+
+Which thread issues these collectives (design.md: one thread, one process
+group). The grad hooks run on the thread that executes the parameters'
+AccumulateGrad nodes: the training thread on CPU, autograd's worker thread
+for the device on CUDA (the same thread that runs the TP layers' backward
+collectives). That is still one issuer at a time, in one total order: the
+training thread issues its DP collectives before and after `backward()`, and
+is blocked inside it, waiting for the graph, while the worker thread runs
+the hooks; `backward()` returns only when they are done. PyTorch DDP's
+reducer launches from the same hooks on the same argument. Autograd's engine
+sets the worker thread's CUDA device to its own, so NCCL calls go to the
+right GPU. What the hooks cannot promise is the order in which buckets become
+ready on every rank (a graph's readiness order is an engine detail), so, as
+DDP does, buckets are launched strictly in index order: a bucket that is
+ready before its predecessors waits for them. Every rank then issues the
+same collectives in the same order whatever order the hooks fire in.
 """
 from __future__ import annotations
 
@@ -52,7 +68,6 @@ class Bucket:
             offset += param.numel()
         self.ready = 0
         self.work: Optional[dist.Work] = None
-        self.launched = False
 
 
 class Reducer(Protocol):
@@ -121,6 +136,7 @@ class GradBuffers:
         self.separate = any(p is not t or p.dtype != grad_dtype
                             for p, t in zip(params, targets))
         self.armed = False
+        self.next_launch = 0  # index of the first bucket not launched yet
         self.handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
 
     def close(self) -> None:
@@ -135,16 +151,24 @@ class GradBuffers:
     def arm(self) -> None:
         """The next backward is the step's last micro-batch: reduce as grads land."""
         self.armed = self.reducer is not None
+        self.next_launch = 0
         for bucket in self.buckets:
-            bucket.ready, bucket.work, bucket.launched = 0, None, False
+            bucket.ready, bucket.work = 0, None
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         self._fold(param)
         if not self.armed:
             return
-        bucket = self.bucket_of[param]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        self.bucket_of[param].ready += 1
+        self._launch_ready_in_order()
+
+    def _launch_ready_in_order(self) -> None:
+        """Launch the run of complete buckets from `next_launch` on: the same
+        order on every rank, whatever order the hooks fired in."""
+        while self.next_launch < len(self.buckets):
+            bucket = self.buckets[self.next_launch]
+            if bucket.ready < len(bucket.params):
+                return
             self._launch(bucket)
 
     def _fold(self, param: nn.Parameter) -> None:
@@ -164,8 +188,8 @@ class GradBuffers:
                 bucket.buffer.div_(divisor)
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.launched = True
         bucket.work = self.reducer.launch(bucket)
+        self.next_launch += 1
 
     def finish(self) -> None:
         """Wait for every bucket's reduction. Buckets the hooks did not launch
@@ -173,15 +197,14 @@ class GradBuffers:
         itself, or a param got no grad this step) are reduced now."""
         if self.reducer is None:
             return
-        for bucket in self.buckets:
-            if not bucket.launched:
-                self._launch(bucket)
+        for bucket in self.buckets[self.next_launch:]:
+            self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
             self.reducer.landed(bucket)
-            bucket.work, bucket.launched = None, False
-        self.armed = False
+            bucket.work = None
+        self.armed, self.next_launch = False, 0
 
     def zero(self) -> None:
         """Start the next step's accumulation (the views stay in place)."""
