@@ -71,6 +71,14 @@ def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> list[GPT]:
     return chunks
 
 
+def checkpoint_key_map(cfg: RecipeConfig):
+    """Parameter name -> checkpoint key: the same, except TE's fused modules' names."""
+    if cfg.model.backend != Backend.te:
+        return lambda name: name
+    from megaresil.model import te
+    return lambda name: te.local_key(name, cfg.model.flavour.value)
+
+
 def dp_mean(value: torch.Tensor, layout: ParallelLayout) -> float:
     """Mean of a scalar over data-parallel ranks, as a Python float."""
     if layout.dp > 1:
@@ -90,6 +98,7 @@ class Trainer:
         self.train_data, self.valid_data, _ = build_datasets(
             cfg.data, cfg.model.vocab_size, cfg.train.seed, need_valid=cfg.train.eval_batches > 0)
         self.chunks = build_model(cfg, layout)
+        self.checkpoint_key = checkpoint_key_map(cfg)
         self.model = torch.nn.ModuleList(self.chunks)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.precision = resolve(cfg.train.precision, layout.device)
@@ -160,9 +169,11 @@ class Trainer:
                 for idx in indices]
 
     def named_parameters(self):
-        """(layout-free key, parameter) over this rank's chunks."""
+        """(layout-free key, parameter) over this rank's chunks: the local
+        backend's keys under model.backend=te too (model/te.local_key)."""
         for chunk in self.chunks:
-            yield from chunk.named_parameters()
+            for name, param in chunk.named_parameters():
+                yield self.checkpoint_key(name), param
 
     def forward_backward(self, batches) -> torch.Tensor:
         """Accumulate grads over micro-batches; returns this rank's mean loss
