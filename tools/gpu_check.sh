@@ -10,12 +10,13 @@ PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 OUT=${OUT:-gpu_check.json}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-timeout 420 "$PY" tools/gpu_check.py --out "$OUT" "$@"
+timeout 390 "$PY" tools/gpu_check.py --out "$OUT" "$@"
 checks=$?
 if [ "${1:-}" = "--dry-run" ]; then
   tests=skipped
 else
-  timeout 60 "$PY" -m pytest -q -m gpu tests/ >gpu_pytest.log 2>&1
+  # 90 s: the TE tp=2 cases spawn two ranks.
+  timeout 90 "$PY" -m pytest -q -m gpu tests/ >gpu_pytest.log 2>&1
   case $? in 0) tests=passed ;; 5) tests=none_collected ;; *) tests=failed ;; esac
   tail -3 gpu_pytest.log
 fi

@@ -72,7 +72,11 @@ def skip(param: nn.Parameter, include_copies: bool) -> bool:
 def model_rects(named_params: Iterable[tuple[str, nn.Parameter]], cfg: ModelConfig) -> list[Rect]:
     rects = []
     for key, param in named_params:
-        found = param_rect(key, param, param.data, cfg)
+        # bf16 under ZeRO-1 (train/precision.shard_main_params): the weights
+        # this rank holds are the fp32 main rows of its distributed-optimizer shard.
+        main = getattr(param, "main_shard", None)
+        found = (param_rect(key, param, param.data, cfg) if main is None
+                 else _moment_block(key, main, main.view, cfg))
         if found is not None:
             rects.append(Rect(f"{WEIGHTS}{key}", *found))
     return rects

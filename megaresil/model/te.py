@@ -1,21 +1,33 @@
-"""Transformer Engine backend (`model.backend=te`): TE's Linear and norm
-kernels (and FP8, `train.fp8=hybrid`) in place of the local ones.
+"""Transformer Engine backend (`model.backend=te`): TE's fused modules in place
+of the local layers, with the layout's TP group, and FP8 (`train.fp8=hybrid`).
 
 Written against TE's documented API (transformer_engine.pytorch.Linear,
-LayerNorm, RMSNorm, fp8_autocast, common.recipe.DelayedScaling) and untested
-until a CUDA machine with TE runs `pytest -m gpu` (tools/gpu_check.sh does).
+LayerNormLinear, LayerNormMLP, LayerNorm, RMSNorm, fp8_autocast,
+common.recipe.DelayedScaling) and untested until a CUDA machine with TE runs
+`pytest -m gpu` (tools/gpu_check.sh does).
 
 The model is built and initialised with the local layers, then `convert`
-swaps each linear layer and norm for TE's module of the same shape, with the
-same parameter names (`weight`, `bias`) and marks, and the same values: the
-checkpoint keys are the local backend's, so a TE-trained checkpoint resumes on
-the local backend and the other way round.
+swaps them, in each block:
+- norm1 + attn.qkv -> LayerNormLinear (column parallel); attn.proj -> Linear (row);
+- GPT-2: norm2 + mlp.fc + gelu + mlp.proj -> LayerNormMLP (fc1 column, fc2 row);
+- Llama: norm2 + mlp.gate + mlp.up -> one LayerNormLinear whose weight TE
+  exposes as two Parameters (parameters_split: gate_weight, up_weight), so each
+  stays its own TP row block as in the local model; mlp.down -> Linear (row).
+  LayerNormMLP's swiglu fc1 would hold [gate; up] rows of *each TP rank* in one
+  tensor, which is no rectangle of a local key;
+- the final norm -> LayerNorm/RMSNorm, the output head -> Linear (column).
+TE modules get global sizes, parallel_mode, tp_group and tp_size and hold the
+same local shard the local layer held; the shard's values and the marks the
+parallel code and checkpoints read (tp_dim, sequence_parallel, ...) are copied.
+The fused modules name their parameters as TE does (layer_norm_weight,
+fc1_weight, ...); `local_key` / `te_key` map between those names and the local
+backend's, so checkpoints keep the local keys: a TE-trained checkpoint resumes
+on the local backend and the other way round.
 
-What is left: TE's own tensor/sequence parallel modes (parallel_mode,
-tp_group) and its fused LayerNormLinear / LayerNormMLP (their parameters are
-named layer_norm_weight, fc1_weight, ..., which needs a key map), and
-DotProductAttention (attention stays torch's SDPA, itself flash/cuDNN on
-CUDA). Until then the config allows backend=te only at tp=1.
+Not done: TE's sequence parallelism (it gathers along dim 0, Megatron's (T, B, C)
+layout; megaresil's activations are (B, T, C): the config refuses te with
+parallel.sequence_parallel) and DotProductAttention (attention stays torch's
+SDPA, itself flash/cuDNN on CUDA).
 
 `import transformer_engine` without CUDA raises RuntimeError, not
 ImportError, hence the broad except.
@@ -27,8 +39,11 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from megaresil.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megaresil.model.gpt import GPT
+from megaresil.model.layers import Block, GeluMLP
+from megaresil.parallel.tensor_parallel import TPGroup
 
 _IMPORT_ERROR: Optional[str] = None
 try:
@@ -66,15 +81,104 @@ def _carry(old: nn.Parameter, new: nn.Parameter) -> None:
     new.__dict__.update({k: v for k, v in vars(old).items() if not k.startswith("_")})
 
 
-def _te_linear(layer: nn.Module, device: torch.device) -> nn.Module:
-    weight = layer.weight
-    out_features, in_features = weight.shape
+# --- names: TE's fused modules <-> the local backend's keys ------------------------
+
+# (local suffix, TE suffix) inside `layers.<i>.`, per flavour; a key not listed
+# is the same in both. Pure data, so the map is testable without TE.
+_BLOCK_NAMES = {
+    "gpt2": (("norm1.weight", "attn.qkv.layer_norm_weight"),
+             ("norm1.bias", "attn.qkv.layer_norm_bias"),
+             ("norm2.weight", "mlp.fused.layer_norm_weight"),
+             ("norm2.bias", "mlp.fused.layer_norm_bias"),
+             ("mlp.fc.weight", "mlp.fused.fc1_weight"),
+             ("mlp.fc.bias", "mlp.fused.fc1_bias"),
+             ("mlp.proj.weight", "mlp.fused.fc2_weight"),
+             ("mlp.proj.bias", "mlp.fused.fc2_bias")),
+    "llama": (("norm1.weight", "attn.qkv.layer_norm_weight"),
+              ("norm2.weight", "mlp.gate_up.layer_norm_weight"),
+              ("mlp.gate.weight", "mlp.gate_up.gate_weight"),
+              ("mlp.up.weight", "mlp.gate_up.up_weight")),
+}
+
+
+def _split_block_key(key: str) -> tuple[str, str]:
+    """("layers.<i>.", rest) for a block's key, ("", key) otherwise."""
+    parts = key.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
+        return f"layers.{parts[1]}.", parts[2]
+    return "", key
+
+
+def _rename(key: str, flavour: str, *, to_te: bool) -> str:
+    prefix, rest = _split_block_key(key)
+    if prefix:
+        for local, fused in _BLOCK_NAMES[flavour]:
+            src, dst = (local, fused) if to_te else (fused, local)
+            if rest == src:
+                return prefix + dst
+    return key
+
+
+def te_key(key: str, flavour: str) -> str:
+    """The name a local-backend parameter key has in the TE model."""
+    return _rename(key, flavour, to_te=True)
+
+
+def local_key(key: str, flavour: str) -> str:
+    """The local-backend key (the checkpoint's) of a TE model's parameter name."""
+    return _rename(key, flavour, to_te=False)
+
+
+# --- modules -------------------------------------------------------------------------
+
+
+def _parallel(tp: TPGroup, mode: str) -> dict:
+    """TE's tensor-parallel arguments for a layer cut `mode`-wise over `tp`."""
+    if not tp.active:
+        return {}
+    return dict(parallel_mode=mode, tp_group=tp.group, tp_size=tp.size, sequence_parallel=False)
+
+
+def _normalization(norm: nn.Module) -> str:
+    return "LayerNorm" if isinstance(norm, nn.LayerNorm) else "RMSNorm"
+
+
+def _copy_norm(norm: nn.Module, module: nn.Module) -> None:
+    _carry(norm.weight, module.layer_norm_weight)
+    if getattr(norm, "bias", None) is not None:
+        _carry(norm.bias, module.layer_norm_bias)
+
+
+def _te_linear(layer: nn.Module, mode: str, tp: TPGroup, device: torch.device) -> nn.Module:
+    """TE Linear holding the same local shard as a Column/RowParallelLinear."""
+    rows, cols = layer.weight.shape  # local
+    out_features, in_features = (rows * tp.size, cols) if mode == "column" else (rows, cols * tp.size)
     linear = te.Linear(in_features, out_features, bias=layer.bias is not None,
-                       params_dtype=weight.dtype, device=device)
-    _carry(weight, linear.weight)
+                       params_dtype=layer.weight.dtype, device=device, **_parallel(tp, mode))
+    _carry(layer.weight, linear.weight)
     if layer.bias is not None:
         _carry(layer.bias, linear.bias)
     return linear
+
+
+def _te_norm_linear(norm: nn.Module, weight: torch.Tensor, bias: bool, tp: TPGroup,
+                    device: torch.device, **split) -> nn.Module:
+    """`norm` then a column-parallel linear whose local weight is shaped as
+    `weight`, fused (the norm's values copied); `split`: TE's parameters_split."""
+    rows, in_features = weight.shape
+    fused = te.LayerNormLinear(in_features, rows * tp.size, eps=norm.eps, bias=bias,
+                               normalization=_normalization(norm), params_dtype=weight.dtype,
+                               device=device, **_parallel(tp, "column"), **split)
+    _copy_norm(norm, fused)
+    return fused
+
+
+def _fuse_norm_qkv(norm: nn.Module, qkv: nn.Module, tp: TPGroup, device: torch.device) -> nn.Module:
+    fused = _te_norm_linear(norm, qkv.weight, qkv.bias is not None, tp, device)
+    _carry(qkv.weight, fused.weight)
+    if qkv.bias is not None:
+        _carry(qkv.bias, fused.bias)
+    return fused
 
 
 def _te_norm(norm: nn.Module, device: torch.device) -> nn.Module:
@@ -88,22 +192,69 @@ def _te_norm(norm: nn.Module, device: torch.device) -> nn.Module:
     return new
 
 
-def convert(model: nn.Module, device: torch.device) -> nn.Module:
-    """Swap `model`'s linear layers and norms for TE's, keeping names and values."""
+class FusedGeluMLP(nn.Module):
+    """GPT-2's norm2 + MLP as one TE LayerNormMLP (gelu: TE's tanh form, GPT-2's gelu_new)."""
+
+    def __init__(self, norm: nn.Module, mlp: nn.Module, tp: TPGroup, device: torch.device):
+        super().__init__()
+        ffn_local, hidden = mlp.fc.weight.shape
+        self.fused = te.LayerNormMLP(hidden, ffn_local * tp.size, eps=norm.eps, bias=True,
+                                     normalization=_normalization(norm), activation="gelu",
+                                     params_dtype=mlp.fc.weight.dtype, device=device,
+                                     **({"tp_group": tp.group, "tp_size": tp.size,
+                                         "set_parallel_mode": True} if tp.active else {}))
+        _copy_norm(norm, self.fused)
+        for local, name in ((mlp.fc, "fc1"), (mlp.proj, "fc2")):
+            _carry(local.weight, getattr(self.fused, f"{name}_weight"))
+            _carry(local.bias, getattr(self.fused, f"{name}_bias"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)
+
+
+class FusedSwiGLUMLP(nn.Module):
+    """Llama's norm2 + gate/up projections as one TE LayerNormLinear, then down."""
+
+    def __init__(self, norm: nn.Module, mlp: nn.Module, tp: TPGroup, device: torch.device):
+        super().__init__()
+        # Local weight [gate rows; up rows], exposed as two Parameters.
+        stacked = torch.empty(2 * mlp.gate.weight.shape[0], mlp.gate.weight.shape[1],
+                              dtype=mlp.gate.weight.dtype, device="meta")
+        self.gate_up = _te_norm_linear(norm, stacked, False, tp, device,
+                                       parameters_split=("gate", "up"))
+        _carry(mlp.gate.weight, self.gate_up.gate_weight)
+        _carry(mlp.up.weight, self.gate_up.up_weight)
+        self.down = _te_linear(mlp.down, "row", tp, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # each (B, T, local ffn)
+        return self.down(F.silu(gate) * up)
+
+
+def convert_block(block: Block, tp: TPGroup, device: torch.device) -> None:
+    """Swap a block's norms and linears for TE's fused modules, in place."""
+    block.attn.qkv = _fuse_norm_qkv(block.norm1, block.attn.qkv, tp, device)
+    block.attn.proj = _te_linear(block.attn.proj, "row", tp, device)
+    fused = FusedGeluMLP if isinstance(block.mlp, GeluMLP) else FusedSwiGLUMLP
+    block.mlp = fused(block.norm2, block.mlp, tp, device)
+    # The norms now live inside the fused modules.
+    block.norm1, block.norm2 = nn.Identity(), nn.Identity()
+
+
+def convert(model: GPT, device: torch.device) -> GPT:
+    """Swap `model`'s blocks, final norm and head for TE's modules, keeping the
+    values (the parameter names change as `te_key` says)."""
     require()
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
-                if child.tp.active:
-                    raise ValueError("model.backend=te runs at parallel.tp=1 for now (TE's own "
-                                     "tensor-parallel modes are not wired). Fix: parallel.tp=1 "
-                                     "or model.backend=local")
-                setattr(parent, name, _te_linear(child, device))
-            elif isinstance(child, (nn.LayerNorm, nn.RMSNorm)):
-                setattr(parent, name, _te_norm(child, device))
+    if model.tp.sequence_parallel:
+        raise ValueError("model.backend=te does not run with sequence parallelism yet. Fix: "
+                         "parallel.sequence_parallel=false, or model.backend=local")
+    for block in model.layers.values():
+        convert_block(block, model.tp, device)
+    if model.last:
+        model.norm = _te_norm(model.norm, device)
+        if model.head is not None:
+            model.head = _te_linear(model.head, "column", model.tp, device)
     return model
-
-
 def fp8_context(enabled: bool):
     """FP8 with E4M3 forward / E5M2 backward tensors and delayed scaling."""
     if not enabled:

@@ -31,9 +31,10 @@ from megaresil.observe.goodput import write_goodput
 from megaresil.observe.profiler import StepProfiler
 from megaresil.observe.sections import record_fields
 from megaresil.train.metrics import MetricsLog, StepFigures
-from megaresil.train.optim import build_optimizer, clip_gradients, global_grad_norm, lr_at, set_lr
+from megaresil.train.optim import (build_optimizer, clip_gradients, global_grad_norm, lr_at,
+                                   set_lr, shards_over_dp)
 from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
-                                       optimizer_params, resolve)
+                                       optimizer_params, resolve, shard_main_params)
 from megaresil.train.state import TrainerState
 
 
@@ -70,6 +71,14 @@ def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> list[GPT]:
     return chunks
 
 
+def checkpoint_key_map(cfg: RecipeConfig):
+    """Parameter name -> checkpoint key: the same, except TE's fused modules' names."""
+    if cfg.model.backend != Backend.te:
+        return lambda name: name
+    from megaresil.model import te
+    return lambda name: te.local_key(name, cfg.model.flavour.value)
+
+
 def dp_mean(value: torch.Tensor, layout: ParallelLayout) -> float:
     """Mean of a scalar over data-parallel ranks, as a Python float."""
     if layout.dp > 1:
@@ -89,10 +98,15 @@ class Trainer:
         self.train_data, self.valid_data, _ = build_datasets(
             cfg.data, cfg.model.vocab_size, cfg.train.seed, need_valid=cfg.train.eval_batches > 0)
         self.chunks = build_model(cfg, layout)
+        self.checkpoint_key = checkpoint_key_map(cfg)
         self.model = torch.nn.ModuleList(self.chunks)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.precision = resolve(cfg.train.precision, layout.device)
-        self.main = MainParams(self.params) if self.precision == Precision.bf16 else None
+        bf16 = self.precision == Precision.bf16
+        # The fp32 main weights: whole copies here, or under ZeRO-1 only this
+        # DP rank's rows, which the distributed optimizer keeps.
+        self.main = MainParams(self.params) if bf16 and not shards_over_dp(cfg.optimizer, layout) \
+            else None
         # What the optimizer steps, grads are reduced on and checkpoints hold.
         self.opt_params = optimizer_params(self.params, self.main)
         self.autocast = ComputeContext(self.precision, layout.device,
@@ -106,9 +120,13 @@ class Trainer:
                                   # bf16 grads have already moved to fp32.
                                   scale_grads=False)
                          if layout.pp > 1 else None)
-        self.optimizer = build_optimizer(self.opt_params, cfg.optimizer, layout)
+        self.optimizer = build_optimizer(self.opt_params, cfg.optimizer, layout,
+                                         separate_main=bf16 and self.main is None)
         self.sharded_optimizer = isinstance(self.optimizer, DistributedOptimizer)
-        self.grads = GradBuffers(self.params, self.opt_params, self.reducer())
+        if bf16 and self.sharded_optimizer:
+            shard_main_params(self.optimizer)
+        self.grads = GradBuffers(self.params, self.opt_params, self.reducer(),
+                                 grad_dtype=torch.float32)
         self.state = TrainState()
         self.events = EventLog(self.run_dir, layout.rank)
         self.checkpointer = checkpointing.build_checkpointer(cfg, self.events,
@@ -116,9 +134,15 @@ class Trainer:
                                                              device=layout.device)
         self.checkpoint_state = TrainerState(cfg, layout, list(self.named_state_parameters()),
                                              self.optimizer, self.state, self.supervision.watchdog,
-                                             after_load=self.main.copy_to_model if self.main
-                                             else None)
+                                             after_load=self.main_to_model if bf16 else None)
         checkpointing.resume(self)
+
+    def main_to_model(self) -> None:
+        """bf16 model := fp32 main weights (after a checkpoint load)."""
+        if self.main is not None:
+            self.main.copy_to_model()
+        else:
+            self.optimizer.gather_params()
 
     def reducer(self):
         """How grads are reduced over data parallelism: a reduce-scatter per
@@ -145,9 +169,11 @@ class Trainer:
                 for idx in indices]
 
     def named_parameters(self):
-        """(layout-free key, parameter) over this rank's chunks."""
+        """(layout-free key, parameter) over this rank's chunks: the local
+        backend's keys under model.backend=te too (model/te.local_key)."""
         for chunk in self.chunks:
-            yield from chunk.named_parameters()
+            for name, param in chunk.named_parameters():
+                yield self.checkpoint_key(name), param
 
     def forward_backward(self, batches) -> torch.Tensor:
         """Accumulate grads over micro-batches; returns this rank's mean loss

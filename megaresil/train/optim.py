@@ -47,14 +47,21 @@ def adamw_class_and_kwargs(cfg: OptimizerConfig) -> tuple[type, dict]:
     return torch.optim.AdamW, {**kwargs, "fused": True}
 
 
-def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig, layout: ParallelLayout):
+def shards_over_dp(cfg: OptimizerConfig, layout: ParallelLayout) -> bool:
+    return cfg.distributed and layout.dp > 1
+
+
+def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig, layout: ParallelLayout, *,
+                    separate_main: bool = False):
     """AdamW over `params` (the model's, or their fp32 main copies), sharded
-    over data parallelism when optimizer.distributed is on."""
+    over data parallelism when optimizer.distributed is on (`separate_main`:
+    its shards keep fp32 main rows of params about to become bf16)."""
     groups = param_groups(params, cfg.weight_decay)
     cls, kwargs = adamw_class_and_kwargs(cfg)
-    if cfg.distributed and layout.dp > 1:
+    if shards_over_dp(cfg, layout):
         return DistributedOptimizer(groups, cls, kwargs, group=layout.group("dp"),
-                                    dp=layout.dp, dp_rank=layout.dp_rank)
+                                    dp=layout.dp, dp_rank=layout.dp_rank,
+                                    separate_main=separate_main)
     return cls(groups, **kwargs)
 
 

@@ -6,7 +6,9 @@
   accumulate the micro-batches' bf16 grads (data_parallel.GradBuffers), and
   copies the result back to bf16 after each step. Softmax/cross-entropy run in
   fp32. Checkpoints hold the fp32 main weights and moments, so a bf16 run
-  resumes under fp32 and vice versa.
+  resumes under fp32 and vice versa. Under the distributed optimizer (ZeRO-1)
+  each DP rank keeps only its row shard of the fp32 main weights (and grads),
+  as Megatron's distributed optimizer does: `shard_main_params`.
 - `amp`: fp32 parameters under bf16 autocast (the previous `bf16`).
 - `auto`: fp32 on CPU, bf16 on CUDA.
 """
@@ -18,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from megaresil.config import Precision
+from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 
 # Attributes the parallel code reads off a parameter (tp_dim, sequence_parallel,
 # tied_across_pipeline, ...) live in its __dict__: a main copy carries them all.
@@ -63,14 +66,19 @@ def main_copy(param: nn.Parameter) -> nn.Parameter:
     return main
 
 
+def cast_to_bf16(params: list[nn.Parameter]) -> None:
+    for param in params:
+        param.data = param.data.to(torch.bfloat16)
+
+
 class MainParams:
-    """fp32 main copies of a model's parameters, which are cast to bf16 here."""
+    """Whole fp32 main copies of a model's parameters, which are cast to bf16
+    here (every rank holds them all: no distributed optimizer)."""
 
     def __init__(self, params: list[nn.Parameter]):
         self.model = params
         self.main = [main_copy(p) for p in params]
-        for param in params:
-            param.data = param.data.to(torch.bfloat16)
+        cast_to_bf16(params)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -83,3 +91,23 @@ def optimizer_params(params: list[nn.Parameter], main: MainParams | None) -> lis
     """What the optimizer steps and the checkpoint holds: the fp32 main copies
     under bf16, else the parameters themselves."""
     return main.main if main is not None else params
+
+
+def shard_main_params(optimizer: DistributedOptimizer) -> None:
+    """bf16 under ZeRO-1: `optimizer` was built with separate_main, so its row
+    shards hold fp32 copies of this rank's rows; cast the model to bf16 and
+    mark each parameter with its shard (`main_shard`): the checkpoint saves
+    the fp32 rows under the parameter's key, and a load fills them (then
+    `optimizer.gather_params` makes the bf16 model)."""
+    for shard in optimizer.shards:
+        shard.param.main_shard = shard
+    cast_to_bf16([shard.param for shard in optimizer.shards])
+
+
+def main_bytes(main: MainParams | None, optimizer) -> int:
+    """Bytes of fp32 main weights this rank holds (0 without bf16)."""
+    if main is not None:
+        return sum(p.numel() * p.element_size() for p in main.main)
+    shards = getattr(optimizer, "shards", [])
+    return sum(s.view.numel() * s.view.element_size() for s in shards
+               if getattr(s.param, "main_shard", None) is s)
