@@ -273,7 +273,8 @@ def test_restarts_take_the_newest_recoverable_step_from_either_tier_bit_exact(tm
     assert shared == {"latest", "step_0000004", "step_0000007", "step_0000008", "step_0000009"}
     assert [p for p in (tmp_path / "local").rglob("*") if p.is_file()] == []
     saves = [e for e in read_events(tmp_path / "faulted") if e["event"] == "local_checkpoint_saved"]
-    assert saves and all(e["replicas"] == 1 and e["replica_bytes"] == e["bytes"] for e in saves)
+    assert saves and all(e["replicas"] == 1 and e["replica_bytes"] == e["bytes"]
+                         and e["interval"] == 1 for e in saves)  # the interval in force
 
 
 def test_settings_that_cannot_work_are_refused_naming_the_key(tmp_path):

@@ -446,7 +446,8 @@ class LocalTier:
                          replica_bytes=sum(g[1] for g in gathered),
                          seconds=max(g[2] for g in gathered),
                          replication_seconds=max(g[3] for g in gathered),
-                         replicas=self.topology.copies, path=str(self.store.root.parent))
+                         replicas=self.topology.copies, path=str(self.store.root.parent),
+                         interval=self.cadence.every)
 
     def _replicate(self, own: Shard) -> list[Shard]:
         """Send this rank's shard to its peers and take in its sources'."""
