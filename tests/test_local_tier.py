@@ -172,16 +172,22 @@ def test_adaptive_interval_is_the_smallest_keeping_the_hold_within_five_percent(
     cadence = Cadence(interval=0)
     assert cadence.due(1)
     cadence.saving(1)
+    cadence.agree([cadence.proposal, 1])
     cadence.held(0.2)  # the save held the loop 0.2 s of a 1 s step (0.8 s of work)
     assert cadence.due(2)  # every step until a save's hold is known
     cadence.saving(2)
-    cadence.held(0.2)
-    every, work = cadence.every, 0.8
-    assert 0.2 / every <= 0.05 * work < 0.2 / (every - 1)
-    assert [s for s in range(3, 3 + every) if cadence.due(s)] == [2 + every]
+    proposal, work = cadence.proposal, 0.8
+    assert 0.2 / proposal <= 0.05 * work < 0.2 / (proposal - 1)
+    # Another rank's saves were cheaper: the largest proposal is agreed, and
+    # takes effect at the next save, when every rank has it.
+    cadence.agree([1, proposal, 2])
+    assert cadence.due(3)
+    cadence.saving(3)
+    assert cadence.every == proposal
+    assert [s for s in range(4, 4 + proposal) if cadence.due(s)] == [3 + proposal]
     cheap = Cadence(interval=0)
     cheap.due(1), cheap.saving(1), cheap.held(0.01), cheap.due(2), cheap.saving(2)
-    assert cheap.every == 1
+    assert cheap.proposal == 1
     assert [s for s in range(1, 7) if Cadence(interval=3).due(s)] == [3, 6]
 
 
