@@ -14,8 +14,19 @@
    and its local directory deleted, its shards recovered from replicas).
    Reported: steps lost, detection latency, restart time (detection -> first
    step) and fault -> first step.
+3. A third save-cost run leaves checkpoint.local.interval at its default (0:
+   every step while a save holds the loop <= 5% of a step, else the smallest
+   interval that does) and reports the intervals it chose.
 
     python bench/local_tier.py [--steps 16] [--global-interval 5] [--out bench/results]
+
+`--state 1gb` does the same on a model whose full training state (fp32
+weights, their gradients and two Adam moments) is ~1 GB, at 4 ranks
+(tp2 x dp2) on two simulated nodes of 2; few short steps, since the state's
+size is what is measured, not the step's compute. Its results go to
+local_tier_1gb.{json,md}; `--set KEY=VALUE` adds any recipe override.
+
+    python bench/local_tier.py --state 1gb --steps 8 --global-interval 4 --fault-step 7
 
 Every figure is wall time on whatever machine runs it; both sides of each
 comparison ran in the same invocation, so a busy machine slows both.
@@ -30,17 +41,39 @@ import statistics
 import time
 from pathlib import Path
 
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.sharded import WEIGHTS
 from megaresil.events import read_events
-from megaresil.resilience.chaos import run_scenario, run_training, step_records
+from megaresil.resilience.chaos import local_tier_settings, run_scenario, run_training, step_records
 
 RECIPE = "recipes/gpt-tiny.yaml"
-LOCAL = ["checkpoint.local.enabled=true", "checkpoint.local.interval=1",
-         "checkpoint.local.replicas=1", "checkpoint.local.ranks_per_node=4"]
+# Overrides of the demo recipe per --state, and its world size. 1gb: 67.3M
+# parameters (5 layers of 1024, vocabulary 4096) x 16 bytes (weights, grads,
+# two moments) = 1.08 GB; one sample of 32 tokens per data-parallel rank.
+STATES = {
+    "demo": ([], 8),
+    "1gb": (["model.num_layers=5", "model.hidden_size=1024", "model.num_heads=16",
+             "data.seq_len=32", "train.micro_batch_size=1", "train.global_batch_size=2",
+             "parallel.tp=2", "parallel.pp=1", "parallel.dp=2", "optimizer.warmup_steps=2"], 4),
+}
 
 
 def base(args) -> list[str]:
-    return [f"train.steps={args.steps}", f"checkpoint.interval={args.global_interval}",
-            "checkpoint.async=true", "logging.tensorboard=false", "train.eval_batches=0"]
+    return [*STATES[args.state][0], f"train.steps={args.steps}",
+            f"checkpoint.interval={args.global_interval}", "checkpoint.async=true",
+            "logging.tensorboard=false", "train.eval_batches=0", *args.set]
+
+
+def state_bytes(checkpoint: Path) -> dict:
+    """The training state's size, from a global checkpoint's manifest: it
+    holds each weight and moment once; the gradients are the weights' size."""
+    tensors = fmt.read_manifest(checkpoint)["tensors"]
+    sizes = {key: fmt.region_bytes(entry["global_shape"], entry["dtype"])
+             for key, entry in tensors.items()}
+    weights = sum(n for key, n in sizes.items() if key.startswith(WEIGHTS))
+    moments = sum(sizes.values()) - weights
+    return {"weights_bytes": weights, "moments_bytes": moments,
+            "full_state_bytes": 2 * weights + moments}
 
 
 def median(values: list[float]) -> float:
@@ -50,7 +83,10 @@ def median(values: list[float]) -> float:
 def save_costs(args, work: Path) -> dict:
     """The global tier alone vs both tiers: per-save figures and step time."""
     rows = {}
-    for name, extra in (("global_only", []), ("local_and_global", LOCAL)):
+    every_step = local_tier_settings(STATES[args.state][1])  # as the chaos scenarios save
+    chosen = [s for s in every_step if not s.startswith("checkpoint.local.interval=")]
+    for name, extra in (("global_only", []), ("local_and_global", every_step),
+                        ("local_interval_chosen", chosen)):
         run_dir = work / name
         shutil.rmtree(run_dir, ignore_errors=True)
         # Keep the local shards of the last step: no cleanup at the end measured.
@@ -72,12 +108,15 @@ def save_costs(args, work: Path) -> dict:
             "local_bytes": local[-1]["bytes"] if local else None,
             "replica_bytes": local[-1]["replica_bytes"] if local else None,
             "replication_s_median": median([e["replication_seconds"] for e in local]),
+            "local_intervals": [e.get("interval") for e in local],
         }
-    with_local = rows["local_and_global"]
-    with_local["local_blocking_share_of_step"] = (with_local["local_blocking_s_median"]
-                                                  / rows["global_only"]["step_s_median"])
-    with_local["step_time_ratio"] = (with_local["step_s_median"]
-                                     / rows["global_only"]["step_s_median"])
+        if glob:
+            rows[name].update(state_bytes(Path(glob[-1]["path"])))
+    for with_local in (rows["local_and_global"], rows["local_interval_chosen"]):
+        with_local["local_blocking_share_of_step"] = (with_local["local_blocking_s_median"]
+                                                      / rows["global_only"]["step_s_median"])
+        with_local["step_time_ratio"] = (with_local["step_s_median"]
+                                         / rows["global_only"]["step_s_median"])
     return rows
 
 
@@ -87,7 +126,8 @@ def recoveries(args, work: Path) -> dict:
     for name in ("kill-rank", "kill-rank-local", "node-loss", "node-loss-local"):
         started = time.time()
         overrides = base(args) + [f"run.dir={work / 'chaos'}"]
-        result = run_scenario(RECIPE, overrides, name, reference=reference, rank=None, step=None)
+        result = run_scenario(RECIPE, overrides, name, reference=reference, rank=None,
+                              step=args.fault_step)
         reference = Path(result["reference"])
         loads = [e for e in read_events(result["faulted"]) if e["event"] == "checkpoint_loaded"]
         detect, restart = result["detection_latency_s"], result["restart_time_s"]
@@ -106,26 +146,41 @@ def recoveries(args, work: Path) -> dict:
 
 def table(costs: dict, rec: dict) -> str:
     g, l = costs["global_only"], costs["local_and_global"]
+    c = costs.get("local_interval_chosen")  # absent from results made before it was measured
     lines = ["| save | blocking s (median) | total s (median) | bytes per save | replicated bytes | replication s |",
              "| --- | --- | --- | --- | --- | --- |",
              f"| global, async (global-only run) | {g['global_blocking_s_median']:.4f} | "
-             f"{g['global_total_s_median']:.3f} | {g['global_bytes']} | - | - |",
-             f"| local, every step (both-tiers run) | {l['local_blocking_s_median']:.4f} | "
-             f"{l['local_total_s_median']:.3f} | {l['local_bytes']} | {l['replica_bytes']} | "
-             f"{l['replication_s_median']:.3f} |",
-             "",
-             f"median step: {g['step_s_median']:.3f} s global-only, {l['step_s_median']:.3f} s "
-             f"with the local tier (x{l['step_time_ratio']:.2f}); local blocking = "
-             f"{l['local_blocking_share_of_step']:.2%} of a step",
-             "",
-             "| fault | tier loaded | steps lost | detection s | restart s | fault -> first step s | final loss equal |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    fmt = lambda v: "-" if v is None else f"{v:.2f}"
+             f"{g['global_total_s_median']:.3f} | {g['global_bytes']} | - | - |"]
+    for label, r in (("every step", l), ("interval chosen (default 0)", c)):
+        if r:
+            lines.append(f"| local, {label} (both-tiers run) | {r['local_blocking_s_median']:.4f} | "
+                         f"{r['local_total_s_median']:.3f} | {r['local_bytes']} | "
+                         f"{r['replica_bytes']} | {r['replication_s_median']:.3f} |")
+    lines += ["", f"median step: {g['step_s_median']:.3f} s global-only; {l['step_s_median']:.3f} s "
+                  f"with the local tier every step (x{l['step_time_ratio']:.2f}, local blocking = "
+                  f"{l['local_blocking_share_of_step']:.2%} of a global-only step)"]
+    if c:
+        lines[-1] += (f"; {c['step_s_median']:.3f} s at the chosen interval "
+                      f"(x{c['step_time_ratio']:.2f}, local blocking = "
+                      f"{c['local_blocking_share_of_step']:.2%}; {c['local_saves']} saves, "
+                      f"interval chosen at each: {c['local_intervals']})")
+    lines += ["",
+              "| fault | tier loaded | steps lost | detection s | restart s | fault -> first step s | final loss equal |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    secs = lambda v: "-" if v is None else f"{v:.2f}"
     for name, r in rec.items():
         lines.append(f"| {name} | {r['tier']} (step {r['loaded_step']}) | {r['steps_lost']} | "
-                     f"{fmt(r['detection_latency_s'])} | {fmt(r['restart_time_s'])} | "
-                     f"{fmt(r['fault_to_first_step_s'])} | {r['final_loss_equal']} |")
+                     f"{secs(r['detection_latency_s'])} | {secs(r['restart_time_s'])} | "
+                     f"{secs(r['fault_to_first_step_s'])} | {r['final_loss_equal']} |")
+    if "full_state_bytes" in g:
+        lines[:0] = [f"training state: {g['full_state_bytes']} bytes (weights {g['weights_bytes']} "
+                     f"+ their gradients + Adam moments {g['moments_bytes']})", ""]
     return "\n".join(lines)
+
+
+def load_note(before: tuple, after: tuple) -> str:
+    return (f"load average (1 min) {before[0]:.1f} at the start, {after[0]:.1f} at the end, on "
+            f"{os.cpu_count()} cores: other work (other agents) may have shared the machine")
 
 
 def main() -> None:
@@ -135,27 +190,35 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--work", default="/tmp/megaresil-bench-local-tier")
     parser.add_argument("--only", choices=["costs", "recovery"], default=None)
+    parser.add_argument("--fault-step", type=int, default=None,
+                        help="the step the faults hit (default: the chaos default, steps/2 + 1)")
+    parser.add_argument("--state", choices=sorted(STATES), default="demo",
+                        help="the model: the demo recipe's, or one with a ~1 GB training state")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a further recipe override (repeatable)")
     args = parser.parse_args()
-    work = Path(args.work)
+    work = Path(args.work) / args.state
     work.mkdir(parents=True, exist_ok=True)
-    started = time.time()
+    started, load_before = time.time(), os.getloadavg()
     out = Path(args.out)
+    name = "local_tier" if args.state == "demo" else f"local_tier_{args.state}"
     # --only redoes one part; the other comes from the previous results.
-    previous = (json.loads((out / "local_tier.json").read_text())
-                if args.only and (out / "local_tier.json").exists() else {})
+    previous = (json.loads((out / f"{name}.json").read_text())
+                if args.only and (out / f"{name}.json").exists() else {})
     costs = save_costs(args, work) if args.only != "recovery" else previous.get("costs", {})
     print(json.dumps(costs, indent=1), flush=True)
     rec = recoveries(args, work) if args.only != "costs" else previous.get("recovery", {})
-    result = {"costs": costs, "recovery": rec, "steps": args.steps,
-              "global_interval": args.global_interval, "cpus": os.cpu_count(),
-              "note": "other work shared the machine (2 cores, several agents)",
+    result = {"costs": costs, "recovery": rec, "state": args.state, "overrides": base(args),
+              "steps": args.steps, "global_interval": args.global_interval,
+              "cpus": os.cpu_count(), "note": load_note(load_before, os.getloadavg()),
               "elapsed_s": time.time() - started}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "local_tier.json").write_text(json.dumps(result, indent=1))
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     if costs and rec:
         text = table(costs, rec)
-        (out / "local_tier.md").write_text(text + "\n\n" + result["note"] + "\n")
+        (out / f"{name}.md").write_text(text + "\n\n" + result["note"] + "\n")
         print(text)
+    print(result["note"], f"({result['elapsed_s']:.0f} s)")
 
 
 if __name__ == "__main__":

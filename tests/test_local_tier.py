@@ -172,16 +172,22 @@ def test_adaptive_interval_is_the_smallest_keeping_the_hold_within_five_percent(
     cadence = Cadence(interval=0)
     assert cadence.due(1)
     cadence.saving(1)
+    cadence.agree([cadence.proposal, 1])
     cadence.held(0.2)  # the save held the loop 0.2 s of a 1 s step (0.8 s of work)
     assert cadence.due(2)  # every step until a save's hold is known
     cadence.saving(2)
-    cadence.held(0.2)
-    every, work = cadence.every, 0.8
-    assert 0.2 / every <= 0.05 * work < 0.2 / (every - 1)
-    assert [s for s in range(3, 3 + every) if cadence.due(s)] == [2 + every]
+    proposal, work = cadence.proposal, 0.8
+    assert 0.2 / proposal <= 0.05 * work < 0.2 / (proposal - 1)
+    # Another rank's saves were cheaper: the largest proposal is agreed, and
+    # takes effect at the next save, when every rank has it.
+    cadence.agree([1, proposal, 2])
+    assert cadence.due(3)
+    cadence.saving(3)
+    assert cadence.every == proposal
+    assert [s for s in range(4, 4 + proposal) if cadence.due(s)] == [3 + proposal]
     cheap = Cadence(interval=0)
     cheap.due(1), cheap.saving(1), cheap.held(0.01), cheap.due(2), cheap.saving(2)
-    assert cheap.every == 1
+    assert cheap.proposal == 1
     assert [s for s in range(1, 7) if Cadence(interval=3).due(s)] == [3, 6]
 
 
@@ -273,7 +279,8 @@ def test_restarts_take_the_newest_recoverable_step_from_either_tier_bit_exact(tm
     assert shared == {"latest", "step_0000004", "step_0000007", "step_0000008", "step_0000009"}
     assert [p for p in (tmp_path / "local").rglob("*") if p.is_file()] == []
     saves = [e for e in read_events(tmp_path / "faulted") if e["event"] == "local_checkpoint_saved"]
-    assert saves and all(e["replicas"] == 1 and e["replica_bytes"] == e["bytes"] for e in saves)
+    assert saves and all(e["replicas"] == 1 and e["replica_bytes"] == e["bytes"]
+                         and e["interval"] == 1 for e in saves)  # the interval in force
 
 
 def test_settings_that_cannot_work_are_refused_naming_the_key(tmp_path):

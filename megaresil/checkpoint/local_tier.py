@@ -296,11 +296,18 @@ def describe(layout: dict) -> str:
 class Cadence:
     """When the local tier saves: every `interval` steps or, with interval 0,
     every step while a save holds the loop for at most BUDGET of a step, else
-    the smallest interval that keeps it there (re-measured at every save)."""
+    the smallest interval that keeps it there (re-measured at every save).
+
+    Every rank must save at the same steps (a save is collective), but each
+    measures its own hold: a rank's measure is its proposal, the save's
+    thread agrees on the largest (the slowest rank holds every rank's loop),
+    and the next save applies it, once every rank has it."""
 
     def __init__(self, interval: int):
         self.fixed = interval
         self.every = max(1, interval)
+        self.proposal = self.every  # this rank's measure, agreed on by the save in flight
+        self.agreed: Optional[int] = None  # by every rank, at the last save
         self.last: Optional[int] = None  # step of the last save
         self.step_s: deque = deque(maxlen=16)  # recent step times, saves' holds left out
         self.ticked: Optional[float] = None
@@ -322,11 +329,20 @@ class Cadence:
         self.held_by_save += seconds
 
     def saving(self, step: int) -> None:
-        """A save starts at `step`: the previous one's hold is complete."""
-        if not self.fixed and self.last is not None and self.step_s:
-            budget = BUDGET * statistics.median(self.step_s)
-            self.every = max(1, math.ceil(self.held_by_save / budget)) if budget > 0 else 1
+        """A save starts at `step`, after the previous one ended: the interval
+        agreed then takes effect, and the previous save's hold, complete
+        now, is this rank's next proposal."""
+        if not self.fixed:
+            self.every = self.agreed or self.every
+            if self.last is not None and self.step_s:
+                budget = BUDGET * statistics.median(self.step_s)
+                self.proposal = (max(1, math.ceil(self.held_by_save / budget))
+                                 if budget > 0 else 1)
         self.last, self.held_by_save = step, 0.0
+
+    def agree(self, proposals: list[int]) -> None:
+        """On the save's thread, with every rank's proposal."""
+        self.agreed = max(proposals)
 
 
 # --- the tier ----------------------------------------------------------------------------
@@ -439,14 +455,16 @@ class LocalTier:
         replica_s = time.perf_counter() - replica_started
         self.store.retain(self.keep, self.rank, self.mine)
         figures = (own.data.numel(), sum(s.data.numel() for s in received),
-                   time.perf_counter() - started, replica_s)
-        gathered = self.coll.gather(figures)
+                   time.perf_counter() - started, replica_s, self.cadence.proposal)
+        gathered = self.coll.all_gather(figures)
+        self.cadence.agree([g[4] for g in gathered])
         if self.rank == 0 and not self.abandoned:
             report.saved(step=meta["step"], bytes=sum(g[0] for g in gathered),
                          replica_bytes=sum(g[1] for g in gathered),
                          seconds=max(g[2] for g in gathered),
                          replication_seconds=max(g[3] for g in gathered),
-                         replicas=self.topology.copies, path=str(self.store.root.parent))
+                         replicas=self.topology.copies, path=str(self.store.root.parent),
+                         interval=self.cadence.every)
 
     def _replicate(self, own: Shard) -> list[Shard]:
         """Send this rank's shard to its peers and take in its sources'."""
