@@ -98,16 +98,19 @@ def run_plain(size: str, steps: int) -> float:
 
 
 def run_megaresil(size: str, layout: str, steps: int) -> float:
-    """`megaresil train` end to end; the median step time its metrics report."""
+    """`megaresil train` end to end; the median time from one step's end to
+    the next's, as metrics.jsonl's `elapsed_s` records it: the whole loop
+    iteration (data, step, the metrics line, the checks between steps), the
+    span the plain loop times."""
     with tempfile.TemporaryDirectory() as run_dir:
         args = [str(RECIPE), *COMMON, *SIZES[size], *LAYOUTS[layout], f"train.steps={steps}",
                 f"run.dir={run_dir}"]
         subprocess.run([sys.executable, "-m", "megaresil", "train", *args], check=True,
                        env=ONE_THREAD, cwd=ROOT, capture_output=True, text=True)
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").open()]
-    tokens = recipe(size, steps).train.global_batch_size * recipe(size, steps).data.seq_len
-    step_s = [tokens / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
-    return statistics.median(step_s[WARMUP_STEPS:])
+    ends = [r["elapsed_s"] for r in records if "elapsed_s" in r]
+    step_s = [b - a for a, b in zip(ends, ends[1:])]  # steps 2, 3, ...
+    return statistics.median(step_s[WARMUP_STEPS - 1:])  # the steps the plain loop keeps
 
 
 def measure(sizes: list[str], steps: int, rounds: int) -> list[dict]:
@@ -133,12 +136,33 @@ Notes
   rounds; other agents' work shared the 2 cores during the run, so absolute times are
   noisy and the ratios are the figures to read.
 - megaresil's side is end to end through `megaresil train` (launcher, worker, watchdog
-  heartbeats, metrics); the step time is what metrics.jsonl records per step.
-- Every process ran one intra-op thread (OMP_NUM_THREADS=1): 1x1x1 and the plain loop
-  use one core each; tp=2 uses two processes, each with half of every matmul, plus 2
-  all-reduces per layer per micro-batch forward and 2 backward over gloo loopback.
-- Megatron-Core is not installable here (it needs CUDA/apex to import), so the
-  comparison with it is left to a GPU machine (tools/gpu_check.sh measures MFU).
+  heartbeats, metrics); its step time is the time from one step's end to the next's
+  (metrics.jsonl's `elapsed_s`), the whole loop iteration, as the plain loop is timed.
+- Same model, weights, shapes, fused AdamW, F.cross_entropy (megaresil uses it at tp=1
+  too) and fp32-norm clipping on both sides. Where megaresil differs: its grads live in
+  flat buffers (no per-step allocation), and it runs torch's deterministic mode on CPU
+  (bit-exact resume) without torch's NaN-fill of every new tensor (a debugging aid that
+  cost ~900 extra fills per gpt-tiny step). In one process, alternating steps, the two
+  steps take the same CPU time (tiny: 0.48 vs 0.50 s, small: 1.79 vs 1.94 s user per
+  step), so a wall-clock gap at 1x1x1 is the machine's load, not megaresil's step.
+- At `small`, a third of either side's CPU time is the kernel's: glibc unmaps every
+  freed block over its mmap threshold (32 MiB at most), so each micro-batch's 128 MiB
+  logits, log-softmax and their grads are faulted in again, zeroed, the next time
+  (~315k page faults, ~0.8 s system time per step). Keeping freed memory in the heap
+  (mallopt M_MMAP_MAX=0, no trim) removes the faults but was not adopted: posix_memalign
+  fragments that heap, and the resident set grew from 734 MiB to 1.7 GiB in 14 steps
+  and kept growing.
+- Megatron-Core cannot be a side on CPU. megatron-core 0.16.1 installs from PyPI and
+  its GPTModel with the local (non-TE) spec builds on CPU (gloo group of 1,
+  initialize_model_parallel(1, 1), use_cpu_initialization=True), but its forward stops
+  in the core attention: megatron/core/transformer/dot_product_attention.py:189 takes a
+  scratch buffer from parallel_state.get_global_memory_buffer().get_tensor(...,
+  device=torch.cuda.current_device()) (megatron/core/utils.py:631), raising
+  "AssertionError: Torch not compiled with CUDA enabled". The local spec has no other
+  core attention (its `use_kitchen` path needs NVIDIA's kitchen package), and ~30 more
+  torch.cuda calls sit in its transformer and tensor-parallel code; running it would
+  mean patching its internals, so the comparison is left to a GPU machine
+  (tools/gpu_check.sh measures MFU).
 - The 8-rank 3D demo (tp=2 x pp=2 x dp=2 of gpt-tiny) runs at ~0.63-0.65x of 1x1x1 on
   2 cores, and that is expected, not overhead to remove: 8 processes share 2 cores
   (1 thread each, 4x oversubscribed, so context switches and cache misses at every
