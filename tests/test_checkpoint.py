@@ -234,12 +234,21 @@ def test_no_valid_checkpoint_refuses_to_start_over(cli, tmp_path):
     assert sorted(losses(run)) == [1, 2, 3, 4]
 
 
+@pytest.fixture(scope="module")
+def step_1(tmp_path_factory) -> Path:
+    """The checkpoint of a run stopped after step 1, which the tests below
+    load into other models."""
+    from conftest import megaresil_cli
+
+    run = tmp_path_factory.mktemp("step-1") / "run"
+    train(megaresil_cli, run, "train.steps=2", "train.exit_at_step=1")
+    return run / "checkpoints" / "step_0000001"
+
+
 @pytest.mark.slow
-def test_other_model_shape_names_key_and_shapes(cli, tmp_path):
-    run = tmp_path / "run"
-    train(cli, run, "train.steps=2", "train.exit_at_step=1")
+def test_other_model_shape_names_key_and_shapes(cli, step_1, tmp_path):
     result = train(cli, tmp_path / "other", "train.steps=2", "model.hidden_size=96",
-                   f"checkpoint.load={run / 'checkpoints' / 'step_0000001'}", check=False)
+                   f"checkpoint.load={step_1}", check=False)
     assert result.returncode != 0
     assert "model/embed.positions.weight" in result.stderr
     assert "(128, 192)" in result.stderr and "(128, 96)" in result.stderr
@@ -265,11 +274,9 @@ def test_checkpoint_of_another_depth_is_refused_naming_the_keys(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_of_another_depth_is_refused_through_the_cli(cli, tmp_path):
-    run = tmp_path / "run"
-    train(cli, run, "train.steps=2", "train.exit_at_step=1")
+def test_checkpoint_of_another_depth_is_refused_through_the_cli(cli, step_1, tmp_path):
     result = train(cli, tmp_path / "other", "train.steps=2", "model.num_layers=2",
-                   f"checkpoint.load={run / 'checkpoints' / 'step_0000001'}", check=False)
+                   f"checkpoint.load={step_1}", check=False)
     assert result.returncode != 0
     said = [line for line in result.stderr.splitlines() if "does not use" in line]
     assert len(said) == 1 and said[0].startswith("megaresil: giving up: rank ") \
