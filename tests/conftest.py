@@ -35,21 +35,28 @@ def cli():
 
 
 @pytest.fixture
-def chaos(capfd, monkeypatch):
-    """`megaresil chaos ARGS` run by the CLI's main() in this process, its
-    output (and its training processes') captured as a CompletedProcess's.
-    The scenario's runs are processes of their own either way; in-process
-    saves starting Python, torch and matplotlib (the report) once per scenario."""
+def cli_main(capfd, monkeypatch):
+    """`megaresil ARGS` run by the CLI's main() in this process, from the
+    repository root, its output (and that of the processes it starts)
+    captured as a CompletedProcess's; raises, like `cli`, on a failure unless
+    check=False. For commands that read files or start processes of their own
+    (chaos, ckpt, plan, data prepare, config): a call saves starting Python and
+    importing torch (and, for chaos's report, matplotlib), seconds each. The
+    `cli` fixture's subprocess stays for train, which is what users run."""
     import subprocess
 
     from megaresil.cli import main
 
-    monkeypatch.chdir(ROOT)  # recipes/... as the CLI tests give them
+    monkeypatch.chdir(ROOT)
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        code = main(["chaos", *args])
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        capfd.readouterr()  # only this call's output
+        code = main(list(args))
         out, err = capfd.readouterr()
-        return subprocess.CompletedProcess(["megaresil", "chaos", *args], code, out, err)
+        if check and code != 0:
+            raise AssertionError(f"megaresil {' '.join(args)} returned {code}:\n"
+                                 f"{out[-3000:]}\n{err[-5000:]}")
+        return subprocess.CompletedProcess(["megaresil", *args], code, out, err)
 
     return run
 

@@ -205,14 +205,14 @@ def flip_a_byte(checkpoint: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_corrupt_shard_is_caught_and_startup_falls_back(cli, tmp_path, backend):
+def test_corrupt_shard_is_caught_and_startup_falls_back(cli, cli_main, tmp_path, backend):
     run = tmp_path / "run"
     opts = [f"checkpoint.backend={backend}", "checkpoint.interval=2", "train.steps=6"]
     train(cli, run, *opts, "train.exit_at_step=4")
     newest = run / "checkpoints" / "step_0000004"
-    assert cli("ckpt", "verify", str(newest)).returncode == 0
+    assert cli_main("ckpt", "verify", str(newest)).returncode == 0
     flip_a_byte(newest)
-    result = cli("ckpt", "verify", str(newest), check=False)
+    result = cli_main("ckpt", "verify", str(newest), check=False)
     assert result.returncode == 1 and "INVALID" in result.stdout
     train(cli, run, *opts)
     events = read_events(run)
@@ -284,26 +284,27 @@ def test_checkpoint_of_another_depth_is_refused_through_the_cli(cli, step_1, tmp
 
 
 @pytest.mark.slow
-def test_inspect_retention_and_format_checks(cli, tmp_path):
+def test_inspect_retention_and_format_checks(cli, cli_main, tmp_path):
     run = tmp_path / "run"
     train(cli, run, "train.steps=8", "checkpoint.interval=2", "checkpoint.keep=2",
           "checkpoint.backend=zarr")
     root = run / "checkpoints"
     assert [p.name for p in fmt.committed_checkpoints(root)] == ["step_0000008", "step_0000006"]
     assert (root / fmt.LATEST).read_text().strip() == "step_0000008"
-    info = json.loads(cli("ckpt", "inspect", str(root / "step_0000008"), "--json").stdout)
+    info = json.loads(cli_main("ckpt", "inspect", str(root / "step_0000008"), "--json").stdout)
     assert info["step"] == 8 and info["backend"] == "zarr" and info["layout"]["world_size"] == 1
     assert info["tensors"]["model/embed.tokens.weight"]["shape"] == [4096, 192]
     assert info["total_bytes"] == sum(info["bytes_per_rank"]) > 0
-    assert "model/layers.3.mlp.fc.weight" in cli("ckpt", "inspect", str(root / "step_0000008")).stdout
+    assert "model/layers.3.mlp.fc.weight" in \
+        cli_main("ckpt", "inspect", str(root / "step_0000008")).stdout
 
     newer = root / "step_0000006"
     manifest = json.loads((newer / fmt.MANIFEST).read_text())
     (newer / fmt.MANIFEST).write_text(json.dumps({**manifest, "version": 99}))
-    result = cli("ckpt", "verify", str(newer), check=False)
+    result = cli_main("ckpt", "verify", str(newer), check=False)
     assert result.returncode == 1 and "newer" in result.stdout
     (newer / fmt.MARKER).unlink()
-    assert "completion marker" in cli("ckpt", "verify", str(newer), check=False).stdout
+    assert "completion marker" in cli_main("ckpt", "verify", str(newer), check=False).stdout
 
 
 # --- the checkpointer on its own (single process) ----------------------------------
@@ -540,10 +541,14 @@ def test_manifest_names_cannot_escape(tmp_path):
 
 
 @pytest.mark.slow
-def test_exit_and_rerun_through_the_cli_at_3d(cli, tmp_path):
+def test_exit_and_rerun_through_the_cli(cli, tmp_path):
     """The contract's workflow: the same command with train.exit_at_step=K,
-    then again without it, continues bit for bit (tp=2 x pp=2 x dp=2)."""
-    opts = ["recipes/gpt-tiny.yaml", "train.steps=6", "train.eval_batches=0",
+    then again without it, continues bit for bit; each process of the job
+    writes its own shards (pp=2) and the asynchronous save is committed
+    before the exit. At tp=2 x pp=2 x dp=2 (8 processes: three times the
+    start-up) the bit-exact resume is test_resume_is_bit_identical's."""
+    opts = ["recipes/gpt-tiny.yaml", "parallel.tp=1", "parallel.pp=2", "parallel.dp=1",
+            "train.steps=6", "train.eval_batches=0",
             "checkpoint.backend=zarr", "checkpoint.async=true", *QUIET]
     cli("train", *opts, f"run.dir={tmp_path / 'straight'}")
     cli("train", *opts, f"run.dir={tmp_path / 'resumed'}", "train.exit_at_step=3")

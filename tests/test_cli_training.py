@@ -88,9 +88,9 @@ def test_llama_1b_recipe_runs_reduced(cli, tmp_path):
     assert_sane_start(tmp_path, steps=2, vocab_size=50257)
 
 
-def test_help_and_config_docs(cli):
+def test_help_and_config_docs(cli, cli_main):
     assert "train" in cli("--help").stdout
-    docs = cli("config", "docs").stdout
+    docs = cli_main("config", "docs").stdout
     for key in ("parallel.tp", "optimizer.distributed", "model.recompute", "data.source"):
         assert key in docs
 

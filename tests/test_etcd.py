@@ -114,16 +114,16 @@ def test_etcd_a_peer_that_took_the_store_with_it_is_a_lost_peer():
     assert not board.peer_gone(0, RuntimeError("something else"))
 
 
-def chaos_first_node_loss(chaos, reference, run_dir, *backend: str):
-    return chaos(*SMALL, f"run.dir={run_dir}", "--scenario", "node-loss-first", "--step", "3",
-                 "--reference", str(reference), *backend)
+def chaos_first_node_loss(cli_main, reference, run_dir, *backend: str):
+    return cli_main("chaos", *SMALL, f"run.dir={run_dir}", "--scenario", "node-loss-first",
+                    "--step", "3", "--reference", str(reference), *backend, check=False)
 
 
 @pytest.mark.slow
 @needs_etcd
-def test_etcd_first_node_loss_reforms_at_dp1(chaos, etcd, chaos_reference, tmp_path):
-    result = chaos_first_node_loss(chaos, chaos_reference, tmp_path, "--rdzv-backend", "etcd-v2",
-                                   "--rdzv-endpoint", etcd.endpoint)
+def test_etcd_first_node_loss_reforms_at_dp1(cli_main, etcd, chaos_reference, tmp_path):
+    result = chaos_first_node_loss(cli_main, chaos_reference, tmp_path,
+                                   "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd.endpoint)
     report = json.loads((tmp_path / "chaos-node-loss-first.json").read_text())
     assert result.returncode == 0 and report["exit_code"] == 0, result.stderr[-3000:]
     assert report["recovered"] and report["final_loss_equal"], report
@@ -138,8 +138,8 @@ def test_etcd_first_node_loss_reforms_at_dp1(chaos, etcd, chaos_reference, tmp_p
 
 
 @pytest.mark.slow
-def test_etcd_c10d_first_node_loss_says_to_use_etcd(chaos, chaos_reference, tmp_path):
-    result = chaos_first_node_loss(chaos, chaos_reference, tmp_path)
+def test_etcd_c10d_first_node_loss_says_to_use_etcd(cli_main, chaos_reference, tmp_path):
+    result = chaos_first_node_loss(cli_main, chaos_reference, tmp_path)
     report = json.loads((tmp_path / "chaos-node-loss-first.json").read_text())
     assert report["exit_code"] == 1 and not report["recovered"], report
     assert result.returncode == 1
