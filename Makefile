@@ -29,7 +29,7 @@ demo: setup
 	$(VENV)/bin/megaresil train recipes/gpt-tiny.yaml run.dir=runs/demo
 
 test: setup cluster-deps
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The test_slurm_* tests run a real one-host Slurm cluster, the test_etcd_*
 # tests a real etcd server. As root on a machine with apt (CI, a fresh VM)

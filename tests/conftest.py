@@ -6,6 +6,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The chaos tests' job (test_resilience.py, test_etcd.py): two data-parallel
+# ranks, a small batch: ~0.1 s steps, so recovery dominates.
+FLOOR_S = 1.0
+SMALL = ["recipes/gpt-tiny.yaml", "parallel.tp=1", "parallel.pp=1", "parallel.dp=2",
+         "train.steps=8", "logging.tensorboard=false", "train.eval_batches=0",
+         f"resilience.watchdog.floor_s={FLOOR_S}", "resilience.watchdog.calibration_steps=2",
+         "data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8",
+         "logging.straggler_interval=2"]
+
 
 def megaresil_cli(*args: str, timeout: float = 600, check: bool = True):
     """Run the public CLI as a user would, from the repository root."""
@@ -23,3 +32,40 @@ def megaresil_cli(*args: str, timeout: float = 600, check: bool = True):
 @pytest.fixture
 def cli():
     return megaresil_cli
+
+
+@pytest.fixture
+def cli_main(capfd, monkeypatch):
+    """`megaresil ARGS` run by the CLI's main() in this process, from the
+    repository root, its output (and that of the processes it starts)
+    captured as a CompletedProcess's; raises, like `cli`, on a failure unless
+    check=False. For commands that read files or start processes of their own
+    (chaos, ckpt, plan, data prepare, config): a call saves starting Python and
+    importing torch (and, for chaos's report, matplotlib), seconds each. The
+    `cli` fixture's subprocess stays for train, which is what users run."""
+    import subprocess
+
+    from megaresil.cli import main
+
+    monkeypatch.chdir(ROOT)
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        capfd.readouterr()  # only this call's output
+        code = main(list(args))
+        out, err = capfd.readouterr()
+        if check and code != 0:
+            raise AssertionError(f"megaresil {' '.join(args)} returned {code}:\n"
+                                 f"{out[-3000:]}\n{err[-5000:]}")
+        return subprocess.CompletedProcess(["megaresil", *args], code, out, err)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def chaos_reference(tmp_path_factory) -> Path:
+    """SMALL's fault-free run (a checkpoint every 2 steps), the one every
+    chaos test compares against: trained once for the whole session."""
+    run_dir = tmp_path_factory.mktemp("chaos-reference")
+    megaresil_cli("train", *SMALL, "checkpoint.interval=2", f"run.dir={run_dir}",
+                  "logging.progress=false", timeout=300)
+    return run_dir

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from daemons import wait_until
 from megaresil.ports import free_port
 
 
@@ -42,16 +42,17 @@ class LocalEtcd:
         return self
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                with urllib.request.urlopen(f"http://{self.endpoint}/v2/keys", timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError(f"etcd did not come up on {self.endpoint}\n{self.logs()}")
+        wait_until(self._answers, timeout, 0.2,
+                   lambda: f"etcd did not come up on {self.endpoint}\n{self.logs()}")
+
+    def _answers(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"etcd exited with {self.proc.returncode}\n{self.logs()}")
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/v2/keys", timeout=1):
+                return True
+        except OSError:
+            return False
 
     def logs(self) -> str:
         return self.log.read_text()[-2000:] if self.log.exists() else ""

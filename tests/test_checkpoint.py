@@ -205,14 +205,14 @@ def flip_a_byte(checkpoint: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_corrupt_shard_is_caught_and_startup_falls_back(cli, tmp_path, backend):
+def test_corrupt_shard_is_caught_and_startup_falls_back(cli, cli_main, tmp_path, backend):
     run = tmp_path / "run"
     opts = [f"checkpoint.backend={backend}", "checkpoint.interval=2", "train.steps=6"]
     train(cli, run, *opts, "train.exit_at_step=4")
     newest = run / "checkpoints" / "step_0000004"
-    assert cli("ckpt", "verify", str(newest)).returncode == 0
+    assert cli_main("ckpt", "verify", str(newest)).returncode == 0
     flip_a_byte(newest)
-    result = cli("ckpt", "verify", str(newest), check=False)
+    result = cli_main("ckpt", "verify", str(newest), check=False)
     assert result.returncode == 1 and "INVALID" in result.stdout
     train(cli, run, *opts)
     events = read_events(run)
@@ -234,12 +234,21 @@ def test_no_valid_checkpoint_refuses_to_start_over(cli, tmp_path):
     assert sorted(losses(run)) == [1, 2, 3, 4]
 
 
+@pytest.fixture(scope="module")
+def step_1(tmp_path_factory) -> Path:
+    """The checkpoint of a run stopped after step 1, which the tests below
+    load into other models."""
+    from conftest import megaresil_cli
+
+    run = tmp_path_factory.mktemp("step-1") / "run"
+    train(megaresil_cli, run, "train.steps=2", "train.exit_at_step=1")
+    return run / "checkpoints" / "step_0000001"
+
+
 @pytest.mark.slow
-def test_other_model_shape_names_key_and_shapes(cli, tmp_path):
-    run = tmp_path / "run"
-    train(cli, run, "train.steps=2", "train.exit_at_step=1")
+def test_other_model_shape_names_key_and_shapes(cli, step_1, tmp_path):
     result = train(cli, tmp_path / "other", "train.steps=2", "model.hidden_size=96",
-                   f"checkpoint.load={run / 'checkpoints' / 'step_0000001'}", check=False)
+                   f"checkpoint.load={step_1}", check=False)
     assert result.returncode != 0
     assert "model/embed.positions.weight" in result.stderr
     assert "(128, 192)" in result.stderr and "(128, 96)" in result.stderr
@@ -265,11 +274,9 @@ def test_checkpoint_of_another_depth_is_refused_naming_the_keys(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_of_another_depth_is_refused_through_the_cli(cli, tmp_path):
-    run = tmp_path / "run"
-    train(cli, run, "train.steps=2", "train.exit_at_step=1")
+def test_checkpoint_of_another_depth_is_refused_through_the_cli(cli, step_1, tmp_path):
     result = train(cli, tmp_path / "other", "train.steps=2", "model.num_layers=2",
-                   f"checkpoint.load={run / 'checkpoints' / 'step_0000001'}", check=False)
+                   f"checkpoint.load={step_1}", check=False)
     assert result.returncode != 0
     said = [line for line in result.stderr.splitlines() if "does not use" in line]
     assert len(said) == 1 and said[0].startswith("megaresil: giving up: rank ") \
@@ -277,26 +284,27 @@ def test_checkpoint_of_another_depth_is_refused_through_the_cli(cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_inspect_retention_and_format_checks(cli, tmp_path):
+def test_inspect_retention_and_format_checks(cli, cli_main, tmp_path):
     run = tmp_path / "run"
     train(cli, run, "train.steps=8", "checkpoint.interval=2", "checkpoint.keep=2",
           "checkpoint.backend=zarr")
     root = run / "checkpoints"
     assert [p.name for p in fmt.committed_checkpoints(root)] == ["step_0000008", "step_0000006"]
     assert (root / fmt.LATEST).read_text().strip() == "step_0000008"
-    info = json.loads(cli("ckpt", "inspect", str(root / "step_0000008"), "--json").stdout)
+    info = json.loads(cli_main("ckpt", "inspect", str(root / "step_0000008"), "--json").stdout)
     assert info["step"] == 8 and info["backend"] == "zarr" and info["layout"]["world_size"] == 1
     assert info["tensors"]["model/embed.tokens.weight"]["shape"] == [4096, 192]
     assert info["total_bytes"] == sum(info["bytes_per_rank"]) > 0
-    assert "model/layers.3.mlp.fc.weight" in cli("ckpt", "inspect", str(root / "step_0000008")).stdout
+    assert "model/layers.3.mlp.fc.weight" in \
+        cli_main("ckpt", "inspect", str(root / "step_0000008")).stdout
 
     newer = root / "step_0000006"
     manifest = json.loads((newer / fmt.MANIFEST).read_text())
     (newer / fmt.MANIFEST).write_text(json.dumps({**manifest, "version": 99}))
-    result = cli("ckpt", "verify", str(newer), check=False)
+    result = cli_main("ckpt", "verify", str(newer), check=False)
     assert result.returncode == 1 and "newer" in result.stdout
     (newer / fmt.MARKER).unlink()
-    assert "completion marker" in cli("ckpt", "verify", str(newer), check=False).stdout
+    assert "completion marker" in cli_main("ckpt", "verify", str(newer), check=False).stdout
 
 
 # --- the checkpointer on its own (single process) ----------------------------------
@@ -533,10 +541,14 @@ def test_manifest_names_cannot_escape(tmp_path):
 
 
 @pytest.mark.slow
-def test_exit_and_rerun_through_the_cli_at_3d(cli, tmp_path):
+def test_exit_and_rerun_through_the_cli(cli, tmp_path):
     """The contract's workflow: the same command with train.exit_at_step=K,
-    then again without it, continues bit for bit (tp=2 x pp=2 x dp=2)."""
-    opts = ["recipes/gpt-tiny.yaml", "train.steps=6", "train.eval_batches=0",
+    then again without it, continues bit for bit; each process of the job
+    writes its own shards (pp=2) and the asynchronous save is committed
+    before the exit. At tp=2 x pp=2 x dp=2 (8 processes: three times the
+    start-up) the bit-exact resume is test_resume_is_bit_identical's."""
+    opts = ["recipes/gpt-tiny.yaml", "parallel.tp=1", "parallel.pp=2", "parallel.dp=1",
+            "train.steps=6", "train.eval_batches=0",
             "checkpoint.backend=zarr", "checkpoint.async=true", *QUIET]
     cli("train", *opts, f"run.dir={tmp_path / 'straight'}")
     cli("train", *opts, f"run.dir={tmp_path / 'resumed'}", "train.exit_at_step=3")

@@ -32,22 +32,31 @@ def test_demo_recipe_learns_shakespeare(cli, tmp_path):
     assert (tmp_path / "recipe.yaml").exists()
 
 
-@pytest.mark.slow
-def test_same_seed_gives_identical_losses(cli, tmp_path):
-    runs = [tmp_path / "a", tmp_path / "b"]
-    for run in runs:
-        cli("train", "recipes/gpt-tiny.yaml", f"run.dir={run}", "train.steps=6",
-            "train.eval_batches=0", *SINGLE, *QUIET)
-    assert losses(runs[0]) == losses(runs[1])
-    assert len(losses(runs[0])) == 6
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """One single-process run of 6 steps, with TensorBoard on, shared by the
+    tests below (each CLI run starts workers: most of a short run's cost)."""
+    from conftest import megaresil_cli
+
+    run_dir = tmp_path_factory.mktemp("six-steps")
+    megaresil_cli("train", "recipes/gpt-tiny.yaml", f"run.dir={run_dir}", "train.steps=6",
+                  "train.eval_batches=0", "logging.progress=false", *SINGLE)
+    return run_dir
 
 
 @pytest.mark.slow
-def test_tensorboard_and_events_written(cli, tmp_path):
-    cli("train", "recipes/gpt-tiny.yaml", f"run.dir={tmp_path}", "train.steps=2",
-        "train.eval_batches=0", "logging.progress=false", *SINGLE)
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
-    assert '"event": "run_finished"' in (tmp_path / "events.jsonl").read_text()
+def test_same_seed_gives_identical_losses(cli, six_steps, tmp_path):
+    """And logging (here TensorBoard off) does not change them."""
+    cli("train", "recipes/gpt-tiny.yaml", f"run.dir={tmp_path}", "train.steps=6",
+        "train.eval_batches=0", *SINGLE, *QUIET)
+    assert losses(six_steps) == losses(tmp_path)
+    assert len(losses(six_steps)) == 6
+
+
+@pytest.mark.slow
+def test_tensorboard_and_events_written(six_steps):
+    assert list((six_steps / "tb").glob("events.out.tfevents.*"))
+    assert '"event": "run_finished"' in (six_steps / "events.jsonl").read_text()
 
 
 def assert_sane_start(run_dir, steps: int, vocab_size: int) -> None:
@@ -79,9 +88,9 @@ def test_llama_1b_recipe_runs_reduced(cli, tmp_path):
     assert_sane_start(tmp_path, steps=2, vocab_size=50257)
 
 
-def test_help_and_config_docs(cli):
+def test_help_and_config_docs(cli, cli_main):
     assert "train" in cli("--help").stdout
-    docs = cli("config", "docs").stdout
+    docs = cli_main("config", "docs").stdout
     for key in ("parallel.tp", "optimizer.distributed", "model.recompute", "data.source"):
         assert key in docs
 

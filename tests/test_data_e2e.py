@@ -20,15 +20,15 @@ def losses(run_dir) -> list[tuple[int, str, float]]:
 
 
 @pytest.mark.slow
-def test_blend_of_prepared_corpora_resumes_at_another_dp_bit_for_bit(cli, tmp_path):
+def test_blend_of_prepared_corpora_resumes_at_another_dp_bit_for_bit(cli, cli_main, tmp_path):
     tokenizer = llama_style_tokenizer(tmp_path / "tokenizer", vocab_size=300)
     prefixes = []
     for name, texts in (("a", TEXTS), ("b", [t.upper() for t in TEXTS])):
         corpus = tmp_path / f"{name}.jsonl"
         corpus.write_text("".join(json.dumps({"content": t}) + "\n" for t in texts))
-        result = cli("data", "prepare", "--input", str(corpus), "--json-key", "content",
-                     "--tokenizer", str(tokenizer), "--workers", "2",
-                     "--output", str(tmp_path / name))
+        result = cli_main("data", "prepare", "--input", str(corpus), "--json-key", "content",
+                          "--tokenizer", str(tokenizer), "--workers", "2",
+                          "--output", str(tmp_path / name))
         assert "prepared 40 documents" in result.stdout and "tokens/s" in result.stdout
         prefixes.append(str(tmp_path / name))
 

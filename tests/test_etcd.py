@@ -7,8 +7,6 @@ directory, so they outlive the node whose store held the attempt's state."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -18,7 +16,8 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousConnectionError,
                                                   RendezvousTimeoutError)
 
-from conftest import ROOT
+from conftest import SMALL
+from daemons import serve
 from etcd_server import LocalEtcd, missing_reason
 from megaresil.config import ConfigError
 from megaresil.events import EventLog, read_events
@@ -26,7 +25,6 @@ from megaresil.launch import Membership, rendezvous_lost
 from megaresil.resilience.restart import (AbortBoard, relaunches_without_progress,
                                           restarts_recorded)
 from megaresil.slurm import SlurmStep
-from test_resilience import SMALL
 from test_slurm import step_env
 
 needs_etcd = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
@@ -34,18 +32,7 @@ needs_etcd = pytest.mark.skipif(missing_reason() is not None, reason=str(missing
 
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory):
-    server = LocalEtcd(tmp_path_factory.mktemp("etcd")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("etcd-reference")
-    subprocess.run([sys.executable, "-m", "megaresil", "train", *SMALL, "checkpoint.interval=2",
-                    f"run.dir={run_dir}", "logging.progress=false"], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
-    return run_dir
+    yield from serve(LocalEtcd, missing_reason, tmp_path_factory.mktemp("etcd"))
 
 
 @needs_etcd
@@ -127,16 +114,16 @@ def test_etcd_a_peer_that_took_the_store_with_it_is_a_lost_peer():
     assert not board.peer_gone(0, RuntimeError("something else"))
 
 
-def chaos_first_node_loss(cli, reference, run_dir, *backend: str):
-    return cli("chaos", *SMALL, f"run.dir={run_dir}", "--scenario", "node-loss-first",
-               "--step", "3", "--reference", str(reference), *backend, timeout=300, check=False)
+def chaos_first_node_loss(cli_main, reference, run_dir, *backend: str):
+    return cli_main("chaos", *SMALL, f"run.dir={run_dir}", "--scenario", "node-loss-first",
+                    "--step", "3", "--reference", str(reference), *backend, check=False)
 
 
 @pytest.mark.slow
 @needs_etcd
-def test_etcd_first_node_loss_reforms_at_dp1(cli, etcd, reference, tmp_path):
-    result = chaos_first_node_loss(cli, reference, tmp_path, "--rdzv-backend", "etcd-v2",
-                                   "--rdzv-endpoint", etcd.endpoint)
+def test_etcd_first_node_loss_reforms_at_dp1(cli_main, etcd, chaos_reference, tmp_path):
+    result = chaos_first_node_loss(cli_main, chaos_reference, tmp_path,
+                                   "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd.endpoint)
     report = json.loads((tmp_path / "chaos-node-loss-first.json").read_text())
     assert result.returncode == 0 and report["exit_code"] == 0, result.stderr[-3000:]
     assert report["recovered"] and report["final_loss_equal"], report
@@ -151,8 +138,8 @@ def test_etcd_first_node_loss_reforms_at_dp1(cli, etcd, reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_etcd_c10d_first_node_loss_says_to_use_etcd(cli, reference, tmp_path):
-    result = chaos_first_node_loss(cli, reference, tmp_path)
+def test_etcd_c10d_first_node_loss_says_to_use_etcd(cli_main, chaos_reference, tmp_path):
+    result = chaos_first_node_loss(cli_main, chaos_reference, tmp_path)
     report = json.loads((tmp_path / "chaos-node-loss-first.json").read_text())
     assert report["exit_code"] == 1 and not report["recovered"], report
     assert result.returncode == 1

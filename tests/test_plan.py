@@ -77,7 +77,7 @@ def test_simulator_predicts_the_soaks_goodput():
 
 
 @pytest.mark.slow
-def test_plan_on_a_real_run(tmp_path):
+def test_plan_on_a_real_run(cli_main, tmp_path):
     """A tiny run with a kill (a relaunch) and saves every 2 steps, then the command."""
     run = tmp_path / "run"
     faults = 'faults=[{kind: kill, rank: 0, step: 5}]'
@@ -86,9 +86,7 @@ def test_plan_on_a_real_run(tmp_path):
                    check=True, capture_output=True, timeout=600)
     costs = read_costs(run)
     assert costs.interval == 2 and "relaunch" in costs.restart_s()
-    out = subprocess.run([sys.executable, "-m", "megaresil", "plan", str(run), "--gpus", "8",
-                          "--mtbf-hours", "100", "--json"], check=True, capture_output=True,
-                         text=True, timeout=120).stdout
+    out = cli_main("plan", str(run), "--gpus", "8", "--mtbf-hours", "100", "--json").stdout
     report = json.loads(out)
     assert report["policies"][0]["policy"] == "global only"
     assert 0 < report["policies"][0]["expected_goodput"] < 1

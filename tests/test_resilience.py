@@ -14,40 +14,28 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import FLOOR_S, ROOT, SMALL
 from megaresil.config import ConfigError, load_recipe
 from megaresil.events import read_events
 from megaresil.events import read_metrics
 
-FLOOR_S = 1.0
-# Two data-parallel ranks, a small batch: ~0.1 s steps, so recovery dominates.
-SMALL = ["recipes/gpt-tiny.yaml", "parallel.tp=1", "parallel.pp=1", "parallel.dp=2",
-         "train.steps=8", "logging.tensorboard=false", "train.eval_batches=0",
-         f"resilience.watchdog.floor_s={FLOOR_S}", "resilience.watchdog.calibration_steps=2",
-         "data.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8",
-         "logging.straggler_interval=2"]
 SCENARIOS = ["kill-rank", "raise-in-rank", "hang-in-collective", "hang-outside-collective",
              "hang-holding-gil", "slow-rank", "sigterm", "corrupt-latest-checkpoint",
              "kill-during-checkpoint-save", "node-loss"]
 
 
 @pytest.fixture(scope="module")
-def chaos_root(tmp_path_factory, request):
-    root = tmp_path_factory.mktemp("chaos")
-    reference = root / "reference"
-    subprocess.run([sys.executable, "-m", "megaresil", "train", *SMALL, "checkpoint.interval=2",
-                    f"run.dir={reference}", "logging.progress=false"], cwd=ROOT, check=True,
-                   capture_output=True, timeout=300)
-    return root
+def chaos_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("chaos")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_chaos_scenario_recovers_exactly(cli, chaos_root, scenario):
+def test_chaos_scenario_recovers_exactly(cli_main, chaos_root, chaos_reference, scenario):
     # The node is lost after step 3, leaving the shrunk job most of the run.
     step = ["--step", "3"] if scenario == "node-loss" else []
-    result = cli("chaos", *SMALL, f"run.dir={chaos_root}", "--scenario", scenario, *step,
-                 "--reference", str(chaos_root / "reference"), timeout=300)
+    result = cli_main("chaos", *SMALL, f"run.dir={chaos_root}", "--scenario", scenario, *step,
+                      "--reference", str(chaos_reference))
     report = json.loads((chaos_root / f"chaos-{scenario}.json").read_text())
     assert "final loss" in result.stdout
     assert report["recovered"] and report["final_loss_equal"], report
@@ -210,7 +198,7 @@ def test_incidents_are_one_line_each(tmp_path):
 
 
 @pytest.mark.slow
-def test_defaults_recover_and_say_what_happened(cli, chaos_root, tmp_path):
+def test_defaults_recover_and_say_what_happened(cli, chaos_reference, tmp_path):
     """No resilience settings: a raised exception restarts in-process, a
     killed rank relaunches the workers; the console says so in one line
     each, and the run ends with the fault-free reference's loss."""
@@ -223,7 +211,7 @@ def test_defaults_recover_and_say_what_happened(cli, chaos_root, tmp_path):
     assert "megaresil: restarting by relaunching the workers from step 4" in result.stderr
     assert "Traceback" not in result.stderr
     final = [r for r in read_metrics(tmp_path) if "loss" in r][-1]
-    reference = [r for r in read_metrics(chaos_root / "reference") if "loss" in r][-1]
+    reference = [r for r in read_metrics(chaos_reference) if "loss" in r][-1]
     assert final["step"] == reference["step"] and final["loss"] == reference["loss"]
 
 

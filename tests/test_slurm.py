@@ -5,10 +5,10 @@ uninterrupted run), in both launcher modes."""
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 
+from daemons import serve, wait_until
 from dist_harness import ROOT, TINY
 from megaresil.config import ConfigError
 from megaresil.events import read_events, read_metrics
@@ -74,12 +74,7 @@ SLOW = "faults=[{kind: slow, rank: 0, step: 1, seconds: 0.2}]"
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    reason = missing_reason()
-    if reason:
-        pytest.skip(reason)
-    cluster = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
-    yield cluster
-    cluster.stop()
+    yield from serve(LocalSlurm, missing_reason, tmp_path_factory.mktemp("slurm"))
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +87,9 @@ def reference(tmp_path_factory):
 
 
 def wait_for_step(run_dir, step: int, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and any(
-                m["step"] >= step for m in read_metrics(run_dir)):
-            return
-        time.sleep(0.3)
-    raise TimeoutError(f"no step {step} in {run_dir} within {timeout} s")
+    wait_until(lambda: (run_dir / "metrics.jsonl").exists() and any(
+        m["step"] >= step for m in read_metrics(run_dir)), timeout, 0.3,
+               lambda: f"no step {step} in {run_dir} within {timeout} s")
 
 
 @pytest.mark.slow

@@ -68,14 +68,24 @@ def test_out_of_range_value_names_the_key_and_the_fix(override, key):
 CLI_BAD = [BAD[i] for i in (0, 3, 5, 8, 14, 22, 28, 33)]
 
 
-@pytest.mark.parametrize("override,key", CLI_BAD, ids=[b[0] for b in CLI_BAD])
-def test_config_show_rejects_out_of_range_value_with_one_line(override, key):
-    result = subprocess.run([sys.executable, "-m", "megaresil", "config", "show", str(TINY),
-                             override], capture_output=True, text=True, cwd=ROOT, timeout=120)
+def assert_one_line_refusal(result: subprocess.CompletedProcess, key: str) -> None:
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"megaresil: error: {key}:"), result.stderr
     assert "Fix:" in lines[0]
+
+
+@pytest.mark.parametrize("override,key", CLI_BAD, ids=[b[0] for b in CLI_BAD])
+def test_config_show_rejects_out_of_range_value_with_one_line(cli_main, override, key):
+    assert_one_line_refusal(cli_main("config", "show", str(TINY), override, check=False), key)
+
+
+def test_the_refusal_is_all_the_process_prints():
+    """As its own process (`python -m megaresil`), with nothing else on stderr."""
+    override, key = CLI_BAD[0]
+    result = subprocess.run([sys.executable, "-m", "megaresil", "config", "show", str(TINY),
+                             override], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert_one_line_refusal(result, key)
 
 
 def test_edge_values_inside_the_ranges_are_accepted():

@@ -131,7 +131,7 @@ def limit_file_size(limit: int):
 
 
 @pytest.mark.slow
-def test_failed_save_stops_the_run_with_the_reason(cli, tmp_path):
+def test_failed_save_stops_the_run_with_the_reason(cli, cli_main, tmp_path):
     """Through the CLI: the first run saves step 2; the same run continued
     under a 4 MB file size limit (the checkpoint file is ~30 MB) fails its
     step-4 save, exits non-zero naming EFBIG and the file, and `ckpt verify`
@@ -151,4 +151,4 @@ def test_failed_save_stops_the_run_with_the_reason(cli, tmp_path):
     reason = next((line for line in continued.stderr.splitlines() if "EFBIG" in line), None)
     assert reason is not None, continued.stderr
     assert "step_0000004.partial-0/dcp/__0_0.distcp" in reason and "checkpoint.dir" in reason
-    assert cli("ckpt", "verify", str(run / "checkpoints" / "step_0000002")).returncode == 0
+    assert cli_main("ckpt", "verify", str(run / "checkpoints" / "step_0000002")).returncode == 0
