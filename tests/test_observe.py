@@ -4,7 +4,6 @@ report's panels. Unit tests on small records; the end-to-end run is at the end."
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
