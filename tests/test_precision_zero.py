@@ -17,7 +17,7 @@ from megaresil.model.init import initialize
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.train.loop import Trainer
-from megaresil.train.precision import MainParams, main_bytes, shard_main_params
+from megaresil.train.precision import MainParams, shard_main_params
 
 CPU = ParallelLayout(device=torch.device("cpu"))
 BF16 = ["train.precision=bf16"]
@@ -29,6 +29,15 @@ def tiny_params() -> list[torch.nn.Parameter]:
     model = GPT(cfg)
     initialize(model, cfg, seed=0)
     return list(model.parameters())
+
+
+def main_bytes(main: MainParams | None, optimizer) -> int:
+    """Bytes of fp32 main weights this rank holds: whole copies, or the
+    optimizer's row shards that are a parameter's main rows."""
+    if main is not None:
+        return sum(p.numel() * p.element_size() for p in main.main)
+    return sum(s.view.numel() * s.view.element_size() for s in optimizer.shards
+               if getattr(s.param, "main_shard", None) is s)
 
 
 @pytest.mark.parametrize("dp", [2, 4])

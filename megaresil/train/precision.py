@@ -103,11 +103,3 @@ def shard_main_params(optimizer: DistributedOptimizer) -> None:
         shard.param.main_shard = shard
     cast_to_bf16([shard.param for shard in optimizer.shards])
 
-
-def main_bytes(main: MainParams | None, optimizer) -> int:
-    """Bytes of fp32 main weights this rank holds (0 without bf16)."""
-    if main is not None:
-        return sum(p.numel() * p.element_size() for p in main.main)
-    shards = getattr(optimizer, "shards", [])
-    return sum(s.view.numel() * s.view.element_size() for s in shards
-               if getattr(s.param, "main_shard", None) is s)
