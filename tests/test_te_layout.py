@@ -87,6 +87,7 @@ def test_te_marks_norms_and_row_biases_sequence_parallel(flavour):
     with torch.device("meta"):
         sp = GPT(cfg, tp=TPGroup(None, 2, 0, sequence_parallel=True))
         plain = GPT(cfg, tp=TPGroup(None, 2, 0))
-    want = {f"layers.{i}.{name}" for i in range(cfg.num_layers) for name in SEQUENCE_PARALLEL[flavour]}
+    want = {f"layers.{i}.{name}" for i in range(cfg.num_layers)
+            for name in SEQUENCE_PARALLEL[flavour]}
     assert te.sequence_parallel_names(sp, flavour) == want | OUTSIDE_BLOCKS[flavour]
     assert te.sequence_parallel_names(plain, flavour) == set()

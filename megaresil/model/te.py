@@ -254,7 +254,8 @@ class SequenceFirstAttention(nn.Module):
     def __init__(self, attn: Attention, qkv: nn.Module, proj: nn.Module, core: nn.Module):
         super().__init__()
         self.qkv, self.proj, self.core, self.rope = qkv, proj, core, attn.rope
-        self.heads, self.kv_heads, self.head_dim = attn.local_heads, attn.local_kv_heads, attn.head_dim
+        self.heads, self.kv_heads = attn.local_heads, attn.local_kv_heads
+        self.head_dim = attn.head_dim
         self.recompute_core = attn.recompute_core
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
