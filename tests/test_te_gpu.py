@@ -112,13 +112,13 @@ def test_te_grads_and_step_match_local_at_tp1(flavour):
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_te_state_round_trips_through_local_keys(flavour):
     """te -> local keys -> a local model -> te keys -> a fresh TE model: same logits."""
-    engine = te_model(flavour)
+    engine = te_model(flavour).eval()  # logits without dropout
     with torch.no_grad():
         for p in engine.parameters():  # away from the init both sides share
             p.add_(0.01 * torch.randn_like(p))
-    local = local_model(flavour)
+    local = local_model(flavour).eval()
     local.load_state_dict(local_state(engine, flavour), strict=False)
-    back = te_model(flavour)
+    back = te_model(flavour).eval()
     back_params = dict(back.named_parameters())
     with torch.no_grad():
         for key, param in local.named_parameters():
