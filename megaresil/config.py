@@ -860,13 +860,6 @@ def validate(cfg: RecipeConfig) -> None:
     _require(cfg.checkpoint.local.enabled or not local_faults, "faults",
              f"{local_faults[0] if local_faults else ''} acts on the local checkpoint tier, "
              "which is off.", "set checkpoint.local.enabled=true.")
-    if cfg.model.backend == Backend.te:
-        # TE's sequence parallelism gathers along dim 0 (Megatron's (T, B, C)
-        # activations); megaresil's are (B, T, C).
-        _require(not cfg.parallel.sequence_parallel, "model.backend",
-                 "te does not run with sequence parallelism yet (TE shards dim 0, "
-                 "megaresil's activations are batch-first).",
-                 "set parallel.sequence_parallel=false, or model.backend=local.")
     if cfg.train.fp8 != FP8.none:
         _require(cfg.model.backend == Backend.te, "train.fp8",
                  "FP8 needs Transformer Engine's layers.", "set model.backend=te, or train.fp8=none.")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist_harness import RECIPE, TINY
-from megaresil.config import ConfigError, ModelConfig, load_recipe
+from megaresil.config import ModelConfig, load_recipe
 from megaresil.model import te
 from megaresil.model.gpt import GPT
 
@@ -44,8 +44,8 @@ def test_key_map_leaves_non_block_keys_and_other_flavours_names_alone():
     assert te.te_key("layers.0.mlp.down.weight", "llama") == "layers.0.mlp.down.weight"
 
 
-def test_config_lets_te_run_tensor_parallel_but_not_sequence_parallel():
-    load_recipe(RECIPE, TINY + ["model.backend=te", "parallel.tp=2"])
-    with pytest.raises(ConfigError, match="parallel.sequence_parallel=false"):
-        load_recipe(RECIPE, TINY + ["model.backend=te", "parallel.tp=2",
-                                    "parallel.sequence_parallel=true"])
+def test_config_lets_te_run_tensor_and_sequence_parallel():
+    for sp in ("false", "true"):
+        cfg = load_recipe(RECIPE, TINY + ["model.backend=te", "parallel.tp=2",
+                                          f"parallel.sequence_parallel={sp}"])
+        assert cfg.parallel.sequence_parallel == (sp == "true")

@@ -15,8 +15,8 @@ checks=$?
 if [ "${1:-}" = "--dry-run" ]; then
   tests=skipped
 else
-  # 90 s: the TE tp=2 cases spawn two ranks.
-  timeout 90 "$PY" -m pytest -q -m gpu tests/ >gpu_pytest.log 2>&1
+  # 120 s: the TE tp=2 cases spawn two ranks (two more cases, with SP, on 2+ GPUs).
+  timeout 120 "$PY" -m pytest -q -m gpu tests/ >gpu_pytest.log 2>&1
   case $? in 0) tests=passed ;; 5) tests=none_collected ;; *) tests=failed ;; esac
   tail -3 gpu_pytest.log
 fi

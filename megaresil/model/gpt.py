@@ -17,6 +17,7 @@ from megaresil.model.layers import Block, make_norm, sequence_dropout
 from megaresil.parallel.tensor_parallel import (ColumnParallelLinear, TPGroup,
                                                 VocabParallelEmbedding, enter_tp_region,
                                                 gather_vocab, mark_sequence_parallel, seq_shard,
+                                                swap_batch_and_sequence,
                                                 vocab_parallel_cross_entropy)
 
 
@@ -77,6 +78,11 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, tp, index=i, seed=seed) for i in layer_ids})
         self.segments = recompute_segments(cfg, layer_ids)
         self.checkpoints = CheckpointStore.for_model(cfg, tp)
+        # The blocks' activation layout: (B, T, C), or (T, B, C) once model/te.py
+        # has converted them (Megatron's layout, the one TE's sequence
+        # parallelism shards along dim 0). The stage's inputs and outputs stay
+        # (B, T, C) either way, so pipeline shapes, embedding and head do not change.
+        self.sequence_first = False
         if last:
             self.norm = make_norm(cfg, tp)
             self.head = (None if self.tied else
@@ -87,18 +93,26 @@ class GPT(nn.Module):
         rank's vocabulary slice of the logits (last chunk) out."""
         if self.first:
             x = self.embed(x, samples)  # (B, T, C), or (B, T/tp, C) under SP
+        x = self.blocks_layout(x)
         for layer_ids, recompute in self.segments:
             if recompute and self.training:
                 run = functools.partial(self.run_layers, layer_ids)
                 x = self.checkpoints.run(run, x, samples)
             else:
                 x = self.run_layers(layer_ids, x, samples)
+        x = self.blocks_layout(x)
         if not self.last:
             return x
         x = self.norm(x)
         if self.head is not None:
             return self.head(x)  # (B, T, padded V / tp)
         return nn.functional.linear(enter_tp_region(x, self.tp), self.embed.tokens.weight)
+
+    def blocks_layout(self, x: torch.Tensor) -> torch.Tensor:
+        """Between the stage's (B, T, C) and sequence-first blocks' (T, B, C), either
+        way; an identity for batch-first blocks. Contiguous: TE's GEMMs view their
+        input as 2-D."""
+        return swap_batch_and_sequence(x).contiguous() if self.sequence_first else x
 
     def run_layers(self, layer_ids: list[int], x: torch.Tensor,
                    samples: Optional[torch.Tensor]) -> torch.Tensor:

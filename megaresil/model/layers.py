@@ -102,6 +102,18 @@ class RotaryEmbedding(nn.Module):
         return x * cos + rotated * sin
 
 
+def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (a, b, heads, D), k and v (a, b, kv heads, D) from the fused projection's
+    output (a, b, (heads + 2 kv heads) D), whose features are grouped by kv head
+    (see Attention). (a, b) is (B, T) here, (T, B) in TE's sequence-first layout."""
+    a, b, _ = qkv.shape
+    per_group = heads // kv_heads
+    qkv = qkv.view(a, b, kv_heads, per_group + 2, head_dim)
+    q = qkv[:, :, :, :per_group].reshape(a, b, heads, head_dim)
+    return q, qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+
+
 class Attention(nn.Module):
     """Causal self-attention with one fused, column-parallel QKV projection.
 
@@ -130,12 +142,7 @@ class Attention(nn.Module):
         self.recompute_core = cfg.recompute == Recompute.selective
 
     def split_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = self.qkv(x)  # (B, T, local (H + 2G) D)
-        B, T, _ = qkv.shape
-        per_group = self.local_heads // self.local_kv_heads
-        qkv = qkv.view(B, T, self.local_kv_heads, per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :per_group].reshape(B, T, self.local_heads, self.head_dim)
-        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # (B, T, G, D)
+        q, k, v = split_heads(self.qkv(x), self.local_heads, self.local_kv_heads, self.head_dim)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

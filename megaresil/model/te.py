@@ -1,33 +1,44 @@
 """Transformer Engine backend (`model.backend=te`): TE's fused modules in place
-of the local layers, with the layout's TP group, and FP8 (`train.fp8=hybrid`).
+of the local layers, with the layout's TP group and sequence parallelism, and
+FP8 (`train.fp8=hybrid`).
 
 Written against TE's documented API (transformer_engine.pytorch.Linear,
-LayerNormLinear, LayerNormMLP, LayerNorm, RMSNorm, fp8_autocast,
-common.recipe.DelayedScaling) and untested until a CUDA machine with TE runs
-`pytest -m gpu` (tools/gpu_check.sh does).
+LayerNormLinear, LayerNormMLP, LayerNorm, RMSNorm, DotProductAttention,
+fp8_autocast, common.recipe.DelayedScaling) and untested until a CUDA machine
+with TE runs `pytest -m gpu` (tools/gpu_check.sh does).
 
 The model is built and initialised with the local layers, then `convert`
 swaps them, in each block:
-- norm1 + attn.qkv -> LayerNormLinear (column parallel); attn.proj -> Linear (row);
+- norm1 + attn.qkv -> LayerNormLinear (column parallel); the attention core
+  (torch SDPA) -> DotProductAttention (causal, GQA groups; RoPE is applied to
+  q and k before it, as locally); attn.proj -> Linear (row);
 - GPT-2: norm2 + mlp.fc + gelu + mlp.proj -> LayerNormMLP (fc1 column, fc2 row);
 - Llama: norm2 + mlp.gate + mlp.up -> one LayerNormLinear whose weight TE
   exposes as two Parameters (parameters_split: gate_weight, up_weight), so each
   stays its own TP row block as in the local model; mlp.down -> Linear (row).
   LayerNormMLP's swiglu fc1 would hold [gate; up] rows of *each TP rank* in one
   tensor, which is no rectangle of a local key;
-- the final norm -> LayerNorm/RMSNorm, the output head -> Linear (column).
-TE modules get global sizes, parallel_mode, tp_group and tp_size and hold the
-same local shard the local layer held; the shard's values and the marks the
-parallel code and checkpoints read (tp_dim, sequence_parallel, ...) are copied.
+- the final norm -> LayerNorm/RMSNorm. The output head stays the local
+  ColumnParallelLinear, as Megatron-Core's GPT keeps its own output layer: the
+  stage's logits are batch-first, and TE's sequence parallelism is not.
+TE modules get global sizes, parallel_mode, tp_group, tp_size and
+sequence_parallel and hold the same local shard the local layer held; the
+shard's values and the marks the parallel code and checkpoints read (tp_dim,
+sequence_parallel, ...) are copied. DotProductAttention holds no parameters.
 The fused modules name their parameters as TE does (layer_norm_weight,
 fc1_weight, ...); `local_key` / `te_key` map between those names and the local
 backend's, so checkpoints keep the local keys: a TE-trained checkpoint resumes
 on the local backend and the other way round.
 
-Not done: TE's sequence parallelism (it gathers along dim 0, Megatron's (T, B, C)
-layout; megaresil's activations are (B, T, C): the config refuses te with
-parallel.sequence_parallel) and DotProductAttention (attention stays torch's
-SDPA, itself flash/cuDNN on CUDA).
+Layout: the converted blocks run on (T, B, C), Megatron's layout, because TE's
+sequence parallelism gathers and scatters along dim 0. `GPT.blocks_layout`
+transposes once on entry to a stage's blocks and once on exit, so the stage's
+inputs and outputs (pipeline shapes, embedding, head) stay (B, T, C); under
+sequence parallelism rank r's (B, T/tp, C) shard transposes to exactly TE's
+dim-0 shard of (T, B, C). The blocks' dropouts keep their layout-independent
+masks (drawn per sample on the batch-first view). Attention-probability
+dropout is DotProductAttention's own, drawn from the CUDA RNG: unlike the
+local backend's, it depends on the layout (Llama recipes use none).
 
 `import transformer_engine` without CUDA raises RuntimeError, not
 ImportError, hence the broad except.
@@ -42,8 +53,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaresil.model.gpt import GPT
-from megaresil.model.layers import Block, GeluMLP
-from megaresil.parallel.tensor_parallel import TPGroup
+from megaresil.model.layers import Attention, Block, GeluMLP, split_heads
+from megaresil.parallel.random import LayoutDropout
+from megaresil.parallel.tensor_parallel import TPGroup, swap_batch_and_sequence
 
 _IMPORT_ERROR: Optional[str] = None
 try:
@@ -136,7 +148,8 @@ def _parallel(tp: TPGroup, mode: str) -> dict:
     """TE's tensor-parallel arguments for a layer cut `mode`-wise over `tp`."""
     if not tp.active:
         return {}
-    return dict(parallel_mode=mode, tp_group=tp.group, tp_size=tp.size, sequence_parallel=False)
+    return dict(parallel_mode=mode, tp_group=tp.group, tp_size=tp.size,
+                sequence_parallel=tp.sequence_parallel)
 
 
 def _normalization(norm: nn.Module) -> str:
@@ -149,12 +162,11 @@ def _copy_norm(norm: nn.Module, module: nn.Module) -> None:
         _carry(norm.bias, module.layer_norm_bias)
 
 
-def _te_linear(layer: nn.Module, mode: str, tp: TPGroup, device: torch.device) -> nn.Module:
-    """TE Linear holding the same local shard as a Column/RowParallelLinear."""
-    rows, cols = layer.weight.shape  # local
-    out_features, in_features = (rows * tp.size, cols) if mode == "column" else (rows, cols * tp.size)
-    linear = te.Linear(in_features, out_features, bias=layer.bias is not None,
-                       params_dtype=layer.weight.dtype, device=device, **_parallel(tp, mode))
+def _te_row_linear(layer: nn.Module, tp: TPGroup, device: torch.device) -> nn.Module:
+    """TE Linear holding the same local shard as a RowParallelLinear."""
+    out_features, local_in = layer.weight.shape
+    linear = te.Linear(local_in * tp.size, out_features, bias=layer.bias is not None,
+                       params_dtype=layer.weight.dtype, device=device, **_parallel(tp, "row"))
     _carry(layer.weight, linear.weight)
     if layer.bias is not None:
         _carry(layer.bias, linear.bias)
@@ -202,7 +214,9 @@ class FusedGeluMLP(nn.Module):
                                      normalization=_normalization(norm), activation="gelu",
                                      params_dtype=mlp.fc.weight.dtype, device=device,
                                      **({"tp_group": tp.group, "tp_size": tp.size,
-                                         "set_parallel_mode": True} if tp.active else {}))
+                                         "set_parallel_mode": True,
+                                         "sequence_parallel": tp.sequence_parallel}
+                                        if tp.active else {}))
         _copy_norm(norm, self.fused)
         for local, name in ((mlp.fc, "fc1"), (mlp.proj, "fc2")):
             _carry(local.weight, getattr(self.fused, f"{name}_weight"))
@@ -224,37 +238,112 @@ class FusedSwiGLUMLP(nn.Module):
                                        parameters_split=("gate", "up"))
         _carry(mlp.gate.weight, self.gate_up.gate_weight)
         _carry(mlp.up.weight, self.gate_up.up_weight)
-        self.down = _te_linear(mlp.down, "row", tp, device)
+        self.down = _te_row_linear(mlp.down, tp, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # each (B, T, local ffn)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # each (T, B, local ffn)
         return self.down(F.silu(gate) * up)
 
 
+class SequenceFirstAttention(nn.Module):
+    """The local Attention's computation on (T, B, C) activations, its core
+    called with DotProductAttention's contract (qkv_format="sbhd"): q
+    (T, B, heads, D), k and v (T, B, kv heads, D) in, (T, B, heads * D) out,
+    causal. Holds the same parameters under the same names (qkv, proj)."""
+
+    def __init__(self, attn: Attention, qkv: nn.Module, proj: nn.Module, core: nn.Module):
+        super().__init__()
+        self.qkv, self.proj, self.core, self.rope = qkv, proj, core, attn.rope
+        self.heads, self.kv_heads = attn.local_heads, attn.local_kv_heads
+        self.head_dim = attn.head_dim
+        self.recompute_core = attn.recompute_core
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """RoPE on (T, B, heads, D), through the local RotaryEmbedding's (B, heads, T, D)."""
+        return self.rope(x.permute(1, 2, 0, 3)).permute(2, 0, 1, 3)
+
+    def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
+        q, k, v = split_heads(self.qkv(x), self.heads, self.kv_heads, self.head_dim)
+        if self.rope is not None:
+            q, k = self.rotate(q), self.rotate(k)
+        # Contiguous sbhd: a layout every TE version's DotProductAttention takes.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        y = self.core(q, k, v, checkpoint_core_attention=self.recompute_core and self.training)
+        return self.proj(y)
+
+
+class SequenceFirstDropout(nn.Module):
+    """A block's LayoutDropout on (T, B, C) activations: its masks are drawn per
+    sample, so it runs on the batch-first view and keeps the local backend's masks."""
+
+    def __init__(self, dropout: LayoutDropout):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
+        return swap_batch_and_sequence(self.dropout(swap_batch_and_sequence(x), samples))
+
+
+def make_sequence_first(block: Block, qkv: nn.Module, proj: nn.Module, core: nn.Module) -> None:
+    """Make `block` run on (T, B, C): the attention with `qkv`, `proj` and the
+    attention `core` (DotProductAttention's contract), the dropouts on the
+    batch-first view. The norms and the MLP act on the last dim: any layout."""
+    block.attn = SequenceFirstAttention(block.attn, qkv, proj, core)
+    block.attn_dropout = SequenceFirstDropout(block.attn_dropout)
+    block.mlp_dropout = SequenceFirstDropout(block.mlp_dropout)
+
+
+def _dot_product_attention(attn: Attention, tp: TPGroup) -> nn.Module:
+    """TE's attention core for the local `attn`: global head counts, as TE divides by tp."""
+    parallel = (dict(tp_group=tp.group, tp_size=tp.size, sequence_parallel=tp.sequence_parallel)
+                if tp.active else {})
+    return te.DotProductAttention(attn.local_heads * tp.size, attn.head_dim,
+                                  num_gqa_groups=attn.local_kv_heads * tp.size,
+                                  attention_dropout=attn.prob_dropout.p, qkv_format="sbhd",
+                                  attn_mask_type="causal", **parallel)
+
+
 def convert_block(block: Block, tp: TPGroup, device: torch.device) -> None:
-    """Swap a block's norms and linears for TE's fused modules, in place."""
-    block.attn.qkv = _fuse_norm_qkv(block.norm1, block.attn.qkv, tp, device)
-    block.attn.proj = _te_linear(block.attn.proj, "row", tp, device)
+    """Swap a block's norms, linears and attention core for TE's modules, in
+    place; the block then runs on (T, B, C)."""
+    qkv = _fuse_norm_qkv(block.norm1, block.attn.qkv, tp, device)
+    proj = _te_row_linear(block.attn.proj, tp, device)
+    make_sequence_first(block, qkv, proj, _dot_product_attention(block.attn, tp))
     fused = FusedGeluMLP if isinstance(block.mlp, GeluMLP) else FusedSwiGLUMLP
     block.mlp = fused(block.norm2, block.mlp, tp, device)
     # The norms now live inside the fused modules.
     block.norm1, block.norm2 = nn.Identity(), nn.Identity()
 
 
+def sequence_parallel_names(model: nn.Module, flavour: str) -> set[str]:
+    """TE names of the local `model`'s parameters marked sequence-parallel: the
+    replicated ones (norms, row-parallel biases, positions) that see only this
+    rank's sequence shard, whose grads the grad sync sums over the TP group."""
+    return {te_key(name, flavour) for name, param in model.named_parameters()
+            if getattr(param, "sequence_parallel", False)}
+
+
+def set_sequence_parallel_marks(model: nn.Module, names: set[str]) -> None:
+    """TE marks some parameters itself (its norms', from its own flag); the
+    local model's marks decide, so the grad sync sums what it sums locally."""
+    for name, param in model.named_parameters():
+        param.sequence_parallel = name in names
+
+
 def convert(model: GPT, device: torch.device) -> GPT:
-    """Swap `model`'s blocks, final norm and head for TE's modules, keeping the
-    values (the parameter names change as `te_key` says)."""
+    """Swap `model`'s blocks and final norm for TE's modules, keeping the values
+    (the parameter names change as `te_key` says); its blocks then run on (T, B, C)."""
     require()
-    if model.tp.sequence_parallel:
-        raise ValueError("model.backend=te does not run with sequence parallelism yet. Fix: "
-                         "parallel.sequence_parallel=false, or model.backend=local")
+    marked = sequence_parallel_names(model, model.cfg.flavour.value)
     for block in model.layers.values():
         convert_block(block, model.tp, device)
+    model.sequence_first = True
     if model.last:
         model.norm = _te_norm(model.norm, device)
-        if model.head is not None:
-            model.head = _te_linear(model.head, "column", model.tp, device)
+    set_sequence_parallel_marks(model, marked)
     return model
+
+
 def fp8_context(enabled: bool):
     """FP8 with E4M3 forward / E5M2 backward tensors and delayed scaling."""
     if not enabled:

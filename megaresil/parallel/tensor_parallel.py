@@ -60,6 +60,13 @@ def seq_shard(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return x.chunk(tp.size, dim=SEQ_DIM)[tp.rank].contiguous()
 
 
+def swap_batch_and_sequence(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, C) <-> (T, B, C), a view. Rank r's sequence shard (B, T/tp, C)
+    becomes rank r's dim-0 shard of the (T, B, C) tensor: the shard Megatron's
+    and Transformer Engine's sequence parallelism expect."""
+    return x.transpose(0, 1)
+
+
 # --- autograd regions -------------------------------------------------------
 
 
