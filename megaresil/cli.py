@@ -269,7 +269,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     result = run_scenario(args.recipe, args.overrides, args.scenario,
                           reference=Path(args.reference) if args.reference else None,
                           rank=args.rank, step=args.step,
-                          rendezvous=Rendezvous(args.rdzv_backend, args.rdzv_endpoint))
+                          rendezvous=Rendezvous(args.rdzv_backend, args.rdzv_endpoint),
+                          timeout_s=args.timeout)
     print(format_result(result))
     ok = result["recovered"] and result["final_loss_equal"]
     return 0 if ok else 1
@@ -345,12 +346,16 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--scenario", required=True,
                        help="kill-rank, raise-in-rank, hang-in-collective, "
                             "hang-outside-collective, slow-rank, sigterm, "
-                            "hang-holding-gil, corrupt-latest-checkpoint, "
+                            "hang-holding-gil, hang-in-native-code, hang-on-device "
+                            "(CUDA), corrupt-latest-checkpoint, "
                             "kill-during-checkpoint-save, node-loss, node-loss-first "
                             "(the node that started first: the c10d host)")
     chaos.add_argument("--rank", type=int, help="faulty rank (default: the last)")
     chaos.add_argument("--step", type=int, help="fault step (default: train.steps/2 + 1)")
     chaos.add_argument("--reference", help="reuse this fault-free run directory as the reference")
+    chaos.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+                       help="stop the faulted run after this long and report it unrecovered "
+                            "(exit code 124; default 900)")
     chaos.add_argument("--rdzv-backend", default="c10d", choices=("c10d", "etcd", "etcd-v2"),
                        help="where the node-loss scenarios' agents meet (etcd needs "
                             "--rdzv-endpoint ETCD_HOST:PORT)")

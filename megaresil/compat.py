@@ -240,3 +240,9 @@ def pickled_layout_function() -> tuple[str, str, Callable[[str], torch.layout]]:
     """Module, name and value of the function DCP's pickled metadata calls to
     rebuild a tensor layout (torch pickles layouts by name through it)."""
     return "torch.serialization", "_get_layout", torch.serialization._get_layout
+
+
+def spin_cuda_kernel(cycles: int) -> None:
+    """Queue a kernel that spins for `cycles` GPU clock cycles on the current
+    CUDA device (torch.cuda._sleep, torch's own test helper)."""
+    torch.cuda._sleep(cycles)

@@ -480,7 +480,9 @@ class RecipeConfig:
                                        "section?, seconds?, mode?, generation?}; kind in kill, "
                                        "raise, hang, slow, sigterm, corrupt_checkpoint, "
                                        "corrupt_local_checkpoint, lose_local_node (the last "
-                                       "two need checkpoint.local). Each fires "
+                                       "two need checkpoint.local); a hang's mode: sleep, "
+                                       "collective, gil, native or device (a CUDA kernel). "
+                                       "Each fires "
                                        "once per run directory; generation: G waits for the "
                                        "run's G-th restart (with section: setup, step: 0: a "
                                        "fault during that restart).")
@@ -805,6 +807,8 @@ def _validate_pipeline(cfg: RecipeConfig) -> None:
 FAULT_KINDS = ("kill", "raise", "hang", "slow", "sigterm", "corrupt_checkpoint",
                "corrupt_local_checkpoint", "lose_local_node")
 LOCAL_FAULT_KINDS = ("corrupt_local_checkpoint", "lose_local_node")
+# How a hang fault blocks (resilience/faults.py): device needs a CUDA device.
+HANG_MODES = ("sleep", "collective", "gil", "native", "device")
 FAULT_KEYS = {"kind", "rank", "step", "section", "seconds", "mode", "generation"}
 SECTIONS = ("setup", "data", "forward_backward", "optimizer", "checkpoint", "eval")
 
@@ -831,8 +835,8 @@ def _validate_faults(faults: list[dict]) -> None:
                  "write generation: 1 for the first restart, or leave it out.")
         _require(fault.get("section", "data") in SECTIONS, f"{key}.section",
                  f"{fault.get('section')!r} is not a section.", f"use one of {list(SECTIONS)}.")
-        _require(fault.get("mode", "sleep") in ("sleep", "collective", "gil"), f"{key}.mode",
-                 f"{fault.get('mode')!r} is not a hang mode.", "use sleep, collective or gil.")
+        _require(fault.get("mode", "sleep") in HANG_MODES, f"{key}.mode",
+                 f"{fault.get('mode')!r} is not a hang mode.", f"use one of {list(HANG_MODES)}.")
 
 
 def _validate_observing(cfg: RecipeConfig) -> None:

@@ -24,6 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.events import read_events
+from megaresil.resilience.faults import check_device_faults
 from megaresil.resilience.incidents import IncidentPrinter
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.resilience.restart import HANG_EXIT_CODE
@@ -167,7 +168,9 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     """Run local workers under a TorchElastic agent; returns the exit code."""
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     nproc = membership.nproc_per_node or world
-    check_local_gpus(nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_local_gpus(nproc, gpus)
+    check_device_faults(cfg.faults, gpus)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))

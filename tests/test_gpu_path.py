@@ -12,6 +12,7 @@ from megaresil.launch import check_local_gpus
 from megaresil.model import te
 from megaresil.model.gpt import GPT
 from megaresil.model.init import initialize
+from megaresil.resilience.faults import check_device_faults
 from megaresil.train.precision import resolve
 
 from dist_harness import RECIPE, ROOT, TINY
@@ -30,6 +31,18 @@ def test_launcher_names_a_gpu_shortfall():
     check_local_gpus(8, 8)
     with pytest.raises(ConfigError, match="needs 8 local workers but this node sees 4 GPU"):
         check_local_gpus(8, 4)
+
+
+def test_a_device_hang_needs_a_gpu_and_says_so(cli_main):
+    hang = {"kind": "hang", "rank": 0, "step": 3, "mode": "device"}
+    check_device_faults([hang], 1)
+    check_device_faults([{**hang, "mode": "native"}], 0)
+    with pytest.raises(ConfigError, match=r"faults\[1\].mode: device hangs a CUDA kernel"):
+        check_device_faults([{**hang, "mode": "sleep"}, hang], 0)
+    if not torch.cuda.is_available():  # chaos refuses before training its reference
+        result = cli_main("chaos", str(RECIPE), "run.dir=/nonexistent/never-written",
+                          "--scenario", "hang-on-device", check=False)
+        assert result.returncode == 2 and "use mode: native" in result.stderr
 
 
 def test_te_backend_is_refused_clearly_where_it_cannot_run():

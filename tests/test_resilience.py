@@ -20,7 +20,7 @@ from megaresil.events import read_events
 from megaresil.events import read_metrics
 
 SCENARIOS = ["kill-rank", "raise-in-rank", "hang-in-collective", "hang-outside-collective",
-             "hang-holding-gil", "slow-rank", "sigterm", "corrupt-latest-checkpoint",
+             "hang-holding-gil", "hang-in-native-code", "slow-rank", "sigterm", "corrupt-latest-checkpoint",
              "kill-during-checkpoint-save", "node-loss"]
 
 
@@ -35,7 +35,7 @@ def test_chaos_scenario_recovers_exactly(cli_main, chaos_root, chaos_reference, 
     # The node is lost after step 3, leaving the shrunk job most of the run.
     step = ["--step", "3"] if scenario == "node-loss" else []
     result = cli_main("chaos", *SMALL, f"run.dir={chaos_root}", "--scenario", scenario, *step,
-                      "--reference", str(chaos_reference))
+                      "--reference", str(chaos_reference), "--timeout", "240")
     report = json.loads((chaos_root / f"chaos-{scenario}.json").read_text())
     assert "final loss" in result.stdout
     assert report["recovered"] and report["final_loss_equal"], report
@@ -56,8 +56,13 @@ def test_chaos_scenario_recovers_exactly(cli_main, chaos_root, chaos_reference, 
         assert report["detection_latency_s"] <= FLOOR_S + 2.0
         assert report["culprit_ranks"] == [1]  # the faulty (last) rank, named alone
         assert list((chaos_root / f"faulted-{scenario}" / "hangs").glob("generation_*/rank*.txt"))
+    if scenario == "hang-in-native-code":  # the abort cannot reach it: exit, relaunch
+        restarts = [e for e in read_events(report["faulted"]) if e["event"] == "restart"]
+        assert [e["kind"] for e in restarts] == ["in_process", "relaunch"], restarts
+        assert "not freed by the hang abort" in restarts[1]["reason"]
     expected_kind = {"raise-in-rank": "in_process", "hang-in-collective": "in_process",
-                     "hang-outside-collective": "in_process", "sigterm": "requeue"}
+                     "hang-outside-collective": "in_process", "hang-in-native-code": "in_process",
+                     "sigterm": "requeue"}
     assert report["restart_kind"] == expected_kind.get(scenario, "relaunch")
     if scenario == "corrupt-latest-checkpoint":
         assert report["checkpoints_skipped"], "the corrupted checkpoint must be skipped"

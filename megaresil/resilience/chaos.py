@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Optional
 
 import psutil
+import torch
 
 from megaresil.checkpoint.local_tier import local_root, node_dir
 from megaresil.config import load_recipe
 from megaresil.events import read_events
 from megaresil.ports import free_port
+from megaresil.resilience.faults import check_device_faults
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.events import read_metrics
 from megaresil.observe.report import write_report
@@ -66,6 +68,12 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2) -> dict[str,
         Scenario("hang-holding-gil", [{"kind": "hang", "rank": rank, "step": step,
                                        "mode": "gil"}],
                  relaunch + ["resilience.watchdog.gil_timeout_s=3"]),
+        # The abort cannot free a thread blocked in C code without the GIL:
+        # after the hard limit the watchdog exits and the launcher relaunches.
+        Scenario("hang-in-native-code", [{"kind": "hang", "rank": rank, "step": step,
+                                          "mode": "native"}], in_process),
+        Scenario("hang-on-device", [{"kind": "hang", "rank": rank, "step": step,
+                                     "mode": "device"}], in_process),
         Scenario("slow-rank", [{"kind": "slow", "rank": rank, "step": step, "seconds": 0.3}],
                  in_process, expect_restart=False),
         Scenario("sigterm", [{"kind": "sigterm", "rank": rank, "step": step}],
@@ -283,7 +291,7 @@ def analyse(reference: Path, faulted: Path, scenario: Scenario,
 
 def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Optional[Path],
                  rank: Optional[int], step: Optional[int],
-                 rendezvous: Rendezvous = Rendezvous()) -> dict:
+                 rendezvous: Rendezvous = Rendezvous(), timeout_s: float = 900.0) -> dict:
     cfg = load_recipe(recipe, overrides)
     root = Path(cfg.run.dir)
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
@@ -296,6 +304,8 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     if name not in table:
         raise ValueError(f"--scenario: unknown scenario {name!r}; one of {sorted(table)}")
     scenario = table[name]
+    check_device_faults(scenario.faults,
+                        torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if reference is None:
         reference = root / "reference"
         shutil.rmtree(reference, ignore_errors=True)
@@ -312,8 +322,10 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
         code, fault_time = run_simulated_node_loss(recipe, overrides + scenario.settings,
                                                    faulted, world, fault_step)
     else:
+        # A recovery that never comes must end the drill, not hang it.
         code = run_with_requeue(recipe, overrides + fault_overrides(scenario), faulted,
-                                requeues=int(scenario.requeue_after_exit))[-1].exit_code
+                                requeues=int(scenario.requeue_after_exit),
+                                deadline=time.time() + timeout_s)[-1].exit_code
     result = {**analyse(reference, faulted, scenario, fault_time), "exit_code": code,
               "reference": str(reference), "faulted": str(faulted)}
     result["report"] = str(write_report(faulted, [reference]))

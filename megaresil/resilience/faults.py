@@ -30,11 +30,23 @@ from pathlib import Path
 from typing import Optional
 
 import psutil
+import torch
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local_tier import DATA, NodeStore
+from megaresil.compat import spin_cuda_kernel
+from megaresil.config import ConfigError
 from megaresil.events import EventLog, read_events
+
+
+def check_device_faults(faults: list[dict], gpus: int) -> None:
+    """A device hang needs a kernel to hang on: refuse it before any worker starts
+    (`megaresil train` and `chaos` call it)."""
+    device_hangs = [i for i, f in enumerate(faults) if f.get("mode") == "device"]
+    if device_hangs and gpus == 0:
+        raise ConfigError(f"faults[{device_hangs[0]}].mode", "device hangs a CUDA kernel and "
+                          "this node sees no GPU.", "use mode: native (or sleep) on a CPU machine.")
 
 
 def fault_id(fault: dict) -> str:
@@ -126,6 +138,9 @@ def lose_node(node_dir: Path) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+DEVICE_HANG_CYCLES = 2**62  # GPU clock cycles: centuries at any clock rate
+
+
 class InjectedFault(RuntimeError):
     pass
 
@@ -140,12 +155,21 @@ def compute_for(seconds: float) -> None:
 
 def hang(mode: str, group: Optional[dist.ProcessGroup]) -> None:
     """Block forever: in Python (sleep), inside a collective nobody else joins
-    (collective), or in C code that holds the GIL (gil)."""
+    (collective), in C code that holds the GIL (gil), in C code that released
+    it (native), or on a CUDA kernel that never ends (device)."""
     if mode == "collective" and group is not None:
         dist.barrier(group=group)  # peers never arrive
     if mode == "gil":
         # libc sleep through PyDLL keeps the GIL: no other thread of this process runs.
         ctypes.PyDLL(None).sleep(10**6)
+    if mode == "native":
+        # Through CDLL the GIL is released: the monitor runs, but no exception
+        # raised in this thread is seen until the call returns.
+        ctypes.CDLL(None).sleep(10**6)
+    if mode == "device":
+        # The host thread waits in a synchronize (spinning, so it looks busy).
+        spin_cuda_kernel(DEVICE_HANG_CYCLES)
+        torch.cuda.synchronize()
     while True:  # short sleeps, so an asynchronous exception can get in
         time.sleep(0.05)
 

@@ -56,9 +56,8 @@ from megaresil.resilience.incidents import is_abort
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
-from megaresil.resilience.watchdog import Watchdog, raise_in_thread
+from megaresil.resilience.watchdog import HANG_EXIT_CODE, Watchdog, raise_in_thread
 
-HANG_EXIT_CODE = 86  # a hang without in-process restart: the launcher restarts the group
 # Failures a restart cannot cure (a bad recipe, no usable checkpoint, a full
 # disk): the whole job stops at once, on every rank, with the reason.
 FATAL = (ConfigError, NoValidCheckpoint, CheckpointError)

@@ -48,7 +48,12 @@ the thread) and any hang on NCCL are released at once: on a declared hang
 the NCCL communicators are aborted, which returns their blocked ops. For
 that the worker needs TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (NCCL_WORKER_ENV;
 TorchElastic sets 1, under which NCCL's own watchdog kills the process on a
-timeout) when restarting in process.
+timeout) when restarting in process. A thread blocked in C code that
+released the GIL (a native call that never returns; a synchronize on a CUDA
+kernel that never ends, which NCCL's abort does not end either) never sees
+HangAbort: if it has not left the generation by the hard limit plus
+ABORT_GRACE_S after the abort, the monitor writes a worker_error and exits
+the process with HANG_EXIT_CODE, and the launcher relaunches the group.
 
 Store load. Heartbeats are local until they matter: the monitor samples and
 checks budgets every poll_s without touching the store; it writes its
@@ -109,6 +114,10 @@ SECTION_ORDER = {name: i for i, name in enumerate(SECTIONS)}
 PROGRESS_CPU_SHARE = 0.02  # CPU seconds per wall second below which a thread is not running
 STALE_HEARTBEATS = 2.5  # heartbeat intervals without a new beat: the rank's monitor is gone
 NCCL_WORKER_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}  # we abort NCCL ourselves
+HANG_EXIT_CODE = 86  # a hang this process cannot recover from: the launcher restarts the group
+# After HangAbort, how long past the hard limit the training thread may take to
+# leave the generation (the limit covers a gloo op that returns at its timeout).
+ABORT_GRACE_S = 5.0
 OPS_PER_HEARTBEAT = 1  # a set
 OPS_PER_ABORT_POLL = 1  # a check
 
@@ -275,7 +284,7 @@ class Watchdog:
         self.measured_on = {"world": world, "workload": workload, "machine": machine_kind()}
         self.current = ("setup", 0, time.monotonic())
         self.generation: int | None = None  # None: paused between generations
-        self.aborted = False
+        self.aborted, self.unfreed_after = False, 0.0
         self.main_thread = threading.main_thread().ident
         self.progress = ProgressMeter(thread_cpu_clock(self.main_thread), time.monotonic())
         self.exempt: set = set()  # process groups whose timeout we leave alone
@@ -388,7 +397,10 @@ class Watchdog:
             now = time.monotonic()
             self.progress.sample(now)
             generation = self.generation
-            if generation is None or self.aborted:
+            if generation is None:
+                continue
+            if self.aborted:
+                self._exit_if_not_freed(now)
                 continue
             try:
                 self._check(generation, now)
@@ -521,6 +533,8 @@ class Watchdog:
         communicators, and raise HangAbort at its next bytecode (a gloo op
         already blocked returns at its timeout)."""
         self.aborted = True
+        self.unfreed_after = (time.monotonic() + self.slow_limit(self.current[0])
+                              + ABORT_GRACE_S)
         dump_dir = self.hang_dir / f"generation_{self.generation}"
         dump_dir.mkdir(parents=True, exist_ok=True)
         with open(dump_dir / f"rank{self.rank}.txt", "w") as f:
@@ -531,6 +545,26 @@ class Watchdog:
         if dist.is_initialized() and has_nccl_groups():
             abort_process_groups()
         raise_in_thread(self.main_thread, HangAbort)
+
+    def _exit_if_not_freed(self, now: float) -> None:
+        """The training thread was told to abort and still has not left the
+        generation: it is blocked where no exception reaches it, in C code
+        that released the GIL (a native call that never returns, a CUDA
+        synchronize on a kernel that never ends; NCCL's abort does not free
+        those). Only a new process frees it: exit, and the launcher restarts
+        the worker group."""
+        if now < self.unfreed_after:
+            return
+        # The incident line, and what the relaunch names as its cause (restart.last_failure).
+        self.events.emit("worker_error", error="not freed by the hang abort (blocked in native "
+                         "code or on the device): exiting for a relaunch",
+                         section=self.current[0], lost_peer=False, fatal=False,
+                         generation=self.generation, pid=os.getpid())
+        with open(self.hang_dir / f"generation_{self.generation}" / f"rank{self.rank}.txt",
+                  "a") as f:
+            f.write("not freed by the abort: exiting\n")
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        os._exit(HANG_EXIT_CODE)
 
     # --- the guardian side process ----------------------------------------------
 
