@@ -30,7 +30,7 @@ def test_schedule_is_seeded_and_has_every_kind_and_placement():
     kinds = {(f["kind"], f.get("mode")) for f in faults}
     for kind in ["kill", "raise", "slow", "sigterm", "corrupt_checkpoint"]:
         assert any(k == kind for k, _ in kinds), kind
-    assert {m for k, m in kinds if k == "hang"} == {"sleep", "collective", "gil"}
+    assert {m for k, m in kinds if k == "hang"} == {"sleep", "collective", "gil", "native"}
     assert len({fault_id(f) for f in faults}) == len(faults)
     assert all(first_fault_step(cfg) <= f["step"] < 200 for f in faults if f["section"] != "setup")
     assert any(f["section"] == "checkpoint" and f["kind"] in ("kill", "raise") for f in faults)

@@ -55,6 +55,7 @@ from megaresil.resilience.chaos import (DETECTIONS, Launch, local_tier_settings,
                                         measure_recovery, run_training, run_with_requeue,
                                         step_records)
 from megaresil.resilience.faults import fault_id
+from megaresil.resilience.watchdog import ABORT_GRACE_S
 
 CALIBRATION_STEPS = 6
 SAVE_INTERVAL = 5  # a save every 5 steps: a fault costs at most 5 recomputed steps
@@ -215,6 +216,10 @@ def episodes(local: bool = False) -> list[Episode]:
         Episode("hang-holding-gil", 1,
                 lambda c: GIL_TIMEOUT_S + c.relaunch + c.in_process + c.recompute,
                 _single("hang", mode="gil")),
+        # The abort cannot reach it: the watchdog exits at the hard limit + grace.
+        Episode("hang-native", 2,
+                lambda c: 5 * c.detect_hang + ABORT_GRACE_S + c.relaunch + c.recompute,
+                _single("hang", mode="native")),
         Episode("fault-during-restart", 2, lambda c: c.in_process + c.relaunch + c.recompute,
                 _during_restart),
     ]
