@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +52,7 @@ SIZES = {
               "train.micro_batch_size=4", "train.global_batch_size=8"],
 }
 LAYOUTS = {"1x1x1": ["parallel.tp=1"], "tp2": ["parallel.tp=2"]}
+LAYOUT_TP = {"1x1x1": 1, "tp2": 2}
 
 
 def recipe(size: str, steps: int, extra: list[str] = ()):
@@ -97,6 +99,34 @@ def run_plain(size: str, steps: int) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["step_s"]
 
 
+def mcore_missing() -> str:
+    """Why the Megatron-Core side cannot run here ("" when it can): megatron-core
+    is a bench-only, optional package."""
+    try:
+        with warnings.catch_warnings():  # its CUDA-extension fallbacks warn on import
+            warnings.simplefilter("ignore")
+            import megatron.core  # noqa: F401
+    except ImportError as error:
+        return f"megatron-core is not installed ({error}); pip install --no-deps megatron-core"
+    return ""
+
+
+def run_mcore(size: str, tp: int, steps: int) -> float:
+    """Megatron-Core's GPTModel in its own loop (bench/mcore_loop.py), one
+    process per TP rank; rank 0's median step time."""
+    from megaresil.ports import free_port
+    command = [sys.executable, str(ROOT / "bench" / "mcore_loop.py"), size, "--steps", str(steps),
+               "--tp", str(tp), "--port", str(free_port())]
+    ranks = [subprocess.Popen(command + ["--rank", str(rank)], env=ONE_THREAD, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(tp)]
+    outputs = [rank.communicate() for rank in ranks]
+    for rank, (_, stderr) in zip(ranks, outputs):
+        if rank.returncode:
+            raise RuntimeError(f"bench/mcore_loop.py failed: {stderr.strip().splitlines()[-1]}")
+    return json.loads(outputs[0][0].strip().splitlines()[-1])["step_s"]
+
+
 def run_megaresil(size: str, layout: str, steps: int) -> float:
     """`megaresil train` end to end; the median time from one step's end to
     the next's, as metrics.jsonl's `elapsed_s` records it: the whole loop
@@ -113,19 +143,26 @@ def run_megaresil(size: str, layout: str, steps: int) -> float:
     return statistics.median(step_s[WARMUP_STEPS - 1:])  # the steps the plain loop keeps
 
 
-def measure(sizes: list[str], steps: int, rounds: int) -> list[dict]:
+def measure(sizes: list[str], steps: int, rounds: int, with_mcore: bool) -> list[dict]:
     rows = []
     for size in sizes:
         best_plain = float("inf")
         best = {layout: float("inf") for layout in LAYOUTS}
-        for _ in range(rounds):  # alternate, so load on the machine hits both sides
+        best_mcore = {layout: float("inf") for layout in LAYOUTS}
+        for _ in range(rounds):  # alternate, so load on the machine hits every side
             best_plain = min(best_plain, run_plain(size, steps))
-            for layout in LAYOUTS:
+            for layout, tp in LAYOUT_TP.items():
                 best[layout] = min(best[layout], run_megaresil(size, layout, steps))
+                if with_mcore:
+                    best_mcore[layout] = min(best_mcore[layout], run_mcore(size, tp, steps))
         for layout in LAYOUTS:
-            rows.append({"size": size, "layout": layout, "megaresil_step_s": best[layout],
-                         "plain_step_s": best_plain, "ratio": best_plain / best[layout]})
-            print(json.dumps(rows[-1]), flush=True)
+            row = {"size": size, "layout": layout, "megaresil_step_s": best[layout],
+                   "plain_step_s": best_plain, "ratio": best_plain / best[layout]}
+            if with_mcore:
+                row.update(mcore_step_s=best_mcore[layout],
+                           mcore_ratio=best_mcore[layout] / best[layout])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -175,21 +212,33 @@ Notes
 """
 
 
-def write_results(rows: list[dict], out: Path, steps: int, rounds: int) -> None:
+def table(rows: list[dict], mcore_skipped: str) -> list[str]:
+    lines = ["| size | layout | megaresil s/step | plain loop s/step | plain/megaresil "
+             "| Mcore s/step | Mcore/megaresil |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mcore = (f"{r['mcore_step_s']:.3f} | {r['mcore_ratio']:.2f}x" if not mcore_skipped
+                 else "- | -")
+        lines.append(f"| {r['size']} | {r['layout']} | {r['megaresil_step_s']:.3f} | "
+                     f"{r['plain_step_s']:.3f} | {r['ratio']:.2f}x | {mcore} |")
+    if mcore_skipped:
+        lines += ["", f"Megatron-Core side skipped: {mcore_skipped}"]
+    return lines
+
+
+def write_results(rows: list[dict], out: Path, steps: int, rounds: int,
+                  mcore_skipped: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[1]  # 5-minute load average: how busy the shared machine was
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "steps": steps,
-            "rounds": rounds, "warmup_steps_dropped": WARMUP_STEPS, "load_avg_5min": load}
+            "rounds": rounds, "warmup_steps_dropped": WARMUP_STEPS, "load_avg_5min": load,
+            "mcore_skipped": mcore_skipped}
     (out / "train_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = ["# megaresil step vs a plain PyTorch loop (CPU)", "",
+    busy = (" (above the core count: other agents' work shared the cores, and alternating "
+            "the sides keeps that noise in every side alike)" if load > os.cpu_count() else "")
+    lines = ["# megaresil step vs a plain PyTorch loop and Megatron-Core (CPU)", "",
              f"{steps} steps per run (first {WARMUP_STEPS} dropped, median), best of {rounds} "
              f"alternating rounds, {os.cpu_count()} cores, 5-minute load average {load:.1f} "
-             "when written (above the core count, other work competed for the cores and the "
-             "ratios carry that noise).", "",
-             "| size | layout | megaresil s/step | plain loop s/step | plain/megaresil |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['size']} | {r['layout']} | {r['megaresil_step_s']:.3f} | "
-              f"{r['plain_step_s']:.3f} | {r['ratio']:.2f}x |" for r in rows]
+             f"when written{busy}.", "", *table(rows, mcore_skipped)]
     (out / "train_throughput.md").write_text("\n".join(lines) + "\n\n" + NOTES)
 
 
@@ -204,8 +253,11 @@ def main() -> None:
     if args.plain:
         print(json.dumps(plain_loop(args.plain, args.steps)))
         return
-    rows = measure(args.sizes, args.steps, args.rounds)
-    write_results(rows, args.out, args.steps, args.rounds)
+    mcore_skipped = mcore_missing()
+    if mcore_skipped:
+        print(f"Megatron-Core side skipped: {mcore_skipped}", flush=True)
+    rows = measure(args.sizes, args.steps, args.rounds, with_mcore=not mcore_skipped)
+    write_results(rows, args.out, args.steps, args.rounds, mcore_skipped)
 
 
 if __name__ == "__main__":
