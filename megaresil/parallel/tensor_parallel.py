@@ -250,7 +250,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_targets = local_targets.masked_fill(~inside, 0)
         rows = torch.arange(logits.shape[0], device=logits.device)
         target_logit = shifted[rows, local_targets].masked_fill(~inside, 0.0)
-        exp = shifted.exp()
+        # exp, then softmax, in the buffer of `shifted`: no second (N, V/tp) tensor.
+        exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
         dist.all_reduce(target_logit, group=tp.group)
         dist.all_reduce(sum_exp, group=tp.group)
@@ -261,9 +262,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):  # grad (N,)
         softmax, local_targets, inside = ctx.saved_tensors
         rows = torch.arange(softmax.shape[0], device=softmax.device)
-        grad_logits = softmax
+        grad_logits = softmax  # the saved softmax becomes the grad, in place
         grad_logits[rows, local_targets] -= inside.to(softmax.dtype)
-        return grad_logits * grad.unsqueeze(-1), None, None, None
+        return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
