@@ -96,14 +96,17 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> None:
         torch._foreach_mul_(grads, coeff)
 
 
-def loss_of(logits: torch.Tensor, targets: torch.Tensor, tp: int) -> torch.Tensor:
-    """F.cross_entropy on whole logits; Mcore's vocab-parallel CE on TP slices."""
+def micro_batch_loss(model, tokens, positions, causal_mask, tp: int) -> torch.Tensor:
+    """Mean next-token loss. At tp=1, F.cross_entropy on the (B, T, V) logits
+    Mcore returns (as the other sides; Mcore's own loss would be its
+    vocab-parallel CE, slower on a whole vocabulary). At tp>1, Mcore's own
+    path: labels in, its vocab-parallel CE on the [T, B, V/tp] logits, per-token
+    losses (B, T) out."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
     if tp == 1:
+        logits = model(inputs, positions, causal_mask)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-    # Mcore's CE takes [s, b, v/tp] and returns per-token losses [s, b].
-    return vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
-                                        targets.transpose(0, 1).contiguous()).mean()
+    return model(inputs, positions, causal_mask, labels=targets).mean()
 
 
 def mcore_loop(size: str, steps: int) -> list[float]:
@@ -129,8 +132,7 @@ def mcore_loop(size: str, steps: int) -> list[float]:
         started = time.perf_counter()
         for _ in range(accum):
             tokens = torch.randint(cfg.model.vocab_size, (micro, seq + 1), generator=generator)
-            logits = model(tokens[:, :-1], positions, causal_mask)  # (B, T, V/tp)
-            loss = loss_of(logits, tokens[:, 1:], tp) / accum
+            loss = micro_batch_loss(model, tokens, positions, causal_mask, tp) / accum
             loss.backward()
         clip_grads(params, o.grad_clip)
         optimizer.step()
