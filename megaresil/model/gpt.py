@@ -134,10 +134,12 @@ class GPT(nn.Module):
                              dtype=output_dtype, device=device)
         return (tokens if self.first else hidden), (logits if self.last else hidden)
 
-    def loss(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over all B*T positions."""
+    def loss(self, local_logits: torch.Tensor, targets: torch.Tensor, *,
+             overwrite_logits: bool = False) -> torch.Tensor:
+        """Mean next-token cross-entropy over all B*T positions
+        (`overwrite_logits`: see vocab_parallel_cross_entropy)."""
         return vocab_parallel_cross_entropy(local_logits, targets, real_vocab=self.cfg.vocab_size,
-                                            tp=self.tp)
+                                            tp=self.tp, overwrite_logits=overwrite_logits)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (B, T, V), padding cut (for inference and tests)."""
@@ -148,4 +150,5 @@ class GPT(nn.Module):
                 samples: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Loss of the whole (unpipelined) model. `samples` are the global sample
         indices of the batch (they seed dropout)."""
-        return self.loss(self.stage_forward(tokens, samples), targets)
+        # The logits are this call's own temporary: the loss may overwrite them.
+        return self.loss(self.stage_forward(tokens, samples), targets, overwrite_logits=True)

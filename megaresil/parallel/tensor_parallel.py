@@ -247,17 +247,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     gathering the full-vocabulary logits on any rank (Megatron's algorithm)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, tp):  # logits (N, V/tp), targets (N,)
+    def forward(ctx, logits, targets, vocab_start, tp, overwrite):  # logits (N, V/tp), targets (N,)
         logits = logits.float()
         max_logit = logits.max(dim=-1).values
         dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp.group)
-        shifted = logits - max_logit.unsqueeze(-1)
+        shifted = (logits.sub_(max_logit.unsqueeze(-1)) if overwrite
+                   else logits - max_logit.unsqueeze(-1))
         local_targets = targets - vocab_start
         inside = (local_targets >= 0) & (local_targets < logits.shape[-1])
         local_targets = local_targets.masked_fill(~inside, 0)
         rows = torch.arange(logits.shape[0], device=logits.device)
         target_logit = shifted[rows, local_targets].masked_fill(~inside, 0.0)
-        exp = shifted.exp()
+        # exp, then softmax, in the buffer of `shifted`: no second (N, V/tp) tensor.
+        exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
         dist.all_reduce(target_logit, group=tp.group)
         dist.all_reduce(sum_exp, group=tp.group)
@@ -268,15 +270,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):  # grad (N,)
         softmax, local_targets, inside = ctx.saved_tensors
         rows = torch.arange(softmax.shape[0], device=softmax.device)
-        grad_logits = softmax
+        grad_logits = softmax  # the saved softmax becomes the grad, in place
         grad_logits[rows, local_targets] -= inside.to(softmax.dtype)
-        return grad_logits * grad.unsqueeze(-1), None, None, None
+        return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
-                                 real_vocab: int, tp: TPGroup) -> torch.Tensor:
+                                 real_vocab: int, tp: TPGroup,
+                                 overwrite_logits: bool = False) -> torch.Tensor:
     """Mean loss over tokens, in fp32 whatever the logits' dtype. Padded
     vocabulary columns (global index >= real_vocab) never enter the softmax.
+
+    `overwrite_logits`: the logits are the caller's temporary, read by nothing
+    after this call and saved by no backward (a linear's output): the softmax
+    is built in their buffer, as Megatron does, instead of a new (N, V/tp)
+    tensor (64 MiB per micro-batch at bench/train_throughput.py's `small`,
+    ~35 ms of page faults each). Were they saved for a backward after all,
+    autograd's version check fails that backward rather than using them.
 
     At tp=1 the whole vocabulary is here and `F.cross_entropy` does the same
     sum faster (fused log-softmax, no saved softmax copy) than Megatron's
@@ -289,5 +299,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
     if pad_from < local_vocab:
         logits = logits.clone()
         logits[..., pad_from:] = float("-inf")
-    losses = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), start, tp)
+    losses = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), start, tp,
+                                              overwrite_logits)
     return losses.mean()

@@ -1,0 +1,162 @@
+"""Megatron-Core's GPTModel in a plain training loop on CPU: the third side of
+bench/train_throughput.py. One process per tensor-parallel rank, gloo.
+
+Mcore (megatron-core, bench-only, not a megaresil dependency) is written for
+CUDA; its own training loop (pretrain, DDP wrapper, optimizer) needs it. This
+side is Mcore's model with the local (non-Transformer-Engine) layer spec, its
+tensor-parallel layers, mappings and vocab-parallel cross-entropy, in a loop
+with torch's fused AdamW and Mcore's clipping rule written in torch ops. The
+CPU shim, applied in this process only, is the smallest that runs it:
+
+1. `torch.cuda.current_device` returns "cpu": Mcore allocates its scratch and
+   communication buffers with `device=torch.cuda.current_device()` (the
+   attention's score buffer from the global memory buffer,
+   dot_product_attention.py:189 via utils.py:631; the TP all-gather/
+   reduce-scatter outputs in tensor_parallel/mappings.py). The buffers are
+   the same, only on the CPU.
+2. `tensor_parallel.get_cuda_rng_tracker` returns a tracker whose `fork()`
+   does nothing: the attention forks the CUDA RNG around its probability
+   dropout (dot_product_attention.py:217) by reading and setting the CUDA
+   generator's state. Dropout is 0 in these sizes, so no random number is drawn
+   inside the fork; the fork would only move CUDA RNG state that does not exist.
+
+Not a patch: the causal mask is passed as an input (a bool (1, 1, T, T) tensor,
+as Megatron's own GPT data pipeline builds it), because Mcore's default mask
+(transformer/utils.py:35) is built with device="cuda".
+
+Clipping: Mcore's clip_grads.py makes its norm buffers with device="cuda", so
+the rule it implements is written here in torch ops: the sum of squared grad
+norms of the parameters that are not tensor-parallel duplicates, all-reduced
+over the TP group, clip coefficient max_norm / (norm + 1e-6) applied when < 1.
+
+    python bench/mcore_loop.py SIZE --steps N [--tp 2 --rank R --port P]
+    (rank 0 prints {"step_s": median seconds per step} as its last line)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from train_throughput import SIZES, WARMUP_STEPS, recipe
+
+
+def cpu_shim() -> None:
+    """The two patches of the docstring, in this process only."""
+    from megatron.core import tensor_parallel
+    torch.cuda.current_device = lambda: "cpu"
+    no_fork = types.SimpleNamespace(fork=lambda *args, **kwargs: contextlib.nullcontext())
+    tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: no_fork
+
+
+def build_model(cfg):
+    """GPT-2 flavour as megaresil's gpt2 recipes: learned positions, LayerNorm,
+    tanh GELU, biases, 4h MLP, tied embeddings, no dropout; fp32 on CPU."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m = cfg.model
+    config = TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
+        ffn_hidden_size=4 * m.hidden_size, hidden_dropout=m.dropout,
+        attention_dropout=m.attention_dropout, layernorm_epsilon=m.norm_eps,
+        normalization="LayerNorm", add_bias_linear=True, init_method_std=m.init_std,
+        activation_func=lambda x: F.gelu(x, approximate="tanh"),
+        tensor_model_parallel_size=dist.get_world_size(),
+        use_cpu_initialization=True,
+        # CUDA-only fusions off (each is a custom kernel; the unfused path is torch ops).
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=m.vocab_size, max_sequence_length=m.max_seq_len,
+                    share_embeddings_and_output_weights=True,
+                    position_embedding_type="learned_absolute")
+
+
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> None:
+    """Mcore's get_grad_norm_fp32 + clip_grad_by_total_norm_fp32, in torch ops."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    grads = [p.grad for p in params if p.grad is not None]
+    counted = [p.grad for p in params if p.grad is not None
+               and param_is_not_tensor_parallel_duplicate(p)]
+    total = torch.stack(torch._foreach_norm(counted)).square().sum()
+    dist.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
+    coeff = max_norm / (total.sqrt().item() + 1e-6)
+    if coeff < 1.0:
+        torch._foreach_mul_(grads, coeff)
+
+
+def micro_batch_loss(model, tokens, positions, causal_mask, tp: int) -> torch.Tensor:
+    """Mean next-token loss. At tp=1, F.cross_entropy on the (B, T, V) logits
+    Mcore returns (as the other sides; Mcore's own loss would be its
+    vocab-parallel CE, slower on a whole vocabulary). At tp>1, Mcore's own
+    path: labels in, its vocab-parallel CE on the [T, B, V/tp] logits, per-token
+    losses (B, T) out."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if tp == 1:
+        logits = model(inputs, positions, causal_mask)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return model(inputs, positions, causal_mask, labels=targets).mean()
+
+
+def mcore_loop(size: str, steps: int) -> list[float]:
+    from megatron.core import parallel_state
+
+    tp = dist.get_world_size()
+    parallel_state.initialize_model_parallel(tp, 1)
+    cfg = recipe(size, steps)
+    model = build_model(cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optimizer
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  fused=True)
+    micro, seq = cfg.train.micro_batch_size, cfg.data.seq_len
+    accum = cfg.train.global_batch_size // micro
+    positions = torch.arange(seq).unsqueeze(0).expand(micro, -1)
+    causal_mask = torch.ones(seq, seq, dtype=torch.bool).triu(1).view(1, 1, seq, seq)
+    generator = torch.Generator().manual_seed(0)  # same tokens on every TP rank
+    seconds = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        for _ in range(accum):
+            tokens = torch.randint(cfg.model.vocab_size, (micro, seq + 1), generator=generator)
+            loss = micro_batch_loss(model, tokens, positions, causal_mask, tp) / accum
+            loss.backward()
+        clip_grads(params, o.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("size", choices=list(SIZES))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    cpu_shim()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+                            rank=args.rank, world_size=args.tp)
+    seconds = mcore_loop(args.size, args.steps)
+    dist.destroy_process_group()
+    if args.rank == 0:
+        print(json.dumps({"step_s": statistics.median(seconds[WARMUP_STEPS:])}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
