@@ -24,6 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.events import read_events
+from megaresil.parallel.layout import visible_gpus
 from megaresil.resilience.faults import check_device_faults
 from megaresil.resilience.incidents import IncidentPrinter
 from megaresil.resilience.preemption import PREEMPTED_EXIT
@@ -168,7 +169,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     """Run local workers under a TorchElastic agent; returns the exit code."""
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
     nproc = membership.nproc_per_node or world
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
     check_local_gpus(nproc, gpus)
     check_device_faults(cfg.faults, gpus)
     run_dir = Path(cfg.run.dir)

@@ -28,6 +28,11 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
+def visible_gpus() -> int:
+    """CUDA devices this process sees (0 on a CPU machine)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def use_device(device: torch.device) -> None:
     """Make `device` the calling thread's CUDA device: first thing on every
     thread that touches CUDA. A new thread starts on GPU 0, where its copies,

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Optional
 
 import psutil
-import torch
 
 from megaresil.checkpoint.local_tier import local_root, node_dir
 from megaresil.config import load_recipe
 from megaresil.events import read_events
+from megaresil.parallel.layout import visible_gpus
 from megaresil.ports import free_port
 from megaresil.resilience.faults import check_device_faults
 from megaresil.resilience.preemption import PREEMPTED_EXIT
@@ -304,8 +304,7 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     if name not in table:
         raise ValueError(f"--scenario: unknown scenario {name!r}; one of {sorted(table)}")
     scenario = table[name]
-    check_device_faults(scenario.faults,
-                        torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    check_device_faults(scenario.faults, visible_gpus())
     if reference is None:
         reference = root / "reference"
         shutil.rmtree(reference, ignore_errors=True)

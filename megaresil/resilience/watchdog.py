@@ -535,11 +535,7 @@ class Watchdog:
         self.aborted = True
         self.unfreed_after = (time.monotonic() + self.slow_limit(self.current[0])
                               + ABORT_GRACE_S)
-        dump_dir = self.hang_dir / f"generation_{self.generation}"
-        dump_dir.mkdir(parents=True, exist_ok=True)
-        with open(dump_dir / f"rank{self.rank}.txt", "w") as f:
-            f.write(f"abort: {json.dumps(reason)}\n")
-            faulthandler.dump_traceback(file=f, all_threads=True)
+        self._dump_stacks(f"abort: {json.dumps(reason)}", "w")
         if self.exit_on_hang is not None:  # no in-process restart: the launcher restarts us
             os._exit(self.exit_on_hang)
         if dist.is_initialized() and has_nccl_groups():
@@ -560,11 +556,16 @@ class Watchdog:
                          "code or on the device): exiting for a relaunch",
                          section=self.current[0], lost_peer=False, fatal=False,
                          generation=self.generation, pid=os.getpid())
-        with open(self.hang_dir / f"generation_{self.generation}" / f"rank{self.rank}.txt",
-                  "a") as f:
-            f.write("not freed by the abort: exiting\n")
-            faulthandler.dump_traceback(file=f, all_threads=True)
+        self._dump_stacks("not freed by the abort: exiting", "a")
         os._exit(HANG_EXIT_CODE)
+
+    def _dump_stacks(self, headline: str, mode: str) -> None:
+        """`headline` and every thread's stack into this rank's hang dump."""
+        dump_dir = self.hang_dir / f"generation_{self.generation}"
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        with open(dump_dir / f"rank{self.rank}.txt", mode) as f:
+            f.write(headline + "\n")
+            faulthandler.dump_traceback(file=f, all_threads=True)
 
     # --- the guardian side process ----------------------------------------------
 
