@@ -111,16 +111,20 @@ class FaultInjector:
 
 
 # Run apart from the workers: wait for the given processes to end, then
-# delete the directory (argv: directory, timeout, pids).
+# delete the directory (argv: directory, timeout, pids). A zombie has ended
+# (it holds no file and writes nothing) though its parent has not reaped it
+# yet, so it counts as gone: waiting on it would wait out the timeout.
 DELETE_AFTER = """
-import shutil, sys, psutil
-procs = []
-for pid in sys.argv[3:]:
+import shutil, sys, time, psutil
+def running(pid):
     try:
-        procs.append(psutil.Process(int(pid)))
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
-        pass
-psutil.wait_procs(procs, timeout=float(sys.argv[2]))
+        return False
+pids = [int(p) for p in sys.argv[3:]]
+deadline = time.monotonic() + float(sys.argv[2])
+while any(running(p) for p in pids) and time.monotonic() < deadline:
+    time.sleep(0.05)
 shutil.rmtree(sys.argv[1], ignore_errors=True)
 """
 SIBLINGS_STOP_S = 30.0  # the launcher stops a dead worker's siblings within a few seconds
