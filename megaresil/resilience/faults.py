@@ -136,10 +136,21 @@ def lose_node(node_dir: Path) -> None:
     death) are gone, so no save they had in flight writes anything back: the
     node comes back empty, as a replaced machine would."""
     parent = psutil.Process().parent()
-    pids = [str(p.pid) for p in (parent.children() if parent else [])] or [str(os.getpid())]
+    pids = [str(p.pid) for p in (parent.children() if parent else []) if is_worker(p)]
+    pids = pids or [str(os.getpid())]
     subprocess.Popen([sys.executable, "-c", DELETE_AFTER, str(node_dir), str(SIBLINGS_STOP_S),
                       *pids], start_new_session=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def is_worker(proc: psutil.Process) -> bool:
+    """A training worker (TorchElastic gives each its LOCAL_RANK), not another
+    child of the same parent, such as multiprocessing's resource tracker,
+    which lives as long as its parent and would be waited on in vain."""
+    try:
+        return "LOCAL_RANK" in proc.environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 DEVICE_HANG_CYCLES = 2**62  # GPU clock cycles: centuries at any clock rate
