@@ -517,6 +517,9 @@ def _read_yaml(path: Path) -> dict:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(str(path), "file not found.", "check the recipe path.") from None
+    except IsADirectoryError:
+        raise ConfigError(str(path), "is a directory, not a recipe file.",
+                          "give a recipe's .yaml file, e.g. recipes/gpt-tiny.yaml.") from None
     except yaml.YAMLError as err:
         raise ConfigError(str(path), f"is not valid YAML ({err}).", "fix the YAML syntax.") from None
     if not isinstance(data, dict):

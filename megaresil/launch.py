@@ -22,13 +22,15 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousConnectionError, RendezvousError)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.events import read_events
 from megaresil.parallel.layout import visible_gpus
-from megaresil.resilience.faults import check_device_faults
+from megaresil.resilience.faults import check_device_faults, check_fault_ranks
 from megaresil.resilience.incidents import IncidentPrinter
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.resilience.restart import HANG_EXIT_CODE
+from megaresil.resilience.supervision import SUPERVISOR_ENV, end_with_agent
 from megaresil.run_lock import HELD_ENV, held_by_worker, held_for_workers
 from megaresil.slurm import SlurmStep
 
@@ -172,9 +174,11 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     gpus = visible_gpus()
     check_local_gpus(nproc, gpus)
     check_device_faults(cfg.faults, gpus)
+    check_fault_ranks(cfg.faults, world)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
+    os.environ[SUPERVISOR_ENV] = str(os.getpid())  # workers end with this process
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
     if membership.backend == "etcd":  # it logs every step of every round, on its own handler
@@ -199,12 +203,13 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     )
     events_before = len(read_events(run_dir))
     try:
-        with held_for_workers(run_dir, job=config.run_id), IncidentPrinter(run_dir):
+        with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg)),
+              IncidentPrinter(run_dir)):
             elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except ChildFailedError as err:
-        print(f"megaresil: giving up: {failure_summary(err)}; the run directory keeps the "
-              f"newest checkpoint (rerun the same command to resume after fixing the cause)",
-              file=sys.stderr)
+        print(f"megaresil: giving up after {relaunches_since(run_dir, events_before)}: "
+              f"{failure_summary(err)}; the run directory keeps the newest checkpoint (rerun "
+              "the same command to resume after fixing the cause)", file=sys.stderr)
         return 1
     except RendezvousError as err:
         print(f"megaresil: giving up: {rendezvous_lost(membership, err)}", file=sys.stderr)
@@ -220,6 +225,14 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
               "(no restart can fix this)", file=sys.stderr)
         return 1
     return PREEMPTED_EXIT if ending and ending["event"] == "preempted" else 0
+
+
+def relaunches_since(run_dir: Path, events_before: int) -> str:
+    """How many times this launch relaunched the workers, said so: the
+    restart budget (resilience.max_restarts) is spent when it gives up."""
+    count = sum(e["event"] == "restart" and e.get("kind") == "relaunch"
+                for e in read_events(run_dir)[events_before:])
+    return f"{count} relaunch{'' if count == 1 else 'es'}"
 
 
 def failure_summary(err: ChildFailedError) -> str:
@@ -306,6 +319,7 @@ def worker(recipe: str, overrides: list[str]) -> str:
     from megaresil.parallel.layout import pick_device
     from megaresil.resilience.watchdog import NCCL_WORKER_ENV
 
+    end_with_agent()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cfg = adapt_to_world(load_recipe(recipe, overrides), world)
     device = pick_device()
@@ -313,7 +327,7 @@ def worker(recipe: str, overrides: list[str]) -> str:
         torch.cuda.set_device(device)
         if cfg.resilience.in_process:  # TorchElastic's 1 would kill the process on an NCCL error
             os.environ.update(NCCL_WORKER_ENV)
-    with held_by_worker(Path(cfg.run.dir), rank):  # refused: the error goes to the console
+    with held_by_worker(Path(cfg.run.dir), rank, checkpoint_root(cfg)):  # refused: the error goes to the console
         return _train_as_worker(cfg, rank, world, device)
 
 

@@ -17,10 +17,19 @@ naming the holder (host, pid, its process start time, job id, since when).
 - Takeover of a stale lock renames it aside, checks that what was moved is
   exactly what was judged stale (same bytes and mtime) and puts it back when
   not (it was refreshed or replaced meanwhile), then creates a new one.
+- The job, not only its holder: every process the holder starts inherits
+  `TREE_ENV` naming the holder, so a lock whose holder died is not taken
+  over while a process of its job (a worker, a guardian) still runs on this
+  host. The next start waits `orphan_wait_s` for them (the kernel kills a
+  dead launcher's workers, resilience/supervision.py), then refuses naming them.
 - One lock per job, whoever holds it: processes that present the same job id
   share it. The first one holds it; the others join, and each one's thread
   takes the lock over should it go stale or vanish while the job runs (e.g.
   the holding node was lost and the job re-formed without it).
+
+The checkpoint root is locked the same way (`ROOT/run.lock`, key
+`checkpoint.dir`), wherever it lies: two runs with their own run.dir but one
+checkpoint.dir would resume and replace each other's checkpoints.
 
 Who takes it (launch.py): the `megaresil train` launcher, for the job id of its
 rendezvous (`--rdzv-id` with several agents, so all agents of one elastic job
@@ -38,7 +47,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import ContextManager, Optional
+from typing import ContextManager, Iterator, Optional
 
 import psutil
 
@@ -47,6 +56,10 @@ from megaresil.config import ConfigError
 LOCK_NAME = "run.lock"
 # Set by the launcher for the workers it starts: the lock is held for them.
 HELD_ENV = "MEGARESIL_RUN_LOCK"
+# Inherited by every process a holder starts: the holder's `token()`.
+TREE_ENV = "MEGARESIL_RUN_LOCK_TREE"
+# How long a start waits for a dead holder's processes to end before refusing.
+ORPHAN_WAIT_S = 15.0
 HEARTBEAT_S = 5.0
 STALE_S = 30.0
 # Looks at a lock that keeps changing under us (refreshed, taken over) before giving up.
@@ -66,6 +79,10 @@ class Holder:
         return cls(socket.gethostname(), os.getpid(), psutil.Process().create_time(), job,
                    time.time())
 
+    def token(self) -> str:
+        """What the processes this holder starts carry in TREE_ENV."""
+        return f"{self.host}:{self.pid}:{self.start_time!r}"
+
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         return f"job {self.job} (host {self.host}, pid {self.pid}, since {since})"
@@ -84,11 +101,11 @@ class Seen:
 
 
 class RunDirInUse(ConfigError):
-    """Another job holds the run directory."""
+    """Another job holds the run directory (or the checkpoint root: `key`)."""
 
-    def __init__(self, run_dir: Path, problem: str):
-        super().__init__("run.dir", f"{run_dir} {problem}",
-                         "wait for that job to end or stop it, or choose another run.dir. A lock "
+    def __init__(self, run_dir: Path, problem: str, key: str = "run.dir"):
+        super().__init__(key, f"{run_dir} {problem}",
+                         f"wait for that job to end or stop it, or choose another {key}. A lock "
                          "whose holder is gone is taken over by the next start (another host's "
                          f"once its heartbeat is {STALE_S:.0f} s old).")
 
@@ -118,14 +135,30 @@ def process_alive(pid: int, start_time: float) -> bool:
         return True
 
 
+def processes_of(holder: Holder) -> list[int]:
+    """Live processes of this host started under `holder` (their TREE_ENV
+    names it), however deep below it and wherever they were reparented."""
+    pids = []
+    for process in psutil.process_iter():
+        try:
+            if (process.environ().get(TREE_ENV) == holder.token()
+                    and process.status() != psutil.STATUS_ZOMBIE):
+                pids.append(process.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass  # gone meanwhile, or another user's (never one of ours)
+    return pids
+
+
 class RunLock:
     """Hold `run_dir/run.lock` for job `job` (a context manager)."""
 
     def __init__(self, run_dir: Path, job: str, *, heartbeat_s: float = HEARTBEAT_S,
-                 stale_s: float = STALE_S):
+                 stale_s: float = STALE_S, orphan_wait_s: float = ORPHAN_WAIT_S,
+                 key: str = "run.dir"):
         self.run_dir, self.path = Path(run_dir), Path(run_dir) / LOCK_NAME
         self.me = Holder.this_process(job)
-        self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
+        self.heartbeat_s, self.stale_s, self.orphan_wait_s = heartbeat_s, stale_s, orphan_wait_s
+        self.key = key  # the recipe key the refusal names
         self.owner = False  # whether the file names this process (else a job mate holds it)
         self._stop = threading.Event()
         self._keeper: Optional[threading.Thread] = None
@@ -159,17 +192,39 @@ class RunLock:
                 if seen.holder is not None and seen.holder.job == self.me.job:
                     self.owner = seen.holder == self.me
                     return
-                raise RunDirInUse(self.run_dir, self._in_use(seen))
+                raise RunDirInUse(self.run_dir, self._in_use(seen), self.key)
             else:
+                self._wait_for_orphans(seen)
                 self._remove_stale(seen)
         raise RunDirInUse(self.run_dir, f"has a {LOCK_NAME} that kept changing while this job "
-                          "tried to take it: another job is starting on it.")
+                          "tried to take it: another job is starting on it.", self.key)
 
     def _in_use(self, seen: Seen) -> str:
         who = seen.holder.describe() if seen.holder else "an unreadable lock record"
         beat = ("" if seen.holder and seen.holder.host == self.me.host
                 else f", last heartbeat {seen.age_s():.0f} s ago")
         return f"is in use by {who}{beat}: {self.path}."
+
+    def _wait_for_orphans(self, seen: Seen) -> None:
+        """A dead holder's job may live on in processes it started (workers
+        the kernel is still killing, or ones that escaped): wait for them,
+        then refuse naming them; taking over would run two jobs at once."""
+        if seen.holder is None or seen.holder.host != self.me.host:
+            return  # another host's processes cannot be seen from here
+        deadline = time.monotonic() + self.orphan_wait_s
+        pids = processes_of(seen.holder)
+        if pids:
+            print(f"megaresil: waiting for {len(pids)} process(es) of {seen.holder.describe()} "
+                  f"(pids {', '.join(map(str, pids))}) to end before taking {self.path} over",
+                  file=sys.stderr, flush=True)
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.1)
+            pids = processes_of(seen.holder)
+        if pids:
+            raise RunDirInUse(self.run_dir, f"is in use by {seen.holder.describe()}: its "
+                              f"holder is gone but processes it started still run (pids "
+                              f"{', '.join(map(str, pids))}; stop them with kill -9): "
+                              f"{self.path}.", self.key)
 
     def _alive(self, seen: Seen) -> bool:
         if seen.holder is not None and seen.holder.host == self.me.host:
@@ -227,19 +282,34 @@ class RunLock:
 
 
 @contextlib.contextmanager
-def held_for_workers(run_dir: Path, job: str):
-    """The launcher's lock, announced to the workers it starts (they inherit
-    the environment) so that they do not take it again."""
-    with RunLock(run_dir, job) as lock:
-        previous = os.environ.get(HELD_ENV)
-        os.environ[HELD_ENV] = str(lock.path)
+def locks_of_run(run_dir: Path, checkpoint_root: Path, job: str) -> Iterator[RunLock]:
+    """The run directory's lock (yielded) and the checkpoint root's (one
+    lock when they are the same directory)."""
+    with contextlib.ExitStack() as stack:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        lock = stack.enter_context(RunLock(run_dir, job))
+        if Path(checkpoint_root).resolve() != Path(run_dir).resolve():
+            Path(checkpoint_root).mkdir(parents=True, exist_ok=True)
+            stack.enter_context(RunLock(checkpoint_root, job, key="checkpoint.dir"))
+        yield lock
+
+
+@contextlib.contextmanager
+def held_for_workers(run_dir: Path, job: str, checkpoint_root: Optional[Path] = None):
+    """The launcher's locks, announced to the workers it starts (they inherit
+    the environment) so that they do not take them again, and so that the
+    next start knows them for this job's while they live."""
+    with locks_of_run(run_dir, checkpoint_root or run_dir, job) as lock:
+        previous = {name: os.environ.get(name) for name in (HELD_ENV, TREE_ENV)}
+        os.environ.update({HELD_ENV: str(lock.path), TREE_ENV: lock.me.token()})
         try:
             yield lock
         finally:
-            if previous is None:
-                os.environ.pop(HELD_ENV, None)
-            else:
-                os.environ[HELD_ENV] = previous
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def torchrun_job_id() -> str:
@@ -251,10 +321,10 @@ def torchrun_job_id() -> str:
     return f"torchrun@{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
 
 
-def held_by_worker(run_dir: Path, rank: int) -> ContextManager:
+def held_by_worker(run_dir: Path, rank: int, checkpoint_root: Optional[Path] = None
+                   ) -> ContextManager:
     """Under a torchrun of the user's own (no megaresil launcher above us),
-    global rank 0 holds the run directory for the job."""
+    global rank 0 holds the run directory (and checkpoint root) for the job."""
     if rank != 0 or HELD_ENV in os.environ:
         return contextlib.nullcontext()
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    return RunLock(run_dir, torchrun_job_id())
+    return locks_of_run(run_dir, checkpoint_root or run_dir, torchrun_job_id())

@@ -1,6 +1,7 @@
 """`run.lock`: a second job on a held run directory is refused naming the
 holder; a lock whose holder is gone (dead pid here, or another host's lock
 without heartbeat) is taken over; a live one, here or elsewhere, is respected."""
+import contextlib
 import json
 import os
 import socket
@@ -13,8 +14,8 @@ import psutil
 import pytest
 
 from conftest import ROOT
-from megaresil.run_lock import (HELD_ENV, LOCK_NAME, Holder, RunDirInUse, RunLock, held_by_worker,
-                                read_lock)
+from megaresil.run_lock import (HELD_ENV, LOCK_NAME, TREE_ENV, Holder, RunDirInUse, RunLock,
+                                held_by_worker, held_for_workers, locks_of_run, read_lock)
 
 HOST = socket.gethostname()
 
@@ -145,7 +146,7 @@ def test_creation_is_atomic_under_contention(tmp_path):
 def test_only_global_rank_0_outside_our_launcher_takes_it(tmp_path, monkeypatch):
     monkeypatch.delenv(HELD_ENV, raising=False)
     assert not isinstance(held_by_worker(tmp_path, 1), RunLock)
-    assert isinstance(held_by_worker(tmp_path, 0), RunLock)
+    assert not isinstance(held_by_worker(tmp_path, 0), contextlib.nullcontext)
     monkeypatch.setenv(HELD_ENV, str(tmp_path / LOCK_NAME))
     assert not isinstance(held_by_worker(tmp_path, 0), RunLock)
 
@@ -158,6 +159,51 @@ def test_unreadable_lock_is_judged_by_its_age(tmp_path):
     os.utime(path, (time.time() - 3600,) * 2)
     with RunLock(tmp_path, "job") as lock:
         assert lock.owner and read_lock(path).holder == lock.me
+
+
+def test_a_checkpoint_dir_shared_by_two_runs_is_refused_naming_its_holder(tmp_path):
+    """Two runs with their own run.dir but one checkpoint.dir (outside both, or
+    inside the first run's directory) would resume each other's checkpoints."""
+    for shared in (tmp_path / "shared", tmp_path / "a" / "checkpoints"):
+        with held_for_workers(tmp_path / "a", "job-a", shared):
+            with pytest.raises(RunDirInUse) as err:
+                locks_of_run(tmp_path / "b", shared, "job-b").__enter__()
+            assert not (tmp_path / "b" / LOCK_NAME).exists()  # b's run.lock released again
+        message = str(err.value)
+        assert message.startswith(f"checkpoint.dir: {shared} is in use by job job-a")
+        assert f"pid {os.getpid()}" in message and "choose another checkpoint.dir" in message
+        with locks_of_run(tmp_path / "b", shared, "job-b"):  # free once the first run ended
+            assert holder_pid(shared / LOCK_NAME) == os.getpid()
+
+
+def test_a_dead_holders_processes_keep_its_lock_until_they_end(tmp_path):
+    """A launcher killed with kill -9 leaves a lock naming a dead pid; while
+    a process it started (a worker, a guardian) still runs, a new job must not
+    take over and train beside it."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    holder = Holder(HOST, launcher.pid, psutil.Process(launcher.pid).create_time(), "old-job",
+                    time.time())
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                              env={**os.environ, TREE_ENV: holder.token()})
+    write_lock(tmp_path, pid=holder.pid, start_time=holder.start_time, job="old-job")
+    launcher.kill()
+    launcher.wait()
+    try:
+        with pytest.raises(RunDirInUse) as err:
+            RunLock(tmp_path, "new-job", orphan_wait_s=0).__enter__()
+        assert f"pids {orphan.pid}" in str(err.value) and "job old-job" in str(err.value)
+    finally:
+        orphan.kill()
+        orphan.wait()
+    with RunLock(tmp_path, "new-job", orphan_wait_s=0) as lock:
+        assert lock.owner
+
+
+def test_the_launchers_processes_carry_its_holder_token(tmp_path, monkeypatch):
+    monkeypatch.delenv(TREE_ENV, raising=False)
+    with held_for_workers(tmp_path, "job-3") as lock:
+        assert os.environ[TREE_ENV] == lock.me.token()
+    assert TREE_ENV not in os.environ
 
 
 # --- through the CLI -------------------------------------------------------------

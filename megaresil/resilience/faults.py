@@ -49,6 +49,18 @@ def check_device_faults(faults: list[dict], gpus: int) -> None:
                           "this node sees no GPU.", "use mode: native (or sleep) on a CPU machine.")
 
 
+def check_fault_ranks(faults: list[dict], world: int) -> None:
+    """A fault on a rank the job does not have would never fire: a drill that
+    tests nothing. Checked by the launcher against the world it starts, not
+    by the recipe's validation, which also runs when an elastic job re-forms
+    smaller (a fault aimed at a lost node's rank has done its work then)."""
+    for i, fault in enumerate(faults):
+        if fault["rank"] >= world:
+            raise ConfigError(f"faults[{i}].rank", f"{fault['rank']} is not a rank of this job "
+                              f"(tp*pp*dp = {world}: ranks 0..{world - 1}).",
+                              f"give a rank below {world}.")
+
+
 def fault_id(fault: dict) -> str:
     name = f"{fault['kind']}@rank{fault['rank']}/step{fault['step']}/{fault.get('section', 'data')}"
     return f"{name}/gen{fault['generation']}" if "generation" in fault else name

@@ -9,13 +9,32 @@ When the tick is older than the timeout, the guardian asks the rank for a
 stack dump (SIGUSR2, handled in C by faulthandler, which needs no GIL),
 then kills it; the launcher restarts the worker group.
 
+The guardian never outlives its rank: the kernel kills it when the rank
+ends (`die_with_parent`), as it kills a worker whose launcher ended.
+
 Usage: python -m megaresil.resilience.guardian PID TICK_FILE TIMEOUT_S
 """
+import ctypes
 import os
 import signal
 import struct
 import sys
 import time
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent ends, however the
+    parent died (kill -9 included), so no process of a job outlives its
+    supervisor. A parent that ended before the call sent nothing: the
+    parent pid checked afterwards closes that race (an orphan has another)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)  # quietly, as the signal would have
 
 
 def alive(pid: int) -> bool:
@@ -26,14 +45,30 @@ def alive(pid: int) -> bool:
     return True
 
 
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger): state T or t in
+    /proc/PID/stat, the field after the parenthesised command name."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def why_no_progress(pid: int) -> str:
+    if stopped(pid):
+        return "not running: stopped or starved"
+    return "its monitor thread starved (GIL held by C code?)"
+
+
 def watch(pid: int, tick_file: str, timeout: float) -> None:
-    while alive(pid) and os.getppid() != 1:
+    while alive(pid) and os.getppid() == pid:
         time.sleep(min(0.5, timeout / 4))
         with open(tick_file, "rb") as f:
             (tick,) = struct.unpack("d", f.read(8))
         if time.monotonic() - tick > timeout and alive(pid):
             print(f"megaresil guardian: rank process {pid} made no progress for "
-                  f"{time.monotonic() - tick:.1f}s with its monitor starved (GIL held); "
+                  f"{time.monotonic() - tick:.1f}s, {why_no_progress(pid)}; "
                   "dumping stacks and killing it", file=sys.stderr, flush=True)
             os.kill(pid, signal.SIGUSR2)
             time.sleep(1.0)
@@ -42,4 +77,5 @@ def watch(pid: int, tick_file: str, timeout: float) -> None:
 
 
 if __name__ == "__main__":
+    die_with_parent(int(sys.argv[1]))
     watch(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]))

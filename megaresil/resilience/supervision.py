@@ -1,6 +1,7 @@
 """What a job reports to, and asks of, the resilience layer."""
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
@@ -9,8 +10,22 @@ import torch.distributed as dist
 
 from megaresil.observe.sections import SectionClock, SectionTime
 from megaresil.resilience.faults import FaultInjector
+from megaresil.resilience.guardian import die_with_parent
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.watchdog import Watchdog
+
+# Set by megaresil's launcher for the workers its agent starts: the agent's pid.
+SUPERVISOR_ENV = "MEGARESIL_SUPERVISOR_PID"
+
+
+def end_with_agent() -> None:
+    """A worker of a TorchElastic agent ends when its agent does: a worker
+    whose launcher was killed (kill -9, a lost terminal) would otherwise
+    train on unsupervised, no hang detected, beside the job a rerun starts.
+    Under a torchrun of the user's own the agent's pid is the parent's at
+    start; outside an agent (a Slurm task, tests) nothing changes."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent(int(os.environ.get(SUPERVISOR_ENV, os.getppid())))
 
 
 @dataclass
