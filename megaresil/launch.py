@@ -166,6 +166,17 @@ def check_local_gpus(nproc: int, gpus: int) -> None:
                           "with --nnodes and --rdzv-endpoint.")
 
 
+def check_data(cfg: RecipeConfig) -> None:
+    """Build the recipe's datasets once here, before any worker starts: data
+    too small for one sample, or a model.vocab_size below the tokenizer's, is
+    a recipe error (exit 2) instead of the same failure in every worker. It
+    only moves the cost: the workers find the prepared data cached."""
+    from megaresil.data import build_datasets
+
+    build_datasets(cfg.data, cfg.model.vocab_size, cfg.train.seed,
+                   need_valid=cfg.train.eval_batches > 0)
+
+
 def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
            membership: Membership = Membership()) -> int:
     """Run local workers under a TorchElastic agent; returns the exit code."""
@@ -175,6 +186,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     check_local_gpus(nproc, gpus)
     check_device_faults(cfg.faults, gpus)
     check_fault_ranks(cfg.faults, world)
+    check_data(cfg)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))

@@ -85,6 +85,16 @@ def test_ties_go_to_the_rank_most_peers_wait_for():
     assert find_culprits(beats) == [0]
 
 
+def test_a_rank_waiting_inside_torch_distributed_waits_for_the_one_that_is_not():
+    """Issue 27 item 9: rank 0 waits in the next generation's setup for rank 1
+    to create a process group (no collective counted yet, so no count tells
+    them apart); rank 1 hangs in its own code. The hang is rank 1's."""
+    beats = {0: {**beat(0, "setup"), "waiting": True}, 1: {**beat(0, "setup"), "waiting": False}}
+    assert find_culprits(beats) == [1]
+    beats[1]["waiting"] = True  # both wait inside torch.distributed: nothing tells them apart
+    assert find_culprits(beats) == [0, 1]
+
+
 # --- slow or stuck ----------------------------------------------------------------
 
 def test_progress_meter_tells_computing_from_blocked():

@@ -39,10 +39,11 @@ def build_datasets(data_cfg: DataConfig, model_vocab_size: int, seed: int, *,
     if info.vocab_size > model_vocab_size:
         raise _vocab_error(model_vocab_size, info.vocab_size, f"the {data_cfg.tokenizer} tokenizer")
     index_dir = data_cfg.index_cache
+    # Named after the recipe's corpus, not the cache entry it was prepared into.
     return (GPTDataset(IndexedDataset(info.train_prefix), data_cfg.seq_len, seed,
-                       index_dir=index_dir),
+                       index_dir=index_dir, name=f"the train part of {data_cfg.source}"),
             GPTDataset(IndexedDataset(info.valid_prefix), data_cfg.seq_len, seed,
-                       index_dir=index_dir), info)
+                       index_dir=index_dir, name=f"the valid part of {data_cfg.source}"), info)
 
 
 def blend_of(data_cfg: DataConfig) -> list[tuple[float, str]]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megaresil.config import ConfigError
 from megaresil.data.index_cache import ShuffleIndex
 from megaresil.data.indexed import IndexedDataset
 
@@ -33,9 +34,9 @@ class GPTDataset:
         self.name = name or indexed.prefix
         self.samples_per_epoch = (self.end - self.start - 1) // seq_len
         if self.samples_per_epoch < 1:
-            raise ValueError(f"data.seq_len: {self.name} holds {self.end - self.start} tokens, "
-                             f"fewer than one sample of seq_len+1 = {seq_len + 1}. "
-                             "Fix: lower data.seq_len or give it more data.")
+            raise ConfigError("data.seq_len", f"{self.name} holds {self.end - self.start} "
+                              f"tokens, fewer than one sample of seq_len+1 = {seq_len + 1}.",
+                              "lower data.seq_len or give it more data (data.source).")
         directory = index_dir or Path(indexed.prefix).parent / ".megaresil-index"
         self.shuffle = ShuffleIndex(directory, self.samples_per_epoch, seed)
         self.shuffle.epoch(0)  # at start-up, not inside the first step's time budget
@@ -54,9 +55,10 @@ class GPTDataset:
         # Checked per sample instead of scanning the corpus at start: an id past
         # the vocabulary would be silently dropped by a vocab-parallel embedding.
         if self.vocab_size is not None and int(tokens.max()) >= self.vocab_size:
-            raise ValueError(f"model.vocab_size: {self.name} holds token id {int(tokens.max())}, "
-                             f"not below model.vocab_size={self.vocab_size}. Fix: set "
-                             "model.vocab_size to the data's tokenizer vocabulary (or larger).")
+            raise ConfigError("model.vocab_size", f"{self.name} holds token id "
+                              f"{int(tokens.max())}, not below model.vocab_size="
+                              f"{self.vocab_size}.", "set model.vocab_size to the data's "
+                              "tokenizer vocabulary (or larger).")
 
 
 class SyntheticDataset:

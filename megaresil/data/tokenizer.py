@@ -21,6 +21,8 @@ from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import r50k_pat_str
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from megaresil.config import ConfigError
+
 ENDOFTEXT = "<|endoftext|>"
 # End-of-document tokens of common families, tried in order when a tokenizer.json
 # comes without a tokenizer_config.json naming its eos token.
@@ -234,9 +236,9 @@ def _train_byte_level_bpe(documents: Sequence[str] | object, vocab_size: int
     without holding it in memory."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
-        raise ValueError(f"model.vocab_size: a byte-level BPE needs at least "
-                         f"{len(alphabet) + 1} tokens, got {vocab_size}. "
-                         "Fix: raise model.vocab_size (e.g. 4096) or use data.tokenizer=byte.")
+        raise ConfigError("model.vocab_size", f"a byte-level BPE needs at least "
+                          f"{len(alphabet) + 1} tokens, got {vocab_size}.",
+                          "raise model.vocab_size (e.g. 4096) or use data.tokenizer=byte.")
     model = tokenizers.Tokenizer(models.BPE())
     model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     model.decoder = decoders.ByteLevel()

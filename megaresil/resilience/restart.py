@@ -89,6 +89,15 @@ def launch_store(rank: int, world: int) -> dist.Store:
                          timeout=timedelta(seconds=300), wait_for_workers=False)
 
 
+def own_connection(store: dist.Store) -> dist.Store:
+    """The same store through a connection of its own, for the monitor
+    thread: a TCPStore client serves one request at a time, so a blocking
+    wait of the training thread (a process group's creation waiting for a
+    peer's address) would stop the monitor's heartbeats, and the guardian
+    would kill the waiting rank as starved while the rank it waits for hangs."""
+    return store.clone() if isinstance(store, dist.TCPStore) else store
+
+
 def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -247,14 +256,15 @@ class WorkerLife:
         self.events = EventLog(self.run_dir, rank)
         # One prefix per launch attempt and one per generation inside it: a
         # stale address of an earlier attempt can never be read.
-        self.store = dist.PrefixStore(f"megaresil/attempt_{attempt()}",
-                                      store if store is not None else launch_store(rank, world))
+        store = store if store is not None else launch_store(rank, world)
+        self.store = dist.PrefixStore(f"megaresil/attempt_{attempt()}", store)
         self.board = AbortBoard(self.store, rank)
         res = cfg.resilience
         self.policy = RestartPolicy(res.max_in_process_restarts, res.restart_backoff_s)
         self.preemption = PreemptionFlag().install()
         wd = res.watchdog
-        self.watchdog = (Watchdog(wd, rank=rank, world=world, store=self.store,
+        monitor_store = dist.PrefixStore(f"megaresil/attempt_{attempt()}", own_connection(store))
+        self.watchdog = (Watchdog(wd, rank=rank, world=world, store=monitor_store,
                                   run_dir=self.run_dir, events=self.events,
                                   exit_on_hang=None if res.in_process else HANG_EXIT_CODE,
                                   workload=workload(cfg),
@@ -279,14 +289,30 @@ class WorkerLife:
 
     def _after_relaunch(self) -> None:
         """On a relaunched attempt, rank 0 numbers the restart and backs off
-        when the previous attempts made no progress either; the other ranks
-        wait for it in the next rendezvous."""
-        if attempt() == 0 or self.rank != 0:
+        when the previous attempts made no progress either (a first attempt
+        may follow a launch that ended unsaved); the other ranks wait for it
+        in the next rendezvous."""
+        if self.rank != 0:
+            return
+        if attempt() == 0:
+            self._after_unsaved_end()
             return
         consecutive = relaunches_without_progress(self.run_dir) + 1
         self._count_restart("relaunch", last_failure(self.run_dir), attempt(),
                             self.cfg.resilience.max_restarts)
         time.sleep(backoff_s(consecutive, self.cfg.resilience.restart_backoff_s))
+
+    def _after_unsaved_end(self) -> None:
+        """A new launch on a run directory whose metrics go past its newest
+        checkpoint: the previous launch ended without saving those steps (its
+        launcher was killed, or it failed). They are trained again, so the
+        launch counts as a relaunch and its repeated rows are marked."""
+        last = max((r["step"] for r in read_metrics(self.run_dir) if "loss" in r), default=None)
+        resumed = newest_step(self.cfg, self.world)[0] or 0
+        if last is not None and last > resumed:
+            self._count_restart("relaunch", f"the previous launch ended after step {last} "
+                                "without saving it (its launcher was killed, or it failed)",
+                                attempt(), self.cfg.resilience.max_restarts)
 
     def _count_restart(self, kind: str, reason: str, number: int, limit: int) -> None:
         """Rank 0 records the restart before the next rendezvous; every rank

@@ -120,6 +120,7 @@ HANG_EXIT_CODE = 86  # a hang this process cannot recover from: the launcher res
 ABORT_GRACE_S = 5.0
 OPS_PER_HEARTBEAT = 1  # a set
 OPS_PER_ABORT_POLL = 1  # a check
+TORCH_DISTRIBUTED = os.path.dirname(dist.__file__)
 
 
 class HangAbort(BaseException):
@@ -236,7 +237,18 @@ def blamed_in_collectives(candidates: list[int], heartbeats: dict[int, dict]) ->
             count > mine[name] for name, count in hb.get("coll", {}).items() if name in mine)}
     blame = {r: len(waiters(r)) for r in candidates}
     most = max(blame.values())
-    return sorted(r for r in candidates if blame[r] == most)
+    blamed = [r for r in candidates if blame[r] == most]
+    # Still tied (no collective tells them apart, e.g. a group being created):
+    # the ranks waiting inside torch.distributed wait for those that are not.
+    not_waiting = [r for r in blamed if not heartbeats[r].get("waiting")]
+    return sorted(not_waiting or blamed)
+
+
+def waiting_in_torch_distributed(thread_id: int) -> bool:
+    """Whether the thread's innermost Python frame is torch.distributed's: it
+    waits there on its peers (a collective, a group's creation, the store)."""
+    frame = sys._current_frames().get(thread_id)
+    return frame is not None and TORCH_DISTRIBUTED in frame.f_code.co_filename
 
 
 def alone_in_a_collective(rank: int, heartbeats: dict[int, dict]) -> bool:
@@ -440,6 +452,7 @@ class Watchdog:
         section, step, _ = self.current
         return {"state": state, "section": section, "step": step, "beat": self.beats,
                 "stalled_s": round(self.progress.stalled_s(now), 3),
+                "waiting": waiting_in_torch_distributed(self.main_thread),
                 "coll": collective_counts(self.exempt) if dist.is_initialized() else {}}
 
     # --- judging an alarm -----------------------------------------------------------
