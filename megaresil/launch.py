@@ -30,7 +30,7 @@ from megaresil.resilience.faults import check_device_faults, check_fault_ranks
 from megaresil.resilience.incidents import IncidentPrinter
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.resilience.restart import HANG_EXIT_CODE
-from megaresil.resilience.supervision import SUPERVISOR_ENV, end_with_agent
+from megaresil.resilience.supervision import end_with_agent
 from megaresil.run_lock import HELD_ENV, held_by_worker, held_for_workers
 from megaresil.slurm import SlurmStep
 
@@ -190,7 +190,6 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
-    os.environ[SUPERVISOR_ENV] = str(os.getpid())  # workers end with this process
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
     if membership.backend == "etcd":  # it logs every step of every round, on its own handler

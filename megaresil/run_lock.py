@@ -312,6 +312,13 @@ def held_for_workers(run_dir: Path, job: str, checkpoint_root: Optional[Path] = 
                     os.environ[name] = value
 
 
+def launcher_pid() -> Optional[int]:
+    """The pid of the megaresil launcher this process descends from (the
+    TorchElastic agent of its workers), from TREE_ENV; None without one."""
+    token = os.environ.get(TREE_ENV)
+    return int(token.rsplit(":", 2)[1]) if token else None
+
+
 def torchrun_job_id() -> str:
     """This torchrun job's id: its rendezvous id, unless torchrun's default
     "none" (not unique), then the address of the job's store."""

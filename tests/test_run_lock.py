@@ -15,7 +15,8 @@ import pytest
 
 from conftest import ROOT
 from megaresil.run_lock import (HELD_ENV, LOCK_NAME, TREE_ENV, Holder, RunDirInUse, RunLock,
-                                held_by_worker, held_for_workers, locks_of_run, read_lock)
+                                held_by_worker, held_for_workers, launcher_pid, locks_of_run,
+                                read_lock)
 
 HOST = socket.gethostname()
 
@@ -203,6 +204,7 @@ def test_the_launchers_processes_carry_its_holder_token(tmp_path, monkeypatch):
     monkeypatch.delenv(TREE_ENV, raising=False)
     with held_for_workers(tmp_path, "job-3") as lock:
         assert os.environ[TREE_ENV] == lock.me.token()
+        assert launcher_pid() == os.getpid()  # whom the workers end with
     assert TREE_ENV not in os.environ
 
 

@@ -6,7 +6,6 @@ under a marked restart, and the run ends bit-equal to a fault-free one."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -75,6 +74,28 @@ def alive(processes: list[psutil.Process]) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return pids
+
+
+# A parent that starts a child bound to it, prints the child's pid, and waits.
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import os, time; "
+                          "from megaresil.resilience.guardian import die_with_parent; "
+                          f"die_with_parent({__import__('os').getpid()}); print('bound', flush=True); "
+                          "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline() == "bound\\n"
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_process_bound_to_its_parent_dies_with_it():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT)
+    child = psutil.Process(int(parent.stdout.readline()))
+    parent.kill()
+    parent.wait()
+    child.wait(timeout=10)  # psutil.TimeoutExpired while it lives on
 
 
 @pytest.fixture(scope="module")

@@ -13,19 +13,17 @@ from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.guardian import die_with_parent
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.watchdog import Watchdog
-
-# Set by megaresil's launcher for the workers its agent starts: the agent's pid.
-SUPERVISOR_ENV = "MEGARESIL_SUPERVISOR_PID"
-
+from megaresil.run_lock import launcher_pid
 
 def end_with_agent() -> None:
     """A worker of a TorchElastic agent ends when its agent does: a worker
     whose launcher was killed (kill -9, a lost terminal) would otherwise
     train on unsupervised, no hang detected, beside the job a rerun starts.
-    Under a torchrun of the user's own the agent's pid is the parent's at
-    start; outside an agent (a Slurm task, tests) nothing changes."""
+    Under megaresil's launcher the agent is the lock holder named in the
+    environment; under a torchrun of the user's own it is the parent at
+    start. Outside an agent (a Slurm task, tests) nothing changes."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        die_with_parent(int(os.environ.get(SUPERVISOR_ENV, os.getppid())))
+        die_with_parent(launcher_pid() or os.getppid())
 
 
 @dataclass

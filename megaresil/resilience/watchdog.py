@@ -20,7 +20,9 @@ kernel is caught by NCCL's abort path or the hard limit, not the CPU test.
 The decision, when a rank's section passes its budget: find the culprits
 (`find_culprits`): ranks gone silent, else the live ranks furthest behind
 (step, then section), ties broken by the per-group collective counters (the
-rank whose peers started collectives it has not joined). If every culprit
+rank whose peers started collectives it has not joined), then by where the
+training thread is (a rank waiting inside torch.distributed, e.g. creating a
+process group, waits for a peer that is not). If every culprit
 has made no progress for stall_s (its own monitor says so in its heartbeat;
 a rank that is its own culprit asks its local meter, with no store delay;
 a rank whose heartbeat stops for 2.5 heartbeat intervals is gone), the hang
