@@ -242,6 +242,7 @@ def relaunches_since(run_dir: Path, events_before: int) -> str:
     """How many times this launch relaunched the workers, said so: the
     restart budget (resilience.max_restarts) is spent when it gives up."""
     count = sum(e["event"] == "restart" and e.get("kind") == "relaunch"
+                and e.get("attempt", 0) > 0  # not the one a launch after an unsaved end counts
                 for e in read_events(run_dir)[events_before:])
     return f"{count} relaunch{'' if count == 1 else 'es'}"
 

@@ -15,6 +15,7 @@ from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.watchdog import Watchdog
 from megaresil.run_lock import launcher_pid
 
+
 def end_with_agent() -> None:
     """A worker of a TorchElastic agent ends when its agent does: a worker
     whose launcher was killed (kill -9, a lost terminal) would otherwise
