@@ -21,8 +21,9 @@ def end_with_agent() -> None:
     whose launcher was killed (kill -9, a lost terminal) would otherwise
     train on unsupervised, no hang detected, beside the job a rerun starts.
     Under megaresil's launcher the agent is the lock holder named in the
-    environment; under a torchrun of the user's own it is the parent at
-    start. Outside an agent (a Slurm task, tests) nothing changes."""
+    environment; under a torchrun of the user's own (or as a Slurm task,
+    whose environment says torchrun) it is the parent at start. Outside an
+    agent (library use, tests) nothing changes."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent(launcher_pid() or os.getppid())
 
