@@ -6,9 +6,10 @@ import sys
 import textwrap
 from typing import TYPE_CHECKING
 
-from megaresil.checkpoint.format import CheckpointError
-from megaresil.config import ConfigError, field_docs, load_recipe, to_yaml
-from megaresil.checkpoint.location import NoValidCheckpoint
+# Nothing that imports torch at the top: --help, config, recipes answer in a
+# fraction of a second (each command imports what it needs).
+from megaresil.config import (ConfigError, field_docs, find_recipe, load_recipe,
+                              packaged_recipes, to_yaml)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
     from megaresil.checkpoint.convert import Target
 
 EPILOG = """examples:
+  megaresil recipes
+  megaresil train gpt-tiny train.steps=20
   megaresil train recipes/gpt-tiny.yaml run.dir=runs/demo
   megaresil train recipes/gpt-tiny.yaml train.steps=20 model.num_layers=2
   megaresil train recipes/llama-3.2-1b.yaml --from-hf models/Llama-3.2-1B
@@ -61,6 +64,14 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
     for key, type_name, default, text in field_docs():
         print(f"{key}  ({type_name}, default {default})")
         print(textwrap.indent(textwrap.fill(text, 88), "    "))
+    return 0
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    recipes = packaged_recipes()
+    width = max(len(name) for name, _ in recipes)
+    for name, header in recipes:
+        print(f"{name:<{width}}  {header}")
     return 0
 
 
@@ -301,7 +312,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe YAML, e.g. recipes/gpt-tiny.yaml")
+    parser.add_argument("recipe", help="recipe YAML or a packaged recipe's name, e.g. "
+                        "gpt-tiny (`megaresil recipes` lists them)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="recipe overrides; values are YAML (parallel.tp=2, "
                              "faults='[{kind: kill, rank: 1, step: 7}]')")
@@ -395,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
 
+    sub.add_parser("recipes", help="list the packaged recipes (train one by name: "
+                   "megaresil train gpt-tiny)").set_defaults(func=cmd_recipes)
+
     config = sub.add_parser("config", help="inspect recipes and the config schema")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved recipe")
@@ -458,10 +473,17 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides += extra
     try:
+        if getattr(args, "recipe", None):
+            args.recipe = str(find_recipe(args.recipe))
         return args.func(args)
     except ConfigError as err:
         print(f"megaresil: error: {err}", file=sys.stderr)
         return 2
-    except (CheckpointError, NoValidCheckpoint) as err:
+    except Exception as err:
+        from megaresil.checkpoint.format import CheckpointError
+        from megaresil.checkpoint.location import NoValidCheckpoint
+
+        if not isinstance(err, (CheckpointError, NoValidCheckpoint)):
+            raise
         print(f"megaresil: error: {err}", file=sys.stderr)
         return 1

@@ -1,0 +1,27 @@
+"""Journeys: a recipe by name from a fresh directory."""
+import json
+
+import pytest
+
+from journey import home, megaresil  # noqa: F401  (home is a fixture)
+
+pytestmark = pytest.mark.journey
+
+TINY = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "train.steps=3",
+        "data.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=2",
+        "train.eval_batches=0", "logging.tensorboard=false"]
+
+
+def test_recipes_lists_the_packaged_recipes(home):
+    out = megaresil("recipes", cwd=home).stdout
+    names = [line.split()[0] for line in out.splitlines()]
+    assert {"gpt-tiny", "gpt2-124m", "llama-1b", "llama-3.2-1b"} <= set(names)
+
+
+def test_train_a_recipe_by_name_from_a_fresh_directory(home):
+    megaresil("train", "gpt-tiny", *TINY, "run.dir=runs/a", "checkpoint.interval=3", cwd=home)
+    rows = [json.loads(line) for line in (home / "runs/a/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert (home / "runs/a/checkpoints/step_0000003").is_dir()
+    wrong = megaresil("train", "gpt-tny", cwd=home, check=False)
+    assert wrong.returncode == 2 and "gpt-tiny" in wrong.stderr
