@@ -78,7 +78,11 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from megaresil.data.prepare import prepare_main
 
-    prepare_main(args.input, args.output, args.tokenizer, json_key=args.json_key,
+    if args.tokenizer is None:  # say so: a new BPE is a choice the user did not make
+        print(f"tokenizer: none given (--tokenizer), so a new BPE of {args.vocab_size} tokens "
+              f"is trained on the input and saved as {args.output}_tokenizer.json (what "
+              f"data.tokenizer=bpe data.path={args.output} reads)")
+    prepare_main(args.input, args.output, args.tokenizer or "bpe", json_key=args.json_key,
                  workers=args.workers, vocab_size=args.vocab_size)
     return 0
 
@@ -452,8 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--output", required=True, help="output prefix")
     prepare.add_argument("--json-key", help="field of each JSON line that holds the text "
                          "(default for .jsonl/.json files: text)")
-    prepare.add_argument("--tokenizer", default="bpe",
-                         help="bpe (trained on the input, saved as PREFIX_tokenizer.json), gpt2, "
+    prepare.add_argument("--tokenizer",
+                         help="bpe (the default: trained on the input, saved as PREFIX_tokenizer.json), gpt2, "
                          "byte, or a Hugging Face tokenizer.json or model directory")
     prepare.add_argument("--vocab-size", type=int, default=4096,
                          help="vocabulary of the trained BPE tokenizer")

@@ -25,3 +25,22 @@ def test_train_a_recipe_by_name_from_a_fresh_directory(home):
     assert (home / "runs/a/checkpoints/step_0000003").is_dir()
     wrong = megaresil("train", "gpt-tny", cwd=home, check=False)
     assert wrong.returncode == 2 and "gpt-tiny" in wrong.stderr
+
+
+def test_prepare_jsonl_without_a_tokenizer_then_train_a_blend(home):
+    texts = [f"Document {i}: to be or not to be, that is question {i}." * 3 for i in range(30)]
+    for name, docs in (("a", texts), ("b", [t.upper() for t in texts])):
+        (home / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    first = megaresil("data", "prepare", "--input", "a.jsonl", "--output", "data/a",
+                      "--vocab-size", "300", "--workers", "1", cwd=home).stdout
+    said = [line for line in first.splitlines() if line.startswith("tokenizer:")]
+    assert len(said) == 1 and "BPE" in said[0] and "data/a_tokenizer.json" in said[0]
+    assert (home / "data/a_tokenizer.json").is_file()
+    second = megaresil("data", "prepare", "--input", "b.jsonl", "--output", "data/b",
+                       "--tokenizer", "data/a_tokenizer.json", "--workers", "1", cwd=home).stdout
+    assert "tokenizer:" not in second  # a tokenizer the user named needs no word
+    megaresil("train", "gpt-tiny", *TINY, "run.dir=runs/blend", "data.source=indexed",
+              "data.paths=[0.5, data/a, 0.5, data/b]", "data.split='90,10,0'",
+              "data.tokenizer=data/a_tokenizer.json", "model.vocab_size=300", cwd=home)
+    rows = (home / "runs/blend/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1, 2, 3]
