@@ -300,3 +300,22 @@ def test_a_run_records_its_figures_goodput_and_profile(cli, tmp_path):
     assert goodput["productive_s"] == pytest.approx(sum(r["step_time_s"] for r in steps[1:]))
     trace = json.loads((tmp_path / "profile" / "rank0.steps2-3.pt.trace.json").read_text())
     assert any("aten::" in e.get("name", "") for e in trace["traceEvents"])
+
+
+@pytest.mark.parametrize("stop", ["interrupted", "preempted", "exit_at_step"])
+def test_goodput_books_the_pause_after_an_intended_stop_as_idle(stop):
+    """Job 1 launched at 0: steps 1-2 end at 10, 11; it stops as intended (a
+    save of step 2 ends at 12, then Ctrl-C, a preemption or exit_at_step).
+    The user reruns at 100; step 3 ends at 105, step 4 at 106."""
+    events = [{"time": 1.0, "event": "generation_started", "launched_at": 0.0},
+              {"time": 12.0, "event": "checkpoint_saved", "step": 2, "blocking_seconds": 1.0},
+              {"time": 101.0, "event": "generation_started", "launched_at": 100.0},
+              {"time": 106.5, "event": "run_finished"}]
+    if stop != "exit_at_step":
+        events.insert(2, {"time": 12.0, "event": stop, "step": 2})
+    metrics = [step(1, 10.0), step(2, 11.0), step(3, 105.0), step(4, 106.0)]
+    g = compute_goodput(events, metrics)
+    assert g["idle_s"] == 88.0  # the stop at 12 -> the rerun's launch at 100
+    assert g["restarts_s"] == 5.0  # the rerun's own start: launch 100 -> step 3 at 105
+    assert g["productive_s"] == 2.0  # steps 2 and 4 (1 and 3 are warm-ups)
+    assert g["goodput"] == pytest.approx(2.0 / (106.5 - 88.0))
