@@ -13,7 +13,8 @@ from megaresil.config import ConfigError, LoggingConfig, load_recipe
 from megaresil.model.gpt import GPT
 from megaresil.observe import flops, peak
 from megaresil.observe.goodput import compute_goodput
-from megaresil.observe.report import PANELS, write_report
+from megaresil.observe.report import (PANELS, Run, broken_at_launches, event_step, summary_rows,
+                                      write_report)
 from megaresil.observe.sections import SectionTime
 from megaresil.resilience.stragglers import StragglerDetector, judge
 from megaresil.train.metrics import MetricsLog, StepFigures, console_line
@@ -319,3 +320,41 @@ def test_goodput_books_the_pause_after_an_intended_stop_as_idle(stop):
     assert g["restarts_s"] == 5.0  # the rerun's own start: launch 100 -> step 3 at 105
     assert g["productive_s"] == 2.0  # steps 2 and 4 (1 and 3 are warm-ups)
     assert g["goodput"] == pytest.approx(2.0 / (106.5 - 88.0))
+
+
+def relaunched_run(path: Path) -> Path:
+    """Job 1 (two ranks) runs steps 1-4, fails in step 5, and the user reruns it
+    much later at one rank: steps 5-8 (a layout change)."""
+    path.mkdir(parents=True)
+    t0 = 1000.0
+    events = [{"time": t0 + 1, "event": "generation_started", "launched_at": t0},
+              {"time": t0 + 9.5, "event": "worker_error", "rank": 1},
+              {"time": t0 + 9.6, "event": "straggler_detected", "rank": 1, "window": [3, 4]},
+              {"time": t0 + 101, "event": "generation_started", "launched_at": t0 + 100}]
+    metrics = [step(s, t0 + 5 + s, 0.8, tokens_per_s=1000.0, mfu=0.25, lr=1e-3, grad_norm=1.0)
+               for s in range(1, 5)]
+    metrics += [step(s, t0 + 100 + s, 0.8, tokens_per_s=900.0, mfu=0.25, lr=1e-3,
+                     grad_norm=1.0) for s in range(5, 9)]
+    windows = [{"window": [3, 4], "ratios": {"0": {"data": 1.0}, "1": {"data": 1.5}},
+                "scores": {"0": 1.0, "1": 0.5}, "mem_peak_mb": {"0": 1.0, "1": 1.0}},
+               {"window": [7, 8], "ratios": {"0": {"data": 1.0}}, "scores": {"0": 1.0},
+                "mem_peak_mb": {"0": 1.0}}]
+    for name, rows in (("metrics.jsonl", metrics), ("events.jsonl", events),
+                       ("stragglers.jsonl", windows)):
+        (path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_report_breaks_lines_at_relaunches_and_marks_events_at_their_step(tmp_path):
+    run = Run.read(relaunched_run(tmp_path / "run"))
+    minutes, rates = broken_at_launches(run, lambda r: r["tokens_per_s"])
+    assert len(minutes) == 9 and minutes[4] != minutes[4]  # one NaN between steps 4 and 5
+    assert rates[:4] == [1000.0] * 4 and rates[5:] == [900.0] * 4
+    error, straggler = (e for e in run.events if e["event"] in ("worker_error",
+                                                                  "straggler_detected"))
+    assert event_step(error, run.records) == 5  # under way when it failed, not the last step
+    assert event_step(straggler, run.records) == 4
+    row = summary_rows([run])[0]
+    assert row["median MFU %"] == 25.0 and 0 < row["goodput %"] <= 100
+    page = write_report(run.path)  # the heat map's blank row after the layout change: a note
+    assert page.exists() and (run.path / "report" / "stragglers.png").exists()
