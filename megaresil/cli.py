@@ -315,6 +315,53 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from megaresil.inference import evaluate
+
+    result = evaluate(Path(args.path), args.batches)
+    print(json.dumps(result) if args.json else
+          f"step {result['step']}: valid loss {result['loss']:.4f}, perplexity "
+          f"{result['perplexity']:.2f} ({result['batches']} batches, {result['checkpoint']})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from megaresil.inference import generate
+
+    result = generate(Path(args.path), args.prompt, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    print(json.dumps(result) if args.json else args.prompt + result["completion"])
+    return 0
+
+
+def add_checkpoint_use_parsers(sub) -> None:
+    evaluate = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out "
+                              "split (the run's own eval batches), in one process")
+    evaluate.add_argument("path", metavar="CKPT|RUN_DIR", help="a checkpoint, or a run "
+                          "directory (its newest checkpoint)")
+    evaluate.add_argument("--batches", type=int, help="global batches (default: the run's "
+                          "train.eval_batches)")
+    evaluate.add_argument("--json", action="store_true")
+    evaluate.set_defaults(func=cmd_eval)
+    gen = sub.add_parser("generate", help="continue a prompt with a checkpoint's model, in "
+                         "one process")
+    gen.add_argument("path", metavar="CKPT|RUN_DIR", help="a checkpoint, or a run directory "
+                     "(its newest checkpoint)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=50)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    gen.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    gen.add_argument("--json", action="store_true", help="also the token ids")
+    gen.set_defaults(func=cmd_generate)
+
+
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML or a packaged recipe's name, e.g. "
                         "gpt-tiny (`megaresil recipes` lists them)")
@@ -441,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.set_defaults(func=cmd_ckpt_diff)
 
     add_convert_parser(sub)
+    add_checkpoint_use_parsers(sub)
 
     data = sub.add_parser("data", help="prepare datasets")
     data_sub = data.add_subparsers(dest="data_command", required=True)

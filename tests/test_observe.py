@@ -358,3 +358,19 @@ def test_report_breaks_lines_at_relaunches_and_marks_events_at_their_step(tmp_pa
     assert row["median MFU %"] == 25.0 and 0 < row["goodput %"] <= 100
     page = write_report(run.path)  # the heat map's blank row after the layout change: a note
     assert page.exists() and (run.path / "report" / "stragglers.png").exists()
+
+
+def test_every_metrics_row_names_its_generation(tmp_path):
+    """A step redone after a restart is told apart by its generation."""
+    cfg = load_recipe(TINY, ["logging.tensorboard=false", "logging.progress=false"])
+    figures = StepFigures(10**12, 1, 1.0, torch.device("cpu"))
+    for generation, steps in ((0, (1, 2)), (1, (2, 3))):  # step 2 redone after a restart
+        log = MetricsLog(tmp_path, cfg, figures, start_step=steps[0] - 1, generation=generation)
+        for s in steps:
+            log.write({"step": s, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0,
+                       "tokens_per_s": 1.0, "step_time_s": 0.5, "time": 1.0})
+        log.write({"step": steps[-1], "eval_loss": 1.0, "time": 1.0})
+        log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["generation"]) for r in rows] == [(1, 0), (2, 0), (2, 0), (2, 1),
+                                                            (3, 1), (3, 1)]
