@@ -1,4 +1,4 @@
-"""Journeys: a recipe by name from a fresh directory."""
+"""Journeys: a recipe by name from a fresh directory, then report, generate and eval\non the run; prepare JSON Lines and train a blend."""
 import json
 
 import pytest
@@ -25,6 +25,14 @@ def test_train_a_recipe_by_name_from_a_fresh_directory(home):
     assert (home / "runs/a/checkpoints/step_0000003").is_dir()
     wrong = megaresil("train", "gpt-tny", cwd=home, check=False)
     assert wrong.returncode == 2 and "gpt-tiny" in wrong.stderr
+    # Then what a user does with a finished run: look at it, use it.
+    assert "wrote runs/a/report/index.html" in megaresil("report", "runs/a", cwd=home).stdout
+    assert (home / "runs/a/report/goodput.png").is_file()
+    text = megaresil("generate", "runs/a", "--prompt", "ROMEO:", "--max-new-tokens", "5",
+                     cwd=home).stdout
+    assert text.startswith("ROMEO:")
+    line = megaresil("eval", "runs/a", "--batches", "1", cwd=home).stdout.splitlines()[-1]
+    assert line.startswith("step 3: valid loss")
 
 
 def test_prepare_jsonl_without_a_tokenizer_then_train_a_blend(home):
