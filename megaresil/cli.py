@@ -6,9 +6,10 @@ import sys
 import textwrap
 from typing import TYPE_CHECKING
 
-from megaresil.checkpoint.format import CheckpointError
-from megaresil.config import ConfigError, field_docs, load_recipe, to_yaml
-from megaresil.checkpoint.location import NoValidCheckpoint
+# Nothing that imports torch at the top: --help, config, recipes answer in a
+# fraction of a second (each command imports what it needs).
+from megaresil.config import (ConfigError, field_docs, find_recipe, load_recipe,
+                              packaged_recipes, to_yaml)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
     from megaresil.checkpoint.convert import Target
 
 EPILOG = """examples:
+  megaresil recipes
+  megaresil train gpt-tiny train.steps=20
   megaresil train recipes/gpt-tiny.yaml run.dir=runs/demo
   megaresil train recipes/gpt-tiny.yaml train.steps=20 model.num_layers=2
   megaresil train recipes/llama-3.2-1b.yaml --from-hf models/Llama-3.2-1B
@@ -64,10 +67,22 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recipes(args: argparse.Namespace) -> int:
+    recipes = packaged_recipes()
+    width = max(len(name) for name, _ in recipes)
+    for name, header in recipes:
+        print(f"{name:<{width}}  {header}")
+    return 0
+
+
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from megaresil.data.prepare import prepare_main
 
-    prepare_main(args.input, args.output, args.tokenizer, json_key=args.json_key,
+    if args.tokenizer is None:  # say so: a new BPE is a choice the user did not make
+        print(f"tokenizer: none given (--tokenizer), so a new BPE of {args.vocab_size} tokens "
+              f"is trained on the input and saved as {args.output}_tokenizer.json (what "
+              f"data.tokenizer=bpe data.path={args.output} reads)")
+    prepare_main(args.input, args.output, args.tokenizer or "bpe", json_key=args.json_key,
                  workers=args.workers, vocab_size=args.vocab_size)
     return 0
 
@@ -300,8 +315,56 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from megaresil.inference import evaluate
+
+    result = evaluate(Path(args.path), args.batches)
+    print(json.dumps(result) if args.json else
+          f"step {result['step']}: valid loss {result['loss']:.4f}, perplexity "
+          f"{result['perplexity']:.2f} ({result['batches']} batches, {result['checkpoint']})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from megaresil.inference import generate
+
+    result = generate(Path(args.path), args.prompt, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    print(json.dumps(result) if args.json else args.prompt + result["completion"])
+    return 0
+
+
+def add_checkpoint_use_parsers(sub) -> None:
+    evaluate = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out "
+                              "split (the run's own eval batches), in one process")
+    evaluate.add_argument("path", metavar="CKPT|RUN_DIR", help="a checkpoint, or a run "
+                          "directory (its newest checkpoint)")
+    evaluate.add_argument("--batches", type=int, help="global batches (default: the run's "
+                          "train.eval_batches)")
+    evaluate.add_argument("--json", action="store_true")
+    evaluate.set_defaults(func=cmd_eval)
+    gen = sub.add_parser("generate", help="continue a prompt with a checkpoint's model, in "
+                         "one process")
+    gen.add_argument("path", metavar="CKPT|RUN_DIR", help="a checkpoint, or a run directory "
+                     "(its newest checkpoint)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=50)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    gen.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    gen.add_argument("--json", action="store_true", help="also the token ids")
+    gen.set_defaults(func=cmd_generate)
+
+
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe YAML, e.g. recipes/gpt-tiny.yaml")
+    parser.add_argument("recipe", help="recipe YAML or a packaged recipe's name, e.g. "
+                        "gpt-tiny (`megaresil recipes` lists them)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="recipe overrides; values are YAML (parallel.tp=2, "
                              "faults='[{kind: kill, rank: 1, step: 7}]')")
@@ -395,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
 
+    sub.add_parser("recipes", help="list the packaged recipes (train one by name: "
+                   "megaresil train gpt-tiny)").set_defaults(func=cmd_recipes)
+
     config = sub.add_parser("config", help="inspect recipes and the config schema")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved recipe")
@@ -422,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     diff.set_defaults(func=cmd_ckpt_diff)
 
     add_convert_parser(sub)
+    add_checkpoint_use_parsers(sub)
 
     data = sub.add_parser("data", help="prepare datasets")
     data_sub = data.add_subparsers(dest="data_command", required=True)
@@ -437,8 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--output", required=True, help="output prefix")
     prepare.add_argument("--json-key", help="field of each JSON line that holds the text "
                          "(default for .jsonl/.json files: text)")
-    prepare.add_argument("--tokenizer", default="bpe",
-                         help="bpe (trained on the input, saved as PREFIX_tokenizer.json), gpt2, "
+    prepare.add_argument("--tokenizer",
+                         help="bpe (the default: trained on the input, saved as PREFIX_tokenizer.json), gpt2, "
                          "byte, or a Hugging Face tokenizer.json or model directory")
     prepare.add_argument("--vocab-size", type=int, default=4096,
                          help="vocabulary of the trained BPE tokenizer")
@@ -458,10 +525,17 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides += extra
     try:
+        if getattr(args, "recipe", None):
+            args.recipe = str(find_recipe(args.recipe))
         return args.func(args)
     except ConfigError as err:
         print(f"megaresil: error: {err}", file=sys.stderr)
         return 2
-    except (CheckpointError, NoValidCheckpoint) as err:
+    except Exception as err:
+        from megaresil.checkpoint.format import CheckpointError
+        from megaresil.checkpoint.location import NoValidCheckpoint
+
+        if not isinstance(err, (CheckpointError, NoValidCheckpoint)):
+            raise
         print(f"megaresil: error: {err}", file=sys.stderr)
         return 1

@@ -21,7 +21,10 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# The packaged recipes and their pieces (the repository's recipes/ and configs/
+# are links to them), so a recipe name works from any directory.
+REPO_CONFIGS = Path(__file__).resolve().parent / "configs"
+PACKAGED_RECIPES = Path(__file__).resolve().parent / "recipes"
 
 
 class ConfigError(ValueError):
@@ -569,6 +572,31 @@ def _explain_omegaconf(err: OmegaConfBaseException) -> ConfigError:
     else:
         fix = "give a value of the documented type (`megaresil config docs`)."
     return ConfigError(key, first_line, fix)
+
+
+def find_recipe(recipe: str) -> Path:
+    """RECIPE as given: an existing path, else a packaged recipe's name
+    (`gpt-tiny` or `gpt-tiny.yaml`), so `megaresil train gpt-tiny` works anywhere."""
+    if Path(recipe).exists():
+        return Path(recipe)
+    packaged = PACKAGED_RECIPES / (recipe if recipe.endswith(".yaml") else f"{recipe}.yaml")
+    if "/" not in recipe and packaged.is_file():
+        return packaged
+    names = ", ".join(name for name, _ in packaged_recipes())
+    raise ConfigError("recipe", f"'{recipe}' is neither a file nor a packaged recipe "
+                      f"({names}).", "give a recipe YAML path or one of those names.")
+
+
+def packaged_recipes() -> list[tuple[str, str]]:
+    """(name, first line of its header comment) for every packaged recipe."""
+    return [(path.stem, _header_line(path)) for path in sorted(PACKAGED_RECIPES.glob("*.yaml"))]
+
+
+def _header_line(path: Path) -> str:
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip().rstrip(",:")
+    return ""
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:

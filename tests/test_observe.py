@@ -13,7 +13,8 @@ from megaresil.config import ConfigError, LoggingConfig, load_recipe
 from megaresil.model.gpt import GPT
 from megaresil.observe import flops, peak
 from megaresil.observe.goodput import compute_goodput
-from megaresil.observe.report import PANELS, write_report
+from megaresil.observe.report import (PANELS, Run, broken_at_launches, event_step, summary_rows,
+                                      write_report)
 from megaresil.observe.sections import SectionTime
 from megaresil.resilience.stragglers import StragglerDetector, judge
 from megaresil.train.metrics import MetricsLog, StepFigures, console_line
@@ -300,3 +301,76 @@ def test_a_run_records_its_figures_goodput_and_profile(cli, tmp_path):
     assert goodput["productive_s"] == pytest.approx(sum(r["step_time_s"] for r in steps[1:]))
     trace = json.loads((tmp_path / "profile" / "rank0.steps2-3.pt.trace.json").read_text())
     assert any("aten::" in e.get("name", "") for e in trace["traceEvents"])
+
+
+@pytest.mark.parametrize("stop", ["interrupted", "preempted", "exit_at_step"])
+def test_goodput_books_the_pause_after_an_intended_stop_as_idle(stop):
+    """Job 1 launched at 0: steps 1-2 end at 10, 11; it stops as intended (a
+    save of step 2 ends at 12, then Ctrl-C, a preemption or exit_at_step).
+    The user reruns at 100; step 3 ends at 105, step 4 at 106."""
+    events = [{"time": 1.0, "event": "generation_started", "launched_at": 0.0},
+              {"time": 12.0, "event": "checkpoint_saved", "step": 2, "blocking_seconds": 1.0},
+              {"time": 101.0, "event": "generation_started", "launched_at": 100.0},
+              {"time": 106.5, "event": "run_finished"}]
+    if stop != "exit_at_step":
+        events.insert(2, {"time": 12.0, "event": stop, "step": 2})
+    metrics = [step(1, 10.0), step(2, 11.0), step(3, 105.0), step(4, 106.0)]
+    g = compute_goodput(events, metrics)
+    assert g["idle_s"] == 88.0  # the stop at 12 -> the rerun's launch at 100
+    assert g["restarts_s"] == 5.0  # the rerun's own start: launch 100 -> step 3 at 105
+    assert g["productive_s"] == 2.0  # steps 2 and 4 (1 and 3 are warm-ups)
+    assert g["goodput"] == pytest.approx(2.0 / (106.5 - 88.0))
+
+
+def relaunched_run(path: Path) -> Path:
+    """Job 1 (two ranks) runs steps 1-4, fails in step 5, and the user reruns it
+    much later at one rank: steps 5-8 (a layout change)."""
+    path.mkdir(parents=True)
+    t0 = 1000.0
+    events = [{"time": t0 + 1, "event": "generation_started", "launched_at": t0},
+              {"time": t0 + 9.5, "event": "worker_error", "rank": 1},
+              {"time": t0 + 9.6, "event": "straggler_detected", "rank": 1, "window": [3, 4]},
+              {"time": t0 + 101, "event": "generation_started", "launched_at": t0 + 100}]
+    metrics = [step(s, t0 + 5 + s, 0.8, tokens_per_s=1000.0, mfu=0.25, lr=1e-3, grad_norm=1.0)
+               for s in range(1, 5)]
+    metrics += [step(s, t0 + 100 + s, 0.8, tokens_per_s=900.0, mfu=0.25, lr=1e-3,
+                     grad_norm=1.0) for s in range(5, 9)]
+    windows = [{"window": [3, 4], "ratios": {"0": {"data": 1.0}, "1": {"data": 1.5}},
+                "scores": {"0": 1.0, "1": 0.5}, "mem_peak_mb": {"0": 1.0, "1": 1.0}},
+               {"window": [7, 8], "ratios": {"0": {"data": 1.0}}, "scores": {"0": 1.0},
+                "mem_peak_mb": {"0": 1.0}}]
+    for name, rows in (("metrics.jsonl", metrics), ("events.jsonl", events),
+                       ("stragglers.jsonl", windows)):
+        (path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_report_breaks_lines_at_relaunches_and_marks_events_at_their_step(tmp_path):
+    run = Run.read(relaunched_run(tmp_path / "run"))
+    minutes, rates = broken_at_launches(run, lambda r: r["tokens_per_s"])
+    assert len(minutes) == 9 and minutes[4] != minutes[4]  # one NaN between steps 4 and 5
+    assert rates[:4] == [1000.0] * 4 and rates[5:] == [900.0] * 4
+    error, straggler = (e for e in run.events if e["event"] in ("worker_error",
+                                                                  "straggler_detected"))
+    assert event_step(error, run.records) == 5  # under way when it failed, not the last step
+    assert event_step(straggler, run.records) == 4
+    row = summary_rows([run])[0]
+    assert row["median MFU %"] == 25.0 and 0 < row["goodput %"] <= 100
+    page = write_report(run.path)  # the heat map's blank row after the layout change: a note
+    assert page.exists() and (run.path / "report" / "stragglers.png").exists()
+
+
+def test_every_metrics_row_names_its_generation(tmp_path):
+    """A step redone after a restart is told apart by its generation."""
+    cfg = load_recipe(TINY, ["logging.tensorboard=false", "logging.progress=false"])
+    figures = StepFigures(10**12, 1, 1.0, torch.device("cpu"))
+    for generation, steps in ((0, (1, 2)), (1, (2, 3))):  # step 2 redone after a restart
+        log = MetricsLog(tmp_path, cfg, figures, start_step=steps[0] - 1, generation=generation)
+        for s in steps:
+            log.write({"step": s, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0,
+                       "tokens_per_s": 1.0, "step_time_s": 0.5, "time": 1.0})
+        log.write({"step": steps[-1], "eval_loss": 1.0, "time": 1.0})
+        log.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["generation"]) for r in rows] == [(1, 0), (2, 0), (2, 0), (2, 1),
+                                                            (3, 1), (3, 1)]

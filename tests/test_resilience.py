@@ -89,6 +89,9 @@ def test_in_process_restarts_keep_pids_and_memory(cli, tmp_path):
         assert errors[-1]["rss_mb"] - errors[0]["rss_mb"] < 64, errors
     steps = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert steps[-1]["step"] == 8 and steps[-1].get("restart") == 3
+    assert steps[0]["generation"] == 0 and steps[-1]["generation"] == 3  # on every row
+    redone = [r["generation"] for r in steps if r["step"] == 3]
+    assert len(redone) == 2 and redone[0] < redone[1]
 
 
 @pytest.mark.slow

@@ -10,12 +10,16 @@ one bucket:
   load and that step's warm-up); a requeued job's wait counts here too;
 - failed: the last completed step before an interruption -> its detection
   (work thrown away, the detection latency), less saves and evals in between;
+- idle: from an intended stop (run_finished, preempted, interrupted, or a
+  job that saved its last step and ended, as train.exit_at_step does) to the
+  next job's launch: the user's own pause or the queue, no fault's cost
+  (taken out of that gap's restarts);
 - recomputed: steps computed again after a restart (their earlier copies);
 - checkpoint: time a save blocked training (`blocking_seconds`);
 - eval: evaluation passes;
 - productive: every other step's own time (`step_time_s`);
 - other: the rest (logging, the console, gaps between steps).
-goodput = productive / wall.
+goodput = productive / (wall - idle): a pause the user chose is not the run's loss.
 """
 from __future__ import annotations
 
@@ -26,9 +30,11 @@ from typing import Optional
 
 from megaresil.events import read_events, read_jsonl
 
-INTERRUPTIONS = ("hang_detected", "worker_error", "preempted", "restart")
+INTERRUPTIONS = ("hang_detected", "worker_error", "preempted", "interrupted", "restart")
+INTENDED_STOPS = ("run_finished", "preempted", "interrupted")
+FAILURES = ("hang_detected", "worker_error", "restart")
 BUCKETS = ("productive", "startup", "restarts", "failed", "recomputed", "checkpoint", "eval",
-           "other")
+           "idle", "other")
 
 
 def step_seconds(record: dict) -> float:
@@ -44,10 +50,37 @@ def launched_at(events: list[dict], records: list[dict]) -> Optional[float]:
     return records[0]["time"] - step_seconds(records[0]) if records else None
 
 
+def job_launches(events: list[dict]) -> list[float]:
+    """When each job (each command, each requeue) was launched: its workers'
+    generations, in-process and agent restarts included, share the time."""
+    return sorted({e["launched_at"] for e in events
+                   if e["event"] == "generation_started" and "launched_at" in e})
+
+
+def idle_gaps(events: list[dict], records: list[dict]) -> list[tuple[float, float]]:
+    """(intended stop, next launch) for every job that ended as intended."""
+    gaps = []
+    for launch in job_launches(events)[1:]:
+        before = [r for r in records if r["time"] < launch]
+        if not before:
+            continue
+        last = before[-1]
+        window = [e for e in events if last["time"] <= e["time"] < launch]
+        stop = next((e["time"] for e in window if e["event"] in INTENDED_STOPS), None)
+        if stop is None and not any(e["event"] in FAILURES for e in window):
+            # No event marks train.exit_at_step: the job saved its last step and ended.
+            stop = next((e["time"] for e in window if e["event"] == "checkpoint_saved"
+                         and e.get("step") == last["step"]), None)
+        if stop is not None:
+            gaps.append((stop, launch))
+    return gaps
+
+
 def interruptions(events: list[dict], records: list[dict]) -> list[tuple[float, int]]:
     """(detection time, index of the first step record after it), in order."""
     found, i = [], 0
-    times = sorted(e["time"] for e in events if e["event"] in INTERRUPTIONS)
+    times = sorted([e["time"] for e in events if e["event"] in INTERRUPTIONS]
+                   + [stop for stop, _ in idle_gaps(events, records)])
     for t in times:
         while i < len(records) and records[i]["time"] < t:
             i += 1
@@ -72,6 +105,9 @@ def compute_goodput(events: list[dict], metrics: list[dict], end: Optional[float
         gaps.append((records[i - 1]["time"] if i else start, detected, records[i]["time"]))
         spent["restarts"] += records[i]["time"] - detected
         spent["failed"] += max(0.0, detected - gaps[-1][0])
+    for stop, launch in idle_gaps(events, records):
+        spent["idle"] += launch - stop
+        spent["restarts"] -= launch - stop
     warmups = {0} | {i for _, i in interruptions(events, records)}
     last_index = {r["step"]: i for i, r in enumerate(records)}
     for i, record in enumerate(records):
@@ -92,7 +128,8 @@ def compute_goodput(events: list[dict], metrics: list[dict], end: Optional[float
             spent["failed"] = max(0.0, spent["failed"] - seconds)
     wall = end - start
     spent["other"] = wall - sum(v for k, v in spent.items() if k != "other")
-    return {"wall_s": wall, "goodput": spent["productive"] / wall if wall > 0 else 0.0,
+    busy = wall - spent["idle"]
+    return {"wall_s": wall, "goodput": spent["productive"] / busy if busy > 0 else 0.0,
             **{f"{k}_s": v for k, v in spent.items()},
             "interruptions": len(gaps), "steps": len(last_index),
             "recomputed_steps": len(records) - len(last_index)}

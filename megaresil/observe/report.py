@@ -74,6 +74,38 @@ class Run:
     def goodput(self) -> dict:
         return compute_goodput(self.events, self.metrics)
 
+    @property
+    def records(self) -> list[dict]:
+        """Every step record as computed (redone steps twice), in time order."""
+        return sorted((r for r in self.metrics if "loss" in r), key=lambda r: r["time"])
+
+
+def broken_at_launches(run: Run, value: Callable[[dict], float]) -> tuple[list, list]:
+    """(minutes since launch, value) of every step record, with a gap (NaN)
+    wherever a generation started between two records: a line drawn across
+    a relaunch would claim throughput while nothing ran."""
+    starts = sorted(e["time"] for e in run.events if e["event"] == "generation_started")
+    minutes, values, previous = [], [], None
+    for record in run.records:
+        if previous is not None and any(previous < t < record["time"] for t in starts):
+            minutes.append(float("nan"))
+            values.append(float("nan"))
+        minutes.append((record["time"] - run.start) / 60)
+        values.append(value(record))
+        previous = record["time"]
+    return minutes, values
+
+
+def event_step(event: dict, records: list[dict]) -> float:
+    """The step an event belongs to: its own `step`, a straggler window's last
+    step, else the step under way when it happened (one past the last done)."""
+    if event.get("step") is not None:
+        return event["step"]
+    if event.get("window"):
+        return event["window"][-1]
+    done = [r["step"] for r in records if r["time"] <= event["time"]]
+    return (done[-1] if done else 0) + 1
+
 
 def figure(draw: Callable[[plt.Axes], None], width: float = 8, height: float = 3.6):
     fig, ax = plt.subplots(figsize=(width, height), dpi=110)
@@ -101,37 +133,35 @@ def throughput_panel(runs: list[Run]):
     def draw(ax):
         mfu_ax = ax.twinx()
         for i, run in enumerate(runs):
-            records = [r for r in run.metrics if "loss" in r]
-            t = [(r["time"] - run.start) / 60 for r in records]
-            ax.plot(t, [r["tokens_per_s"] for r in records], ".-", color=f"C{i}",
-                    label=f"{run.name} tok/s", markersize=3)
-            if any("mfu" in r for r in records):
-                mfu_ax.plot(t, [100 * r.get("mfu", float("nan")) for r in records], ":",
-                            color=f"C{i}", label=f"{run.name} MFU")
+            ax.plot(*broken_at_launches(run, lambda r: r["tokens_per_s"]), ".-",
+                    color=f"C{i}", label=f"{run.name} tok/s", markersize=3)
+            if any("mfu" in r for r in run.records):
+                mfu = broken_at_launches(run, lambda r: 100 * r.get("mfu", float("nan")))
+                mfu_ax.plot(*mfu, ":", color=f"C{i}", label=f"{run.name} MFU %")
         ax.set(xlabel="minutes since launch", ylabel="tokens/s", title="Throughput and MFU")
         mfu_ax.set_ylabel("MFU %")
         lines = ax.get_legend_handles_labels()
         more = mfu_ax.get_legend_handles_labels()
-        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="lower right")
-    return figure(draw)
+        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="upper left",
+                  bbox_to_anchor=(1.12, 1.0))  # beside the plot: it covers no point
+    return figure(draw, width=9.5)
 
 
 def timeline_panel(run: Run):
     def draw(ax):
-        records = [r for r in run.metrics if "loss" in r]
+        records = run.records
         minutes = [(r["time"] - run.start) / 60 for r in records]
         ax.plot(minutes, [r["step"] for r in records], ".", color="grey", markersize=3,
                 label="step completed")
-        top = max((r["step"] for r in records), default=1)
         for event, (label, colour, marker) in MARKS.items():
             hits = [e for e in run.events if e["event"] == event]
             if hits:
                 ax.plot([(e["time"] - run.start) / 60 for e in hits],
-                        [e.get("step", top) or 0 for e in hits], marker, color=colour,
+                        [event_step(e, records) for e in hits], marker, color=colour,
                         linestyle="none", label=f"{label} ({len(hits)})", markersize=7)
         ax.set(xlabel="minutes since launch", ylabel="step", title=f"Timeline: {run.name}")
-        ax.legend(fontsize=7, loc="upper left")
-    return figure(draw)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the plot
+    return figure(draw, width=9.5)
 
 
 def straggler_matrix(run: Run) -> tuple[list[int], list[str], list[list[float]]]:
@@ -159,6 +189,11 @@ def straggler_panel(run: Run):
         ax.set(xlabel="window (steps)", title="Slowest section vs peers' median "
                "(training-thread CPU time)")
         plt.colorbar(image, ax=ax, label="ratio")
+        if any(cell != cell for row in cells for cell in row):  # NaN: a rank absent
+            ax.annotate("blank: the rank was not in the job in that window (the layout or "
+                        "world changed on a resume or an elastic restart)", (0, 0),
+                        xycoords="figure fraction", xytext=(4, 4), textcoords="offset points",
+                        fontsize=7)
     return figure(draw, height=max(2.5, 0.35 * len({r for w in run.windows
                                                      for r in w["ratios"]}) + 1.5))
 
@@ -188,13 +223,19 @@ def summary_rows(runs: list[Run]) -> list[dict]:
                      "final loss": steps[-1]["loss"] if steps else None,
                      "final eval loss": run.evals[-1]["eval_loss"] if run.evals else None,
                      "median tok/s": median("tokens_per_s"), "median TFLOP/s": median("tflops"),
-                     "median MFU": median("mfu"), "median step s": median("step_time_s"),
+                     "median MFU %": percent(median("mfu")),
+                     "median step s": median("step_time_s"),
                      "peak mem MB (rank 0)": max((r.get("mem_peak_mb", 0) for r in steps),
                                                  default=None),
-                     "wall s": g["wall_s"], "goodput": g["goodput"],
+                     "wall s": g["wall_s"], "goodput %": percent(g["goodput"]),
                      **{f"{b} s": g[f"{b}_s"] for b in BUCKETS if b != "productive"},
                      "restarts": g.get("interruptions", 0)})
     return rows
+
+
+def percent(fraction: float | None) -> float | None:
+    """MFU and goodput as the console shows them: percentages."""
+    return None if fraction is None else 100 * fraction
 
 
 def rank_rows(run: Run) -> list[dict]:

@@ -355,7 +355,7 @@ class Trainer:
         self.events.emit("generation_started", generation=self.supervision.generation,
                          step=self.state.step, **process_times())
         return MetricsLog(self.run_dir, self.cfg, StepFigures.for_recipe(self.cfg, self.layout.device),
-                          start_step=self.state.step)
+                          start_step=self.state.step, generation=self.supervision.generation)
 
 
 def process_times() -> dict[str, float]:

@@ -96,8 +96,9 @@ class Console:
 
 class MetricsLog:
     def __init__(self, run_dir: str | Path, cfg: RecipeConfig, figures: StepFigures, *,
-                 start_step: int):
+                 start_step: int, generation: int = 0):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.generation = generation  # on every row: a redone step shows in which generation
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = self.path.open("a")
         self.figures = figures
@@ -108,6 +109,7 @@ class MetricsLog:
         """One JSON line per record; floats keep full precision (json uses repr)."""
         if "step_time_s" in record:
             record.update(self.figures.of(record["step_time_s"]))
+        record.setdefault("generation", self.generation)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         for logger in self.loggers:
