@@ -31,6 +31,7 @@ from megaresil.observe.goodput import write_goodput
 from megaresil.observe.profiler import StepProfiler
 from megaresil.observe.sections import record_fields
 from megaresil.train.metrics import MetricsLog, StepFigures
+from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.optim import (build_optimizer, clip_gradients, global_grad_norm, lr_at,
                                    set_lr, shards_over_dp)
 from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
@@ -140,6 +141,7 @@ class Trainer:
                                              self.optimizer, self.state, self.supervision.watchdog,
                                              after_load=self.main_to_model if bf16 else None)
         checkpointing.resume(self)
+        self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank)
 
     def main_to_model(self) -> None:
         """bf16 model := fp32 main weights (after a checkpoint load)."""
@@ -277,15 +279,10 @@ class Trainer:
             return False
         return step == t.steps or (t.eval_interval > 0 and step % t.eval_interval == 0)
 
-    def should_save(self, step: int) -> bool:
-        interval = self.cfg.checkpoint.interval
-        if step == self.cfg.train.exit_at_step:
-            return True
-        return interval > 0 and (step % interval == 0 or step == self.cfg.train.steps)
-
     def run(self) -> str:
         """Train to train.steps. Returns how it ended: "finished", "exited"
-        (at train.exit_at_step, after saving) or "preempted" (after saving)."""
+        (at train.exit_at_step, after saving), "preempted" or "interrupted"
+        (SIGINT; both after saving)."""
         t = self.cfg.train
         log = self.open_metrics()
         profiler = StepProfiler(self.cfg.profile, self.layout.rank, self.run_dir)
@@ -307,10 +304,13 @@ class Trainer:
                                    "eval_time_s": time.perf_counter() - eval_started})
                 # On the training thread's own (world) group: the checkpoint
                 # group belongs to the save thread while a save is in flight.
-                if self.supervision.preempted(None):
+                stopping = self.supervision.preempted(None)
+                if stopping:
                     self.save()
-                    return self.stop("preempted")
-                if self.should_save(step):
+                    return self.stop(stopping)
+                self.saves.step_done(step, record["step_time_s"],
+                                     first_of_process=self.supervision.steps == 1)
+                if self.saves.due(step):
                     self.save()
                 if self.checkpointer.local_due(step):
                     with self.supervision.section("checkpoint", step):
@@ -333,8 +333,10 @@ class Trainer:
         self.grads.close()
 
     def save(self) -> None:
+        started = time.perf_counter()
         with self.supervision.section("checkpoint", self.state.step):
             checkpointing.save(self)
+        self.saves.saved(self.state.step, time.perf_counter() - started)
 
     def stop(self, outcome: str) -> str:
         self.checkpointer.close()  # a preemption checkpoint must be committed before exit
@@ -344,8 +346,8 @@ class Trainer:
             goodput = write_goodput(self.run_dir)
             if outcome == "finished":
                 self.events.emit("run_finished", step=self.state.step, goodput=goodput)
-            else:
-                self.events.emit("preempted", step=self.state.step)
+            else:  # preempted or interrupted
+                self.events.emit(outcome, step=self.state.step)
         return outcome
 
     def open_metrics(self) -> MetricsLog | None:
