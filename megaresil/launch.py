@@ -32,6 +32,7 @@ from megaresil.resilience.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT
 from megaresil.resilience.restart import HANG_EXIT_CODE
 from megaresil.run_lock import HELD_ENV, held_by_worker, held_for_workers
 from megaresil.slurm import SlurmStep
+from megaresil.train.save_schedule import never_saving_warning
 
 
 
@@ -175,6 +176,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     check_device_faults(cfg.faults, gpus)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if never_saving_warning(cfg):
+        print(never_saving_warning(cfg), file=sys.stderr)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)

@@ -41,6 +41,15 @@ def job_mtbf_hours(cfg: RecipeConfig) -> float:
     return mtbf_hours(job_kinds(load_profile(), world))
 
 
+def never_saving_warning(cfg: RecipeConfig) -> Optional[str]:
+    """The start-up line for checkpoint.interval=0."""
+    if cfg.checkpoint.interval != 0:
+        return None
+    return ("megaresil: warning: checkpoint.interval=0: no checkpoint is saved, not even at "
+            "the last step (only at train.exit_at_step, a preemption or Ctrl-C); a lost process "
+            "loses all its work. Fix: leave checkpoint.interval at auto, or give N steps.")
+
+
 @dataclass(frozen=True)
 class Decision:
     """An auto interval and the measurements it was chosen from."""
@@ -94,22 +103,6 @@ class SaveSchedule:
         self.step_times: list[float] = []
         self.save_s: Optional[float] = None
         self.decision: Optional[Decision] = None
-
-    def policy(self) -> str:
-        """The checkpoint policy in words, for the start banner."""
-        if self.interval == "auto":
-            return (f"auto (first save at step {self.measure_at} to measure its cost, then "
-                    f"Young/Daly, at most {self.cfg.checkpoint.max_minutes_at_risk:g} min apart)")
-        if self.interval == 0:
-            return "never (checkpoint.interval=0)"
-        return f"every {self.interval} steps"
-
-    def warning(self) -> Optional[str]:
-        if self.interval != 0:
-            return None
-        return ("megaresil: warning: checkpoint.interval=0: nothing is saved before the end of "
-                "the run, not even its last step; a lost process loses all of it. Fix: leave "
-                "checkpoint.interval at auto, or give a number of steps.")
 
     def due(self, step: int) -> bool:
         t = self.cfg.train
