@@ -40,6 +40,11 @@ def test_a_default_run_saves_its_last_step(home, cache):
     assert chosen and chosen[0]["step"] == 4  # the measuring save after calibration
     assert "checkpoint every" in result.stderr and "Young/Daly" in result.stderr
     assert "checkpoint saved: step 6" in result.stderr
+    # The story: a banner before the steps, a summary naming the last checkpoint.
+    assert result.stderr.count("megaresil: training tp=1 pp=1 dp=1") == 1
+    assert "checkpoints auto" in result.stderr
+    done = [line for line in result.stderr.splitlines() if line.startswith("megaresil: done:")]
+    assert len(done) == 1 and done[0].endswith("run/checkpoints/step_0000006"), result.stderr
 
 
 def test_interval_zero_saves_nothing_and_says_so(home, cache):

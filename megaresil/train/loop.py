@@ -26,7 +26,7 @@ from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, sync_tied_embedding_grads
 from megaresil.resilience.supervision import Supervision
-from megaresil.train import checkpointing
+from megaresil.train import checkpointing, story
 from megaresil.observe.goodput import write_goodput
 from megaresil.observe.profiler import StepProfiler
 from megaresil.observe.sections import record_fields
@@ -285,6 +285,9 @@ class Trainer:
         (SIGINT; both after saving)."""
         t = self.cfg.train
         log = self.open_metrics()
+        if self.layout.rank == 0:
+            story.say(story.banner(self.cfg, self.state.step))
+        last_record = None
         profiler = StepProfiler(self.cfg.profile, self.layout.rank, self.run_dir)
         started = time.perf_counter()
         try:
@@ -292,6 +295,7 @@ class Trainer:
                 with profiler.step(self.state.step + 1):
                     record = self.train_step()
                 record["elapsed_s"] = time.perf_counter() - started
+                last_record = record
                 if log:
                     log.write(record)
                 step = record["step"]
@@ -325,7 +329,7 @@ class Trainer:
             self.close()
             if log:
                 log.close()
-        return self.stop("finished")
+        return self.stop("finished", last_record)
 
     def close(self) -> None:
         """Finish the save in flight and release what would outlive the trainer."""
@@ -338,7 +342,7 @@ class Trainer:
             checkpointing.save(self)
         self.saves.saved(self.state.step, time.perf_counter() - started)
 
-    def stop(self, outcome: str) -> str:
+    def stop(self, outcome: str, last_record: Optional[dict] = None) -> str:
         self.checkpointer.close()  # a preemption checkpoint must be committed before exit
         if outcome == "finished":
             checkpointing.finish(self)
@@ -346,6 +350,8 @@ class Trainer:
             goodput = write_goodput(self.run_dir)
             if outcome == "finished":
                 self.events.emit("run_finished", step=self.state.step, goodput=goodput)
+                story.say(story.summary(self.cfg, self.checkpointer.root, self.state.step,
+                                        last_record, goodput))
             else:  # preempted or interrupted
                 self.events.emit(outcome, step=self.state.step)
         return outcome
