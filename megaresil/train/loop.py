@@ -31,11 +31,11 @@ from megaresil.observe.goodput import write_goodput
 from megaresil.observe.profiler import StepProfiler
 from megaresil.observe.sections import record_fields
 from megaresil.train.metrics import MetricsLog, StepFigures
-from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.optim import (build_optimizer, clip_gradients, global_grad_norm, lr_at,
                                    set_lr, shards_over_dp)
 from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
                                        optimizer_params, resolve, shard_main_params)
+from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.state import TrainerState
 
 
