@@ -15,7 +15,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import yaml
 from omegaconf import OmegaConf
@@ -326,8 +326,15 @@ class LocalCheckpointConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = doc(0, "Save every this many steps (and at the last step); 0: only at "
-                        "train.exit_at_step.", bounds=NON_NEGATIVE)
+    interval: Union[int, str] = doc("auto", "auto: chosen from the run's measured save and "
+                                    "step cost and resilience.mtbf_hours (Young/Daly), at most "
+                                    "checkpoint.max_minutes_at_risk apart, re-chosen when a cost "
+                                    "moves by more than 2x; N: every N steps; 0: never (a warning "
+                                    "at start; only train.exit_at_step and a preemption or "
+                                    "Ctrl-C save). Except with 0 the last step is always saved.",
+                                    bounds=NON_NEGATIVE)
+    max_minutes_at_risk: float = doc(30.0, "checkpoint.interval=auto: at most this many minutes "
+                                     "of training between saves.", bounds=POSITIVE)
     backend: CheckpointBackend = doc(CheckpointBackend.torch_dist, "torch_dist (PyTorch "
                                      "Distributed Checkpoint files) or zarr (one zarr v3 array per "
                                      "tensor).")
@@ -458,6 +465,10 @@ class ResilienceConfig:
                                    "(at most 30 s).")
     preemption_grace_s: float = doc(60.0, "After SIGTERM/SIGUSR1: finish the step, save, and "
                                     "exit within this many seconds.")
+    mtbf_hours: Optional[float] = doc(None, "Expected hours between failures of this job, "
+                                      "for checkpoint.interval=auto; null: the planner's cluster "
+                                      "profile (megaresil/plan/profiles) scaled to the job's GPUs.",
+                                      bounds=POSITIVE)
     watchdog: WatchdogConfig = section(WatchdogConfig, "Hang detection.")
 
 
@@ -752,6 +763,12 @@ def _validate_token_ids(m: ModelConfig) -> None:
                  "give an id below model.vocab_size, or null.")
 
 
+def _validate_interval(c: CheckpointConfig) -> None:
+    _require(not isinstance(c.interval, str) or c.interval == "auto", "checkpoint.interval",
+             f"{c.interval!r} is neither auto nor a number of steps.",
+             "give auto, a number of steps, or 0 for never.")
+
+
 def _validate_init_from(c: CheckpointConfig) -> None:
     _require(not c.init_from_optimizer or bool(c.init_from), "checkpoint.init_from_optimizer",
              "is set but checkpoint.init_from is not.",
@@ -901,6 +918,7 @@ def validate(cfg: RecipeConfig) -> None:
     if cfg.parallel.sequence_parallel:
         _require(cfg.parallel.tp > 1, "parallel.sequence_parallel",
                  "sequence parallelism needs tp > 1.", "set parallel.tp>1 or turn it off.")
+    _validate_interval(cfg.checkpoint)
     _validate_init_from(cfg.checkpoint)
     _validate_local_tier(cfg)
     _validate_data(cfg)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import psutil
 import torch
 import yaml
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -28,11 +29,12 @@ from megaresil.events import read_events
 from megaresil.parallel.layout import visible_gpus
 from megaresil.resilience.faults import check_device_faults, check_fault_ranks
 from megaresil.resilience.incidents import IncidentPrinter
-from megaresil.resilience.preemption import PREEMPTED_EXIT
+from megaresil.resilience.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT
 from megaresil.resilience.restart import HANG_EXIT_CODE
 from megaresil.resilience.supervision import end_with_agent
 from megaresil.run_lock import HELD_ENV, held_by_worker, held_for_workers
 from megaresil.slurm import SlurmStep
+from megaresil.train.save_schedule import never_saving_warning
 
 
 
@@ -189,9 +191,14 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     check_data(cfg)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if never_saving_warning(cfg):
+        print(never_saving_warning(cfg), file=sys.stderr)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
+    # "Received 2 death signal": the workers' own `interrupted`/`preempted` line says it better.
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+        lambda record: "death signal" not in record.getMessage())
     if membership.backend == "etcd":  # it logs every step of every round, on its own handler
         from torch.distributed.elastic.rendezvous import etcd_rendezvous
         etcd_rendezvous.logger.setLevel(logging.WARNING)
@@ -227,6 +234,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         return 1
     except SignalException as err:  # the launcher itself was told to stop
         ending = last_ending(run_dir, events_before)
+        if err.sigval == signal.SIGINT:
+            return interrupted(ending)
         if ending is None or ending["event"] != "preempted":
             print(f"megaresil: stopped by {err.sigval.name} before a checkpoint", file=sys.stderr)
             return 128 + err.sigval.value
@@ -245,6 +254,18 @@ def relaunches_since(run_dir: Path, events_before: int) -> str:
                 and e.get("attempt", 0) > 0  # not the one a launch after an unsaved end counts
                 for e in read_events(run_dir)[events_before:])
     return f"{count} relaunch{'' if count == 1 else 'es'}"
+
+
+def interrupted(ending: Optional[dict]) -> int:
+    """Ctrl-C: the agent handed SIGINT to the workers, which saved (the
+    incident line says which step); a second Ctrl-C ended the agent's wait
+    for them: stop them at once."""
+    if ending is None or ending["event"] != "interrupted":
+        for child in psutil.Process().children():
+            child.kill()
+        print("megaresil: second Ctrl-C: stopped at once without saving (rerun the same "
+              "command to resume from the newest checkpoint)", file=sys.stderr)
+    return INTERRUPTED_EXIT
 
 
 def failure_summary(err: ChildFailedError) -> str:
@@ -280,7 +301,7 @@ def rendezvous_lost(membership: Membership, err: RendezvousError) -> str:
 def last_ending(run_dir: Path, events_before: int) -> Optional[dict]:
     """How this launch's job ended, by the last ending event it wrote."""
     ends = [e for e in read_events(run_dir)[events_before:]
-            if e["event"] in ("preempted", "run_finished", "run_failed")]
+            if e["event"] in ("preempted", "interrupted", "run_finished", "run_failed")]
     return ends[-1] if ends else None
 
 

@@ -121,5 +121,6 @@ def _all_numbers_set() -> RecipeConfig:
     cfg.model.num_kv_heads = cfg.model.ffn_hidden_size = 1
     cfg.model.bos_token_id = cfg.model.eos_token_id = 1
     cfg.optimizer.decay_steps = cfg.train.exit_at_step = 1
-    cfg.logging.peak_tflops = 1.0
+    cfg.logging.peak_tflops = cfg.resilience.mtbf_hours = 1.0
+    cfg.checkpoint.interval = 1  # auto by default
     return cfg

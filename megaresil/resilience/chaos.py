@@ -295,8 +295,10 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     cfg = load_recipe(recipe, overrides)
     root = Path(cfg.run.dir)
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-    interval = cfg.checkpoint.interval or 2
-    if not cfg.checkpoint.interval:
+    # The scenarios need to know the save steps: auto (or never) becomes every 2 steps.
+    fixed = cfg.checkpoint.interval != "auto" and cfg.checkpoint.interval > 0
+    interval = cfg.checkpoint.interval if fixed else 2
+    if not fixed:
         overrides = [*overrides, f"checkpoint.interval={interval}"]
     fault_step = step or cfg.train.steps // 2 + 1
     save_step = interval * max(2, fault_step // interval)

@@ -78,4 +78,6 @@ def watch(pid: int, tick_file: str, timeout: float) -> None:
 
 if __name__ == "__main__":
     die_with_parent(int(sys.argv[1]))
+    # Ctrl-C is for the rank, which saves and exits; the guardian ends with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]))

@@ -66,6 +66,12 @@ FORMATS: dict[str, Callable[[dict], str]] = {
     "checkpoint_skipped": lambda e: f"skipped checkpoint {e.get('path')}: {e.get('reason')}",
     "preempted": lambda e: (f"preempted: saved step {e.get('step')}; exiting for a requeue "
                             "(run the same command again to continue)"),
+    "interrupted": lambda e: f"interrupted: saved step {e.get('step')}, resume with the same command",
+    "checkpoint_saved": lambda e: (f"checkpoint saved: step {e.get('step')}, "
+                                   f"{e.get('bytes', 0) / 1e9:.3f} GB in {e.get('seconds', 0):.1f} s "
+                                   f"(loop held {e.get('blocking_seconds', 0):.1f} s), global tier: "
+                                   f"{e.get('path')}"),
+    "checkpoint_interval": lambda e: e.get("line", ""),
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Optional
@@ -23,6 +24,10 @@ import torch.distributed as dist
 # `megaresil train`'s exit status after a preemption save (run it again to
 # continue): EX_TEMPFAIL, so schedulers can requeue on it.
 PREEMPTED_EXIT = 75
+# After Ctrl-C (SIGINT): saved, as a shell reports a job ended by SIGINT.
+INTERRUPTED_EXIT = 128 + signal.SIGINT
+# How a stop was asked for, combined over ranks by MAX: an interrupt wins.
+STOP_KINDS = {0: None, 1: "preempted", 2: "interrupted"}
 
 
 class PreemptionFlag:
@@ -30,9 +35,12 @@ class PreemptionFlag:
         self.signalled_at: Optional[float] = None
         self.signal_name = ""
         self.saving_possible = False  # set while a job trains and could save
+        self.interrupts = 0  # SIGINTs heard
 
     def install(self) -> "PreemptionFlag":
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        # SIGINT (Ctrl-C) takes the SIGTERM path: no KeyboardInterrupt
+        # unwinding mid-step on every rank, but a save at the step's end.
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handler)
         read_end, write_end = os.pipe()
         os.set_blocking(write_end, False)
@@ -44,17 +52,30 @@ class PreemptionFlag:
     def _hear(self, read_end: int) -> None:
         while True:
             for signum in os.read(read_end, 64):
-                if signum == signal.SIGTERM and not self.saving_possible:
-                    os._exit(128 + signal.SIGTERM)
+                if signum in (signal.SIGTERM, signal.SIGINT) and not self.saving_possible:
+                    os._exit(128 + signum)
+                if signum == signal.SIGINT and self.interrupts > 1:
+                    # A second Ctrl-C: the user does not want the save.
+                    print("megaresil: second Ctrl-C: stopping at once, without saving",
+                          file=sys.stderr, flush=True)
+                    os._exit(INTERRUPTED_EXIT)
 
     def _handler(self, signum, _frame) -> None:
+        if signum == signal.SIGINT:
+            self.interrupts += 1
         if self.signalled_at is None:
             self.signalled_at = time.time()
             self.signal_name = signal.Signals(signum).name
 
-    def requested_anywhere(self, group: Optional[dist.ProcessGroup] = None) -> bool:
-        """True on every rank when any rank was signalled (a collective)."""
-        flag = torch.tensor([int(self.signalled_at is not None)])
+    def requested_anywhere(self, group: Optional[dist.ProcessGroup] = None) -> Optional[str]:
+        """On every rank, how any rank was told to stop: "interrupted"
+        (SIGINT), "preempted" (SIGTERM, SIGUSR1) or None (a collective)."""
+        flag = torch.tensor([self._kind()])
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        return STOP_KINDS[int(flag.item())]
+
+    def _kind(self) -> int:
+        if self.signalled_at is None:
+            return 0
+        return 2 if self.signal_name == "SIGINT" else 1

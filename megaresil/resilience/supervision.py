@@ -61,8 +61,9 @@ class Supervision:
         if self.watchdog is not None:
             self.watchdog.step_done(self.step_times, first_of_generation=self.steps == 1)
 
-    def preempted(self, group: Optional[dist.ProcessGroup]) -> bool:
-        """Whether any rank was signalled: a collective on `group`, which must
-        be a group of the calling thread (the training thread's own, never
-        the checkpoint save thread's)."""
-        return self.preemption is not None and self.preemption.requested_anywhere(group)
+    def preempted(self, group: Optional[dist.ProcessGroup]) -> Optional[str]:
+        """Whether any rank was signalled, and how ("preempted",
+        "interrupted"): a collective on `group`, which must be a group of the
+        calling thread (the training thread's own, never the checkpoint save
+        thread's)."""
+        return self.preemption.requested_anywhere(group) if self.preemption is not None else None

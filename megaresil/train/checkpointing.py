@@ -196,8 +196,8 @@ def loaded(trainer, saved, path: Path, tier: str, skipped: dict, **extra) -> Non
 
 def finish(trainer) -> None:
     """The run finished: with a global checkpoint of its last step
-    (checkpoint.interval > 0), the local shards are released."""
-    if trainer.checkpointer.local is not None and trainer.cfg.checkpoint.interval > 0:
+    (checkpoint.interval not 0), the local shards are released."""
+    if trainer.checkpointer.local is not None and trainer.cfg.checkpoint.interval != 0:
         trainer.checkpointer.local.remove_all()
 
 

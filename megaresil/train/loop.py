@@ -26,7 +26,7 @@ from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, sync_tied_embedding_grads
 from megaresil.resilience.supervision import Supervision
-from megaresil.train import checkpointing
+from megaresil.train import checkpointing, story
 from megaresil.observe.goodput import write_goodput
 from megaresil.observe.profiler import StepProfiler
 from megaresil.observe.sections import record_fields
@@ -35,6 +35,7 @@ from megaresil.train.optim import (build_optimizer, clip_gradients, global_grad_
                                    set_lr, shards_over_dp)
 from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
                                        optimizer_params, resolve, shard_main_params)
+from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.state import TrainerState
 
 
@@ -140,6 +141,7 @@ class Trainer:
                                              self.optimizer, self.state, self.supervision.watchdog,
                                              after_load=self.main_to_model if bf16 else None)
         checkpointing.resume(self)
+        self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank)
 
     def main_to_model(self) -> None:
         """bf16 model := fp32 main weights (after a checkpoint load)."""
@@ -277,17 +279,15 @@ class Trainer:
             return False
         return step == t.steps or (t.eval_interval > 0 and step % t.eval_interval == 0)
 
-    def should_save(self, step: int) -> bool:
-        interval = self.cfg.checkpoint.interval
-        if step == self.cfg.train.exit_at_step:
-            return True
-        return interval > 0 and (step % interval == 0 or step == self.cfg.train.steps)
-
     def run(self) -> str:
         """Train to train.steps. Returns how it ended: "finished", "exited"
-        (at train.exit_at_step, after saving) or "preempted" (after saving)."""
+        (at train.exit_at_step, after saving), "preempted" or "interrupted"
+        (SIGINT; both after saving)."""
         t = self.cfg.train
         log = self.open_metrics()
+        if self.layout.rank == 0:
+            story.say(story.banner(self.cfg, self.state.step))
+        last_record = None
         profiler = StepProfiler(self.cfg.profile, self.layout.rank, self.run_dir)
         started = time.perf_counter()
         try:
@@ -295,6 +295,7 @@ class Trainer:
                 with profiler.step(self.state.step + 1):
                     record = self.train_step()
                 record["elapsed_s"] = time.perf_counter() - started
+                last_record = record
                 if log:
                     log.write(record)
                 step = record["step"]
@@ -307,10 +308,13 @@ class Trainer:
                                    "eval_time_s": time.perf_counter() - eval_started})
                 # On the training thread's own (world) group: the checkpoint
                 # group belongs to the save thread while a save is in flight.
-                if self.supervision.preempted(None):
+                stopping = self.supervision.preempted(None)
+                if stopping:
                     self.save()
-                    return self.stop("preempted")
-                if self.should_save(step):
+                    return self.stop(stopping)
+                self.saves.step_done(step, record["step_time_s"],
+                                     first_of_process=self.supervision.steps == 1)
+                if self.saves.due(step):
                     self.save()
                 if self.checkpointer.local_due(step):
                     with self.supervision.section("checkpoint", step):
@@ -325,7 +329,7 @@ class Trainer:
             self.close()
             if log:
                 log.close()
-        return self.stop("finished")
+        return self.stop("finished", last_record)
 
     def close(self) -> None:
         """Finish the save in flight and release what would outlive the trainer."""
@@ -333,10 +337,12 @@ class Trainer:
         self.grads.close()
 
     def save(self) -> None:
+        started = time.perf_counter()
         with self.supervision.section("checkpoint", self.state.step):
             checkpointing.save(self)
+        self.saves.saved(self.state.step, time.perf_counter() - started)
 
-    def stop(self, outcome: str) -> str:
+    def stop(self, outcome: str, last_record: Optional[dict] = None) -> str:
         self.checkpointer.close()  # a preemption checkpoint must be committed before exit
         if outcome == "finished":
             checkpointing.finish(self)
@@ -344,8 +350,10 @@ class Trainer:
             goodput = write_goodput(self.run_dir)
             if outcome == "finished":
                 self.events.emit("run_finished", step=self.state.step, goodput=goodput)
-            else:
-                self.events.emit("preempted", step=self.state.step)
+                story.say(story.summary(self.cfg, self.checkpointer.root, self.state.step,
+                                        last_record, goodput))
+            else:  # preempted or interrupted
+                self.events.emit(outcome, step=self.state.step)
         return outcome
 
     def open_metrics(self) -> MetricsLog | None:

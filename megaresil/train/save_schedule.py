@@ -1,0 +1,148 @@
+"""When the training loop saves a global checkpoint (checkpoint.interval).
+
+- N > 0: every N steps, and at the last step.
+- 0: never (said once at start), except at train.exit_at_step, whose
+  contract is a save.
+- auto (the default): one early save right after the watchdog's calibration
+  steps measures what a save costs; then the interval is Young/Daly's
+  sqrt(2 x save x MTBF) (plan/model.py), at most
+  checkpoint.max_minutes_at_risk, turned into steps by the measured step
+  time, and chosen again when the save or step cost moves by more than 2x.
+  The last step is always saved.
+
+Every rank must save at the same steps, so the measurements are combined
+over the world (the slowest rank's, an all-reduce MAX on the training
+thread's group) at steps every rank knows (after a save, every RECHECK_STEPS
+steps): each rank then computes the same decision from the same numbers.
+Which steps are saved never changes what is trained.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megaresil.config import RecipeConfig
+from megaresil.plan.model import young_interval
+from megaresil.plan.profile import job_kinds, load_profile, mtbf_hours
+
+RECHECK_STEPS = 50  # how often the measured step time is compared with the decision's
+MOVED = 2.0  # a cost this many times larger or smaller than decided on: decide again
+
+
+def job_mtbf_hours(cfg: RecipeConfig) -> float:
+    """resilience.mtbf_hours, or the planner's cluster profile scaled to this job's GPUs."""
+    if cfg.resilience.mtbf_hours:
+        return cfg.resilience.mtbf_hours
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    return mtbf_hours(job_kinds(load_profile(), world))
+
+
+def never_saving_warning(cfg: RecipeConfig) -> Optional[str]:
+    """The start-up line for checkpoint.interval=0."""
+    if cfg.checkpoint.interval != 0:
+        return None
+    return ("megaresil: warning: checkpoint.interval=0: no checkpoint is saved, not even at "
+            "the last step (only at train.exit_at_step, a preemption or Ctrl-C); a lost process "
+            "loses all its work. Fix: leave checkpoint.interval at auto, or give N steps.")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """An auto interval and the measurements it was chosen from."""
+    steps: int
+    save_s: float
+    step_s: float
+    mtbf_h: float
+    capped: bool
+
+    @classmethod
+    def choose(cls, save_s: float, step_s: float, mtbf_h: float,
+               max_minutes: float) -> "Decision":
+        seconds = young_interval(save_s, mtbf_h * 3600)
+        capped = seconds > max_minutes * 60
+        seconds = min(seconds, max_minutes * 60)
+        return cls(max(1, int(seconds / max(step_s, 1e-9))), save_s, step_s, mtbf_h, capped)
+
+    def moved(self, save_s: float, step_s: float) -> bool:
+        return any(new > MOVED * old or old > MOVED * new
+                   for new, old in ((save_s, self.save_s), (step_s, self.step_s)))
+
+    def line(self) -> str:
+        minutes = self.steps * self.step_s / 60
+        why = "capped at checkpoint.max_minutes_at_risk" if self.capped else "Young/Daly"
+        return (f"checkpoint every {self.steps} steps (~{minutes:.1f} min): save "
+                f"{self.save_s:.1f} s, step {self.step_s:.2f} s, MTBF {self.mtbf_h:.1f} h, {why}")
+
+    def fields(self) -> dict:
+        return {"interval_steps": self.steps, "save_s": self.save_s, "step_s": self.step_s,
+                "mtbf_hours": self.mtbf_h, "capped": self.capped}
+
+
+def slowest_rank(*values: float) -> list[float]:
+    """The largest of each value over all ranks (a collective on the world group)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+class SaveSchedule:
+    """Which steps are saved; told each step's time and each save's cost."""
+
+    def __init__(self, cfg: RecipeConfig, start_step: int, *, events, rank: int):
+        self.cfg, self.events, self.rank = cfg, events, rank
+        self.interval = cfg.checkpoint.interval
+        self.last_saved, self.last_check = start_step, start_step
+        # The measuring save: the first steps of a process carry warm-up costs.
+        calibration = max(1, cfg.resilience.watchdog.calibration_steps)
+        self.measure_at = start_step + calibration + 1 if self.interval == "auto" else None
+        self.step_times: list[float] = []
+        self.save_s: Optional[float] = None
+        self.decision: Optional[Decision] = None
+
+    def due(self, step: int) -> bool:
+        t = self.cfg.train
+        if step == t.exit_at_step:
+            return True
+        if self.interval == 0:
+            return False
+        if step == t.steps:
+            return True
+        if self.interval != "auto":
+            return step % self.interval == 0
+        if step == self.measure_at:
+            return True
+        return self.decision is not None and step - self.last_saved >= self.decision.steps
+
+    def step_done(self, step: int, seconds: float, first_of_process: bool) -> None:
+        """Each step's time (but a process's first: its warm-up); every
+        RECHECK_STEPS steps an auto decision is checked against it."""
+        if not first_of_process:
+            self.step_times = (self.step_times + [seconds])[-RECHECK_STEPS:]
+        if self.decision is not None and step - self.last_check >= RECHECK_STEPS:
+            self._measure(step)
+
+    def saved(self, step: int, seconds: float) -> None:
+        """A save at `step` held the loop for `seconds` on this rank."""
+        self.last_saved, self.save_s = step, seconds
+        if self.interval == "auto" and step < self.cfg.train.steps:
+            self._measure(step)
+
+    def _measure(self, step: int) -> None:
+        """Combine this rank's costs over the world; decide when there is no
+        decision yet or a cost moved by more than MOVED."""
+        self.last_check = step
+        step_s = statistics.median(self.step_times) if self.step_times else 0.0
+        save_s, step_s = slowest_rank(self.save_s or 0.0, step_s)
+        if step_s <= 0:
+            return
+        if self.decision is None or self.decision.moved(save_s, step_s):
+            self.decision = Decision.choose(save_s, step_s, job_mtbf_hours(self.cfg),
+                                            self.cfg.checkpoint.max_minutes_at_risk)
+            if self.rank == 0:  # the launcher prints its line
+                self.events.emit("checkpoint_interval", step=step, line=self.decision.line(),
+                                 **self.decision.fields())

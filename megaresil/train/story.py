@@ -1,0 +1,46 @@
+"""The console's story of a run, printed by rank 0: a start banner and an
+end summary (the launcher prints each checkpoint and incident between)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megaresil.checkpoint import format as fmt
+from megaresil.config import RecipeConfig
+from megaresil.model.gpt import GPT
+
+
+def parameters(cfg: RecipeConfig) -> int:
+    """The whole model's parameters, counted on the meta device (no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg.model).parameters())
+
+
+def banner(cfg: RecipeConfig, start_step: int) -> str:
+    p = cfg.parallel
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    interval = cfg.checkpoint.interval
+    policy = {"auto": f"auto (Young/Daly, at most {cfg.checkpoint.max_minutes_at_risk:g} min "
+                      "apart)", 0: "never (checkpoint.interval=0)"}.get(interval,
+                                                                        f"every {interval} steps")
+    start = f"resumes from step {start_step}" if start_step else "starts at step 0"
+    return (f"megaresil: training tp={p.tp} pp={p.pp} dp={p.dp}, {parameters(cfg) / 1e6:.1f}M "
+            f"parameters, {tokens:,} tokens per step, {cfg.train.steps} steps; run dir "
+            f"{cfg.run.dir}; checkpoints {policy}; {start}")
+
+
+def summary(cfg: RecipeConfig, root: Path, steps: int, last: Optional[dict],
+            goodput: dict) -> str:
+    newest = fmt.committed_checkpoints(root)
+    loss = f"{last['loss']:.4f}" if last else "-"
+    return (f"megaresil: done: {steps} steps, {steps * cfg.train.global_batch_size * cfg.data.seq_len:,} "
+            f"tokens, {goodput.get('wall_s', 0.0) / 60:.1f} min wall, goodput "
+            f"{100 * goodput.get('goodput', 0.0):.1f}%, final loss {loss}; last checkpoint "
+            f"{newest[0] if newest else 'none'}")
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

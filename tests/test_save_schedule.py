@@ -1,0 +1,60 @@
+"""checkpoint.interval: auto (Young/Daly from measured costs), N, 0; the last step saved."""
+import math
+
+from megaresil.config import load_recipe
+from megaresil.events import EventLog, read_events
+from megaresil.train.save_schedule import Decision, SaveSchedule, job_mtbf_hours
+
+
+def schedule(tmp_path, *overrides):
+    cfg = load_recipe("recipes/gpt-tiny.yaml", ["train.steps=1000", *overrides])
+    return SaveSchedule(cfg, 0, events=EventLog(tmp_path, 0), rank=0)
+
+
+def saved_steps(s, steps, step_s=1.0, save_s=2.0):
+    saved = []
+    for step in range(1, steps + 1):
+        s.step_done(step, step_s, first_of_process=step == 1)
+        if s.due(step):
+            saved.append(step)
+            s.saved(step, save_s)
+    return saved
+
+
+def test_auto_measures_a_save_then_follows_young_daly(tmp_path):
+    s = schedule(tmp_path, "resilience.mtbf_hours=1", "checkpoint.max_minutes_at_risk=60")
+    saved = saved_steps(s, 1000)
+    every = int(math.sqrt(2 * 2.0 * 3600))  # 120 s of 1 s steps
+    assert saved[:3] == [4, 4 + every, 4 + 2 * every] and saved[-1] == 1000
+    chosen = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_interval"]
+    assert len(chosen) == 1 and chosen[0]["interval_steps"] == every
+    assert "Young/Daly" in chosen[0]["line"]
+
+
+def test_auto_is_capped_and_decides_again_when_a_cost_moves(tmp_path):
+    s = schedule(tmp_path, "resilience.mtbf_hours=1000", "checkpoint.max_minutes_at_risk=1")
+    saved_steps(s, 200)
+    assert s.decision.steps == 60 and s.decision.capped
+    for step in range(201, 300):  # steps become 3x slower
+        s.step_done(step, 3.0, first_of_process=False)
+    assert s.decision.steps == 20
+
+
+def test_an_integer_wins_and_zero_never_saves(tmp_path):
+    assert saved_steps(schedule(tmp_path, "checkpoint.interval=300"), 1000) == [300, 600, 900, 1000]
+    assert saved_steps(schedule(tmp_path, "checkpoint.interval=0"), 1000) == []
+    assert saved_steps(schedule(tmp_path, "checkpoint.interval=0", "train.exit_at_step=7"),
+                       1000) == [7]
+
+
+def test_the_default_mtbf_comes_from_the_planner_profile_and_falls_with_size():
+    small = job_mtbf_hours(load_recipe("recipes/gpt-tiny.yaml", ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1"]))
+    large = job_mtbf_hours(load_recipe("recipes/gpt-tiny.yaml", ["parallel.dp=2048", "parallel.pp=1", "parallel.tp=1",
+                                                                 "train.global_batch_size=8192"]))
+    assert 1 < large < small
+
+
+def test_a_decision_states_its_reason():
+    d = Decision.choose(save_s=2.1, step_s=18.0, mtbf_h=5.3, max_minutes=30)
+    assert d.line().startswith(f"checkpoint every {d.steps} steps (~")
+    assert "save 2.1 s" in d.line() and "MTBF 5.3 h" in d.line()
