@@ -22,6 +22,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousConnectionError, RendezvousError)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from megaresil.checkpoint.recipe_check import check_resume_recipe
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.events import read_events
 from megaresil.parallel.layout import visible_gpus
@@ -172,6 +173,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     gpus = visible_gpus()
     check_local_gpus(nproc, gpus)
     check_device_faults(cfg.faults, gpus)
+    check_resume_recipe(cfg)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
