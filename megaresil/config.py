@@ -358,6 +358,9 @@ class CheckpointConfig:
                                     "run directory.")
     local: LocalCheckpointConfig = section(LocalCheckpointConfig, "The node-local tier with "
                                            "peer replication.")
+    allow_recipe_change: list[str] = doc([], "On resume, recipe keys (e.g. [optimizer.lr]) "
+                                         "that may differ from the checkpoint's recipe beyond "
+                                         "those that always may (docs/fault-tolerance.md).")
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -24,7 +25,7 @@ class EventLog:
         if self.rank is not None:
             record["rank"] = self.rank
         record.update(fields)
-        line = (json.dumps(record) + "\n").encode()
+        line = (repair_prefix(self.path) + json.dumps(record) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line)
@@ -33,8 +34,47 @@ class EventLog:
         return record
 
 
+# Written after a torn last line is ended, so readers tell that line (lost,
+# skipped) from corruption in the middle of the file (refused).
+REPAIRED = {"repaired_torn_line": True}
+
+
+def repair_prefix(path: Path) -> str:
+    """What to write before appending to a JSON Lines file: when its last
+    line is torn (a short write on a full disk, a power cut), a newline and
+    the REPAIRED record, so the new line starts on a line of its own and
+    only the torn one is lost."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return ""
+            f.seek(-1, os.SEEK_END)
+            return "" if f.read(1) == b"\n" else "\n" + json.dumps(REPAIRED) + "\n"
+    except FileNotFoundError:
+        return ""
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a JSON Lines file. A torn last line (no newline after
+    it, and not JSON) is ignored with a warning; a bad line anywhere else is
+    corruption and raises."""
+    text = path.read_text()
+    lines = [line for line in text.split("\n") if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            last, repaired = i == len(lines) - 1, lines[i + 1:i + 2] == [json.dumps(REPAIRED)]
+            if not (repaired or last and not text.endswith("\n")):
+                raise
+            print(f"megaresil: warning: {path}: ignoring a torn line ({line[:40]!r}...)",
+                  file=sys.stderr)
+            continue
+        if record != REPAIRED:
+            records.append(record)
+    return records
 
 
 def read_events(run_dir: str | Path) -> list[dict]:

@@ -24,6 +24,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.checkpoint.location import checkpoint_root
+from megaresil.checkpoint.recipe_check import check_resume_recipe
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.events import read_events
 from megaresil.parallel.layout import visible_gpus
@@ -187,6 +188,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     gpus = visible_gpus()
     check_local_gpus(nproc, gpus)
     check_device_faults(cfg.faults, gpus)
+    check_resume_recipe(cfg)
     check_fault_ranks(cfg.faults, world)
     check_data(cfg)
     run_dir = Path(cfg.run.dir)

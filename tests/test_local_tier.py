@@ -31,7 +31,9 @@ def shard(step: int, owner: int, seed: float = 1.0, layout: dict = LAYOUT) -> Sh
     add_checksums(data, records)
     return Shard({"format": "megaresil-local-shard", "step": step, "owner": owner,
                   "world": layout["world_size"], "layout": layout, "rects": records,
-                  "run": {}, "rank_state": {}}, data.clone())
+                  "run": {"step": step, "layout": layout, "recipe": {},
+                          "data": {"consumed_samples": 0}, "optimizer": {"adam_step": step}},
+                  "rank_state": {}}, data.clone())
 
 
 # --- unit: topology and the choice of step -------------------------------------------------

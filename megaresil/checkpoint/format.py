@@ -15,7 +15,13 @@ marker is written, then `latest` is replaced. A crash at any point leaves the
 previous checkpoint and `latest` untouched.
 
 Checksums are xxHash3-64 over each shard's raw bytes: it hashes faster than
-disks read, so verifying never costs more than reading the data.
+disks read, so verifying never costs more than reading the data. The
+manifest itself is covered too: the completion marker, written last, holds
+the digest of the manifest's bytes (`ok`, then `metadata.json xxh3-64 HEX`),
+so a flipped step, data position, Adam step or RNG state is an invalid
+checkpoint like a flipped shard. A bare `ok` marker (checkpoints written
+before the digest) is read without it. `latest` is a hint for people and
+tools; resuming never reads it (it scans the step directories).
 """
 from __future__ import annotations
 
@@ -84,7 +90,7 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
+    if not isinstance(name, str) or name not in _DTYPES:
         raise CheckpointError(f"unsupported dtype {name!r} in the manifest")
     return _DTYPES[name]
 
@@ -132,8 +138,54 @@ def fsync_tree(root: Path, only: Optional[set[str]] = None) -> None:
         list(pool.map(fsync_path, paths))
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=1))
+def write_json_atomic(path: Path, data: Any) -> str:
+    """Write `data` as JSON in one step; returns the xxh3-64 digest of the
+    bytes written (what the completion marker holds)."""
+    text = json.dumps(data, indent=1)
+    write_text_atomic(path, text)
+    return xxhash.xxh3_64_hexdigest(text.encode())
+
+
+def write_marker(directory: Path, digests: dict[str, str]) -> None:
+    """The completion marker, last: `ok`, then the digest of each named file
+    (the manifest) whose bytes a reader trusts."""
+    lines = ["ok"] + [f"{name} xxh3-64 {digest}" for name, digest in sorted(digests.items())]
+    write_text_atomic(directory / MARKER, "\n".join(lines) + "\n")
+
+
+def read_covered_json(directory: Path, name: str) -> Any:
+    """The JSON file `name` of a committed directory, after checking its
+    bytes against the digest in the completion marker; CheckpointError
+    (naming the file) when the marker is missing or damaged, the digest does
+    not match or the file does not parse. A bare `ok` marker has no digest."""
+    where = f"{directory.name}/{name}"
+    try:
+        marker = (directory / MARKER).read_bytes().decode("ascii").splitlines()
+        raw = (directory / name).read_bytes()
+    except FileNotFoundError as err:
+        missing = MARKER if err.filename == str(directory / MARKER) else name
+        raise CheckpointError(f"{directory.name} has no {missing}"
+                              + (": the save did not finish" if missing == MARKER else "")) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{directory.name}/{MARKER} cannot be read: {err}") from None
+    digests = dict(_marker_entry(directory, line) for line in marker[1:])
+    if not marker or marker[0] != "ok" or (len(marker) > 1 and name not in digests):
+        raise CheckpointError(f"{directory.name}/{MARKER} is damaged (not a completion marker "
+                              f"with the digest of {name})")
+    if name in digests and xxhash.xxh3_64_hexdigest(raw) != digests[name]:
+        raise CheckpointError(f"{where} does not match the digest in its {MARKER}: the file "
+                              "was changed or damaged after the save")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{where} does not parse: {err}") from None
+
+
+def _marker_entry(directory: Path, line: str) -> tuple[str, str]:
+    parts = line.split(" ")
+    if len(parts) != 3 or parts[1] != "xxh3-64" or not re.fullmatch(r"[0-9a-f]{16}", parts[2]):
+        raise CheckpointError(f"{directory.name}/{MARKER} is damaged: {line[:60]!r}")
+    return parts[0], parts[2]
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -166,19 +218,88 @@ def read_manifest(directory: Path) -> dict:
     if not (directory / MARKER).exists():
         raise CheckpointError(f"{directory.name} has no completion marker ({MARKER}): the save "
                               "did not finish")
-    try:
-        manifest = json.loads((directory / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{directory.name} has no {MANIFEST}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{directory.name}/{MANIFEST} does not parse: {err}") from None
-    if manifest.get("format") != FORMAT_NAME:
+    manifest = read_covered_json(directory, MANIFEST)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{directory.name} is not a {FORMAT_NAME} (format "
-                              f"{manifest.get('format')!r})")
-    if manifest.get("version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{directory.name} has format version {manifest['version']}, newer "
+                              f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    version = manifest.get("version", 0)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{directory.name} has format version {version!r}, newer "
                               f"than this megaresil reads ({FORMAT_VERSION}); upgrade megaresil")
+    try:
+        check_manifest(manifest)
+    except CheckpointError as err:
+        raise CheckpointError(f"{directory.name}/{MANIFEST}: {err}") from None
     return manifest
+
+
+# The largest tensor dimension a manifest may name: far above any real model,
+# far below what would overflow a size computation.
+MAX_DIM = 2**36
+BACKENDS = ("torch_dist", "zarr")
+
+
+def check_run_fields(run: dict) -> None:
+    """The non-tensor state a resume reads (checkpoint/state.py's RunState),
+    present and of the right kinds, so reading it cannot fail later."""
+    need_field(run, "step", int, lambda v: v >= 0)
+    need_field(run, "layout", dict)
+    need_field(run, "recipe", dict)
+    need_field(need_field(run, "data", dict), "consumed_samples", int, lambda v: v >= 0)
+    need_field(need_field(run, "optimizer", dict), "adam_step", int, lambda v: v >= 0)
+    if not isinstance(run.get("rank_states") or [], list):
+        raise CheckpointError("rank_states is not a list")
+
+
+def check_manifest(manifest: dict) -> None:
+    """Everything a load reads from a manifest, checked before anything is
+    allocated or opened: CheckpointError naming the first bad field."""
+    check_run_fields(manifest)
+    if manifest.get("backend") not in BACKENDS:
+        raise CheckpointError(f"unknown backend {manifest.get('backend')!r} (known: "
+                              f"{', '.join(BACKENDS)})")
+    for key, entry in need_field(manifest, "tensors", dict).items():
+        check_tensor_entry(key, entry)
+
+
+def check_tensor_entry(key: str, entry: Any) -> None:
+    """A tensor's entry: a known dtype, a sane global shape, and shards that
+    lie inside it and cover it exactly (each region is written once)."""
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"tensor {key!r} is not an object")
+    torch_dtype(entry.get("dtype"))
+    shape = checked_shape(entry.get("global_shape"), f"{key}: global_shape")
+    covered = 0
+    for shard in need_field(entry, "shards", list):
+        if not isinstance(shard, dict):
+            raise CheckpointError(f"{key}: a shard is not an object")
+        offset = checked_shape(shard.get("offset"), f"{key}: shard offset", len(shape))
+        extent = checked_shape(shard.get("shape"), f"{key}: shard shape", len(shape))
+        if any(o + n > g for o, n, g in zip(offset, extent, shape)):
+            raise CheckpointError(f"{key}: shard at {tuple(offset)} of shape {tuple(extent)} "
+                                  f"lies outside the tensor's shape {tuple(shape)}")
+        need_field(shard, "checksum", str)
+        need_field(shard, "rank", int)
+        covered += math.prod(extent)
+    if covered != math.prod(shape):
+        raise CheckpointError(f"{key}: its shards hold {covered} elements, its shape "
+                              f"{tuple(shape)} has {math.prod(shape)}")
+
+
+def checked_shape(value: Any, what: str, ndim: Optional[int] = None) -> list[int]:
+    if (not isinstance(value, list) or (ndim is not None and len(value) != ndim)
+            or not all(type(v) is int and 0 <= v <= MAX_DIM for v in value)):
+        raise CheckpointError(f"{what} is {str(value)[:80]}, not a list of "
+                              f"{ndim if ndim is not None else 'some'} sizes in 0..{MAX_DIM}")
+    return value
+
+
+def need_field(record: dict, key: str, kind: type, ok=lambda v: True) -> Any:
+    """record[key], refused unless of `kind` and `ok`."""
+    value = record.get(key) if isinstance(record, dict) else None
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int or not ok(value):
+        raise CheckpointError(f"{key!r} is {str(value)[:80]}, not a valid {kind.__name__}")
+    return value
 
 
 def committed_checkpoints(root: Path) -> list[Path]:

@@ -31,7 +31,6 @@ replicas are for. Nothing is written under the global checkpoint root.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
@@ -158,6 +157,28 @@ def shard_problem(shard: Shard) -> Optional[str]:
     return None
 
 
+def check_meta(meta: dict) -> None:
+    """Everything a recovery reads from a shard's meta.json, present and of
+    the right kinds (its bytes are checked against the marker's digest
+    first; this catches a shard written wrong, or without a digest)."""
+    world = fmt.need_field(meta, "world", int, lambda v: v > 0)
+    fmt.need_field(meta, "owner", int, lambda v: 0 <= v < world)
+    fmt.need_field(meta, "layout", dict)
+    fmt.need_field(meta, "rank_state", dict)
+    fmt.check_run_fields(fmt.need_field(meta, "run", dict))
+    start = 0
+    for rec in fmt.need_field(meta, "rects", list):
+        fmt.need_field(rec, "key", str)
+        fmt.need_field(rec, "checksum", str)
+        shape = fmt.checked_shape(rec.get("shape"), "a rect's shape")
+        fmt.checked_shape(rec.get("offset"), "a rect's offset", len(shape))
+        if fmt.need_field(rec, "start", int) != start or fmt.need_field(rec, "nbytes", int) != \
+                fmt.region_bytes(shape, rec.get("dtype")):
+            raise fmt.CheckpointError(f"rect {rec['key']!r}: its start or size does not match "
+                                      "its place and shape")
+        start += rec["nbytes"]
+
+
 def unpack_into(shard: Shard, targets: list[Rect]) -> None:
     """Fill this rank's `targets` from its own shard, matched by identity."""
     saved = {(rec["key"], tuple(rec["offset"]), tuple(rec["shape"])): rec
@@ -203,25 +224,26 @@ class NodeStore:
                 f.write(memoryview(shard.data.numpy()))
                 f.flush()
                 os.fsync(f.fileno())
-            fmt.write_json_atomic(partial / META, shard.meta)
+            digest = fmt.write_json_atomic(partial / META, shard.meta)
             if final.exists():  # the step saved again after a restart: same state
                 shutil.rmtree(final)
             partial.rename(final)
             fmt.fsync_path(final.parent)
-            fmt.write_text_atomic(final / fmt.MARKER, "ok\n")
+            fmt.write_marker(final, {META: digest})
 
     def read_meta(self, step: int, owner: int) -> dict:
         directory = self.shard_dir(step, owner)
         if not (directory / fmt.MARKER).exists():
             raise fmt.CheckpointError("its save did not finish (no marker)")
-        try:
-            meta = json.loads((directory / META).read_text())
-        except (OSError, ValueError) as err:
-            raise fmt.CheckpointError(f"its {META} does not parse: {err}") from None
-        if meta.get("format") != SHARD_FORMAT or meta.get("step") != step \
-                or meta.get("owner") != owner:
+        meta = fmt.read_covered_json(directory, META)
+        if not isinstance(meta, dict) or meta.get("format") != SHARD_FORMAT \
+                or meta.get("step") != step or meta.get("owner") != owner:
             raise fmt.CheckpointError(f"its {META} is not a local shard of rank {owner} at "
                                       f"step {step}")
+        try:
+            check_meta(meta)
+        except fmt.CheckpointError as err:
+            raise fmt.CheckpointError(f"{directory}/{META}: {err}") from None
         return meta
 
     def read(self, step: int, owner: int) -> Shard:

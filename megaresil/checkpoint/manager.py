@@ -139,11 +139,12 @@ def move_into_place(partial: Path, final: Path, make_room: Callable[[Path], None
 
 def commit(partial: Path, final: Path, manifest: dict, make_room: Callable[[Path], None]) -> None:
     """The commit protocol, once every shard under `partial` is durable: the
-    manifest, the rename into place, the completion marker last."""
-    fmt.write_json_atomic(partial / fmt.MANIFEST, manifest)
+    manifest, the rename into place, the completion marker (with the
+    manifest's digest) last."""
+    digest = fmt.write_json_atomic(partial / fmt.MANIFEST, manifest)
     fmt.fsync_tree(partial, only=set())  # directories only: file data is already durable
     move_into_place(partial, final, make_room)
-    fmt.write_text_atomic(final / fmt.MARKER, "ok\n")
+    fmt.write_marker(final, {fmt.MANIFEST: digest})
 
 
 _thread_role = threading.local()

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
+from megaresil.events import repair_prefix
 from megaresil.config import LoggingConfig, Precision, RecipeConfig, to_dict
 from megaresil.observe.flops import achieved_tflops, flops_per_step
 from megaresil.observe.loggers import build_loggers
@@ -101,6 +102,7 @@ class MetricsLog:
         self.generation = generation  # on every row: a redone step shows in which generation
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = self.path.open("a")
+        self.file.write(repair_prefix(self.path))  # a torn last line stays alone
         self.figures = figures
         self.loggers = build_loggers(Path(run_dir), cfg.logging, to_dict(cfg))
         self.console = Console(cfg.logging, cfg.train.steps, start_step)
