@@ -261,6 +261,14 @@ def add_convert_parser(sub) -> None:
     convert.set_defaults(func=cmd_convert, parser=convert)
 
 
+# The names of resilience.chaos.scenarios(), listed here so `chaos --help` need
+# not import the chaos machinery (a test keeps the two equal).
+CHAOS_SCENARIOS = ("kill-rank", "raise-in-rank", "hang-in-collective", "hang-outside-collective",
+                   "hang-holding-gil", "hang-in-native-code", "hang-on-device", "slow-rank",
+                   "sigterm", "corrupt-latest-checkpoint", "kill-during-checkpoint-save",
+                   "node-loss", "node-loss-first", "kill-rank-local", "node-loss-local")
+
+
 def cmd_chaos(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -343,13 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "and report detection latency, restart time, steps lost and "
                            "whether the final loss matches")
     add_recipe_args(chaos)
-    chaos.add_argument("--scenario", required=True,
-                       help="kill-rank, raise-in-rank, hang-in-collective, "
-                            "hang-outside-collective, slow-rank, sigterm, "
-                            "hang-holding-gil, hang-in-native-code, hang-on-device "
-                            "(CUDA), corrupt-latest-checkpoint, "
-                            "kill-during-checkpoint-save, node-loss, node-loss-first "
-                            "(the node that started first: the c10d host)")
+    chaos.add_argument("--scenario", required=True, choices=CHAOS_SCENARIOS, metavar="NAME",
+                       help="one of: " + ", ".join(CHAOS_SCENARIOS) + " (hang-on-device needs "
+                            "CUDA; node-loss-first loses the node that started first, the c10d "
+                            "host; the -local ones use the local checkpoint tier)")
     chaos.add_argument("--rank", type=int, help="faulty rank (default: the last)")
     chaos.add_argument("--step", type=int, help="fault step (default: train.steps/2 + 1)")
     chaos.add_argument("--reference", help="reuse this fault-free run directory as the reference")
@@ -361,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "--rdzv-endpoint ETCD_HOST:PORT)")
     chaos.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                        help="the etcd server of --rdzv-backend etcd or etcd-v2")
-    chaos.set_defaults(func=cmd_chaos)
+    chaos.set_defaults(func=cmd_chaos, overrides_anywhere=True)
 
     soak = sub.add_parser("soak", help="one long run with faults of every kind at random steps "
                           "and sections (async saves, optional CPU hogs), then a fault-free "
@@ -451,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # `megaresil soak RECIPE --minutes M KEY=VALUE ...`: overrides after the options too.
+    # `megaresil soak|chaos RECIPE --opt V KEY=VALUE ...`: overrides after the options too.
     if extra and not (getattr(args, "overrides_anywhere", False)
                       and all("=" in a and not a.startswith("-") for a in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
