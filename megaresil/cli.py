@@ -184,12 +184,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         kinds = [replace(k, per_s=k.per_s * factor) for k in kinds]
     scale = (Scale(args.state_bytes, args.gpus, args.storage_gbps * 1e9)
              if args.state_bytes else None)
-    costs = read_run_costs(Path(args.run_dir))
-    report = plan(costs, kinds, replacement_s=(args.replacement_s if args.replacement_s
-                                               is not None else
-                                               profile.get("node_replacement_extra_s", 0.0)),
-                  scale=scale, step_s=args.step_s,
-                  simulate_days=args.days if args.simulate else None, seed=args.seed)
+    try:
+        costs = read_run_costs(Path(args.run_dir))
+        report = plan(costs, kinds, replacement_s=(args.replacement_s if args.replacement_s
+                                                   is not None else
+                                                   profile.get("node_replacement_extra_s", 0.0)),
+                      scale=scale, step_s=args.step_s,
+                      simulate_days=args.days if args.simulate else None, seed=args.seed)
+    except ValueError as err:  # a run that cannot be planned from: say why, no traceback
+        print(f"megaresil: error: {err}", file=sys.stderr)
+        return 2
     report["costs"] = costs.to_dict()
     print(json.dumps(report, indent=1) if args.json else format_plan(report))
     return 0

@@ -39,3 +39,56 @@ def test_chaos_refuses_an_unknown_scenario(cli_main):
     with pytest.raises(SystemExit) as exc:
         cli_main("chaos", "recipes/gpt-tiny.yaml", "--scenario", "no-such")
     assert exc.value.code == 2
+
+
+def write_ordinary_run(run_dir, *, steps: int = 10, step_s: float = 0.5,
+                       startup_s: float = 12.0, launched: float = 1000.0):
+    """A run's metrics.jsonl and events.jsonl as training writes them: one
+    launch, saves every 2 steps, no failure (so no measured relaunch)."""
+    import json
+
+    run_dir.mkdir(parents=True)
+    tokens_per_step = 1024
+    records = [{"step": s, "loss": 5.0 - 0.1 * s, "lr": 1e-3, "grad_norm": 1.0,
+                "tokens": s * tokens_per_step, "tokens_per_s": tokens_per_step / step_s,
+                "elapsed_s": s * step_s, "time": launched + startup_s + s * step_s}
+               for s in range(1, steps + 1)]
+    events = [{"time": launched + 1.0, "event": "generation_started", "rank": 0,
+               "generation": 0, "launched_at": launched}]
+    events += [{"time": r["time"] + 0.01, "event": "checkpoint_saved", "rank": 0,
+                "step": r["step"], "path": f"checkpoints/step_{r['step']:07d}", "bytes": 4_000_000,
+                "seconds": 0.4, "blocking_seconds": 0.2} for r in records if r["step"] % 2 == 0]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_plan_on_an_ordinary_run_estimates_the_relaunch(cli_main, tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    write_ordinary_run(run, startup_s=12.0, step_s=0.5)
+    result = cli_main("plan", str(run), "--gpus", "1024", "--mtbf-hours", "25000")
+    lines = result.stdout.strip().splitlines()
+    assert "estimate" in result.stdout
+    assert "job MTBF 24.4 h" in lines[0]  # 25000 GPU-hours / 1024 GPUs
+    assert "steps (" in result.stdout and "min)" in result.stdout
+    report = json.loads(cli_main("plan", str(run), "--gpus", "1024", "--mtbf-hours", "25000",
+                                 "--json").stdout)
+    # launch -> start of the first step's compute: 12 s + 0.5 s - 0.5 s
+    assert report["restart_s"]["relaunch"] == pytest.approx(12.0)
+    assert report["relaunch_estimated"] is True
+    best = max(report["policies"], key=lambda r: r["expected_goodput"])
+    assert lines[-1] == f"checkpoint.interval={best['best_interval_steps']}"
+
+
+def test_plan_on_a_run_without_saves_says_what_to_do(cli_main, tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    write_ordinary_run(run)
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events
+                                              if e["event"] != "checkpoint_saved"))
+    result = cli_main("plan", str(run), "--gpus", "8", check=False)
+    assert result.returncode == 2
+    assert result.stderr.startswith("megaresil: error:") and "checkpoint.interval" in result.stderr
