@@ -72,27 +72,38 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def checkpoint_argument(path: str) -> Path:
+    """The checkpoint a run directory, checkpoint root or `latest` means,
+    said on stderr (stdout stays the command's, e.g. --json)."""
+    from pathlib import Path
+
+    from megaresil.checkpoint.location import resolve_checkpoint
+
+    resolved, note = resolve_checkpoint(Path(path))
+    if note:
+        print(note, file=sys.stderr)
+    return resolved
+
+
 def cmd_ckpt_inspect(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from megaresil.checkpoint.inspect import format_summary, summary
 
-    info = summary(Path(args.path))
-    print(json.dumps(info, indent=1) if args.json else format_summary(info))
+    info = summary(checkpoint_argument(args.path))
+    print(json.dumps(info, indent=1) if args.json else format_summary(info, args.tensors))
     return 0
 
 
 def cmd_ckpt_verify(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from megaresil.checkpoint.inspect import verify
 
-    reason = verify(Path(args.path))
+    path = checkpoint_argument(args.path)
+    reason = verify(path)
     if reason:
-        print(f"INVALID {args.path}: {reason}")
+        print(f"INVALID {path}: {reason}")
         return 1
-    print(f"OK {args.path}: every shard present, checksums match")
+    print(f"OK {path}: every shard present, checksums match")
     return 0
 
 
@@ -156,12 +167,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt_diff(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from megaresil.checkpoint.diff import diff_checkpoints, format_report
 
     tolerant = args.atol is not None or args.rtol is not None
-    report = diff_checkpoints(Path(args.a), Path(args.b), atol=args.atol or 0.0,
+    report = diff_checkpoints(checkpoint_argument(args.a), checkpoint_argument(args.b),
+                              atol=args.atol or 0.0,
                               rtol=args.rtol or 0.0)
     print(format_report(report, (args.atol or 0.0, args.rtol or 0.0) if tolerant else None))
     return 0 if report.within else 1
@@ -414,18 +424,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     ckpt = sub.add_parser("ckpt", help="inspect and verify checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
-    inspect = ckpt_sub.add_parser("inspect", help="step, layout, backend, tensors, bytes per rank")
-    inspect.add_argument("path", help="a checkpoint directory (e.g. RUN/checkpoints/step_0000100)")
-    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    where = ("a checkpoint directory, a run directory, its checkpoints/ or checkpoints/latest "
+             "(the newest valid checkpoint, named on stderr)")
+    inspect = ckpt_sub.add_parser("inspect", help="a summary: step, layout, backend, parameters, "
+                                  "model, tensors count, bytes per rank (--tensors: each tensor)")
+    inspect.add_argument("path", help=where)
+    inspect.add_argument("--tensors", action="store_true", help="also list every tensor")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output (every "
+                         "tensor included)")
     inspect.set_defaults(func=cmd_ckpt_inspect)
     verify = ckpt_sub.add_parser("verify", help="exit 0 when every shard is present and its "
                                  "checksum matches, else 1 with the reason")
-    verify.add_argument("path")
+    verify.add_argument("path", help=where)
     verify.set_defaults(func=cmd_ckpt_verify)
     diff = ckpt_sub.add_parser("diff", help="compare two checkpoints tensor by tensor, whatever "
                                "their layouts; exit 0 when identical (or within --atol/--rtol)")
-    diff.add_argument("a", metavar="A")
-    diff.add_argument("b", metavar="B")
+    diff.add_argument("a", metavar="A", help=where)
+    diff.add_argument("b", metavar="B", help="the same, for the other checkpoint")
     diff.add_argument("--atol", type=float, help="absolute tolerance (as torch.allclose)")
     diff.add_argument("--rtol", type=float, help="relative tolerance (as torch.allclose)")
     diff.set_defaults(func=cmd_ckpt_diff)

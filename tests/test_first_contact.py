@@ -92,3 +92,76 @@ def test_plan_on_a_run_without_saves_says_what_to_do(cli_main, tmp_path):
     result = cli_main("plan", str(run), "--gpus", "8", check=False)
     assert result.returncode == 2
     assert result.stderr.startswith("megaresil: error:") and "checkpoint.interval" in result.stderr
+
+
+@pytest.fixture
+def run_with_checkpoints(tmp_path):
+    """A run directory as a user has it: checkpoints/step_0000003 (a tiny
+    model imported from Hugging Face, no training), `latest` naming it."""
+    import transformers
+
+    from megaresil.checkpoint import format as fmt
+    from megaresil.cli import main
+
+    hf_dir, run = tmp_path / "hf", tmp_path / "run"
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300,
+                                     n_positions=256, bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(hf_dir)
+    root = run / "checkpoints"
+    assert main(["convert", "--from-hf", str(hf_dir), str(root / fmt.step_dir_name(3))]) == 0
+    fmt.update_latest(root, fmt.step_dir_name(3))
+    return run
+
+
+@pytest.mark.parametrize("where", ["run", "run/checkpoints", "run/checkpoints/latest"])
+def test_ckpt_commands_take_a_run_dir_a_root_or_latest(cli_main, run_with_checkpoints, where):
+    import json
+
+    path = str(run_with_checkpoints.parent / where)
+    step_dir = run_with_checkpoints / "checkpoints" / "step_0000003"
+    verified = cli_main("ckpt", "verify", path)
+    assert verified.stdout.startswith(f"OK {step_dir}:")
+    assert "step_0000003" in verified.stderr and len(verified.stderr.splitlines()) == 1
+    info = json.loads(cli_main("ckpt", "inspect", path, "--json").stdout)
+    assert info["step"] == 0 and info["path"] == str(step_dir)
+    assert cli_main("ckpt", "diff", path, str(step_dir)).returncode == 0
+
+
+def test_a_root_walks_back_past_an_unfinished_checkpoint(cli_main, run_with_checkpoints):
+    (run_with_checkpoints / "checkpoints" / "step_0000009").mkdir()  # no marker: a torn save
+    result = cli_main("ckpt", "inspect", str(run_with_checkpoints))
+    assert "using " in result.stderr and "step_0000003" in result.stderr
+    assert "skipped step_0000009" not in result.stderr  # latest names 3: tried first
+    (run_with_checkpoints / "checkpoints" / "latest").unlink()
+    result = cli_main("ckpt", "inspect", str(run_with_checkpoints))
+    assert "step_0000003" in result.stderr and "step_0000009: " in result.stderr
+
+
+def test_inspect_prints_a_summary_and_the_tensors_on_request(cli_main, run_with_checkpoints):
+    summary = cli_main("ckpt", "inspect", str(run_with_checkpoints)).stdout
+    fields = [line.split()[0] for line in summary.splitlines()]
+    assert fields == ["checkpoint", "step", "backend", "layout", "parameters", "model",
+                      "tensors", "bytes/rank"]
+    assert "num_layers=2 hidden_size=32" in summary
+    assert "model/layers.1.mlp.fc.weight" not in summary
+    listing = cli_main("ckpt", "inspect", str(run_with_checkpoints), "--tensors").stdout
+    assert "model/layers.1.mlp.fc.weight" in listing
+    # parameters: GPT-2's embeddings, blocks and final norm (the head is tied)
+    assert f"{sum(p.numel() for p in _gpt2_params(run_with_checkpoints)):,}" in summary
+
+
+def _gpt2_params(run):
+    import transformers
+
+    return transformers.GPT2LMHeadModel.from_pretrained(run.parent / "hf").parameters()
+
+
+def test_diff_lists_only_the_differing_tensors(cli_main, run_with_checkpoints, tmp_path):
+    from megaresil.checkpoint.diff import DiffReport, KeyDiff, format_report
+
+    report = DiffReport(keys=[KeyDiff("model/a", True, True, 0.0, 0.0),
+                              KeyDiff("model/b", False, False, 1.0, 0.5)])
+    lines = format_report(report).splitlines()
+    assert lines[0].startswith("model/b ") and "DIFFERENT" in lines[0]
+    assert lines[1] == "2 common tensors, 1 identical, 1 not identical, 0 only in A, 0 only in B"
+    assert len(lines) == 2
