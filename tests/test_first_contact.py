@@ -165,3 +165,18 @@ def test_diff_lists_only_the_differing_tensors(cli_main, run_with_checkpoints, t
     assert lines[0].startswith("model/b ") and "DIFFERENT" in lines[0]
     assert lines[1] == "2 common tensors, 1 identical, 1 not identical, 0 only in A, 0 only in B"
     assert len(lines) == 2
+
+
+def test_a_rank_alone_in_its_stage_is_not_judged():
+    """tp1 x pp2 x dp1: the last stage's forward_backward is 1.8x the first's
+    on a healthy run (defect 7's false straggler_detected rank 1)."""
+    from megaresil.resilience.stragglers import judge
+
+    table = [{"steps": 2, "first": 3, "mem_peak_mb": 100.0,
+              "sections": {"forward_backward": {"cpu_s": cpu, "wall_s": cpu}}}
+             for cpu in (0.10, 0.183)]
+    found = judge(table, pp=2, threshold=1.5)
+    assert found["slow"] == []
+    assert found["ratios"] == {0: {"forward_backward": 1.0}, 1: {"forward_backward": 1.0}}
+    assert found["scores"] == {0: 1.0, 1: 1.0}
+    assert judge(table, pp=1, threshold=1.5)["slow"] != []  # one stage: compared
