@@ -180,3 +180,41 @@ def test_a_rank_alone_in_its_stage_is_not_judged():
     assert found["ratios"] == {0: {"forward_backward": 1.0}, 1: {"forward_backward": 1.0}}
     assert found["scores"] == {0: 1.0, 1: 1.0}
     assert judge(table, pp=1, threshold=1.5)["slow"] != []  # one stage: compared
+
+
+def test_a_slurm_mismatch_names_the_layout_that_fits():
+    from megaresil.config import ConfigError
+    from megaresil.slurm import SlurmStep
+
+    env = {"SLURM_JOB_ID": "7", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "16",
+           "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+           "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_STEP_NODELIST": "gpu1,gpu2"}
+    with pytest.raises(ConfigError, match="--nodes=2 --ntasks-per-node=4") as err:
+        SlurmStep.from_environ(env).worker_env(world=8)
+    assert "16 tasks (2 node(s) x 8)" in str(err.value)
+    with pytest.raises(ConfigError, match="--nodes=1 --ntasks-per-node=3"):
+        SlurmStep.from_environ(env).worker_env(world=3)
+
+
+def test_the_readmes_slurm_examples_fit_their_recipe():
+    """Each `sbatch ... tools/slurm/train.sbatch RECIPE` line of the README:
+    nodes x ranks per node (tasks per rank, else GPUs per node) = tp*pp*dp."""
+    import re
+    import shlex
+
+    from megaresil.config import load_recipe
+    from tests.conftest import ROOT
+
+    examples = [shlex.split(line) for line in (ROOT / "README.md").read_text().splitlines()
+                if line.startswith("sbatch ") and "tools/slurm/train.sbatch" in line]
+    assert examples
+    template = (ROOT / "tools/slurm/train.sbatch").read_text()
+    assert re.search(r"^#+SBATCH --gpus-per-node=", template, re.M)
+    assert re.search(r"^#SBATCH --time=", template, re.M) and "MEGARESIL_ACTIVATE" in template
+    for argv in examples:
+        flags = dict(a.removeprefix("--").split("=", 1) for a in argv if a.startswith("--"))
+        recipe = next(a for a in argv if a.endswith(".yaml"))
+        p = load_recipe(ROOT / recipe, []).parallel
+        per_node = int(flags.get("ntasks-per-node", 1))
+        ranks_per_node = per_node if per_node > 1 else int(flags["gpus-per-node"])
+        assert int(flags["nodes"]) * ranks_per_node == p.tp * p.pp * p.dp, argv
