@@ -28,17 +28,21 @@ EPILOG = """examples:
 def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megaresil.launch import (Membership, from_hf_overrides, inside_torchrun, launch,
-                                  slurm_task, worker)
+    from megaresil.launch import (Membership, check_hf_init, inside_torchrun, is_new_run,
+                                  launch, resolve_from_hf, slurm_task, worker)
     from megaresil.slurm import SlurmStep
 
-    overrides = args.overrides
+    overrides, from_hf = args.overrides, None
     if args.from_hf:
-        overrides = from_hf_overrides(Path(args.from_hf), args.recipe, overrides)
+        from_hf = resolve_from_hf(Path(args.from_hf), args.recipe, overrides)
+        overrides = from_hf.overrides
     if inside_torchrun():
         worker(args.recipe, overrides)
         return 0
     cfg = load_recipe(args.recipe, overrides)
+    check_hf_init(cfg, from_hf is not None)
+    if from_hf and is_new_run(cfg) and from_hf.report():
+        print(from_hf.report(), file=sys.stderr)  # once per run: a resume does not repeat it
     step = SlurmStep.from_environ()
     if step is not None and step.one_task_per_rank:
         return slurm_task(args.recipe, overrides, cfg, step)
@@ -53,7 +57,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    print(to_yaml(load_recipe(args.recipe, args.overrides)), end="")
+    overrides = args.overrides
+    if args.from_hf:  # what `train RECIPE --from-hf DIR` would run, without running it
+        from pathlib import Path
+
+        from megaresil.launch import check_hf_init, resolve_from_hf
+
+        from_hf = resolve_from_hf(Path(args.from_hf), args.recipe, overrides)
+        overrides = from_hf.overrides
+        if from_hf.report():
+            print(from_hf.report(), file=sys.stderr)
+    cfg = load_recipe(args.recipe, overrides)
+    if args.from_hf:
+        check_hf_init(cfg, from_hf=True)
+    print(to_yaml(cfg), end="")
     return 0
 
 
@@ -418,7 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved recipe")
     add_recipe_args(show)
-    show.set_defaults(func=cmd_config_show)
+    show.add_argument("--from-hf", metavar="DIR", help="as `train RECIPE --from-hf DIR` would "
+                      "resolve it (a dry run: nothing starts)")
+    show.set_defaults(func=cmd_config_show, overrides_anywhere=True)
     config_sub.add_parser("docs", help="list every recipe key with its type, default and "
                           "meaning").set_defaults(func=cmd_config_docs)
 

@@ -218,3 +218,52 @@ def test_the_readmes_slurm_examples_fit_their_recipe():
         per_node = int(flags.get("ntasks-per-node", 1))
         ranks_per_node = per_node if per_node > 1 else int(flags["gpus-per-node"])
         assert int(flags["nodes"]) * ranks_per_node == p.tp * p.pp * p.dp, argv
+
+
+def save_plain_llama(directory):
+    """A tiny random Llama saved as the published Llama files without RoPE
+    scaling are: "rope_scaling": null beside "rope_theta"."""
+    import json
+
+    from tests.hf_harness import llama32_style
+
+    llama32_style(rope_parameters=None, rope_theta=500000.0).save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(rope_theta=500000.0, rope_scaling=None)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+LLAMA_SMALL = ["data.seq_len=32", "data.source=synthetic", "data.path=null"]
+
+
+def test_a_llama_without_rope_scaling_fits_a_recipe_that_declares_it(cli_main, tmp_path):
+    """recipes/llama-3.2-1b.yaml has llama3 scaling (factor 32); the import
+    replaces model.* with DIR's, so no scaling: the factor it does not use is
+    not compared, and config show --from-hf prints the resolved recipe."""
+    import yaml
+
+    save_plain_llama(tmp_path / "hf")
+    result = cli_main("config", "show", "recipes/llama-3.2-1b.yaml", "--from-hf",
+                      str(tmp_path / "hf"), *LLAMA_SMALL, f"run.dir={tmp_path / 'run'}")
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["model"]["rope_scaling"]["type"] == "none"
+    assert resolved["model"]["num_layers"] == 4
+    assert resolved["checkpoint"]["init_from"] == str((tmp_path / "hf").resolve())
+    block = result.stderr.splitlines()
+    assert block.count("megaresil: --from-hf replaces the recipe's values (recipe -> "
+                       "config.json):") == 1
+    assert any(line.split() == ["model.rope_scaling.type", "'llama3'", "->", "'none'"]
+               for line in block)
+
+
+def test_a_different_model_is_refused_before_any_worker_starts(cli_main, tmp_path):
+    save_plain_llama(tmp_path / "hf")
+    run = tmp_path / "run"
+    result = cli_main("train", "recipes/llama-3.2-1b.yaml", "--from-hf", str(tmp_path / "hf"),
+                      *LLAMA_SMALL, "model.rope_theta=10000", f"run.dir={run}", check=False)
+    assert result.returncode == 2, result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if "error" in line]
+    assert "rope_theta=500000.0 (this recipe: 10000.0)" in error
+    assert "--from-hf" in error and "use --from-hf" not in error  # not the command just run
+    assert not (run / "events.jsonl").exists()  # no worker started
