@@ -170,7 +170,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             shard_bytes = parse_size(args.max_shard_size or "5GB")
         except ValueError as err:
             args.parser.error(f"--max-shard-size: {err}")
-        written = export_to_hf(paths[0], Path(args.to_hf), overwrite=args.overwrite,
+        written = export_to_hf(checkpoint_argument(str(paths[0])), Path(args.to_hf), overwrite=args.overwrite,
                                tokenizer=args.tokenizer, max_shard_bytes=shard_bytes,
                                dtype=args.dtype)
     elif args.from_hf:
@@ -178,7 +178,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                  recipe=Path(args.recipe) if args.recipe else None,
                                  overwrite=args.overwrite)
     else:
-        written = convert(paths[0], paths[1], _convert_target(args), overwrite=args.overwrite)
+        written = convert(checkpoint_argument(str(paths[0])), paths[1], _convert_target(args),
+                          overwrite=args.overwrite)
     print(f"wrote {written}")
     return 0
 
@@ -261,7 +262,8 @@ def add_convert_parser(sub) -> None:
         "DIR  |  megaresil convert --from-hf DIR DST [layout options] [--recipe RECIPE]. "
         "Unset options keep the source's value.")
     convert.add_argument("paths", nargs="*", metavar="PATH", help="SRC DST, SRC (--to-hf) or DST "
-                         "(--from-hf)")
+                         "(--from-hf); SRC may be a run directory, its checkpoints/ or "
+                         "checkpoints/latest (the newest valid checkpoint)")
     for name in ("tp", "pp", "dp", "vpp"):
         convert.add_argument(f"--{name}", type=int, help=f"target parallel.{name}")
     convert.add_argument("--distributed-optimizer", choices=["on", "off"],
