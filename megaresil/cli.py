@@ -31,17 +31,21 @@ EPILOG = """examples:
 def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megaresil.launch import (Membership, from_hf_overrides, inside_torchrun, launch,
-                                  slurm_task, worker)
+    from megaresil.launch import (Membership, check_hf_init, inside_torchrun, is_new_run,
+                                  launch, resolve_from_hf, slurm_task, worker)
     from megaresil.slurm import SlurmStep
 
-    overrides = args.overrides
+    overrides, from_hf = args.overrides, None
     if args.from_hf:
-        overrides = from_hf_overrides(Path(args.from_hf), args.recipe, overrides)
+        from_hf = resolve_from_hf(Path(args.from_hf), args.recipe, overrides)
+        overrides = from_hf.overrides
     if inside_torchrun():
         worker(args.recipe, overrides)
         return 0
     cfg = load_recipe(args.recipe, overrides)
+    check_hf_init(cfg, from_hf is not None)
+    if from_hf and is_new_run(cfg) and from_hf.report():
+        print(from_hf.report(), file=sys.stderr)  # once per run: a resume does not repeat it
     step = SlurmStep.from_environ()
     if step is not None and step.one_task_per_rank:
         return slurm_task(args.recipe, overrides, cfg, step)
@@ -56,7 +60,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    print(to_yaml(load_recipe(args.recipe, args.overrides)), end="")
+    overrides = args.overrides
+    if args.from_hf:  # what `train RECIPE --from-hf DIR` would run, without running it
+        from pathlib import Path
+
+        from megaresil.launch import check_hf_init, resolve_from_hf
+
+        from_hf = resolve_from_hf(Path(args.from_hf), args.recipe, overrides)
+        overrides = from_hf.overrides
+        if from_hf.report():
+            print(from_hf.report(), file=sys.stderr)
+    cfg = load_recipe(args.recipe, overrides)
+    if args.from_hf:
+        check_hf_init(cfg, from_hf=True)
+    print(to_yaml(cfg), end="")
     return 0
 
 
@@ -87,27 +104,38 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def checkpoint_argument(path: str) -> Path:
+    """The checkpoint a run directory, checkpoint root or `latest` means,
+    said on stderr (stdout stays the command's, e.g. --json)."""
+    from pathlib import Path
+
+    from megaresil.checkpoint.location import resolve_checkpoint
+
+    resolved, note = resolve_checkpoint(Path(path))
+    if note:
+        print(note, file=sys.stderr)
+    return resolved
+
+
 def cmd_ckpt_inspect(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from megaresil.checkpoint.inspect import format_summary, summary
 
-    info = summary(Path(args.path))
-    print(json.dumps(info, indent=1) if args.json else format_summary(info))
+    info = summary(checkpoint_argument(args.path))
+    print(json.dumps(info, indent=1) if args.json else format_summary(info, args.tensors))
     return 0
 
 
 def cmd_ckpt_verify(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from megaresil.checkpoint.inspect import verify
 
-    reason = verify(Path(args.path))
+    path = checkpoint_argument(args.path)
+    reason = verify(path)
     if reason:
-        print(f"INVALID {args.path}: {reason}")
+        print(f"INVALID {path}: {reason}")
         return 1
-    print(f"OK {args.path}: every shard present, checksums match")
+    print(f"OK {path}: every shard present, checksums match")
     return 0
 
 
@@ -157,7 +185,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             shard_bytes = parse_size(args.max_shard_size or "5GB")
         except ValueError as err:
             args.parser.error(f"--max-shard-size: {err}")
-        written = export_to_hf(paths[0], Path(args.to_hf), overwrite=args.overwrite,
+        written = export_to_hf(checkpoint_argument(str(paths[0])), Path(args.to_hf), overwrite=args.overwrite,
                                tokenizer=args.tokenizer, max_shard_bytes=shard_bytes,
                                dtype=args.dtype)
     elif args.from_hf:
@@ -165,18 +193,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                  recipe=Path(args.recipe) if args.recipe else None,
                                  overwrite=args.overwrite)
     else:
-        written = convert(paths[0], paths[1], _convert_target(args), overwrite=args.overwrite)
+        written = convert(checkpoint_argument(str(paths[0])), paths[1], _convert_target(args),
+                          overwrite=args.overwrite)
     print(f"wrote {written}")
     return 0
 
 
 def cmd_ckpt_diff(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from megaresil.checkpoint.diff import diff_checkpoints, format_report
 
     tolerant = args.atol is not None or args.rtol is not None
-    report = diff_checkpoints(Path(args.a), Path(args.b), atol=args.atol or 0.0,
+    report = diff_checkpoints(checkpoint_argument(args.a), checkpoint_argument(args.b),
+                              atol=args.atol or 0.0,
                               rtol=args.rtol or 0.0)
     print(format_report(report, (args.atol or 0.0, args.rtol or 0.0) if tolerant else None))
     return 0 if report.within else 1
@@ -199,12 +227,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         kinds = [replace(k, per_s=k.per_s * factor) for k in kinds]
     scale = (Scale(args.state_bytes, args.gpus, args.storage_gbps * 1e9)
              if args.state_bytes else None)
-    costs = read_run_costs(Path(args.run_dir))
-    report = plan(costs, kinds, replacement_s=(args.replacement_s if args.replacement_s
-                                               is not None else
-                                               profile.get("node_replacement_extra_s", 0.0)),
-                  scale=scale, step_s=args.step_s,
-                  simulate_days=args.days if args.simulate else None, seed=args.seed)
+    try:
+        costs = read_run_costs(Path(args.run_dir))
+        report = plan(costs, kinds, replacement_s=(args.replacement_s if args.replacement_s
+                                                   is not None else
+                                                   profile.get("node_replacement_extra_s", 0.0)),
+                      scale=scale, step_s=args.step_s,
+                      simulate_days=args.days if args.simulate else None, seed=args.seed)
+    except ValueError as err:  # a run that cannot be planned from: say why, no traceback
+        print(f"megaresil: error: {err}", file=sys.stderr)
+        return 2
     report["costs"] = costs.to_dict()
     print(json.dumps(report, indent=1) if args.json else format_plan(report))
     return 0
@@ -245,7 +277,8 @@ def add_convert_parser(sub) -> None:
         "DIR  |  megaresil convert --from-hf DIR DST [layout options] [--recipe RECIPE]. "
         "Unset options keep the source's value.")
     convert.add_argument("paths", nargs="*", metavar="PATH", help="SRC DST, SRC (--to-hf) or DST "
-                         "(--from-hf)")
+                         "(--from-hf); SRC may be a run directory, its checkpoints/ or "
+                         "checkpoints/latest (the newest valid checkpoint)")
     for name in ("tp", "pp", "dp", "vpp"):
         convert.add_argument(f"--{name}", type=int, help=f"target parallel.{name}")
     convert.add_argument("--distributed-optimizer", choices=["on", "off"],
@@ -274,6 +307,14 @@ def add_convert_parser(sub) -> None:
     convert.add_argument("--recipe", help="with --from-hf: training keys from this recipe "
                          "(default: the schema defaults); model.* comes from config.json")
     convert.set_defaults(func=cmd_convert, parser=convert)
+
+
+# The names of resilience.chaos.scenarios(), listed here so `chaos --help` need
+# not import the chaos machinery (a test keeps the two equal).
+CHAOS_SCENARIOS = ("kill-rank", "raise-in-rank", "hang-in-collective", "hang-outside-collective",
+                   "hang-holding-gil", "hang-in-native-code", "hang-on-device", "slow-rank",
+                   "sigterm", "corrupt-latest-checkpoint", "kill-during-checkpoint-save",
+                   "node-loss", "node-loss-first", "kill-rank-local", "node-loss-local")
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
@@ -406,13 +447,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "and report detection latency, restart time, steps lost and "
                            "whether the final loss matches")
     add_recipe_args(chaos)
-    chaos.add_argument("--scenario", required=True,
-                       help="kill-rank, raise-in-rank, hang-in-collective, "
-                            "hang-outside-collective, slow-rank, sigterm, "
-                            "hang-holding-gil, hang-in-native-code, hang-on-device "
-                            "(CUDA), corrupt-latest-checkpoint, "
-                            "kill-during-checkpoint-save, node-loss, node-loss-first "
-                            "(the node that started first: the c10d host)")
+    chaos.add_argument("--scenario", required=True, choices=CHAOS_SCENARIOS, metavar="NAME",
+                       help="one of: " + ", ".join(CHAOS_SCENARIOS) + " (hang-on-device needs "
+                            "CUDA; node-loss-first loses the node that started first, the c10d "
+                            "host; the -local ones use the local checkpoint tier)")
     chaos.add_argument("--rank", type=int, help="faulty rank (default: the last)")
     chaos.add_argument("--step", type=int, help="fault step (default: train.steps/2 + 1)")
     chaos.add_argument("--reference", help="reuse this fault-free run directory as the reference")
@@ -424,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "--rdzv-endpoint ETCD_HOST:PORT)")
     chaos.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                        help="the etcd server of --rdzv-backend etcd or etcd-v2")
-    chaos.set_defaults(func=cmd_chaos)
+    chaos.set_defaults(func=cmd_chaos, overrides_anywhere=True)
 
     soak = sub.add_parser("soak", help="one long run with faults of every kind at random steps "
                           "and sections (async saves, optional CPU hogs), then a fault-free "
@@ -465,24 +503,31 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved recipe")
     add_recipe_args(show)
-    show.set_defaults(func=cmd_config_show)
+    show.add_argument("--from-hf", metavar="DIR", help="as `train RECIPE --from-hf DIR` would "
+                      "resolve it (a dry run: nothing starts)")
+    show.set_defaults(func=cmd_config_show, overrides_anywhere=True)
     config_sub.add_parser("docs", help="list every recipe key with its type, default and "
                           "meaning").set_defaults(func=cmd_config_docs)
 
     ckpt = sub.add_parser("ckpt", help="inspect and verify checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
-    inspect = ckpt_sub.add_parser("inspect", help="step, layout, backend, tensors, bytes per rank")
-    inspect.add_argument("path", help="a checkpoint directory (e.g. RUN/checkpoints/step_0000100)")
-    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    where = ("a checkpoint directory, a run directory, its checkpoints/ or checkpoints/latest "
+             "(the newest valid checkpoint, named on stderr)")
+    inspect = ckpt_sub.add_parser("inspect", help="a summary: step, layout, backend, parameters, "
+                                  "model, tensors count, bytes per rank (--tensors: each tensor)")
+    inspect.add_argument("path", help=where)
+    inspect.add_argument("--tensors", action="store_true", help="also list every tensor")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output (every "
+                         "tensor included)")
     inspect.set_defaults(func=cmd_ckpt_inspect)
     verify = ckpt_sub.add_parser("verify", help="exit 0 when every shard is present and its "
                                  "checksum matches, else 1 with the reason")
-    verify.add_argument("path")
+    verify.add_argument("path", help=where)
     verify.set_defaults(func=cmd_ckpt_verify)
     diff = ckpt_sub.add_parser("diff", help="compare two checkpoints tensor by tensor, whatever "
                                "their layouts; exit 0 when identical (or within --atol/--rtol)")
-    diff.add_argument("a", metavar="A")
-    diff.add_argument("b", metavar="B")
+    diff.add_argument("a", metavar="A", help=where)
+    diff.add_argument("b", metavar="B", help="the same, for the other checkpoint")
     diff.add_argument("--atol", type=float, help="absolute tolerance (as torch.allclose)")
     diff.add_argument("--rtol", type=float, help="relative tolerance (as torch.allclose)")
     diff.set_defaults(func=cmd_ckpt_diff)
@@ -518,7 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    # `megaresil soak RECIPE --minutes M KEY=VALUE ...`: overrides after the options too.
+    # `megaresil soak|chaos RECIPE --opt V KEY=VALUE ...`: overrides after the options too.
     if extra and not (getattr(args, "overrides_anywhere", False)
                       and all("=" in a and not a.startswith("-") for a in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

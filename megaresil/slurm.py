@@ -51,6 +51,13 @@ def first_host(nodelist: str) -> str:
     return hosts[0]
 
 
+def fitting_task_layout(world: int, nodes: int) -> str:
+    """The sbatch/srun flags of one task per rank for `world` ranks: on the
+    step's node count when it divides them, else on one node."""
+    nodes = nodes if world % nodes == 0 else 1
+    return f"--nodes={nodes} --ntasks-per-node={world // nodes}"
+
+
 @dataclass(frozen=True)
 class SlurmStep:
     """The Slurm job step this process is a task of."""
@@ -92,10 +99,12 @@ class SlurmStep:
     def worker_env(self, world: int) -> dict[str, str]:
         """torchrun's worker environment from Slurm's, for one task per rank."""
         if self.tasks != world:
-            raise ConfigError("parallel", f"the Slurm step has {self.tasks} tasks but the "
+            raise ConfigError("parallel", f"the Slurm step has {self.tasks} tasks "
+                              f"({self.nodes} node(s) x {self.tasks_on_node}) but the "
                               f"recipe's tp*pp*dp is {world}",
-                              f"run srun with --ntasks={world} (one task per rank), or one "
-                              "task per node to let megaresil start the ranks.")
+                              f"submit with {fitting_task_layout(world, self.nodes)} "
+                              f"(--ntasks={world}, one task per rank), or "
+                              "--ntasks-per-node=1 to let megaresil start the ranks.")
         return {"RANK": str(self.task_rank), "WORLD_SIZE": str(world),
                 "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.tasks_on_node),
                 "GROUP_RANK": str(self.node_rank), "MASTER_ADDR": self.master,

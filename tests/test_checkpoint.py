@@ -296,7 +296,7 @@ def test_inspect_retention_and_format_checks(cli, cli_main, tmp_path):
     assert info["tensors"]["model/embed.tokens.weight"]["shape"] == [4096, 192]
     assert info["total_bytes"] == sum(info["bytes_per_rank"]) > 0
     assert "model/layers.3.mlp.fc.weight" in \
-        cli_main("ckpt", "inspect", str(root / "step_0000008")).stdout
+        cli_main("ckpt", "inspect", str(root / "step_0000008"), "--tensors").stdout
 
     newer = root / "step_0000006"
     manifest = json.loads((newer / fmt.MANIFEST).read_text())

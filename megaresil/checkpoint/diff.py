@@ -74,17 +74,20 @@ def diff_checkpoints(a: Path, b: Path, *, atol: float = 0.0, rtol: float = 0.0) 
 
 
 def format_report(report: DiffReport, tolerances: Optional[tuple[float, float]] = None) -> str:
-    width = max((len(k.key) for k in report.keys), default=0)
+    """The tensors that are not identical (and the keys one side lacks), then
+    a summary line; identical tensors are counted, not listed."""
+    differing = [k for k in report.keys if not k.identical]
+    width = max((len(k.key) for k in differing), default=0)
     lines = []
-    for k in report.keys:
-        verdict = "identical" if k.identical else ("within" if k.within else "DIFFERENT")
+    for k in differing:
+        verdict = "within" if k.within else "DIFFERENT"
         detail = f"  {k.problem}" if k.problem else ""
         lines.append(f"{k.key:<{width}}  max_abs={k.max_abs:.3e}  max_rel={k.max_rel:.3e}  "
                      f"{verdict}{detail}")
     lines += [f"only in A: {key}" for key in report.only_in_a]
     lines += [f"only in B: {key}" for key in report.only_in_b]
-    differing = sum(not k.identical for k in report.keys)
-    summary = (f"{len(report.keys)} common tensors, {differing} not identical, "
+    summary = (f"{len(report.keys)} common tensors, {len(report.keys) - len(differing)} "
+               f"identical, {len(differing)} not identical, "
                f"{len(report.only_in_a)} only in A, {len(report.only_in_b)} only in B")
     if tolerances is not None:
         summary += f"; within atol={tolerances[0]:g} rtol={tolerances[1]:g}: {report.within}"

@@ -6,6 +6,7 @@ it from there.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -190,6 +191,31 @@ def to_hf(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Te
 
 
 # --- configs ----------------------------------------------------------------------
+
+
+def rope_fields(m: ModelConfig) -> dict:
+    """The RoPE settings the model's rope type uses: without scaling the
+    scaling block's other fields (a recipe's factor 32, say) compute nothing."""
+    scaling = dataclasses.asdict(m.rope_scaling)
+    if m.rope_scaling.type == RopeScalingType.none:
+        scaling = {"type": scaling["type"]}
+    return {"rope_theta": m.rope_theta, "rope_scaling": scaling}
+
+
+def architecture(m: ModelConfig) -> dict:
+    """What a model computes, beyond its tensors' shapes and keys (which a
+    load checks itself), with defaults resolved."""
+    return {"flavour": m.flavour.value, "norm_eps": m.norm_eps, "num_heads": m.num_heads,
+            "num_kv_heads": m.num_kv_heads or m.num_heads, **rope_fields(m),
+            "tied": ties_embeddings(m), "ffn_hidden_size": ffn_size(m)}
+
+
+def model_differences(saved: ModelConfig, ours: ModelConfig) -> list[str]:
+    """One `key=saved (this recipe: ours)` per architecture setting that differs."""
+    theirs, mine = architecture(saved), architecture(ours)
+    return [f"{key}={theirs[key]} (this recipe: {mine[key]})"
+            for key in theirs if theirs[key] != mine[key]]
+
 
 ARCHITECTURES = {Flavour.gpt2: "GPT2LMHeadModel", Flavour.llama: "LlamaForCausalLM"}
 

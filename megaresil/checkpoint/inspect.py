@@ -2,6 +2,7 @@
 at a checkpoint directory."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from megaresil.checkpoint import format as fmt
@@ -21,14 +22,25 @@ def summary(path: Path) -> dict:
             total += nbytes
         tensors[key] = {"shape": entry["global_shape"], "dtype": entry["dtype"],
                         "shards": len(entry["shards"]), "bytes": total}
+    parameters = sum(math.prod(t["shape"]) for key, t in tensors.items()
+                     if key.startswith("model/"))
     return {"path": str(path), "step": manifest["step"], "backend": manifest["backend"],
             "format_version": manifest["version"], "layout": manifest["layout"],
             "consumed_samples": manifest["data"]["consumed_samples"],
             "total_bytes": sum(per_rank.values()),
-            "bytes_per_rank": [per_rank[r] for r in sorted(per_rank)], "tensors": tensors}
+            "bytes_per_rank": [per_rank[r] for r in sorted(per_rank)], "parameters": parameters,
+            "model": manifest.get("recipe", {}).get("model", {}), "tensors": tensors}
 
 
-def format_summary(info: dict) -> str:
+def format_model(model: dict) -> str:
+    """The model config's shape-defining fields, on one line."""
+    shown = ("flavour", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size",
+             "max_seq_len")
+    return " ".join(f"{k}={model[k]}" for k in shown if model.get(k) is not None)
+
+
+def format_summary(info: dict, tensors: bool = False) -> str:
+    """The summary; with `tensors`, every tensor's shape, dtype and shards after it."""
     layout = info["layout"]
     lines = [f"checkpoint  {info['path']}",
              f"step        {info['step']}  (samples consumed {info['consumed_samples']})",
@@ -36,10 +48,15 @@ def format_summary(info: dict) -> str:
              f"layout      tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} "
              f"vpp={layout['vpp']} sp={layout['sequence_parallel']} "
              f"distributed_optimizer={layout['distributed_optimizer']}",
-             f"tensors     {len(info['tensors'])}, {info['total_bytes'] / 2**20:.2f} MiB",
-             "bytes/rank  " + " ".join(f"{b / 2**20:.2f}" for b in info["bytes_per_rank"]) + " MiB",
-             ""]
+             f"parameters  {info['parameters']:,}",
+             f"model       {format_model(info['model'])}",
+             f"tensors     {len(info['tensors'])}, {info['total_bytes'] / 2**20:.2f} MiB"
+             + ("" if tensors else "  (list them with --tensors)"),
+             "bytes/rank  " + " ".join(f"{b / 2**20:.2f}" for b in info["bytes_per_rank"]) + " MiB"]
+    if not tensors:
+        return "\n".join(lines)
     width = max(len(k) for k in info["tensors"])
+    lines.append("")
     for key, t in info["tensors"].items():
         lines.append(f"  {key:<{width}}  {str(tuple(t['shape'])):<16} {t['dtype']:<9} "
                      f"{t['shards']} shard(s)")

@@ -12,3 +12,37 @@ class NoValidCheckpoint(RuntimeError):
 
 def checkpoint_root(cfg: RecipeConfig) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.dir) / "checkpoints"
+
+
+def resolve_checkpoint(path: Path) -> tuple[Path, str]:
+    """The checkpoint a user means by `path`: a checkpoint directory itself,
+    a root's `latest` file (the directory it names), a checkpoint root or a
+    run directory (its checkpoints/): the newest checkpoint whose marker and
+    manifest read, `latest`'s first. Returns it and a line saying which (empty
+    when `path` was the checkpoint itself); CheckpointError when none reads."""
+    from megaresil.checkpoint import format as fmt
+
+    if path.is_file() and path.name == fmt.LATEST:
+        named = path.parent / path.read_text().strip()
+        return named, f"{path} names {named.name}"
+    if (path / fmt.MARKER).exists() or fmt.STEP_DIR.match(path.name):
+        return path, ""
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    candidates = fmt.committed_checkpoints(root)
+    if (root / fmt.LATEST).is_file():
+        named = root / (root / fmt.LATEST).read_text().strip()
+        candidates = [named] + [p for p in candidates if p != named]
+    skipped = []
+    for candidate in candidates:
+        try:
+            fmt.read_manifest(candidate)
+        except fmt.CheckpointError as err:
+            skipped.append(f"{candidate.name}: {err}")
+            continue
+        passed = f" (skipped {'; '.join(skipped)})" if skipped else ""
+        return candidate, f"using {candidate}, the newest valid checkpoint under {path}{passed}"
+    raise fmt.CheckpointError(f"{path} holds no valid checkpoint" +
+                              (f" ({'; '.join(skipped)})" if skipped else
+                               " (no step_* directory)") +
+                              ". Fix: give a checkpoint directory, a run directory or its "
+                              "checkpoints/ after at least one save")

@@ -39,6 +39,9 @@ class RunCosts:
     interval: Optional[int]  # steps between global saves, as the saves show
     saves: dict[str, SaveCost] = field(default_factory=dict)
     outages: list[Outage] = field(default_factory=list)
+    # Launch to the start of the first step's compute: what a relaunch costs
+    # at least (new processes, imports, rendezvous, build), measured on every run.
+    startup_s: Optional[float] = None
 
     def restart_s(self) -> dict[str, float]:
         """Mean downtime per outage kind: the expected cost the planner needs."""
@@ -53,7 +56,8 @@ class RunCosts:
     def from_dict(cls, d: dict) -> "RunCosts":
         return cls(step_s=d["step_s"], steps=d["steps"], interval=d["interval"],
                    saves={t: SaveCost(**s) for t, s in d["saves"].items()},
-                   outages=[Outage(**o) for o in d["outages"]])
+                   outages=[Outage(**o) for o in d["outages"]],
+                   startup_s=d.get("startup_s"))
 
 
 def step_seconds(record: dict) -> float:
@@ -78,7 +82,18 @@ def read_costs(run_dir: str | Path) -> RunCosts:
                     steps=max(r["step"] for r in records),
                     interval=statistics.mode(gaps) if gaps else None,
                     saves={t: s for t, s in saves.items() if s is not None},
-                    outages=outages(records, events))
+                    outages=outages(records, events),
+                    startup_s=startup_seconds(records, events))
+
+
+def startup_seconds(records: list[dict], events: list[dict]) -> Optional[float]:
+    """The first launch's start-up: its processes' creation to the start of
+    the first step's compute (None when the run recorded no launch time)."""
+    launched = [e["launched_at"] for e in events if e["event"] == "generation_started"]
+    if not launched:
+        return None
+    first = min(records, key=lambda r: r["time"])
+    return max(0.0, first["time"] - step_seconds(first) - min(launched))
 
 
 def save_cost(tier: str, events: list[dict], name: str) -> Optional[SaveCost]:

@@ -34,10 +34,15 @@ class Scale:
 
 
 def restart_costs(costs: RunCosts, replacement_s: float, scale: Optional[Scale]) -> dict:
+    """Downtime per recovery path; a run that never relaunched gets its
+    relaunch estimated from its own start-up (relaunch_is_estimated)."""
     measured = costs.restart_s()
     if "relaunch" not in measured:
-        raise ValueError("the run has no measured relaunch: give a run directory with one "
-                         "(megaresil chaos RECIPE --scenario kill-rank, or a soak's faulted/)")
+        if costs.startup_s is None:
+            raise ValueError("the run has neither a measured relaunch nor a recorded start-up "
+                             "(generation_started): run it again with this version, or give a "
+                             "run with a relaunch (megaresil chaos RECIPE --scenario kill-rank)")
+        measured = {**measured, "relaunch": costs.startup_s}
     load = scale.load_s() if scale else 0.0
     paths = {p: s + load for p, s in measured.items()}
     paths["node_replacement"] = paths["relaunch"] + replacement_s
@@ -52,6 +57,10 @@ def policies(costs: RunCosts, kinds: list[Kind], restart_s: dict) -> list[tuple[
         return sum(k.per_s * paths[k.path] for k in kinds) / total
 
     no_in_process = {**restart_s, "in_process": restart_s["relaunch"]}
+    if "global" not in costs.saves:
+        raise ValueError("the run saved no checkpoint (no checkpoint_saved event), so its save "
+                         "cost is unknown. Fix: train it with checkpoint.interval=N (a few "
+                         "saves), then plan")
     g = costs.saves["global"]
     found = [(Policy("global only", g.blocking_s, g.total_s, mean_restart(no_in_process)),
               no_in_process)]
@@ -64,6 +73,10 @@ def policies(costs: RunCosts, kinds: list[Kind], restart_s: dict) -> list[tuple[
         found.append((Policy(f"{best.name} + in-process restart", best.blocking_s,
                              best.total_s, mean_restart(restart_s)), restart_s))
     return found
+
+
+def relaunch_is_estimated(costs: RunCosts) -> bool:
+    return "relaunch" not in costs.restart_s()
 
 
 def plan(costs: RunCosts, kinds: list[Kind], *, replacement_s: float,
@@ -92,6 +105,7 @@ def plan(costs: RunCosts, kinds: list[Kind], *, replacement_s: float,
         rows.append(row)
     return {"step_s": step, "job_mtbf_h": mtbf / 3600, "restart_s": restart_s,
             "saves": {t: vars(s) for t, s in costs.saves.items()},
+            "relaunch_estimated": relaunch_is_estimated(costs),
             "local_tier_measured": "local" in costs.saves,
             "in_process_measured": "in_process" in costs.restart_s(), "policies": rows}
 
@@ -108,22 +122,41 @@ def trace_kinds(path: Path) -> list[Kind]:
     return [Kind(p, sum(r["path"] == p for r in rows) / span_s, p) for p in paths]
 
 
+def readable_hours(hours: float) -> str:
+    """A duration in the unit a person reads it in: minutes, hours or days."""
+    if hours < 1:
+        return f"{hours * 60:.0f} min"
+    if hours < 48:
+        return f"{hours:.1f} h"
+    return f"{hours / 24:.1f} days"
+
+
 def format_plan(report: dict) -> str:
-    lines = [f"step {report['step_s']:.3f} s, job MTBF {report['job_mtbf_h']:.2f} h, "
+    step = report["step_s"]
+    lines = [f"step {step:.3f} s, job MTBF {readable_hours(report['job_mtbf_h'])}, "
              "downtime per path: " + ", ".join(f"{p} {s:.1f} s"
                                                for p, s in report["restart_s"].items())]
+    if report.get("relaunch_estimated"):
+        lines.append("the run has no relaunch: its downtime is an estimate, the run's own "
+                     "start-up (launch to first step)")
     if not report["local_tier_measured"]:
         lines.append("the run has no local-tier save (local_checkpoint_saved): no local policy")
     if not report["in_process_measured"]:
         lines.append("the run has no in-process restart: no in-process policy")
     lines.append(f"{'policy':<40} {'block s':>9} {'total s':>8} {'restart s':>9} "
-                 f"{'Young s':>8} {'Daly s':>8} {'interval':>8} {'goodput':>8} {'simulated':>9}")
+                 f"{'Young s':>8} {'Daly s':>8} {'interval':>18} {'goodput':>8} "
+                 f"{'simulated':>9}")
     for r in report["policies"]:
         sim = r.get("simulated")
+        interval = (f"{r['best_interval_steps']} steps "
+                    f"({r['best_interval_steps'] * step / 60:.1f} min)")
         lines.append(f"{r['policy']:<40} {r['blocking_s']:>9.4f} {r['total_s']:>8.2f} "
                      f"{r['mean_restart_s']:>9.1f} {r['young_s']:>8.1f} {r['daly_s']:>8.1f} "
-                     f"{r['best_interval_steps']:>8} {r['expected_goodput']:>8.1%} "
+                     f"{interval:>18} {r['expected_goodput']:>8.1%} "
                      f"{format(sim['goodput'], '.1%') if sim else '-':>9}")
+    best = max(report["policies"], key=lambda r: r["expected_goodput"])
+    lines.append(f"# best: {best['policy']}; to use its interval, add:")
+    lines.append(f"checkpoint.interval={max(1, best['best_interval_steps'])}")
     return "\n".join(lines)
 
 

@@ -4,11 +4,19 @@ Every `logging.straggler_interval` steps each rank hands in its window's
 section times (training-thread CPU and wall seconds per step, see
 observe/sections.py) and peak memory through one small all-gather on the
 training thread's own world group. Rank 0 compares each rank with the median
-of its peers (the ranks of its pipeline stage, which do the same work; all
-ranks when a stage has one) section by section, on CPU time: a rank waiting
+of its peers (the ranks of its pipeline stage, which do the same work)
+section by section, on CPU time: a rank waiting
 in a collective for a slow peer gains almost none, so the waiting ranks are
 not blamed, only the one they wait for. For an even count the lower median
 is used, so with two ranks the slow one is compared with the other.
+
+Ranks of different stages are never compared: stages do different work by
+design (the last one computes the loss and the head), so their times differ
+on a healthy run. A rank alone in its stage (tp=1 and dp=1, e.g. tp1 x pp2 x
+dp1) is not judged: its ratios are 1.0 and its score 1.0. Its own history is
+no sound baseline either: its step time moves with evals, saves and restarts,
+so it would raise alarms on healthy runs. docs/fault-tolerance-stragglers.md
+says this for users.
 
 Written by rank 0: a line per window in run.dir/stragglers.jsonl (every
 rank's times, ratios, relative performance score = peers' median busy time /
@@ -66,11 +74,10 @@ def this_device() -> torch.device:
 
 
 def peers(rank: int, world: int, pp: int) -> list[int]:
-    """The ranks of `rank`'s pipeline stage (mesh order pp, dp, tp), or all
-    ranks when the stage has no other."""
+    """The ranks of `rank`'s pipeline stage (mesh order pp, dp, tp), itself
+    included; just [rank] when it is alone in its stage."""
     per_stage = world // pp if pp and world % pp == 0 else world
-    stage = [r for r in range(world) if r // per_stage == rank // per_stage]
-    return stage if len(stage) > 1 else list(range(world))
+    return [r for r in range(world) if r // per_stage == rank // per_stage]
 
 
 def judge(table: list[dict], pp: int, threshold: float) -> dict:
@@ -83,6 +90,10 @@ def judge(table: list[dict], pp: int, threshold: float) -> dict:
     for rank, mine in enumerate(table):
         group = peers(rank, world, pp)
         ratios[rank] = {}
+        if len(group) == 1:  # alone in its stage: nobody does the same work
+            ratios[rank] = dict.fromkeys(mine["sections"], 1.0)
+            scores[rank] = 1.0
+            continue
         for section, spent in mine["sections"].items():
             median = statistics.median_low(
                 table[r]["sections"].get(section, {}).get("cpu_s", 0.0) for r in group)

@@ -3,7 +3,6 @@ from (restart-from-latest), and the weights a new run starts from
 (checkpoint.init_from)."""
 from __future__ import annotations
 
-import dataclasses
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -15,13 +14,12 @@ import torch.distributed as dist
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local_tier import LocalTier, local_root as local_dir_of
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
+from megaresil.checkpoint.hf import model_differences
 from megaresil.checkpoint.hf_io import hf_model_keys, hf_source, is_hf_directory
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.replication import Choice, Topology, ranks_per_node
 from megaresil.checkpoint.sources import CheckpointSource
 from megaresil.config import ConfigError, ModelConfig, RecipeConfig, model_from_dict
-from megaresil.model.gpt import ties_embeddings
-from megaresil.model.layers import ffn_size
 
 
 def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
@@ -204,19 +202,8 @@ def finish(trainer) -> None:
 # --- checkpoint.init_from: a new run from other weights ---------------------------
 
 
-def _architecture(m: ModelConfig) -> dict:
-    """What a model computes, beyond its tensors' shapes and keys (which the
-    load checks itself), with defaults resolved."""
-    return {"flavour": m.flavour.value, "norm_eps": m.norm_eps, "num_heads": m.num_heads,
-            "num_kv_heads": m.num_kv_heads or m.num_heads, "rope_theta": m.rope_theta,
-            "rope_scaling": dataclasses.asdict(m.rope_scaling), "tied": ties_embeddings(m),
-            "ffn_hidden_size": ffn_size(m)}
-
-
 def _require_same_model(path: Path, saved: ModelConfig, ours: ModelConfig) -> None:
-    theirs, mine = _architecture(saved), _architecture(ours)
-    differences = [f"{key}={theirs[key]} (this recipe: {mine[key]})"
-                   for key in theirs if theirs[key] != mine[key]]
+    differences = model_differences(saved, ours)
     if differences:
         raise fmt.CheckpointError(
             f"checkpoint.init_from={path} holds a different model: {'; '.join(differences)}. "
