@@ -67,6 +67,82 @@ def test_gpu_check_dry_run_runs_every_check(tmp_path):
     assert summary["checkpoint_io"]["async"]["gb"] > 0
 
 
+@pytest.fixture
+def cuda_default_group():
+    """The default group a CUDA job gets (restart.py: `backend_for(cuda)`),
+    on a CPU machine: NCCL is swapped for a gloo stand-in registered, like
+    NCCL (torch maps "nccl" to ["cuda"]), for CUDA tensors only, so a CPU
+    tensor on it raises NCCL's "No backend type associated with device type
+    cpu"."""
+    import torch.distributed as dist
+
+    from megaresil.parallel.layout import backend_for
+
+    if not hasattr(dist.Backend, "CUDAONLY"):
+        dist.Backend.register_backend(
+            "cudaonly", lambda store, rank, size, timeout: dist.ProcessGroupGloo(
+                store, rank, size, timeout), devices=["cuda"])
+    backend = backend_for(torch.device("cuda", 0)).replace("nccl", "cudaonly")
+    dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+def test_cpu_control_collectives_run_on_a_cuda_jobs_groups(cuda_default_group):
+    import torch.distributed as dist
+
+    from megaresil.resilience.preemption import PreemptionFlag
+
+    flag = PreemptionFlag()  # not installed: no signal handlers in the test process
+    assert flag.requested_anywhere() is False  # the training loop's, on the default group
+    assert flag.requested_anywhere(dist.new_group([0])) is False  # a group made like the mesh's
+    flag.signalled_at = 1.0
+    assert flag.requested_anywhere() is True
+    table = [None]
+    dist.all_gather_object(table, {"steps": 1})  # the stragglers' exchange
+    assert table == [{"steps": 1}]
+
+
+class _FailsAfterEachStep:
+    """A job whose every generation resumes at step 0, completes step 1 and
+    then fails (as every CUDA step did when the preemption flag's CPU tensor
+    met an NCCL-only group): no generation gets further than the first."""
+
+    def __init__(self, supervision, generations: list):
+        self.supervision, self.generations = supervision, generations
+        generations.append(self)
+
+    def run(self) -> str:
+        if len(self.generations) > 10:  # restarting for ever: stop the test's loop
+            return "finished"
+        with self.supervision.section("optimizer", 1):
+            pass
+        self.supervision.step_done()
+        raise RuntimeError("No backend type associated with device type cpu")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_generation_that_only_repeats_a_step_is_no_progress(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from megaresil.resilience import restart
+
+    cfg = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}", "resilience.watchdog.enabled=false",
+                                      "resilience.max_in_process_restarts=2",
+                                      "resilience.restart_backoff_s=0"])
+    monkeypatch.setattr(restart.PreemptionFlag, "install", lambda self: self)
+    generations: list = []
+    life = restart.WorkerLife(cfg, 0, 1, torch.device("cpu"),
+                              lambda sup: _FailsAfterEachStep(sup, generations),
+                              store=dist.HashStore())
+    with pytest.raises(RuntimeError, match="device type cpu"):
+        life.run()
+    # The first generation's step is progress; the two restarts that only redo it are not.
+    assert len(generations) == 3
+
+
 # --- on CUDA (pytest -m gpu) -----------------------------------------------------------
 
 
