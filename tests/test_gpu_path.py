@@ -2,6 +2,7 @@
 (run by tools/gpu_check.sh on a CUDA machine)."""
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -141,6 +142,55 @@ def test_a_generation_that_only_repeats_a_step_is_no_progress(tmp_path, monkeypa
         life.run()
     # The first generation's step is progress; the two restarts that only redo it are not.
     assert len(generations) == 3
+
+
+def test_deterministic_kernels_follow_each_recipe(tmp_path):
+    from megaresil.train.loop import make_deterministic
+
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        for setting in ("true", "false", "true"):
+            cfg = load_recipe(RECIPE, TINY + [f"train.deterministic={setting}"])
+            make_deterministic(cfg, torch.device("cpu"))
+            assert torch.are_deterministic_algorithms_enabled() == (setting == "true")
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_a_cuda_worker_sets_cublas_workspace_before_cuda_starts(monkeypatch):
+    from megaresil import launch
+    from megaresil.parallel import layout
+
+    seen = {}
+
+    class CudaWouldStartHere(Exception):
+        pass
+
+    def pick_device():
+        seen["env"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        raise CudaWouldStartHere
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(layout, "pick_device", pick_device)
+    with pytest.raises(CudaWouldStartHere):
+        launch.worker(str(RECIPE), TINY + ["train.deterministic=true"])
+    assert seen["env"] == ":4096:8"
+
+
+def test_deterministic_cuda_after_cuda_started_names_the_fix(monkeypatch):
+    from megaresil.train.loop import make_deterministic
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    cfg = load_recipe(RECIPE, TINY + ["train.deterministic=true"])
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        with pytest.raises(ConfigError, match="export CUBLAS_WORKSPACE_CONFIG=:4096:8"):
+            make_deterministic(cfg, torch.device("cuda", 0))
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 # --- on CUDA (pytest -m gpu) -----------------------------------------------------------
