@@ -193,6 +193,51 @@ def test_deterministic_cuda_after_cuda_started_names_the_fix(monkeypatch):
         torch.use_deterministic_algorithms(before)
 
 
+def _hang_whose_nccl_abort_never_returns(run_dir: str) -> None:
+    """A rank hung past its budget on a job with NCCL groups, where
+    ProcessGroupNCCL's abort blocks for ever (a teardown queued behind a
+    kernel that never ends): the child process of the test below."""
+    import threading
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megaresil.config import WatchdogConfig
+    from megaresil.events import EventLog
+    from megaresil.resilience import watchdog as wd_module
+
+    wd_module.has_nccl_groups = lambda: True
+    wd_module.abort_process_groups = threading.Event().wait  # never returns
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    cfg = WatchdogConfig(initial_timeout_s=0.5, calibration_steps=100, stall_s=0.5,
+                         slow_limit_factor=2.0)
+    wd = wd_module.Watchdog(cfg, rank=0, world=1, store=dist.HashStore(), run_dir=Path(run_dir),
+                            events=EventLog(Path(run_dir), 0), exit_on_hang=None, guardian=False)
+    wd.begin_generation(0)
+    with wd.section("data", 5):
+        started = time.monotonic()
+        while time.monotonic() - started < 30:  # what HangAbort would interrupt
+            time.sleep(0.05)
+
+
+def test_the_hang_exit_does_not_wait_on_a_blocked_nccl_abort(tmp_path):
+    import multiprocessing
+
+    from megaresil.events import read_events
+    from megaresil.resilience.watchdog import HANG_EXIT_CODE
+
+    child = multiprocessing.get_context("spawn").Process(
+        target=_hang_whose_nccl_abort_never_returns, args=(str(tmp_path),))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == HANG_EXIT_CODE
+    errors = [e for e in read_events(tmp_path) if e["event"] == "worker_error"]
+    assert errors and "not freed by the hang abort" in errors[0]["error"]
+
+
 # --- on CUDA (pytest -m gpu) -----------------------------------------------------------
 
 
