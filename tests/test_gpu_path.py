@@ -2,6 +2,7 @@
 (run by tools/gpu_check.sh on a CUDA machine)."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -59,7 +60,11 @@ def test_gpu_check_dry_run_runs_every_check(tmp_path):
     sys.path.insert(0, str(ROOT / "tools"))
     import gpu_check
 
-    summary = gpu_check.run_checks(gpu_check.Check(dry_run=True, workdir=tmp_path))
+    out = tmp_path / "out"
+    out.mkdir()
+    summary = gpu_check.run_checks(gpu_check.Check(dry_run=True, workdir=tmp_path), out)
+    assert json.loads((out / "gpu_check.json").read_text()) == json.loads(
+        json.dumps(summary, default=str))  # written after each check, complete after the last
     for check in gpu_check.CHECKS:
         result = summary[check.__name__]
         assert "error" not in result, (check.__name__, result.get("traceback"))
@@ -236,6 +241,25 @@ def test_the_hang_exit_does_not_wait_on_a_blocked_nccl_abort(tmp_path):
     assert child.exitcode == HANG_EXIT_CODE
     errors = [e for e in read_events(tmp_path) if e["event"] == "worker_error"]
     assert errors and "not freed by the hang abort" in errors[0]["error"]
+
+
+@pytest.mark.slow
+def test_gpu_check_sh_writes_into_an_existing_out_directory(tmp_path):
+    """The device's $OUT is an existing, empty directory whose files come back."""
+    import subprocess
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--dry-run"], cwd=tmp_path,
+                         env={**os.environ, "OUT": str(out), "PY": sys.executable},
+                         capture_output=True, text=True, timeout=420)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads((out / "gpu_check.json").read_text())
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    assert {check.__name__ for check in gpu_check.CHECKS} <= set(summary)
+    assert "throughput_1b" in run.stdout and "pytest -m gpu: skipped" in run.stdout
 
 
 # --- on CUDA (pytest -m gpu) -----------------------------------------------------------
