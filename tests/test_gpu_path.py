@@ -262,6 +262,22 @@ def test_gpu_check_sh_writes_into_an_existing_out_directory(tmp_path):
     assert "throughput_1b" in run.stdout and "pytest -m gpu: skipped" in run.stdout
 
 
+def test_a_bench_side_tears_down_every_rank_when_one_fails():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import time
+
+    import train_throughput
+
+    waiting = [sys.executable, "-c", "import time; time.sleep(600)"]  # a rank on a dead peer
+    failing = [sys.executable, "-c", "raise SystemExit('rank 1 failed')"]
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        train_throughput.run_side([waiting, failing], deadline_s=120)
+    with pytest.raises(RuntimeError, match="deadline"):
+        train_throughput.run_side([waiting], deadline_s=1)
+    assert time.monotonic() - started < 60
+
+
 # --- on CUDA (pytest -m gpu) -----------------------------------------------------------
 
 
@@ -298,3 +314,4 @@ def test_bf16_training_on_cuda_keeps_fp32_main_state(tmp_path):
     trainer.run()
     assert {p.dtype for p in trainer.params} == {torch.bfloat16}
     assert {p.dtype for p in trainer.opt_params} == {torch.float32}
+
