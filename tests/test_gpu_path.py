@@ -278,6 +278,32 @@ def test_a_bench_side_tears_down_every_rank_when_one_fails():
     assert time.monotonic() - started < 60
 
 
+def _stage_group_ranks(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from megaresil.config import ParallelConfig
+    from megaresil.parallel.layout import ParallelLayout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=4)
+    layout = ParallelLayout.from_config(ParallelConfig(tp=2, pp=2, dp=1), torch.device("cpu"))
+    ranks = dist.get_process_group_ranks(layout.stage_group())
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(ranks, f)
+    dist.destroy_process_group()
+
+
+def test_fp8_amax_group_spans_tp_and_dp_of_the_stage(tmp_path):
+    import torch.multiprocessing as mp
+
+    from megaresil.ports import free_port
+
+    mp.start_processes(_stage_group_ranks, args=(free_port(), str(tmp_path)), nprocs=4,
+                       start_method="spawn")
+    groups = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert groups == [[0, 1], [0, 1], [2, 3], [2, 3]]  # (pp, dp, tp) order: stage 0 is 0, 1
+
+
 # --- on CUDA (pytest -m gpu) -----------------------------------------------------------
 
 

@@ -120,6 +120,19 @@ class ParallelLayout:
                     mine = group
         return mine
 
+    def stage_group(self) -> Optional[dist.ProcessGroup]:
+        """Group of every TP and DP rank of this rank's pipeline stage (FP8's
+        amax reduction). Every rank takes part in creating every stage's."""
+        if self.mesh is None:
+            return None
+        mine = None
+        for stage in self.mesh.mesh:
+            ranks = [int(r) for r in stage.flatten()]
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
     def tensor_parallel(self) -> TPGroup:
         return TPGroup(self.group("tp"), self.tp, self.tp_rank, self.sequence_parallel)
 

@@ -103,8 +103,9 @@ class Trainer:
             else None
         # What the optimizer steps, grads are reduced on and checkpoints hold.
         self.opt_params = optimizer_params(self.params, self.main)
-        self.autocast = ComputeContext(self.precision, layout.device,
-                                       fp8=cfg.train.fp8 != FP8.none)
+        fp8 = cfg.train.fp8 != FP8.none
+        self.autocast = ComputeContext(self.precision, layout.device, fp8=fp8,
+                                       amax_group=layout.stage_group() if fp8 else None)
         self.pipeline = (Pipeline(self.chunks, layout, resolved_schedule(cfg.parallel),
                                   n_microbatches=microbatches_per_step(cfg),
                                   micro_batch=cfg.train.micro_batch_size,

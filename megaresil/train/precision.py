@@ -38,10 +38,11 @@ class ComputeContext:
     """Entered around every forward: bf16 autocast under `amp`, TE's FP8
     autocast under train.fp8. Reusable (a fresh FP8 context each time)."""
 
-    def __init__(self, precision: Precision, device: torch.device, fp8: bool):
+    def __init__(self, precision: Precision, device: torch.device, fp8: bool,
+                 amax_group=None):
         self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
                          if precision == Precision.amp else None)
-        self.fp8 = fp8
+        self.fp8, self.amax_group = fp8, amax_group
         self.stack: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
@@ -50,7 +51,7 @@ class ComputeContext:
             stack.enter_context(self.autocast)
         if self.fp8:
             from megaresil.model import te
-            stack.enter_context(te.fp8_context(True))
+            stack.enter_context(te.fp8_context(True, self.amax_group))
         self.stack.append(stack)
 
     def __exit__(self, *exc) -> None:
