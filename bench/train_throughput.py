@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -98,10 +99,47 @@ def plain_loop(size: str, steps: int) -> dict:
     return {"step_s": statistics.median(seconds[WARMUP_STEPS:])}
 
 
+# Every side of the bench ends by this deadline: a Megatron-Core tp=2 rank once
+# waited 13 minutes on a peer that had already failed.
+SIDE_DEADLINE_S = 900
+
+
+def run_side(commands: list[list[str]], deadline_s: float = SIDE_DEADLINE_S) -> list[str]:
+    """Run one side's processes (one per rank), each in a session of its own;
+    their stdouts. When one fails, or the deadline passes, every process tree
+    of the side is killed (a rank left waiting on a dead peer never ends)."""
+    with tempfile.TemporaryDirectory() as logs:
+        outs = [open(Path(logs) / f"{i}.out", "w+") for i in range(len(commands))]
+        errs = [open(Path(logs) / f"{i}.err", "w+") for i in range(len(commands))]
+        procs = [subprocess.Popen(command, env=ONE_THREAD, cwd=ROOT, stdout=out, stderr=err,
+                                  text=True, start_new_session=True)
+                 for command, out, err in zip(commands, outs, errs)]
+        try:
+            wait_side(procs, errs, time.monotonic() + deadline_s)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        return [out.seek(0) or out.read() for out in outs]
+
+
+def wait_side(procs: list[subprocess.Popen], errs: list, ends: float) -> None:
+    """Until every process exited 0; raises at the first failure or at `ends`."""
+    while not all(proc.poll() == 0 for proc in procs):
+        for proc, err in zip(procs, errs):
+            if proc.poll() not in (None, 0):
+                err.seek(0)
+                tail = (err.read().strip().splitlines() or ["(no output)"])[-1]
+                raise RuntimeError(f"{' '.join(proc.args[:3])}... failed: {tail}")
+        if time.monotonic() > ends:
+            raise RuntimeError(f"{' '.join(procs[0].args[:3])}... passed its deadline")
+        time.sleep(0.2)
+
+
 def run_plain(size: str, steps: int) -> float:
-    out = subprocess.run([sys.executable, __file__, "--plain", size, "--steps", str(steps)],
-                         env=ONE_THREAD, capture_output=True, text=True, check=True, cwd=ROOT)
-    return json.loads(out.stdout.strip().splitlines()[-1])["step_s"]
+    out = run_side([[sys.executable, __file__, "--plain", size, "--steps", str(steps)]])[0]
+    return json.loads(out.strip().splitlines()[-1])["step_s"]
 
 
 def mcore_missing() -> str:
@@ -122,14 +160,8 @@ def run_mcore(size: str, tp: int, steps: int) -> float:
     from megaresil.ports import free_port
     command = [sys.executable, str(ROOT / "bench" / "mcore_loop.py"), size, "--steps", str(steps),
                "--tp", str(tp), "--port", str(free_port())]
-    ranks = [subprocess.Popen(command + ["--rank", str(rank)], env=ONE_THREAD, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(tp)]
-    outputs = [rank.communicate() for rank in ranks]
-    for rank, (_, stderr) in zip(ranks, outputs):
-        if rank.returncode:
-            raise RuntimeError(f"bench/mcore_loop.py failed: {stderr.strip().splitlines()[-1]}")
-    return json.loads(outputs[0][0].strip().splitlines()[-1])["step_s"]
+    outputs = run_side([command + ["--rank", str(rank)] for rank in range(tp)])
+    return json.loads(outputs[0].strip().splitlines()[-1])["step_s"]
 
 
 def run_megaresil(size: str, layout: str, steps: int) -> float:
@@ -140,8 +172,7 @@ def run_megaresil(size: str, layout: str, steps: int) -> float:
     with tempfile.TemporaryDirectory() as run_dir:
         args = [str(RECIPE), *COMMON, *SIZES[size], *LAYOUTS[layout], f"train.steps={steps}",
                 f"run.dir={run_dir}"]
-        subprocess.run([sys.executable, "-m", "megaresil", "train", *args], check=True,
-                       env=ONE_THREAD, cwd=ROOT, capture_output=True, text=True)
+        run_side([[sys.executable, "-m", "megaresil", "train", *args]])
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").open()]
     ends = [r["elapsed_s"] for r in records if "elapsed_s" in r]
     step_s = [b - a for a, b in zip(ends, ends[1:])]  # steps 2, 3, ...

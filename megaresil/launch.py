@@ -403,10 +403,13 @@ def worker(recipe: str, overrides: list[str]) -> str:
     """One rank: build the process group, train with restarts, report how it ended."""
     from megaresil.parallel.layout import pick_device
     from megaresil.resilience.watchdog import NCCL_WORKER_ENV
+    from megaresil.train.precision import env_before_cuda
 
     end_with_agent()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cfg = adapt_to_world(load_recipe(recipe, overrides), world)
+    for key, value in env_before_cuda(cfg.train.deterministic).items():  # CUDA has not started
+        os.environ.setdefault(key, value)
     device = pick_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)

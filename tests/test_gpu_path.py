@@ -2,6 +2,8 @@
 (run by tools/gpu_check.sh on a CUDA machine)."""
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import pytest
@@ -58,13 +60,248 @@ def test_gpu_check_dry_run_runs_every_check(tmp_path):
     sys.path.insert(0, str(ROOT / "tools"))
     import gpu_check
 
-    summary = gpu_check.run_checks(gpu_check.Check(dry_run=True, workdir=tmp_path))
+    out = tmp_path / "out"
+    out.mkdir()
+    summary = gpu_check.run_checks(gpu_check.Check(dry_run=True, workdir=tmp_path), out)
+    assert json.loads((out / "gpu_check.json").read_text()) == json.loads(
+        json.dumps(summary, default=str))  # written after each check, complete after the last
     for check in gpu_check.CHECKS:
         result = summary[check.__name__]
         assert "error" not in result, (check.__name__, result.get("traceback"))
     assert summary["bf16_vs_fp32_loss"]["ok"]
     assert summary["throughput_1b"]["tokens_per_s"] > 0
     assert summary["checkpoint_io"]["async"]["gb"] > 0
+
+
+@pytest.fixture
+def cuda_default_group():
+    """The default group a CUDA job gets (restart.py: `backend_for(cuda)`),
+    on a CPU machine: NCCL is swapped for a gloo stand-in registered, like
+    NCCL (torch maps "nccl" to ["cuda"]), for CUDA tensors only, so a CPU
+    tensor on it raises NCCL's "No backend type associated with device type
+    cpu"."""
+    import torch.distributed as dist
+
+    from megaresil.parallel.layout import backend_for
+
+    if not hasattr(dist.Backend, "CUDAONLY"):
+        dist.Backend.register_backend(
+            "cudaonly", lambda store, rank, size, timeout: dist.ProcessGroupGloo(
+                store, rank, size, timeout), devices=["cuda"])
+    backend = backend_for(torch.device("cuda", 0)).replace("nccl", "cudaonly")
+    dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+def test_cpu_control_collectives_run_on_a_cuda_jobs_groups(cuda_default_group):
+    import torch.distributed as dist
+
+    from megaresil.resilience.preemption import PreemptionFlag
+
+    flag = PreemptionFlag()  # not installed: no signal handlers in the test process
+    assert flag.requested_anywhere() is False  # the training loop's, on the default group
+    assert flag.requested_anywhere(dist.new_group([0])) is False  # a group made like the mesh's
+    flag.signalled_at = 1.0
+    assert flag.requested_anywhere() is True
+    table = [None]
+    dist.all_gather_object(table, {"steps": 1})  # the stragglers' exchange
+    assert table == [{"steps": 1}]
+
+
+class _FailsAfterEachStep:
+    """A job whose every generation resumes at step 0, completes step 1 and
+    then fails (as every CUDA step did when the preemption flag's CPU tensor
+    met an NCCL-only group): no generation gets further than the first."""
+
+    def __init__(self, supervision, generations: list):
+        self.supervision, self.generations = supervision, generations
+        generations.append(self)
+
+    def run(self) -> str:
+        if len(self.generations) > 10:  # restarting for ever: stop the test's loop
+            return "finished"
+        with self.supervision.section("optimizer", 1):
+            pass
+        self.supervision.step_done()
+        raise RuntimeError("No backend type associated with device type cpu")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_generation_that_only_repeats_a_step_is_no_progress(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from megaresil.resilience import restart
+
+    cfg = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}", "resilience.watchdog.enabled=false",
+                                      "resilience.max_in_process_restarts=2",
+                                      "resilience.restart_backoff_s=0"])
+    monkeypatch.setattr(restart.PreemptionFlag, "install", lambda self: self)
+    generations: list = []
+    life = restart.WorkerLife(cfg, 0, 1, torch.device("cpu"),
+                              lambda sup: _FailsAfterEachStep(sup, generations),
+                              store=dist.HashStore())
+    with pytest.raises(RuntimeError, match="device type cpu"):
+        life.run()
+    # The first generation's step is progress; the two restarts that only redo it are not.
+    assert len(generations) == 3
+
+
+def test_deterministic_kernels_follow_each_recipe(tmp_path):
+    from megaresil.train.loop import make_deterministic
+
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        for setting in ("true", "false", "true"):
+            cfg = load_recipe(RECIPE, TINY + [f"train.deterministic={setting}"])
+            make_deterministic(cfg, torch.device("cpu"))
+            assert torch.are_deterministic_algorithms_enabled() == (setting == "true")
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_a_cuda_worker_sets_cublas_workspace_before_cuda_starts(monkeypatch):
+    from megaresil import launch
+    from megaresil.parallel import layout
+
+    seen = {}
+
+    class CudaWouldStartHere(Exception):
+        pass
+
+    def pick_device():
+        seen["env"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        raise CudaWouldStartHere
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(layout, "pick_device", pick_device)
+    with pytest.raises(CudaWouldStartHere):
+        launch.worker(str(RECIPE), TINY + ["train.deterministic=true"])
+    assert seen["env"] == ":4096:8"
+
+
+def test_deterministic_cuda_after_cuda_started_names_the_fix(monkeypatch):
+    from megaresil.train.loop import make_deterministic
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    cfg = load_recipe(RECIPE, TINY + ["train.deterministic=true"])
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        with pytest.raises(ConfigError, match="export CUBLAS_WORKSPACE_CONFIG=:4096:8"):
+            make_deterministic(cfg, torch.device("cuda", 0))
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def _hang_whose_nccl_abort_never_returns(run_dir: str) -> None:
+    """A rank hung past its budget on a job with NCCL groups, where
+    ProcessGroupNCCL's abort blocks for ever (a teardown queued behind a
+    kernel that never ends): the child process of the test below."""
+    import threading
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megaresil.config import WatchdogConfig
+    from megaresil.events import EventLog
+    from megaresil.resilience import watchdog as wd_module
+
+    wd_module.has_nccl_groups = lambda: True
+    wd_module.abort_process_groups = threading.Event().wait  # never returns
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    cfg = WatchdogConfig(initial_timeout_s=0.5, calibration_steps=100, stall_s=0.5,
+                         slow_limit_factor=2.0)
+    wd = wd_module.Watchdog(cfg, rank=0, world=1, store=dist.HashStore(), run_dir=Path(run_dir),
+                            events=EventLog(Path(run_dir), 0), exit_on_hang=None, guardian=False)
+    wd.begin_generation(0)
+    with wd.section("data", 5):
+        started = time.monotonic()
+        while time.monotonic() - started < 30:  # what HangAbort would interrupt
+            time.sleep(0.05)
+
+
+def test_the_hang_exit_does_not_wait_on_a_blocked_nccl_abort(tmp_path):
+    import multiprocessing
+
+    from megaresil.events import read_events
+    from megaresil.resilience.watchdog import HANG_EXIT_CODE
+
+    child = multiprocessing.get_context("spawn").Process(
+        target=_hang_whose_nccl_abort_never_returns, args=(str(tmp_path),))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == HANG_EXIT_CODE
+    errors = [e for e in read_events(tmp_path) if e["event"] == "worker_error"]
+    assert errors and "not freed by the hang abort" in errors[0]["error"]
+
+
+@pytest.mark.slow
+def test_gpu_check_sh_writes_into_an_existing_out_directory(tmp_path):
+    """The device's $OUT is an existing, empty directory whose files come back."""
+    import subprocess
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--dry-run"], cwd=tmp_path,
+                         env={**os.environ, "OUT": str(out), "PY": sys.executable},
+                         capture_output=True, text=True, timeout=420)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads((out / "gpu_check.json").read_text())
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    assert {check.__name__ for check in gpu_check.CHECKS} <= set(summary)
+    assert "throughput_1b" in run.stdout and "pytest -m gpu: skipped" in run.stdout
+
+
+def test_a_bench_side_tears_down_every_rank_when_one_fails():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import time
+
+    import train_throughput
+
+    waiting = [sys.executable, "-c", "import time; time.sleep(600)"]  # a rank on a dead peer
+    failing = [sys.executable, "-c", "raise SystemExit('rank 1 failed')"]
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        train_throughput.run_side([waiting, failing], deadline_s=120)
+    with pytest.raises(RuntimeError, match="deadline"):
+        train_throughput.run_side([waiting], deadline_s=1)
+    assert time.monotonic() - started < 60
+
+
+def _stage_group_ranks(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from megaresil.config import ParallelConfig
+    from megaresil.parallel.layout import ParallelLayout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=4)
+    layout = ParallelLayout.from_config(ParallelConfig(tp=2, pp=2, dp=1), torch.device("cpu"))
+    ranks = dist.get_process_group_ranks(layout.stage_group())
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(ranks, f)
+    dist.destroy_process_group()
+
+
+def test_fp8_amax_group_spans_tp_and_dp_of_the_stage(tmp_path):
+    import torch.multiprocessing as mp
+
+    from megaresil.ports import free_port
+
+    mp.start_processes(_stage_group_ranks, args=(free_port(), str(tmp_path)), nprocs=4,
+                       start_method="spawn")
+    groups = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert groups == [[0, 1], [0, 1], [2, 3], [2, 3]]  # (pp, dp, tp) order: stage 0 is 0, 1
 
 
 # --- on CUDA (pytest -m gpu) -----------------------------------------------------------
@@ -103,3 +340,4 @@ def test_bf16_training_on_cuda_keeps_fp32_main_state(tmp_path):
     trainer.run()
     assert {p.dtype for p in trainer.params} == {torch.bfloat16}
     assert {p.dtype for p in trainer.opt_params} == {torch.float32}
+

@@ -129,8 +129,11 @@ def test_async_save_from_the_gpu_sees_the_last_update_and_not_the_next(tmp_path)
 @CUDA
 def test_gpu_staging_uses_pinned_memory_and_its_own_stream():
     device = torch.device("cuda", torch.cuda.current_device())
-    copy = StagingCopy.of([torch.zeros(1, device=device)])
-    (host,) = copy.to_host([torch.arange(1 << 20, device=device, dtype=torch.float32)])
+    # The source exists before the copy records `ready` (the training stream
+    # at the save call): the side stream orders only after work queued by then.
+    source = torch.arange(1 << 20, device=device, dtype=torch.float32)
+    copy = StagingCopy.of([source])
+    (host,) = copy.to_host([source])
     assert host.is_pinned() and copy.done is not None
     copy.wait_on_host()
     copy.order_before_update()

@@ -4,7 +4,7 @@ FP8 (`train.fp8=hybrid`).
 
 Written against TE's documented API (transformer_engine.pytorch.Linear,
 LayerNormLinear, LayerNormMLP, LayerNorm, RMSNorm, DotProductAttention,
-fp8_autocast, common.recipe.DelayedScaling) and untested until a CUDA machine
+autocast (fp8_autocast before TE 2.8), common.recipe.DelayedScaling) and untested until a CUDA machine
 with TE runs `pytest -m gpu` (tools/gpu_check.sh does).
 
 The model is built and initialised with the local layers, then `convert`
@@ -344,9 +344,14 @@ def convert(model: GPT, device: torch.device) -> GPT:
     return model
 
 
-def fp8_context(enabled: bool):
-    """FP8 with E4M3 forward / E5M2 backward tensors and delayed scaling."""
+def fp8_context(enabled: bool, amax_group=None):
+    """FP8 with E4M3 forward / E5M2 backward tensors and delayed scaling; the
+    amax history is reduced over `amax_group` (every TP and DP rank of the
+    stage: one scale for the tensors they split or replicate)."""
     if not enabled:
         return contextlib.nullcontext()
     require()
-    return te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(fp8_format=Format.HYBRID))
+    recipe = DelayedScaling(fp8_format=Format.HYBRID)
+    if hasattr(te, "autocast"):  # TE 2.8+; fp8_autocast is deprecated there
+        return te.autocast(enabled=True, recipe=recipe, amax_reduction_group=amax_group)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=amax_group)

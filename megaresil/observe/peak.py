@@ -35,9 +35,12 @@ def probe_tflops(device: torch.device, dtype: torch.dtype, seconds: float = PROB
                  size: Optional[int] = None) -> float:
     """Best rate of square matmuls over about `seconds` of trying."""
     n = size or (8192 if device.type == "cuda" else 1024)
-    # Constant operands: drawing random ones would move the training RNG.
-    a = torch.full((n, n), 0.5, device=device, dtype=dtype)
-    b = torch.full((n, n), 0.25, device=device, dtype=dtype)
+    # Random operands, as training's are (constant ones switch fewer bits: a
+    # GPU runs them faster, so the peak read high and MFU low), drawn from a
+    # generator of their own so the training RNG does not move.
+    generator = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn((n, n), generator=generator, device=device, dtype=dtype)
+            for _ in range(2))
     torch.matmul(a, b)  # warm-up: kernel choice, allocation
     clock = busy_seconds(device)
     best, deadline = 0.0, time.perf_counter() + seconds

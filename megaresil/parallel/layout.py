@@ -42,7 +42,16 @@ def use_device(device: torch.device) -> None:
 
 
 def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    """The backend string of the default group (and, inherited, of every group
+    made from it). On CUDA each group carries gloo beside NCCL: NCCL accepts
+    CUDA tensors only, and the control-plane collectives are CPU by nature
+    (the preemption flag, object gathers such as the stragglers' table and
+    DCP's metadata), so a CPU tensor goes to gloo instead of raising "No
+    backend type associated with device type cpu" at the first step. The
+    data plane (grads, TP activations, pipeline sends) stays on NCCL, and the
+    watchdog's NCCL abort still frees it; TorchTitan and Megatron-Core keep
+    gloo groups beside NCCL for the same CPU-side traffic."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 @dataclass
@@ -109,6 +118,19 @@ class ParallelLayout:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     mine = group
+        return mine
+
+    def stage_group(self) -> Optional[dist.ProcessGroup]:
+        """Group of every TP and DP rank of this rank's pipeline stage (FP8's
+        amax reduction). Every rank takes part in creating every stage's."""
+        if self.mesh is None:
+            return None
+        mine = None
+        for stage in self.mesh.mesh:
+            ranks = [int(r) for r in stage.flatten()]
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
         return mine
 
     def tensor_parallel(self) -> TPGroup:

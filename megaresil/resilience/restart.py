@@ -47,7 +47,7 @@ from megaresil.checkpoint.format import CheckpointError
 from megaresil.checkpoint.local_tier import local_root, newest_complete_step, node_dir
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.checkpoint.replication import ranks_per_node
-from megaresil.compat import abort_process_groups, lost_peer_error
+from megaresil.compat import abort_process_groups, has_nccl_groups, lost_peer_error
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import EventLog, read_events, read_metrics
 from megaresil.parallel.layout import backend_for, use_device
@@ -275,6 +275,17 @@ class WorkerLife:
                                   device=self.device)
                          if wd.enabled else None)
         self.generation = 0
+        self.furthest_step = 0  # the furthest step any generation of this process completed
+
+    def _progressed(self, supervision: Supervision) -> bool:
+        """Whether the generation got further than every earlier one: a step
+        completed again after resuming from an older checkpoint is no
+        progress, so a failure that recurs after the same step (a broken
+        collective after each step's work) ends in the restart limit, not in
+        restarts forever."""
+        progressed = supervision.last_step > self.furthest_step
+        self.furthest_step = max(self.furthest_step, supervision.last_step)
+        return progressed
 
     def run(self) -> str:
         self._after_relaunch()
@@ -338,7 +349,7 @@ class WorkerLife:
             if self.watchdog is not None:
                 self.watchdog.pause()
             raise_in_thread(threading.main_thread().ident, None)  # drop a pending abort
-            self._handle_failure(err, made_progress=supervision.steps > 0)
+            self._handle_failure(err, made_progress=self._progressed(supervision))
             return None
         finally:
             if job is not None:
@@ -396,7 +407,7 @@ class WorkerLife:
         """Drop the generation's process groups and free its memory before the
         next one loads a checkpoint (no growth over repeated restarts)."""
         if dist.is_initialized():
-            if dist.get_backend() == "nccl":
+            if has_nccl_groups():  # the default group is "cpu:gloo,cuda:nccl" on CUDA
                 # After a failure NCCL's destroy can block on a communicator a
                 # peer left hanging; abort tears every communicator down.
                 abort_process_groups()

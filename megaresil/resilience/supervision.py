@@ -37,11 +37,14 @@ class Supervision:
     preemption: Optional[PreemptionFlag] = None
     generation: int = 0  # restarts so far in this run directory
     steps: int = 0  # steps completed in this generation
+    step: int = 0  # the step the current section belongs to
+    last_step: int = 0  # the step number of the last step completed (0: none)
     clock: SectionClock = field(default_factory=SectionClock)
     step_times: dict[str, SectionTime] = field(default_factory=dict)  # the last step's
 
     @contextmanager
     def section(self, name: str, step: int):
+        self.step = step
         if self.watchdog is None:
             with self.clock.measure(name):
                 self._enter(name, step)
@@ -57,6 +60,7 @@ class Supervision:
 
     def step_done(self) -> None:
         self.steps += 1
+        self.last_step = self.step
         self.step_times = self.clock.take()
         if self.watchdog is not None:
             self.watchdog.step_done(self.step_times, first_of_generation=self.steps == 1)

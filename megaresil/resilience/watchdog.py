@@ -54,8 +54,9 @@ timeout) when restarting in process. A thread blocked in C code that
 released the GIL (a native call that never returns; a synchronize on a CUDA
 kernel that never ends, which NCCL's abort does not end either) never sees
 HangAbort: if it has not left the generation by the hard limit plus
-ABORT_GRACE_S after the abort, the monitor writes a worker_error and exits
-the process with HANG_EXIT_CODE, and the launcher relaunches the group.
+ABORT_GRACE_S after the abort, a timer armed before the abort (the abort
+itself may never return) writes a worker_error and exits the process with
+HANG_EXIT_CODE, and the launcher relaunches the group.
 
 Store load. Heartbeats are local until they matter: the monitor samples and
 checks budgets every poll_s without touching the store; it writes its
@@ -298,7 +299,8 @@ class Watchdog:
         self.measured_on = {"world": world, "workload": workload, "machine": machine_kind()}
         self.current = ("setup", 0, time.monotonic())
         self.generation: int | None = None  # None: paused between generations
-        self.aborted, self.unfreed_after = False, 0.0
+        self.aborted = False
+        self.exit_timer: threading.Timer | None = None  # armed by an abort
         self.main_thread = threading.main_thread().ident
         self.progress = ProgressMeter(thread_cpu_clock(self.main_thread), time.monotonic())
         self.exempt: set = set()  # process groups whose timeout we leave alone
@@ -344,6 +346,8 @@ class Watchdog:
         self.current = ("setup", self.current[1], time.monotonic())
         self.alarm, self.peers, self.next_heartbeat = None, {}, 0.0
         self.generation, self.aborted = generation, False
+        if self.exit_timer is not None:
+            self.exit_timer.cancel()
         if self.stragglers is not None:
             self.stragglers.restart()
 
@@ -413,8 +417,7 @@ class Watchdog:
             generation = self.generation
             if generation is None:
                 continue
-            if self.aborted:
-                self._exit_if_not_freed(now)
+            if self.aborted:  # the exit timer decides whether the abort freed the thread
                 continue
             try:
                 self._check(generation, now)
@@ -548,23 +551,31 @@ class Watchdog:
         communicators, and raise HangAbort at its next bytecode (a gloo op
         already blocked returns at its timeout)."""
         self.aborted = True
-        self.unfreed_after = (time.monotonic() + self.slow_limit(self.current[0])
-                              + ABORT_GRACE_S)
         self._dump_stacks(f"abort: {json.dumps(reason)}", "w")
         if self.exit_on_hang is not None:  # no in-process restart: the launcher restarts us
             os._exit(self.exit_on_hang)
+        # Armed before the NCCL abort, on a thread of its own: ProcessGroupNCCL's
+        # abort runs here, on the monitor thread, and can itself block for ever
+        # (a teardown queued behind a kernel that never ends).
+        self._arm_exit_timer(self.slow_limit(self.current[0]) + ABORT_GRACE_S)
         if dist.is_initialized() and has_nccl_groups():
             abort_process_groups()
         raise_in_thread(self.main_thread, HangAbort)
 
-    def _exit_if_not_freed(self, now: float) -> None:
+    def _arm_exit_timer(self, seconds: float) -> None:
+        self.exit_timer = threading.Timer(seconds, self._exit_if_not_freed,
+                                          args=(self.generation,))
+        self.exit_timer.daemon = True
+        self.exit_timer.start()
+
+    def _exit_if_not_freed(self, generation: int | None) -> None:
         """The training thread was told to abort and still has not left the
         generation: it is blocked where no exception reaches it, in C code
         that released the GIL (a native call that never returns, a CUDA
         synchronize on a kernel that never ends; NCCL's abort does not free
-        those). Only a new process frees it: exit, and the launcher restarts
-        the worker group."""
-        if now < self.unfreed_after:
+        those), or the abort itself never returned. Only a new process frees
+        it: exit, and the launcher restarts the worker group."""
+        if not (self.aborted and self.generation == generation):
             return
         # The incident line, and what the relaunch names as its cause (restart.last_failure).
         self.events.emit("worker_error", error="not freed by the hang abort (blocked in native "

@@ -1,7 +1,6 @@
 """The training loop: one function per part of a step, wired by `train`."""
 from __future__ import annotations
 
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -34,7 +33,8 @@ from megaresil.train.metrics import MetricsLog, StepFigures
 from megaresil.train.optim import (build_optimizer, clip_gradients, global_grad_norm, lr_at,
                                    set_lr, shards_over_dp)
 from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
-                                       optimizer_params, resolve, shard_main_params)
+                                       optimizer_params, resolve, set_kernel_determinism,
+                                       shard_main_params)
 from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.state import TrainerState
 
@@ -50,17 +50,7 @@ def make_deterministic(cfg: RecipeConfig, device: torch.device) -> None:
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-    deterministic = cfg.train.deterministic
-    if deterministic is None:  # CPU kernels are deterministic anyway; on CUDA it costs speed
-        deterministic = device.type != "cuda"
-    if deterministic:
-        # cuBLAS needs a fixed workspace for deterministic results.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        # Deterministic kernels are the guarantee. Torch also NaN-fills every new
-        # tensor's memory in this mode (a check against reading torch.empty's
-        # garbage, which no kernel here does): ~900 fills per step of gpt-tiny.
-        torch.utils.deterministic.fill_uninitialized_memory = False
+    set_kernel_determinism(cfg.train.deterministic, device)
 
 
 def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> list[GPT]:
@@ -114,8 +104,9 @@ class Trainer:
             else None
         # What the optimizer steps, grads are reduced on and checkpoints hold.
         self.opt_params = optimizer_params(self.params, self.main)
-        self.autocast = ComputeContext(self.precision, layout.device,
-                                       fp8=cfg.train.fp8 != FP8.none)
+        fp8 = cfg.train.fp8 != FP8.none
+        self.autocast = ComputeContext(self.precision, layout.device, fp8=fp8,
+                                       amax_group=layout.stage_group() if fp8 else None)
         self.pipeline = (Pipeline(self.chunks, layout, resolved_schedule(cfg.parallel),
                                   n_microbatches=microbatches_per_step(cfg),
                                   micro_batch=cfg.train.micro_batch_size,

@@ -15,11 +15,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from megaresil.config import Precision
+from megaresil.config import ConfigError, Precision
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 
 # Attributes the parallel code reads off a parameter (tp_dim, sequence_parallel,
@@ -36,10 +38,11 @@ class ComputeContext:
     """Entered around every forward: bf16 autocast under `amp`, TE's FP8
     autocast under train.fp8. Reusable (a fresh FP8 context each time)."""
 
-    def __init__(self, precision: Precision, device: torch.device, fp8: bool):
+    def __init__(self, precision: Precision, device: torch.device, fp8: bool,
+                 amax_group=None):
         self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
                          if precision == Precision.amp else None)
-        self.fp8 = fp8
+        self.fp8, self.amax_group = fp8, amax_group
         self.stack: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
@@ -48,11 +51,48 @@ class ComputeContext:
             stack.enter_context(self.autocast)
         if self.fp8:
             from megaresil.model import te
-            stack.enter_context(te.fp8_context(True))
+            stack.enter_context(te.fp8_context(True, self.amax_group))
         self.stack.append(stack)
 
     def __exit__(self, *exc) -> None:
         self.stack.pop().__exit__(*exc)
+
+
+# cuBLAS reads its workspace setting once per process, at the first GEMM, and
+# deterministic GEMMs need a fixed one (NVIDIA's documented value): a worker
+# sets it before CUDA starts (launch.worker), never after.
+CUBLAS_DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def deterministic_kernels(setting: Optional[bool], device: torch.device) -> bool:
+    """train.deterministic's value: unset means on for the CPU (its kernels
+    are deterministic anyway) and off on CUDA (it costs speed there)."""
+    return setting if setting is not None else device.type != "cuda"
+
+
+def env_before_cuda(setting: Optional[bool]) -> dict[str, str]:
+    """What a worker's environment needs before its first CUDA call."""
+    return dict(CUBLAS_DETERMINISTIC_ENV) if setting else {}
+
+
+def set_kernel_determinism(setting: Optional[bool], device: torch.device) -> None:
+    """Deterministic kernels on or off as the recipe says, every time: the
+    flag is process-wide, and a run after a deterministic one (a test, a
+    check in tools/gpu_check.py) must not inherit its slower kernels."""
+    on = deterministic_kernels(setting, device)
+    if on and device.type == "cuda" and "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
+        if torch.cuda.is_initialized():
+            raise ConfigError("train.deterministic", "deterministic cuBLAS needs "
+                              "CUBLAS_WORKSPACE_CONFIG before CUDA starts (cuBLAS reads it "
+                              "once per process) and CUDA already ran in this one.",
+                              "export CUBLAS_WORKSPACE_CONFIG=:4096:8 before starting Python "
+                              "(megaresil's own workers set it themselves).")
+        os.environ.update(CUBLAS_DETERMINISTIC_ENV)
+    torch.use_deterministic_algorithms(on)
+    # Deterministic kernels are the guarantee. Torch also NaN-fills every new
+    # tensor's memory in this mode (a check against reading torch.empty's
+    # garbage, which no kernel here does): ~900 fills per step of gpt-tiny.
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def logits_dtype(precision: Precision) -> torch.dtype:
