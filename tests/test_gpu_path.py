@@ -100,10 +100,10 @@ def test_cpu_control_collectives_run_on_a_cuda_jobs_groups(cuda_default_group):
     from megaresil.resilience.preemption import PreemptionFlag
 
     flag = PreemptionFlag()  # not installed: no signal handlers in the test process
-    assert flag.requested_anywhere() is False  # the training loop's, on the default group
-    assert flag.requested_anywhere(dist.new_group([0])) is False  # a group made like the mesh's
+    assert flag.requested_anywhere() is None  # the training loop's, on the default group
+    assert flag.requested_anywhere(dist.new_group([0])) is None  # a group made like the mesh's
     flag.signalled_at = 1.0
-    assert flag.requested_anywhere() is True
+    assert flag.requested_anywhere() == "preempted"
     table = [None]
     dist.all_gather_object(table, {"steps": 1})  # the stragglers' exchange
     assert table == [{"steps": 1}]
