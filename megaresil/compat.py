@@ -236,10 +236,19 @@ def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
     return _StorageInfo(relative_path, offset, length)
 
 
-def pickled_layout_function() -> tuple[str, str, Callable[[str], torch.layout]]:
-    """Module, name and value of the function DCP's pickled metadata calls to
-    rebuild a tensor layout (torch pickles layouts by name through it)."""
-    return "torch.serialization", "_get_layout", torch.serialization._get_layout
+def dcp_metadata_private_globals() -> list[tuple[str, str, Any]]:
+    """Module, name and value of each private global DCP's pickled metadata
+    names: the per-entry storage record (filesystem._StorageInfo), the
+    memory-format code of TensorProperties (metadata._MEM_FORMAT_ENCODING),
+    and the function that rebuilds a tensor layout by name
+    (serialization._get_layout)."""
+    from torch.distributed.checkpoint import metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return [("torch.distributed.checkpoint.filesystem", "_StorageInfo", _StorageInfo),
+            ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING",
+             metadata._MEM_FORMAT_ENCODING),
+            ("torch.serialization", "_get_layout", torch.serialization._get_layout)]
 
 
 def spin_cuda_kernel(cycles: int) -> None:

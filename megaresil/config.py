@@ -529,9 +529,21 @@ def _to_public_keys(data: dict) -> dict:
     return data
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """safe_load without aliases: a few lines of nested aliases (billion
+    laughs) expand to billions of nodes when the recipe is merged."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "uses a YAML alias (*name); recipes refuse aliases, write the values "
+                "out", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
 def _read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_RecipeLoader) or {}
     except FileNotFoundError:
         raise ConfigError(str(path), "file not found.", "check the recipe path.") from None
     except IsADirectoryError:
@@ -545,7 +557,11 @@ def _read_yaml(path: Path) -> dict:
 
 
 def _resolve_piece(name: str, recipe_path: Path) -> Path:
-    """A `defaults:` entry names a file under configs/ (without .yaml) or a path."""
+    """A `defaults:` entry names a file under configs/ (without .yaml), or
+    beside the recipe; never above either (no `..`, no absolute path)."""
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise ConfigError("defaults", f"'{name}' leaves configs/ (absolute or '..').",
+                          "name a piece under configs/ or beside the recipe, e.g. model/gpt-tiny.")
     for base in (recipe_path.parent.parent / "configs", REPO_CONFIGS, recipe_path.parent):
         candidate = base / (name if name.endswith(".yaml") else f"{name}.yaml")
         if candidate.is_file():

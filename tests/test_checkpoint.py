@@ -402,6 +402,26 @@ def test_dcp_metadata_cannot_run_code(tmp_path):
     assert (tmp_path / "victim").exists()
 
 
+@pytest.mark.parametrize("name", ["FileSystemWriter", "Tensor", "Path"])
+def test_dcp_metadata_admits_only_metadata_classes(tmp_path, name):
+    """Names in filesystem.py's namespace that are not metadata (a writer, a
+    tensor, a path class) are refused, while a real DCP save still loads."""
+    import torch.distributed.checkpoint as dcp
+    from megaresil.checkpoint.backends.dcp_read import SafeReader
+
+    saved = tmp_path / "real"
+    dcp.save({"w": torch.ones(2, 3, dtype=torch.bfloat16), "n": {"x": 1}},
+             storage_writer=dcp.FileSystemWriter(saved), no_dist=True)
+    assert set(SafeReader(str(saved)).read_metadata().state_dict_metadata) == {"w", "n.x"}
+    crafted = tmp_path / "crafted"
+    crafted.mkdir()
+    # A call of filesystem.NAME() with no arguments, as that module names it.
+    call = f"ctorch.distributed.checkpoint.filesystem\n{name}\n)R.".encode()
+    (crafted / ".metadata").write_bytes(call)
+    with pytest.raises(fmt.CheckpointError, match="refusing to load"):
+        SafeReader(str(crafted)).read_metadata()
+
+
 def test_dcp_chunk_regions_read_into_targets(tmp_path):
     """Regions of torch.save'd chunks (as DCP lays them out, one after another
     in a file) land in their targets: whole rows straight from the file,

@@ -84,3 +84,29 @@ def test_list_defaults_are_not_shared_between_instances():
     first, second = RecipeConfig(), RecipeConfig()
     first.faults.append({"kind": "kill", "rank": 0, "step": 1})
     assert second.faults == [] and RecipeConfig().faults == []
+
+
+def test_defaults_cannot_leave_configs(tmp_path):
+    """`defaults: [../x]` and absolute paths are refused, not loaded."""
+    secret = tmp_path / "outside" / "secret.yaml"
+    secret.parent.mkdir()
+    secret.write_text("train: {steps: 3}\n")
+    recipes = tmp_path / "a" / "b" / "recipes"
+    recipes.mkdir(parents=True)
+    for name in ("../../../outside/secret", str(secret)):
+        recipe = recipes / "r.yaml"
+        recipe.write_text(f"defaults: [{name}]\n")
+        with pytest.raises(ConfigError, match="leaves configs"):
+            load_recipe(recipe)
+
+
+def test_recipe_aliases_are_refused_through_the_cli(tmp_path):
+    """A billion-laughs recipe is refused at once, naming the alias."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    recipe = tmp_path / "laughs.yaml"
+    recipe.write_text("\n".join(lines) + "\n")
+    result = subprocess.run([sys.executable, "-m", "megaresil", "config", "show", str(recipe)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "alias" in result.stderr and "laughs.yaml" in result.stderr

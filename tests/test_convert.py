@@ -434,3 +434,34 @@ def test_conversion_streams_a_checkpoint_over_1gb(tmp_path):
     finally:
         for written in tmp_path.iterdir():
             shutil.rmtree(written, ignore_errors=True)
+
+
+def _crafted_safetensors(header: dict | None, data: bytes = b"", length: int | None = None) -> bytes:
+    raw = json.dumps(header).encode() if header is not None else b""
+    return (len(raw) if length is None else length).to_bytes(8, "little") + raw + data
+
+
+@pytest.mark.parametrize("crafted", [
+    _crafted_safetensors(None, b"{}", length=2**62),  # header length 2^62
+    _crafted_safetensors({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8),
+    _crafted_safetensors({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                          "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12),
+    _crafted_safetensors({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4),
+    _crafted_safetensors({"w": {"dtype": "F32", "shape": [2**31, 2**31],
+                                "data_offsets": [0, 8]}}, b"\0" * 8),
+    _crafted_safetensors({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})[:-3],
+], ids=["huge-header", "past-end", "overlapping", "dtype-mismatch", "huge-shape", "truncated"])
+def test_crafted_safetensors_give_one_line(tmp_path, crafted):
+    """Each crafted weights file ends in the one-line error naming the file."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({
+        "architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 8, "n_head": 2,
+        "n_positions": 256, "vocab_size": 32}))
+    (hf_dir / "model.safetensors").write_bytes(crafted)
+    result = subprocess.run([sys.executable, "-m", "megaresil", "convert", "--from-hf",
+                             str(hf_dir), str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("megaresil: error: ") and "Fix:" in result.stderr
+    assert "model.safetensors" in result.stderr and "Traceback" not in result.stderr

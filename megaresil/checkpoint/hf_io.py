@@ -12,6 +12,7 @@ does not account for.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
@@ -159,6 +160,21 @@ def read_hf_config(directory: Path) -> dict:
                                   "transformers' save_pretrained.") from None
 
 
+@contextlib.contextmanager
+def _safetensors_file(path: Path) -> Iterator:
+    """safe_open(path), its header errors (a crafted length, offsets past the
+    end or overlapping, a shape that overflows, a truncated file) one line
+    naming the file."""
+    safetensors = _safetensors()
+    try:
+        with safetensors.safe_open(path, "pt") as f:
+            yield f
+    except safetensors.SafetensorError as err:
+        raise fmt.CheckpointError(f"{path} is not a valid safetensors file ({err}). Fix: "
+                                  "re-save the model with save_pretrained("
+                                  "safe_serialization=True).") from None
+
+
 class HFWeights:
     """The safetensors weights of a transformers model directory (one file or
     sharded with an index), read one tensor at a time from its file (a
@@ -169,7 +185,7 @@ class HFWeights:
         self.file_of: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for path in self._files():
-            with _safetensors().safe_open(path, "pt") as f:
+            with _safetensors_file(path) as f:
                 for key in f.keys():
                     self.file_of[key] = path
                     self.shapes[key] = tuple(f.get_slice(key).get_shape())
@@ -185,7 +201,7 @@ class HFWeights:
                                   "the model with save_pretrained(..., safe_serialization=True).")
 
     def get(self, key: str) -> torch.Tensor:
-        with _safetensors().safe_open(self.file_of[key], "pt") as f:
+        with _safetensors_file(self.file_of[key]) as f:
             return f.get_tensor(key)
 
 

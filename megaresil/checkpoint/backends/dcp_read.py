@@ -24,12 +24,13 @@ from typing import Any, BinaryIO, Optional, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as metadata_classes
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from megaresil.checkpoint.format import CheckpointError, inside, tensor_bytes
-from megaresil.compat import pickled_layout_function, torch_save_data_record
+from megaresil.compat import dcp_metadata_private_globals, torch_save_data_record
 
 # Where chunk_layout reads: a chunk's first and last bytes.
 LAYOUT_HEAD, LAYOUT_TAIL = 32 << 10, 16 << 10
@@ -126,8 +127,26 @@ def read_region(file: BinaryIO, start: int, length: int, offsets: Sequence[int],
     dest.copy_(narrowed(rows, (0, *offsets[1:]), lengths))
 
 
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_LAYOUT_MODULE, _LAYOUT_NAME, _LAYOUT_FUNCTION = pickled_layout_function()
+# What DCP's .metadata pickle names (torch 2.9-2.14's metadata.py and
+# filesystem.py): its metadata dataclasses, the per-entry storage record,
+# torch.Size, dtypes and layouts (by name), and a PosixPath checkpoint_id.
+# Nothing else in those modules (Tensor, Path, FileSystemWriter, ...) is data.
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_METADATA_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+                     "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties")
+_ALLOWED = {(_METADATA_MODULE, name): getattr(metadata_classes, name)
+            for name in _METADATA_CLASSES}
+_ALLOWED.update({(module, name): value for module, name, value in (
+    ("torch", "Size", torch.Size), ("pathlib", "PosixPath", pathlib.PosixPath),
+    *dcp_metadata_private_globals())})
+
+
+def _allowed_global(module: str, name: str) -> Any:
+    if (module, name) in _ALLOWED:
+        return _ALLOWED[module, name]
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -135,17 +154,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     that can run code."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES and isinstance(getattr(__import__(module, fromlist=[name]),
-                                                             name, None), type):
-            return getattr(__import__(module, fromlist=[name]), name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
-                                                                 torch.dtype)):
-            return getattr(torch, name)
-        if (module, name) == (_LAYOUT_MODULE, _LAYOUT_NAME):
-            return _LAYOUT_FUNCTION
-        if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath"):
-            return getattr(pathlib, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from DCP metadata")
+        return _allowed_global(module, name)
 
 
 class SafeReader(dcp.FileSystemReader):
