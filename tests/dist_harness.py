@@ -32,7 +32,8 @@ TINY = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "data.source=syntheti
         "model.num_layers=4", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=300",
         "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=10",
         "train.eval_batches=0", "optimizer.warmup_steps=2", "optimizer.lr=3e-3",
-        "logging.progress=false", "logging.tensorboard=false"]
+        "logging.progress=false", "logging.tensorboard=false",
+        "checkpoint.interval=0"]  # saves only where a case asks (exit_at_step, an interval)
 LLAMA = ["model.flavour=llama", "model.num_kv_heads=4", "model.ffn_hidden_size=96"]
 
 

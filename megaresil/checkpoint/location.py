@@ -22,10 +22,14 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str]:
     when `path` was the checkpoint itself); CheckpointError when none reads."""
     from megaresil.checkpoint import format as fmt
 
+    if not path.exists():
+        raise fmt.CheckpointError(f"{path} does not exist. Fix: give a checkpoint directory, "
+                                  "a run directory, its checkpoints/ or their latest file")
     if path.is_file() and path.name == fmt.LATEST:
         named = path.parent / path.read_text().strip()
         return named, f"{path} names {named.name}"
-    if (path / fmt.MARKER).exists() or fmt.STEP_DIR.match(path.name):
+    if ((path / fmt.MARKER).exists() or (path / fmt.MANIFEST).exists()
+            or fmt.STEP_DIR.match(path.name)):
         return path, ""
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     candidates = fmt.committed_checkpoints(root)
