@@ -247,8 +247,10 @@ def step_1(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_other_model_shape_names_key_and_shapes(cli, step_1, tmp_path):
+    # past the launcher's recipe check, to the loader's check of the shapes
     result = train(cli, tmp_path / "other", "train.steps=2", "model.hidden_size=96",
-                   f"checkpoint.load={step_1}", check=False)
+                   f"checkpoint.load={step_1}", "checkpoint.allow_recipe_change=[model.hidden_size]",
+                   check=False)
     assert result.returncode != 0
     assert "model/embed.positions.weight" in result.stderr
     assert "(128, 192)" in result.stderr and "(128, 96)" in result.stderr
@@ -275,8 +277,10 @@ def test_checkpoint_of_another_depth_is_refused_naming_the_keys(tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_of_another_depth_is_refused_through_the_cli(cli, step_1, tmp_path):
+    # past the launcher's recipe check, to the loader's check of the keys
     result = train(cli, tmp_path / "other", "train.steps=2", "model.num_layers=2",
-                   f"checkpoint.load={step_1}", check=False)
+                   f"checkpoint.load={step_1}", "checkpoint.allow_recipe_change=[model.num_layers]",
+                   check=False)
     assert result.returncode != 0
     said = [line for line in result.stderr.splitlines() if "does not use" in line]
     assert len(said) == 1 and said[0].startswith("megaresil: giving up: rank ") \
@@ -300,7 +304,9 @@ def test_inspect_retention_and_format_checks(cli, cli_main, tmp_path):
 
     newer = root / "step_0000006"
     manifest = json.loads((newer / fmt.MANIFEST).read_text())
-    (newer / fmt.MANIFEST).write_text(json.dumps({**manifest, "version": 99}))
+    # as a newer megaresil would write it: its own manifest, its own digest
+    digest = fmt.write_json_atomic(newer / fmt.MANIFEST, {**manifest, "version": 99})
+    fmt.write_marker(newer, {fmt.MANIFEST: digest})
     result = cli_main("ckpt", "verify", str(newer), check=False)
     assert result.returncode == 1 and "newer" in result.stdout
     (newer / fmt.MARKER).unlink()
