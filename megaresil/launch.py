@@ -38,7 +38,6 @@ from megaresil.slurm import SlurmStep
 from megaresil.train.save_schedule import never_saving_warning
 
 
-
 @dataclass
 class Membership:
     """Which agents form the job: one (this machine) by default, or several
@@ -243,8 +242,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     check_data(cfg)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if never_saving_warning(cfg):
-        print(never_saving_warning(cfg), file=sys.stderr)
+    if warning := never_saving_warning(cfg):
+        print(warning, file=sys.stderr)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
