@@ -358,24 +358,22 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from megaresil.inference import evaluate
 
-    result = evaluate(Path(args.path), args.batches)
+    result = evaluate(checkpoint_argument(args.path), args.batches, args.split)
     print(json.dumps(result) if args.json else
-          f"step {result['step']}: valid loss {result['loss']:.4f}, perplexity "
+          f"step {result['step']}: {result['split']} loss {result['loss']:.4f}, perplexity "
           f"{result['perplexity']:.2f} ({result['batches']} batches, {result['checkpoint']})")
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from megaresil.inference import generate
 
-    result = generate(Path(args.path), args.prompt, max_new_tokens=args.max_new_tokens,
+    result = generate(checkpoint_argument(args.path), args.prompt, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     print(json.dumps(result) if args.json else args.prompt + result["completion"])
     return 0
@@ -388,6 +386,9 @@ def add_checkpoint_use_parsers(sub) -> None:
                           "directory (its newest checkpoint)")
     evaluate.add_argument("--batches", type=int, help="global batches (default: the run's "
                           "train.eval_batches)")
+    evaluate.add_argument("--split", choices=("valid", "test"), default="valid",
+                          help="valid (the default: the run's own eval batches) or test (held "
+                          "out from both training and eval; how it is carved: data/build.py)")
     evaluate.add_argument("--json", action="store_true")
     evaluate.set_defaults(func=cmd_eval)
     gen = sub.add_parser("generate", help="continue a prompt with a checkpoint's model, in "

@@ -34,10 +34,12 @@ import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-import torch
 import xxhash
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_NAME = "megaresil-checkpoint"
 FORMAT_VERSION = 1
@@ -84,20 +86,33 @@ def naming_write_errors(path: Path) -> Iterator[None]:
         raise write_failure(err, Path(err.filename) if err.filename else path) from err
 
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in
-           (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-            torch.int16, torch.int8, torch.uint8, torch.bool)}
+# The manifest's dtypes and their item sizes, without torch: reading a
+# manifest (`ckpt inspect`, finding a checkpoint) must not import it.
+_ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
+              "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+def check_dtype(name: Any) -> str:
+    if not isinstance(name, str) or name not in _ITEMSIZES:
+        raise CheckpointError(f"unsupported dtype {name!r} in the manifest")
+    return name
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    if not isinstance(name, str) or name not in _DTYPES:
-        raise CheckpointError(f"unsupported dtype {name!r} in the manifest")
-    return _DTYPES[name]
+    import torch  # only where tensors are made: the manifest is read without it
+
+    return getattr(torch, check_dtype(name))
 
 
 def region_bytes(shape: list[int], dtype_name: str) -> int:
     """Bytes of a (sub)tensor of `shape` and the manifest dtype `dtype_name`."""
-    return math.prod(shape) * torch_dtype(dtype_name).itemsize
+    return math.prod(shape) * _ITEMSIZES[check_dtype(dtype_name)]
+
+
+def data_bytes(manifest: dict) -> int:
+    """Bytes of every shard the manifest lists: what a whole load reads."""
+    return sum(region_bytes(shard["shape"], entry["dtype"])
+               for entry in manifest["tensors"].values() for shard in entry["shards"])
 
 
 def step_dir_name(step: int) -> str:
@@ -106,6 +121,8 @@ def step_dir_name(step: int) -> str:
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a CPU tensor (bf16 viewed as int16, which numpy lacks)."""
+    import torch  # loaded already: the caller holds a tensor
+
     t = tensor.detach().contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
@@ -267,7 +284,7 @@ def check_tensor_entry(key: str, entry: Any) -> None:
     lie inside it and cover it exactly (each region is written once)."""
     if not isinstance(entry, dict):
         raise CheckpointError(f"tensor {key!r} is not an object")
-    torch_dtype(entry.get("dtype"))
+    check_dtype(entry.get("dtype"))
     shape = checked_shape(entry.get("global_shape"), f"{key}: global_shape")
     covered = 0
     for shard in need_field(entry, "shards", list):

@@ -1,12 +1,22 @@
 """The recipe's datasets: `build_datasets` turns `data.*` into train and valid
-datasets indexed by global sample index, and `recipe_tokenizer` gives the
-tokenizer the data was made with.
+datasets indexed by global sample index, `build_test_dataset` gives the
+held-out test split (`megaresil eval --split test`), and `recipe_tokenizer`
+gives the tokenizer the data was made with.
 
 Indexed data (`data.source=indexed`) is one prefix (`data.path`) or a blend
 (`data.paths`). Each prefix's valid part is, in this order: its documents
 in the valid share of `data.split` when that is set; else PREFIX_valid when
-it exists; else its last `data.valid_fraction` of documents. Training never
-sees a document of the valid (or test) part.
+it exists; else its last `data.valid_fraction` of documents. Its test part,
+as Megatron's: the documents in the test share of `data.split` (after the
+valid ones); else PREFIX_test when it exists; else it has none. Training
+never sees a document of the valid or test part.
+
+A prepared corpus (shakespeare, kjv, a text or JSONL file) holds out its
+last `data.valid_fraction`; the first half of that held-out part (by
+documents, or by tokens when it is a single document) is the valid split,
+the second half the test split, so the two never share a token. A held-out
+part too small to give each half one sample stays valid whole, with no test.
+Synthetic data draws its test samples from a third seed.
 """
 from __future__ import annotations
 
@@ -35,15 +45,67 @@ def build_datasets(data_cfg: DataConfig, model_vocab_size: int, seed: int, *,
         _check_tokenizer_fits(data_cfg, model_vocab_size)
         train, valid = _indexed_datasets(data_cfg, model_vocab_size, seed, need_valid)
         return train, valid, None
+    info = _prepared(data_cfg, model_vocab_size)
+    # Named after the recipe's corpus, not the cache entry it was prepared into.
+    return (GPTDataset(IndexedDataset(info.train_prefix), data_cfg.seq_len, seed,
+                    index_dir=data_cfg.index_cache, name=f"the train part of {data_cfg.source}"),
+            _held_out_half(data_cfg, info, seed, "valid"), info)
+
+
+def build_test_dataset(data_cfg: DataConfig, model_vocab_size: int, seed: int) -> Dataset:
+    """The test split (see the module's docstring for how it is carved);
+    ConfigError naming the fix when the recipe's data has none."""
+    if data_cfg.source == "synthetic":
+        return SyntheticDataset(model_vocab_size, data_cfg.seq_len, seed + 2)
+    if data_cfg.source == "indexed":
+        _check_tokenizer_fits(data_cfg, model_vocab_size)
+        blend = blend_of(data_cfg)
+        tests = [_indexed_test(data_cfg, prefix, model_vocab_size, seed) for _, prefix in blend]
+        return tests[0] if len(tests) == 1 else BlendedDataset(tests, [w for w, _ in blend])
+    test = _held_out_half(data_cfg, _prepared(data_cfg, model_vocab_size), seed, "test")
+    if test is None:
+        raise ConfigError("data.valid_fraction", f"the held-out part of {data_cfg.source} is too "
+                          f"small to halve into valid and test samples of {data_cfg.seq_len} "
+                          "tokens, so there is no test split.", "raise data.valid_fraction (or "
+                          "lower data.seq_len); evaluate on --split valid meanwhile.")
+    return test
+
+
+def _prepared(data_cfg: DataConfig, model_vocab_size: int) -> PreparedData:
     info = prepare_dataset(data_cfg, vocab_size_limit=model_vocab_size)
     if info.vocab_size > model_vocab_size:
         raise _vocab_error(model_vocab_size, info.vocab_size, f"the {data_cfg.tokenizer} tokenizer")
-    index_dir = data_cfg.index_cache
-    # Named after the recipe's corpus, not the cache entry it was prepared into.
-    return (GPTDataset(IndexedDataset(info.train_prefix), data_cfg.seq_len, seed,
-                       index_dir=index_dir, name=f"the train part of {data_cfg.source}"),
-            GPTDataset(IndexedDataset(info.valid_prefix), data_cfg.seq_len, seed,
-                       index_dir=index_dir, name=f"the valid part of {data_cfg.source}"), info)
+    return info
+
+
+def _held_out_half(data_cfg: DataConfig, info: PreparedData, seed: int,
+                   split: str) -> GPTDataset | None:
+    """The valid or test half of a prepared corpus's held-out part; valid is
+    the whole part (test None) when it is too small to halve."""
+    indexed = IndexedDataset(info.valid_prefix)
+    halves = _halves(indexed, data_cfg.seq_len)
+    if halves is None and split == "test":
+        return None
+    tokens = None if halves is None else halves[0 if split == "valid" else 1]
+    return GPTDataset(indexed, data_cfg.seq_len, seed, tokens=tokens,
+                      index_dir=data_cfg.index_cache,
+                      name=f"the {split} part of {data_cfg.source}")
+
+
+def _halves(indexed: IndexedDataset,
+            seq_len: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """[start, end) tokens of the first and second half of `indexed`: split
+    between documents when it holds several, else inside its one document;
+    None when a half would hold less than one sample (seq_len + 1 tokens)."""
+    documents = indexed.num_documents
+    if documents >= 2:
+        middle = indexed.document_tokens(0, documents // 2)[1]
+    else:
+        middle = indexed.num_tokens // 2
+    halves = (0, middle), (middle, indexed.num_tokens)
+    if any(end - start < seq_len + 1 for start, end in halves):
+        return None
+    return halves
 
 
 def blend_of(data_cfg: DataConfig) -> list[tuple[float, str]]:
@@ -75,8 +137,7 @@ def _indexed_datasets(data_cfg: DataConfig, vocab_size: int, seed: int,
 def _train_and_valid(data_cfg: DataConfig, prefix: str, vocab_size: int, seed: int,
                      need_valid: bool) -> tuple[GPTDataset, GPTDataset | None]:
     def dataset(indexed: IndexedDataset, tokens=None, name=None) -> GPTDataset:
-        return GPTDataset(indexed, data_cfg.seq_len, seed, tokens=tokens, name=name,
-                          index_dir=data_cfg.index_cache, vocab_size=vocab_size)
+        return _indexed_dataset(data_cfg, indexed, vocab_size, seed, tokens, name)
 
     indexed = IndexedDataset(prefix)
     if data_cfg.split is None and exists(f"{prefix}_valid"):
@@ -95,6 +156,31 @@ def _train_and_valid(data_cfg: DataConfig, prefix: str, vocab_size: int, seed: i
         return train, None
     return train, dataset(indexed, indexed.document_tokens(bounds[1], bounds[2]),
                           f"{prefix} (valid documents {bounds[1]}..{bounds[2] - 1})")
+
+
+def _indexed_dataset(data_cfg: DataConfig, indexed: IndexedDataset, vocab_size: int, seed: int,
+                     tokens: tuple[int, int] | None, name: str | None) -> GPTDataset:
+    return GPTDataset(indexed, data_cfg.seq_len, seed, tokens=tokens, name=name,
+                      index_dir=data_cfg.index_cache, vocab_size=vocab_size)
+
+
+def _indexed_test(data_cfg: DataConfig, prefix: str, vocab_size: int, seed: int) -> GPTDataset:
+    """A prefix's test part: data.split's test share, else PREFIX_test."""
+    def dataset(indexed: IndexedDataset, tokens=None, name=None) -> GPTDataset:
+        return _indexed_dataset(data_cfg, indexed, vocab_size, seed, tokens, name)
+
+    if data_cfg.split is None and exists(f"{prefix}_test"):
+        return dataset(IndexedDataset(f"{prefix}_test"))
+    indexed = IndexedDataset(prefix)
+    bounds = split_documents(indexed.num_documents, split_shares(data_cfg))
+    if bounds[3] == bounds[2]:
+        why = ("data.split gives it no test share" if data_cfg.split is not None else
+               f"there is no {prefix}_test and no data.split")
+        raise ConfigError("data.split", f"{prefix} has no test documents ({why}).",
+                          "give data.split a test share, e.g. '969,30,1' (Megatron's), or "
+                          f"provide {prefix}_test; evaluate on --split valid meanwhile.")
+    return dataset(indexed, indexed.document_tokens(bounds[2], bounds[3]),
+                   f"{prefix} (test documents {bounds[2]}..{bounds[3] - 1})")
 
 
 def split_shares(data_cfg: DataConfig) -> list[float]:

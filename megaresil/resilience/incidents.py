@@ -13,6 +13,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
+from megaresil.observe import startup
+
 
 def _where(e: dict) -> str:
     return f"in {e.get('section', '?')} at step {e.get('step', '?')}"
@@ -72,6 +74,7 @@ FORMATS: dict[str, Callable[[dict], str]] = {
                                    f"(loop held {e.get('blocking_seconds', 0):.1f} s), global tier: "
                                    f"{e.get('path')}"),
     "checkpoint_interval": lambda e: e.get("line", ""),
+    "startup_phase": startup.describe,
 }
 
 

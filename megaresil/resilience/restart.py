@@ -50,6 +50,7 @@ from megaresil.checkpoint.replication import ranks_per_node
 from megaresil.compat import abort_process_groups, has_nccl_groups, lost_peer_error
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import EventLog, read_events, read_metrics
+from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import backend_for, use_device
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.incidents import is_abort
@@ -254,6 +255,7 @@ class WorkerLife:
         self.make_job = make_job
         self.run_dir = Path(cfg.run.dir)
         self.events = EventLog(self.run_dir, rank)
+        self.phases = StartupPhases(self.events, rank)
         # One prefix per launch attempt and one per generation inside it: a
         # stale address of an earlier attempt can never be read.
         store = store if store is not None else launch_store(rank, world)
@@ -336,8 +338,10 @@ class WorkerLife:
 
     def _one_generation(self) -> Optional[str]:
         """Run one generation; its outcome, or None to go again."""
-        dist.init_process_group(backend_for(self.device), rank=self.rank, world_size=self.world,
-                                store=dist.PrefixStore(f"gen{self.generation}", self.store))
+        with self.phases.phase("rendezvous"):
+            dist.init_process_group(backend_for(self.device), rank=self.rank,
+                                    world_size=self.world,
+                                    store=dist.PrefixStore(f"gen{self.generation}", self.store))
         job, supervision = None, self._supervision()
         try:
             with supervision.section("setup", 0):

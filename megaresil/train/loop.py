@@ -27,6 +27,7 @@ from megaresil.parallel.pipeline import Pipeline, sync_tied_embedding_grads
 from megaresil.resilience.supervision import Supervision
 from megaresil.train import checkpointing, story
 from megaresil.observe.goodput import write_goodput
+from megaresil.observe.startup import StartupPhases
 from megaresil.observe.profiler import StepProfiler
 from megaresil.observe.sections import record_fields
 from megaresil.train.metrics import MetricsLog, StepFigures
@@ -89,6 +90,18 @@ class Trainer:
         self.cfg, self.layout = cfg, layout
         self.supervision = supervision or Supervision()
         self.run_dir = Path(cfg.run.dir)
+        self.events = EventLog(self.run_dir, layout.rank)
+        phases = StartupPhases(self.events, layout.rank)
+        with phases.phase("data, model and optimizer build"):
+            self.build(cfg, layout)
+        started = phases.clock()
+        loaded_bytes = checkpointing.resume(self)
+        if loaded_bytes is not None:  # a global checkpoint was read: its line has a rate
+            phases.finished("checkpoint load", phases.clock() - started, loaded_bytes)
+        self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank)
+
+    def build(self, cfg: RecipeConfig, layout: ParallelLayout) -> None:
+        """Data, model chunks, optimizer, grad buffers and checkpointer."""
         make_deterministic(cfg, layout.device)
         self.train_data, self.valid_data, _ = build_datasets(
             cfg.data, cfg.model.vocab_size, cfg.train.seed, need_valid=cfg.train.eval_batches > 0)
@@ -124,15 +137,12 @@ class Trainer:
         self.grads = GradBuffers(self.params, self.opt_params, self.reducer(),
                                  grad_dtype=torch.float32)
         self.state = TrainState()
-        self.events = EventLog(self.run_dir, layout.rank)
         self.checkpointer = checkpointing.build_checkpointer(cfg, self.events,
                                                              self.supervision.watchdog,
                                                              device=layout.device)
         self.checkpoint_state = TrainerState(cfg, layout, list(self.named_state_parameters()),
                                              self.optimizer, self.state, self.supervision.watchdog,
                                              after_load=self.main_to_model if bf16 else None)
-        checkpointing.resume(self)
-        self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank)
 
     def main_to_model(self) -> None:
         """bf16 model := fp32 main weights (after a checkpoint load)."""
@@ -249,11 +259,13 @@ class Trainer:
         return record
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over a fixed held-out set (the first eval_batches global batches)."""
+    def evaluate(self, dataset=None) -> float:
+        """Mean loss over a fixed held-out set (the first eval_batches global
+        batches of `dataset`, by default the valid split)."""
         self.model.eval()
         g = self.cfg.train.global_batch_size
-        losses = [self.forward_eval(self.batches(self.valid_data, i * g))
+        dataset = self.valid_data if dataset is None else dataset
+        losses = [self.forward_eval(self.batches(dataset, i * g))
                   for i in range(self.cfg.train.eval_batches)]
         return dp_mean(torch.stack(losses).mean(), self.layout)
 

@@ -1,0 +1,64 @@
+"""The start-up phases a user waits through (rendezvous, model/optimizer
+build, checkpoint load): each one that takes longer than a threshold is
+recorded as a `startup_phase` event by rank 0, which the launcher's console
+prints as one line (resilience/incidents.py), a load with its bytes and
+bytes/s. Short phases say nothing: the banner and the first step follow at
+once."""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Protocol
+
+DEFAULT_THRESHOLD_S = 2.0
+# Tests lower it (to 0: every phase gets its line) to see the lines of a
+# tiny run's fast phases; users have no reason to set it.
+THRESHOLD_ENV = "MEGARESIL_PHASE_LINE_S"
+
+
+class Events(Protocol):
+    def emit(self, event: str, **fields) -> dict: ...
+
+
+def threshold_s() -> float:
+    return float(os.environ.get(THRESHOLD_ENV, DEFAULT_THRESHOLD_S))
+
+
+class StartupPhases:
+    """Times phases on `clock`; on rank 0, a phase of `threshold` seconds or
+    more is emitted with its seconds and, when the phase reported bytes,
+    bytes and bytes_per_s."""
+
+    def __init__(self, events: Events, rank: int, *, clock: Callable[[], float] = time.monotonic,
+                 threshold: Optional[float] = None):
+        self.events, self.rank, self.clock = events, rank, clock
+        self.threshold = threshold_s() if threshold is None else threshold
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[dict]:
+        """Times the block; the block may put `bytes` (what it read) in the
+        dict it is given. An exception ends the phase without a line: the
+        failure has its own."""
+        found: dict = {}
+        started = self.clock()
+        yield found
+        self.finished(name, self.clock() - started, found.get("bytes"))
+
+    def finished(self, name: str, seconds: float, nbytes: Optional[int] = None) -> None:
+        if self.rank != 0 or seconds < self.threshold:
+            return
+        fields = {"phase": name, "seconds": seconds}
+        if nbytes is not None:
+            fields.update(bytes=nbytes, bytes_per_s=nbytes / seconds if seconds > 0 else None)
+        self.events.emit("startup_phase", **fields)
+
+
+def describe(event: dict) -> str:
+    """The console line of a `startup_phase` event."""
+    line = f"start-up: {event.get('phase')} took {event.get('seconds', 0):.1f} s"
+    if event.get("bytes") is not None:
+        rate = event.get("bytes_per_s")
+        line += f" ({event['bytes'] / 1e9:.3f} GB" + (f", {rate / 1e9:.3f} GB/s)" if rate
+                                                       else ")")
+    return line
