@@ -30,7 +30,8 @@ from megaresil.events import read_events
 from megaresil.parallel.layout import visible_gpus
 from megaresil.resilience.faults import check_device_faults, check_fault_ranks
 from megaresil.resilience.incidents import IncidentPrinter
-from megaresil.resilience.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT
+from megaresil.resilience.preemption import (INTERRUPTED_EXIT, PREEMPTED_EXIT,
+                                             second_interrupt_kills_workers)
 from megaresil.resilience.restart import HANG_EXIT_CODE
 from megaresil.resilience.supervision import end_with_agent
 from megaresil.run_lock import HELD_ENV, held_by_worker, held_for_workers
@@ -273,7 +274,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     events_before = len(read_events(run_dir))
     try:
         with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg)),
-              IncidentPrinter(run_dir)):
+              IncidentPrinter(run_dir), second_interrupt_kills_workers()):
             elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except ChildFailedError as err:
         print(f"megaresil: giving up after {relaunches_since(run_dir, events_before)}: "

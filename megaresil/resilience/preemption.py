@@ -16,7 +16,10 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import psutil
 
 import torch
 import torch.distributed as dist
@@ -35,7 +38,6 @@ class PreemptionFlag:
         self.signalled_at: Optional[float] = None
         self.signal_name = ""
         self.saving_possible = False  # set while a job trains and could save
-        self.interrupts = 0  # SIGINTs heard
 
     def install(self) -> "PreemptionFlag":
         # SIGINT (Ctrl-C) takes the SIGTERM path: no KeyboardInterrupt
@@ -50,19 +52,21 @@ class PreemptionFlag:
         return self
 
     def _hear(self, read_end: int) -> None:
+        # Counted here, not by the handler: that runs only when the main
+        # thread returns to Python, which a step in C may not do for minutes.
+        interrupts = 0
         while True:
             for signum in os.read(read_end, 64):
                 if signum in (signal.SIGTERM, signal.SIGINT) and not self.saving_possible:
                     os._exit(128 + signum)
-                if signum == signal.SIGINT and self.interrupts > 1:
+                interrupts += signum == signal.SIGINT
+                if interrupts > 1:
                     # A second Ctrl-C: the user does not want the save.
                     print("megaresil: second Ctrl-C: stopping at once, without saving",
                           file=sys.stderr, flush=True)
                     os._exit(INTERRUPTED_EXIT)
 
     def _handler(self, signum, _frame) -> None:
-        if signum == signal.SIGINT:
-            self.interrupts += 1
         if self.signalled_at is None:
             self.signalled_at = time.time()
             self.signal_name = signal.Signals(signum).name
@@ -79,3 +83,39 @@ class PreemptionFlag:
         if self.signalled_at is None:
             return 0
         return 2 if self.signal_name == "SIGINT" else 1
+
+
+@contextmanager
+def second_interrupt_kills_workers() -> Iterator[None]:
+    """The launcher's side of a second Ctrl-C. TorchElastic's agent meets the
+    first SIGINT by handing it to the workers (in sessions of their own, so
+    the terminal's signal reaches only the agent) and waiting while they
+    finish the step and save; a second SIGINT in that wait only starts the
+    wait again (its shutdown runs once more, with SIGTERM). So here the second
+    SIGINT the launcher hears kills the workers at once; the launcher then
+    says so (launch.interrupted)."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    previous = signal.set_wakeup_fd(write_end)
+
+    def hear() -> None:
+        interrupts = 0
+        try:
+            while not done.is_set():  # reading on after the kill: the pipe never fills
+                before, interrupts = interrupts, interrupts + os.read(read_end, 64).count(
+                    signal.SIGINT)
+                if before < 2 <= interrupts:
+                    for worker in psutil.Process().children(recursive=True):
+                        worker.kill()
+        finally:
+            os.close(read_end)
+
+    done = threading.Event()
+    threading.Thread(target=hear, name="megaresil-second-interrupt", daemon=True).start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)
+        done.set()
+        os.write(write_end, b"\0")  # wakes the thread, which then closes its end
+        os.close(write_end)
