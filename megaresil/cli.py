@@ -25,6 +25,9 @@ EPILOG = """examples:
   megaresil config docs
   megaresil data prepare --input corpus.jsonl --json-key text --output data/corpus
   megaresil report runs/demo --compare runs/other
+  megaresil eval runs/demo --split test
+  megaresil generate runs/demo --prompt "ROMEO:" --max-new-tokens 40
+  megaresil ckpt inspect runs/demo
 """
 
 

@@ -244,13 +244,17 @@ class DataConfig:
     split: Optional[str] = doc(None, "Train,valid,test shares of each indexed dataset's "
                                "documents, as Megatron's --split (e.g. '969,30,1'). null: "
                                "PREFIX_valid when it exists, else the last valid_fraction of "
-                               "documents. Eval never reads training documents.")
+                               "documents. Eval never reads training documents; the test share "
+                               "(else PREFIX_test) is what `megaresil eval --split test` reads.")
     tokenizer: str = doc("bpe", "'bpe' (byte-level BPE trained on the corpus, cached; for "
                          "indexed data PREFIX_tokenizer.json), 'gpt2' (GPT-2's BPE), 'byte', or "
                          "a Hugging Face tokenizer: a tokenizer.json or a model directory.")
     seq_len: int = doc(128, "Tokens per training sample.", bounds=POSITIVE)
     valid_fraction: float = doc(0.02, "Fraction of documents held out for eval loss when no "
-                                "data.split or PREFIX_valid says otherwise.", bounds=FRACTION)
+                                "data.split or PREFIX_valid says otherwise. Of a prepared "
+                                "corpus's held-out part, the first half is valid and the second "
+                                "the test split (`megaresil eval --split test`).",
+                                bounds=FRACTION)
     cache_dir: str = doc(".cache/megaresil", "Where prepared datasets and trained tokenizers "
                          "are cached (shared by all runs).")
     index_cache: Optional[str] = doc(None, "Where shuffle indices are cached (built once, "
@@ -466,8 +470,9 @@ class ResilienceConfig:
     restart_backoff_s: float = doc(1.0, "Back-off before a restart that follows another "
                                    "without progress: none for the first, then this, doubling "
                                    "(at most 30 s).")
-    preemption_grace_s: float = doc(60.0, "After SIGTERM/SIGUSR1: finish the step, save, and "
-                                    "exit within this many seconds.")
+    preemption_grace_s: float = doc(60.0, "After SIGTERM/SIGUSR1, or Ctrl-C (SIGINT: exit "
+                                    "130; a second Ctrl-C stops at once without saving): "
+                                    "finish the step, save, and exit within this many seconds.")
     mtbf_hours: Optional[float] = doc(None, "Expected hours between failures of this job, "
                                       "for checkpoint.interval=auto; null: the planner's cluster "
                                       "profile (megaresil/plan/profiles) scaled to the job's GPUs.",
