@@ -25,10 +25,11 @@ import torch
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.convert import open_source
 from megaresil.checkpoint.sources import full_tensors
-from megaresil.config import ParallelConfig, RecipeConfig, from_dict
+from megaresil.config import ParallelConfig, Precision, RecipeConfig, from_dict
 from megaresil.data.build import build_test_dataset, recipe_tokenizer
 from megaresil.parallel.layout import ParallelLayout, pick_device
 from megaresil.train.loop import Trainer
+from megaresil.train.precision import resolve
 
 # Tests set it to pretend a small machine (bytes free on the device); unset
 # on a user's machine, where the device's own figure counts.
@@ -36,13 +37,15 @@ AVAILABLE_MEMORY_ENV = "MEGARESIL_AVAILABLE_MEMORY_BYTES"
 SPLITS = ("valid", "test")
 
 
-def one_process_bytes(manifest: dict) -> int:
+def one_process_bytes(manifest: dict, precision: Precision) -> int:
     """What one process holding the model for eval or generation allocates,
-    about: the weights as saved, and as much again for the trainer's fp32
-    gradient buffers (the Trainer is the model's one home)."""
-    weights = sum(fmt.region_bytes(entry["global_shape"], entry["dtype"])
-                  for key, entry in manifest["tensors"].items() if key.startswith("model/"))
-    return 2 * weights
+    about: per parameter the Trainer's (it is the model's one home) weight,
+    fp32 gradient buffer and, under bf16, fp32 main copy; the optimizer's
+    moments are not allocated before a step."""
+    parameters = sum(math.prod(entry["global_shape"]) for key, entry in
+                     manifest["tensors"].items() if key.startswith("model/"))
+    per_parameter = 2 + 4 + 4 if precision == Precision.bf16 else 4 + 4
+    return parameters * per_parameter
 
 
 def available_bytes(device: torch.device) -> int:
@@ -56,8 +59,8 @@ def available_bytes(device: torch.device) -> int:
 def check_fits(checkpoint: Path, needed: int, available: int, device: torch.device) -> None:
     if needed > available:
         raise fmt.CheckpointError(
-            f"{checkpoint} needs about {needed / 1e9:.2f} GB in one process (its weights and "
-            f"their gradient buffers), but {device.type} has {available / 1e9:.2f} GB free. "
+            f"{checkpoint} needs about {needed / 1e9:.2f} GB in one process (its weights, "
+            f"their gradient buffers and any fp32 main copy), but {device.type} has {available / 1e9:.2f} GB free. "
             "Fix: run it on a machine with that much free memory (eval and generate gather "
             "the whole model into one process; the run's own eval at its training layout is "
             "the eval_loss in its metrics.jsonl)")
@@ -69,11 +72,13 @@ def one_process_trainer(checkpoint: Path,
     """(a one-process trainer holding the checkpoint's weights, its step)."""
     source = open_source(checkpoint)
     device = pick_device()
-    check_fits(checkpoint, one_process_bytes(source.manifest), available_bytes(device), device)
+    recipe = from_dict(source.manifest["recipe"])
+    check_fits(checkpoint, one_process_bytes(source.manifest,
+                                             resolve(recipe.train.precision, device)),
+               available_bytes(device), device)
     source.verify()
     with tempfile.TemporaryDirectory(prefix="megaresil-inference-") as scratch:
-        cfg = one_process_recipe(from_dict(source.manifest["recipe"]), eval_batches,
-                                 Path(scratch))
+        cfg = one_process_recipe(recipe, eval_batches, Path(scratch))
         trainer = Trainer(cfg, ParallelLayout.from_config(cfg.parallel, device))
         try:
             params = dict(trainer.named_parameters())

@@ -188,13 +188,15 @@ def test_a_manifest_dtype_is_checked_without_torch():
 
 
 def test_a_model_too_big_for_one_process_is_refused_naming_sizes_and_fix():
+    from megaresil.config import Precision
     from megaresil.inference import check_fits, one_process_bytes
 
     manifest = {"tensors": {
         "model/w": {"global_shape": [1000, 1000], "dtype": "float32", "shards": []},
         "optim/w/exp_avg": {"global_shape": [1000, 1000], "dtype": "float32", "shards": []}}}
-    needed = one_process_bytes(manifest)
+    needed = one_process_bytes(manifest, Precision.fp32)
     assert needed == 8_000_000  # the weights and their fp32 grad buffers, not the optimizer's
+    assert one_process_bytes(manifest, Precision.bf16) == 10_000_000  # + the fp32 main copy
     check_fits(Path("ck"), needed, needed, torch.device("cpu"))
     with pytest.raises(fmt.CheckpointError) as refused:
         check_fits(Path("ck"), 30_000_000_000, 12_500_000_000, torch.device("cuda", 0))
