@@ -376,7 +376,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from megaresil.inference import generate
 
-    result = generate(checkpoint_argument(args.path), args.prompt, max_new_tokens=args.max_new_tokens,
+    result = generate(checkpoint_argument(args.path), args.prompt,
+                      max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     print(json.dumps(result) if args.json else args.prompt + result["completion"])
     return 0

@@ -60,7 +60,8 @@ def check_fits(checkpoint: Path, needed: int, available: int, device: torch.devi
     if needed > available:
         raise fmt.CheckpointError(
             f"{checkpoint} needs about {needed / 1e9:.2f} GB in one process (its weights, "
-            f"their gradient buffers and any fp32 main copy), but {device.type} has {available / 1e9:.2f} GB free. "
+            "their gradient buffers and any fp32 main copy), but "
+            f"{device.type} has {available / 1e9:.2f} GB free. "
             "Fix: run it on a machine with that much free memory (eval and generate gather "
             "the whole model into one process; the run's own eval at its training layout is "
             "the eval_loss in its metrics.jsonl)")
