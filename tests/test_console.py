@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,34 @@ def test_a_model_too_big_for_one_process_is_refused_naming_sizes_and_fix():
     message = str(refused.value)
     assert "needs about 30.00 GB" in message and "cuda has 12.50 GB free" in message
     assert "Fix:" in message and "\n" not in message
+
+
+# --- a second Ctrl-C in a worker whose main thread is inside C --------------------------------
+
+
+def test_a_worker_stops_at_the_second_sigint_while_its_main_thread_is_in_c():
+    """Under torchrun or srun the terminal's SIGINT reaches the workers. A
+    step in C runs no Python signal handler until it returns, so the count
+    must come from the wakeup fd's thread, or the second Ctrl-C waits out
+    the step."""
+    import signal
+
+    # The main thread blocks SIGINT (delivered to the other threads then) and
+    # sleeps in libc: as a step in C, it runs no handler until it returns.
+    code = ("import ctypes, signal\nfrom megaresil.resilience.preemption import PreemptionFlag\n"
+            "flag = PreemptionFlag().install()\nflag.saving_possible = True\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
+            "print('ready', flush=True)\nctypes.CDLL(None).sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert proc.poll() is None  # the first one asks for a save at the step's end
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)  # not the 120 s the C call would take
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "second Ctrl-C: stopping at once, without saving" in proc.stderr.read()
