@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -26,7 +27,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.checkpoint.recipe_check import check_resume_recipe
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
-from megaresil.events import read_events
+from megaresil.events import EventLog, read_events
+from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import visible_gpus
 from megaresil.resilience.faults import check_device_faults, check_fault_ranks
 from megaresil.resilience.incidents import IncidentPrinter
@@ -240,9 +242,12 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     check_device_faults(cfg.faults, gpus)
     check_resume_recipe(cfg)
     check_fault_ranks(cfg.faults, world)
+    data_started = time.monotonic()
     check_data(cfg)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    StartupPhases(EventLog(run_dir), 0, say=lambda line: print(line, file=sys.stderr)).finished(
+        "data preparation", time.monotonic() - data_started)
     if warning := never_saving_warning(cfg):
         print(warning, file=sys.stderr)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))

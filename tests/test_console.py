@@ -69,6 +69,13 @@ def test_only_rank_0_reports_and_a_failed_phase_says_nothing():
     assert describe(events.emitted[0]) == "start-up: rendezvous took 2.5 s"
 
 
+def test_the_launchers_phases_are_also_said_at_once():
+    events, said = Recorder(), []
+    StartupPhases(events, 0, threshold=2.0, say=said.append).finished("data preparation", 4.25)
+    assert said == ["megaresil: start-up: data preparation took 4.2 s"]
+    assert events.emitted[0]["phase"] == "data preparation"
+
+
 def test_the_threshold_defaults_to_two_seconds_and_the_env_knob_lowers_it(monkeypatch):
     monkeypatch.delenv("MEGARESIL_PHASE_LINE_S", raising=False)
     assert StartupPhases(Recorder(), 0).threshold == 2.0

@@ -50,6 +50,7 @@ def test_second_ctrl_c_stops_at_once_then_resume_eval_and_generate(home):
     resumed = megaresil(*COMMAND, cwd=home, env=user_env(MEGARESIL_PHASE_LINE_S="0")).stderr
     load = [line for line in resumed.splitlines() if "start-up: checkpoint load took" in line]
     assert len(load) == 1 and load[0].endswith(" GB/s)"), resumed[-3000:]
+    assert resumed.count("start-up: data preparation took") == 1  # the launcher's
     assert resumed.count("start-up: rendezvous took") == 1
     assert resumed.count("start-up: data, model and optimizer build took") == 1
 

@@ -1,5 +1,6 @@
-"""The start-up phases a user waits through (rendezvous, model/optimizer
-build, checkpoint load): each one that takes longer than a threshold is
+"""The start-up phases a user waits through (the launcher's data
+preparation; each worker generation's rendezvous, data/model/optimizer
+build and checkpoint load): each one that takes longer than a threshold is
 recorded as a `startup_phase` event by rank 0, which the launcher's console
 prints as one line (resilience/incidents.py), a load with its bytes and
 bytes/s. Short phases say nothing: the banner and the first step follow at
@@ -28,11 +29,12 @@ def threshold_s() -> float:
 class StartupPhases:
     """Times phases on `clock`; on rank 0, a phase of `threshold` seconds or
     more is emitted with its seconds and, when the phase reported bytes,
-    bytes and bytes_per_s."""
+    bytes and bytes_per_s; and said through `say`, where given (the launcher,
+    whose own phases come before its console follows the events)."""
 
     def __init__(self, events: Events, rank: int, *, clock: Callable[[], float] = time.monotonic,
-                 threshold: Optional[float] = None):
-        self.events, self.rank, self.clock = events, rank, clock
+                 threshold: Optional[float] = None, say: Optional[Callable[[str], None]] = None):
+        self.events, self.rank, self.clock, self.say = events, rank, clock, say
         self.threshold = threshold_s() if threshold is None else threshold
 
     @contextmanager
@@ -51,7 +53,9 @@ class StartupPhases:
         fields = {"phase": name, "seconds": seconds}
         if nbytes is not None:
             fields.update(bytes=nbytes, bytes_per_s=nbytes / seconds if seconds > 0 else None)
-        self.events.emit("startup_phase", **fields)
+        record = self.events.emit("startup_phase", **fields)
+        if self.say is not None:
+            self.say(f"megaresil: {describe(record)}")
 
 
 def describe(event: dict) -> str:
