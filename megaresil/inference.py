@@ -1,45 +1,47 @@
-"""`megaresil eval` and `megaresil generate`: a checkpoint's model in one
-process, whatever layout saved it. Its global tensors are read whole by the
-reader the offline converter and the Hugging Face export use; the model and
-the held-out batches are the trainer's own, at tp = pp = dp = 1, so a loss
-here is the number the run's eval wrote.
+"""`megaresil eval` and `megaresil generate`: a checkpoint's model, whatever
+layout saved it, in one process or spread over `--tp N` local
+tensor-parallel processes (one per GPU). The weights are loaded as
+`checkpoint.init_from` loads them (verified, resharded to this layout); the
+model and the held-out batches are the trainer's own, so a loss here is the
+number the run's eval wrote.
 
-One process must hold the whole model: before anything is allocated, the
-bytes it needs are estimated from the manifest and compared with the memory
-free on the device, and a model that does not fit is refused in one line
-(naming both figures) instead of dying of an out-of-memory kill halfway
-through the load."""
+Before any process starts, the bytes the model needs are estimated from the
+manifest and compared with the memory free on the device, and a model that
+does not fit is refused in one line (naming both figures and the fix: more
+GPUs with --tp) instead of dying of an out-of-memory kill halfway through
+the load."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import psutil
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.convert import open_source
-from megaresil.checkpoint.sources import full_tensors
-from megaresil.config import ParallelConfig, Precision, RecipeConfig, from_dict
+from megaresil.config import (ConfigError, ParallelConfig, Precision, RecipeConfig, from_dict,
+                              validate)
 from megaresil.data.build import build_test_dataset, recipe_tokenizer
-from megaresil.parallel.layout import ParallelLayout, pick_device
+from megaresil.parallel.layout import ParallelLayout, backend_for, pick_device, visible_gpus
+from megaresil.ports import free_port
 from megaresil.train.loop import Trainer
 from megaresil.train.precision import resolve
 
 # Tests set it to pretend a small machine (bytes free on the device); unset
 # on a user's machine, where the device's own figure counts.
 AVAILABLE_MEMORY_ENV = "MEGARESIL_AVAILABLE_MEMORY_BYTES"
-SPLITS = ("valid", "test")
 
 
-def one_process_bytes(manifest: dict, precision: Precision) -> int:
-    """What one process holding the model for eval or generation allocates,
-    about: per parameter the Trainer's (it is the model's one home) weight,
+def model_bytes(manifest: dict, precision: Precision) -> int:
+    """What holding the whole model for eval or generation allocates, about
+    (over all ranks): per parameter the Trainer's (the model's one home) weight,
     fp32 gradient buffer and, under bf16, fp32 main copy; the optimizer's
     moments are not allocated before a step."""
     parameters = sum(math.prod(entry["global_shape"]) for key, entry in
@@ -56,85 +58,150 @@ def available_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def check_fits(checkpoint: Path, needed: int, available: int, device: torch.device) -> None:
-    if needed > available:
-        raise fmt.CheckpointError(
-            f"{checkpoint} needs about {needed / 1e9:.2f} GB in one process (its weights, "
-            "their gradient buffers and any fp32 main copy), but "
-            f"{device.type} has {available / 1e9:.2f} GB free. "
-            "Fix: run it on a machine with that much free memory (eval and generate gather "
-            "the whole model into one process; the run's own eval at its training layout is "
-            "the eval_loss in its metrics.jsonl)")
+def check_fits(checkpoint: Path, needed: int, available: int, device: torch.device,
+               tp: int) -> None:
+    """`needed`: the whole model's bytes. Spread over tp GPUs each holds a
+    tp-th of it; on the CPU the ranks share one memory, so tp does not help."""
+    share = needed if device.type == "cpu" else needed // tp
+    if share <= available:
+        return
+    where = ("of the cpu's memory" + (f" ({tp} processes share it)" if tp > 1 else "")
+             if device.type == "cpu" else f"on each of {tp} GPUs" if tp > 1 else "on one GPU")
+    fix = ("run it where that much memory is free" if device.type == "cpu" else
+           f"spread it over more GPUs with --tp N (each GPU then needs about "
+           f"{needed / 1e9:.2f} GB / N free)")
+    raise fmt.CheckpointError(
+        f"{checkpoint} needs about {share / 1e9:.2f} GB {where} (the weights, their "
+        f"gradient buffers and any fp32 main copy), but {device.type} has "
+        f"{available / 1e9:.2f} GB free. Fix: {fix}; the run's own eval at its training layout "
+        "is the eval_loss in its metrics.jsonl")
 
 
-@contextlib.contextmanager
-def one_process_trainer(checkpoint: Path,
-                        eval_batches: int | None = None) -> Iterator[tuple[Trainer, int]]:
-    """(a one-process trainer holding the checkpoint's weights, its step)."""
+def check_layout(recipe: RecipeConfig, tp: int, device: torch.device) -> None:
+    """Before any process starts: the model splits over tp ranks, and a GPU
+    run has a GPU for each."""
+    validate(dataclasses.replace(recipe, parallel=ParallelConfig(tp=tp), faults=[]))
+    gpus = visible_gpus()
+    if device.type == "cuda" and tp > gpus:
+        raise ConfigError("--tp", f"{tp} ranks need {tp} GPUs; {gpus} are visible.",
+                          f"pass --tp {gpus} or fewer (a divisor of the model's heads).")
+
+
+def run_on_model(checkpoint: Path, tp: int, eval_batches: int | None, job, **kwargs) -> dict:
+    """`job(trainer, checkpoint, step, **kwargs)` on the checkpoint's model,
+    whatever layout saved it, held by tp tensor-parallel ranks (one process
+    when tp is 1, else local processes over gloo or NCCL); rank 0's result.
+    The weights are loaded as `checkpoint.init_from` loads them: verified,
+    checked against the model, resharded to this layout."""
     source = open_source(checkpoint)
-    device = pick_device()
     recipe = from_dict(source.manifest["recipe"])
-    check_fits(checkpoint, one_process_bytes(source.manifest,
-                                             resolve(recipe.train.precision, device)),
-               available_bytes(device), device)
-    source.verify()
+    device = pick_device()
+    check_layout(recipe, tp, device)
+    check_fits(checkpoint, model_bytes(source.manifest, resolve(recipe.train.precision, device)),
+               available_bytes(device), device, tp)
+    if tp == 1:
+        return on_rank(checkpoint, recipe, tp, eval_batches, job, kwargs)
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(spawned_rank, args=(tp, free_port(), checkpoint, eval_batches, job,
+                                           kwargs, results), nprocs=tp, start_method="spawn")
+    outcome, value = results.get()
+    if outcome == "error":
+        raise fmt.CheckpointError(value)
+    return value
+
+
+def spawned_rank(rank: int, tp: int, port: int, checkpoint: Path, eval_batches: int | None,
+                 job, kwargs: dict, results) -> None:
+    """One of run_on_model's ranks; rank 0 puts ("ok", result) or ("error", why)."""
+    os.environ["LOCAL_RANK"] = str(rank)  # pick_device's GPU of this rank
+    device = pick_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=tp)
+    try:
+        recipe = from_dict(open_source(checkpoint).manifest["recipe"])
+        result = ("ok", on_rank(checkpoint, recipe, tp, eval_batches, job, kwargs))
+    except fmt.CheckpointError as err:
+        result = ("error", str(err))
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        results.put(result)
+
+
+def on_rank(checkpoint: Path, recipe: RecipeConfig, tp: int, eval_batches: int | None, job,
+            kwargs: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="megaresil-inference-") as scratch:
-        cfg = one_process_recipe(recipe, eval_batches, Path(scratch))
-        trainer = Trainer(cfg, ParallelLayout.from_config(cfg.parallel, device))
+        cfg = inference_recipe(recipe, eval_batches, Path(scratch), checkpoint, tp)
+        trainer = Trainer(cfg, ParallelLayout.from_config(cfg.parallel, pick_device()))
         try:
-            params = dict(trainer.named_parameters())
-            with torch.no_grad():
-                for key, tensor in full_tensors(source, [f"model/{k}" for k in params]):
-                    params[key.removeprefix("model/")].copy_(tensor)
-            yield trainer, source.manifest["step"]
+            return job(trainer, checkpoint, step_of(checkpoint), **kwargs)
         finally:
             trainer.close()
 
 
-def one_process_recipe(cfg: RecipeConfig, eval_batches: int | None,
-                       scratch: Path) -> RecipeConfig:
-    """The run's recipe at one process, without its drills' faults, and kept
-    out of the run's own directory: the trainer resumes nothing, writes no
-    event there and never cleans up the partial save of a run still going."""
+def step_of(checkpoint: Path) -> int:
+    return fmt.read_manifest(checkpoint)["step"]
+
+
+def inference_recipe(cfg: RecipeConfig, eval_batches: int | None, scratch: Path,
+                     checkpoint: Path, tp: int) -> RecipeConfig:
+    """The run's recipe at tp ranks (pp = dp = 1), starting from the
+    checkpoint's weights, without its drills' faults, and kept out of the
+    run's own directory: the trainer resumes nothing, writes no event there
+    and never cleans up the partial save of a run still going."""
     train = cfg.train if eval_batches is None else dataclasses.replace(
         cfg.train, eval_batches=eval_batches)
-    checkpoint = dataclasses.replace(
-        cfg.checkpoint, dir=None, load="none", init_from=None,
-        local=dataclasses.replace(cfg.checkpoint.local, enabled=False))
-    return dataclasses.replace(cfg, parallel=ParallelConfig(), train=train, faults=[],
+    saved = dataclasses.replace(
+        cfg.checkpoint, dir=None, load="none", init_from=str(checkpoint),
+        init_from_optimizer=False, local=dataclasses.replace(cfg.checkpoint.local, enabled=False))
+    return dataclasses.replace(cfg, parallel=ParallelConfig(tp=tp), train=train, faults=[],
                                run=dataclasses.replace(cfg.run, dir=str(scratch)),
-                               checkpoint=checkpoint)
+                               checkpoint=saved)
 
 
-def evaluate(checkpoint: Path, batches: int | None = None, split: str = "valid") -> dict:
+def evaluate(checkpoint: Path, batches: int | None = None, split: str = "valid",
+             tp: int = 1) -> dict:
     """Loss and perplexity on a held-out split: on valid, the run's own eval
     batches; on test, as many batches of the test split (data/build.py)."""
-    with one_process_trainer(checkpoint, batches) as (trainer, step):
-        cfg = trainer.cfg
-        if cfg.train.eval_batches == 0:
-            raise fmt.CheckpointError("the run evaluated on no batches (train.eval_batches=0). "
-                                      "Fix: pass --batches N.")
-        dataset = (build_test_dataset(cfg.data, cfg.model.vocab_size, cfg.train.seed)
-                   if split == "test" else None)
-        loss = float(trainer.evaluate(dataset))
+    return run_on_model(checkpoint, tp, batches, evaluate_job, split=split)
+
+
+def evaluate_job(trainer: Trainer, checkpoint: Path, step: int, *, split: str) -> dict:
+    cfg = trainer.cfg
+    if cfg.train.eval_batches == 0:
+        raise fmt.CheckpointError("the run evaluated on no batches (train.eval_batches=0). "
+                                  "Fix: pass --batches N.")
+    dataset = (build_test_dataset(cfg.data, cfg.model.vocab_size, cfg.train.seed)
+               if split == "test" else None)
+    loss = float(trainer.evaluate(dataset))
     return {"checkpoint": str(checkpoint), "step": step, "split": split,
             "batches": cfg.train.eval_batches, "loss": loss, "perplexity": math.exp(loss)}
 
 
 def generate(checkpoint: Path, prompt: str, *, max_new_tokens: int = 50, temperature: float = 0.0,
-             top_k: Optional[int] = None, seed: int = 0) -> dict:
+             top_k: Optional[int] = None, seed: int = 0, tp: int = 1) -> dict:
     """The prompt continued by the checkpoint's model (temperature 0: greedy)."""
-    with one_process_trainer(checkpoint, eval_batches=0) as (trainer, step):
-        cfg = trainer.cfg
-        try:
-            tokenizer = recipe_tokenizer(cfg.data, cfg.model.vocab_size)
-        except ValueError as err:
-            raise fmt.CheckpointError(f"{err} (generation needs text in and out)") from None
-        prompt_ids = tokenizer.encode(prompt)
-        trainer.model.eval()
-        ids = continue_tokens(trainer.chunks[0], prompt_ids, cfg.model.max_seq_len,
-                              max_new_tokens, temperature, top_k,
-                              torch.Generator().manual_seed(seed))
+    return run_on_model(checkpoint, tp, 0, generate_job, prompt=prompt,
+                        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        seed=seed)
+
+
+def generate_job(trainer: Trainer, checkpoint: Path, step: int, *, prompt: str,
+                 max_new_tokens: int, temperature: float, top_k: Optional[int],
+                 seed: int) -> dict:
+    # Every rank draws the same tokens: the logits are gathered over tp and
+    # the sampling generator is seeded alike.
+    cfg = trainer.cfg
+    try:
+        tokenizer = recipe_tokenizer(cfg.data, cfg.model.vocab_size)
+    except ValueError as err:
+        raise fmt.CheckpointError(f"{err} (generation needs text in and out)") from None
+    trainer.model.eval()
+    ids = continue_tokens(trainer.chunks[0], tokenizer.encode(prompt), cfg.model.max_seq_len,
+                          max_new_tokens, temperature, top_k, torch.Generator().manual_seed(seed))
     return {"checkpoint": str(checkpoint), "step": step, "prompt": prompt,
             "completion": tokenizer.decode(ids), "token_ids": ids}
 

@@ -197,20 +197,24 @@ def test_a_manifest_dtype_is_checked_without_torch():
 
 def test_a_model_too_big_for_one_process_is_refused_naming_sizes_and_fix():
     from megaresil.config import Precision
-    from megaresil.inference import check_fits, one_process_bytes
+    from megaresil.inference import check_fits, model_bytes
 
     manifest = {"tensors": {
         "model/w": {"global_shape": [1000, 1000], "dtype": "float32", "shards": []},
         "optim/w/exp_avg": {"global_shape": [1000, 1000], "dtype": "float32", "shards": []}}}
-    needed = one_process_bytes(manifest, Precision.fp32)
+    needed = model_bytes(manifest, Precision.fp32)
     assert needed == 8_000_000  # the weights and their fp32 grad buffers, not the optimizer's
-    assert one_process_bytes(manifest, Precision.bf16) == 10_000_000  # + the fp32 main copy
-    check_fits(Path("ck"), needed, needed, torch.device("cpu"))
+    assert model_bytes(manifest, Precision.bf16) == 10_000_000  # + the fp32 main copy
+    check_fits(Path("ck"), needed, needed, torch.device("cpu"), tp=1)
+    gpu = torch.device("cuda", 0)
     with pytest.raises(fmt.CheckpointError) as refused:
-        check_fits(Path("ck"), 30_000_000_000, 12_500_000_000, torch.device("cuda", 0))
+        check_fits(Path("ck"), 30_000_000_000, 12_500_000_000, gpu, tp=1)
     message = str(refused.value)
-    assert "needs about 30.00 GB" in message and "cuda has 12.50 GB free" in message
-    assert "Fix:" in message and "\n" not in message
+    assert "needs about 30.00 GB on one GPU" in message and "cuda has 12.50 GB free" in message
+    assert "Fix: spread it over more GPUs with --tp N" in message and "\n" not in message
+    check_fits(Path("ck"), 30_000_000_000, 12_500_000_000, gpu, tp=4)  # 7.5 GB on each
+    with pytest.raises(fmt.CheckpointError, match="30.00 GB of the cpu's memory \\(4 processes"):
+        check_fits(Path("ck"), 30_000_000_000, 12_500_000_000, torch.device("cpu"), tp=4)
 
 
 # --- a second Ctrl-C in a worker whose main thread is inside C --------------------------------

@@ -1,7 +1,8 @@
 """Journey of issue 26's console: a second Ctrl-C stops at once, the resume
 says what its start-up cost (a checkpoint load with its rate), and the run
-is evaluated on both held-out splits and refused for generation where the
-model would not fit, without a word written into the run directory."""
+is evaluated on both held-out splits, in one process and over two
+tensor-parallel ones, and refused for generation where the model would not
+fit, without a word written into the run directory."""
 import json
 import time
 from pathlib import Path
@@ -62,11 +63,22 @@ def test_second_ctrl_c_stops_at_once_then_resume_eval_and_generate(home):
                                 cwd=home).stdout.splitlines()[-1])
     assert valid["split"] == "valid" and valid["loss"] == eval_loss and valid["step"] == 4
     assert test["split"] == "test" and test["loss"] != valid["loss"]
+    # At another layout than one process: two tensor-parallel ranks hold the model.
+    spread = json.loads(megaresil("eval", "run", "--tp", "2", "--json",
+                                  cwd=home).stdout.splitlines()[-1])
+    assert spread["loss"] == pytest.approx(valid["loss"], rel=1e-5)
+    greedy = ["generate", "run", "--prompt", "ROMEO:", "--max-new-tokens", "6", "--json"]
+    one = json.loads(megaresil(*greedy, cwd=home).stdout.splitlines()[-1])
+    two = json.loads(megaresil(*greedy, "--tp", "2", cwd=home).stdout.splitlines()[-1])
+    assert two["token_ids"] == one["token_ids"] and len(one["token_ids"]) == 6
+    uneven = megaresil("eval", "run", "--tp", "5", cwd=home, check=False)  # 6 heads
+    assert uneven.returncode == 2 and "parallel.tp: tp=5 does not divide" in uneven.stderr
 
     refused = megaresil("generate", "run", "--prompt", "ROMEO:", cwd=home, check=False,
                         env=user_env(MEGARESIL_AVAILABLE_MEMORY_BYTES="1000000"))
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     error = [line for line in refused.stderr.splitlines() if line.startswith("megaresil: error:")]
-    assert len(error) == 1 and "needs about 0.02 GB in one process" in error[0], refused.stderr
+    assert len(error) == 1 and "needs about 0.02 GB of the cpu's memory" in error[0], \
+        refused.stderr
     assert "0.00 GB free" in error[0] and "Fix:" in error[0]
     assert (home / "run/events.jsonl").read_text() == events_before  # eval wrote nothing there

@@ -48,7 +48,8 @@ def build_datasets(data_cfg: DataConfig, model_vocab_size: int, seed: int, *,
     info = _prepared(data_cfg, model_vocab_size)
     # Named after the recipe's corpus, not the cache entry it was prepared into.
     return (GPTDataset(IndexedDataset(info.train_prefix), data_cfg.seq_len, seed,
-                    index_dir=data_cfg.index_cache, name=f"the train part of {data_cfg.source}"),
+                       index_dir=data_cfg.index_cache,
+                       name=f"the train part of {data_cfg.source}"),
             _held_out_half(data_cfg, info, seed, "valid"), info)
 
 
