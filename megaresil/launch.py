@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import psutil
 import torch
 import yaml
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -32,7 +31,7 @@ from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import visible_gpus
 from megaresil.resilience.faults import check_device_faults, check_fault_ranks
 from megaresil.resilience.incidents import IncidentPrinter
-from megaresil.resilience.preemption import (INTERRUPTED_EXIT, PREEMPTED_EXIT,
+from megaresil.resilience.preemption import (INTERRUPTED_EXIT, PREEMPTED_EXIT, kill_descendants,
                                              second_interrupt_kills_workers)
 from megaresil.resilience.restart import HANG_EXIT_CODE
 from megaresil.resilience.supervision import end_with_agent
@@ -318,8 +317,7 @@ def interrupted(ending: Optional[dict]) -> int:
     incident line says which step); a second Ctrl-C ended the agent's wait
     for them: stop them at once."""
     if ending is None or ending["event"] != "interrupted":
-        for child in psutil.Process().children():
-            child.kill()
+        kill_descendants()
         print("megaresil: second Ctrl-C: stopped at once without saving (rerun the same "
               "command to resume from the newest checkpoint)", file=sys.stderr)
     return INTERRUPTED_EXIT

@@ -11,16 +11,15 @@ collective wait), where Python signal handlers do not run, so a small thread
 hears the signal through the wakeup fd, which the C-level handler writes."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import psutil
-
 import torch
 import torch.distributed as dist
 
@@ -85,7 +84,7 @@ class PreemptionFlag:
         return 2 if self.signal_name == "SIGINT" else 1
 
 
-@contextmanager
+@contextlib.contextmanager
 def second_interrupt_kills_workers() -> Iterator[None]:
     """The launcher's side of a second Ctrl-C. TorchElastic's agent meets the
     first SIGINT by handing it to the workers (in sessions of their own, so
@@ -105,8 +104,7 @@ def second_interrupt_kills_workers() -> Iterator[None]:
                 before, interrupts = interrupts, interrupts + os.read(read_end, 64).count(
                     signal.SIGINT)
                 if before < 2 <= interrupts:
-                    for worker in psutil.Process().children(recursive=True):
-                        worker.kill()
+                    kill_descendants()
         finally:
             os.close(read_end)
 
@@ -119,3 +117,9 @@ def second_interrupt_kills_workers() -> Iterator[None]:
         done.set()
         os.write(write_end, b"\0")  # wakes the thread, which then closes its end
         os.close(write_end)
+
+
+def kill_descendants() -> None:
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):  # one may end meanwhile
+            child.kill()
