@@ -172,6 +172,7 @@ def resume(trainer) -> None:
             initialize_from(trainer, Path(trainer.cfg.checkpoint.init_from))
     if trainer.checkpointer.local is not None:
         trainer.checkpointer.local.discard_after(saved.step if saved else None)
+        trainer.checkpointer.local.check_space(trainer.checkpoint_state)
 
 
 def why_not_global(trainer, skipped: list, local_step: int) -> str:
