@@ -16,6 +16,7 @@ from megaresil.checkpoint.replication import Topology, complete_step, transfers
 from megaresil.checkpoint.sharded import Rect
 from megaresil.events import read_events, read_metrics
 from megaresil.ports import free_port
+from tests.journey import home, megaresil  # noqa: F401  (home: a fixture)
 
 LAYOUT = {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
 
@@ -513,3 +514,57 @@ def test_every_rank_pauses_with_the_rank_whose_storage_is_full(tmp_path):
     (paused,) = ranks[0]["events"]
     assert paused["ranks"] == [1] and paused["reason"].startswith("rank 1: ") and \
         ranks[1]["events"] == []  # rank 0 reports
+
+
+# --- journey: a local tier on a small tmpfs --------------------------------------------------
+
+@pytest.fixture
+def small_shm(home):
+    """A 300 MiB tmpfs: two local saves of gpt-tiny at dp=2 on two simulated
+    nodes fit (4 shards of 31 MB a step, replicas included), a third does not."""
+    import subprocess
+
+    disk = home / "shm"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.journey
+def test_a_full_local_tier_pauses_and_the_run_ends_bit_equal_to_the_reference(home, small_shm):
+    from tests.dist_harness import RECIPE
+
+    common = [str(RECIPE), "parallel.tp=1", "parallel.pp=1", "parallel.dp=2", "train.steps=8",
+              "checkpoint.interval=6", "data.seq_len=32", "train.eval_batches=0",
+              "logging.progress=false", "logging.tensorboard=false",
+              f"data.cache_dir={home / 'cache'}"]
+    megaresil("train", *common, "run.dir=reference", cwd=home)
+    # Step 3's save does not fit; step 5 raises (after the pause is known:
+    # a save still in flight when a job fails may yet finish), and the
+    # in-process restart resumes from local step 2, where one more save does
+    # not fit either.
+    run = megaresil("train", *common, "run.dir=run", "checkpoint.local.enabled=true",
+                    "checkpoint.local.interval=1", "checkpoint.local.ranks_per_node=1",
+                    f"checkpoint.local.dir={small_shm / 'local'}",
+                    "faults=[{kind: raise, rank: 1, step: 5}]", cwd=home)
+    assert "local checkpoint of step 3 failed (rank " in run.stderr, run.stderr
+    assert "ENOSPC" in run.stderr and "point checkpoint.local.dir elsewhere" in run.stderr
+    assert "local checkpoint tier is off for this run" in run.stderr
+    assert "checkpoint.dir " not in run.stderr
+    events = read_events(home / "run")
+    loads = [(e["tier"], e["step"]) for e in events if e["event"] == "checkpoint_loaded"]
+    assert loads == [("local", 2)], loads  # never the failed step 3
+    paused = [e["retry_at_step"] for e in events if e["event"] == "local_tier_paused"]
+    assert len(paused) == 2 and paused[0] > 3 and paused[1] is None
+    assert {p.name for p in (home / "run" / "checkpoints").iterdir()} >= {"step_0000006",
+                                                                         "step_0000008"}
+    diff = megaresil("ckpt", "diff", "reference/checkpoints/step_0000008",
+                     "run/checkpoints/step_0000008", cwd=home)
+    assert " 0 not identical" in diff.stdout, diff.stdout
+    assert [p for p in small_shm.rglob("*") if p.is_file()] == []  # released at the end
