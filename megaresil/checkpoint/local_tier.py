@@ -436,7 +436,6 @@ class Pause:
     reason: str
     retry_at: Optional[int]
     failures: int = 1  # failed saves in a row
-    retry_after_s: Optional[float] = None
 
     def holds(self, step: int) -> bool:
         return self.retry_at is None or step < self.retry_at
@@ -576,6 +575,11 @@ class LocalTier:
                           time.perf_counter() - started, time.perf_counter() - replica_started,
                           self.cadence.proposal, problem, *retry)
         gathered = self.coll.all_gather(outcome)
+        if self.abandoned:
+            # The job failed meanwhile: the next generation may be reading
+            # this node's shards; what this save left is retired by its
+            # retention (or cleaned at the next start-up).
+            return
         self.cadence.agree([g.proposal for g in gathered])
         failed = {rank: g.problem for rank, g in enumerate(gathered) if g.problem}
         if failed:
@@ -584,7 +588,7 @@ class LocalTier:
             return
         self.pause = None
         self.store.retain(self.keep, self.rank, self.mine)
-        if self.rank == 0 and not self.abandoned:
+        if self.rank == 0:
             report.saved(step=own.step, bytes=sum(g.bytes for g in gathered),
                          replica_bytes=sum(g.replica_bytes for g in gathered),
                          seconds=max(g.seconds for g in gathered),
@@ -619,8 +623,8 @@ class LocalTier:
         failures = self.pause.failures + 1 if self.pause else 1
         first = min(failed)
         reason = f"rank {first}: {failed[first]}"
-        self.pause = Pause(step, reason, retry_at, failures, backoff_s)
-        if self.rank == 0 and not self.abandoned:
+        self.pause = Pause(step, reason, retry_at, failures)
+        if self.rank == 0:
             self.events.emit("local_tier_paused", step=step, reason=reason, ranks=sorted(failed),
                              retry_at_step=retry_at, retry_after_s=backoff_s, failures=failures,
                              path=str(self.store.root.parent))
