@@ -357,13 +357,14 @@ class FakeClock:
         return self.now
 
 
-def single_tier(root: Path, monkeypatch, world: int = 1, rank_of=None):
+def single_tier(root: Path, monkeypatch):
+    """A one-rank tier (no process group) on a FillingStore, saving every step."""
     from megaresil.checkpoint.local_tier import LocalTier
 
     monkeypatch.setattr("megaresil.checkpoint.local_tier.training_rects",
                         lambda state, include_copies: rects(float(state.step)))
     events = Recorded()
-    tier = LocalTier(root, Topology(world, 1, 1), group=None, interval=1, keep=2, events=events,
+    tier = LocalTier(root, Topology(1, 1, 1), group=None, interval=1, keep=2, events=events,
                      device=torch.device("cpu"))
     tier.store = FillingStore(tier.store.root)
     return tier, events
