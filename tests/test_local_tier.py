@@ -491,13 +491,27 @@ def _one_rank_full(rank: int, world: int, port: int, out: str) -> None:
     run_steps(tier, state, clock, [1])
     tier.store.full = rank == 1
     run_steps(tier, state, clock, [2, 3])
-    held = tier.store.held()
+    held, retry_at = tier.store.held(), tier.pause.retry_at
+    # Then, the back-off over and the storage free, a replica that arrives
+    # damaged at rank 0: a failed save too, not the end of the run.
+    tier.store.full, tier.pause = False, None
+    if rank == 0:
+        received = tier._replicate
+        tier._replicate = lambda own: [flipped(s) for s in received(own)]
+    run_steps(tier, state, clock, [4])
     tier.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps({
-        "retry_at": tier.pause.retry_at, "held": {str(k): v for k, v in held.items()},
+        "retry_at": retry_at, "held": {str(k): v for k, v in held.items()},
+        "held_after": {str(k): v for k, v in tier.store.held().items()},
         "writes": tier.store.writes, "events": [e for e in events.events
                                                 if e["event"] == "local_tier_paused"]}))
     dist.destroy_process_group()
+
+
+def flipped(shard: Shard) -> Shard:
+    data = shard.data.clone()
+    data[0] ^= 0xFF
+    return Shard(shard.meta, data)
 
 
 def test_every_rank_pauses_with_the_rank_whose_storage_is_full(tmp_path):
@@ -511,10 +525,12 @@ def test_every_rank_pauses_with_the_rank_whose_storage_is_full(tmp_path):
     # rank 1 included); step 3 was skipped by both: rank 0 wrote step 1's
     # and step 2's two shards only.
     assert ranks[0]["held"] == ranks[1]["held"] == {"1": [0, 1]}
-    assert ranks[0]["writes"] == 4
-    (paused,) = ranks[0]["events"]
+    (paused, damaged) = ranks[0]["events"]
     assert paused["ranks"] == [1] and paused["reason"].startswith("rank 1: ") and \
         ranks[1]["events"] == []  # rank 0 reports
+    assert damaged["ranks"] == [0] and "arrived damaged" in damaged["reason"]
+    assert ranks[0]["held_after"] == ranks[1]["held_after"] == {"1": [0, 1]}
+    assert ranks[0]["writes"] == 4 + 1  # step 4: its own shard; the damaged replica never
 
 
 # --- journey: a local tier on a small tmpfs --------------------------------------------------
