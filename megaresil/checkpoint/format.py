@@ -54,36 +54,50 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, with the reason and (where known) the fix."""
 
 
-# What to do about a failed write, by errno ({dir}: the directory written to).
+# What to do about a failed write, by errno ({dir}: the directory written to;
+# {key}: the recipe key that chose where: checkpoint.dir, checkpoint.local.dir).
 _WRITE_FIXES = {
-    errno.ENOSPC: "free space on the filesystem of {dir} or point checkpoint.dir elsewhere",
-    errno.EDQUOT: "raise the disk quota on {dir} or point checkpoint.dir elsewhere",
-    errno.EFBIG: "raise the file size limit (ulimit -f) or point checkpoint.dir elsewhere",
-    errno.EACCES: "make {dir} writable or point checkpoint.dir elsewhere",
-    errno.EPERM: "make {dir} writable or point checkpoint.dir elsewhere",
-    errno.EROFS: "remount {dir} read-write or point checkpoint.dir elsewhere",
+    errno.ENOSPC: "free space on the filesystem of {dir} or point {key} elsewhere",
+    errno.EDQUOT: "raise the disk quota on {dir} or point {key} elsewhere",
+    errno.EFBIG: "raise the file size limit (ulimit -f) or point {key} elsewhere",
+    errno.EACCES: "make {dir} writable or point {key} elsewhere",
+    errno.EPERM: "make {dir} writable or point {key} elsewhere",
+    errno.EROFS: "remount {dir} read-write or point {key} elsewhere",
 }
 
 
-def write_failure(err: OSError, path: Path) -> CheckpointError:
-    """The one-line error for an OSError while saving `path`: what, where,
-    errno, the fix. Nothing is committed before every write has succeeded, so
-    the previous checkpoint stays valid."""
-    code = errno.errorcode.get(err.errno, f"errno {err.errno}") if err.errno else "OSError"
-    reason = os.strerror(err.errno) if err.errno else str(err)
-    fix = _WRITE_FIXES.get(err.errno, "check {dir} or point checkpoint.dir elsewhere")
-    return CheckpointError(f"saving a checkpoint failed: {code} ({reason}) writing {path}; "
-                           f"{fix.format(dir=path.parent)}; the previous checkpoint stays valid")
+class WriteFailure(CheckpointError):
+    """An OSError while saving `path`, in one line: what, where, errno, the
+    fix, which names `key`, the recipe key that chose the directory. Nothing
+    is committed before every write has succeeded, so the previous
+    checkpoint stays valid."""
+
+    def __init__(self, err: OSError, path: Path, key: str = "checkpoint.dir"):
+        self.error, self.path, self.key = err, path, key
+        code = errno.errorcode.get(err.errno, f"errno {err.errno}") if err.errno else "OSError"
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        fix = _WRITE_FIXES.get(err.errno, "check {dir} or point {key} elsewhere")
+        super().__init__(f"saving a checkpoint failed: {code} ({reason}) writing {path}; "
+                         f"{fix.format(dir=path.parent, key=key)}; the previous checkpoint "
+                         "stays valid")
+
+    def __reduce__(self):  # pickled by its fields, not by the message __init__ builds
+        return WriteFailure, (self.error, self.path, self.key)
 
 
 @contextlib.contextmanager
-def naming_write_errors(path: Path) -> Iterator[None]:
+def naming_write_errors(path: Path, key: str = "checkpoint.dir") -> Iterator[None]:
     """Turn an OSError raised while writing `path` (or a file it names) into
-    write_failure's CheckpointError."""
+    a WriteFailure whose fix names `key`; the outermost caller's key wins
+    (the local tier's writes go through the same helpers as the global's)."""
     try:
         yield
+    except WriteFailure as failure:
+        if failure.key == key:
+            raise
+        raise WriteFailure(failure.error, failure.path, key) from failure.error
     except OSError as err:
-        raise write_failure(err, Path(err.filename) if err.filename else path) from err
+        raise WriteFailure(err, Path(err.filename) if err.filename else path, key) from err
 
 
 # The manifest's dtypes and their item sizes, without torch: reading a

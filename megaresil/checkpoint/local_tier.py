@@ -27,14 +27,22 @@ Storage: files in /dev/shm, not a helper process's memory. They outlive a
 killed or relaunched worker with no process to keep alive and no second
 failure domain, cost no disk I/O, and die with the node, which is what the
 replicas are for. Nothing is written under the global checkpoint root.
+
+Full storage (a 64 MB Docker /dev/shm): the tier is optional, so it never
+costs the run. At start-up it stays off for the run when one save cannot fit
+in the free space; a save that fails to write (ENOSPC or any OSError) on any
+rank is removed on every rank, and every rank pauses the tier until the same
+step, agreed by the save's own collective, then retries (see Pause).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import re
 import shutil
+import socket
 import statistics
 import tempfile
 import threading
@@ -53,8 +61,9 @@ from megaresil.checkpoint import format as fmt
 from megaresil.compat import detach_process_group
 from megaresil.checkpoint.manager import (Collectives, SaveReport, dtype_name, save_thread_setup,
                                           wait_for)
-from megaresil.checkpoint.replication import (Choice, Holdings, Topology, complete_step,
-                                              decode_meta, encode_meta, header, transfers)
+from megaresil.checkpoint.replication import (Choice, Holdings, Space, Topology, complete_step,
+                                              decode_meta, encode_meta, header, space_shortfall,
+                                              transfers)
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunState, TrainingState, training_rects
@@ -63,6 +72,9 @@ SHARD_FORMAT = "megaresil-local-shard"
 DATA, META = "data.bin", "meta.json"
 RANK_DIR = re.compile(r"^rank_(\d{5,})$")
 BUDGET = 0.05  # the share of a step a local save may hold the loop for (interval 0)
+DIR_KEY = "checkpoint.local.dir"  # what the tier's messages tell a user to point elsewhere
+RETRY_FIRST_S, RETRY_MAX_S = 60.0, 1800.0  # a paused tier's back-off: doubling, capped
+SHARD_SLACK = 64 * 1024  # a shard's bytes on disk beyond data.bin and meta.json (marker, blocks)
 
 
 def local_root(local_dir: Optional[str], run_dir: str) -> Path:
@@ -123,16 +135,46 @@ def stage(rects: list[Rect], buffer: Optional[torch.Tensor],
     `copy` (enqueued on a GPU: see StagingCopy); returns the buffer and each
     rect's record (checksums come later)."""
     copy = copy or StagingCopy.of([r.tensor for r in rects])
+    records, size = rect_records(rects)
+    if buffer is None or buffer.numel() != size:
+        buffer = copy.host_empty((size,), torch.uint8)
+    copy.into([view_of(buffer, rec) for rec in records], [r.tensor for r in rects])
+    return buffer, records
+
+
+def rect_records(rects: list[Rect]) -> tuple[list[dict], int]:
+    """Each rect's record, back to back from byte 0, and the bytes of all."""
     records, start = [], 0
     for r in rects:
         records.append({"key": r.key, "global_shape": list(r.global_shape),
                         "offset": list(r.offset), "shape": list(r.shape),
                         "dtype": dtype_name(r.tensor), "start": start, "nbytes": r.nbytes})
         start += r.nbytes
-    if buffer is None or buffer.numel() != start:
-        buffer = copy.host_empty((start,), torch.uint8)
-    copy.into([view_of(buffer, rec) for rec in records], [r.tensor for r in rects])
-    return buffer, records
+    return records, start
+
+
+def shard_meta(run: RunState, owner: int, world: int, rng: dict, records: list[dict]) -> dict:
+    """A shard's meta.json (its records' checksums added once staged)."""
+    return {"format": SHARD_FORMAT, "version": 1, "step": run.step, "owner": owner,
+            "world": world, "layout": run.layout, "run": run.to_manifest(),
+            "rank_state": rng, "rects": records}
+
+
+def shard_bytes(state: TrainingState, owner: int, world: int) -> int:
+    """What one shard of `state` takes in the local tier's storage."""
+    records, size = rect_records(training_rects(state, include_copies=True))
+    for rec in records:
+        rec["checksum"] = "0" * 16  # an xxh3-64 digest's length
+    meta = shard_meta(state.run_state(), owner, world, state.rng_state(), records)
+    return size + len(json.dumps(meta, indent=1)) + SHARD_SLACK  # as write_json_atomic writes it
+
+
+def filesystem_space(directory: Path) -> tuple[str, int]:
+    """The filesystem `directory` is (or will be) on, by host and device,
+    and its bytes free to this user."""
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    stats = os.statvfs(existing)
+    return f"{socket.gethostname()}:{os.stat(existing).st_dev}", stats.f_bavail * stats.f_frsize
 
 
 def view_of(data: torch.Tensor, record: dict) -> torch.Tensor:
@@ -217,19 +259,23 @@ class NodeStore:
     def write(self, shard: Shard) -> None:
         final = self.shard_dir(shard.step, shard.owner)
         partial = final.with_name(final.name + ".partial")
-        with fmt.naming_write_errors(partial):
+        with fmt.naming_write_errors(partial, DIR_KEY):
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
-            with open(partial / DATA, "wb") as f:
-                f.write(memoryview(shard.data.numpy()))
-                f.flush()
-                os.fsync(f.fileno())
+            self.write_data(partial / DATA, shard.data)
             digest = fmt.write_json_atomic(partial / META, shard.meta)
             if final.exists():  # the step saved again after a restart: same state
                 shutil.rmtree(final)
             partial.rename(final)
             fmt.fsync_path(final.parent)
             fmt.write_marker(final, {META: digest})
+
+    def write_data(self, path: Path, data: torch.Tensor) -> None:
+        """A shard's data.bin, durable before its meta.json names it."""
+        with open(path, "wb") as f:
+            f.write(memoryview(data.numpy()))
+            f.flush()
+            os.fsync(f.fileno())
 
     def read_meta(self, step: int, owner: int) -> dict:
         directory = self.shard_dir(step, owner)
@@ -303,10 +349,16 @@ class NodeStore:
             self.remove(later, owners)
 
     def clean_partials(self, owners: list[int]) -> None:
+        """Remove what saves that died left of `owners`' shards: `.partial`
+        directories and shards without their marker, which are never read
+        and only fill the node's memory."""
         for step in self.held():
             for owner in owners:
-                shutil.rmtree(self.shard_dir(step, owner).with_name(
-                    rank_dir_name(owner) + ".partial"), ignore_errors=True)
+                final = self.shard_dir(step, owner)
+                shutil.rmtree(final.with_name(final.name + ".partial"), ignore_errors=True)
+                if final.is_dir() and not (final / fmt.MARKER).exists():
+                    shutil.rmtree(final, ignore_errors=True)
+            self.remove(step, [])  # the step's directory, once nothing is left in it
 
 
 def describe(layout: dict) -> str:
@@ -357,7 +409,7 @@ class Cadence:
         if not self.fixed:
             self.every = self.agreed or self.every
             if self.last is not None and self.step_s:
-                budget = BUDGET * statistics.median(self.step_s)
+                budget = BUDGET * self.step_seconds()
                 self.proposal = (max(1, math.ceil(self.held_by_save / budget))
                                  if budget > 0 else 1)
         self.last, self.held_by_save = step, 0.0
@@ -365,6 +417,50 @@ class Cadence:
     def agree(self, proposals: list[int]) -> None:
         """On the save's thread, with every rank's proposal."""
         self.agreed = max(proposals)
+
+    def step_seconds(self) -> Optional[float]:
+        """The median of the recent step times (None before one is measured)."""
+        return statistics.median(self.step_s) if self.step_s else None
+
+
+# --- when a save fails ----------------------------------------------------------------
+
+@dataclass
+class Pause:
+    """The tier stopped saving: since which step, why, and the step from
+    which it saves again (None: not in this run). Every rank holds the same
+    Pause: a failed save's is agreed by the save's own collective, the
+    start-up check's by its own; so no rank saves (and waits on a peer's
+    replication) while another is paused."""
+    step: int
+    reason: str
+    retry_at: Optional[int]
+    failures: int = 1  # failed saves in a row
+
+    def holds(self, step: int) -> bool:
+        return self.retry_at is None or step < self.retry_at
+
+
+def retry_step(step: int, failures: int, step_s: Optional[float]) -> tuple[int, float]:
+    """Where a tier whose `failures`-th save in a row failed at `step` tries
+    again, and after how long: RETRY_FIRST_S, doubled at each failure up to
+    RETRY_MAX_S, in steps of `step_s` (with no step measured yet, the next
+    step, whose failure then backs off by time)."""
+    backoff = min(RETRY_FIRST_S * 2.0 ** min(failures - 1, 32), RETRY_MAX_S)
+    return step + (max(1, math.ceil(backoff / step_s)) if step_s else 1), backoff
+
+
+@dataclass
+class Outcome:
+    """One rank's side of a local save, gathered by every rank at its end."""
+    bytes: int
+    replica_bytes: int
+    seconds: float
+    replication_seconds: float
+    proposal: int  # the interval this rank proposes (Cadence)
+    problem: Optional[str]  # why this rank's writes failed, None when they did not
+    retry_at: int  # the step this rank proposes to retry at, should any rank have failed
+    retry_after_s: float
 
 
 # --- the tier ----------------------------------------------------------------------------
@@ -397,6 +493,7 @@ class LocalTier:
         self.report: Optional[SaveReport] = None
         self.abandoned = False
         self.loaded: dict[int, Shard] = {}  # start-up: shards of the chosen step, by owner
+        self.pause: Optional[Pause] = None  # set and cleared by saves' agreement (and start-up)
 
     # --- saving --------------------------------------------------------------------
 
@@ -408,7 +505,9 @@ class LocalTier:
         staged, written, replicated and committed on the tier's thread; the
         loop waits only for the staging copy, at its next optimizer step."""
         started = time.perf_counter()
-        self.wait()
+        self.wait()  # after it, every rank knows the same pause
+        if self.pause is not None and self.pause.holds(step):
+            return
         self.cadence.saving(step)
         # The RNG is global to the process: read it here, before the next
         # step draws from it. The rest is read on the tier's thread before
@@ -417,8 +516,10 @@ class LocalTier:
         self.staged, self.report = threading.Event(), SaveReport(self.events,
                                                                   "local_checkpoint_saved")
         self.copy = StagingCopy(self.device)
+        failures = self.pause.failures + 1 if self.pause else 1
+        retry = retry_step(step, failures, self.cadence.step_seconds())  # should this one fail
         self.pending = self.executor.submit(self._stage_write_replicate, [state], rng, started,
-                                            self.copy, self.staged, self.report)
+                                            self.copy, self.staged, self.report, retry)
         self._held(time.perf_counter() - started, self.report)
 
     def _held(self, seconds: float, report: SaveReport) -> None:
@@ -446,7 +547,7 @@ class LocalTier:
 
     def _stage_write_replicate(self, holder: list[TrainingState], rng: dict, started: float,
                                copy: StagingCopy, staged: threading.Event,
-                               report: SaveReport) -> None:
+                               report: SaveReport, retry: tuple[int, float]) -> None:
         # The state comes in a holder emptied once staged: a save abandoned
         # with a job blocks in its collectives until their timeout, and must
         # not keep the job's model (and its process groups, whose sockets
@@ -454,39 +555,79 @@ class LocalTier:
         state = holder.pop()
         try:
             run = state.run_state()
-            meta = {"format": SHARD_FORMAT, "version": 1, "step": run.step, "owner": self.rank,
-                    "world": self.coll.world, "layout": run.layout, "run": run.to_manifest(),
-                    "rank_state": rng}
-            self.buffer, meta["rects"] = stage(training_rects(state, include_copies=True),
-                                               self.buffer, copy)
+            self.buffer, records = stage(training_rects(state, include_copies=True),
+                                         self.buffer, copy)
+            meta = shard_meta(run, self.rank, self.coll.world, rng, records)
         finally:
             del state
             staged.set()
         copy.wait_on_host()
         add_checksums(self.buffer, meta["rects"])
         own = Shard(meta, self.buffer)
-        self.store.write(own)
+        # Every rank goes through the replication and the final gather
+        # whatever its writes did, so none waits on a peer that gave up; the
+        # gather tells every rank whether the step stands.
+        problem = self._written([own])
         replica_started = time.perf_counter()
         received = self._replicate(own)
-        for shard in received:
-            problem = shard_problem(shard)
-            if problem:  # never committed: the previous step's replica stands
-                raise fmt.CheckpointError(f"the replica of rank {shard.owner}'s step "
-                                          f"{shard.step} arrived damaged: {problem}")
-            self.store.write(shard)
-        replica_s = time.perf_counter() - replica_started
+        problem = problem or self._damaged(received) or self._written(received)
+        outcome = Outcome(own.data.numel(), sum(s.data.numel() for s in received),
+                          time.perf_counter() - started, time.perf_counter() - replica_started,
+                          self.cadence.proposal, problem, *retry)
+        gathered = self.coll.all_gather(outcome)
+        if self.abandoned:
+            # The job failed meanwhile: the next generation may be reading
+            # this node's shards; what this save left is retired by its
+            # retention (or cleaned at the next start-up).
+            return
+        self.cadence.agree([g.proposal for g in gathered])
+        failed = {rank: g.problem for rank, g in enumerate(gathered) if g.problem}
+        if failed:
+            self.store.remove(own.step, self.mine)
+            self._paused(own.step, failed, max(g.retry_at for g in gathered), retry[1])
+            return
+        self.pause = None
         self.store.retain(self.keep, self.rank, self.mine)
-        figures = (own.data.numel(), sum(s.data.numel() for s in received),
-                   time.perf_counter() - started, replica_s, self.cadence.proposal)
-        gathered = self.coll.all_gather(figures)
-        self.cadence.agree([g[4] for g in gathered])
-        if self.rank == 0 and not self.abandoned:
-            report.saved(step=meta["step"], bytes=sum(g[0] for g in gathered),
-                         replica_bytes=sum(g[1] for g in gathered),
-                         seconds=max(g[2] for g in gathered),
-                         replication_seconds=max(g[3] for g in gathered),
+        if self.rank == 0:
+            report.saved(step=own.step, bytes=sum(g.bytes for g in gathered),
+                         replica_bytes=sum(g.replica_bytes for g in gathered),
+                         seconds=max(g.seconds for g in gathered),
+                         replication_seconds=max(g.replication_seconds for g in gathered),
                          replicas=self.topology.copies, path=str(self.store.root.parent),
                          interval=self.cadence.every)
+
+    def _written(self, shards: list[Shard]) -> Optional[str]:
+        """Write `shards` here; None, or why a write failed (full storage,
+        any OSError): the tier pauses then, the run goes on."""
+        try:
+            for shard in shards:
+                self.store.write(shard)
+        except (OSError, fmt.CheckpointError) as err:
+            return str(err)
+        return None
+
+    @staticmethod
+    def _damaged(received: list[Shard]) -> Optional[str]:
+        """Why a replica that arrived is not what its owner sent, if it is
+        not: never committed, so the previous step's replica stands."""
+        for shard in received:
+            problem = shard_problem(shard)
+            if problem:
+                return (f"the replica of rank {shard.owner}'s step {shard.step} arrived "
+                        f"damaged: {problem}")
+        return None
+
+    def _paused(self, step: int, failed: dict[int, str], retry_at: int, backoff_s: float) -> None:
+        """Every rank, after a failed save: its shards of the step are gone;
+        pause until `retry_at`; rank 0 reports it."""
+        failures = self.pause.failures + 1 if self.pause else 1
+        first = min(failed)
+        reason = f"rank {first}: {failed[first]}"
+        self.pause = Pause(step, reason, retry_at, failures)
+        if self.rank == 0:
+            self.events.emit("local_tier_paused", step=step, reason=reason, ranks=sorted(failed),
+                             retry_at_step=retry_at, retry_after_s=backoff_s, failures=failures,
+                             path=str(self.store.root.parent))
 
     def _replicate(self, own: Shard) -> list[Shard]:
         """Send this rank's shard to its peers and take in its sources'."""
@@ -577,6 +718,26 @@ class LocalTier:
                                       f"from rank {holder} damaged: {problem}")
         self.store.write(shard)  # this node holds its own shard again
         return shard
+
+    def check_space(self, state: TrainingState) -> None:
+        """Collective, at start-up (after the resume, which retired later
+        steps): the tier stays off for this run when one save does not fit
+        in the free space of checkpoint.local.dir, counting on each
+        filesystem the shards of every rank writing there, replicas too."""
+        filesystem, free = filesystem_space(self.store.root)
+        mine = Space(filesystem, str(self.store.root), free,
+                     shard_bytes(state, self.rank, self.coll.world))
+        short = space_shortfall(self.coll.all_gather(mine), self.topology)
+        if short is None:
+            return
+        step, root = state.run_state().step, self.store.root.parent
+        reason = (f"{DIR_KEY}={root}: {short}. Fix: free space there, point {DIR_KEY} at "
+                  "storage with room (in Docker, a larger --shm-size), or set "
+                  "checkpoint.local.enabled=false")
+        self.pause = Pause(step, reason, retry_at=None)
+        if self.rank == 0:
+            self.events.emit("local_tier_paused", step=step, reason=reason, ranks=[],
+                             retry_at_step=None, retry_after_s=None, failures=0, path=str(root))
 
     def discard_after(self, step: Optional[int]) -> None:
         """The run resumed from `step` (None: from scratch): later local steps

@@ -3,8 +3,9 @@
 Pure bookkeeping (no I/O, no process group): the node topology (node = the
 ranks of one launcher agent, or `ranks_per_node` simulated on one machine),
 which peers a rank replicates to, which local step every rank can recover
-and from whom, and a shard's wire form (two uint8/int64 tensors, for
-point-to-point sends on the local tier's own process group).
+and from whom, whether a save fits in the ranks' storage, and a shard's wire
+form (two uint8/int64 tensors, for point-to-point sends on the local tier's
+own process group).
 
 A rank's replicas go to the rank with the same local rank on the next
 `replicas` nodes (ring order), so every node holds exactly `replicas` copies
@@ -104,6 +105,39 @@ def complete_step(reports: list[Holdings], world: int) -> Choice:
 def transfers(sources: dict[int, int]) -> list[tuple[int, int]]:
     """(holder, owner) pairs where a shard must move to its owner."""
     return sorted((holder, owner) for owner, holder in sources.items() if holder != owner)
+
+
+# --- room for a save ---------------------------------------------------------------------
+
+@dataclass
+class Space:
+    """A rank's view of its local storage at start-up."""
+    filesystem: str  # host and device: ranks (simulated nodes too) on one share its room
+    directory: str  # the rank's node directory
+    free: int  # bytes
+    shard: int  # bytes of this rank's own shard
+
+
+def space_shortfall(spaces: list[Space], topology: Topology) -> Optional[str]:
+    """None when one local save fits on every filesystem: the shards of the
+    ranks writing there, their own and their replicas of their sources';
+    else what is short, for the warning."""
+    need: dict[str, int] = {}
+    ranks: dict[str, list[int]] = {}
+    for rank, space in enumerate(spaces):
+        writes = [rank, *topology.sources(rank)]
+        need[space.filesystem] = need.get(space.filesystem, 0) + sum(spaces[o].shard
+                                                                     for o in writes)
+        ranks.setdefault(space.filesystem, []).append(rank)
+    for filesystem, needed in need.items():
+        first = spaces[ranks[filesystem][0]]
+        free = min(spaces[r].free for r in ranks[filesystem])
+        if needed > free:
+            copies = f" and {topology.copies} replica(s) each" if topology.copies else ""
+            return (f"a local save needs {needed:,} bytes on the filesystem of "
+                    f"{first.directory} (the shards of rank(s) {ranks[filesystem]}{copies}), "
+                    f"{free:,} bytes are free")
+    return None
 
 
 # --- wire form --------------------------------------------------------------------------

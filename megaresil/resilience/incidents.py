@@ -46,6 +46,19 @@ def _restart(e: dict) -> str:
             f"{e.get('max_attempts')} (cause: {e.get('reason')})")
 
 
+def _local_paused(e: dict) -> Optional[str]:
+    """Warned once: at the start-up check, and at the first of failed local
+    saves in a row (the next ones are in events.jsonl only)."""
+    if e.get("retry_at_step") is None:
+        return ("warning: the local checkpoint tier is off for this run, global checkpoints go "
+                f"on: {e.get('reason')}")
+    if e.get("failures") != 1:
+        return None
+    return (f"warning: the local checkpoint of step {e.get('step')} failed ({e.get('reason')}); "
+            f"the local tier pauses until step {e.get('retry_at_step')} (about "
+            f"{e.get('retry_after_s') or 0:.0f} s) and retries then, global checkpoints go on")
+
+
 def _loaded(e: dict) -> str:
     line = f"resumed from {e.get('path')} (step {e.get('step')})"
     saved, now = e.get("saved_layout") or {}, e.get("layout") or {}
@@ -55,7 +68,7 @@ def _loaded(e: dict) -> str:
     return line
 
 
-FORMATS: dict[str, Callable[[dict], str]] = {
+FORMATS: dict[str, Callable[[dict], Optional[str]]] = {
     "fault_injected": lambda e: f"fault injected on rank {e.get('rank')}: {e.get('fault')}",
     "hang_detected": _hang,
     "hang_suspected": _suspected,
@@ -75,6 +88,7 @@ FORMATS: dict[str, Callable[[dict], str]] = {
                                    f"{e.get('path')}"),
     "checkpoint_interval": lambda e: e.get("line", ""),
     "startup_phase": startup.describe,
+    "local_tier_paused": _local_paused,
 }
 
 
@@ -86,7 +100,8 @@ def is_abort(event: dict) -> bool:
 def describe(event: dict) -> Optional[str]:
     """The console line for an event, or None for routine ones."""
     fmt = FORMATS.get(event.get("event", ""))
-    return f"megaresil: {fmt(event)}" if fmt else None
+    line = fmt(event) if fmt else None
+    return f"megaresil: {line}" if line else None
 
 
 class IncidentPrinter:

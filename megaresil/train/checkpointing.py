@@ -175,6 +175,7 @@ def resume(trainer) -> Optional[int]:
             initialize_from(trainer, Path(trainer.cfg.checkpoint.init_from))
     if trainer.checkpointer.local is not None:
         trainer.checkpointer.local.discard_after(saved.step if saved else None)
+        trainer.checkpointer.local.check_space(trainer.checkpoint_state)
     return loaded_bytes
 
 
