@@ -189,6 +189,40 @@ def test_the_local_tier_writes_no_shard_through_a_planted_step_directory(tmp_pat
     assert (tmp_path / "node_0" / fmt.step_dir_name(4) / "rank_00000" / fmt.MARKER).exists()
 
 
+def test_a_profile_trace_is_not_written_into_a_planted_directory(tmp_path, target):
+    from megaresil.config import ProfileConfig
+    from megaresil.observe.profiler import StepProfiler
+
+    profiler = StepProfiler(ProfileConfig(enabled=True, start_step=1, steps=1), 0, tmp_path)
+    plant(profiler.path.parent, target.parent)
+    with pytest.raises(LinkRefused, match="profile is a link"):
+        with profiler.step(1):
+            torch.ones(4).sum()
+    assert os.listdir(target.parent) == [target.name]
+
+
+def test_a_hang_dump_is_not_written_through_a_link(tmp_path, target):
+    from types import SimpleNamespace
+
+    from megaresil.resilience.watchdog import Watchdog
+
+    rank_0 = SimpleNamespace(hang_dir=tmp_path / "hangs", generation=0, rank=0)
+    plant(tmp_path / "hangs" / "generation_0" / "rank0.txt", target)
+    with pytest.raises(LinkRefused):
+        Watchdog._dump_stacks(rank_0, "hang in allreduce", "w")  # only the paths it names
+    assert untouched(target)
+
+
+def test_the_run_lock_record_is_never_written_through_a_link(tmp_path, target):
+    from megaresil.run_lock import LOCK_NAME, RunLock
+
+    lock = RunLock(tmp_path, "job")
+    plant(tmp_path / f"{LOCK_NAME}.{lock.me.host}.{lock.me.pid}.{id(lock):x}", target)
+    with pytest.raises(FileExistsError):
+        lock._create()
+    assert untouched(target) and not (tmp_path / LOCK_NAME).exists()
+
+
 def small_run(path: Path) -> Path:
     path.mkdir(parents=True)
     (path / "metrics.jsonl").write_text("".join(
