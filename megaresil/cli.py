@@ -348,10 +348,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from megaresil.observe.report import write_report
+    from megaresil.safe_files import LinkRefused
 
     try:
         page = write_report(Path(args.run_dir), [Path(p) for p in args.compare],
                             Path(args.out) if args.out else None)
+    except LinkRefused as err:  # a planted report/ link: refused, not followed
+        print(f"megaresil: error: {err}", file=sys.stderr)
+        return 2
     except FileNotFoundError as err:
         print(f"megaresil: error: {err}", file=sys.stderr)
         return 1

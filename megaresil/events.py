@@ -10,10 +10,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from megaresil.safe_files import open_append_nofollow
+
 
 class EventLog:
     """Appends events from any rank. Each line is written with one O_APPEND
-    write, so lines from concurrent ranks never interleave."""
+    write, so lines from concurrent ranks never interleave; never through a
+    link planted in the file's place (safe_files)."""
 
     def __init__(self, run_dir: str | Path, rank: Optional[int] = None):
         self.path = Path(run_dir) / "events.jsonl"
@@ -25,10 +28,9 @@ class EventLog:
         if self.rank is not None:
             record["rank"] = self.rank
         record.update(fields)
-        line = (repair_prefix(self.path) + json.dumps(record) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = open_append_nofollow(self.path)
         try:
-            os.write(fd, line)
+            os.write(fd, (repair_prefix(fd) + json.dumps(record) + "\n").encode())
         finally:
             os.close(fd)
         return record
@@ -39,20 +41,16 @@ class EventLog:
 REPAIRED = {"repaired_torn_line": True}
 
 
-def repair_prefix(path: Path) -> str:
-    """What to write before appending to a JSON Lines file: when its last
-    line is torn (a short write on a full disk, a power cut), a newline and
-    the REPAIRED record, so the new line starts on a line of its own and
-    only the torn one is lost."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            if f.tell() == 0:
-                return ""
-            f.seek(-1, os.SEEK_END)
-            return "" if f.read(1) == b"\n" else "\n" + json.dumps(REPAIRED) + "\n"
-    except FileNotFoundError:
+def repair_prefix(fd: int) -> str:
+    """What to write before appending to the JSON Lines file open as `fd`
+    (safe_files.open_append_nofollow): when its last line is torn (a short
+    write on a full disk, a power cut), a newline and the REPAIRED record,
+    so the new line starts on a line of its own and only the torn one is
+    lost. Read through the same descriptor, so no link is followed."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
         return ""
+    return "\n" + json.dumps(REPAIRED) + "\n"
 
 
 def read_jsonl(path: Path) -> list[dict]:

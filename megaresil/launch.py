@@ -23,6 +23,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousConnectionError, RendezvousError)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from megaresil.checkpoint.local_tier import local_root
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.checkpoint.recipe_check import check_resume_recipe
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
@@ -36,6 +37,7 @@ from megaresil.resilience.preemption import (INTERRUPTED_EXIT, PREEMPTED_EXIT, k
 from megaresil.resilience.restart import HANG_EXIT_CODE
 from megaresil.resilience.supervision import end_with_agent
 from megaresil.run_lock import HELD_ENV, held_by_worker, held_for_workers
+from megaresil.safe_files import refuse_links
 from megaresil.slurm import SlurmStep
 from megaresil.train.save_schedule import never_saving_warning
 
@@ -220,6 +222,19 @@ def check_local_gpus(nproc: int, gpus: int) -> None:
                           "with --nnodes and --rdzv-endpoint.")
 
 
+def check_links(cfg: RecipeConfig) -> None:
+    """A file the run writes that is a link planted in its place (metrics.jsonl
+    -> /etc/passwd) would be written through, as root too: refused here,
+    naming every such link, before any worker starts (safe_files). The local
+    tier's default root lies in world-writable /dev/shm: it and the directory
+    above it are checked too."""
+    local = []
+    if cfg.checkpoint.local.enabled:
+        root = local_root(cfg.checkpoint.local.dir, cfg.run.dir)
+        local = [root] if cfg.checkpoint.local.dir else [root.parent, root]
+    refuse_links(Path(cfg.run.dir), checkpoint_root(cfg), local)
+
+
 def check_data(cfg: RecipeConfig) -> None:
     """Build the recipe's datasets once here, before any worker starts: data
     too small for one sample, or a model.vocab_size below the tokenizer's, is
@@ -238,6 +253,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     nproc = membership.nproc_per_node or world
     gpus = visible_gpus()
     check_local_gpus(nproc, gpus)
+    check_links(cfg)
     check_device_faults(cfg.faults, gpus)
     check_resume_recipe(cfg)
     check_fault_ranks(cfg.faults, world)
@@ -418,6 +434,8 @@ def worker(recipe: str, overrides: list[str]) -> str:
         torch.cuda.set_device(device)
         if cfg.resilience.in_process:  # TorchElastic's 1 would kill the process on an NCCL error
             os.environ.update(NCCL_WORKER_ENV)
+    if HELD_ENV not in os.environ:  # a torchrun of the user's own: no launcher checked them
+        check_links(cfg)
     with held_by_worker(Path(cfg.run.dir), rank, checkpoint_root(cfg)):  # refused: the error goes to the console
         return _train_as_worker(cfg, rank, world, device)
 

@@ -233,7 +233,8 @@ class RunLock:
 
     def _create(self) -> bool:
         record = self.path.with_name(f"{LOCK_NAME}.{self.me.host}.{self.me.pid}.{id(self):x}")
-        record.write_text(json.dumps(asdict(self.me)) + "\n")
+        with open(record, "x") as f:  # a fresh file: never one planted under its name
+            f.write(json.dumps(asdict(self.me)) + "\n")
         try:
             with contextlib.suppress(FileExistsError):
                 os.link(record, self.path)

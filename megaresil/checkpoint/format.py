@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import xxhash
 
+from megaresil.safe_files import write_atomic
+
 if TYPE_CHECKING:
     import torch
 
@@ -220,15 +222,10 @@ def _marker_entry(directory: Path, line: str) -> tuple[str, str]:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path` by `text` in one step: a crash leaves the old or the new file."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Replace `path` by `text` in one step: a crash leaves the old or the new
+    file, and a link planted at `path` (`latest`) is replaced, not followed."""
     with naming_write_errors(path):
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_path(path.parent)
+        write_atomic(path, text)
 
 
 def inside(directory: Path, name: str) -> Path:

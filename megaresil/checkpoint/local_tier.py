@@ -67,6 +67,7 @@ from megaresil.checkpoint.replication import (Choice, Holdings, Space, Topology,
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunState, TrainingState, training_rects
+from megaresil.safe_files import own_dir
 
 SHARD_FORMAT = "megaresil-local-shard"
 DATA, META = "data.bin", "meta.json"
@@ -260,6 +261,8 @@ class NodeStore:
         final = self.shard_dir(shard.step, shard.owner)
         partial = final.with_name(final.name + ".partial")
         with fmt.naming_write_errors(partial, DIR_KEY):
+            for directory in (self.root, final.parent):  # in /dev/shm: anyone may plant a link
+                own_dir(directory)
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
             self.write_data(partial / DATA, shard.data)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from megaresil.events import read_events, read_jsonl
+from megaresil.safe_files import write_atomic
 
 INTERRUPTIONS = ("hang_detected", "worker_error", "preempted", "interrupted", "restart")
 INTENDED_STOPS = ("run_finished", "preempted", "interrupted")
@@ -145,8 +146,5 @@ def run_goodput(run_dir: str | Path, end: Optional[float] = None) -> dict:
 def write_goodput(run_dir: str | Path) -> dict:
     """goodput.json of the run so far (the run's end: now)."""
     figures = run_goodput(run_dir, end=time.time())
-    path = Path(run_dir) / "goodput.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(figures, indent=1))
-    tmp.replace(path)
+    write_atomic(Path(run_dir) / "goodput.json", json.dumps(figures, indent=1))
     return figures

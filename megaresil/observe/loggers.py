@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megaresil.config import ConfigError, LoggingConfig
+from megaresil.safe_files import LinkRefused, own_dir, write_atomic
 
 
 class Logger(Protocol):
@@ -35,10 +36,12 @@ def optional_package(name: str, key: str, install: str):
 def kept_run_id(run_dir: Path, name: str, new) -> str:
     """The id stored in run_dir/name, or a new one stored there."""
     path = run_dir / name
+    if path.is_symlink():  # its content would go to the tracker's server
+        raise LinkRefused(path)
     if path.exists():
         return path.read_text().strip()
     run_id = new()
-    path.write_text(run_id)
+    write_atomic(path, run_id)
     return run_id
 
 
@@ -46,7 +49,8 @@ class TensorBoardLogger:
     def __init__(self, run_dir: Path):
         # Imported here: tensorboard costs ~1 s and only the logging rank needs it.
         from torch.utils.tensorboard import SummaryWriter
-        self.writer = SummaryWriter(str(run_dir / "tb"))
+        # The library opens its files itself: the directory at least is the run's own.
+        self.writer = SummaryWriter(str(own_dir(run_dir / "tb")))
 
     def log(self, record: dict[str, Any], step: int) -> None:
         for name, value in scalars(record).items():

@@ -10,13 +10,14 @@ peak_tflops to compare with published MFU figures).
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from megaresil.safe_files import write_atomic
 
 PROBE_SECONDS = 0.5
 
@@ -76,9 +77,7 @@ def cached_peak_tflops(cache: Path, device: torch.device, dtype: torch.dtype) ->
     if kind not in known:
         known[kind] = probe_tflops(device, dtype)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(cache)  # concurrent runs: each writes whole files
+        write_atomic(cache, json.dumps(known, indent=1))  # concurrent runs: each writes whole files
     return known[kind]
 
 

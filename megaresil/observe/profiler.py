@@ -12,6 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megaresil.config import ProfileConfig
+from megaresil.safe_files import own_dir
 
 
 class StepProfiler:
@@ -42,5 +43,6 @@ class StepProfiler:
             return
         session, self.session = self.session, None
         session.__exit__(None, None, None)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        session.export_chrome_trace(str(self.path))
+        # The trace file is the library's to open (it replaces a link at its
+        # name); the directory is the run's own, not a link planted in its place.
+        session.export_chrome_trace(str(own_dir(self.path.parent) / self.path.name))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import json
 import statistics
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from megaresil.events import read_events, read_jsonl  # noqa: E402
 from megaresil.observe.goodput import BUCKETS, compute_goodput, launched_at  # noqa: E402
+from megaresil.safe_files import own_dir, write_atomic  # noqa: E402
 
 PANELS = ("loss", "throughput", "timeline", "stragglers", "goodput")
 MARKS = {  # event -> (label, colour, marker)
@@ -272,20 +274,24 @@ def html_table(rows: list[dict]) -> str:
 def write_report(run_dir: Path, compare: list[Path] = (), out: Path | None = None) -> Path:
     """Render every panel; returns the HTML page's path."""
     runs = [Run.read(Path(run_dir)), *(Run.read(Path(p)) for p in compare)]
-    out = Path(out) if out else Path(run_dir) / "report"
+    # The default report/ lies in a run directory that may come from elsewhere:
+    # a link there is refused; an --out the user names is theirs, as named.
+    out = Path(out) if out else own_dir(Path(run_dir) / "report")
     out.mkdir(parents=True, exist_ok=True)
     figures = {"loss": loss_panel(runs), "throughput": throughput_panel(runs),
                "timeline": timeline_panel(runs[0]), "stragglers": straggler_panel(runs[0]),
                "goodput": goodput_panel(runs)}
     images = {}
     for name, fig in figures.items():
-        fig.savefig(out / f"{name}.png")
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
         plt.close(fig)
-        images[name] = base64.b64encode((out / f"{name}.png").read_bytes()).decode()
+        write_atomic(out / f"{name}.png", png.getvalue())  # a link in its place is replaced
+        images[name] = base64.b64encode(png.getvalue()).decode()
     page = out / "index.html"
-    page.write_text(render_html(runs, images))
-    (out / "summary.json").write_text(json.dumps({"runs": summary_rows(runs),
-                                                  "ranks": rank_rows(runs[0])}, indent=1))
+    write_atomic(page, render_html(runs, images))
+    write_atomic(out / "summary.json", json.dumps({"runs": summary_rows(runs),
+                                                   "ranks": rank_rows(runs[0])}, indent=1))
     return page
 
 

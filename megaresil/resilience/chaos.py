@@ -31,6 +31,7 @@ from megaresil.resilience.faults import check_device_faults
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.events import read_metrics
 from megaresil.observe.report import write_report
+from megaresil.safe_files import write_atomic
 
 DETECTIONS = ("hang_detected", "worker_error", "preempted")
 
@@ -330,8 +331,8 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     result = {**analyse(reference, faulted, scenario, fault_time), "exit_code": code,
               "reference": str(reference), "faulted": str(faulted)}
     result["report"] = str(write_report(faulted, [reference]))
-    (root / f"chaos-{name}.json").write_text(json.dumps(result, indent=1))
-    (root / "chaos.json").write_text(json.dumps(result, indent=1))
+    write_atomic(root / f"chaos-{name}.json", json.dumps(result, indent=1))
+    write_atomic(root / "chaos.json", json.dumps(result, indent=1))
     return result
 
 

@@ -56,6 +56,7 @@ from megaresil.resilience.chaos import (DETECTIONS, Launch, local_tier_settings,
                                         step_records)
 from megaresil.resilience.faults import fault_id
 from megaresil.resilience.watchdog import ABORT_GRACE_S
+from megaresil.safe_files import write_atomic
 
 CALIBRATION_STEPS = 6
 SAVE_INTERVAL = 5  # a save every 5 steps: a fault costs at most 5 recomputed steps
@@ -374,7 +375,7 @@ def run_soak(recipe: str, overrides: list[str], *, minutes: float, seed: int,
                   schedule=placed, faulted=str(root / "faulted"), reference=str(reference))
     report["ok"] = report["ok"] and ref_launch.exit_code == 0
     report["report"] = str(write_report(root / "faulted", [reference], root / "report"))
-    (root / "soak.json").write_text(json.dumps(report, indent=1))
+    write_atomic(root / "soak.json", json.dumps(report, indent=1))
     return report
 
 

@@ -41,6 +41,7 @@ from megaresil.config import LoggingConfig
 from megaresil.events import EventLog
 from megaresil.observe.memory import peak_memory_mb
 from megaresil.observe.sections import SectionTime
+from megaresil.safe_files import open_nofollow
 
 MIN_EXCESS_S = 0.005  # per step: below this a section's difference is noise, not a straggler
 SKIPPED = ("setup",)
@@ -148,7 +149,7 @@ class StragglerDetector:
                 "sections": {r: t["sections"] for r, t in enumerate(table)},
                 "ratios": found["ratios"], "scores": found["scores"],
                 "mem_peak_mb": {r: t["mem_peak_mb"] for r, t in enumerate(table)}}
-        with self.path.open("a") as f:
+        with open_nofollow(self.path) as f:
             f.write(json.dumps(line) + "\n")
         slow_now = {(r, s): ratio for r, s, ratio in found["slow"]}
         self.streaks = {key: self.streaks.get(key, 0) + 1 for key in slow_now}

@@ -112,6 +112,7 @@ from megaresil.events import EventLog
 from megaresil.observe.sections import SectionTime
 from megaresil.parallel.layout import use_device
 from megaresil.resilience.stragglers import StragglerDetector
+from megaresil.safe_files import open_nofollow, own_dir, write_atomic
 
 SECTION_ORDER = {name: i for i, name in enumerate(SECTIONS)}
 PROGRESS_CPU_SHARE = 0.02  # CPU seconds per wall second below which a thread is not running
@@ -588,8 +589,8 @@ class Watchdog:
     def _dump_stacks(self, headline: str, mode: str) -> None:
         """`headline` and every thread's stack into this rank's hang dump."""
         dump_dir = self.hang_dir / f"generation_{self.generation}"
-        dump_dir.mkdir(parents=True, exist_ok=True)
-        with open(dump_dir / f"rank{self.rank}.txt", mode) as f:
+        own_dir(dump_dir)
+        with open_nofollow(dump_dir / f"rank{self.rank}.txt", mode) as f:
             f.write(headline + "\n")
             faulthandler.dump_traceback(file=f, all_threads=True)
 
@@ -597,12 +598,12 @@ class Watchdog:
 
     def _start_guardian(self) -> mmap.mmap:
         """Start the stdlib-only guardian and register the stack-dump signal."""
-        self.hang_dir.mkdir(parents=True, exist_ok=True)
+        own_dir(self.hang_dir)
         tick_path = self.hang_dir / f".tick.rank{self.rank}"
-        tick_path.write_bytes(struct.pack("d", time.monotonic()))
+        write_atomic(tick_path, struct.pack("d", time.monotonic()))
         tick_file = open(tick_path, "r+b")
         tick = mmap.mmap(tick_file.fileno(), 8)
-        self._dump_file = open(self.hang_dir / f"gil_rank{self.rank}.txt", "w")
+        self._dump_file = open_nofollow(self.hang_dir / f"gil_rank{self.rank}.txt", "w")
         faulthandler.register(signal.SIGUSR2, file=self._dump_file, all_threads=True)
         self.guardian = subprocess.Popen(
             [sys.executable, "-m", "megaresil.resilience.guardian", str(os.getpid()),

@@ -25,6 +25,7 @@ from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, sync_tied_embedding_grads
 from megaresil.resilience.supervision import Supervision
+from megaresil.safe_files import write_atomic
 from megaresil.train import checkpointing, story
 from megaresil.observe.goodput import write_goodput
 from megaresil.observe.startup import StartupPhases
@@ -362,7 +363,7 @@ class Trainer:
     def open_metrics(self) -> MetricsLog | None:
         if not self.layout.is_logging_rank:
             return None
-        (self.run_dir / "recipe.yaml").write_text(to_yaml(self.cfg))
+        write_atomic(self.run_dir / "recipe.yaml", to_yaml(self.cfg))
         self.events.emit("generation_started", generation=self.supervision.generation,
                          step=self.state.step, **process_times())
         return MetricsLog(self.run_dir, self.cfg, StepFigures.for_recipe(self.cfg, self.layout.device),

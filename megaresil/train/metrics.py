@@ -21,6 +21,7 @@ from megaresil.observe.flops import achieved_tflops, flops_per_step
 from megaresil.observe.loggers import build_loggers
 from megaresil.observe.memory import peak_memory_mb
 from megaresil.observe.peak import cached_peak_tflops
+from megaresil.safe_files import open_nofollow
 
 
 @dataclass
@@ -101,8 +102,8 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.generation = generation  # on every row: a redone step shows in which generation
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = self.path.open("a")
-        self.file.write(repair_prefix(self.path))  # a torn last line stays alone
+        self.file = open_nofollow(self.path)
+        self.file.write(repair_prefix(self.file.fileno()))  # a torn last line stays alone
         self.figures = figures
         self.loggers = build_loggers(Path(run_dir), cfg.logging, to_dict(cfg))
         self.console = Console(cfg.logging, cfg.train.steps, start_step)

@@ -1,0 +1,149 @@
+"""Writing a run's files without following links planted in their place.
+
+Run directories are copied from elsewhere, shared, and written by jobs run as
+root. A `metrics.jsonl` that is a symlink to `/etc/passwd` must not grow a
+line of metrics there, nor a `recipe.yaml` link replace its target. So every
+file a run writes is opened here:
+
+- appended files (`metrics.jsonl`, `events.jsonl`, `stragglers.jsonl`) with
+  `O_NOFOLLOW`: a link in the file's place is refused, never followed;
+- replaced files (`recipe.yaml`, `goodput.json`, `latest`, reports) through a
+  fresh temporary file in the same directory (created with `O_EXCL`, which
+  never follows a link either), fsynced and renamed over the name: a link
+  there is replaced, not written through;
+- directories inside the run (`checkpoints/`, `report/`, the local tier's
+  node and step directories) made or checked by `own_dir`, which refuses one
+  that is a link, so nothing is created through it.
+
+The paths a user names (`run.dir`, `checkpoint.dir`, `report --out`) are
+trusted as named, links included: what lies *under* them is not.
+`refuse_links` is the launcher's check before any worker starts, naming
+every known path of the run that is a link.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Iterable
+
+from megaresil.config import ConfigError
+
+# What a run writes in its run directory (checkpoints/ is the default
+# checkpoint root): each must be a file or directory of its own, never a link.
+RUN_DIR_ENTRIES = ("metrics.jsonl", "events.jsonl", "recipe.yaml", "goodput.json",
+                   "stragglers.jsonl", "run.lock", "checkpoints", "report", "hangs", "elastic",
+                   "profile", "tb", "wandb_run_id", "mlflow_run_id")
+# What a run writes in its checkpoint root, wherever that lies.
+CHECKPOINT_ROOT_ENTRIES = ("latest", "run.lock")
+
+
+class LinkRefused(OSError):
+    """A path the run writes is a link: refused, not followed."""
+
+    def __init__(self, path: Path):
+        target = os.readlink(path) if os.path.islink(path) else "?"
+        self.message = (f"{path} is a link (to {target}): megaresil writes only files of "
+                        "its own, never through a link. Fix: remove the link, or choose "
+                        "another directory.")
+        super().__init__(errno.ELOOP, self.message, str(path))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# open()'s text modes as os.open flags: read-write, so that an appended
+# file's torn last line can be looked at through the same descriptor.
+_MODES = {"a": os.O_RDWR | os.O_APPEND, "w": os.O_RDWR | os.O_TRUNC}
+
+
+def open_fd_nofollow(path: Path, mode: str = "a") -> int:
+    """A descriptor of `path` opened as open(path, mode) would ("a" or "w";
+    created 0644 when missing); LinkRefused when `path` is a link."""
+    try:
+        return os.open(path, _MODES[mode] | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise LinkRefused(Path(path)) from None
+        raise
+
+
+def open_append_nofollow(path: Path) -> int:
+    """An O_APPEND descriptor of `path`, refusing a link in the file's place."""
+    return open_fd_nofollow(path, "a")
+
+
+def open_nofollow(path: Path, mode: str = "a") -> IO[str]:
+    """`open(path, mode)` for mode "a" or "w", refusing a link in the file's place."""
+    return os.fdopen(open_fd_nofollow(path, mode), mode)
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Replace `path` by `data` in one step (a crash leaves the old or the
+    new file): a fresh temporary file beside it, fsynced, renamed over it.
+    A link at `path` is replaced, never written through; a directory that
+    is itself a link (other than one the user named) is the caller's to
+    refuse with own_dir."""
+    path = Path(path)
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the run's files are readable like the rest
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def own_dir(path: Path) -> Path:
+    """`path` as a directory of the run's own (made with its parents when
+    missing); LinkRefused when it is a link."""
+    path = Path(path)
+    if path.is_symlink():
+        raise LinkRefused(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def links_among(directory: Path, names: Iterable[str]) -> list[str]:
+    """'PATH -> TARGET' for each of `names` in `directory` that is a link."""
+    found = []
+    for name in names:
+        path = Path(directory) / name
+        if path.is_symlink():
+            found.append(f"{path} -> {os.readlink(path)}")
+    return found
+
+
+def refuse_links(run_dir: Path, checkpoint_root: Path, local_roots: Iterable[Path] = ()
+                 ) -> None:
+    """ConfigError (exit 2) naming every known path of the run that is a link:
+    the run directory's files and directories, the checkpoint root's
+    `latest` and lock, and `local_roots`: the local tier's root (with the
+    directories above it that the run made, not a user-named one) and its
+    node directories."""
+    found = links_among(run_dir, RUN_DIR_ENTRIES) + links_among(checkpoint_root,
+                                                                CHECKPOINT_ROOT_ENTRIES)
+    for root in map(Path, local_roots):
+        if root.is_symlink():
+            found.append(f"{root} -> {os.readlink(root)}")
+        elif root.is_dir():
+            found += links_among(root, sorted(p.name for p in root.glob("node_*")))
+    if found:
+        raise ConfigError("run.dir", f"a run writes only files of its own, but these are links: "
+                          f"{', '.join(dict.fromkeys(found))}.",
+                          "remove the links or choose another run.dir.")
