@@ -30,10 +30,10 @@ norms of the parameters that are not tensor-parallel duplicates, all-reduced
 over the TP group, clip coefficient max_norm / (norm + 1e-6) applied when < 1.
 
 On CUDA (tools/gpu_check.py's Megatron-Core side of the ~1B Llama
-throughput) there is no shim: the model lives on the GPU in bf16 (Megatron's
-bf16 parameters, fp32 main copies that AdamW steps, as megaresil's
-train.precision=bf16), its causal mask and positions on the GPU too, one
-process (tp=1, a one-rank NCCL group).
+throughput) there is no shim: the model lives on the GPU, its causal mask and
+positions too, one process (tp=1, a one-rank NCCL group). Under bf16 (the
+recipe's train.precision, as megaresil resolves it) the parameters are bf16
+with fp32 main copies that AdamW steps, Megatron's mixed precision.
 
     python bench/mcore_loop.py SIZE --steps N [--tp 2 --rank R --port P]
     python bench/mcore_loop.py recipe --steps N [--port P] -- RECIPE [KEY=VALUE ...]
@@ -71,14 +71,18 @@ def build_model(cfg, device: torch.device):
     """megaresil's model shape in Mcore's GPTModel, local layer spec. gpt2:
     learned positions, LayerNorm, tanh GELU, biases, 4h MLP, tied embeddings.
     llama: RoPE, RMSNorm, SwiGLU, no biases, grouped-query attention, untied
-    unless the recipe ties. No dropout; fp32 on CPU, the recipe's bf16 on CUDA."""
+    unless the recipe ties. No dropout; the recipe's precision (auto: fp32 on
+    CPU, bf16 on CUDA)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megaresil.config import Precision
+    from megaresil.train.precision import resolve
+
     m = cfg.model
     llama = m.flavour.value == "llama"
-    bf16 = device.type == "cuda" and cfg.train.precision.value in ("bf16", "auto")
+    bf16 = resolve(cfg.train.precision, device) == Precision.bf16  # as megaresil reads it
     flavour = dict(
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, num_query_groups=m.num_kv_heads or m.num_heads,
@@ -154,6 +158,7 @@ class MainParams:
             for p, main in zip(self.params, self.main):
                 main.grad = None if p.grad is None else p.grad.float()
 
+    @torch.no_grad()
     def weights_down(self) -> None:
         if self.mixed:
             torch._foreach_copy_(self.params, self.main)
@@ -164,6 +169,9 @@ def mcore_loop(cfg, steps: int, device: torch.device) -> list[float]:
 
     tp = dist.get_world_size()
     parallel_state.initialize_model_parallel(tp, 1)
+    if device.type == "cuda":  # Mcore's GPU init draws inside its CUDA RNG tracker's fork
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(cfg.train.seed)
     model = build_model(cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
     state = MainParams(params)

@@ -368,18 +368,24 @@ def checkpoint_io(check: Check) -> dict:
                         "blocking_seconds": [e["blocking_seconds"] for e in saves],
                         "step_s_after_a_save": median(after_save) if after_save else None,
                         "step_s_others": median(others) if others else None}
+        if after_save and others:  # the stall a save costs the step that follows it
+            result[mode]["stall_s"] = median(after_save) - median(others)
     result["raw_write_gb_per_s"] = raw_write_gb_per_s(int(result["sync"]["gb"] * 1e9),
                                                      Path(cfg.checkpoint.dir or cfg.run.dir))
     result["sync_vs_raw"] = result["sync"]["gb_per_s"] / result["raw_write_gb_per_s"]
     started = time.perf_counter()
-    check.trainer(checkpoint_recipe(check, "sync"))  # resumes from the sync run's newest save
+    loading = checkpoint_recipe(check, "sync")
+    check.trainer(loading)  # resumes from the sync run's newest save
     sync(check)
     seconds = time.perf_counter() - started  # includes building the model
+    loaded = [e for e in read_events(Path(loading.run.dir)) if e["event"] == "checkpoint_loaded"]
     result["load"] = {"seconds_with_build": seconds,
-                      "gb_per_s_lower_bound": result["sync"]["gb"] / seconds}
+                      "gb_per_s_lower_bound": result["sync"]["gb"] / seconds,
+                      "step": loaded[-1]["step"] if loaded else None}
     result["page_cache"] = ("saves and the raw write end in fsync (on disk); the load reads "
                             "the newest save back warm, from the page cache (not dropped)")
-    result["ok"] = result["sync"]["saves"] > 0 and result["async"]["saves"] > 0
+    result["ok"] = (result["sync"]["saves"] > 0 and result["async"]["saves"] > 0
+                    and result["load"]["step"] == CKPT_STEPS)
     return result
 
 
