@@ -1,4 +1,4 @@
-"""The GPU path in one run: correctness, precision, throughput/MFU, checkpoint I/O, a hang drill.
+"""The GPU path in one run: correctness, precision, throughput/MFU, checkpoint I/O, offload, a hang drill.
 
 Run by tools/gpu_check.sh on a CUDA machine (the call: 7 minutes on one H200,
 every check with its own deadline from tools/gpu_check_budget.py); writes
@@ -65,10 +65,15 @@ class Check:
         self.dry_run, self.workdir = dry_run, workdir
         self.device = torch.device("cpu" if dry_run or not torch.cuda.is_available() else "cuda")
 
-    def recipe(self, base: Path, extra: list[str], name: str):
+    def recipe_args(self, base: Path, extra: list[str], name: str) -> list[str]:
+        """The recipe's path and overrides, for load_recipe or another process."""
         sizes = TOY + (LLAMA_TOY if base == LLAMA_1B else []) if self.dry_run else []
-        overrides = SINGLE + sizes + extra + [f"run.dir={self.workdir / name}"]
-        return load_recipe(TINY_RECIPE if self.dry_run else base, overrides)
+        return [str(TINY_RECIPE if self.dry_run else base), *SINGLE, *sizes, *extra,
+                f"run.dir={self.workdir / name}"]
+
+    def recipe(self, base: Path, extra: list[str], name: str):
+        path, *overrides = self.recipe_args(base, extra, name)
+        return load_recipe(path, overrides)
 
     def trainer(self, cfg) -> Trainer:
         return Trainer(cfg, ParallelLayout(device=self.device))
@@ -249,17 +254,17 @@ def peak_memory_mb(check: Check) -> float | None:
 THROUGHPUT_SIZES = ["train.global_batch_size=16", "train.micro_batch_size=4"]
 
 
-def throughput_recipe(check: Check, steps: int):
-    return check.recipe(LLAMA_1B, ([] if check.dry_run else THROUGHPUT_SIZES) + [
-        "train.precision=bf16", f"train.steps={steps}"], "throughput")
+def throughput_overrides(check: Check, steps: int) -> list[str]:
+    return ([] if check.dry_run else THROUGHPUT_SIZES) + ["train.precision=bf16",
+                                                          f"train.steps={steps}"]
 
 
 def throughput_1b(check: Check) -> dict:
     """tokens/s, MFU and peak memory of the ~1B Llama recipe on one GPU,
-    megaresil vs a plain PyTorch loop of the same model (bench/mcore_1b is
-    Megatron-Core's side, the next check)."""
+    megaresil vs a plain PyTorch loop of the same model (Megatron-Core's side
+    is the next check, mcore_1b)."""
     steps = 3 if check.dry_run else 12
-    cfg = throughput_recipe(check, steps)
+    cfg = check.recipe(LLAMA_1B, throughput_overrides(check, steps), "throughput")
     plain = plain_loop(check, cfg, steps)
     reset_peak_memory(check)
     trainer = check.trainer(cfg)
@@ -291,9 +296,10 @@ def mcore_1b(check: Check) -> dict:
     if missing:
         return {"skipped": missing}
     steps = 3 if check.dry_run else 12
-    cfg = throughput_recipe(check, steps)
+    args = check.recipe_args(LLAMA_1B, throughput_overrides(check, steps), "mcore")
+    cfg = load_recipe(args[0], args[1:])
     command = [sys.executable, str(ROOT / "bench" / "mcore_loop.py"), "recipe", "--steps",
-               str(steps), "--port", str(free_port()), "--", *recipe_overrides(check, steps)]
+               str(steps), "--port", str(free_port()), "--", *args]
     code, stdout, stderr = run_tree(command, check.deadline_s("mcore_1b") - 5)
     if code != 0:
         return {"ok": False, "error": f"mcore_loop exited {code}", "stderr": stderr[-1500:]}
@@ -305,13 +311,6 @@ def mcore_1b(check: Check) -> dict:
             "differs": "no activation recompute (the recipe's is selective); Mcore's unfused "
                        "local-spec attention where megaresil uses SDPA",
             "ok": tokens_per_s > 0}
-
-
-def recipe_overrides(check: Check, steps: int) -> list[str]:
-    """The throughput check's recipe as overrides of its base, for another process."""
-    sizes = TOY + LLAMA_TOY if check.dry_run else THROUGHPUT_SIZES
-    base = TINY_RECIPE if check.dry_run else LLAMA_1B
-    return [str(base), *SINGLE, *sizes, "train.precision=bf16", f"train.steps={steps}"]
 
 
 CKPT_STEPS, CKPT_INTERVAL = 7, 2  # saves after steps 2, 4, 6: later steps may wait on them

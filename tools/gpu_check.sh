@@ -17,8 +17,8 @@ PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 WHEELS=${GPU_WHEELS:-.gpu-wheels}
 # What the device has preinstalled (issue 28), besides torch: the rehearsal's stand-in for it.
 DEVICE_HAS="transformers safetensors tensorboard tensorstore pytest PyYAML xxhash matplotlib numpy"
-# What the project (and the bench's megatron-core) needs that the device does not have, their
-# dependencies included: tools/gpu_check_wheels.py checks the folder against the device's set.
+# What the project needs that the device does not have, their dependencies included:
+# tools/gpu_check_wheels.py checks the folder against the device's set.
 DEVICE_LACKS="omegaconf antlr4-python3-runtime zarr numcodecs donfig crc32c google-crc32c msgspec
   tqdm tiktoken requests urllib3 charset-normalizer certifi psutil dnspython"
 SOURCE_ONLY="python-etcd"  # PyPI has it as source only: its pure-Python wheel is built here
@@ -48,6 +48,9 @@ prepare() {
 
 install_wheels() {  # the device has no network: the carried wheels, offline, in budget
   local ends=$(( SECONDS + $(budget install "$@") ))
+  # Should the device's Python be a distribution's (PEP 668 "externally managed"), pip would
+  # refuse to install at all; the machine is lent for this call only, so install anyway.
+  export PIP_BREAK_SYSTEM_PACKAGES=1
   timeout -k 5 "$(seconds_to "$ends")" "$PY" -m pip install -q --no-index --find-links "$WHEELS" \
       $DEVICE_LACKS $SOURCE_ONLY &&
     timeout -k 5 "$(seconds_to "$ends")" "$PY" -m pip install -q --no-index --no-deps \
