@@ -67,10 +67,14 @@ def test_gpu_check_dry_run_runs_every_check(tmp_path):
         json.dumps(summary, default=str))  # written after each check, complete after the last
     for check in gpu_check.CHECKS:
         result = summary[check.__name__]
-        assert "error" not in result, (check.__name__, result.get("traceback"))
+        assert result["status"] in ("ok", "skipped"), (check.__name__, result.get("traceback"))
+        assert result["status"] == "ok" or result["skipped"], check.__name__  # with a reason
     assert summary["bf16_vs_fp32_loss"]["ok"]
     assert summary["throughput_1b"]["tokens_per_s"] > 0
     assert summary["checkpoint_io"]["async"]["gb"] > 0
+    assert summary["checkpoint_io"]["raw_write_gb_per_s"] > 0
+    assert summary["checkpoint_io"]["async"]["saves"] > 1  # a stall over several steps
+    assert set(summary["activation_offload"]) >= {"none", "cpu", "step_time_ratio"}
 
 
 @pytest.fixture
@@ -241,25 +245,6 @@ def test_the_hang_exit_does_not_wait_on_a_blocked_nccl_abort(tmp_path):
     assert child.exitcode == HANG_EXIT_CODE
     errors = [e for e in read_events(tmp_path) if e["event"] == "worker_error"]
     assert errors and "not freed by the hang abort" in errors[0]["error"]
-
-
-@pytest.mark.slow
-def test_gpu_check_sh_writes_into_an_existing_out_directory(tmp_path):
-    """The device's $OUT is an existing, empty directory whose files come back."""
-    import subprocess
-
-    out = tmp_path / "out"
-    out.mkdir()
-    run = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--dry-run"], cwd=tmp_path,
-                         env={**os.environ, "OUT": str(out), "PY": sys.executable},
-                         capture_output=True, text=True, timeout=420)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    summary = json.loads((out / "gpu_check.json").read_text())
-    sys.path.insert(0, str(ROOT / "tools"))
-    import gpu_check
-
-    assert {check.__name__ for check in gpu_check.CHECKS} <= set(summary)
-    assert "throughput_1b" in run.stdout and "pytest -m gpu: skipped" in run.stdout
 
 
 def test_a_bench_side_tears_down_every_rank_when_one_fails():
