@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import struct
 import zipfile
 from datetime import timedelta
@@ -151,6 +152,56 @@ def collective_counts(exclude: set) -> dict[str, int]:
 def has_nccl_groups() -> bool:
     """Whether any live process group runs collectives through NCCL."""
     return any("nccl" in dist.get_backend(group) for group in process_groups())
+
+
+# --- TorchElastic's store servers ---------------------------------------------------
+
+
+def _listening_socket_fd(host: str, port: int) -> tuple[int, int]:
+    """(fd, port) of a TCP socket listening on `host`'s address only (port 0:
+    a free one); the caller's TCPStore owns the fd from then on."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    try:
+        server = socket.create_server(address[:2], family=family)
+    except OSError as err:  # what TCPStore raises, so TorchElastic's own handling applies
+        raise RuntimeError(f"cannot listen on {host}:{port}: {err}") from err
+    port = server.getsockname()[1]
+    return server.detach(), port
+
+
+def _tcp_store_listening_on_host(host_name: str, port: int, *args: Any, is_master: bool = False,
+                                 **kwargs: Any) -> dist.TCPStore:
+    """dist.TCPStore, but its server listens on `host_name`'s address: a
+    TCPStore server binds every interface whatever `host_name` says (torch
+    2.13: '::') unless handed a listening socket (master_listen_fd)."""
+    if is_master:
+        kwargs["master_listen_fd"], port = _listening_socket_fd(host_name, port)
+    return dist.TCPStore(host_name, port, *args, is_master=is_master, **kwargs)
+
+
+@contextlib.contextmanager
+def elastic_stores_on_their_hosts() -> Iterator[None]:
+    """While an elastic launch runs in this process, TorchElastic's two store
+    servers listen only on the address they are named by: the c10d
+    rendezvous store on the --rdzv-endpoint host, and the store the agent
+    shares with its workers on the agent's local_addr (MASTER_ADDR). Reaches
+    into c10d_rendezvous_backend's module name `TCPStore` (what its private
+    _create_tcp_store calls) and DynamicRendezvousHandler's private
+    _create_tcp_store_server."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    def agent_store_server(_handler: Any, master_addr: str, master_port: int) -> dist.TCPStore:
+        return _tcp_store_listening_on_host(master_addr, master_port, is_master=True,
+                                            multi_tenant=True)
+
+    saved = (c10d_rendezvous_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server)
+    c10d_rendezvous_backend.TCPStore = _tcp_store_listening_on_host
+    DynamicRendezvousHandler._create_tcp_store_server = agent_store_server
+    try:
+        yield
+    finally:
+        c10d_rendezvous_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server = saved
 
 
 # --- tensor ops ------------------------------------------------------------------

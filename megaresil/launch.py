@@ -21,13 +21,16 @@ from torch.distributed.elastic.multiprocessing.errors import (ChildFailedError, 
                                                              record)
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousConnectionError, RendezvousError)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.checkpoint.location import checkpoint_root
+from megaresil.compat import elastic_stores_on_their_hosts
 from megaresil.checkpoint.recipe_check import check_resume_recipe
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.events import read_events
 from megaresil.parallel.layout import visible_gpus
+from megaresil.ports import LOOPBACK, address_towards, loopback_interface
 from megaresil.resilience.faults import check_device_faults, check_fault_ranks
 from megaresil.resilience.incidents import IncidentPrinter
 from megaresil.resilience.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT
@@ -69,6 +72,23 @@ class Membership:
     @property
     def host_can_be_lost(self) -> bool:
         return self.backend != "c10d" or self.max_nodes == 1
+
+    @property
+    def rendezvous_endpoint(self) -> str:
+        """Where the agents meet: on one node, a c10d rendezvous on loopback,
+        so its store listens on no other interface."""
+        if self.max_nodes > 1 or self.backend != "c10d":
+            return self.endpoint
+        return f"{LOOPBACK}:{parse_rendezvous_endpoint(self.endpoint, default_port=0)[1]}"
+
+    @property
+    def local_addr(self) -> Optional[str]:
+        """This node's address for the store the agent shares with its workers
+        (MASTER_ADDR): loopback on one node; on several, the interface that
+        reaches the rendezvous endpoint (the network the job runs on)."""
+        if self.max_nodes == 1:
+            return LOOPBACK
+        return address_towards(*parse_rendezvous_endpoint(self.endpoint, default_port=0))
 
     @classmethod
     def for_slurm(cls, step: SlurmStep, world: int, nproc_per_node: Optional[int],
@@ -245,6 +265,9 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     if warning := never_saving_warning(cfg):
         print(warning, file=sys.stderr)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
+    if membership.max_nodes == 1:  # the ranks' own sockets too, unless the user chose
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, loopback_interface())
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
     # "Received 2 death signal": the workers' own `interrupted`/`preempted` line says it better.
@@ -255,7 +278,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         etcd_rendezvous.logger.setLevel(logging.WARNING)
     config = LaunchConfig(
         min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
-        rdzv_backend=membership.backend, rdzv_endpoint=membership.endpoint,
+        rdzv_backend=membership.backend, rdzv_endpoint=membership.rendezvous_endpoint,
+        local_addr=membership.local_addr,
         # Wait 5 s (not 30) for more nodes once the minimum is there, and call
         # a node gone after ~2 s without keep-alives (not 15): a job that lost
         # a node re-forms in seconds.
@@ -273,7 +297,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     events_before = len(read_events(run_dir))
     try:
         with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg)),
-              IncidentPrinter(run_dir)):
+              IncidentPrinter(run_dir), elastic_stores_on_their_hosts()):
             elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except ChildFailedError as err:
         print(f"megaresil: giving up after {relaunches_since(run_dir, events_before)}: "
