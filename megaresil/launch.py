@@ -145,17 +145,21 @@ def resolve_from_hf(hf_dir: Path, recipe: str, overrides: list[str]) -> FromHF:
     """The model's architecture and hyper-parameters from DIR's config.json,
     its tokenizer (when DIR has one) and checkpoint.init_from=DIR as plain
     overrides; the user's own KEY=VALUE overrides still win."""
+    from megaresil.checkpoint.format import CheckpointError
     from megaresil.checkpoint.hf_io import hf_model_keys
-    from megaresil.checkpoint.hf_tokenizer import TOKENIZER
+    from megaresil.checkpoint.hf_tokenizer import check_hf_tokenizer
     from megaresil.config import parse_override, to_dict
 
     hf_dir = hf_dir.resolve()
-    model_keys, notes = hf_model_keys(hf_dir)
+    try:  # every file of DIR read here, before any worker: a bad one is a usage error
+        model_keys, notes = hf_model_keys(hf_dir)
+    except CheckpointError as err:
+        raise ConfigError("--from-hf", str(err)) from None
     wanted = _flat_keys("model.", model_keys)
-    if (hf_dir / TOKENIZER).is_file():
+    given = {parse_override(text)[0] for text in overrides}
+    if "data.tokenizer" not in given and check_hf_tokenizer(hf_dir, model_keys["vocab_size"]):
         wanted["data.tokenizer"] = str(hf_dir)
     wanted["checkpoint.init_from"] = str(hf_dir)
-    given = {parse_override(text)[0] for text in overrides}
     recipe_values = _flat_keys("", to_dict(load_recipe(recipe, overrides)))
     replaced = [(key, recipe_values[key], value) for key, value in wanted.items()
                 if key not in given and key in recipe_values and recipe_values[key] != value
