@@ -100,7 +100,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
               f"is trained on the input and saved as {args.output}_tokenizer.json (what "
               f"data.tokenizer=bpe data.path={args.output} reads)")
     prepare_main(args.input, args.output, args.tokenizer or "bpe", json_key=args.json_key,
-                 workers=args.workers, vocab_size=args.vocab_size)
+                 workers=args.workers, vocab_size=args.vocab_size,
+                 max_record_bytes=args.max_record_bytes)
     return 0
 
 
@@ -556,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="vocabulary of the trained BPE tokenizer")
     prepare.add_argument("--workers", type=int, help="tokenizer processes (default: the CPU "
                          "count, at most 8)")
+    prepare.add_argument("--max-record-bytes", type=int, metavar="N",
+                         help="refuse a JSON Lines record (line) longer than N bytes (default "
+                         "4 MiB): tokenizing one with a BPE takes up to ~180x its size in memory")
     prepare.set_defaults(func=cmd_data_prepare)
     return parser
 
