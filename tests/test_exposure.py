@@ -3,6 +3,7 @@ listen."""
 from __future__ import annotations
 
 import psutil
+import pytest
 import torch.distributed as dist
 
 from megaresil.compat import elastic_stores_on_their_hosts
@@ -40,3 +41,125 @@ def test_torchelastic_store_servers_listen_on_their_host_only():
         assert dist.TCPStore("127.0.0.1", agent.port, is_master=False) is not None
         assert listening_ips() - before == {"127.0.0.1"}
     assert c10d_rendezvous_backend.TCPStore is dist.TCPStore  # put back after the launch
+
+
+# --- declared sizes against the safetensors headers (item 3a) ---------------------
+
+
+def tiny_gpt2_dir(directory, **config_changes):
+    """A 2-layer GPT-2 as save_pretrained writes it, then config.json edited."""
+    import json
+
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config_changes}))
+    return directory
+
+
+def test_a_million_declared_layers_are_refused_from_the_headers(cli_main, tmp_path, monkeypatch):
+    from megaresil.checkpoint import hf
+
+    hf_dir = tiny_gpt2_dir(tmp_path / "hf", n_layer=1_000_000)
+    mapped = []
+    monkeypatch.setattr(hf, "hf_mapping", lambda cfg: mapped.append(cfg) or {})
+    result = cli_main("convert", "--from-hf", str(hf_dir), str(tmp_path / "out"), check=False)
+    assert result.returncode == 1 and not mapped  # refused before any name map is built
+    line, = result.stderr.strip().splitlines()
+    assert str(hf_dir / "config.json") in line and "model.safetensors" in line
+    assert "n_layer=1000000 but the weights hold layers 0-1 (2 in all)" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_declared_vocabulary_the_embedding_lacks_is_refused(tmp_path):
+    from megaresil.checkpoint.format import CheckpointError
+    from megaresil.checkpoint.hf_io import hf_model_keys
+
+    hf_dir = tiny_gpt2_dir(tmp_path / "hf", vocab_size=10**12, n_embd=32)
+    with pytest.raises(CheckpointError, match=r"vocab_size=1000000000000 but "
+                       r"transformer.wte.weight has shape \[300, 32\]"):
+        hf_model_keys(hf_dir)
+    assert hf_model_keys(tiny_gpt2_dir(tmp_path / "good"))[0]["num_layers"] == 2
+
+
+def test_a_truncated_config_json_is_named(tmp_path):
+    from megaresil.checkpoint.format import CheckpointError
+    from megaresil.checkpoint.hf_io import hf_model_keys
+
+    hf_dir = tiny_gpt2_dir(tmp_path / "hf")
+    (hf_dir / "config.json").write_text('{"n_layer": 2, "vocab')
+    with pytest.raises(CheckpointError, match=f"{hf_dir / 'config.json'} is not valid JSON"):
+        hf_model_keys(hf_dir)
+
+
+# --- one JSON Lines record bounded (item 3c) --------------------------------------
+
+
+def test_a_record_over_the_limit_is_refused_with_its_size(cli_main, tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    record = json_line("x" * 5000)
+    corpus.write_text(json_line("small") + record + json_line("after"))
+    args = ("data", "prepare", "--input", str(corpus), "--output", str(tmp_path / "out"),
+            "--tokenizer", "byte", "--workers", "1")
+    refused = cli_main(*args, "--max-record-bytes", "4096", check=False)
+    assert refused.returncode == 2
+    line, = [x for x in refused.stderr.splitlines() if x.startswith("megaresil: error")]
+    assert f"{corpus}:2 is a record of {len(record):,} bytes" in line
+    assert "limit of 4,096 bytes" in line and "--max-record-bytes" in line
+    assert "prepared 3 documents" in cli_main(*args, "--max-record-bytes", "8192").stdout
+
+
+def test_the_record_bound_reads_no_more_than_the_limit(tmp_path, monkeypatch):
+    from megaresil.config import ConfigError
+    from megaresil.data import corpus
+
+    path = tmp_path / "big.jsonl"
+    record = json_line("y" * 100_000)
+    path.write_text(record)
+    reads = []
+    real_open = open
+
+    class Recording:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def readline(self, size=-1):
+            line = self.handle.readline(size)
+            reads.append(len(line))
+            return line
+
+    monkeypatch.setattr(corpus, "open", lambda *a, **k: Recording(real_open(*a, **k)),
+                        raising=False)
+    with pytest.raises(ConfigError, match=f"is a record of {len(record):,} bytes"):
+        list(corpus.json_lines_documents(path, "text", max_record_bytes=1000))
+    assert reads[0] == 1001  # the first read stops past the limit; the rest only counts
+
+
+def json_line(text: str) -> str:
+    import json
+
+    return json.dumps({"text": text}) + "\n"
+
+
+# --- a malformed tokenizer is a recipe error, fatal wherever raised (item 4) ------
+
+
+def test_a_malformed_tokenizer_json_is_a_fatal_recipe_error_naming_it(tmp_path):
+    from megaresil.config import ConfigError
+    from megaresil.data.tokenizer import hf_tokenizer_from_path
+    from megaresil.resilience.restart import FATAL
+
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "trunc')
+    with pytest.raises(ConfigError) as caught:
+        hf_tokenizer_from_path(tmp_path)
+    assert str(tmp_path / "tokenizer.json") in str(caught.value)
+    assert isinstance(caught.value, FATAL)  # no restart retries it

@@ -55,3 +55,23 @@ def test_a_single_node_run_listens_on_loopback_only(home):
     assert len(listening) >= 2, listening
     exposed = {(ip, port) for ip, port in listening if not ipaddress.ip_address(ip).is_loopback}
     assert not exposed, f"listening beyond loopback: {sorted(exposed)}"
+
+
+def test_a_malformed_tokenizer_stops_train_and_convert_before_they_start(home):
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(home / "hf")
+    tokenizer = home / "hf" / "tokenizer.json"
+    tokenizer.write_text('{"version": "1.0", "trunc')
+    train = megaresil("train", *GPT_TINY, "parallel.dp=1", "--from-hf", "hf", "train.steps=2",
+                      "run.dir=runs/t", cwd=home, check=False)
+    convert = megaresil("convert", "--from-hf", "hf", "imported", cwd=home, check=False)
+    for result in (train, convert):
+        assert result.returncode == 2, result.stderr[-3000:]
+        errors = [line for line in result.stderr.splitlines() if "megaresil: error" in line]
+        assert len(errors) == 1 and "tokenizer.json cannot be read as a tokenizer" in errors[0]
+        assert "Traceback" not in result.stderr
+    assert not (home / "runs" / "t" / "elastic").exists()  # no worker was started
+    assert not (home / "imported").exists()
