@@ -46,14 +46,14 @@ def test_torchelastic_store_servers_listen_on_their_host_only():
 # --- declared sizes against the safetensors headers (item 3a) ---------------------
 
 
-def tiny_gpt2_dir(directory, **config_changes):
+def tiny_gpt2_dir(directory, n_positions: int = 64, **config_changes):
     """A 2-layer GPT-2 as save_pretrained writes it, then config.json edited."""
     import json
 
     import transformers
 
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300,
-                                     n_positions=64, bos_token_id=0, eos_token_id=0)
+                                     n_positions=n_positions, bos_token_id=0, eos_token_id=0)
     transformers.GPT2LMHeadModel(config).save_pretrained(directory)
     path = directory / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **config_changes}))
@@ -163,3 +163,14 @@ def test_a_malformed_tokenizer_json_is_a_fatal_recipe_error_naming_it(tmp_path):
         hf_tokenizer_from_path(tmp_path)
     assert str(tmp_path / "tokenizer.json") in str(caught.value)
     assert isinstance(caught.value, FATAL)  # no restart retries it
+
+
+def test_convert_from_hf_carries_the_tokenizer_to_a_later_export(cli_main, tmp_path):
+    from megaresil.data.tokenizer import ByteTokenizer
+
+    hf_dir = tiny_gpt2_dir(tmp_path / "hf", n_positions=256)
+    ByteTokenizer().hf_tokenizer().save(str(hf_dir / "tokenizer.json"))
+    cli_main("convert", "--from-hf", str(hf_dir), str(tmp_path / "imported"))
+    cli_main("convert", str(tmp_path / "imported"), "--to-hf", str(tmp_path / "exported"))
+    exported = (tmp_path / "exported" / "tokenizer.json").read_text()
+    assert exported == (hf_dir / "tokenizer.json").read_text()
