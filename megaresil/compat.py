@@ -157,46 +157,52 @@ def has_nccl_groups() -> bool:
 # --- TorchElastic's store servers ---------------------------------------------------
 
 
-def _listening_socket_fd(host: str, port: int) -> tuple[int, int]:
-    """(fd, port) of a TCP socket listening on `host`'s address only (port 0:
-    a free one); the caller's TCPStore owns the fd from then on."""
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+def _listening_socket_fd(address: str, port: int) -> tuple[int, int]:
+    """(fd, port) of a TCP socket listening on `address` only (port 0: a
+    free one); the TCPStore handed the fd owns it from then on."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
     try:
-        server = socket.create_server(address[:2], family=family)
+        server = socket.create_server((address, port), family=family)
     except OSError as err:  # what TCPStore raises, so TorchElastic's own handling applies
-        raise RuntimeError(f"cannot listen on {host}:{port}: {err}") from err
+        raise RuntimeError(f"cannot listen on {address}:{port}: {err}") from err
     port = server.getsockname()[1]
     return server.detach(), port
 
 
-def _tcp_store_listening_on_host(host_name: str, port: int, *args: Any, is_master: bool = False,
-                                 **kwargs: Any) -> dist.TCPStore:
-    """dist.TCPStore, but its server listens on `host_name`'s address: a
-    TCPStore server binds every interface whatever `host_name` says (torch
-    2.13: '::') unless handed a listening socket (master_listen_fd)."""
-    if is_master:
-        kwargs["master_listen_fd"], port = _listening_socket_fd(host_name, port)
-    return dist.TCPStore(host_name, port, *args, is_master=is_master, **kwargs)
+def _tcp_store_listening_on(address: str) -> Callable[..., dist.TCPStore]:
+    """dist.TCPStore, but a server listens on `address` only: a TCPStore
+    server binds every interface whatever its host_name says (torch 2.13:
+    '::') unless handed a listening socket (master_listen_fd)."""
+    def tcp_store(host_name: str, port: int, *args: Any, is_master: bool = False,
+                  **kwargs: Any) -> dist.TCPStore:
+        if is_master:
+            kwargs["master_listen_fd"], port = _listening_socket_fd(address, port)
+        return dist.TCPStore(host_name, port, *args, is_master=is_master, **kwargs)
+    return tcp_store
 
 
 @contextlib.contextmanager
-def elastic_stores_on_their_hosts() -> Iterator[None]:
+def elastic_stores_listening_on(address: Optional[str]) -> Iterator[None]:
     """While an elastic launch runs in this process, TorchElastic's two store
-    servers listen only on the address they are named by: the c10d
-    rendezvous store on the --rdzv-endpoint host, and the store the agent
-    shares with its workers on the agent's local_addr (MASTER_ADDR). Reaches
-    into c10d_rendezvous_backend's module name `TCPStore` (what its private
+    servers (the c10d rendezvous store, when this agent hosts it, and the
+    store the agent shares with its workers) listen on `address` only; None
+    leaves torch's every-interface bind. Reaches into
+    c10d_rendezvous_backend's module name `TCPStore` (what its private
     _create_tcp_store calls) and DynamicRendezvousHandler's private
     _create_tcp_store_server."""
+    if address is None:
+        yield
+        return
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
+    tcp_store = _tcp_store_listening_on(address)
+
     def agent_store_server(_handler: Any, master_addr: str, master_port: int) -> dist.TCPStore:
-        return _tcp_store_listening_on_host(master_addr, master_port, is_master=True,
-                                            multi_tenant=True)
+        return tcp_store(master_addr, master_port, is_master=True, multi_tenant=True)
 
     saved = (c10d_rendezvous_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server)
-    c10d_rendezvous_backend.TCPStore = _tcp_store_listening_on_host
+    c10d_rendezvous_backend.TCPStore = tcp_store
     DynamicRendezvousHandler._create_tcp_store_server = agent_store_server
     try:
         yield

@@ -3,6 +3,7 @@ worker (inside torchrun or our own launch)."""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import os
 import re
@@ -25,12 +26,12 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.checkpoint.location import checkpoint_root
-from megaresil.compat import elastic_stores_on_their_hosts
+from megaresil.compat import elastic_stores_listening_on
 from megaresil.checkpoint.recipe_check import check_resume_recipe
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.events import read_events
 from megaresil.parallel.layout import visible_gpus
-from megaresil.ports import LOOPBACK, address_towards, loopback_interface
+from megaresil.ports import LOOPBACK, address_towards, is_loopback_name, loopback_interface
 from megaresil.resilience.faults import check_device_faults, check_fault_ranks
 from megaresil.resilience.incidents import IncidentPrinter
 from megaresil.resilience.preemption import INTERRUPTED_EXIT, PREEMPTED_EXIT
@@ -83,12 +84,20 @@ class Membership:
 
     @property
     def local_addr(self) -> Optional[str]:
-        """This node's address for the store the agent shares with its workers
-        (MASTER_ADDR): loopback on one node; on several, the interface that
-        reaches the rendezvous endpoint (the network the job runs on)."""
+        """This node's address, where its stores listen and what its workers
+        get as MASTER_ADDR: loopback on one node; on several, the interface
+        that reaches the rendezvous endpoint (the network the job runs on).
+        None (torch's own: the host name, stores on every interface) when that
+        is loopback but the endpoint is not named so: a host name that
+        resolves to 127.0.1.1 here (Debian's /etc/hosts), which the other
+        nodes reach by another address."""
         if self.max_nodes == 1:
             return LOOPBACK
-        return address_towards(*parse_rendezvous_endpoint(self.endpoint, default_port=0))
+        host, port = parse_rendezvous_endpoint(self.endpoint, default_port=0)
+        address = address_towards(host, port)
+        if address and ipaddress.ip_address(address).is_loopback and not is_loopback_name(host):
+            return None
+        return address
 
     @classmethod
     def for_slurm(cls, step: SlurmStep, world: int, nproc_per_node: Optional[int],
@@ -301,7 +310,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     events_before = len(read_events(run_dir))
     try:
         with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg)),
-              IncidentPrinter(run_dir), elastic_stores_on_their_hosts()):
+              IncidentPrinter(run_dir), elastic_stores_listening_on(config.local_addr)):
             elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except ChildFailedError as err:
         print(f"megaresil: giving up after {relaunches_since(run_dir, events_before)}: "

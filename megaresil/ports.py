@@ -1,6 +1,7 @@
 """Free local ports and local addresses, for a rendezvous or store."""
 from __future__ import annotations
 
+import ipaddress
 import socket
 from typing import Optional
 
@@ -27,6 +28,14 @@ def address_towards(host: str, port: int) -> Optional[str]:
             return probe.getsockname()[0]
     except OSError:
         return None
+
+
+def is_loopback_name(host: str) -> bool:
+    """`localhost`, or a loopback address written out (127.0.0.1, ::1)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def loopback_interface() -> str:

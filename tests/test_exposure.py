@@ -6,7 +6,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from megaresil.compat import elastic_stores_on_their_hosts
+from megaresil.compat import elastic_stores_listening_on
 from megaresil.launch import Membership
 
 
@@ -22,10 +22,16 @@ def test_one_node_meets_and_serves_its_workers_on_loopback():
     assert one.local_addr == Membership().local_addr == "127.0.0.1"
 
 
-def test_several_nodes_meet_where_the_endpoint_says_from_the_interface_reaching_it():
+def test_several_nodes_listen_on_the_interface_reaching_the_endpoint(monkeypatch):
     several = Membership.parse("2", 2, "127.0.0.1:29400", "job", backend="c10d")
     assert several.rendezvous_endpoint == "127.0.0.1:29400"
     assert several.local_addr == "127.0.0.1"  # the interface that reaches 127.0.0.1
+    routes = {"node1": "10.0.0.5", "trap": "127.0.1.1"}
+    monkeypatch.setattr("megaresil.launch.address_towards", lambda host, port: routes[host])
+    assert Membership.parse("2", 2, "node1:29400", "job").local_addr == "10.0.0.5"
+    # A host name that is loopback only here (Debian's 127.0.1.1): the other
+    # nodes could not reach a store there, so torch's own bind stays.
+    assert Membership.parse("2", 2, "trap:29400", "job").local_addr is None
 
 
 def test_torchelastic_store_servers_listen_on_their_host_only():
@@ -33,7 +39,7 @@ def test_torchelastic_store_servers_listen_on_their_host_only():
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
     before = listening_ips()
-    with elastic_stores_on_their_hosts():
+    with elastic_stores_listening_on("127.0.0.1"):
         rendezvous = c10d_rendezvous_backend.TCPStore("127.0.0.1", 0, is_master=True,
                                                       multi_tenant=True)
         agent = DynamicRendezvousHandler._create_tcp_store_server(None, "127.0.0.1", 0)
