@@ -160,13 +160,15 @@ def resolve_from_hf(hf_dir: Path, recipe: str, overrides: list[str]) -> FromHF:
     from megaresil.config import parse_override, to_dict
 
     hf_dir = hf_dir.resolve()
+    given = {parse_override(text)[0] for text in overrides}
     try:  # every file of DIR read here, before any worker: a bad one is a usage error
         model_keys, notes = hf_model_keys(hf_dir)
+        tokenizer = ("data.tokenizer" not in given
+                     and check_hf_tokenizer(hf_dir, model_keys["vocab_size"]))
     except CheckpointError as err:
         raise ConfigError("--from-hf", str(err)) from None
     wanted = _flat_keys("model.", model_keys)
-    given = {parse_override(text)[0] for text in overrides}
-    if "data.tokenizer" not in given and check_hf_tokenizer(hf_dir, model_keys["vocab_size"]):
+    if tokenizer:
         wanted["data.tokenizer"] = str(hf_dir)
     wanted["checkpoint.init_from"] = str(hf_dir)
     recipe_values = _flat_keys("", to_dict(load_recipe(recipe, overrides)))

@@ -180,3 +180,18 @@ def test_convert_from_hf_carries_the_tokenizer_to_a_later_export(cli_main, tmp_p
     cli_main("convert", str(tmp_path / "imported"), "--to-hf", str(tmp_path / "exported"))
     exported = (tmp_path / "exported" / "tokenizer.json").read_text()
     assert exported == (hf_dir / "tokenizer.json").read_text()
+
+
+def test_from_hf_names_a_malformed_tokenizer_config_before_any_worker(tmp_path):
+    from megaresil.config import ConfigError
+    from megaresil.data.tokenizer import ByteTokenizer
+    from megaresil.launch import resolve_from_hf
+    from tests.conftest import ROOT
+
+    hf_dir = tiny_gpt2_dir(tmp_path / "hf", n_positions=256)
+    ByteTokenizer().hf_tokenizer().save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text('{"eos_token": ')
+    recipe = str(ROOT / "recipes" / "gpt-tiny.yaml")
+    with pytest.raises(ConfigError, match=f"--from-hf: {hf_dir / 'tokenizer_config.json'} is not"):
+        resolve_from_hf(hf_dir, recipe, [])
+    resolve_from_hf(hf_dir, recipe, ["data.tokenizer=byte"])  # one the user chose instead

@@ -26,7 +26,7 @@ import tokenizers
 
 from megaresil.checkpoint.format import CheckpointError
 from megaresil.config import ConfigError, DataConfig, ModelConfig
-from megaresil.data.tokenizer import ENDOFTEXT, hf_tokenizer_from_path, read_tokenizer_file
+from megaresil.data.tokenizer import ENDOFTEXT, read_tokenizer_file
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -65,12 +65,12 @@ def _from_path(path: Path) -> ExportTokenizer:
 
 
 def check_hf_tokenizer(directory: Path, model_vocab: int) -> bool:
-    """Whether a model directory has a tokenizer, read in full before
-    anything uses it (ConfigError naming the file when it is malformed or
-    holds more tokens than the model has ids)."""
+    """Whether a model directory has a tokenizer, read in full (with its
+    tokenizer_config.json) before anything uses it: an error naming the file
+    when one is malformed, or when it holds more tokens than the model has ids."""
     if not (directory / TOKENIZER).is_file():
         return False
-    size = hf_tokenizer_from_path(directory).vocab_size
+    size = _from_path(directory).tokenizer.get_vocab_size()
     if size > model_vocab:
         raise ConfigError("data.tokenizer", f"{directory / TOKENIZER} has {size} tokens, but "
                           f"{directory / 'config.json'} gives the model {model_vocab} ids.",
