@@ -55,7 +55,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                                           args.rdzv_endpoint)
     else:
         membership = Membership.parse(args.nnodes, args.nproc_per_node, args.rdzv_endpoint,
-                                      args.rdzv_id, args.rdzv_conf or "", args.rdzv_backend)
+                                      args.rdzv_id, args.rdzv_conf or "", args.rdzv_backend,
+                                      args.local_addr)
     return launch(args.recipe, overrides, cfg, membership)
 
 
@@ -442,6 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rdzv-conf", metavar="KEY=VALUE,...",
                        help="rendezvous options, e.g. is_host=1 on the agent that hosts the "
                             "rendezvous store (it must outlive the others)")
+    train.add_argument("--local-addr", metavar="ADDRESS",
+                       help="this node's address, where its stores listen and that its workers "
+                            "get as MASTER_ADDR (default: 127.0.0.1 on one node; with --nnodes, "
+                            "its address on the interface that reaches --rdzv-endpoint)")
     train.set_defaults(func=cmd_train, overrides_anywhere=True)
 
     chaos = sub.add_parser("chaos", help="run a fault scenario beside a fault-free reference "

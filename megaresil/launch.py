@@ -56,19 +56,22 @@ class Membership:
     # which must outlive the others; etcd, etcd-v2: in an etcd server apart
     # from the training nodes, so any node may be lost.
     backend: str = "c10d"
+    node_address: Optional[str] = None  # --local-addr: where this node's stores listen
 
     @classmethod
     def parse(cls, nnodes: Optional[str], nproc_per_node: Optional[int], endpoint: Optional[str],
-              run_id: Optional[str], rdzv_conf: str = "", backend: str = "c10d") -> "Membership":
+              run_id: Optional[str], rdzv_conf: str = "", backend: str = "c10d",
+              local_addr: Optional[str] = None) -> "Membership":
         if not nnodes:
-            return cls(nproc_per_node=nproc_per_node)
+            return cls(nproc_per_node=nproc_per_node, node_address=local_addr)
         conf = dict(item.split("=", 1) for item in rdzv_conf.split(",") if item)
         low, _, high = nnodes.partition(":")
         if not endpoint:
             where = "HOST:PORT" if backend == "c10d" else "ETCD_HOST:PORT"
             raise ConfigError("--rdzv-endpoint", "several nodes need a rendezvous endpoint.",
                               f"add --rdzv-endpoint {where} (the same on every node).")
-        return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf, backend)
+        return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf, backend,
+                   local_addr)
 
     @property
     def host_can_be_lost(self) -> bool:
@@ -90,7 +93,9 @@ class Membership:
         None (torch's own: the host name, stores on every interface) when that
         is loopback but the endpoint is not named so: a host name that
         resolves to 127.0.1.1 here (Debian's /etc/hosts), which the other
-        nodes reach by another address."""
+        nodes reach by another address. --local-addr overrides all of this."""
+        if self.node_address:
+            return self.node_address
         if self.max_nodes == 1:
             return LOOPBACK
         host, port = parse_rendezvous_endpoint(self.endpoint, default_port=0)

@@ -32,6 +32,8 @@ def test_several_nodes_listen_on_the_interface_reaching_the_endpoint(monkeypatch
     # A host name that is loopback only here (Debian's 127.0.1.1): the other
     # nodes could not reach a store there, so torch's own bind stays.
     assert Membership.parse("2", 2, "trap:29400", "job").local_addr is None
+    assert Membership.parse("2", 2, "trap:29400", "job", local_addr="10.0.0.9").local_addr \
+        == "10.0.0.9"  # --local-addr: the user's word
 
 
 def test_torchelastic_store_servers_listen_on_their_host_only():
