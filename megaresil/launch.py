@@ -79,11 +79,11 @@ class Membership:
 
     @property
     def rendezvous_endpoint(self) -> str:
-        """Where the agents meet: on one node, a c10d rendezvous on loopback,
-        so its store listens on no other interface."""
+        """Where the agents meet: on one node, a c10d rendezvous at this
+        node's address (loopback unless --local-addr), where its store listens."""
         if self.max_nodes > 1 or self.backend != "c10d":
             return self.endpoint
-        return f"{LOOPBACK}:{parse_rendezvous_endpoint(self.endpoint, default_port=0)[1]}"
+        return f"{self.local_addr}:{parse_rendezvous_endpoint(self.endpoint, default_port=0)[1]}"
 
     @property
     def local_addr(self) -> Optional[str]:

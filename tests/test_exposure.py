@@ -20,6 +20,8 @@ def test_one_node_meets_and_serves_its_workers_on_loopback():
     assert one.rendezvous_endpoint == "127.0.0.1:29400"
     assert Membership().rendezvous_endpoint == "127.0.0.1:0"
     assert one.local_addr == Membership().local_addr == "127.0.0.1"
+    chosen = Membership.parse(None, 2, None, None, local_addr="10.0.0.9")
+    assert chosen.rendezvous_endpoint == "10.0.0.9:0" and chosen.local_addr == "10.0.0.9"
 
 
 def test_several_nodes_listen_on_the_interface_reaching_the_endpoint(monkeypatch):
