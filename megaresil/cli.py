@@ -58,7 +58,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                                           args.rdzv_endpoint)
     else:
         membership = Membership.parse(args.nnodes, args.nproc_per_node, args.rdzv_endpoint,
-                                      args.rdzv_id, args.rdzv_conf or "", args.rdzv_backend)
+                                      args.rdzv_id, args.rdzv_conf or "", args.rdzv_backend,
+                                      args.local_addr)
     return launch(args.recipe, overrides, cfg, membership)
 
 
@@ -103,7 +104,8 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
               f"is trained on the input and saved as {args.output}_tokenizer.json (what "
               f"data.tokenizer=bpe data.path={args.output} reads)")
     prepare_main(args.input, args.output, args.tokenizer or "bpe", json_key=args.json_key,
-                 workers=args.workers, vocab_size=args.vocab_size)
+                 workers=args.workers, vocab_size=args.vocab_size,
+                 max_record_bytes=args.max_record_bytes)
     return 0
 
 
@@ -457,6 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rdzv-conf", metavar="KEY=VALUE,...",
                        help="rendezvous options, e.g. is_host=1 on the agent that hosts the "
                             "rendezvous store (it must outlive the others)")
+    train.add_argument("--local-addr", metavar="ADDRESS",
+                       help="this node's address, where its stores listen and that its workers "
+                            "get as MASTER_ADDR (default: 127.0.0.1 on one node; with --nnodes, "
+                            "its address on the interface that reaches --rdzv-endpoint)")
     train.set_defaults(func=cmd_train, overrides_anywhere=True)
 
     chaos = sub.add_parser("chaos", help="run a fault scenario beside a fault-free reference "
@@ -572,6 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="vocabulary of the trained BPE tokenizer")
     prepare.add_argument("--workers", type=int, help="tokenizer processes (default: the CPU "
                          "count, at most 8)")
+    prepare.add_argument("--max-record-bytes", type=int, metavar="N",
+                         help="refuse a JSON Lines record (line) longer than N bytes (default "
+                         "4 MiB): tokenizing one with a BPE takes up to ~180x its size in memory")
     prepare.set_defaults(func=cmd_data_prepare)
     return parser
 

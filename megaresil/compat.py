@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import struct
 import zipfile
 from datetime import timedelta
@@ -151,6 +152,62 @@ def collective_counts(exclude: set) -> dict[str, int]:
 def has_nccl_groups() -> bool:
     """Whether any live process group runs collectives through NCCL."""
     return any("nccl" in dist.get_backend(group) for group in process_groups())
+
+
+# --- TorchElastic's store servers ---------------------------------------------------
+
+
+def _listening_socket_fd(address: str, port: int) -> tuple[int, int]:
+    """(fd, port) of a TCP socket listening on `address` only (port 0: a
+    free one); the TCPStore handed the fd owns it from then on."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        server = socket.create_server((address, port), family=family)
+    except OSError as err:  # what TCPStore raises, so TorchElastic's own handling applies
+        raise RuntimeError(f"cannot listen on {address}:{port}: {err}") from err
+    port = server.getsockname()[1]
+    return server.detach(), port
+
+
+def _tcp_store_listening_on(address: str) -> Callable[..., dist.TCPStore]:
+    """dist.TCPStore, but a server listens on `address` only: a TCPStore
+    server binds every interface whatever its host_name says (torch 2.13:
+    '::') unless handed a listening socket (master_listen_fd)."""
+    def tcp_store(host_name: str, port: int, *args: Any, is_master: bool = False,
+                  **kwargs: Any) -> dist.TCPStore:
+        if is_master:
+            kwargs["master_listen_fd"], port = _listening_socket_fd(address, port)
+        return dist.TCPStore(host_name, port, *args, is_master=is_master, **kwargs)
+    return tcp_store
+
+
+@contextlib.contextmanager
+def elastic_stores_listening_on(address: Optional[str]) -> Iterator[None]:
+    """While an elastic launch runs in this process, TorchElastic's two store
+    servers (the c10d rendezvous store, when this agent hosts it, and the
+    store the agent shares with its workers) listen on `address` only; None
+    leaves torch's every-interface bind. Reaches into
+    c10d_rendezvous_backend's module name `TCPStore` (what its private
+    _create_tcp_store calls) and DynamicRendezvousHandler's private
+    _create_tcp_store_server."""
+    if address is None:
+        yield
+        return
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    tcp_store = _tcp_store_listening_on(address)
+
+    def agent_store_server(_handler: Any, master_addr: str, master_port: int) -> dist.TCPStore:
+        return tcp_store(master_addr, master_port, is_master=True, multi_tenant=True)
+
+    saved = (c10d_rendezvous_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server)
+    c10d_rendezvous_backend.TCPStore = tcp_store
+    DynamicRendezvousHandler._create_tcp_store_server = agent_store_server
+    try:
+        yield
+    finally:
+        c10d_rendezvous_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server = saved
 
 
 # --- tensor ops ------------------------------------------------------------------

@@ -3,6 +3,7 @@ worker (inside torchrun or our own launch)."""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import os
 import re
@@ -21,15 +22,18 @@ from torch.distributed.elastic.multiprocessing.errors import (ChildFailedError, 
                                                              record)
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousConnectionError, RendezvousError)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.checkpoint.local_tier import local_root
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.checkpoint.recipe_check import check_resume_recipe
+from megaresil.compat import elastic_stores_listening_on
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.events import EventLog, read_events
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import visible_gpus
+from megaresil.ports import LOOPBACK, address_towards, is_loopback_name, loopback_interface
 from megaresil.resilience.faults import check_device_faults, check_fault_ranks
 from megaresil.resilience.incidents import IncidentPrinter
 from megaresil.resilience.preemption import (INTERRUPTED_EXIT, PREEMPTED_EXIT, kill_descendants,
@@ -56,23 +60,53 @@ class Membership:
     # which must outlive the others; etcd, etcd-v2: in an etcd server apart
     # from the training nodes, so any node may be lost.
     backend: str = "c10d"
+    node_address: Optional[str] = None  # --local-addr: where this node's stores listen
 
     @classmethod
     def parse(cls, nnodes: Optional[str], nproc_per_node: Optional[int], endpoint: Optional[str],
-              run_id: Optional[str], rdzv_conf: str = "", backend: str = "c10d") -> "Membership":
+              run_id: Optional[str], rdzv_conf: str = "", backend: str = "c10d",
+              local_addr: Optional[str] = None) -> "Membership":
         if not nnodes:
-            return cls(nproc_per_node=nproc_per_node)
+            return cls(nproc_per_node=nproc_per_node, node_address=local_addr)
         conf = dict(item.split("=", 1) for item in rdzv_conf.split(",") if item)
         low, _, high = nnodes.partition(":")
         if not endpoint:
             where = "HOST:PORT" if backend == "c10d" else "ETCD_HOST:PORT"
             raise ConfigError("--rdzv-endpoint", "several nodes need a rendezvous endpoint.",
                               f"add --rdzv-endpoint {where} (the same on every node).")
-        return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf, backend)
+        return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf, backend,
+                   local_addr)
 
     @property
     def host_can_be_lost(self) -> bool:
         return self.backend != "c10d" or self.max_nodes == 1
+
+    @property
+    def rendezvous_endpoint(self) -> str:
+        """Where the agents meet: on one node, a c10d rendezvous at this
+        node's address (loopback unless --local-addr), where its store listens."""
+        if self.max_nodes > 1 or self.backend != "c10d":
+            return self.endpoint
+        return f"{self.local_addr}:{parse_rendezvous_endpoint(self.endpoint, default_port=0)[1]}"
+
+    @property
+    def local_addr(self) -> Optional[str]:
+        """This node's address, where its stores listen and what its workers
+        get as MASTER_ADDR: loopback on one node; on several, the interface
+        that reaches the rendezvous endpoint (the network the job runs on).
+        None (torch's own: the host name, stores on every interface) when that
+        is loopback but the endpoint is not named so: a host name that
+        resolves to 127.0.1.1 here (Debian's /etc/hosts), which the other
+        nodes reach by another address. --local-addr overrides all of this."""
+        if self.node_address:
+            return self.node_address
+        if self.max_nodes == 1:
+            return LOOPBACK
+        host, port = parse_rendezvous_endpoint(self.endpoint, default_port=0)
+        address = address_towards(host, port)
+        if address and ipaddress.ip_address(address).is_loopback and not is_loopback_name(host):
+            return None
+        return address
 
     @classmethod
     def for_slurm(cls, step: SlurmStep, world: int, nproc_per_node: Optional[int],
@@ -129,17 +163,23 @@ def resolve_from_hf(hf_dir: Path, recipe: str, overrides: list[str]) -> FromHF:
     """The model's architecture and hyper-parameters from DIR's config.json,
     its tokenizer (when DIR has one) and checkpoint.init_from=DIR as plain
     overrides; the user's own KEY=VALUE overrides still win."""
+    from megaresil.checkpoint.format import CheckpointError
     from megaresil.checkpoint.hf_io import hf_model_keys
-    from megaresil.checkpoint.hf_tokenizer import TOKENIZER
+    from megaresil.checkpoint.hf_tokenizer import check_hf_tokenizer
     from megaresil.config import parse_override, to_dict
 
     hf_dir = hf_dir.resolve()
-    model_keys, notes = hf_model_keys(hf_dir)
+    given = {parse_override(text)[0] for text in overrides}
+    try:  # every file of DIR read here, before any worker: a bad one is a usage error
+        model_keys, notes = hf_model_keys(hf_dir)
+        tokenizer = ("data.tokenizer" not in given
+                     and check_hf_tokenizer(hf_dir, model_keys["vocab_size"]))
+    except CheckpointError as err:
+        raise ConfigError("--from-hf", str(err)) from None
     wanted = _flat_keys("model.", model_keys)
-    if (hf_dir / TOKENIZER).is_file():
+    if tokenizer:
         wanted["data.tokenizer"] = str(hf_dir)
     wanted["checkpoint.init_from"] = str(hf_dir)
-    given = {parse_override(text)[0] for text in overrides}
     recipe_values = _flat_keys("", to_dict(load_recipe(recipe, overrides)))
     replaced = [(key, recipe_values[key], value) for key, value in wanted.items()
                 if key not in given and key in recipe_values and recipe_values[key] != value
@@ -266,6 +306,9 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     if warning := never_saving_warning(cfg):
         print(warning, file=sys.stderr)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
+    if membership.max_nodes == 1:  # the ranks' own sockets too, unless the user chose
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, loopback_interface())
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
     # "Received 2 death signal": the workers' own `interrupted`/`preempted` line says it better.
@@ -276,7 +319,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         etcd_rendezvous.logger.setLevel(logging.WARNING)
     config = LaunchConfig(
         min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
-        rdzv_backend=membership.backend, rdzv_endpoint=membership.endpoint,
+        rdzv_backend=membership.backend, rdzv_endpoint=membership.rendezvous_endpoint,
+        local_addr=membership.local_addr,
         # Wait 5 s (not 30) for more nodes once the minimum is there, and call
         # a node gone after ~2 s without keep-alives (not 15): a job that lost
         # a node re-forms in seconds.
@@ -294,7 +338,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     events_before = len(read_events(run_dir))
     try:
         with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg)),
-              IncidentPrinter(run_dir), second_interrupt_kills_workers()):
+              IncidentPrinter(run_dir), second_interrupt_kills_workers(),
+              elastic_stores_listening_on(config.local_addr)):
             elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except ChildFailedError as err:
         print(f"megaresil: giving up after {relaunches_since(run_dir, events_before)}: "

@@ -7,6 +7,7 @@ it from there.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -222,6 +223,50 @@ ARCHITECTURES = {Flavour.gpt2: "GPT2LMHeadModel", Flavour.llama: "LlamaForCausal
 
 class UnsupportedModel(CheckpointError):
     """A Hugging Face model that megaresil's model cannot represent."""
+
+
+# The config.json sizes that drive what an import builds (a name map per
+# layer, embeddings of vocab_size rows), each with the tensor dimension that
+# shows it: (config.json key, megaresil key, tensor, dim), per flavour.
+DECLARED_SIZES = {
+    Flavour.gpt2: (("vocab_size", "vocab_size", "transformer.wte.weight", 0),
+                   ("n_embd", "hidden_size", "transformer.wte.weight", 1),
+                   ("n_positions", "max_seq_len", "transformer.wpe.weight", 0),
+                   ("n_inner", "ffn_hidden_size", "transformer.h.0.mlp.c_fc.weight", 1)),
+    Flavour.llama: (("vocab_size", "vocab_size", "model.embed_tokens.weight", 0),
+                    ("hidden_size", "hidden_size", "model.embed_tokens.weight", 1),
+                    ("intermediate_size", "ffn_hidden_size", "model.layers.0.mlp.gate_proj.weight",
+                     0)),
+}
+LAYERS_KEY = {Flavour.gpt2: "n_layer", Flavour.llama: "num_hidden_layers"}
+LAYER_INDEX = re.compile(r"^(?:transformer\.h|model\.layers)\.(\d+)\.")
+
+
+def _held_layers(layers: list[int]) -> str:
+    if not layers:
+        return "no layers"
+    span = f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"
+    return f"{span} ({len(layers)} in all)"
+
+
+def declared_size_errors(model_keys: dict, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """What config.json declares (as config_from_hf's `model.*` keys) that
+    the weights' headers contradict: the layer count against the layer
+    indices present, each size in DECLARED_SIZES against its tensor. A
+    tensor that is missing is the key check's to name."""
+    flavour = Flavour(model_keys["flavour"])
+    layers = sorted({int(found[1]) for key in shapes if (found := LAYER_INDEX.match(key))})
+    errors, declared_layers = [], model_keys["num_layers"]
+    # Compared without counting up to the declared number: it may be 10**15.
+    if layers != list(range(len(layers))) or declared_layers != len(layers):
+        errors.append(f"{LAYERS_KEY[flavour]}={model_keys['num_layers']} but the weights hold "
+                      f"{_held_layers(layers)}")
+    for hf_key, key, tensor, dim in DECLARED_SIZES[flavour]:
+        declared, shape = model_keys.get(key), shapes.get(tensor)
+        if declared is not None and shape is not None and (len(shape) <= dim
+                                                           or shape[dim] != declared):
+            errors.append(f"{hf_key}={declared} but {tensor} has shape {list(shape)}")
+    return errors
 
 
 def _gpt2_config_to_hf(cfg: ModelConfig) -> dict:

@@ -26,8 +26,8 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint import hf
 from megaresil.checkpoint.backends.dcp_read import narrowed
 from megaresil.checkpoint.convert import Target, fresh_rank_states, open_source, target_recipe
-from megaresil.checkpoint.hf_tokenizer import (export_token_ids, load_export_tokenizer,
-                                               write_tokenizer)
+from megaresil.checkpoint.hf_tokenizer import (check_hf_tokenizer, export_token_ids,
+                                               load_export_tokenizer, write_tokenizer)
 from megaresil.checkpoint.manager import move_into_place
 from megaresil.checkpoint.offline import partial_dir, refuse_existing, replacing, write_checkpoint
 from megaresil.checkpoint.planning import recipe_layout
@@ -152,9 +152,23 @@ def export_to_hf(src: Path, out: Path, *, overwrite: bool = False, tokenizer: Op
 # --- import -------------------------------------------------------------------------
 
 
+def _read_json_object(path: Path) -> dict:
+    """A JSON object from a file of a model directory; anything else (a
+    truncated or hand-broken file) one line naming it."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise fmt.CheckpointError(f"{path} is not valid JSON ({err}). Fix: re-save the model "
+                                  "with transformers' save_pretrained.") from None
+    if not isinstance(value, dict):
+        raise fmt.CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object. "
+                                  "Fix: re-save the model with transformers' save_pretrained.")
+    return value
+
+
 def read_hf_config(directory: Path) -> dict:
     try:
-        return json.loads((directory / CONFIG).read_text())
+        return _read_json_object(directory / CONFIG)
     except (FileNotFoundError, NotADirectoryError):
         raise fmt.CheckpointError(f"{directory} has no {CONFIG}. Fix: give a directory written by "
                                   "transformers' save_pretrained.") from None
@@ -182,9 +196,10 @@ class HFWeights:
 
     def __init__(self, directory: Path):
         self.directory = directory
+        self.files = self._files()
         self.file_of: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
-        for path in self._files():
+        for path in self.files:
             with _safetensors_file(path) as f:
                 for key in f.keys():
                     self.file_of[key] = path
@@ -195,8 +210,11 @@ class HFWeights:
         if (d / WEIGHTS).is_file():
             return [d / WEIGHTS]
         if (d / WEIGHTS_INDEX).is_file():
-            index = json.loads((d / WEIGHTS_INDEX).read_text())
-            return [fmt.inside(d, name) for name in sorted(set(index["weight_map"].values()))]
+            weight_map = _read_json_object(d / WEIGHTS_INDEX).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise fmt.CheckpointError(f"{d / WEIGHTS_INDEX} has no weight_map object. Fix: "
+                                          "re-save the model with transformers' save_pretrained.")
+            return [fmt.inside(d, str(name)) for name in sorted(set(weight_map.values()))]
         raise fmt.CheckpointError(f"{d} has no {WEIGHTS} (nor {WEIGHTS_INDEX}). Fix: save "
                                   "the model with save_pretrained(..., safe_serialization=True).")
 
@@ -261,8 +279,19 @@ class HFTensorSource:
 
 def hf_model_keys(directory: Path) -> tuple[dict, list[str]]:
     """`model.*` keys of a transformers model directory, and the lines that
-    say what could not be carried over (hf.config_from_hf)."""
-    return hf.config_from_hf(read_hf_config(directory))
+    say what could not be carried over (hf.config_from_hf). The sizes its
+    config.json declares are checked against the weights' headers first:
+    nothing is built from a size the weights do not have (a declared million
+    layers made a name map of a million layers, 4.4 GB)."""
+    model_keys, notes = hf.config_from_hf(read_hf_config(directory))
+    weights = HFWeights(directory)
+    errors = hf.declared_size_errors(model_keys, weights.shapes)
+    if errors:
+        files = ", ".join(path.name for path in weights.files)
+        raise fmt.CheckpointError(f"{directory / CONFIG} does not describe the weights in "
+                                  f"{files}: {'; '.join(errors)}. Fix: use the config.json saved "
+                                  "with these weights (save_pretrained writes both).")
+    return model_keys, notes
 
 
 def hf_source(directory: Path, cfg: ModelConfig) -> HFTensorSource:
@@ -287,6 +316,8 @@ def import_from_hf(hf_dir: Path, dst: Path, target: Target, *, recipe: Optional[
         print(f"megaresil: {note}", file=sys.stderr)
     base = to_dict(load_recipe(recipe) if recipe else RecipeConfig())
     base["model"].update(model_keys)
+    if check_hf_tokenizer(hf_dir, model_keys["vocab_size"]):  # what --to-hf exports again
+        base["data"]["tokenizer"] = str(hf_dir.resolve())
     cfg = target_recipe(base, target)
     origin = {"hugging_face": str(hf_dir),
               "architecture": read_hf_config(hf_dir)["architectures"][0]}

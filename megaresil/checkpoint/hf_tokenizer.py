@@ -25,8 +25,8 @@ from typing import Optional
 import tokenizers
 
 from megaresil.checkpoint.format import CheckpointError
-from megaresil.config import DataConfig, ModelConfig
-from megaresil.data.tokenizer import ENDOFTEXT
+from megaresil.config import ConfigError, DataConfig, ModelConfig
+from megaresil.data.tokenizer import ENDOFTEXT, read_tokenizer_file
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -51,13 +51,31 @@ class ExportTokenizer:
 
 def _from_path(path: Path) -> ExportTokenizer:
     if path.is_file():
-        return ExportTokenizer(tokenizers.Tokenizer.from_file(str(path)))
+        return ExportTokenizer(read_tokenizer_file(path))
     if not (path / TOKENIZER).is_file():
         raise CheckpointError(f"{path} has no {TOKENIZER}. Fix: give a directory written by a "
                               "fast tokenizer's save_pretrained, or a tokenizer.json file.")
     config = path / TOKENIZER_CONFIG
-    return ExportTokenizer(tokenizers.Tokenizer.from_file(str(path / TOKENIZER)),
-                           json.loads(config.read_text()) if config.is_file() else {}, path)
+    try:
+        carried = json.loads(config.read_text()) if config.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config} is not valid JSON ({err}). Fix: re-save the "
+                              "tokenizer with save_pretrained.") from None
+    return ExportTokenizer(read_tokenizer_file(path / TOKENIZER), carried, path)
+
+
+def check_hf_tokenizer(directory: Path, model_vocab: int) -> bool:
+    """Whether a model directory has a tokenizer, read in full (with its
+    tokenizer_config.json) before anything uses it: an error naming the file
+    when one is malformed, or when it holds more tokens than the model has ids."""
+    if not (directory / TOKENIZER).is_file():
+        return False
+    size = _from_path(directory).tokenizer.get_vocab_size()
+    if size > model_vocab:
+        raise ConfigError("data.tokenizer", f"{directory / TOKENIZER} has {size} tokens, but "
+                          f"{directory / 'config.json'} gives the model {model_vocab} ids.",
+                          "use the tokenizer saved with this model.")
+    return True
 
 
 def load_export_tokenizer(spec: str, data: DataConfig,

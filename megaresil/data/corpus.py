@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import re
 import shutil
@@ -27,6 +28,10 @@ from typing import Iterator
 from megaresil.config import ConfigError
 
 JSON_SUFFIXES = (".jsonl", ".json")
+# One JSON Lines record is read, parsed and tokenized whole: a 200 MB one took
+# 3.9 GB, and a BPE's encoding of one takes ~180x its size (15 MB: 2.7 GB),
+# so a line is bounded; `data prepare --max-record-bytes` raises the bound.
+MAX_RECORD_BYTES = 4 * 2**20
 _KJV_VERSE = re.compile(r"^(\d?[A-Za-z]+)\d+:\d+ (.*)$")
 
 
@@ -38,16 +43,18 @@ def corpus_documents(source: str) -> list[str]:
     return documents
 
 
-def iter_documents(source: str, json_key: str | None = None) -> Iterator[str]:
+def iter_documents(source: str, json_key: str | None = None,
+                   max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[str]:
     """The documents of a named corpus or a file, one at a time. A file is JSON
-    Lines when `json_key` is given or its name ends in .jsonl/.json."""
+    Lines when `json_key` is given or its name ends in .jsonl/.json; a line
+    of it longer than `max_record_bytes` is refused."""
     if source == "shakespeare":
         return iter(shakespeare_documents())
     if source == "kjv":
         return iter(kjv_documents())
     path = checked_text_file(Path(source))
     if json_key is not None or path.suffix in JSON_SUFFIXES:
-        return json_lines_documents(path, json_key or "text")
+        return json_lines_documents(path, json_key or "text", max_record_bytes)
     return text_file_documents(path)
 
 
@@ -152,9 +159,10 @@ def _stripped_document(lines: list[str]) -> Iterator[str]:
         yield text + "\n"
 
 
-def json_lines_documents(path: Path, key: str) -> Iterator[str]:
+def json_lines_documents(path: Path, key: str,
+                         max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[str]:
     """The `key` field of each JSON object, one per line (blank lines skipped)."""
-    for number, line in enumerate(_utf8_lines(path), start=1):
+    for number, line in _bounded_lines(path, max_record_bytes):
         if not line.strip():
             continue
         try:
@@ -167,6 +175,39 @@ def json_lines_documents(path: Path, key: str) -> Iterator[str]:
             raise ConfigError("data.source", f"{path}:{number} has no string field {key!r}.",
                               "name the field that holds the text with --json-key.")
         yield text
+
+
+def _bounded_lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:
+    """(number, text) of each line, never reading more than `limit` bytes of
+    one into memory: a longer line is refused with its size."""
+    with open(path, "rb") as handle:
+        for number in itertools.count(1):
+            line = handle.readline(limit + 1)
+            if not line:
+                return
+            if len(line) > limit and not line.endswith(b"\n"):
+                size = len(line) + _skip_rest_of_line(handle)
+                raise ConfigError("data.source", f"{path}:{number} is a record of {size:,} bytes, "
+                                  f"over the limit of {limit:,} bytes per record.",
+                                  "split the document over several records, or prepare the file "
+                                  "with megaresil data prepare --max-record-bytes N (a BPE "
+                                  "then needs up to ~180x N of memory) and train on its "
+                                  "output (data.source=indexed).")
+            try:
+                yield number, line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError("data.source", f"{path}:{number} is not UTF-8 ({err.reason}).",
+                                  "convert it, e.g. iconv -t UTF-8.") from None
+
+
+def _skip_rest_of_line(handle) -> int:
+    """Bytes up to and including the next newline, read a block at a time."""
+    skipped = 0
+    while block := handle.readline(1 << 20):
+        skipped += len(block)
+        if block.endswith(b"\n"):
+            break
+    return skipped
 
 
 def _utf8_lines(path: Path) -> Iterator[str]:

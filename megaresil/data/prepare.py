@@ -30,7 +30,8 @@ import numpy as np
 from tqdm import tqdm
 
 from megaresil.config import ConfigError, DataConfig
-from megaresil.data.corpus import corpus_documents, corpus_fingerprint, iter_documents
+from megaresil.data.corpus import (MAX_RECORD_BYTES, corpus_documents, corpus_fingerprint,
+                                   iter_documents)
 from megaresil.data.filelock import exclusive_lock
 from megaresil.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from megaresil.data.tokenizer import BUILTIN, Tokenizer, build_tokenizer, hf_tokenizer_file
@@ -225,22 +226,24 @@ class Summary:
 
 def prepare_main(inputs: Sequence[str], output_prefix: str, tokenizer: str = "bpe", *,
                  json_key: str | None = None, workers: int | None = None,
-                 vocab_size: int = 4096) -> Summary:
+                 vocab_size: int = 4096, max_record_bytes: int | None = None) -> Summary:
     """Tokenize every document of `inputs` (corpus names, text or JSON Lines
     files) in order into OUTPUT.bin/.idx, each followed by eod. 'bpe' is first
     trained on the inputs and saved as OUTPUT_tokenizer.json (the file that
-    data.source=indexed with data.tokenizer=bpe reads)."""
+    data.source=indexed with data.tokenizer=bpe reads). A JSON Lines record
+    over `max_record_bytes` (default corpus.MAX_RECORD_BYTES) is refused."""
     start = time.perf_counter()
+    max_record_bytes = max_record_bytes or MAX_RECORD_BYTES
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     tokenizer_path = f"{output_prefix}_tokenizer.json" if tokenizer == "bpe" else None
     if tokenizer_path:
         Path(tokenizer_path).unlink(missing_ok=True)  # retrain, never reuse a stale one
-        build_tokenizer("bpe", corpus_text=_documents(inputs, json_key), vocab_size=vocab_size,
-                        cache_path=tokenizer_path)
+        build_tokenizer("bpe", corpus_text=_documents(inputs, json_key, max_record_bytes),
+                        vocab_size=vocab_size, cache_path=tokenizer_path)
     spec = (tokenizer, tokenizer_path)
     vocab = build_tokenizer(tokenizer, cache_path=tokenizer_path).vocab_size
     skipped = collections.Counter()
-    documents = _non_empty(_documents(inputs, json_key), skipped)
+    documents = _non_empty(_documents(inputs, json_key, max_record_bytes), skipped)
     workers = workers or min(8, os.cpu_count() or 1)
     with tqdm(desc="documents", unit="doc", file=sys.stderr, disable=None) as progress:
         written = write_indexed(output_prefix, encode_in_workers(documents, spec, workers),
@@ -251,8 +254,10 @@ def prepare_main(inputs: Sequence[str], output_prefix: str, tokenizer: str = "bp
     return summary
 
 
-def _documents(inputs: Sequence[str], json_key: str | None) -> Iterator[str]:
-    return itertools.chain.from_iterable(iter_documents(source, json_key) for source in inputs)
+def _documents(inputs: Sequence[str], json_key: str | None,
+               max_record_bytes: int) -> Iterator[str]:
+    return itertools.chain.from_iterable(iter_documents(source, json_key, max_record_bytes)
+                                         for source in inputs)
 
 
 def _non_empty(documents: Iterable[str], skipped: collections.Counter) -> Iterator[str]:

@@ -179,14 +179,30 @@ def hf_tokenizer_from_path(path: Path) -> HFTokenizer:
     """A tokenizer.json, or a model directory holding one; its special tokens
     come from tokenizer_config.json beside it when present."""
     file = hf_tokenizer_file(path)
-    model = tokenizers.Tokenizer.from_file(str(file))
+    model = read_tokenizer_file(file)
     config = _tokenizer_config(file.parent)
     eos = config.get("eos_token") or _first_known(model, KNOWN_EOS)
     if eos is None:
-        raise ValueError(f"data.tokenizer: {file} names no end-of-document token. Fix: put a "
-                         "tokenizer_config.json with eos_token beside it.")
+        raise ConfigError("data.tokenizer", f"{file} names no end-of-document token.",
+                          "put a tokenizer_config.json with eos_token beside it.")
     bos = config.get("bos_token") or _first_known(model, KNOWN_BOS)
     return HFTokenizer(model, eos_token=eos, bos_token=bos)
+
+
+def read_tokenizer_file(file: Path) -> tokenizers.Tokenizer:
+    """A tokenizer.json that may come from elsewhere: a malformed one is a
+    recipe error naming the file (tokenizers raises a bare Exception, which
+    a restart would retry), not a crash."""
+    try:
+        return tokenizers.Tokenizer.from_file(str(file))
+    except Exception as err:  # noqa: BLE001 (the Rust parser's errors are plain Exception)
+        raise _malformed(file, err) from None
+
+
+def _malformed(file: Path, err: BaseException) -> ConfigError:
+    return ConfigError("data.tokenizer", f"{file} cannot be read as a tokenizer ({err}).",
+                       "replace it with the file the tokenizer's save_pretrained wrote (or "
+                       "remove it), or set data.tokenizer to another tokenizer.")
 
 
 def hf_tokenizer_file(path: Path) -> Path:
@@ -202,7 +218,12 @@ def hf_tokenizer_file(path: Path) -> Path:
 def _tokenizer_config(directory: Path) -> dict[str, str]:
     """eos_token/bos_token from tokenizer_config.json (plain or {"content": ...})."""
     path = directory / "tokenizer_config.json"
-    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise _malformed(path, err) from None
+    if not isinstance(config, dict):
+        raise _malformed(path, ValueError("not a JSON object"))
     tokens = {}
     for name in ("eos_token", "bos_token"):
         value = config.get(name)
