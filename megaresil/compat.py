@@ -169,7 +169,7 @@ def _listening_socket_fd(address: str, port: int) -> tuple[int, int]:
     return server.detach(), port
 
 
-def _tcp_store_listening_on(address: str) -> Callable[..., dist.TCPStore]:
+def tcp_store_listening_on(address: str) -> Callable[..., dist.TCPStore]:
     """dist.TCPStore, but a server listens on `address` only: a TCPStore
     server binds every interface whatever its host_name says (torch 2.13:
     '::') unless handed a listening socket (master_listen_fd)."""
@@ -196,7 +196,7 @@ def elastic_stores_listening_on(address: Optional[str]) -> Iterator[None]:
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-    tcp_store = _tcp_store_listening_on(address)
+    tcp_store = tcp_store_listening_on(address)
 
     def agent_store_server(_handler: Any, master_addr: str, master_port: int) -> dist.TCPStore:
         return tcp_store(master_addr, master_port, is_master=True, multi_tenant=True)

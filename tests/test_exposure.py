@@ -53,6 +53,24 @@ def test_torchelastic_store_servers_listen_on_their_host_only():
     assert c10d_rendezvous_backend.TCPStore is dist.TCPStore  # put back after the launch
 
 
+
+@pytest.mark.parametrize("local_world, only_loopback", [("2", True), ("1", False)])
+def test_a_rank_hosted_store_listens_on_loopback_when_every_rank_is_on_this_node(
+        monkeypatch, local_world, only_loopback):
+    """etcd rendezvous and Slurm's one task per rank: rank 0 hosts the store."""
+    from megaresil.ports import free_port
+    from megaresil.resilience.restart import launch_store
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    before = listening_ips()
+    store = launch_store(rank=0, world=2)
+    store.set("k", "v")
+    opened = listening_ips() - before
+    assert (opened == {"127.0.0.1"}) is only_loopback, opened
+
 # --- declared sizes against the safetensors headers (item 3a) ---------------------
 
 

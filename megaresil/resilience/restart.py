@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import socket
 import threading
 import time
 import traceback
@@ -47,7 +48,8 @@ from megaresil.checkpoint.format import CheckpointError
 from megaresil.checkpoint.local_tier import local_root, newest_complete_step, node_dir
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.checkpoint.replication import ranks_per_node
-from megaresil.compat import abort_process_groups, has_nccl_groups, lost_peer_error
+from megaresil.compat import (abort_process_groups, has_nccl_groups, lost_peer_error,
+                              tcp_store_listening_on)
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import EventLog, read_events, read_metrics
 from megaresil.observe.startup import StartupPhases
@@ -86,8 +88,15 @@ def launch_store(rank: int, world: int) -> dist.Store:
     prefix, and an attempt that loses the store's node is over anyway."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return dist.TCPStore(host, port, world, is_master=rank == 0 and not hosted_by_agent,
-                         timeout=timedelta(seconds=300), wait_for_workers=False)
+    is_master = rank == 0 and not hosted_by_agent
+    store = dist.TCPStore
+    if is_master and os.environ.get("LOCAL_WORLD_SIZE") == str(world):
+        # Every rank is on this machine: listen only where they connect, not on
+        # every interface (an unauthenticated store). Across nodes, which of this
+        # node's addresses the others reach is not knowable here: torch's bind stays.
+        store = tcp_store_listening_on(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
+    return store(host, port, world, is_master=is_master, timeout=timedelta(seconds=300),
+                 wait_for_workers=False)
 
 
 def own_connection(store: dist.Store) -> dist.Store:
