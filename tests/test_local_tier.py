@@ -257,7 +257,9 @@ def fmt_rmtree(path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_restarts_take_the_newest_recoverable_step_from_either_tier_bit_exact(tmp_path):
+def test_restarts_take_the_newest_recoverable_step_from_either_tier_bit_exact(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv("MEGARESIL_PHASE_LINE_S", "0")  # every start-up phase gets its event
     mp.start_processes(_phases, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True,
                        start_method="spawn")
     loads = [e for e in read_events(tmp_path / "faulted") if e["event"] == "checkpoint_loaded"]
@@ -267,6 +269,11 @@ def test_restarts_take_the_newest_recoverable_step_from_either_tier_bit_exact(tm
                    ("global", 8, None)], got  # no step with every rank: the global tier
     assert "rank(s) [1]" in loads[2]["skipped"]["local"]
     assert "not newer" in loads[0]["skipped"]["global"]
+    # Each load has its start-up line: a global one with its bytes, a local one without.
+    phases = [(e["phase"], e.get("bytes") is not None) for e in read_events(tmp_path / "faulted")
+              if e["event"] == "startup_phase" and "load" in e["phase"]]
+    assert phases == [("checkpoint load from the local tier", False)] * 2 + [
+        ("checkpoint load", True)], phases
 
     # Bit for bit the reference: every step's loss and the final checkpoint.
     losses = lambda run: {r["step"]: r["loss"] for r in read_metrics(tmp_path / run)

@@ -4,6 +4,7 @@ from (restart-from-latest), and the weights a new run starts from
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -139,12 +140,20 @@ def find_local(trainer) -> tuple[Optional[Choice], str]:
     return choice, ""
 
 
-def resume(trainer) -> Optional[int]:
+@dataclass(frozen=True)
+class Loaded:
+    """What resume read, for the start-up line: its phase name and, for a
+    global checkpoint, its bytes (of a local step rank 0 knows only its own
+    shard, so a rate from it would mislead)."""
+    phase: str
+    nbytes: Optional[int]
+
+
+def resume(trainer) -> Optional[Loaded]:
     """Restart-from-latest across both tiers: the newest state every rank
     can recover, a global checkpoint (at whatever layout it was saved from:
     the rects reshard it) or a local step (same layout only), logged with the
-    tier and why the other was not used. Returns the bytes of the global
-    checkpoint loaded (for the start-up line's rate), else None."""
+    tier and why the other was not used. Returns what was loaded, or None."""
     if trainer.layout.rank == 0:
         removed = fmt.clean_partials(trainer.checkpointer.root)
         for name in removed:
@@ -160,23 +169,23 @@ def resume(trainer) -> Optional[int]:
         if local is not None:
             why_not_local = f"local step {local.step} is older than global step {saved.step}"
         loaded(trainer, saved, path, "global", {"local": why_not_local})
-        loaded_bytes = fmt.data_bytes(manifest)
+        found = Loaded("checkpoint load", fmt.data_bytes(manifest))
     elif local is not None:
         saved = trainer.checkpointer.local.recover(local, trainer.checkpoint_state)
         path = trainer.checkpointer.local.store.shard_dir(saved.step, trainer.layout.rank)
         loaded(trainer, saved, path, "local", {"global": why_not_global(trainer, skipped_global,
                                                                         saved.step)},
                from_replicas=sorted(o for o, h in local.sources.items() if o != h))
-        loaded_bytes = None
+        found = Loaded("checkpoint load from the local tier", None)
     else:
-        saved, loaded_bytes = None, None
+        saved, found = None, None
         # Nothing of this run's own to resume: a new run, from other weights if asked.
         if trainer.cfg.checkpoint.init_from:
             initialize_from(trainer, Path(trainer.cfg.checkpoint.init_from))
     if trainer.checkpointer.local is not None:
         trainer.checkpointer.local.discard_after(saved.step if saved else None)
         trainer.checkpointer.local.check_space(trainer.checkpoint_state)
-    return loaded_bytes
+    return found
 
 
 def why_not_global(trainer, skipped: list, local_step: int) -> str:

@@ -96,9 +96,9 @@ class Trainer:
         with phases.phase("data, model and optimizer build"):
             self.build(cfg, layout)
         started = phases.clock()
-        loaded_bytes = checkpointing.resume(self)
-        if loaded_bytes is not None:  # a global checkpoint was read: its line has a rate
-            phases.finished("checkpoint load", phases.clock() - started, loaded_bytes)
+        loaded = checkpointing.resume(self)
+        if loaded is not None:
+            phases.finished(loaded.phase, phases.clock() - started, loaded.nbytes)
         self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank)
 
     def build(self, cfg: RecipeConfig, layout: ParallelLayout) -> None:
