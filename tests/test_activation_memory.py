@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dist_harness import spawn_ranks
 from megaresil.config import (ActivationOffload, ConfigError, ModelConfig, Recompute,
                               RecomputePolicy, load_recipe)
 from megaresil.model.activation_meter import ActivationMeter
@@ -189,8 +190,7 @@ def _partition_worker(rank: int, port: int, out: dict) -> None:
 def test_partition_divides_checkpoint_memory_by_tp():
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_partition_worker, args=(free_port(), out), nprocs=2, join=True,
-                           start_method="spawn")
+        spawn_ranks(_partition_worker, (free_port(), out), 2)
         out = dict(out)
     for rank in (0, 1):
         bytes_ = out[rank]

@@ -3,8 +3,8 @@ same config and weights (random init, no download) must give the same logits,
 in one process and at tp=2 x pp=2 (the weights loaded as a run's init_from)."""
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from dist_harness import spawn_ranks
 from hf_harness import llama32_style, parallel_logits
 from megaresil.checkpoint.hf import config_from_hf, from_hf
 from megaresil.config import Flavour, ModelConfig, model_from_dict
@@ -79,9 +79,7 @@ def test_llama32_style_matches_at_tp2_pp2_when_started_from_the_hf_directory(tmp
     hf.save_pretrained(tmp_path / "hf")
     tokens = torch.randint(0, 300, (2, 128))
     torch.save(tokens, tmp_path / "tokens.pt")
-    mp.start_processes(parallel_logits, args=(4, free_port(), str(tmp_path / "hf"),
-                                               str(tmp_path)), nprocs=4, join=True,
-                       start_method="spawn")
+    spawn_ranks(parallel_logits, (4, free_port(), str(tmp_path / "hf"), str(tmp_path)), 4)
     with torch.no_grad():
         expected = hf(tokens).logits
     assert relative_error(torch.load(tmp_path / "logits.pt"), expected) <= 1e-5

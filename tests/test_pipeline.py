@@ -8,9 +8,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
+from dist_harness import spawn_ranks
 from megaresil.config import ParallelConfig, PipelineSchedule
 from megaresil.ports import free_port
 from megaresil.parallel.layout import ParallelLayout
@@ -106,4 +106,4 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_pipeline_runs_any_stage_chunk_like_the_unpipelined_model():
-    mp.start_processes(_worker, args=(free_port(),), nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(_worker, (free_port(),), 2)

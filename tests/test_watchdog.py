@@ -11,8 +11,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from dist_harness import spawn_ranks
 from megaresil.config import WatchdogConfig
 from megaresil.events import EventLog, read_events
 from megaresil.ports import free_port
@@ -315,7 +315,7 @@ def chain_worker(rank: int, port: int, run_dir: str) -> None:
 
 
 def test_collective_hang_across_ranks_names_the_rank_that_hung(tmp_path):
-    mp.spawn(chain_worker, args=(free_port(), str(tmp_path)), nprocs=3)
+    spawn_ranks(chain_worker, (free_port(), str(tmp_path)), 3)
     events = read_events(tmp_path)
     detected = [e for e in events if e["event"] == "hang_detected"]
     assert len(detected) == 1, events
