@@ -16,18 +16,24 @@ from typing import Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 
 from megaresil.config import PipelineSchedule
 from megaresil.parallel.layout import ParallelLayout
 
-SCHEDULE_CLASSES = {
-    PipelineSchedule.gpipe: ScheduleGPipe,
-    PipelineSchedule.one_f_one_b: Schedule1F1B,
-    PipelineSchedule.interleaved_1f1b: ScheduleInterleaved1F1B,
-    PipelineSchedule.interleaved_zero_bubble: ScheduleInterleavedZeroBubble,
-}
+
+def schedule_class(schedule: PipelineSchedule) -> type:
+    """torch's class for `schedule`. Imported here, not at module level:
+    torch.distributed.pipelining pulls in torch._dynamo and sympy (about 1 s
+    of every worker's start), which a run without pipeline stages never uses."""
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
+    return {PipelineSchedule.gpipe: ScheduleGPipe,
+            PipelineSchedule.one_f_one_b: Schedule1F1B,
+            PipelineSchedule.interleaved_1f1b: ScheduleInterleaved1F1B,
+            PipelineSchedule.interleaved_zero_bubble: ScheduleInterleavedZeroBubble}[schedule]
+
+
 MULTI_STAGE = (PipelineSchedule.interleaved_1f1b, PipelineSchedule.interleaved_zero_bubble)
 
 
@@ -117,6 +123,7 @@ class Pipeline:
         self.feeds = [SampleFeed() for _ in chunks]
         self.last_chunk = chunks[-1] if chunks[-1].last else None
         self.has_first = chunks[0].first
+        from torch.distributed.pipelining import PipelineStage  # see schedule_class
         stages = []
         for chunk, feed, v in zip(chunks, self.feeds, virtual_stages(layout)):
             example_in, example_out = example_io(chunk, micro_batch, seq_len, output_dtype,
@@ -125,7 +132,7 @@ class Pipeline:
                                         num_stages=layout.pp * layout.vpp, device=layout.device,
                                         input_args=example_in, output_args=example_out,
                                         group=layout.group("pp")))
-        cls = SCHEDULE_CLASSES[schedule]
+        cls = schedule_class(schedule)
         target = stages if schedule in MULTI_STAGE else stages[0]
         self.schedule = cls(target, n_microbatches=n_microbatches, loss_fn=self._loss,
                             scale_grads=scale_grads)
