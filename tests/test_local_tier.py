@@ -546,18 +546,10 @@ def test_every_rank_pauses_with_the_rank_whose_storage_is_full(tmp_path):
 def small_shm(home):
     """A 300 MiB tmpfs: two local saves of gpt-tiny at dp=2 on two simulated
     nodes fit (4 shards of 31 MB a step, replicas included), a third does not."""
-    import subprocess
+    from tests.tmpfs import mounted_tmpfs
 
-    disk = home / "shm"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300m", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with mounted_tmpfs(home / "shm", "300m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 @pytest.mark.journey

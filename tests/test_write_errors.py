@@ -23,6 +23,7 @@ from megaresil.checkpoint.planning import recipe_layout
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.state import RunState
 from megaresil.config import RecipeConfig, to_dict
+from tests.tmpfs import mounted_tmpfs
 
 BACKENDS = ["torch_dist", "zarr"]
 ELEMENTS = 300_000  # 1.2 MB of float32: over both limits below
@@ -98,16 +99,8 @@ def test_file_size_limit_is_named_and_previous_checkpoint_stays_valid(tmp_path, 
 @pytest.fixture
 def small_disk(tmp_path):
     """A 2 MiB tmpfs: one checkpoint of 1.2 MB fits, a second does not."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "disk", "2m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
