@@ -129,12 +129,15 @@ def test_ckpt_commands_take_a_run_dir_a_root_or_latest(cli_main, run_with_checkp
 
 def test_a_root_walks_back_past_an_unfinished_checkpoint(cli_main, run_with_checkpoints):
     (run_with_checkpoints / "checkpoints" / "step_0000009").mkdir()  # no marker: a torn save
-    result = cli_main("ckpt", "inspect", str(run_with_checkpoints))
-    assert "using " in result.stderr and "step_0000003" in result.stderr
-    assert "skipped step_0000009" not in result.stderr  # latest names 3: tried first
-    (run_with_checkpoints / "checkpoints" / "latest").unlink()
-    result = cli_main("ckpt", "inspect", str(run_with_checkpoints))
-    assert "step_0000003" in result.stderr and "step_0000009: " in result.stderr
+    # Newest first, as a resume takes them, whatever `latest` says (a hint, not checksummed).
+    for latest in ("step_0000003", "step_0000009", None):
+        if latest is None:
+            (run_with_checkpoints / "checkpoints" / "latest").unlink()
+        else:
+            (run_with_checkpoints / "checkpoints" / "latest").write_text(latest + "\n")
+        result = cli_main("ckpt", "inspect", str(run_with_checkpoints))
+        assert "using " in result.stderr and "step_0000003" in result.stderr
+        assert "skipped step_0000009: " in result.stderr
 
 
 def test_inspect_prints_a_summary_and_the_tensors_on_request(cli_main, run_with_checkpoints):

@@ -65,6 +65,38 @@ def test_consumed_samples_changed_is_invalid_not_resumed(tmp_path):
     assert "does not match the digest" in verify(directory)
 
 
+
+def test_a_flipped_latest_never_chooses_the_checkpoint(tmp_path):
+    """`latest` carries no checksum, so nothing lets it choose: a resume lists
+    the step directories, and a run directory or root resolves to the same
+    newest valid checkpoint, whatever `latest` says; a damaged `latest` named
+    by the user is refused or names a real step beside it."""
+    from types import SimpleNamespace
+
+    from megaresil.checkpoint.location import resolve_checkpoint
+    from megaresil.train.checkpointing import candidates
+
+    saved_checkpoint(tmp_path, step=3)
+    newest = saved_checkpoint(tmp_path, step=5)
+    latest = tmp_path / fmt.LATEST
+    trainer = SimpleNamespace(cfg=SimpleNamespace(checkpoint=SimpleNamespace(load="auto")),
+                              checkpointer=SimpleNamespace(root=tmp_path))
+    original = latest.read_bytes()
+    assert original.strip() == newest.name.encode()
+    every_bit = [original[:i] + bytes([original[i] ^ (1 << bit)]) + original[i + 1:]
+                 for i in range(len(original)) for bit in range(8)]
+    crafted = [b"step_0000003\n", b"../../etc\n", b"step_0000003/../../x\n", b""]
+    for variant in every_bit + crafted:
+        latest.write_bytes(variant)
+        assert candidates(trainer)[0] == newest
+        assert resolve_checkpoint(tmp_path)[0] == newest
+        try:
+            named, _ = resolve_checkpoint(latest)
+        except fmt.CheckpointError as err:
+            assert "not a step directory" in str(err)
+        else:
+            assert named.parent == tmp_path and named.name in ("step_0000003", "step_0000005")
+
 def test_a_damaged_marker_is_refused(tmp_path):
     directory = saved_checkpoint(tmp_path)
     marker = directory / fmt.MARKER

@@ -16,9 +16,11 @@ def checkpoint_root(cfg: RecipeConfig) -> Path:
 
 def resolve_checkpoint(path: Path) -> tuple[Path, str]:
     """The checkpoint a user means by `path`: a checkpoint directory itself,
-    a root's `latest` file (the directory it names), a checkpoint root or a
-    run directory (its checkpoints/): the newest checkpoint whose marker and
-    manifest read, `latest`'s first. Returns it and a line saying which (empty
+    a root's `latest` file (the step directory beside it that it names), a
+    checkpoint root or a run directory (its checkpoints/): the newest
+    checkpoint whose marker and manifest read, the one a resume takes
+    (`latest` is a hint for people and tools: nothing checksums it, so a
+    damaged one must not choose). Returns it and a line saying which (empty
     when `path` was the checkpoint itself); CheckpointError when none reads."""
     from megaresil.checkpoint import format as fmt
 
@@ -26,18 +28,14 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str]:
         raise fmt.CheckpointError(f"{path} does not exist. Fix: give a checkpoint directory, "
                                   "a run directory, its checkpoints/ or their latest file")
     if path.is_file() and path.name == fmt.LATEST:
-        named = path.parent / path.read_text().strip()
+        named = named_by_latest(path)
         return named, f"{path} names {named.name}"
     if ((path / fmt.MARKER).exists() or (path / fmt.MANIFEST).exists()
             or fmt.STEP_DIR.match(path.name)):
         return path, ""
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    candidates = fmt.committed_checkpoints(root)
-    if (root / fmt.LATEST).is_file():
-        named = root / (root / fmt.LATEST).read_text().strip()
-        candidates = [named] + [p for p in candidates if p != named]
     skipped = []
-    for candidate in candidates:
+    for candidate in fmt.committed_checkpoints(root):
         try:
             fmt.read_manifest(candidate)
         except fmt.CheckpointError as err:
@@ -50,3 +48,16 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str]:
                                " (no step_* directory)") +
                               ". Fix: give a checkpoint directory, a run directory or its "
                               "checkpoints/ after at least one save")
+
+
+def named_by_latest(latest: Path) -> Path:
+    """The step directory beside `latest` that it names; CheckpointError
+    when it names anything else (a damaged or crafted file)."""
+    from megaresil.checkpoint import format as fmt
+
+    name = latest.read_text(errors="replace").strip()
+    if not fmt.STEP_DIR.fullmatch(name) or not (latest.parent / name).is_dir():
+        raise fmt.CheckpointError(f"{latest} names {name[:80]!r}, not a step directory beside it. "
+                                  "Fix: give the run directory or its checkpoints/ (the newest "
+                                  "valid checkpoint is found without it)")
+    return latest.parent / name
