@@ -19,7 +19,11 @@ def test_recipes_lists_the_packaged_recipes(home):
 
 
 def test_train_a_recipe_by_name_from_a_fresh_directory(home):
-    megaresil("train", "gpt-tiny", *TINY, "run.dir=runs/a", "checkpoint.interval=3", cwd=home)
+    said = megaresil("train", "gpt-tiny", *TINY, "run.dir=runs/a", "checkpoint.interval=3",
+                     cwd=home).stderr.splitlines()
+    # The story ends with the summary, after the last checkpoint's line.
+    assert "checkpoint saved: step 3" in said[-2] and said[-1].startswith("megaresil: done: 3 steps")
+    assert said[-1].endswith("last checkpoint runs/a/checkpoints/step_0000003")
     rows = [json.loads(line) for line in (home / "runs/a/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
     assert (home / "runs/a/checkpoints/step_0000003").is_dir()

@@ -1,6 +1,7 @@
 """The training loop: one function per part of a step, wired by `train`."""
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, sync_tied_embedding_grads
 from megaresil.resilience.supervision import Supervision
+from megaresil.run_lock import HELD_ENV
 from megaresil.safe_files import write_atomic
 from megaresil.train import checkpointing, story
 from megaresil.observe.goodput import write_goodput
@@ -353,9 +355,11 @@ class Trainer:
         if self.layout.rank == 0:
             goodput = write_goodput(self.run_dir)
             if outcome == "finished":
-                self.events.emit("run_finished", step=self.state.step, goodput=goodput)
-                story.say(story.summary(self.cfg, self.checkpointer.root, self.state.step,
-                                        last_record, goodput))
+                line = story.summary(self.cfg, self.checkpointer.root, self.state.step,
+                                     last_record, goodput)
+                self.events.emit("run_finished", step=self.state.step, goodput=goodput, line=line)
+                if HELD_ENV not in os.environ:  # no megaresil launcher prints the events in order
+                    story.say(f"megaresil: {line}")
             else:  # preempted or interrupted
                 self.events.emit(outcome, step=self.state.step)
         return outcome

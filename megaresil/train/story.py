@@ -1,5 +1,6 @@
-"""The console's story of a run, printed by rank 0: a start banner and an
-end summary (the launcher prints each checkpoint and incident between)."""
+"""The console's story of a run, told by rank 0: a start banner and an
+end summary (the launcher prints each checkpoint and incident between, and
+the summary after them, from the run_finished event)."""
 from __future__ import annotations
 
 import sys
@@ -36,7 +37,7 @@ def summary(cfg: RecipeConfig, root: Path, steps: int, last: Optional[dict],
             goodput: dict) -> str:
     newest = fmt.committed_checkpoints(root)
     loss = f"{last['loss']:.4f}" if last else "-"
-    return (f"megaresil: done: {steps} steps, {steps * cfg.train.global_batch_size * cfg.data.seq_len:,} "
+    return (f"done: {steps} steps, {steps * cfg.train.global_batch_size * cfg.data.seq_len:,} "
             f"tokens, {goodput.get('wall_s', 0.0) / 60:.1f} min wall, goodput "
             f"{100 * goodput.get('goodput', 0.0):.1f}%, final loss {loss}; last checkpoint "
             f"{newest[0] if newest else 'none'}")
