@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import xxhash
 
-from megaresil.safe_files import write_atomic
+from megaresil.safe_files import fsync_path, write_atomic  # noqa: F401 (fmt.fsync_path, as before)
 
 if TYPE_CHECKING:
     import torch
@@ -147,14 +147,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 def checksum(tensor: torch.Tensor) -> str:
     return xxhash.xxh3_64_hexdigest(tensor_bytes(tensor))
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(root: Path, only: Optional[set[str]] = None) -> None:
