@@ -88,10 +88,15 @@ def test_ctrl_c_saves_and_the_same_command_resumes_bit_equal(home, cache):
 def test_a_run_resumes_at_another_layout(home, cache):
     megaresil("train", RECIPE, *SMALL, "parallel.dp=2", "train.steps=8", "train.exit_at_step=4",
               cache, "run.dir=run", cwd=home)
-    megaresil("train", RECIPE, *SMALL, "parallel.dp=1", "train.steps=8", cache, "run.dir=run",
-              cwd=home)
+    # Resumed as the recipe's own default shape has it: a pipeline (only its
+    # last stage knows the loss the end summary names).
+    result = megaresil("train", RECIPE, *SMALL, "parallel.pp=2", "parallel.dp=1",
+                       "train.steps=8", cache, "run.dir=run", cwd=home)
     loaded = [e for e in events(home / "run") if e["event"] == "checkpoint_loaded"]
     assert loaded[-1]["step"] == 4
     assert loaded[-1]["saved_layout"]["dp"] == 2 and loaded[-1]["layout"]["dp"] == 1
+    assert loaded[-1]["layout"]["pp"] == 2
     assert sorted(losses(home / "run")) == list(range(1, 9))
     assert (home / "run/checkpoints/latest").read_text().strip() == "step_0000008"
+    done = [line for line in result.stderr.splitlines() if line.startswith("megaresil: done:")]
+    assert len(done) == 1 and f"final loss {losses(home / 'run')[8]:.4f};" in done[0], done

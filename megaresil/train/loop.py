@@ -352,7 +352,9 @@ class Trainer:
         self.checkpointer.close()  # a preemption checkpoint must be committed before exit
         if outcome == "finished":
             checkpointing.finish(self)
-        if self.layout.rank == 0:
+        # The rank that writes metrics ends the story: under pipeline
+        # parallelism only the last stage knows the loss the summary names.
+        if self.layout.is_logging_rank:
             goodput = write_goodput(self.run_dir)
             if outcome == "finished":
                 line = story.summary(self.cfg, self.checkpointer.root, self.state.step,
