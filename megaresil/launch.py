@@ -466,7 +466,7 @@ def slurm_task(recipe: str, overrides: list[str], cfg: RecipeConfig, step: Slurm
 def worker(recipe: str, overrides: list[str]) -> str:
     """One rank: build the process group, train with restarts, report how it ended."""
     from megaresil.parallel.layout import pick_device
-    from megaresil.resilience.watchdog import NCCL_WORKER_ENV
+    from megaresil.resilience.watchdog.abort import NCCL_WORKER_ENV
     from megaresil.train.precision import env_before_cuda
 
     end_with_agent()
@@ -487,7 +487,7 @@ def worker(recipe: str, overrides: list[str]) -> str:
 
 def _train_as_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device) -> str:
     from megaresil.resilience.restart import JobFailed, run_worker
-    from megaresil.resilience.watchdog import HangAbort
+    from megaresil.resilience.watchdog.abort import HangAbort
 
     try:
         return run_worker(cfg, rank, world, device, trainer_job(cfg, device))

@@ -214,16 +214,18 @@ def _hang_whose_nccl_abort_never_returns(run_dir: str) -> None:
 
     from megaresil.config import WatchdogConfig
     from megaresil.events import EventLog
-    from megaresil.resilience import watchdog as wd_module
+    from megaresil.resilience.watchdog import abort as abort_module
+    from megaresil.resilience.watchdog.monitor import Watchdog
 
-    wd_module.has_nccl_groups = lambda: True
-    wd_module.abort_process_groups = threading.Event().wait  # never returns
+    abort_module.has_nccl_groups = lambda: True
+    abort_module.abort_process_groups = threading.Event().wait  # never returns
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     cfg = WatchdogConfig(initial_timeout_s=0.5, calibration_steps=100, stall_s=0.5,
                          slow_limit_factor=2.0)
-    wd = wd_module.Watchdog(cfg, rank=0, world=1, store=dist.HashStore(), run_dir=Path(run_dir),
-                            events=EventLog(Path(run_dir), 0), exit_on_hang=None, guardian=False)
+    wd = Watchdog(cfg, rank=0, world=1, store=dist.HashStore(), run_dir=Path(run_dir),
+                  events=EventLog(Path(run_dir), 0), exit_on_hang=None, guardian=False)
     wd.begin_generation(0)
+    wd.start()
     with wd.section("data", 5):
         started = time.monotonic()
         while time.monotonic() - started < 30:  # what HangAbort would interrupt
@@ -234,7 +236,7 @@ def test_the_hang_exit_does_not_wait_on_a_blocked_nccl_abort(tmp_path):
     import multiprocessing
 
     from megaresil.events import read_events
-    from megaresil.resilience.watchdog import HANG_EXIT_CODE
+    from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE
 
     child = multiprocessing.get_context("spawn").Process(
         target=_hang_whose_nccl_abort_never_returns, args=(str(tmp_path),))

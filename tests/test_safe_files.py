@@ -202,14 +202,12 @@ def test_a_profile_trace_is_not_written_into_a_planted_directory(tmp_path, targe
 
 
 def test_a_hang_dump_is_not_written_through_a_link(tmp_path, target):
-    from types import SimpleNamespace
+    from megaresil.resilience.watchdog.abort import dump_stacks
 
-    from megaresil.resilience.watchdog import Watchdog
-
-    rank_0 = SimpleNamespace(hang_dir=tmp_path / "hangs", generation=0, rank=0)
-    plant(tmp_path / "hangs" / "generation_0" / "rank0.txt", target)
+    dump = tmp_path / "hangs" / "generation_0" / "rank0.txt"
+    plant(dump, target)
     with pytest.raises(LinkRefused):
-        Watchdog._dump_stacks(rank_0, "hang in allreduce", "w")  # only the paths it names
+        dump_stacks(dump, "hang in allreduce", "w")  # only the paths it names
     assert untouched(target)
 
 

@@ -19,7 +19,7 @@ from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.config import RecipeConfig, WatchdogConfig, to_dict
 from megaresil.events import EventLog
-from megaresil.resilience.watchdog import Watchdog
+from megaresil.resilience.watchdog.monitor import Watchdog
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -96,6 +96,7 @@ def test_watchdog_thread_works_on_the_trainers_device(tmp_path, monkeypatch):
     wd = Watchdog(WatchdogConfig(poll_s=0.05), rank=0, world=1, store=dist.HashStore(),
                   run_dir=tmp_path, events=EventLog(tmp_path, 0), exit_on_hang=None,
                   guardian=False, device=torch.device("cuda", 1))
+    wd.start()
     deadline = time.monotonic() + 10
     while not calls and time.monotonic() < deadline:
         time.sleep(0.02)

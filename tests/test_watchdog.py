@@ -1,5 +1,7 @@
-"""The hang detector: culprits, slow told apart from stuck, calibration that
-follows the layout and machine, a bounded store load, raise_in_thread."""
+"""The hang detector as a whole: slow told apart from stuck (on a fake
+clock), calibration that follows the layout and machine, a bounded store
+load, raise_in_thread, culprits across real ranks. The pure parts have
+their own tests: test_watchdog_judgement.py, test_watchdog_budgets.py."""
 from __future__ import annotations
 
 import ctypes
@@ -13,108 +15,22 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import spawn_ranks
+from fake_clock import FakeClock, FakeCpu, run_monitor
 from megaresil.config import WatchdogConfig
 from megaresil.events import EventLog, read_events
 from megaresil.ports import free_port
-from megaresil.resilience.faults import compute_for
-from megaresil.resilience.watchdog import (
-    HangAbort,
-    ProgressMeter,
-    Watchdog,
-    find_culprits,
-    raise_in_thread,
-)
+from megaresil.resilience.watchdog.abort import HangAbort, raise_in_thread
+from megaresil.resilience.watchdog.monitor import Watchdog
 
 
-def beat(step: int, section: str, state: str = "running", coll: dict | None = None,
-         stalled_s: float = 2.0) -> dict:
-    return {"state": state, "section": section, "step": step, "beat": 1,
-            "stalled_s": stalled_s, "coll": coll or {}}
-
-
-# --- culprits --------------------------------------------------------------------
-
-def test_culprits_are_the_ranks_behind():
-    # Rank 2 is still in `data` of step 5 while the others wait in collectives.
-    assert find_culprits({0: beat(5, "forward_backward"), 1: beat(5, "optimizer"),
-                          2: beat(5, "data")}) == [2]
-    assert find_culprits({0: None, 1: beat(3, "data")}) == [0]  # never wrote one
-
-
-def test_after_a_killed_rank_the_lost_rank_is_named_not_those_that_left():
-    """Rank 5 was killed in forward_backward of step 7. Ranks 1, 2, 3, 7 met
-    the closed connection and left the generation (they stop beating, which
-    the old rule took for silence); 0, 4, 6 wait in the optimizer's collectives."""
-    beats = {r: beat(7, "optimizer") for r in (0, 4, 6)}
-    beats.update({r: beat(7, "forward_backward", state="left") for r in (1, 2, 3, 7)})
-    beats[5] = beat(7, "forward_backward")
-    assert find_culprits(beats) == [5]  # at the first read: furthest behind
-    assert find_culprits(beats, gone=frozenset({5})) == [5]  # once its beat stopped
-    beats[5] = beat(7, "optimizer")  # killed after the others' last collective with it
-    assert find_culprits(beats, gone=frozenset({5})) == [5]
-
-
-def three_d_collective_hang() -> dict[int, dict]:
-    """tp2 pp2 dp2 (tp pairs 0-1, 2-3, 4-5, 6-7; dp pairs 0-2, 1-3, 4-6, 5-7;
-    stage 0 = ranks 0-3). Rank 0 hangs on entering the optimizer inside a
-    collective of a world-wide group nobody else calls; every rank ends in
-    the optimizer of step 90, each blocked in a collective that waits for
-    rank 0 directly or through a peer waiting for it."""
-    base = {"world": 40, "hang": 0, "tp01": 30, "tp23": 30, "tp45": 30, "tp67": 30,
-            "dp02": 20, "dp13": 20, "dp46": 20, "dp57": 20, "emb04": 9, "emb15": 9,
-            "emb26": 9, "emb37": 9}
-    groups = {0: ["world", "hang", "tp01", "dp02", "emb04"], 1: ["world", "hang", "tp01", "dp13", "emb15"],
-              2: ["world", "hang", "tp23", "dp02", "emb26"], 3: ["world", "hang", "tp23", "dp13", "emb37"],
-              4: ["world", "hang", "tp45", "dp46", "emb04"], 5: ["world", "hang", "tp45", "dp57", "emb15"],
-              6: ["world", "hang", "tp67", "dp46", "emb26"], 7: ["world", "hang", "tp67", "dp57", "emb37"]}
-    ahead = {0: {"hang"}, 1: {"tp01"}, 2: {"dp02"}, 3: {"dp13"},  # 3 waits for 1 on dp
-             4: {"emb04"}, 5: {"emb15"}, 6: {"emb26"}, 7: {"emb37"}}  # last stage: tied embeddings
-    return {r: beat(90, "optimizer", coll={g: base[g] + (g in ahead[r]) for g in groups[r]})
-            for r in range(8)}
-
-
-def test_a_collective_hang_at_3d_names_the_rank_that_hung_not_all_eight():
-    assert find_culprits(three_d_collective_hang()) == [0]
-
-
-def test_ties_go_to_the_rank_most_peers_wait_for():
-    # Rank 1 waits for 0 and 2 waits for 0 on their pairs; 0 computes.
-    beats = {0: beat(4, "forward_backward", coll={"p01": 5, "p02": 5}),
-             1: beat(4, "forward_backward", coll={"p01": 6}),
-             2: beat(4, "forward_backward", coll={"p02": 6})}
-    assert find_culprits(beats) == [0]
-
-
-def test_a_rank_waiting_inside_torch_distributed_waits_for_the_one_that_is_not():
-    """Issue 27 item 9: rank 0 waits in the next generation's setup for rank 1
-    to create a process group (no collective counted yet, so no count tells
-    them apart); rank 1 hangs in its own code. The hang is rank 1's."""
-    beats = {0: {**beat(0, "setup"), "waiting": True}, 1: {**beat(0, "setup"), "waiting": False}}
-    assert find_culprits(beats) == [1]
-    beats[1]["waiting"] = True  # both wait inside torch.distributed: nothing tells them apart
-    assert find_culprits(beats) == [0, 1]
-
-
-# --- slow or stuck ----------------------------------------------------------------
-
-def test_progress_meter_tells_computing_from_blocked():
-    cpu = [0.0]
-    meter = ProgressMeter(lambda: cpu[0], now=0.0)
-    for tick in range(1, 21):  # 2 s of a thread getting 10 % of a core (a loaded machine)
-        cpu[0] += 0.01
-        meter.sample(tick * 0.1)
-    assert meter.stalled_s(2.0) == 0.0
-    for tick in range(21, 41):  # 2 s blocked in a collective: 50 us of CPU a second
-        cpu[0] += 5e-6
-        meter.sample(tick * 0.1)
-    assert meter.stalled_s(4.0) == pytest.approx(2.0)
-
-
-def watchdog(tmp_path, store, **overrides) -> Watchdog:
+def watchdog(tmp_path, store, clock: FakeClock, cpu: FakeCpu, **overrides) -> Watchdog:
+    """A one-rank watchdog in generation 0 on a fake clock and CPU clock; its
+    thread is not started: the test drives its polls (run_monitor)."""
     cfg = WatchdogConfig(**{"initial_timeout_s": 0.5, "calibration_steps": 100,
                             "stall_s": 0.5, **overrides})
     wd = Watchdog(cfg, rank=0, world=1, store=store, run_dir=tmp_path,
-                  events=EventLog(tmp_path, 0), exit_on_hang=None, guardian=False)
+                  events=EventLog(tmp_path, 0), exit_on_hang=None, guardian=False,
+                  clock=clock, cpu_clock=cpu)
     wd.begin_generation(0)
     return wd
 
@@ -124,10 +40,12 @@ def event_names(tmp_path) -> list[str]:
 
 
 def test_a_slow_rank_is_suspected_once_and_never_aborted(tmp_path):
-    wd = watchdog(tmp_path, dist.HashStore())
+    clock, cpu = FakeClock(), FakeCpu()
+    wd = watchdog(tmp_path, dist.HashStore(), clock, cpu)
     try:
         with wd.section("data", 5):
-            compute_for(1.5)  # three budgets, still computing
+            # Three budgets, still computing.
+            run_monitor(wd, clock, cpu, seconds=1.5, cpu_share=1.0)
     finally:
         wd.close()
     assert event_names(tmp_path) == ["hang_suspected"]
@@ -137,29 +55,30 @@ def test_a_slow_rank_is_suspected_once_and_never_aborted(tmp_path):
 
 
 def test_a_stuck_rank_is_aborted_soon_after_its_budget(tmp_path):
-    wd = watchdog(tmp_path, dist.HashStore())
-    started = time.monotonic()
+    clock, cpu = FakeClock(), FakeCpu()
+    wd = watchdog(tmp_path, dist.HashStore(), clock, cpu)
+    started = clock.monotonic()
     try:
         with pytest.raises(HangAbort), wd.section("data", 5):
-            while time.monotonic() - started < 10:
-                time.sleep(0.05)  # the `hang` fault's sleep
+            run_monitor(wd, clock, cpu, seconds=10, cpu_share=0.0)  # the `hang` fault's sleep
     finally:
         wd.close()
-    assert time.monotonic() - started < 0.5 + 1.5
+    assert clock.monotonic() - started < 0.5 + 1.5
     detected = [e for e in read_events(tmp_path) if e["event"] == "hang_detected"]
     assert len(detected) == 1 and detected[0]["culprit_ranks"] == [0]
     assert detected[0]["why"] == "stuck"
 
 
 def test_an_endless_computation_is_caught_at_the_hard_limit(tmp_path):
-    wd = watchdog(tmp_path, dist.HashStore(), slow_limit_factor=3.0)
-    started = time.monotonic()
+    clock, cpu = FakeClock(), FakeCpu()
+    wd = watchdog(tmp_path, dist.HashStore(), clock, cpu, slow_limit_factor=3.0)
+    started = clock.monotonic()
     try:
         with pytest.raises(HangAbort), wd.section("optimizer", 5):
-            compute_for(10)
+            run_monitor(wd, clock, cpu, seconds=10, cpu_share=1.0)
     finally:
         wd.close()
-    assert 1.5 <= time.monotonic() - started < 1.5 + 1.0
+    assert 1.5 <= clock.monotonic() - started < 1.5 + 1.0
     detected = next(e for e in read_events(tmp_path) if e["event"] == "hang_detected")
     assert detected["why"] == "slow_limit"
 
@@ -167,12 +86,12 @@ def test_an_endless_computation_is_caught_at_the_hard_limit(tmp_path):
 # --- calibration -----------------------------------------------------------------
 
 def test_calibrated_budgets_have_a_floor(tmp_path):
-    wd = watchdog(tmp_path, dist.HashStore(), calibration_steps=2, factor=5.0, floor_s=2.0,
-                  initial_timeout_s=60)
+    wd = watchdog(tmp_path, dist.HashStore(), FakeClock(), FakeCpu(), calibration_steps=2,
+                  factor=5.0, floor_s=2.0, initial_timeout_s=60)
     wd.close()
-    wd.slowest = {"data": 0.01, "forward_backward": 0.9}
+    wd.budgets.slowest = {"data": 0.01, "forward_backward": 0.9}
     assert wd.budget("data") == 60  # not calibrated yet
-    wd.steps_seen = 2
+    wd.budgets.steps_seen = 2
     assert wd.budget("data") == 2.0 and wd.budget("forward_backward") == pytest.approx(4.5)
     assert wd.budget("checkpoint") == wd.cfg.checkpoint_timeout_s
     assert wd.slow_limit("forward_backward") == pytest.approx(5 * 4.5)
@@ -189,7 +108,7 @@ def test_calibration_is_restored_only_on_the_layout_and_machine_it_was_measured_
         return wd
 
     eight = make(8, {"tp": 2, "pp": 2, "dp": 2})
-    eight.slowest, eight.steps_seen = {"forward_backward": 1.548}, 40
+    eight.budgets.slowest, eight.budgets.steps_seen = {"forward_backward": 1.548}, 40
     saved = json.loads(json.dumps(eight.calibration()))  # as the checkpoint stores it
     one = make(1, {"tp": 1, "pp": 1, "dp": 1})
     assert not one.restore_calibration(saved)
@@ -232,6 +151,7 @@ def test_store_ops_per_rank_stay_bounded(tmp_path):
             for r in range(4)]
     for wd in dogs:
         wd.begin_generation(0)
+        wd.start()
     started = time.monotonic()
     for step in range(1, 31):  # 30 steps of three 0.033 s sections
         for section in ("data", "forward_backward", "optimizer"):
@@ -296,6 +216,7 @@ def chain_worker(rank: int, port: int, run_dir: str) -> None:
                   run_dir=run_dir, events=EventLog(run_dir, rank), exit_on_hang=None,
                   guardian=False)
     wd.begin_generation(0)
+    wd.start()
     dist.barrier()
     try:
         try:

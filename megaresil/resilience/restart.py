@@ -59,7 +59,8 @@ from megaresil.resilience.incidents import is_abort
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
-from megaresil.resilience.watchdog import HANG_EXIT_CODE, Watchdog, raise_in_thread
+from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, raise_in_thread
+from megaresil.resilience.watchdog.monitor import Watchdog
 
 # Failures a restart cannot cure (a bad recipe, no usable checkpoint, a full
 # disk): the whole job stops at once, on every rank, with the reason.
@@ -285,6 +286,8 @@ class WorkerLife:
                                                                pp=cfg.parallel.pp),
                                   device=self.device)
                          if wd.enabled else None)
+        if self.watchdog is not None:
+            self.watchdog.start()
         self.generation = 0
         self.furthest_step = 0  # the furthest step any generation of this process completed
 

@@ -55,7 +55,7 @@ from megaresil.resilience.chaos import (DETECTIONS, Launch, local_tier_settings,
                                         measure_recovery, run_training, run_with_requeue,
                                         step_records)
 from megaresil.resilience.faults import fault_id
-from megaresil.resilience.watchdog import ABORT_GRACE_S
+from megaresil.resilience.watchdog.abort import ABORT_GRACE_S
 from megaresil.safe_files import write_atomic
 
 CALIBRATION_STEPS = 6

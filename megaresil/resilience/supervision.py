@@ -12,7 +12,7 @@ from megaresil.observe.sections import SectionClock, SectionTime
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.guardian import die_with_parent
 from megaresil.resilience.preemption import PreemptionFlag
-from megaresil.resilience.watchdog import Watchdog
+from megaresil.resilience.watchdog.monitor import Watchdog
 from megaresil.run_lock import launcher_pid
 
 

@@ -18,7 +18,7 @@ from megaresil.parallel.random import capture_rng_state, restore_rng_state
 from megaresil.train.optim import AdamState
 
 if TYPE_CHECKING:
-    from megaresil.resilience.watchdog import Watchdog
+    from megaresil.resilience.watchdog.monitor import Watchdog
     from megaresil.train.loop import TrainState
 
 # The RunState.extra field that carries the watchdog's calibration, so a

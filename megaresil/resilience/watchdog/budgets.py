@@ -1,0 +1,57 @@
+"""Per-section budgets, calibrated from measured durations. Pure: it is told
+the durations, it reads no clock and starts no thread.
+
+A budget is `factor` x the slowest observed duration of a section (never
+under `floor_s`; step 1's one-off warm-up costs are not observed), once
+`calibration_steps` steps were seen; before that, `initial_timeout_s`. Setup
+and checkpoint have budgets of their own. The hard limit, past which even a
+computing rank is hung, is `slow_limit_factor` x the budget. A calibration
+holds only on what it was measured on (world, workload, machine kind)."""
+from __future__ import annotations
+
+from megaresil.config import WatchdogConfig
+
+
+class Budgets:
+    def __init__(self, cfg: WatchdogConfig, measured_on: dict):
+        self.cfg = cfg
+        self.measured_on = measured_on  # world size, the caller's workload, machine kind
+        self.slowest: dict[str, float] = {}
+        self.steps_seen = 0
+
+    def observe(self, section: str, step: int, seconds: float) -> None:
+        """A section of `step` took `seconds`."""
+        if step > 1:  # step 1 carries one-off warm-up costs
+            self.slowest[section] = max(self.slowest.get(section, 0.0), seconds)
+
+    def step_done(self) -> None:
+        self.steps_seen += 1
+
+    def budget(self, section: str) -> float:
+        if section == "setup":
+            return self.cfg.setup_timeout_s
+        if section == "checkpoint":
+            return self.cfg.checkpoint_timeout_s
+        if self.steps_seen < self.cfg.calibration_steps or section not in self.slowest:
+            return self.cfg.initial_timeout_s
+        return max(self.cfg.floor_s, self.cfg.factor * self.slowest[section])
+
+    def slow_limit(self, section: str) -> float:
+        """Past this even a computing culprit is hung; the collective timeout."""
+        return self.cfg.slow_limit_factor * self.budget(section)
+
+    def calibration(self) -> dict:
+        """What a checkpoint keeps, so a restart does not calibrate from zero."""
+        return {"slowest": dict(self.slowest), "steps_seen": self.steps_seen,
+                "measured_on": self.measured_on}
+
+    def restore(self, saved: dict) -> bool:
+        """Take a checkpoint's calibration; False (nothing taken) when it was
+        measured on another world, workload or machine: 8 ranks' budgets say
+        nothing of 1 rank's step time."""
+        if saved.get("measured_on") != self.measured_on:
+            return False
+        for name, seconds in saved.get("slowest", {}).items():
+            self.slowest[name] = max(self.slowest.get(name, 0.0), seconds)
+        self.steps_seen = max(self.steps_seen, saved.get("steps_seen", 0))
+        return True

@@ -1,0 +1,189 @@
+"""Who stopped the job, and whether it is stuck or merely slow. Pure: every
+function is given the heartbeats and the time now; none reads a clock or
+the store.
+
+A heartbeat is a dict a rank writes to the store: `state` (running|left),
+`section`, `step`, `beat` (a counter), `stalled_s` (how long its training
+thread has used no CPU), `waiting` (inside torch.distributed) and `coll`
+(collectives started per process group). See docs/watchdog.md."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from megaresil.config import SECTIONS, WatchdogConfig
+
+SECTION_ORDER = {name: i for i, name in enumerate(SECTIONS)}
+PROGRESS_CPU_SHARE = 0.02  # CPU seconds per wall second below which a thread is not running
+STALE_HEARTBEATS = 2.5  # heartbeat intervals without a new beat: the rank's monitor is gone
+OPS_PER_HEARTBEAT = 1  # a set
+OPS_PER_ABORT_POLL = 1  # a check
+
+
+def store_intervals(cfg: WatchdogConfig, world: int) -> tuple[float, float]:
+    """(heartbeat, abort poll) intervals, stretched with the world so that
+    all ranks together stay under cfg.store_ops_limit."""
+    scale = max(1.0, world * (OPS_PER_HEARTBEAT / cfg.heartbeat_s + OPS_PER_ABORT_POLL
+                              / cfg.abort_poll_s) / cfg.store_ops_limit)
+    return cfg.heartbeat_s * scale, cfg.abort_poll_s * scale
+
+
+class ProgressMeter:
+    """Whether a thread is running: the CPU time it gains between samples."""
+
+    def __init__(self, read_cpu: Callable[[], float], now: float):
+        self.read_cpu = read_cpu
+        self.cpu, self.sampled, self.last_progress = read_cpu(), now, now
+
+    def sample(self, now: float) -> None:
+        cpu = self.read_cpu()
+        if cpu - self.cpu >= PROGRESS_CPU_SHARE * (now - self.sampled):
+            self.last_progress = now
+        self.cpu, self.sampled = cpu, now
+
+    def stalled_s(self, now: float) -> float:
+        """Seconds since the thread last used a fair share of CPU."""
+        return now - self.last_progress
+
+
+def position(hb: dict) -> tuple[int, int]:
+    return hb["step"], SECTION_ORDER[hb["section"]]
+
+
+def find_culprits(heartbeats: dict[int, dict | None], gone: frozenset = frozenset()) -> list[int]:
+    """Ranks that stopped the job; the rest are waiting for them.
+
+    `heartbeats` maps each rank to its latest heartbeat (None: it never wrote
+    one this generation), `gone` names ranks whose heartbeat stopped. Ranks
+    that left the generation (their own error, a restart) are not culprits.
+    Silent ranks are culprits; otherwise the live ranks furthest behind
+    (step, then section), ties broken by `blamed_in_collectives`."""
+    silent = {r for r, hb in heartbeats.items() if hb is None} | set(gone)
+    if silent:
+        return sorted(silent)
+    live = {r: hb for r, hb in heartbeats.items() if hb["state"] == "running"}
+    if not live:
+        return []
+    least = min(position(hb) for hb in live.values())
+    behind = [r for r, hb in live.items() if position(hb) == least]
+    return blamed_in_collectives(behind, live) if len(behind) > 1 else behind
+
+
+def blamed_in_collectives(candidates: list[int], heartbeats: dict[int, dict]) -> list[int]:
+    """Of ranks at the same place, the ones the others wait for.
+
+    Every group numbers its collectives in the same order on all members, so
+    counts say who has started a collective that whom has not joined. First:
+    a rank alone in a collective of a group of three or more, that no other
+    member has started, called a collective nobody else calls (the others
+    are all blocked elsewhere, waiting for it). Otherwise: the ranks most
+    peers wait for (peers ahead of them on a shared group). Two-rank groups
+    cannot tell the caller of an unmatched collective from a rank waiting
+    for its partner, hence the first rule needs three."""
+    unmatched = [r for r in candidates if alone_in_a_collective(r, heartbeats)]
+    if unmatched:
+        return sorted(unmatched)
+
+    def waiters(rank: int) -> set[int]:
+        mine = heartbeats[rank].get("coll", {})
+        return {peer for peer, hb in heartbeats.items() if peer != rank and any(
+            count > mine[name] for name, count in hb.get("coll", {}).items() if name in mine)}
+    blame = {r: len(waiters(r)) for r in candidates}
+    most = max(blame.values())
+    blamed = [r for r in candidates if blame[r] == most]
+    # Still tied (no collective tells them apart, e.g. a group being created):
+    # the ranks waiting inside torch.distributed wait for those that are not.
+    not_waiting = [r for r in blamed if not heartbeats[r].get("waiting")]
+    return sorted(not_waiting or blamed)
+
+
+def alone_in_a_collective(rank: int, heartbeats: dict[int, dict]) -> bool:
+    for name, count in heartbeats[rank].get("coll", {}).items():
+        others = [hb["coll"][name] for peer, hb in heartbeats.items()
+                  if peer != rank and name in hb.get("coll", {})]
+        if len(others) >= 2 and all(count > other for other in others):
+            return True
+    return False
+
+
+def stuck_or_running(stalled_s: float, stall_s: float) -> str:
+    """A thread that has used no CPU for stall_s is stuck."""
+    return "stuck" if stalled_s >= stall_s else "running"
+
+
+@dataclass
+class Beat:
+    """The latest distinct heartbeat seen from a peer, and when it was first seen."""
+    record: dict
+    seen: float
+    fresh: bool  # written after an earlier read: at most one read interval old
+
+
+class PeerBeats:
+    """What this rank has seen of its peers' heartbeats in this generation."""
+
+    def __init__(self, heartbeat_every: float):
+        self.stale_after = STALE_HEARTBEATS * heartbeat_every
+        self.seen: dict[int, Beat] = {}
+
+    def note(self, beats: dict[int, dict | None], now: float) -> None:
+        """Heartbeats just read: a new beat counter restarts a peer's silence."""
+        for r, hb in beats.items():
+            known = self.seen.get(r)
+            if hb is not None and (known is None or known.record["beat"] != hb["beat"]):
+                self.seen[r] = Beat(hb, now, fresh=known is not None)
+
+    def gone(self, now: float) -> list[int]:
+        """Peers whose heartbeat stopped changing (process killed or frozen)."""
+        return [r for r, beat in self.seen.items() if beat.record["state"] == "running"
+                and now - beat.seen > self.stale_after]
+
+    def state(self, rank: int, now: float, stall_s: float) -> str:
+        """stuck, running, or unknown (no heartbeat written since the alarm
+        began yet): judged by a heartbeat written since the previous read,
+        or by the peer's silence."""
+        beat = self.seen.get(rank)
+        if beat is None or rank in self.gone(now):
+            return "stuck"
+        if not beat.fresh:
+            return "unknown"
+        return stuck_or_running(beat.record["stalled_s"], stall_s)
+
+
+@dataclass
+class Alarm:
+    """One section that passed its budget, while it lasts."""
+    section: str
+    step: int
+    started: float
+    culprits: list[int] = field(default_factory=list)
+    positions: dict = field(default_factory=dict)  # culprit -> (step, section) at the full read
+    next_read: float = 0.0
+    suspected: bool = False
+
+    def culprits_stayed(self, beats: dict[int, dict | None]) -> bool:
+        """Whether every culprit's fresh heartbeat shows it where it was at
+        the full read (else someone else may hold the job now)."""
+        return all(beats[r] is None or position(beats[r]) == self.positions.get(r)
+                   for r in self.culprits)
+
+    def name_culprits(self, beats: dict[int, dict | None], gone: frozenset) -> None:
+        """Culprits from every rank's heartbeat."""
+        self.culprits = find_culprits(beats, gone)
+        self.positions = {r: position(beats[r]) for r in self.culprits if beats[r] is not None}
+
+
+def verdict(states: list[str], waited: float, slow_limit: float, suspected: bool) -> str | None:
+    """What an alarm comes to, from its culprits' states: "stuck" (every
+    culprit stopped: declare the hang), "slow_limit" (past the hard limit
+    even a computing culprit is hung), "suspect" (a culprit still computes:
+    warn once, go on) or None (nothing to do yet)."""
+    if not states:
+        return None
+    if all(state == "stuck" for state in states):
+        return "stuck"
+    if waited > slow_limit:
+        return "slow_limit"
+    if "running" in states and not suspected:
+        return "suspect"
+    return None

@@ -1,0 +1,300 @@
+"""The Watchdog: this rank's monitor thread, composed of the budgets, the
+judgement and the abort beside it; it owns the clock, the store traffic and
+the generation's state. See the package docstring and docs/watchdog.md."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megaresil.compat import collective_counts
+from megaresil.config import WatchdogConfig
+from megaresil.events import EventLog
+from megaresil.observe.sections import SectionTime
+from megaresil.parallel.layout import use_device
+from megaresil.resilience.stragglers import StragglerDetector
+from megaresil.resilience.watchdog.abort import (ABORT_GRACE_S, ExitTimer, Guardian, dump_stacks,
+                                                 exit_for_relaunch, free_training_thread,
+                                                 set_collective_timeouts)
+from megaresil.resilience.watchdog.budgets import Budgets
+from megaresil.resilience.watchdog.clock import Clock, SystemClock
+from megaresil.resilience.watchdog.judgement import (Alarm, PeerBeats, ProgressMeter, position,
+                                                     store_intervals, stuck_or_running, verdict)
+from megaresil.resilience.watchdog.probes import (machine_kind, thread_cpu_clock,
+                                                  waiting_in_torch_distributed)
+
+
+class Watchdog:
+    """Built idle; `start()` starts the monitor thread (and the guardian).
+    `clock` and `cpu_clock` (the training thread's CPU seconds) are the
+    real ones unless a test gives fakes, and then drives `poll()` itself."""
+
+    def __init__(self, cfg: WatchdogConfig, *, rank: int, world: int, store: dist.Store,
+                 run_dir: Path, events: EventLog, exit_on_hang: int | None,
+                 workload: dict | None = None, guardian: bool = True,
+                 stragglers: StragglerDetector | None = None,
+                 device: torch.device = torch.device("cpu"), clock: Clock = SystemClock(),
+                 cpu_clock: Callable[[], float] | None = None):
+        self.cfg, self.rank, self.world, self.store = cfg, rank, world, store
+        self.clock = clock
+        self.device = device  # the trainer's: the monitor thread aborts NCCL groups on it
+        self.hang_dir = Path(run_dir) / "hangs"
+        self.events, self.exit_on_hang = events, exit_on_hang
+        self.stragglers = stragglers
+        self.budgets = Budgets(cfg, {"world": world, "workload": workload,
+                                     "machine": machine_kind()})
+        self.current = ("setup", 0, clock.monotonic())
+        self.generation: int | None = None  # None: paused between generations
+        self.aborted = False
+        self.exit_timer = ExitTimer(clock)  # armed by an abort
+        self.main_thread = threading.main_thread().ident
+        self.progress = ProgressMeter(cpu_clock or thread_cpu_clock(self.main_thread),
+                                      clock.monotonic())
+        self.exempt: set = set()  # process groups whose timeout we leave alone
+        self.heartbeat_every, self.abort_poll_every = store_intervals(cfg, world)
+        self.beats = 0
+        self.next_heartbeat = self.next_abort_poll = 0.0
+        self.alarm: Alarm | None = None
+        self.peers = PeerBeats(self.heartbeat_every)
+        self.lock = threading.Lock()  # the monitor and pause() both write heartbeats
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._monitor, name="megaresil-watchdog",
+                                       daemon=True)
+        self.with_guardian = guardian
+        self.guardian: Guardian | None = None
+
+    def start(self) -> None:
+        if self.with_guardian:
+            self.guardian = Guardian(self.hang_dir, self.rank, self.cfg.gil_timeout_s)
+        self.thread.start()
+
+    # --- called by the training thread ------------------------------------------
+
+    @contextmanager
+    def section(self, name: str, step: int):
+        started = self.clock.monotonic()
+        self.current = (name, step, started)
+        set_collective_timeouts(self.slow_limit(name), self.exempt)
+        yield
+        self.budgets.observe(name, step, self.clock.monotonic() - started)
+
+    def exempt_group(self, group) -> None:
+        self.exempt.add(group)
+
+    def step_done(self, times: dict[str, SectionTime] | None = None,
+                  first_of_generation: bool = False) -> None:
+        """A step completed; with its section times, every
+        logging.straggler_interval steps the ranks compare them (a collective)."""
+        self.budgets.step_done()
+        if self.stragglers is not None and times is not None:
+            step = self.current[1]
+            self.stragglers.step_done(step, times, warm_up=first_of_generation or step == 1)
+
+    def begin_generation(self, generation: int) -> None:
+        self.current = ("setup", self.current[1], self.clock.monotonic())
+        self.alarm, self.peers, self.next_heartbeat = None, PeerBeats(self.heartbeat_every), 0.0
+        self.generation, self.aborted = generation, False
+        self.exit_timer.cancel()
+        if self.stragglers is not None:
+            self.stragglers.restart()
+
+    def pause(self) -> None:
+        """Leave the generation: peers stop counting this rank as a culprit."""
+        with self.lock:
+            generation, self.generation = self.generation, None
+        if generation is None:
+            return
+        try:
+            self._publish(generation, state="left")
+        except Exception as err:  # the store is gone: so is the job, nobody is judging
+            print(f"megaresil watchdog (rank {self.rank}): {err}", file=sys.stderr)
+
+    def calibration(self) -> dict:
+        return self.budgets.calibration()
+
+    def restore_calibration(self, saved: dict) -> bool:
+        """Budgets from a checkpoint, so a restart does not start from zero;
+        ignored (False) when measured on another world, workload or machine."""
+        restored = self.budgets.restore(saved)
+        if not restored and self.rank == 0:
+            print(f"megaresil watchdog: the checkpoint's budgets were measured on "
+                  f"{saved.get('measured_on')}, this run is {self.budgets.measured_on}: "
+                  "calibrating again", file=sys.stderr)
+        return restored
+
+    def budget(self, section: str) -> float:
+        return self.budgets.budget(section)
+
+    def slow_limit(self, section: str) -> float:
+        return self.budgets.slow_limit(section)
+
+    def close(self) -> None:
+        self.pause()
+        self.stop.set()
+        self.exit_timer.cancel()
+        if self.thread.is_alive():
+            self.thread.join(timeout=2)
+        if self.guardian is not None:
+            self.guardian.stop()
+
+    # --- the monitor thread -------------------------------------------------------
+
+    def _monitor(self) -> None:
+        use_device(self.device)
+        while not self.clock.wait(self.stop, self.cfg.poll_s):
+            self.poll()
+
+    def poll(self) -> None:
+        """One round of the monitor: tick the guardian, sample the training
+        thread, and judge the section it is in."""
+        if self.guardian is not None:
+            self.guardian.tick()
+        now = self.clock.monotonic()
+        self.progress.sample(now)
+        generation = self.generation
+        if generation is None:
+            return
+        if self.aborted:  # the exit timer decides whether the abort freed the thread
+            return
+        try:
+            self._check(generation, now)
+        except Exception as err:  # the store went away: the job is ending
+            if not self.stop.is_set() and self.generation is not None:
+                print(f"megaresil watchdog (rank {self.rank}): {err}", file=sys.stderr)
+
+    def _key(self, what: str, rank: int | None = None,
+             generation: int | None = None) -> str:
+        generation = self.generation if generation is None else generation
+        return f"{what}/{generation}" + (f"/{rank}" if rank is not None else "")
+
+    def _check(self, generation: int, now: float) -> None:
+        if now >= self.next_heartbeat:
+            self._publish(generation)
+        if now >= self.next_abort_poll:
+            self.next_abort_poll = now + self.abort_poll_every
+            if self.store.check([self._key("abort")]):
+                self._abort(json.loads(self.store.get(self._key("abort"))))
+                return
+        section, step, started = self.current
+        waited = now - started
+        if waited <= self.budget(section):
+            self.alarm = None
+            return
+        if self.alarm is None or self.alarm.started != started:
+            self.alarm = Alarm(section, step, started)
+        self._judge(self.alarm, waited, now)
+
+    def _publish(self, generation: int, state: str = "running") -> None:
+        now = self.clock.monotonic()
+        with self.lock:
+            if state == "running" and self.generation != generation:
+                return  # the rank left this generation meanwhile: keep its "left"
+            self.next_heartbeat = now + self.heartbeat_every
+            self.beats += 1
+            self.store.set(self._key("hb", self.rank, generation),
+                           json.dumps(self._record(state, now)))
+
+    def _record(self, state: str, now: float) -> dict:
+        """This rank's heartbeat: where it is and whether its thread runs."""
+        section, step, _ = self.current
+        return {"state": state, "section": section, "step": step, "beat": self.beats,
+                "stalled_s": round(self.progress.stalled_s(now), 3),
+                "waiting": waiting_in_torch_distributed(self.main_thread),
+                "coll": collective_counts(self.exempt) if dist.is_initialized() else {}}
+
+    # --- judging an alarm -----------------------------------------------------------
+
+    def _judge(self, alarm: Alarm, waited: float, now: float) -> None:
+        if now >= alarm.next_read:
+            alarm.next_read = now + self.heartbeat_every
+            self._read_culprits(alarm, now)
+        states = [self._culprit_state(r, now) for r in alarm.culprits]
+        found = verdict(states, waited, self.slow_limit(alarm.section), alarm.suspected)
+        if found in ("stuck", "slow_limit"):
+            self._declare(alarm, waited, found)
+        elif found == "suspect":
+            alarm.suspected = True
+            self._suspect(alarm, waited)
+
+    def _read_culprits(self, alarm: Alarm, now: float) -> None:
+        """Refresh the culprits' heartbeats; every rank's on the first read,
+        or when a culprit has moved on (someone else holds the job now)."""
+        if alarm.culprits and alarm.culprits_stayed(self._heartbeats(alarm.culprits, now)):
+            return
+        alarm.name_culprits(self._heartbeats(range(self.world), now),
+                            frozenset(self.peers.gone(now)))
+
+    def _heartbeats(self, ranks, now: float) -> dict[int, dict | None]:
+        """The ranks' latest heartbeats (this rank's as it is now); notes
+        which peers wrote a new one since the last read."""
+        keys = {r: self._key("hb", r) for r in ranks if r != self.rank}
+        if self.store.check(list(keys.values())):
+            values = self.store.multi_get(list(keys.values()))
+            beats = {r: json.loads(v) for r, v in zip(keys, values)}
+        else:  # someone never wrote one: ask key by key
+            beats = {r: json.loads(self.store.get(k)) if self.store.check([k]) else None
+                     for r, k in keys.items()}
+        self.peers.note(beats, now)
+        if self.rank in ranks:
+            beats[self.rank] = self._record("running", now)
+        return beats
+
+    def _culprit_state(self, rank: int, now: float) -> str:
+        """This rank asks its own meter (no store delay); a peer is judged
+        by its heartbeats."""
+        if rank == self.rank:
+            return stuck_or_running(self.progress.stalled_s(now), self.cfg.stall_s)
+        return self.peers.state(rank, now, self.cfg.stall_s)
+
+    def _report(self, alarm: Alarm, waited: float) -> dict:
+        return {"rank": self.rank, "section": alarm.section, "step": alarm.step,
+                "waited_s": round(waited, 3), "budget_s": round(self.budget(alarm.section), 3),
+                "culprit_ranks": alarm.culprits}
+
+    def _suspect(self, alarm: Alarm, waited: float) -> None:
+        """One warning per section and step for the whole job."""
+        report = self._report(alarm, waited)
+        key = self._key(f"suspect/{alarm.section}/{alarm.step}")
+        if self.store.compare_set(key, "", str(self.rank)) == str(self.rank).encode():
+            self.events.emit("hang_suspected", **{k: v for k, v in report.items() if k != "rank"})
+
+    def _declare(self, alarm: Alarm, waited: float, why: str) -> None:
+        report = {**self._report(alarm, waited), "why": why,
+                  "stack_dump": str(self.hang_dir / f"generation_{self.generation}")}
+        mine = json.dumps(report)
+        if self.store.compare_set(self._key("hang"), "", mine) == mine.encode():
+            self.events.emit("hang_detected", **{k: v for k, v in report.items() if k != "rank"})
+            self.store.set(self._key("abort"), json.dumps({"reason": "hang", **report}))
+        self._abort({"reason": "hang", **report})
+
+    # --- aborting -------------------------------------------------------------------
+
+    def _dump_path(self) -> Path:
+        return self.hang_dir / f"generation_{self.generation}" / f"rank{self.rank}.txt"
+
+    def _abort(self, reason: dict) -> None:
+        """Free this rank's training thread: dump stacks, abort NCCL
+        communicators, and raise HangAbort at its next bytecode (a gloo op
+        already blocked returns at its timeout)."""
+        self.aborted = True
+        dump_stacks(self._dump_path(), f"abort: {json.dumps(reason)}", "w")
+        if self.exit_on_hang is not None:  # no in-process restart: the launcher restarts us
+            os._exit(self.exit_on_hang)
+        generation = self.generation
+        self.exit_timer.arm(self.slow_limit(self.current[0]) + ABORT_GRACE_S,
+                            lambda: self._exit_if_not_freed(generation))
+        free_training_thread(self.main_thread)
+
+    def _exit_if_not_freed(self, generation: int | None) -> None:
+        """Exit for a relaunch if the training thread still has not left the
+        aborted generation (see abort.exit_for_relaunch)."""
+        if self.aborted and self.generation == generation:
+            exit_for_relaunch(self.events, self._dump_path(), section=self.current[0],
+                              generation=generation)
