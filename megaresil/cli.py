@@ -314,7 +314,7 @@ def add_convert_parser(sub) -> None:
     convert.set_defaults(func=cmd_convert, parser=convert)
 
 
-# The names of resilience.chaos.scenarios(), listed here so `chaos --help` need
+# The names of drills.scenarios.scenarios(), listed here so `chaos --help` need
 # not import the chaos machinery (a test keeps the two equal).
 CHAOS_SCENARIOS = ("kill-rank", "raise-in-rank", "hang-in-collective", "hang-outside-collective",
                    "hang-holding-gil", "hang-in-native-code", "hang-on-device", "slow-rank",
@@ -325,7 +325,8 @@ CHAOS_SCENARIOS = ("kill-rank", "raise-in-rank", "hang-in-collective", "hang-out
 def cmd_chaos(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megaresil.resilience.chaos import Rendezvous, format_result, run_scenario
+    from megaresil.drills.chaos import format_result, run_scenario
+    from megaresil.drills.run import Rendezvous
 
     result = run_scenario(args.recipe, args.overrides, args.scenario,
                           reference=Path(args.reference) if args.reference else None,
@@ -338,7 +339,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    from megaresil.resilience.soak import format_report, run_soak
+    from megaresil.drills.soak import format_report, run_soak
 
     report = run_soak(args.recipe, args.overrides, minutes=args.minutes, seed=args.seed,
                       hogs=args.hogs, local=args.local_tier)
