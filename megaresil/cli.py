@@ -34,8 +34,10 @@ EPILOG = """examples:
 def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megaresil.launch import (Membership, check_hf_init, inside_torchrun, is_new_run,
-                                  launch, resolve_from_hf, slurm_task, worker)
+    from megaresil.launch.agent import launch
+    from megaresil.launch.from_hf import check_hf_init, is_new_run, resolve_from_hf
+    from megaresil.launch.membership import Membership
+    from megaresil.launch.worker import inside_torchrun, slurm_task, worker
     from megaresil.slurm import SlurmStep
 
     overrides, from_hf = args.overrides, None
@@ -68,7 +70,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     if args.from_hf:  # what `train RECIPE --from-hf DIR` would run, without running it
         from pathlib import Path
 
-        from megaresil.launch import check_hf_init, resolve_from_hf
+        from megaresil.launch.from_hf import check_hf_init, resolve_from_hf
 
         from_hf = resolve_from_hf(Path(args.from_hf), args.recipe, overrides)
         overrides = from_hf.overrides
