@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megaresil.cli import CHAOS_SCENARIOS, build_parser
+from megaresil.cli import build_parser
+from megaresil.cli.drills import CHAOS_SCENARIOS
 
 
 def test_chaos_help_lists_every_scenario(monkeypatch):

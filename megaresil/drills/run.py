@@ -84,6 +84,7 @@ def kill_tree(pid: int) -> None:
         except psutil.NoSuchProcess:
             pass
 
+
 def step_records(run_dir: Path) -> list[dict]:
     """metrics.jsonl's optimizer steps (eval lines left out), in order written."""
     return [r for r in read_metrics(run_dir) if "loss" in r]
