@@ -43,8 +43,10 @@ from pathlib import Path
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.sharded import WEIGHTS
+from megaresil.drills.chaos import run_scenario
+from megaresil.drills.run import run_training, step_records
+from megaresil.drills.scenarios import local_tier_settings
 from megaresil.events import read_events
-from megaresil.resilience.chaos import local_tier_settings, run_scenario, run_training, step_records
 
 RECIPE = "recipes/gpt-tiny.yaml"
 # Overrides of the demo recipe per --state, and its world size. 1gb: 67.3M

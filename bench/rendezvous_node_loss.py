@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the etcd fixture the tests use
 
 from etcd_server import LocalEtcd, missing_reason  # noqa: E402
-from megaresil.resilience.chaos import Rendezvous, run_scenario, run_training  # noqa: E402
+from megaresil.drills.chaos import run_scenario  # noqa: E402
+from megaresil.drills.run import Rendezvous, run_training  # noqa: E402
 
 SMALL = ["recipes/gpt-tiny.yaml", "parallel.tp=1", "parallel.pp=1", "parallel.dp=2",
          "train.steps=8", "logging.tensorboard=false", "train.eval_batches=0",

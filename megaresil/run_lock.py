@@ -31,7 +31,7 @@ The checkpoint root is locked the same way (`ROOT/run.lock`, key
 `checkpoint.dir`), wherever it lies: two runs with their own run.dir but one
 checkpoint.dir would resume and replace each other's checkpoints.
 
-Who takes it (launch.py): the `megaresil train` launcher, for the job id of its
+Who takes it (launch/): the `megaresil train` launcher, for the job id of its
 rendezvous (`--rdzv-id` with several agents, so all agents of one elastic job
 share one lock), and tells its workers through `HELD_ENV`; under a torchrun
 of the user's own, global rank 0's worker takes it for the torchrun job.

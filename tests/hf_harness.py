@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megaresil.checkpoint.sources import CheckpointSource, full_tensors
 from megaresil.config import from_dict, load_recipe
-from megaresil.launch import from_hf_overrides
+from megaresil.launch.from_hf import from_hf_overrides
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.tensor_parallel import gather_vocab
 from megaresil.model.gpt import GPT

@@ -21,7 +21,8 @@ from daemons import serve
 from etcd_server import LocalEtcd, missing_reason
 from megaresil.config import ConfigError
 from megaresil.events import EventLog, read_events
-from megaresil.launch import Membership, rendezvous_lost
+from megaresil.launch.agent import rendezvous_lost
+from megaresil.launch.membership import Membership
 from megaresil.resilience.restart import (AbortBoard, relaunches_without_progress,
                                           restarts_recorded)
 from megaresil.slurm import SlurmStep

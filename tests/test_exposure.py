@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from megaresil.compat import elastic_stores_listening_on
-from megaresil.launch import Membership
+from megaresil.launch.membership import Membership
 
 
 def listening_ips() -> set[str]:
@@ -29,7 +29,7 @@ def test_several_nodes_listen_on_the_interface_reaching_the_endpoint(monkeypatch
     assert several.rendezvous_endpoint == "127.0.0.1:29400"
     assert several.local_addr == "127.0.0.1"  # the interface that reaches 127.0.0.1
     routes = {"node1": "10.0.0.5", "trap": "127.0.1.1"}
-    monkeypatch.setattr("megaresil.launch.address_towards", lambda host, port: routes[host])
+    monkeypatch.setattr("megaresil.launch.membership.address_towards", lambda host, port: routes[host])
     assert Membership.parse("2", 2, "node1:29400", "job").local_addr == "10.0.0.5"
     # A host name that is loopback only here (Debian's 127.0.1.1): the other
     # nodes could not reach a store there, so torch's own bind stays.
@@ -207,7 +207,7 @@ def test_convert_from_hf_carries_the_tokenizer_to_a_later_export(cli_main, tmp_p
 def test_from_hf_names_a_malformed_tokenizer_config_before_any_worker(tmp_path):
     from megaresil.config import ConfigError
     from megaresil.data.tokenizer import ByteTokenizer
-    from megaresil.launch import resolve_from_hf
+    from megaresil.launch.from_hf import resolve_from_hf
     from tests.conftest import ROOT
 
     hf_dir = tiny_gpt2_dir(tmp_path / "hf", n_positions=256)

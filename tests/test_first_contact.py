@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from megaresil.cli import CHAOS_SCENARIOS, build_parser
+from megaresil.cli import build_parser
+from megaresil.cli.drills import CHAOS_SCENARIOS
 
 
 def test_chaos_help_lists_every_scenario(monkeypatch):
-    from megaresil.resilience.chaos import scenarios
+    from megaresil.drills.scenarios import scenarios
 
     monkeypatch.setenv("COLUMNS", "2000")  # no wrapping inside hyphenated names
     assert set(CHAOS_SCENARIOS) == set(scenarios(rank=1, step=3, save_step=2))
@@ -19,7 +20,7 @@ def test_chaos_help_lists_every_scenario(monkeypatch):
 
 
 def test_chaos_takes_overrides_after_the_scenario(cli_main, monkeypatch):
-    import megaresil.resilience.chaos as chaos
+    import megaresil.drills.chaos as chaos
 
     seen = {}
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megaresil.config import ConfigError, ModelConfig, Precision, load_recipe
-from megaresil.launch import check_local_gpus
+from megaresil.launch.checks import check_local_gpus
 from megaresil.model import te
 from megaresil.model.gpt import GPT
 from megaresil.model.init import initialize
@@ -167,7 +167,7 @@ def test_deterministic_kernels_follow_each_recipe(tmp_path):
 
 
 def test_a_cuda_worker_sets_cublas_workspace_before_cuda_starts(monkeypatch):
-    from megaresil import launch
+    from megaresil.launch import worker as launch
     from megaresil.parallel import layout
 
     seen = {}

@@ -160,3 +160,11 @@ def test_only_the_wiring_imports_the_wiring():
     bad = [(s, d) for a, b, s, d in cross_part_edges() if b in WIRING and a not in WIRING]
     assert not bad, (f"only {', '.join(sorted(WIRING))} may import the wiring "
                      f"(it knows every part):\n{describe(bad)}")
+
+
+def test_only_the_cli_imports_the_drills():
+    """Drills (chaos, soak) are test harnesses run beside training, not
+    runtime: the command line starts them, nothing that trains knows them."""
+    bad = [(s, d) for a, b, s, d in cross_part_edges()
+           if b == "drills" and a not in {"cli", "__main__"}]
+    assert not bad, f"only cli may import {PACKAGE}/drills/:\n{describe(bad)}"

@@ -14,7 +14,7 @@ from megaresil.plan.costs import RunCosts, read_costs
 from megaresil.plan.model import Policy, daly_goodput, daly_interval, young_interval
 from megaresil.plan.profile import job_kinds, load_profile, mtbf_hours
 from megaresil.plan.simulate import Kind, Setup, simulate
-from megaresil.plan.soak_check import replay_soak
+from megaresil.drills.replay import replay_soak
 from tests.dist_harness import TINY
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"

@@ -265,7 +265,8 @@ def test_bad_faults_name_the_key(fault, key):
 
 
 def test_elastic_membership_shrinks_dp_and_refuses_the_impossible():
-    from megaresil.launch import Membership, adapt_to_world
+    from megaresil.launch.membership import Membership
+    from megaresil.launch.worker import adapt_to_world
 
     cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", ["train.global_batch_size=32"])
     shrunk = adapt_to_world(cfg, 4)  # one of two 4-rank nodes lost: tp, pp kept

@@ -12,7 +12,7 @@ from daemons import serve, wait_until
 from dist_harness import ROOT, TINY
 from megaresil.config import ConfigError
 from megaresil.events import read_events, read_metrics
-from megaresil.launch import Membership
+from megaresil.launch.membership import Membership
 from megaresil.slurm import PORT_BASE, SlurmStep, expand_counts
 from slurm_cluster import LocalSlurm, missing_reason
 

@@ -11,8 +11,8 @@ from conftest import ROOT
 from megaresil.config import ConfigError, load_recipe
 from megaresil.events import EventLog
 from megaresil.resilience.faults import FaultInjector, InjectedFault, fault_id
-from megaresil.resilience.soak import (Calibration, episodes, false_alarms, first_fault_step,
-                                       fit, schedule)
+from megaresil.drills.analyse import false_alarms
+from megaresil.drills.schedule import Calibration, episodes, first_fault_step, fit, schedule
 
 DEMO = ROOT / "recipes" / "gpt-tiny.yaml"
 
@@ -47,7 +47,7 @@ def test_schedule_is_seeded_and_has_every_kind_and_placement():
 
 
 def test_with_the_local_tier_the_schedule_damages_it_too():
-    from megaresil.resilience.chaos import local_tier_settings
+    from megaresil.drills.scenarios import local_tier_settings
 
     cfg = load_recipe(DEMO, local_tier_settings(8))
     placed = {p["episode"]: p["faults"] for p in schedule(cfg, 3, 200, len(episodes(True)))}
@@ -62,7 +62,7 @@ def test_with_the_local_tier_the_schedule_damages_it_too():
 
 
 def test_which_tier_a_restart_loaded_decides_what_a_corruption_shows():
-    from megaresil.resilience.soak import fault_row
+    from megaresil.drills.analyse import fault_row
 
     def row(kind, load):
         fault = {"kind": kind, "rank": 2, "step": 9, "section": "optimizer"}
@@ -148,7 +148,7 @@ def test_short_soak_recovers_every_fault_bit_equal(cli, tmp_path):
 
 
 def test_a_corruption_always_has_an_older_checkpoint_to_fall_back_on():
-    from megaresil.resilience import soak
+    from megaresil.drills import schedule as soak
 
     cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [])
     for seed in range(6):
@@ -159,7 +159,7 @@ def test_a_corruption_always_has_an_older_checkpoint_to_fall_back_on():
 
 
 def test_faults_meant_for_a_save_meet_one():
-    from megaresil.resilience import soak
+    from megaresil.drills import schedule as soak
 
     cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [])
     for steps, count in ((224, 27), (485, 55), (60, 5)):

@@ -35,7 +35,7 @@ def probe(run_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from megaresil.launch import trainer_job
+    from megaresil.launch.worker import trainer_job
     from megaresil.ports import free_port
     from megaresil.config import load_recipe
     from megaresil.resilience.preemption import PreemptionFlag

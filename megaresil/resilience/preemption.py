@@ -92,7 +92,7 @@ def second_interrupt_kills_workers() -> Iterator[None]:
     finish the step and save; a second SIGINT in that wait only starts the
     wait again (its shutdown runs once more, with SIGTERM). So here the second
     SIGINT the launcher hears kills the workers at once; the launcher then
-    says so (launch.interrupted)."""
+    says so (launch.agent.interrupted)."""
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     previous = signal.set_wakeup_fd(write_end)

@@ -1,0 +1,64 @@
+"""`megaresil eval` and `megaresil generate`: a checkpoint's model put to use."""
+from __future__ import annotations
+
+import argparse
+
+from megaresil.cli.common import checkpoint_argument
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from megaresil.inference import evaluate
+
+    result = evaluate(checkpoint_argument(args.path), args.batches, args.split, tp=args.tp)
+    print(json.dumps(result) if args.json else
+          f"step {result['step']}: {result['split']} loss {result['loss']:.4f}, perplexity "
+          f"{result['perplexity']:.2f} ({result['batches']} batches, {result['checkpoint']})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import json
+
+    from megaresil.inference import generate
+
+    result = generate(checkpoint_argument(args.path), args.prompt,
+                      max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                      tp=args.tp)
+    print(json.dumps(result) if args.json else args.prompt + result["completion"])
+    return 0
+
+
+TP_HELP = ("tensor-parallel processes holding the model (default 1: one process); one per GPU "
+           "for a model too big for one")
+
+
+def add_checkpoint_use_parsers(sub) -> None:
+    evaluate = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out "
+                              "split (the run's own eval batches), in one process (or --tp N)")
+    evaluate.add_argument("path", metavar="CKPT|RUN_DIR", help="a checkpoint, or a run "
+                          "directory (its newest checkpoint)")
+    evaluate.add_argument("--batches", type=int, help="global batches (default: the run's "
+                          "train.eval_batches)")
+    evaluate.add_argument("--split", choices=("valid", "test"), default="valid",
+                          help="valid (the default: the run's own eval batches) or test (held "
+                          "out from both training and eval; how it is carved: data/build.py)")
+    evaluate.add_argument("--json", action="store_true")
+    evaluate.add_argument("--tp", type=int, default=1, help=TP_HELP)
+    evaluate.set_defaults(func=cmd_eval)
+    gen = sub.add_parser("generate", help="continue a prompt with a checkpoint's model, in "
+                         "one process (or --tp N)")
+    gen.add_argument("path", metavar="CKPT|RUN_DIR", help="a checkpoint, or a run directory "
+                     "(its newest checkpoint)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=50)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    gen.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    gen.add_argument("--json", action="store_true", help="also the token ids")
+    gen.add_argument("--tp", type=int, default=1, help=TP_HELP)
+    gen.set_defaults(func=cmd_generate)
+
+

@@ -1,0 +1,96 @@
+"""`megaresil plan` and `megaresil report`: what a run's records say."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import replace
+    from pathlib import Path
+
+    from megaresil.plan.profile import job_kinds, load_profile
+    from megaresil.plan.report import Scale, format_plan, plan, read_run_costs, trace_kinds
+
+    profile = load_profile(args.profile) if args.profile else load_profile()
+    kinds = job_kinds(profile, args.gpus)
+    if args.failure_trace:
+        kinds = trace_kinds(Path(args.failure_trace))
+    elif args.mtbf_hours:  # the profile's mix of kinds, at this MTBF per GPU
+        factor = args.gpus / (args.mtbf_hours * 3600) / sum(k.per_s for k in kinds)
+        kinds = [replace(k, per_s=k.per_s * factor) for k in kinds]
+    scale = (Scale(args.state_bytes, args.gpus, args.storage_gbps * 1e9)
+             if args.state_bytes else None)
+    try:
+        costs = read_run_costs(Path(args.run_dir))
+        report = plan(costs, kinds, replacement_s=(args.replacement_s if args.replacement_s
+                                                   is not None else
+                                                   profile.get("node_replacement_extra_s", 0.0)),
+                      scale=scale, step_s=args.step_s,
+                      simulate_days=args.days if args.simulate else None, seed=args.seed)
+    except ValueError as err:  # a run that cannot be planned from: say why, no traceback
+        print(f"megaresil: error: {err}", file=sys.stderr)
+        return 2
+    report["costs"] = costs.to_dict()
+    print(json.dumps(report, indent=1) if args.json else format_plan(report))
+    return 0
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the checkpoint interval and goodput to expect at scale, "
+                       "from a run's measured costs (and --simulate: a simulated long run)",
+                       description="Failures: --mtbf-hours (per GPU, with the profile's mix of "
+                       "kinds), or --failure-trace, else the profile's own rates (default: "
+                       "Llama 3 405B's, megaresil/plan/profiles/llama3_405b.yaml).")
+    p.add_argument("run_dir", help="a run directory (or a JSON written by plan --json)")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--mtbf-hours", type=float, help="mean time between failures of one GPU")
+    p.add_argument("--failure-trace", help='JSON lines {"hours": T, "path": in_process|'
+                   'relaunch|node_replacement}')
+    p.add_argument("--profile", help="failure profile YAML")
+    p.add_argument("--replacement-s", type=float,
+                   help="seconds a spare host takes to replace a failed one (default: the "
+                        "profile's)")
+    p.add_argument("--state-bytes", type=float, help="scale save and load costs to this "
+                   "checkpoint size, spread over --gpus ranks")
+    p.add_argument("--storage-gbps", type=float, default=2000.0,
+                   help="aggregate storage GB/s that bounds a scaled save and load")
+    p.add_argument("--step-s", type=float, help="step time (default: the run's)")
+    p.add_argument("--simulate", action="store_true", help="also simulate each policy")
+    p.add_argument("--days", type=float, default=54.0, help="simulated days of work")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megaresil.observe.report import write_report
+    from megaresil.safe_files import LinkRefused
+
+    try:
+        page = write_report(Path(args.run_dir), [Path(p) for p in args.compare],
+                            Path(args.out) if args.out else None)
+    except LinkRefused as err:  # a planted report/ link: refused, not followed
+        print(f"megaresil: error: {err}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
+        print(f"megaresil: error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {page} (and its PNGs beside it)")
+    return 0
+
+
+def add_report_parser(sub) -> None:
+    report = sub.add_parser("report", help="an HTML page with PNGs of a run: loss/eval "
+                            "curves, throughput and MFU, a timeline of restarts, checkpoints "
+                            "and faults, a per-rank straggler heat map, the goodput breakdown",
+                            description="Writes RUN_DIR/report/index.html (images inlined), "
+                            "one PNG per panel and summary.json.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (run.dir)")
+    report.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR",
+                        help="more runs to overlay (e.g. a reference, other layouts)")
+    report.add_argument("--out", help="output directory (default RUN_DIR/report)")
+    report.set_defaults(func=cmd_report)

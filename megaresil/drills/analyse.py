@@ -1,0 +1,239 @@
+"""What a drill's runs say, from their own records (events.jsonl,
+metrics.jsonl): how a run got over each fault (detection, restart, steps and
+time lost), alarms with no fault behind them, and whether the final state
+equals the fault-free reference's."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+from megaresil.checkpoint.diff import diff_checkpoints
+from megaresil.checkpoint.format import committed_checkpoints, step_dir_name
+from megaresil.config import RecipeConfig
+from megaresil.drills.run import Launch, step_records
+from megaresil.drills.scenarios import Scenario
+from megaresil.events import read_events
+from megaresil.resilience.faults import fault_id
+
+DETECTIONS = ("hang_detected", "worker_error", "preempted")
+ALARMS = ("hang_detected", "worker_error")
+# What says a fault of each kind was noticed (a restart also counts, except
+# for a corrupted checkpoint: only skipping it on a load shows it was seen).
+# A corrupted local shard is seen where the load takes its rank's shard from
+# a replica (or leaves the local tier for the global one): see local_repair;
+# a lost node needs that as well as the restart.
+DETECTED_BY = {"kill": DETECTIONS, "raise": ("worker_error",), "hang": ("hang_detected",),
+               "sigterm": ("preempted",), "corrupt_checkpoint": ("checkpoint_skipped",),
+               "slow": (), "lose_local_node": DETECTIONS, "corrupt_local_checkpoint": ()}
+CORRUPTIONS = ("corrupt_checkpoint", "corrupt_local_checkpoint")  # no restart of their own
+
+
+def measure_recovery(events: list[dict], steps: list[dict], fault_time: float,
+                     detections=DETECTIONS) -> dict:
+    """How the run got over a fault at `fault_time`: when it was detected (the
+    first of `detections` after it, else the first restart), how it restarted,
+    which step it reloaded, when it next completed a step, and how many steps
+    done before the fault had to be redone."""
+    after = [e for e in events if e["time"] >= fault_time]
+    restarts = [e for e in after if e["event"] == "restart"]
+    detected = min((e["time"] for e in after if e["event"] in detections),
+                   default=restarts[0]["time"] if restarts else None)
+    loaded = next((e for e in after if e["event"] == "checkpoint_loaded"), None)
+    first_after = next((r for r in steps if detected and r["time"] > detected), None)
+    before = [r["step"] for r in steps if r["time"] < fault_time]
+    return {"detected_at": detected, "restart_kind": restarts[0]["kind"] if restarts else None,
+            "loaded_step": loaded["step"] if loaded else None,
+            "first_step_after_at": first_after["time"] if first_after else None,
+            "last_step_before": max(before, default=0),
+            "steps_lost": max(0, max(before) - loaded["step"]) if before and loaded else 0}
+
+
+# --- a chaos scenario ----------------------------------------------------------------
+
+def analyse_scenario(reference: Path, faulted: Path, scenario: Scenario,
+                     fault_time: Optional[float] = None) -> dict:
+    events = read_events(faulted)
+    metrics = step_records(faulted)
+    if fault_time is None:
+        fault_time = min((e["time"] for e in events if e["event"] == "fault_injected"),
+                         default=None)
+    recovery = (measure_recovery(events, metrics, fault_time) if fault_time is not None
+                else measure_recovery([], [], 0.0))
+    detected, first_after = recovery["detected_at"], recovery["first_step_after_at"]
+    ref_final = step_records(reference)[-1]
+    final = metrics[-1]
+    # Losing a node changes the layout (dp shrinks): equal within 1e-5 then.
+    tolerance = 1e-5 * abs(ref_final["loss"]) if scenario.nodes > 1 else 0.0
+    equal = (final["step"] == ref_final["step"]
+             and abs(final["loss"] - ref_final["loss"]) <= tolerance)
+    hangs = [e for e in events if e["event"] == "hang_detected"]
+    return {
+        "scenario": scenario.name,
+        "recovered": final["step"] == ref_final["step"],
+        "detection_latency_s": None if detected is None or fault_time is None
+        else detected - fault_time,
+        "restart_time_s": None if first_after is None or detected is None
+        else first_after - detected,
+        "steps_lost": recovery["steps_lost"],
+        "final_loss": final["loss"], "reference_final_loss": ref_final["loss"],
+        "final_loss_equal": equal,
+        "restart_kind": recovery["restart_kind"] or
+        ("requeue" if scenario.requeue_after_exit else "none"),
+        "hang_detected": len(hangs), "culprit_ranks": hangs[0]["culprit_ranks"] if hangs else [],
+        "checkpoints_skipped": [e["path"] for e in events if e["event"] == "checkpoint_skipped"],
+        "stragglers": sorted({e["rank"] for e in events if e["event"] == "straggler_detected"}),
+    }
+
+
+# --- a soak -------------------------------------------------------------------------
+
+def analyse_soak(faulted: Path, reference: Path, placed: list[dict], launches: list[Launch],
+                 cfg: RecipeConfig, steps: int) -> dict:
+    events, records = read_events(faulted), step_records(faulted)
+    ref_records = step_records(reference)
+    step_s = statistics.median(_durations(ref_records, cfg).values()) if ref_records else 0.0
+    rows = [fault_row(f, p["episode"], events, records, step_s)
+            for p in placed for f in p["faults"]]
+    # The reference has no fault: every alarm there is a false one too.
+    alarms = (false_alarms(rows, events, records)
+              + [{**a, "run": "reference"} for a in
+                 false_alarms([], read_events(reference), ref_records)])
+    final = final_state(faulted, reference, records, ref_records, steps)
+    wall = launches[-1].ended - launches[0].started
+    productive = sum(_durations(records, cfg).values())
+    ok = (all(r["injected"] and r["recovered"] for r in rows) and not alarms
+          and final["bit_equal"] and launches[-1].exit_code == 0)
+    return {"ok": ok, "faults": rows, "false_alarms": alarms,
+            "warnings": sum(e["event"] == "hang_suspected" for e in events),
+            "launches": [asdict(launch) for launch in launches],
+            "exit_code": launches[-1].exit_code, "wall_s": wall, "productive_s": productive,
+            "goodput": productive / wall if wall else 0.0, **final}
+
+
+def _durations(records: list[dict], cfg: RecipeConfig) -> dict[int, float]:
+    """Seconds of each step's last (kept) computation, from its token rate."""
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    return {r["step"]: tokens / r["tokens_per_s"] for r in records}
+
+
+def fault_row(fault: dict, episode: str, events: list[dict], records: list[dict],
+              step_s: float) -> dict:
+    name = fault_id(fault)
+    row = {"fault": name, "episode": episode, "kind": fault["kind"], "mode": fault.get("mode"),
+           "rank": fault["rank"], "step": fault["step"], "section": fault["section"],
+           "injected": False, "detected": False, "not_read": False, "recovered": False,
+           "detection_latency_s": None, "steps_lost": 0, "time_lost_s": None,
+           "loaded_tier": None, "from_replicas": None}
+    fired = next((e for e in events if e["event"] == "fault_injected" and e["fault"] == name),
+                 None)
+    if fired is None:
+        return row
+    t = fired["time"]
+    expected = DETECTED_BY[fault["kind"]]
+    rec = measure_recovery(events, records, t, expected)
+    restart_counts = fault["kind"] not in ("slow", *CORRUPTIONS)
+    detected_at = min((e["time"] for e in events if e["time"] >= t and e["event"] in expected),
+                      default=rec["detected_at"] if restart_counts else None)
+    load = next((e for e in events if e["event"] == "checkpoint_loaded" and e["time"] > t), None)
+    if fault["kind"] == "corrupt_local_checkpoint" and local_repair(load, fault["rank"]):
+        detected_at = load["time"]
+    if fault["kind"] == "lose_local_node" and not local_repair(load, fault["rank"]):
+        detected_at = None  # the restart must also have found the node's shards gone
+    # A newer local step served: the damaged global checkpoint was never read.
+    not_read = (fault["kind"] == "corrupt_checkpoint" and detected_at is None
+                and load is not None and load.get("tier") == "local")
+    row.update(injected=True, time=t, detected=detected_at is not None, not_read=not_read,
+               loaded_tier=load and load.get("tier"),
+               from_replicas=load and load.get("from_replicas"),
+               detection_latency_s=None if detected_at is None else detected_at - t,
+               recovered=any(r["time"] > t and r["step"] >= fault["step"] for r in records),
+               steps_lost=rec["steps_lost"] if fault["kind"] != "slow" else 0,
+               time_lost_s=time_lost(fault, t, rec, events, records, step_s))
+    return row
+
+
+def local_repair(load: Optional[dict], rank: int) -> bool:
+    """Whether a load went round `rank`'s own local shards: it took them from
+    a replica, or left the local tier for the global one."""
+    return load is not None and (load.get("tier") == "global"
+                                 or rank in (load.get("from_replicas") or []))
+
+
+def time_lost(fault: dict, t: float, rec: dict, events: list[dict], records: list[dict],
+              step_s: float) -> Optional[float]:
+    """Wall time from the fault until the run is one step past where it was
+    (less that step's own work); a slow fault: the extra time of its steps,
+    until the next restart drops it."""
+    if fault["kind"] == "slow":
+        end = min((e["time"] for e in events if e["event"] == "restart" and e["time"] > t),
+                  default=float("inf"))
+        slow = [b["time"] - a["time"] for a, b in zip(records, records[1:])
+                if t <= a["time"] and b["time"] < end and b["step"] == a["step"] + 1]
+        return sum(max(0.0, d - step_s) for d in slow)
+    since = max(t, rec["first_step_after_at"] or t)
+    back = next((r["time"] for r in records
+                 if r["time"] >= since and r["step"] > rec["last_step_before"]), None)
+    return None if back is None else max(0.0, back - t - step_s)
+
+
+def false_alarms(rows: list[dict], events: list[dict], records: list[dict]) -> list[dict]:
+    """Alarms with no fault behind them, as incidents (alarms not separated by
+    a completed step). A fault covers alarms from its injection until the run
+    completes a step after the next checkpoint load; a slow fault covers none."""
+    windows = [(r["time"], recovered_by(r["time"], events, records)) for r in rows
+               if r["injected"] and r["kind"] != "slow"]
+    unexplained = [e for e in events if e["event"] in ALARMS
+                   and not any(start <= e["time"] <= end for start, end in windows)]
+    incidents: list[list[dict]] = []
+    for alarm in unexplained:
+        if incidents and not any(incidents[-1][-1]["time"] < r["time"] < alarm["time"]
+                                 for r in records):
+            incidents[-1].append(alarm)
+        else:
+            incidents.append([alarm])
+    return [describe_incident(i) for i in incidents]
+
+
+def recovered_by(t: float, events: list[dict], records: list[dict]) -> float:
+    loaded = min((e["time"] for e in events
+                  if e["event"] == "checkpoint_loaded" and e["time"] > t), default=None)
+    if loaded is None:
+        return float("inf")
+    return next((r["time"] for r in records if r["time"] > loaded), float("inf"))
+
+
+def describe_incident(alarms: list[dict]) -> dict:
+    first = alarms[0]
+    hang = next((a for a in alarms if a["event"] == "hang_detected"), None)
+    return {"time": first["time"], "events": len(alarms),
+            "first": {k: first.get(k) for k in ("event", "rank", "section", "step", "error")},
+            "hang": None if hang is None else
+            {k: hang.get(k) for k in ("rank", "section", "step", "waited_s", "culprit_ranks")}}
+
+
+def final_state(faulted: Path, reference: Path, records: list[dict], ref_records: list[dict],
+                steps: int) -> dict:
+    """Bit-equality of the final checkpoints (every tensor, atol 0) and of
+    every step's loss (the last computation of each step)."""
+    losses = {r["step"]: r["loss"] for r in records}
+    ref_losses = {r["step"]: r["loss"] for r in ref_records}
+    differing = sorted(s for s in ref_losses if losses.get(s) != ref_losses[s])
+    a, b = (d / "checkpoints" / step_dir_name(steps) for d in (faulted, reference))
+    if a in committed_checkpoints(a.parent) and b in committed_checkpoints(b.parent):
+        diff = diff_checkpoints(a, b)
+        keys_differing = [k.key for k in diff.keys if not k.identical]
+        checkpoint_equal = diff.identical
+        missing = diff.only_in_a + diff.only_in_b
+    else:
+        keys_differing, checkpoint_equal, missing = [], False, [f"{a} or {b} missing"]
+    return {"final_step": max(losses, default=0), "final_loss": losses.get(steps),
+            "reference_final_loss": ref_losses.get(steps),
+            "reference_steps": len(ref_losses), "steps_with_different_loss": differing[:20],
+            "checkpoint_equal": checkpoint_equal, "tensors_different": keys_differing[:20],
+            "tensors_missing": missing[:20],
+            "bit_equal": (checkpoint_equal and not differing and steps in ref_losses
+                          and len(ref_losses) == steps)}
+
+

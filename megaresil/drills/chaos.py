@@ -1,0 +1,90 @@
+"""`megaresil chaos`: run a fault scenario beside a fault-free reference and
+measure the recovery from the runs' own records (events.jsonl, metrics.jsonl).
+
+Both runs go through `megaresil train` as separate processes, so every
+detection, restart and resume is the real one. Reported per scenario:
+detection latency (fault -> first detection), restart time (detection ->
+first step completed after the restart), steps lost (steps done before the
+fault that had to be redone), whether the final loss equals the reference's,
+and the restart kind.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+from megaresil.config import load_recipe
+from megaresil.drills.analyse import analyse_scenario
+from megaresil.drills.run import (Rendezvous, run_node_loss, run_simulated_node_loss,
+                                  run_training, run_with_requeue)
+from megaresil.drills.scenarios import fault_overrides, scenarios
+from megaresil.observe.report import write_report
+from megaresil.parallel.layout import visible_gpus
+from megaresil.resilience.faults import check_device_faults
+from megaresil.safe_files import write_atomic
+
+
+def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Optional[Path],
+                 rank: Optional[int], step: Optional[int],
+                 rendezvous: Rendezvous = Rendezvous(), timeout_s: float = 900.0) -> dict:
+    cfg = load_recipe(recipe, overrides)
+    root = Path(cfg.run.dir)
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    # The scenarios need to know the save steps: auto (or never) becomes every 2 steps.
+    fixed = cfg.checkpoint.interval != "auto" and cfg.checkpoint.interval > 0
+    interval = cfg.checkpoint.interval if fixed else 2
+    if not fixed:
+        overrides = [*overrides, f"checkpoint.interval={interval}"]
+    fault_step = step or cfg.train.steps // 2 + 1
+    save_step = interval * max(2, fault_step // interval)
+    table = scenarios(world - 1 if rank is None else rank, fault_step, save_step, world)
+    if name not in table:
+        raise ValueError(f"--scenario: unknown scenario {name!r}; one of {sorted(table)}")
+    scenario = table[name]
+    check_device_faults(scenario.faults, visible_gpus())
+    if reference is None:
+        reference = root / "reference"
+        shutil.rmtree(reference, ignore_errors=True)
+        if run_training(recipe, overrides, reference).exit_code != 0:
+            raise RuntimeError("the fault-free reference run failed")
+    faulted = root / f"faulted-{name}"
+    shutil.rmtree(faulted, ignore_errors=True)
+    fault_time = None
+    if scenario.nodes > 1:
+        code, fault_time = run_node_loss(recipe, overrides + scenario.settings, faulted, world,
+                                         fault_step, lose_first=scenario.lose_first,
+                                         rendezvous=rendezvous)
+    elif scenario.lose_simulated_node:
+        code, fault_time = run_simulated_node_loss(recipe, overrides + scenario.settings,
+                                                   faulted, world, fault_step)
+    else:
+        # A recovery that never comes must end the drill, not hang it.
+        code = run_with_requeue(recipe, overrides + fault_overrides(scenario), faulted,
+                                requeues=int(scenario.requeue_after_exit),
+                                deadline=time.time() + timeout_s)[-1].exit_code
+    result = {**analyse_scenario(reference, faulted, scenario, fault_time), "exit_code": code,
+              "reference": str(reference), "faulted": str(faulted)}
+    result["report"] = str(write_report(faulted, [reference]))
+    write_atomic(root / f"chaos-{name}.json", json.dumps(result, indent=1))
+    write_atomic(root / "chaos.json", json.dumps(result, indent=1))
+    return result
+
+
+def format_result(r: dict) -> str:
+    def seconds(v):
+        return "-" if v is None else f"{v:.2f} s"
+    return "\n".join([
+        f"scenario          {r['scenario']}",
+        f"recovered         {r['recovered']} (exit code {r['exit_code']})",
+        f"detection latency {seconds(r['detection_latency_s'])}",
+        f"restart time      {seconds(r['restart_time_s'])}",
+        f"steps lost        {r['steps_lost']}",
+        f"restart kind      {r['restart_kind']}",
+        f"hangs detected    {r['hang_detected']} (culprits {r['culprit_ranks']})",
+        f"stragglers        {r['stragglers'] or 'none'}",
+        f"final loss        {r['final_loss']!r} vs reference {r['reference_final_loss']!r}: "
+        f"{'equal' if r['final_loss_equal'] else 'DIFFERENT'}",
+        f"report            {r['report']}"])

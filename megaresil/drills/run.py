@@ -1,0 +1,164 @@
+"""Starting training runs for the drills: `megaresil train` as a separate
+process (so every detection, restart and resume is the real one), to its end
+or a deadline; requeued after a preemption like a scheduler would; agents
+that form one elastic job and lose a node; and the step records they wrote."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import psutil
+
+from megaresil.checkpoint.local_tier import local_root, node_dir
+from megaresil.config import load_recipe
+from megaresil.events import read_metrics
+from megaresil.ports import free_port
+from megaresil.resilience.preemption import PREEMPTED_EXIT
+
+
+def train_command(recipe: str, overrides: list[str], run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "megaresil", "train", recipe, *overrides,
+            f"run.dir={run_dir}", "logging.progress=false"]
+
+
+TIMED_OUT = 124  # the exit code given to a training job stopped at its deadline
+
+
+@dataclass
+class Launch:
+    """One `megaresil train` process: when it ran and how it ended."""
+    started: float
+    ended: float
+    exit_code: int
+
+
+def run_training(recipe: str, overrides: list[str], run_dir: Path, *,
+                 log: Optional[Path] = None, timeout_s: Optional[float] = None) -> Launch:
+    """Run `megaresil train` to its end, or to `timeout_s`: then the launcher
+    and its workers are killed (a deadlocked run must not stall the caller)."""
+    started = time.time()
+    out = open(log, "ab") if log else None
+    try:
+        proc = subprocess.Popen(train_command(recipe, overrides, run_dir), stdout=out,
+                                stderr=subprocess.STDOUT if out else None)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            proc.wait()
+            code = TIMED_OUT
+    finally:
+        if out:
+            out.close()
+    return Launch(started, time.time(), code)
+
+
+def run_with_requeue(recipe: str, overrides: list[str], run_dir: Path, *, requeues: int,
+                     log: Optional[Path] = None, deadline: Optional[float] = None) -> list[Launch]:
+    """Run a job and, like a scheduler, run it again each time it exits
+    preempted (75), at most `requeues` times; stop at the `deadline` (epoch s)."""
+    launches: list[Launch] = []
+    while True:
+        left = None if deadline is None else max(1.0, deadline - time.time())
+        launches.append(run_training(recipe, overrides, run_dir, log=log, timeout_s=left))
+        if launches[-1].exit_code != PREEMPTED_EXIT or len(launches) > requeues:
+            return launches
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process we started and everything it started."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's optimizer steps (eval lines left out), in order written."""
+    return [r for r in read_metrics(run_dir) if "loss" in r]
+
+
+@dataclass
+class Rendezvous:
+    """Where the agents of a multi-node scenario meet: c10d in the first
+    agent (on a free local port unless given), or an etcd server's endpoint."""
+    backend: str = "c10d"
+    endpoint: Optional[str] = None
+
+    def options(self, first: bool) -> list[str]:
+        if self.backend == "c10d":
+            return ["--rdzv-conf", f"is_host={int(first)}"]
+        if not self.endpoint:
+            raise ValueError(f"--rdzv-backend {self.backend} needs the etcd server: "
+                             "add --rdzv-endpoint ETCD_HOST:PORT")
+        return []
+
+
+def run_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
+                  lose_after_step: int, *, lose_first: bool = False,
+                  rendezvous: Rendezvous = Rendezvous()) -> tuple[int, float]:
+    """Two agents ("nodes") form one elastic job; once `lose_after_step` is
+    done, one agent and its workers are killed: the second, or with
+    `lose_first` the first (with c10d it hosts the rendezvous store; as the
+    lower pid on this machine it is also rank 0, whose agent hosts the
+    workers' store). Returns (the survivor's exit code, loss time)."""
+    endpoint = rendezvous.endpoint or f"127.0.0.1:{free_port()}"
+    membership = ["--nnodes", "1:2", "--nproc-per-node", str(world // 2),
+                  "--rdzv-backend", rendezvous.backend, "--rdzv-endpoint", endpoint,
+                  "--rdzv-id", f"chaos-{os.getpid()}-{int(time.time())}"]
+    command = train_command(recipe, overrides, run_dir) + membership
+    first = subprocess.Popen(command + rendezvous.options(first=True))
+    second = subprocess.Popen(command + rendezvous.options(first=False))
+    lost, survivor = (first, second) if lose_first else (second, first)
+    lost_at = wait_for_step(run_dir, lose_after_step, survivor)
+    kill_tree(lost.pid)
+    lost.wait()
+    return survivor.wait(), lost_at
+
+
+def run_simulated_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
+                            lose_after_step: int) -> tuple[int, float]:
+    """One agent whose ranks form two simulated nodes for the local tier;
+    once `lose_after_step` is done, the second node's workers are killed and
+    its local directory deleted, as if the machine were replaced. The agent
+    relaunches the workers at the same layout. Returns (exit code, loss time)."""
+    cfg = load_recipe(recipe, overrides + [f"run.dir={run_dir}"])
+    per_node = cfg.checkpoint.local.ranks_per_node or world
+    node = (world - 1) // per_node
+    agent = subprocess.Popen(train_command(recipe, overrides, run_dir))
+    lost_at = wait_for_step(run_dir, lose_after_step, agent)
+    for proc in psutil.Process(agent.pid).children(recursive=True):
+        try:
+            if int(proc.environ().get("RANK", -1)) // per_node == node:
+                proc.kill()
+        except (psutil.NoSuchProcess, ValueError):
+            pass
+    shutil.rmtree(node_dir(local_root(cfg.checkpoint.local.dir, str(run_dir)), node),
+                  ignore_errors=True)
+    return agent.wait(), lost_at
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> float:
+    while proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and any(
+                r["step"] >= step for r in step_records(run_dir)):
+            return time.time()
+        time.sleep(0.05)
+    raise RuntimeError("the job ended before the node could be lost")
+
+
+def start_hogs(count: int) -> list[subprocess.Popen]:
+    """Busy processes beside the run: a machine shared with other work."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]

@@ -1,0 +1,69 @@
+"""The chaos scenarios: which faults a scenario injects and with which
+resilience settings (`megaresil chaos --scenario NAME`). Light on purpose:
+`megaresil chaos --help` lists the names without importing torch."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Scenario:
+    name: str
+    faults: list[dict]
+    settings: list[str] = field(default_factory=list)  # resilience.* overrides
+    expect_restart: bool = True
+    requeue_after_exit: bool = False  # like a scheduler rerunning a preempted job
+    nodes: int = 1  # > 1: agents that form one elastic job; the last one is lost
+    lose_first: bool = False  # lose the node that started first instead (the c10d host)
+    lose_simulated_node: bool = False  # kill the local tier's last simulated node, wipe its dir
+
+
+def local_tier_settings(world: int) -> list[str]:
+    """Local saves every step on two simulated nodes, each rank's shard
+    copied to the other."""
+    return ["checkpoint.local.enabled=true", "checkpoint.local.interval=1",
+            "checkpoint.local.replicas=1", f"checkpoint.local.ranks_per_node={max(1, world // 2)}"]
+
+
+def scenarios(rank: int, step: int, save_step: int, world: int = 2) -> dict[str, Scenario]:
+    in_process = ["resilience.in_process=true"]
+    relaunch = ["resilience.in_process=false", "resilience.max_restarts=2"]
+    local = local_tier_settings(world)
+    return {s.name: s for s in [
+        Scenario("kill-rank", [{"kind": "kill", "rank": rank, "step": step}], relaunch),
+        Scenario("raise-in-rank", [{"kind": "raise", "rank": rank, "step": step}], in_process),
+        Scenario("hang-in-collective", [{"kind": "hang", "rank": rank, "step": step,
+                                         "mode": "collective"}], in_process),
+        Scenario("hang-outside-collective", [{"kind": "hang", "rank": rank, "step": step,
+                                              "mode": "sleep"}], in_process),
+        Scenario("hang-holding-gil", [{"kind": "hang", "rank": rank, "step": step,
+                                       "mode": "gil"}],
+                 relaunch + ["resilience.watchdog.gil_timeout_s=3"]),
+        # The abort cannot free a thread blocked in C code without the GIL:
+        # after the hard limit the watchdog exits and the launcher relaunches.
+        Scenario("hang-in-native-code", [{"kind": "hang", "rank": rank, "step": step,
+                                          "mode": "native"}], in_process),
+        Scenario("hang-on-device", [{"kind": "hang", "rank": rank, "step": step,
+                                     "mode": "device"}], in_process),
+        Scenario("slow-rank", [{"kind": "slow", "rank": rank, "step": step, "seconds": 0.3}],
+                 in_process, expect_restart=False),
+        Scenario("sigterm", [{"kind": "sigterm", "rank": rank, "step": step}],
+                 requeue_after_exit=True),
+        Scenario("corrupt-latest-checkpoint",
+                 [{"kind": "corrupt_checkpoint", "rank": rank, "step": step},
+                  {"kind": "kill", "rank": rank, "step": step, "section": "forward_backward"}],
+                 relaunch),
+        Scenario("kill-during-checkpoint-save",
+                 [{"kind": "kill", "rank": rank, "step": save_step, "section": "checkpoint"}],
+                 relaunch),
+        Scenario("node-loss", [], relaunch, nodes=2),
+        Scenario("node-loss-first", [], relaunch, nodes=2, lose_first=True),
+        Scenario("kill-rank-local", [{"kind": "kill", "rank": rank, "step": step}],
+                 relaunch + local),
+        Scenario("node-loss-local", [], relaunch + local, lose_simulated_node=True),
+    ]}
+
+
+def fault_overrides(scenario: Scenario) -> list[str]:
+    return [f"faults={json.dumps(scenario.faults)}", *scenario.settings]

@@ -1,0 +1,184 @@
+"""`megaresil soak`: one long run with faults of every kind, then a fault-free
+reference to the same step; proof over time, not scenarios.
+
+The faulted run is the recipe's own layout (the demo: tp2 x pp2 x dp2) with
+asynchronous saves. Its faults come in episodes, each at a random step and,
+where the kind allows, a random section: one fault of each kind (kill, raise,
+hang in sleep / a collective / holding the GIL, slow, sigterm, a corrupted
+checkpoint followed by a kill), a fault during a save, one during a restart
+(`generation`, see faults.py), a kill during the preemption save, and two
+faults on adjacent steps. A job that exits preempted (75) is requeued like a
+scheduler would. CPU hogs may run beside it.
+
+The local checkpoint tier is on unless asked otherwise (`local=False`): a
+local save every step on two simulated nodes, each rank's shard replicated
+to the other, so most faults cost one step. Two more episodes then damage
+it: a rank's own local shards corrupted before it is killed (the restart
+must take them from their replicas) and a lost node (its local directory
+deleted and a rank killed: its ranks' shards come from the other node). A
+corrupted global checkpoint is then often not read at all (a newer local
+step serves): the report says so instead of counting it undetected.
+
+How long: a short fault-free calibration run measures start-up and step
+time. Episodes are taken, cheapest first for the first round of kinds (so a
+short soak still sees several) and in seeded random order after that, while
+their estimated recovery cost and room to run fit in --minutes; the steps are
+what is left of the budget over the step time. Given the seed, the number of
+steps and of episodes (all in soak.json), the schedule is always the same.
+
+Report (console and `soak.json` in the soak directory): faults injected,
+detected and recovered, false alarms (hang_detected / worker_error with no
+fault behind it; hang_suspected counted apart as warnings), steps and time
+lost per fault, goodput (productive step time / wall time), and whether the
+final checkpoint equals the reference's bit for bit and every step's loss
+matches.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from megaresil.config import load_recipe
+from megaresil.drills.analyse import analyse_soak
+from megaresil.drills.run import (Launch, run_training, run_with_requeue, start_hogs,
+                                  step_records)
+from megaresil.drills.scenarios import local_tier_settings
+from megaresil.drills.schedule import (GIL_TIMEOUT_S, KEEP, SAVE_INTERVAL, Calibration,
+                                       episodes, fit, schedule)
+from megaresil.observe.report import write_report
+from megaresil.safe_files import write_atomic
+
+CALIBRATION_STEPS = 6
+
+
+def soak_settings(world_faults: int) -> list[str]:
+    """Restarts on (whatever the defaults), sized to the faults; async saves
+    (the local tier's settings are added by run_soak)."""
+    restarts = 2 * world_faults + 2
+    return ["checkpoint.async=true", f"checkpoint.interval={SAVE_INTERVAL}",
+            f"checkpoint.keep={KEEP}", "resilience.in_process=true",
+            f"resilience.max_in_process_restarts={restarts}",
+            f"resilience.max_restarts={restarts}",
+            f"resilience.watchdog.gil_timeout_s={GIL_TIMEOUT_S}", "logging.tensorboard=false"]
+
+
+def run_dir_overrides(run_dir: Path) -> list[str]:
+    # Each run keeps its checkpoints in its own directory, whatever checkpoint.dir says.
+    return [f"checkpoint.dir={run_dir / 'checkpoints'}"]
+
+
+def calibrate(recipe: str, overrides: list[str], run_dir: Path) -> Calibration:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    launch = run_training(recipe, [*overrides, f"train.steps={CALIBRATION_STEPS}",
+                                   *run_dir_overrides(run_dir)], run_dir,
+                          log=_log(run_dir, "train.log"))
+    records = step_records(run_dir)
+    if launch.exit_code != 0 or len(records) < CALIBRATION_STEPS:
+        raise RuntimeError(f"the calibration run failed (exit {launch.exit_code}); "
+                           f"see {run_dir / 'train.log'}")
+    durations = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(records, records[1:])]
+    startup = records[0]["time"] - records[0]["elapsed_s"] - launch.started
+    return Calibration(startup_s=startup, step_s=statistics.median(durations[1:]))
+
+
+def _log(run_dir: Path, name: str) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir / name
+
+
+def run_soak(recipe: str, overrides: list[str], *, minutes: float, seed: int,
+             hogs: int = 0, local: bool = True) -> dict:
+    """Calibrate, run the faulted job (hogs beside it), then the reference,
+    all with the local tier when `local`; the report is also written to
+    RUN_DIR/soak.json."""
+    if local:
+        p = load_recipe(recipe, overrides).parallel
+        overrides = [*local_tier_settings(p.tp * p.pp * p.dp), *overrides]
+    cfg = load_recipe(recipe, overrides)
+    root = Path(cfg.run.dir)
+    hog_procs = start_hogs(hogs)
+    try:
+        cal = calibrate(recipe, overrides + soak_settings(len(episodes(local))),
+                        root / "calibration")
+        count, steps = fit(cal, cfg, minutes, seed)
+        placed = schedule(cfg, seed, steps, count)
+        faults = [f for p in placed for f in p["faults"]]
+        run_overrides = [*overrides, *soak_settings(len(faults)), f"train.steps={steps}"]
+        print(f"soak: {count} episodes, {len(faults)} faults over {steps} steps "
+              f"(step {cal.step_s:.2f} s, start-up {cal.startup_s:.0f} s)", flush=True)
+        launches = run_faulted(recipe, run_overrides, root / "faulted", faults, minutes)
+    finally:
+        for proc in hog_procs:
+            proc.kill()
+            proc.wait()
+    reference = root / "reference"
+    shutil.rmtree(reference, ignore_errors=True)
+    # The reference is fault-free: three times its expected time is a deadlock.
+    expected = cal.startup_s + steps * cal.step_s
+    ref_launch = run_training(recipe, [*run_overrides, *run_dir_overrides(reference)], reference,
+                              log=_log(reference, "train.log"), timeout_s=3 * expected + 120)
+    report = analyse_soak(root / "faulted", reference, placed, launches, cfg, steps)
+    report.update(seed=seed, minutes=minutes, hogs=hogs, steps=steps, episodes=count,
+                  local_tier=cfg.checkpoint.local.enabled,
+                  calibration=asdict(cal), reference_exit_code=ref_launch.exit_code,
+                  schedule=placed, faulted=str(root / "faulted"), reference=str(reference))
+    report["ok"] = report["ok"] and ref_launch.exit_code == 0
+    report["report"] = str(write_report(root / "faulted", [reference], root / "report"))
+    write_atomic(root / "soak.json", json.dumps(report, indent=1))
+    return report
+
+
+def run_faulted(recipe: str, overrides: list[str], run_dir: Path, faults: list[dict],
+                minutes: float) -> list[Launch]:
+    """The faulted job, requeued after each preemption; a job deadlocked past
+    three times its budget (plus two minutes) is killed and reported."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    sigterms = sum(f["kind"] == "sigterm" for f in faults)
+    deadline = time.time() + 3 * minutes * 60 + 120
+    return run_with_requeue(recipe, [*overrides, f"faults={json.dumps(faults)}",
+                                     *run_dir_overrides(run_dir)], run_dir,
+                            requeues=sigterms, log=_log(run_dir, "train.log"), deadline=deadline)
+
+
+def format_report(r: dict) -> str:
+    def seconds(v):
+        return "-" if v is None else f"{v:.1f}"
+    head = (f"{'step':>5} {'episode':<28} {'fault':<24} {'rank':>4} {'section':<16} "
+            f"{'detected':>8} {'recovered':>9} {'lost':>4} {'time lost':>9}")
+    lines = [head]
+    for f in r["faults"]:
+        kind = f["kind"] + (f"/{f['mode']}" if f["mode"] else "")
+        detected = (seconds(f["detection_latency_s"]) + " s" if f["detected"] else
+                    "n/a" if f["kind"] == "slow" else "not read" if f.get("not_read") else "no")
+        lines.append(f"{f['step']:>5} {f['episode']:<28} {kind:<24} {f['rank']:>4} "
+                     f"{f['section']:<16} {detected if f['injected'] else 'NOT FIRED':>8} "
+                     f"{str(f['recovered']):>9} {f['steps_lost']:>4} "
+                     f"{seconds(f['time_lost_s']):>7} s")
+    rows = r["faults"]
+    detectable = [f for f in rows if f["kind"] != "slow" and not f.get("not_read")]
+    lines += [
+        "",
+        f"steps {r['steps']}, seed {r['seed']}, hogs {r['hogs']}, local tier "
+        f"{'on' if r.get('local_tier') else 'off'}, launches "
+        f"{len(r['launches'])} (exit codes {[x['exit_code'] for x in r['launches']]})",
+        f"faults: injected {sum(f['injected'] for f in rows)}/{len(rows)}, detected "
+        f"{sum(f['detected'] for f in detectable)}/{len(detectable)} (slow is not an alarm; "
+        f"{sum(bool(f.get('not_read')) for f in rows)} corrupted global checkpoint(s) never "
+        f"read, a newer local step served), "
+        f"recovered {sum(f['recovered'] for f in rows)}/{len(rows)}",
+        f"false alarms {len(r['false_alarms'])}, warnings (hang_suspected) {r['warnings']}",
+        f"steps lost {sum(f['steps_lost'] for f in rows)}, goodput {r['goodput']:.1%} "
+        f"({r['productive_s']:.0f} s of steps in {r['wall_s']:.0f} s)",
+        f"final state: checkpoint {'identical' if r['checkpoint_equal'] else 'DIFFERENT'}, "
+        f"losses {'identical' if not r['steps_with_different_loss'] else 'DIFFERENT'} over "
+        f"the reference's {r['reference_steps']} steps "
+        f"(final {r['final_loss']!r} vs reference {r['reference_final_loss']!r})",
+        f"report: {r.get('report', '-')}",
+        f"verdict: {'PASS' if r['ok'] else 'FAIL'}"]
+    for alarm in r["false_alarms"]:
+        lines.append(f"false alarm: {json.dumps(alarm)[:400]}")
+    return "\n".join(lines)

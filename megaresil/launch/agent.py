@@ -1,0 +1,193 @@
+"""The launcher: the recipe's local workers under a TorchElastic agent
+(restarts and error files as under torchrun), and the exit code that says how
+the job ended (done, failed, preempted, interrupted)."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
+                                                  RendezvousConnectionError, RendezvousError)
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from megaresil.checkpoint.location import checkpoint_root
+from megaresil.checkpoint.recipe_check import check_resume_recipe
+from megaresil.compat import elastic_stores_listening_on
+from megaresil.config import RecipeConfig
+from megaresil.events import EventLog, read_events
+from megaresil.launch.checks import check_data, check_links, check_local_gpus
+from megaresil.launch.membership import Membership
+from megaresil.launch.worker import worker_threads
+from megaresil.observe.startup import StartupPhases
+from megaresil.parallel.layout import visible_gpus
+from megaresil.ports import loopback_interface
+from megaresil.resilience.faults import check_device_faults, check_fault_ranks
+from megaresil.resilience.incidents import IncidentPrinter
+from megaresil.resilience.preemption import (INTERRUPTED_EXIT, PREEMPTED_EXIT, kill_descendants,
+                                             second_interrupt_kills_workers)
+from megaresil.resilience.restart import HANG_EXIT_CODE
+from megaresil.run_lock import held_for_workers
+from megaresil.train.save_schedule import never_saving_warning
+
+
+LOST_WORKER = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+
+
+def lost_worker_line(record: logging.LogRecord) -> bool:
+    """TorchElastic's agent logs a failed worker as a timestamped record and
+    each worker it stops as another: one line of ours instead (the workers'
+    own events say why)."""
+    message = record.getMessage()
+    found = LOST_WORKER.search(message)
+    if found:
+        code = int(found[1])
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        print(f"megaresil: worker process of local rank {found[2]} (pid {found[3]}) ended "
+              f"with {how}", file=sys.stderr, flush=True)
+        return False
+    return "closing signal" not in message
+
+
+def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
+           membership: Membership = Membership()) -> int:
+    """Run local workers under a TorchElastic agent; returns the exit code."""
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    nproc = membership.nproc_per_node or world
+    gpus = visible_gpus()
+    check_local_gpus(nproc, gpus)
+    check_links(cfg)
+    check_device_faults(cfg.faults, gpus)
+    check_resume_recipe(cfg)
+    check_fault_ranks(cfg.faults, world)
+    data_started = time.monotonic()
+    check_data(cfg)
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    StartupPhases(EventLog(run_dir), 0, say=lambda line: print(line, file=sys.stderr)).finished(
+        "data preparation", time.monotonic() - data_started)
+    if warning := never_saving_warning(cfg):
+        print(warning, file=sys.stderr)
+    os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
+    if membership.max_nodes == 1:  # the ranks' own sockets too, unless the user chose
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(variable, loopback_interface())
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
+    # "Received 2 death signal": the workers' own `interrupted`/`preempted` line says it better.
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+        lambda record: "death signal" not in record.getMessage())
+    if membership.backend == "etcd":  # it logs every step of every round, on its own handler
+        from torch.distributed.elastic.rendezvous import etcd_rendezvous
+        etcd_rendezvous.logger.setLevel(logging.WARNING)
+    config = LaunchConfig(
+        min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
+        rdzv_backend=membership.backend, rdzv_endpoint=membership.rendezvous_endpoint,
+        local_addr=membership.local_addr,
+        # Wait 5 s (not 30) for more nodes once the minimum is there, and call
+        # a node gone after ~2 s without keep-alives (not 15): a job that lost
+        # a node re-forms in seconds.
+        rdzv_configs={"last_call_timeout": 5, "join_timeout": 120, "keep_alive_interval": 1,
+                      "keep_alive_max_attempt": 2, **membership.rdzv_conf},
+        run_id=membership.run_id or f"megaresil-{os.getpid()}",
+        max_restarts=cfg.resilience.max_restarts, monitor_interval=0.1,
+        shutdown_timeout=int(cfg.resilience.preemption_grace_s),
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic")),
+        # SIGUSR1 too: schedulers send it as the early preemption warning
+        # (Slurm's --signal=USR1@grace). The agent hands it to every worker,
+        # which saves and exits; unhandled, it would kill the agent at once.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+    )
+    events_before = len(read_events(run_dir))
+    try:
+        with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg)),
+              IncidentPrinter(run_dir), second_interrupt_kills_workers(),
+              elastic_stores_listening_on(config.local_addr)):
+            elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
+    except ChildFailedError as err:
+        print(f"megaresil: giving up after {relaunches_since(run_dir, events_before)}: "
+              f"{failure_summary(err)}; the run directory keeps the newest checkpoint (rerun "
+              "the same command to resume after fixing the cause)", file=sys.stderr)
+        return 1
+    except RendezvousError as err:
+        print(f"megaresil: giving up: {rendezvous_lost(membership, err)}", file=sys.stderr)
+        return 1
+    except SignalException as err:  # the launcher itself was told to stop
+        ending = last_ending(run_dir, events_before)
+        if err.sigval == signal.SIGINT:
+            return interrupted(ending)
+        if ending is None or ending["event"] != "preempted":
+            print(f"megaresil: stopped by {err.sigval.name} before a checkpoint", file=sys.stderr)
+            return 128 + err.sigval.value
+    ending = last_ending(run_dir, events_before)
+    if ending and ending["event"] == "run_failed":
+        print(f"megaresil: giving up: rank {ending.get('rank')}: {ending.get('error')} "
+              "(no restart can fix this)", file=sys.stderr)
+        return 1
+    return PREEMPTED_EXIT if ending and ending["event"] == "preempted" else 0
+
+
+def relaunches_since(run_dir: Path, events_before: int) -> str:
+    """How many times this launch relaunched the workers, said so: the
+    restart budget (resilience.max_restarts) is spent when it gives up."""
+    count = sum(e["event"] == "restart" and e.get("kind") == "relaunch"
+                and e.get("attempt", 0) > 0  # not the one a launch after an unsaved end counts
+                for e in read_events(run_dir)[events_before:])
+    return f"{count} relaunch{'' if count == 1 else 'es'}"
+
+
+def interrupted(ending: Optional[dict]) -> int:
+    """Ctrl-C: the agent handed SIGINT to the workers, which saved (the
+    incident line says which step); a second Ctrl-C ended the agent's wait
+    for them: stop them at once."""
+    if ending is None or ending["event"] != "interrupted":
+        kill_descendants()
+        print("megaresil: second Ctrl-C: stopped at once without saving (rerun the same "
+              "command to resume from the newest checkpoint)", file=sys.stderr)
+    return INTERRUPTED_EXIT
+
+
+def failure_summary(err: ChildFailedError) -> str:
+    """One line for the failure that ended the job: rank, exit, and the
+    exception's own first line (not TorchElastic's traceback dump)."""
+    rank, failure = err.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):  # an error file written by @record
+        message = message.get("message", "")
+    first_line = next(iter(str(message).strip().splitlines()), "")
+    if failure.exitcode == HANG_EXIT_CODE:
+        first_line = "a hang (see the hang line above and run.dir/hangs/)"
+    elif not first_line or first_line.startswith("To enable traceback"):
+        first_line = "the process exited without a report"
+    return f"rank {rank} ended with exit code {failure.exitcode}: {first_line[:300]}"
+
+
+def rendezvous_lost(membership: Membership, err: RendezvousError) -> str:
+    """Why the agents can no longer meet, and, when the c10d host is gone,
+    what survives that."""
+    if isinstance(err, RendezvousClosedError):  # etcd keeps a finished job's rendezvous
+        return (f"the rendezvous {membership.run_id!r} at {membership.endpoint} is closed: a job "
+                "with this --rdzv-id already ended; give every job (and every requeue of it) "
+                "its own --rdzv-id")
+    if membership.host_can_be_lost or not isinstance(err, RendezvousConnectionError):
+        return f"the rendezvous at {membership.endpoint} failed: {type(err).__name__}: {err}"
+    return (f"the c10d rendezvous host {membership.endpoint} is gone (the agent started with "
+            "is_host=1, usually the first node, was lost), so no node can rejoin; to survive "
+            "losing any node, run the rendezvous in etcd: --rdzv-backend etcd-v2 "
+            "--rdzv-endpoint ETCD_HOST:PORT")
+
+
+def last_ending(run_dir: Path, events_before: int) -> Optional[dict]:
+    """How this launch's job ended, by the last ending event it wrote."""
+    ends = [e for e in read_events(run_dir)[events_before:]
+            if e["event"] in ("preempted", "interrupted", "run_finished", "run_failed")]
+    return ends[-1] if ends else None
+

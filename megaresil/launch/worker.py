@@ -1,0 +1,110 @@
+"""One rank: inside torchrun (or our own launch), or as one Slurm task per
+rank. Builds the process group, trains with restarts, reports how it ended."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
+
+from megaresil.checkpoint.location import checkpoint_root
+from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
+from megaresil.launch.checks import check_links
+from megaresil.resilience.preemption import PREEMPTED_EXIT
+from megaresil.resilience.supervision import end_with_agent
+from megaresil.run_lock import HELD_ENV, held_by_worker
+from megaresil.slurm import SlurmStep
+
+
+def inside_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ
+                                                    and "WORLD_SIZE" in os.environ)
+
+
+def worker_threads(local_world: int) -> int:
+    """Split the cores among local workers so 8 ranks on 2 cores don't thrash."""
+    return max(1, (os.cpu_count() or 1) // local_world)
+
+
+def adapt_to_world(cfg: RecipeConfig, world: int) -> RecipeConfig:
+    """Elastic membership: keep tp and pp, derive dp from the world size that
+    actually formed; refuse clearly when that is impossible."""
+    p = cfg.parallel
+    if world == p.tp * p.pp * p.dp or world % (p.tp * p.pp):
+        validate_world_size(cfg, world)
+        return cfg
+    resized = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=world // (p.tp * p.pp)))
+    try:
+        validate(resized)
+    except ConfigError as err:
+        raise ConfigError("parallel.dp", f"the job re-formed with {world} ranks, so dp becomes "
+                          f"{resized.parallel.dp}, which this recipe cannot use: {err}",
+                          "choose a train.global_batch_size divisible at every world size "
+                          "the job may shrink to.") from None
+    return resized
+
+
+def trainer_job(cfg: RecipeConfig, device: torch.device):
+    """The job a worker restarts: one Trainer per generation, on a layout
+    built from that generation's process groups."""
+    from megaresil.parallel.layout import ParallelLayout
+    from megaresil.train.loop import Trainer
+
+    def make(supervision):
+        return Trainer(cfg, ParallelLayout.from_config(cfg.parallel, device), supervision)
+
+    return make
+
+
+def slurm_task(recipe: str, overrides: list[str], cfg: RecipeConfig, step: SlurmStep) -> int:
+    """One Slurm task per rank: this task is the worker; returns the exit
+    code the batch script acts on (75 after a preemption save: requeue)."""
+    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    os.environ.update(step.worker_env(world))
+    # torch is imported already, so the variable alone would not reach its pool.
+    threads = os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(step.tasks_on_node)))
+    torch.set_num_threads(int(threads))
+    return PREEMPTED_EXIT if worker(recipe, overrides) == "preempted" else 0
+
+
+@record
+def worker(recipe: str, overrides: list[str]) -> str:
+    """One rank: build the process group, train with restarts, report how it ended."""
+    from megaresil.parallel.layout import pick_device
+    from megaresil.resilience.watchdog.abort import NCCL_WORKER_ENV
+    from megaresil.train.precision import env_before_cuda
+
+    end_with_agent()
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    cfg = adapt_to_world(load_recipe(recipe, overrides), world)
+    for key, value in env_before_cuda(cfg.train.deterministic).items():  # CUDA has not started
+        os.environ.setdefault(key, value)
+    device = pick_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if cfg.resilience.in_process:  # TorchElastic's 1 would kill the process on an NCCL error
+            os.environ.update(NCCL_WORKER_ENV)
+    if HELD_ENV not in os.environ:  # a torchrun of the user's own: no launcher checked them
+        check_links(cfg)
+    with held_by_worker(Path(cfg.run.dir), rank, checkpoint_root(cfg)):  # refused: the error goes to the console
+        return _train_as_worker(cfg, rank, world, device)
+
+
+def _train_as_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device) -> str:
+    from megaresil.resilience.restart import JobFailed, run_worker
+    from megaresil.resilience.watchdog.abort import HangAbort
+
+    try:
+        return run_worker(cfg, rank, world, device, trainer_job(cfg, device))
+    except JobFailed:
+        if HELD_ENV not in os.environ:
+            raise  # not under megaresil's launcher: the exit status must say it
+        return "failed"  # exit 0: no relaunch; the launcher reports run_failed
+    except (Exception, HangAbort) as err:
+        # Already in events.jsonl (and on the launcher's console, one line):
+        # record it for TorchElastic, but spare the console the traceback.
+        get_error_handler().record_exception(err)
+        sys.exit(1)
