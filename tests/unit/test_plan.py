@@ -3,7 +3,6 @@ closed form, the soak it must reproduce) and the command on a real run."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 
@@ -21,10 +20,25 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def test_young_and_daly_intervals():
-    assert young_interval(60, 86400) == pytest.approx(math.sqrt(2 * 60 * 86400))  # 3220 s
-    x = 60 / (2 * 86400)
-    assert daly_interval(60, 86400) == pytest.approx(
-        math.sqrt(2 * 60 * 86400) * (1 + math.sqrt(x) / 3 + x / 9) - 60)
+    """Worked values, not the formulas again. A 5-minute save (delta = 300 s)
+    and a one-day MTBF (M = 86400 s), chosen so that both work out by hand:
+    - Young (1974), tau = sqrt(2 delta M) = sqrt(51,840,000) = 7200 s, two hours;
+    - Daly (2006), tau = sqrt(2 delta M) (1 + sqrt(x)/3 + x/9) - delta with
+      x = delta / 2M = 1/576, sqrt(x) = 1/24: 7200 (1 + 1/72 + 1/5184) - 300
+      = 7200 + 100 + 25/18 - 300 = 7001.39 s.
+    And what each claims to be, found by brute force over tau: Young's the
+    minimum of the first-order waste delta/tau + tau/2M, Daly's the optimum of
+    his full model of the run's wall time (daly_goodput), to his estimate's
+    higher-order error."""
+    assert young_interval(300, 86400) == pytest.approx(7200.0)
+    assert daly_interval(300, 86400) == pytest.approx(7001.39, abs=0.01)
+    assert young_interval(60, 86400) == pytest.approx(3219.94, abs=0.01)  # 1-minute save
+    for cost, mtbf in [(60, 86400), (300, 86400), (300, 8 * 3600), (600, 3600)]:
+        taus = [t / 10 for t in range(10, 4 * mtbf * 10, 7)]
+        first_order = min(taus, key=lambda t: cost / t + t / (2 * mtbf))
+        assert young_interval(cost, mtbf) == pytest.approx(first_order, abs=1.0)
+        exact = max(taus, key=lambda t: daly_goodput(t, cost, 0.0, mtbf))
+        assert daly_interval(cost, mtbf) == pytest.approx(exact, rel=2e-3)
     assert daly_interval(100, 40) == 40  # a save longer than 2 M: save every M
 
 
