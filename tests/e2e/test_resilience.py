@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,42 @@ from megaresil.config import ConfigError, load_recipe
 from megaresil.events import read_events
 from megaresil.events import read_metrics
 
-SCENARIOS = ["kill-rank", "raise-in-rank", "hang-in-collective", "hang-outside-collective",
-             "hang-holding-gil", "hang-in-native-code", "slow-rank", "sigterm", "corrupt-latest-checkpoint",
-             "kill-during-checkpoint-save", "node-loss"]
+
+@dataclass(frozen=True)
+class Expected:
+    """What one chaos scenario must show besides recovering to the
+    reference's final loss (which every scenario must)."""
+    restart_kind: str  # the report's: in_process, relaunch, requeue or none
+    args: tuple[str, ...] = ()  # extra `megaresil chaos` arguments
+    injects: bool = True  # a fault_injected event (node loss kills from outside)
+    detected: bool = True  # a detection latency; False: no hang alarm at all
+    hang: bool = False  # caught within budget, the faulty rank named alone, stacks dumped
+    restarts: tuple[str, ...] = ()  # the restart events' kinds, when more than one
+    second_restart_says: str = ""  # in the second restart's reason
+    stragglers: tuple[int, ...] = ()  # ranks named slow
+    goodput_counts_the_restart: bool = False
+    skips_checkpoint: bool = False
+    dp_shrinks: bool = False  # resumed at dp=1 from a dp=2 checkpoint
+
+
+EXPECTED = {
+    "kill-rank": Expected("relaunch"),
+    "raise-in-rank": Expected("in_process", goodput_counts_the_restart=True),
+    "hang-in-collective": Expected("in_process", hang=True),
+    "hang-outside-collective": Expected("in_process", hang=True),
+    "hang-holding-gil": Expected("relaunch", hang=True),
+    # The abort cannot reach native code: exit, relaunch.
+    "hang-in-native-code": Expected("in_process", hang=True, restarts=("in_process", "relaunch"),
+                                    second_restart_says="not freed by the hang abort"),
+    # Slow but progressing: no alarm, no restart; named.
+    "slow-rank": Expected("none", detected=False, stragglers=(1,)),
+    "sigterm": Expected("requeue"),
+    "corrupt-latest-checkpoint": Expected("relaunch", skips_checkpoint=True),
+    "kill-during-checkpoint-save": Expected("relaunch"),
+    # One of two nodes lost after step 3, leaving the shrunk job most of the run.
+    "node-loss": Expected("relaunch", args=("--step", "3"), injects=False, dp_shrinks=True),
+}
+SCENARIOS = list(EXPECTED)
 
 
 @pytest.fixture(scope="module")
@@ -32,42 +66,39 @@ def chaos_root(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_chaos_scenario_recovers_exactly(cli_main, chaos_root, chaos_reference, scenario):
-    # The node is lost after step 3, leaving the shrunk job most of the run.
-    step = ["--step", "3"] if scenario == "node-loss" else []
-    result = cli_main("chaos", *SMALL, f"run.dir={chaos_root}", "--scenario", scenario, *step,
-                      "--reference", str(chaos_reference), "--timeout", "240")
+    expected = EXPECTED[scenario]
+    result = cli_main("chaos", *SMALL, f"run.dir={chaos_root}", "--scenario", scenario,
+                      *expected.args, "--reference", str(chaos_reference), "--timeout", "240")
     report = json.loads((chaos_root / f"chaos-{scenario}.json").read_text())
     assert "final loss" in result.stdout
     assert report["recovered"] and report["final_loss_equal"], report
-    events = [e["event"] for e in read_events(report["faulted"])]
-    assert "run_finished" in events
-    assert "fault_injected" in events or scenario == "node-loss"
+    events = read_events(report["faulted"])
+    assert "run_finished" in [e["event"] for e in events]
+    assert ("fault_injected" in [e["event"] for e in events]) or not expected.injects
     assert (Path(report["report"]).parent / "stragglers.png").exists()
-    if scenario == "slow-rank":  # slow but progressing: no alarm, no restart; named
-        assert report["hang_detected"] == 0 and report["restart_kind"] == "none"
-        assert report["stragglers"] == [1]
-        return
-    if scenario == "raise-in-rank":  # goodput accounts for the measured restart time
-        goodput = json.loads((Path(report["faulted"]) / "goodput.json").read_text())
-        assert goodput["interruptions"] == 1
-        assert goodput["restarts_s"] == pytest.approx(report["restart_time_s"], rel=0.1)
-    assert report["detection_latency_s"] is not None
-    if scenario.startswith("hang"):
+    assert report["restart_kind"] == expected.restart_kind
+    if expected.detected:
+        assert report["detection_latency_s"] is not None
+    else:
+        assert report["hang_detected"] == 0
+    if expected.hang:
         assert report["detection_latency_s"] <= FLOOR_S + 2.0
         assert report["culprit_ranks"] == [1]  # the faulty (last) rank, named alone
         assert list((chaos_root / f"faulted-{scenario}" / "hangs").glob("generation_*/rank*.txt"))
-    if scenario == "hang-in-native-code":  # the abort cannot reach it: exit, relaunch
-        restarts = [e for e in read_events(report["faulted"]) if e["event"] == "restart"]
-        assert [e["kind"] for e in restarts] == ["in_process", "relaunch"], restarts
-        assert "not freed by the hang abort" in restarts[1]["reason"]
-    expected_kind = {"raise-in-rank": "in_process", "hang-in-collective": "in_process",
-                     "hang-outside-collective": "in_process", "hang-in-native-code": "in_process",
-                     "sigterm": "requeue"}
-    assert report["restart_kind"] == expected_kind.get(scenario, "relaunch")
-    if scenario == "corrupt-latest-checkpoint":
+    if expected.restarts:
+        restarts = [e for e in events if e["event"] == "restart"]
+        assert [e["kind"] for e in restarts] == list(expected.restarts), restarts
+        assert expected.second_restart_says in restarts[1]["reason"]
+    if expected.stragglers:
+        assert report["stragglers"] == list(expected.stragglers)
+    if expected.goodput_counts_the_restart:  # goodput accounts for the measured restart time
+        goodput = json.loads((Path(report["faulted"]) / "goodput.json").read_text())
+        assert goodput["interruptions"] == 1
+        assert goodput["restarts_s"] == pytest.approx(report["restart_time_s"], rel=0.1)
+    if expected.skips_checkpoint:
         assert report["checkpoints_skipped"], "the corrupted checkpoint must be skipped"
-    if scenario == "node-loss":  # one of two nodes gone: dp shrank from 2 to 1
-        loaded = next(e for e in read_events(report["faulted"]) if e["event"] == "checkpoint_loaded")
+    if expected.dp_shrinks:
+        loaded = next(e for e in events if e["event"] == "checkpoint_loaded")
         assert loaded["saved_layout"]["dp"] == 2 and loaded["layout"]["dp"] == 1
 
 
