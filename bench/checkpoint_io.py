@@ -446,7 +446,7 @@ def warm_up(rank: int, world: int, ckpt_group: dist.ProcessGroup, directory: Pat
 def _worker(rank: int, world: int, port: int, sizes: list[float], repeats: int,
             methods: tuple[str, ...], scratch: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # ranks share the CPUs, as tests/dist_harness.py does
+    torch.set_num_threads(1)  # ranks share the CPUs, as tests/harness/dist.py does
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         # As the trainer does: checkpoint collectives on a group of their own.

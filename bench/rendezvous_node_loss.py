@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the etcd fixture the tests use
+sys.path.insert(0, str(ROOT))  # the etcd fixture the tests use
 
-from etcd_server import LocalEtcd, missing_reason  # noqa: E402
+from tests.harness.etcd_server import LocalEtcd, missing_reason  # noqa: E402
 from megaresil.drills.chaos import run_scenario  # noqa: E402
 from megaresil.drills.run import Rendezvous, run_training  # noqa: E402
 

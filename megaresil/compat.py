@@ -12,7 +12,7 @@ torch minor versions CHECKED_TORCH[0] through CHECKED_TORCH[1]:
   of the rest are `gather_object(group_dst=)` (2.6) and
   `scaled_dot_product_attention(enable_gqa=)` (2.5). Every private API used
   here predates 2.9. pyproject.toml's torch floor is the same version
-  (tests/test_compat.py holds the two together).
+  (tests/unit/test_compat.py holds the two together).
 
 A torch outside that range is refused when this module is imported, which
 every module using a private API does: the job stops before it builds a
@@ -70,7 +70,7 @@ def check_torch_version(version: str, allow_newer: bool = False) -> None:
     if minor > newest and not allow_newer:
         raise UnsupportedTorch(
             f"torch {version} is newer than {checked}; install torch<{newest[0]}.{newest[1] + 1}, "
-            f"or set {UNCHECKED_TORCH_ENV}=1 to try it (then run tests/test_compat.py and the "
+            f"or set {UNCHECKED_TORCH_ENV}=1 to try it (then run tests/unit/test_compat.py and the "
             "checkpoint tests, and add it to megaresil/compat.py's CHECKED_TORCH)")
 
 

@@ -73,10 +73,11 @@ device_call() {  # [--dry-run]: what the device runs
   timeout -k 10 "$(budget checks "$@")" setsid "$PY" tools/gpu_check.py --out "$OUT" "$@" \
     2>"$OUT/gpu_check.stderr.log"
   local checks=$? tests
-  # The GPU test files only: collecting the whole suite imports what the device need not have.
-  # On a CPU (the rehearsal) they collect and skip: the collection is what is proven there.
+  # The GPU test files (tests/gpu/) only: collecting the whole suite imports what the device
+  # need not have. On a CPU (the rehearsal) they collect and skip: the collection is what is
+  # proven there.
   timeout -k 10 "$(budget pytest_gpu "$@")" setsid "$PY" -m pytest -q -p no:cacheprovider -m gpu \
-    tests/test_gpu_path.py tests/test_te_gpu.py >"$OUT/gpu_pytest.log" 2>&1
+    tests/gpu >"$OUT/gpu_pytest.log" 2>&1
   case $? in 0) tests=passed ;; 5) tests=none_collected ;; *) tests=failed ;; esac
   tail -3 "$OUT/gpu_pytest.log"
   local verdict=passed

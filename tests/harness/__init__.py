@@ -1,0 +1,1 @@
+"""What the tests share: the repository, the CLI, ranks, clusters, journeys."""

@@ -1,0 +1,186 @@
+"""Run several training cases inside one group of spawned gloo processes.
+
+Starting processes and importing torch is most of the cost of a multi-rank
+test on 2 cores, so all cases with the same world size share one process
+group; each case builds its own ParallelLayout (a fresh DeviceMesh) over it.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megaresil.config import load_recipe
+from megaresil.ports import free_port
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.train.loop import Trainer
+from megaresil.train.optim import optimizer_state_bytes
+
+from tests.harness.cli import ROOT
+
+RECIPE = ROOT / "recipes" / "gpt-tiny.yaml"
+
+# A model small enough that a 10-step run takes well under a second, with a
+# vocabulary that needs padding at every tp (300 -> 384/512), 4 layers for
+# pp=4 or pp=2 x vpp=2, and 4 micro-batches per step at dp=1.
+TINY = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "data.source=synthetic", "data.seq_len=16", "model.max_seq_len=16",
+        "model.num_layers=4", "model.hidden_size=64", "model.num_heads=8", "model.vocab_size=300",
+        "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=10",
+        "train.eval_batches=0", "optimizer.warmup_steps=2", "optimizer.lr=3e-3",
+        "logging.progress=false", "logging.tensorboard=false",
+        "checkpoint.interval=0"]  # saves only where a case asks (exit_at_step, an interval)
+LLAMA = ["model.flavour=llama", "model.num_kv_heads=4", "model.ffn_hidden_size=96"]
+
+
+@dataclass
+class Case:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    dump_grads: bool = False  # save full (gathered) grads after one step's backward
+    resume: bool = False  # after stopping at train.exit_at_step, run again without it
+    kill_rank_in_save: Optional[tuple[int, int]] = None  # (rank, step): SIGKILL mid-write
+
+
+def recipe_for(case: Case, run_dir: Path, *, without_exit: bool = False):
+    overrides = [o for o in case.overrides if not (without_exit and o.startswith("train.exit_at"))]
+    return load_recipe(RECIPE, TINY + overrides + [f"run.dir={run_dir}"])
+
+
+def kill_during_save(trainer: Trainer, rank: int, step: int) -> None:
+    """Make `rank` die by SIGKILL while writing checkpoint `step`'s data."""
+    if dist.get_rank() != rank:
+        return
+    write = trainer.checkpointer.backend.write
+
+    def dying_write(directory, rects, rank):
+        if directory.name.startswith(f"step_{step:07d}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(directory, rects, rank)
+
+    trainer.checkpointer.backend.write = dying_write
+
+
+def train_case(case: Case, run_dir: Path, layout: ParallelLayout) -> Trainer:
+    """Train a case to the end (or to its exit step, then on again if it resumes)."""
+    trainer = Trainer(recipe_for(case, run_dir), layout)
+    if case.kill_rank_in_save:
+        kill_during_save(trainer, *case.kill_rank_in_save)
+    outcome = trainer.run()
+    if case.resume and outcome == "exited":
+        trainer = Trainer(recipe_for(case, run_dir, without_exit=True), layout)
+        trainer.run()
+    return trainer
+
+
+def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter's grad as the global tensor (TP shards joined, vocab
+    padding cut), after the step's grad reductions."""
+    trainer.sync_grads()
+    if trainer.sharded_optimizer:  # put the DP row shards back together
+        for shard in trainer.optimizer.shards:
+            rows = torch.zeros(shard.rows_per_rank, *shard.param.shape[1:])
+            rows[: shard.stop - shard.start] = shard.view.grad
+            gathered = [torch.empty_like(rows) for _ in range(trainer.layout.dp)]
+            dist.all_gather(gathered, rows, group=trainer.layout.group("dp"))
+            shard.param.grad = torch.cat(gathered)[: shard.param.shape[0]].reshape(shard.param.shape)
+    grads = {}
+    for key, param in trainer.named_parameters():
+        if getattr(param, "pipeline_copy", False):
+            continue
+        grad = param.grad
+        if getattr(param, "tp_dim", None) is not None and trainer.layout.tp > 1:
+            parts = [torch.empty_like(grad) for _ in range(trainer.layout.tp)]
+            dist.all_gather(parts, grad.contiguous(), group=trainer.layout.group("tp"))
+            grad = torch.cat(parts, dim=param.tp_dim)
+        if key in ("embed.tokens.weight", "head.weight"):
+            grad = grad[: trainer.cfg.model.vocab_size]
+        grads[key] = grad
+    return grads
+
+
+def run_case(case: Case, out: Path) -> None:
+    run_dir = out / case.name
+    cfg = recipe_for(case, run_dir)
+    layout = ParallelLayout.from_config(cfg.parallel, torch.device("cpu"))
+    if case.dump_grads:
+        trainer = Trainer(cfg, layout)
+        trainer.forward_backward(trainer.batches(trainer.train_data, 0))
+        grads = gather_full_grads(trainer)
+        if layout.tp_rank == 0 and layout.dp_rank == 0:  # one file per pipeline stage
+            torch.save(grads, run_dir / f"grads.{layout.pp_rank}.pt")
+        trainer.optimizer.zero_grad(set_to_none=True)
+    trainer = train_case(case, run_dir, layout)
+    (run_dir / f"opt_state_bytes.{dist.get_rank()}").write_text(
+        str(optimizer_state_bytes(trainer.optimizer)))
+    dist.barrier()
+
+
+# What every rank imports, loaded once into a fork server that the ranks of
+# every multi-rank test fork from: a spawned rank imported torch and the
+# trainer again, ~3.4 s of CPU each (an 8-rank group: ~14 s of a 2-core machine).
+PRELOAD = ["torch.distributed", "megaresil.train.loop", "megaresil.checkpoint.manager"]
+
+
+def _in_parent_environment(rank: int, fn, environ: dict, *args) -> None:
+    # A forked rank inherits the fork server's environment, taken when the
+    # server started; a spawned one had its parent's, as of the spawn.
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(rank, *args)
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
+    """torch.multiprocessing.start_processes(fn, args, nprocs), each rank forked
+    from a server that has imported PRELOAD; raises as it does on a failed rank."""
+    multiprocessing.set_forkserver_preload(PRELOAD)  # once the server runs: no effect
+    mp.start_processes(_in_parent_environment, args=(fn, dict(os.environ), *args),
+                       nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def _worker(rank: int, world: int, port: int, cases: list[Case], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for case in cases:
+            run_case(case, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_cases(world: int, cases: list[Case], out: Path) -> None:
+    """Run `cases` (each a layout of `world` ranks) in one spawned group."""
+    if world == 1:
+        for case in cases:
+            run_reference(case, out)
+        return
+    spawn_ranks(_worker, (world, free_port(), cases, str(out)), world)
+
+
+def run_reference(case: Case, out: Path) -> None:
+    """The single-process run of a case, in this process."""
+    cfg = recipe_for(case, out / case.name)
+    layout = ParallelLayout(device=torch.device("cpu"))
+    if case.dump_grads:
+        trainer = Trainer(cfg, layout)
+        trainer.forward_backward(trainer.batches(trainer.train_data, 0))
+        torch.save({k: p.grad[: cfg.model.vocab_size] if k in ("embed.tokens.weight", "head.weight")
+                    else p.grad for k, p in trainer.named_parameters()},
+                   out / case.name / "grads.0.pt")
+    train_case(case, out / case.name, layout)
+
+
+def load_grads(run_dir: Path) -> dict[str, torch.Tensor]:
+    """All stages' gathered grads of a case, merged."""
+    grads = {}
+    for path in sorted(run_dir.glob("grads.*.pt")):
+        grads.update(torch.load(path))
+    return grads

@@ -1,0 +1,248 @@
+"""Issue 26's console parts, in process: start-up phase lines (fake clock),
+the held-out test split, a torch-free `ckpt inspect`, and eval/generate
+refusing a model that does not fit one process."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megaresil.checkpoint import format as fmt
+from megaresil.config import ConfigError, DataConfig
+from megaresil.data.build import build_datasets, build_test_dataset
+from megaresil.observe.startup import StartupPhases, describe
+from megaresil.resilience.incidents import describe as incident_line
+from tests.unit.test_data_blend import numbered_documents
+
+
+class Recorder:
+    def __init__(self):
+        self.emitted = []
+
+    def emit(self, event: str, **fields) -> dict:
+        self.emitted.append({"event": event, **fields})
+        return self.emitted[-1]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --- start-up phase lines -------------------------------------------------------------------
+
+
+def test_a_phase_gets_a_line_only_when_it_passes_the_threshold():
+    events, clock = Recorder(), FakeClock()
+    phases = StartupPhases(events, rank=0, clock=clock, threshold=2.0)
+    with phases.phase("rendezvous"):
+        clock.now += 1.9
+    assert events.emitted == []
+    with phases.phase("checkpoint load") as load:
+        clock.now += 4.0
+        load["bytes"] = 2_000_000_000
+    assert events.emitted == [{"event": "startup_phase", "phase": "checkpoint load",
+                               "seconds": 4.0, "bytes": 2_000_000_000,
+                               "bytes_per_s": 500_000_000.0}]
+    assert incident_line(events.emitted[0]) == \
+        "megaresil: start-up: checkpoint load took 4.0 s (2.000 GB, 0.500 GB/s)"
+
+
+def test_only_rank_0_reports_and_a_failed_phase_says_nothing():
+    events, clock = Recorder(), FakeClock()
+    StartupPhases(events, rank=3, clock=clock, threshold=0.0).finished("rendezvous", 9.0)
+    assert events.emitted == []
+    phases = StartupPhases(events, rank=0, clock=clock, threshold=0.0)
+    with pytest.raises(RuntimeError):
+        with phases.phase("data, model and optimizer build"):
+            clock.now += 5.0
+            raise RuntimeError("the build failed: its own error says so")
+    assert events.emitted == []
+    phases.finished("rendezvous", 2.5)
+    assert describe(events.emitted[0]) == "start-up: rendezvous took 2.5 s"
+
+
+def test_the_launchers_phases_are_also_said_at_once():
+    events, said = Recorder(), []
+    StartupPhases(events, 0, threshold=2.0, say=said.append).finished("data preparation", 4.25)
+    assert said == ["megaresil: start-up: data preparation took 4.2 s"]
+    assert events.emitted[0]["phase"] == "data preparation"
+
+
+def test_the_threshold_defaults_to_two_seconds_and_the_env_knob_lowers_it(monkeypatch):
+    monkeypatch.delenv("MEGARESIL_PHASE_LINE_S", raising=False)
+    assert StartupPhases(Recorder(), 0).threshold == 2.0
+    monkeypatch.setenv("MEGARESIL_PHASE_LINE_S", "0")
+    assert StartupPhases(Recorder(), 0).threshold == 0.0
+
+
+# --- the test split -------------------------------------------------------------------------
+
+
+def indexed(**kwargs) -> DataConfig:
+    return DataConfig(source="indexed", seq_len=4, **kwargs)
+
+
+def tokens_of(dataset) -> set[int]:
+    return {int(t) for i in range(dataset.samples_per_epoch) for t in dataset[i][0]}
+
+
+def test_indexed_test_split_is_the_test_share_or_prefix_test(tmp_path):
+    prefix = numbered_documents(tmp_path / "ds", count=100, length=9)
+    cfg = indexed(path=str(prefix), split="80,15,5")
+    train, valid, _ = build_datasets(cfg, 300, 0)
+    test = build_test_dataset(cfg, 300, 0)
+    assert tokens_of(test) == set(range(95, 100))
+    assert tokens_of(valid) == set(range(80, 95)) and tokens_of(train) == set(range(80))
+    with pytest.raises(ConfigError, match="data.split.*no test documents.*969,30,1"):
+        build_test_dataset(indexed(path=str(prefix), split="90,10,0"), 300, 0)
+    with pytest.raises(ConfigError, match="no .*ds_test and no data.split"):
+        build_test_dataset(indexed(path=str(prefix)), 300, 0)
+    numbered_documents(tmp_path / "ds_test", count=2, length=9, first_id=250)
+    assert tokens_of(build_test_dataset(indexed(path=str(prefix)), 300, 0)) == {250, 251}
+
+
+def prepared(tmp_path: Path, documents: list[str], **kwargs) -> DataConfig:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n\n".join(documents))
+    return DataConfig(source=str(corpus), tokenizer="byte", seq_len=8,
+                      cache_dir=str(tmp_path / "cache"), **kwargs)
+
+
+def text(dataset) -> str:
+    """A byte-tokenized dataset's text (its end-of-document ids dropped)."""
+    ids = dataset.indexed.tokens()[dataset.start:dataset.end].tolist()
+    return bytes(i for i in ids if i < 256).decode()
+
+
+def test_a_prepared_corpus_halves_its_held_out_part_into_valid_and_test(tmp_path):
+    documents = [f"document {d:02d} " * 4 for d in range(40)]
+    cfg = prepared(tmp_path, documents, valid_fraction=0.1)  # the last 4 documents held out
+    train, valid, info = build_datasets(cfg, 512, 0)
+    test = build_test_dataset(cfg, 512, 0)
+    assert valid.indexed.prefix == test.indexed.prefix == info.valid_prefix
+    assert valid.start == 0 and valid.end == test.start and test.end == valid.indexed.num_tokens
+    assert valid.indexed.document_tokens(0, 2) == (valid.start, valid.end)  # documents 36, 37
+    assert "document 37" in text(valid) and "document 38" not in text(valid)
+    assert "document 38" in text(test) and "document 39" in text(test)
+    assert "document 35" in text(train) and "document 36" not in text(train)
+
+
+def test_a_held_out_part_too_small_to_halve_stays_valid_and_has_no_test(tmp_path):
+    cfg = prepared(tmp_path, [f"doc {d} " * 3 for d in range(10)] + ["tiny tiny!!"],
+                   valid_fraction=0.05)
+    _, valid, info = build_datasets(cfg, 512, 0)
+    assert (valid.start, valid.end) == (0, valid.indexed.num_tokens)
+    with pytest.raises(ConfigError, match="data.valid_fraction.*too small.*--split valid"):
+        build_test_dataset(cfg, 512, 0)
+
+
+def test_synthetic_test_samples_differ_from_valid(tmp_path):
+    cfg = DataConfig(source="synthetic", seq_len=8)
+    _, valid, _ = build_datasets(cfg, 64, 0)
+    test = build_test_dataset(cfg, 64, 0)
+    assert not torch.equal(valid[0][0], test[0][0])
+
+
+# --- ckpt inspect without torch ---------------------------------------------------------------
+
+
+def model_checkpoint(root: Path) -> Path:
+    """A one-process save of one model tensor at step 3, with the layout a run records."""
+    from megaresil.checkpoint.manager import Checkpointer
+    from megaresil.checkpoint.sharded import Rect
+    from megaresil.checkpoint.state import RunState
+
+    layout = {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "sequence_parallel": False,
+              "distributed_optimizer": False, "world_size": 1}
+    ckpt = Checkpointer(root, "torch_dist", group=None, asynchronous=False, keep=0,
+                        events=Recorder(), device=torch.device("cpu"))
+    ckpt.save([Rect("model/w", (4, 3), (0, 0), torch.arange(12.0).view(4, 3))],
+              RunState(step=3, layout=layout, recipe={"optimizer": {"lr": 0.1}},
+                       consumed_samples=24, optimizer_steps=3), rank_state={"seed": 5})
+    ckpt.close()
+    return root / fmt.step_dir_name(3)
+
+
+def test_ckpt_inspect_never_imports_torch(tmp_path):
+    model_checkpoint(tmp_path / "checkpoints")
+    code = ("import sys\nfrom megaresil.cli import main\n"
+            f"assert main(['ckpt', 'inspect', {str(tmp_path)!r}]) == 0\n"
+            "assert main(['ckpt', 'inspect', '--json', "
+            f"{str(tmp_path / 'checkpoints' / 'latest')!r}]) == 0\n"
+            "print('torch imported:', 'torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "step        3" in result.stdout and "parameters  12" in result.stdout
+    assert result.stdout.strip().endswith("torch imported: False"), result.stdout
+
+
+def test_a_manifest_dtype_is_checked_without_torch():
+    assert fmt.region_bytes([3, 4], "bfloat16") == 24
+    assert fmt.torch_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(fmt.CheckpointError, match="unsupported dtype 'complex32'"):
+        fmt.region_bytes([1], "complex32")
+
+
+# --- eval / generate: does the model fit one process? ------------------------------------------
+
+
+def test_a_model_too_big_for_one_process_is_refused_naming_sizes_and_fix():
+    from megaresil.config import Precision
+    from megaresil.inference import check_fits, model_bytes
+
+    manifest = {"tensors": {
+        "model/w": {"global_shape": [1000, 1000], "dtype": "float32", "shards": []},
+        "optim/w/exp_avg": {"global_shape": [1000, 1000], "dtype": "float32", "shards": []}}}
+    needed = model_bytes(manifest, Precision.fp32)
+    assert needed == 8_000_000  # the weights and their fp32 grad buffers, not the optimizer's
+    assert model_bytes(manifest, Precision.bf16) == 10_000_000  # + the fp32 main copy
+    check_fits(Path("ck"), needed, needed, torch.device("cpu"), tp=1)
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(fmt.CheckpointError) as refused:
+        check_fits(Path("ck"), 30_000_000_000, 12_500_000_000, gpu, tp=1)
+    message = str(refused.value)
+    assert "needs about 30.00 GB on one GPU" in message and "cuda has 12.50 GB free" in message
+    assert "Fix: spread it over more GPUs with --tp N" in message and "\n" not in message
+    check_fits(Path("ck"), 30_000_000_000, 12_500_000_000, gpu, tp=4)  # 7.5 GB on each
+    with pytest.raises(fmt.CheckpointError, match="30.00 GB of the cpu's memory \\(4 processes"):
+        check_fits(Path("ck"), 30_000_000_000, 12_500_000_000, torch.device("cpu"), tp=4)
+
+
+# --- a second Ctrl-C in a worker whose main thread is inside C --------------------------------
+
+
+def test_a_worker_stops_at_the_second_sigint_while_its_main_thread_is_in_c():
+    """Under torchrun or srun the terminal's SIGINT reaches the workers. A
+    step in C runs no Python signal handler until it returns, so the count
+    must come from the wakeup fd's thread, or the second Ctrl-C waits out
+    the step."""
+    import signal
+
+    # The main thread blocks SIGINT (delivered to the other threads then) and
+    # sleeps in libc: as a step in C, it runs no handler until it returns.
+    code = ("import ctypes, signal\nfrom megaresil.resilience.preemption import PreemptionFlag\n"
+            "flag = PreemptionFlag().install()\nflag.saving_possible = True\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
+            "print('ready', flush=True)\nctypes.CDLL(None).sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert proc.poll() is None  # the first one asks for a save at the step's end
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)  # not the 120 s the C call would take
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "second Ctrl-C: stopping at once, without saving" in proc.stderr.read()

@@ -1,0 +1,111 @@
+"""Recipe loading, composition, overrides and validation errors."""
+import subprocess
+import sys
+
+import pytest
+
+from megaresil.config import (ConfigError, Flavour, RecipeConfig, field_docs, load_recipe,
+                              validate_world_size)
+from tests.harness.cli import ROOT
+
+TINY = ROOT / "recipes" / "gpt-tiny.yaml"
+
+
+def test_recipe_composes_pieces_and_overrides():
+    cfg = load_recipe(TINY, ["train.steps=7", "model.flavour=llama", "parallel.dp=4",
+                            "train.global_batch_size=32"])
+    assert cfg.model.hidden_size == 192  # from configs/model/gpt-tiny.yaml
+    assert cfg.data.source == "shakespeare"  # from configs/data/shakespeare.yaml
+    assert cfg.parallel.tp == 2 and cfg.parallel.pp == 2  # from configs/parallel/3d-cpu.yaml
+    assert cfg.train.steps == 7 and cfg.model.flavour == Flavour.llama and cfg.parallel.dp == 4
+
+
+def test_override_values_are_yaml():
+    cfg = load_recipe(TINY, ["model.num_kv_heads=null", "optimizer.lr=1e-2"])
+    assert cfg.model.num_kv_heads is None and cfg.optimizer.lr == 0.01
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_recipe_loads(recipe):
+    load_recipe(recipe)
+
+
+BAD = [
+    (["parallel.vpp=3"], "model.num_layers"),  # 4 layers over pp*vpp = 6 chunks
+    (["parallel.vpp=2", "train.micro_batch_size=8"], "train.global_batch_size"),  # 1 micro-batch
+    (["parallel.vpp=2", "parallel.schedule=1f1b"], "parallel.schedule"),
+    (["parallel.pp=1", "parallel.vpp=2"], "parallel.vpp"),
+    (["model.flavour=llama", "model.num_kv_heads=4"], "model.num_kv_heads"),
+    (["model.flavour=llama", "model.num_kv_heads=1"], "parallel.tp"),  # tp=2 > kv heads
+    (["model.hiden_size=3"], "model.hiden_size"),
+    (["train.steps=many"], "train.steps"),
+    (["model.num_heads=5"], "model.num_heads"),
+    (["parallel.tp=4"], "parallel.tp"),  # 6 heads
+    (["parallel.pp=3"], "model.num_layers"),
+    (["train.global_batch_size=20"], "train.global_batch_size"),
+    (["model.flavour=bert"], "model.flavour"),
+    (["train.steps=0"], "train.steps"),
+    (["data.seq_len=4096"], "data.seq_len"),
+    (["nonsense"], "nonsense"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD, ids=[b[1] for b in BAD])
+def test_bad_recipe_names_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(TINY, overrides)
+    assert str(err.value).startswith(key)
+    assert "Fix:" in str(err.value)
+
+
+def test_world_size_mismatch_names_the_fix():
+    cfg = load_recipe(TINY, [])
+    with pytest.raises(ConfigError, match="world size is 3"):
+        validate_world_size(cfg, 3)
+
+
+def test_every_field_is_documented():
+    undocumented = [key for key, _, _, text in field_docs() if not text]
+    assert not undocumented
+
+
+def test_cli_rejects_bad_recipe_with_one_line_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("defaults: [model/gpt-tiny]\nmodel: {num_heads: 5}\n")
+    result = subprocess.run([sys.executable, "-m", "megaresil", "train", str(bad)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.num_heads" in lines[0], result.stderr
+
+
+def test_list_defaults_are_not_shared_between_instances():
+    first, second = RecipeConfig(), RecipeConfig()
+    first.faults.append({"kind": "kill", "rank": 0, "step": 1})
+    assert second.faults == [] and RecipeConfig().faults == []
+
+
+def test_defaults_cannot_leave_configs(tmp_path):
+    """`defaults: [../x]` and absolute paths are refused, not loaded."""
+    secret = tmp_path / "outside" / "secret.yaml"
+    secret.parent.mkdir()
+    secret.write_text("train: {steps: 3}\n")
+    recipes = tmp_path / "a" / "b" / "recipes"
+    recipes.mkdir(parents=True)
+    for name in ("../../../outside/secret", str(secret)):
+        recipe = recipes / "r.yaml"
+        recipe.write_text(f"defaults: [{name}]\n")
+        with pytest.raises(ConfigError, match="leaves configs"):
+            load_recipe(recipe)
+
+
+def test_recipe_aliases_are_refused_through_the_cli(tmp_path):
+    """A billion-laughs recipe is refused at once, naming the alias."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    recipe = tmp_path / "laughs.yaml"
+    recipe.write_text("\n".join(lines) + "\n")
+    result = subprocess.run([sys.executable, "-m", "megaresil", "config", "show", str(recipe)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "alias" in result.stderr and "laughs.yaml" in result.stderr

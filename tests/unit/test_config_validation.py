@@ -1,0 +1,126 @@
+"""Every numeric recipe key is checked where the schema defines it: a value
+outside its range is a recipe error (exit 2, one line naming the key and the
+fix), never a crash in every worker or a silently wrong run."""
+import dataclasses
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness.cli import ROOT
+from megaresil.config import (SUPERVISION_BOUNDS, ConfigError, RecipeConfig, load_recipe,
+                              numeric_fields)
+
+TINY = ROOT / "recipes" / "gpt-tiny.yaml"
+
+# (override, key named in the error); each value is just outside its range.
+BAD = [
+    ("optimizer.lr=-1", "optimizer.lr"),
+    ("optimizer.lr=0", "optimizer.lr"),
+    ("optimizer.lr=.inf", "optimizer.lr"),
+    ("optimizer.min_lr=-0.003", "optimizer.min_lr"),
+    ("optimizer.min_lr=0.5", "optimizer.min_lr"),  # above the recipe's lr (3e-3)
+    ("optimizer.warmup_steps=-3", "optimizer.warmup_steps"),
+    ("optimizer.decay_steps=0", "optimizer.decay_steps"),
+    ("optimizer.beta1=-0.1", "optimizer.beta1"),
+    ("optimizer.beta2=1.5", "optimizer.beta2"),
+    ("optimizer.beta2=1.0", "optimizer.beta2"),
+    ("optimizer.eps=0", "optimizer.eps"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay"),
+    ("optimizer.grad_clip=-1", "optimizer.grad_clip"),
+    ("optimizer.grad_clip=.nan", "optimizer.grad_clip"),
+    ("model.dropout=1.0", "model.dropout"),
+    ("model.attention_dropout=-0.1", "model.attention_dropout"),
+    ("model.norm_eps=0", "model.norm_eps"),
+    ("model.init_std=-0.02", "model.init_std"),
+    ("model.rope_theta=0", "model.rope_theta"),
+    ("model.num_kv_heads=-2", "model.num_kv_heads"),
+    ("model.ffn_hidden_size=0", "model.ffn_hidden_size"),
+    ("data.valid_fraction=1.0", "data.valid_fraction"),
+    ("train.seed=-1", "train.seed"),
+    ("train.micro_batch_size=-4", "train.micro_batch_size"),
+    ("train.eval_interval=-1", "train.eval_interval"),
+    ("train.eval_batches=-2", "train.eval_batches"),
+    ("train.exit_at_step=0", "train.exit_at_step"),
+    ("checkpoint.interval=-5", "checkpoint.interval"),
+    ("checkpoint.keep=-1", "checkpoint.keep"),
+    ("resilience.max_restarts=-1", "resilience.max_restarts"),
+    ("resilience.max_in_process_restarts=-1", "resilience.max_in_process_restarts"),
+    ("resilience.preemption_grace_s=0", "resilience.preemption_grace_s"),
+    ("resilience.watchdog.poll_s=0", "resilience.watchdog.poll_s"),
+    ("resilience.watchdog.factor=0.5", "resilience.watchdog.factor"),
+    ("resilience.watchdog.floor_s=-2", "resilience.watchdog.floor_s"),
+    ("resilience.watchdog.calibration_steps=0", "resilience.watchdog.calibration_steps"),
+    ("resilience.watchdog.gil_timeout_s=-1", "resilience.watchdog.gil_timeout_s"),
+    ("faults=[{kind: slow, rank: 0, step: 1, seconds: -1}]", "faults[0].seconds"),
+]
+
+
+@pytest.mark.parametrize("override,key", BAD, ids=[b[0] for b in BAD])
+def test_out_of_range_value_names_the_key_and_the_fix(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(TINY, [override])
+    assert str(err.value).startswith(f"{key}:") and "Fix:" in str(err.value)
+
+
+# The issue's four, and one per kind of bound, through the command a user runs.
+CLI_BAD = [BAD[i] for i in (0, 3, 5, 8, 14, 22, 28, 33)]
+
+
+def assert_one_line_refusal(result: subprocess.CompletedProcess, key: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"megaresil: error: {key}:"), result.stderr
+    assert "Fix:" in lines[0]
+
+
+@pytest.mark.parametrize("override,key", CLI_BAD, ids=[b[0] for b in CLI_BAD])
+def test_config_show_rejects_out_of_range_value_with_one_line(cli_main, override, key):
+    assert_one_line_refusal(cli_main("config", "show", str(TINY), override, check=False), key)
+
+
+def test_the_refusal_is_all_the_process_prints():
+    """As its own process (`python -m megaresil`), with nothing else on stderr."""
+    override, key = CLI_BAD[0]
+    result = subprocess.run([sys.executable, "-m", "megaresil", "config", "show", str(TINY),
+                             override], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert_one_line_refusal(result, key)
+
+
+def test_edge_values_inside_the_ranges_are_accepted():
+    cfg = load_recipe(TINY, ["optimizer.min_lr=0", "optimizer.warmup_steps=0",
+                             "optimizer.beta1=0", "optimizer.grad_clip=0",
+                             "optimizer.weight_decay=0", "optimizer.min_lr=3e-3",
+                             "model.dropout=0.99", "train.seed=0", "checkpoint.keep=0",
+                             "resilience.watchdog.factor=1"])
+    assert cfg.optimizer.min_lr == cfg.optimizer.lr and cfg.train.seed == 0
+
+
+def _numeric_keys(cls=RecipeConfig, prefix=""):
+    """Every key whose declared type is a number (optional or not)."""
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            yield from _numeric_keys(type(default), f"{prefix}{f.name}.")
+        elif re.search(r"\b(int|float)\b", str(f.type)) and "list[" not in str(f.type):
+            yield f"{prefix}{f.name}"  # lists (profile.ranks) are checked by validate()
+
+
+def test_every_numeric_key_declares_its_range():
+    """A key added without a range would take any number again."""
+    bounded = {key for key, _, bounds in numeric_fields(_all_numbers_set()) if bounds}
+    assert sorted(set(_numeric_keys()) - bounded) == []
+    assert set(SUPERVISION_BOUNDS) <= bounded
+
+
+def _all_numbers_set() -> RecipeConfig:
+    """The schema's defaults with its optional numbers given values, so each
+    appears in `numeric_fields`."""
+    cfg = RecipeConfig()
+    cfg.model.num_kv_heads = cfg.model.ffn_hidden_size = 1
+    cfg.model.bos_token_id = cfg.model.eos_token_id = 1
+    cfg.optimizer.decay_steps = cfg.train.exit_at_step = 1
+    cfg.logging.peak_tflops = cfg.resilience.mtbf_hours = 1.0
+    cfg.checkpoint.interval = 1  # auto by default
+    return cfg

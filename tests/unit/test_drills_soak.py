@@ -1,0 +1,173 @@
+"""The soak: a fault schedule of every kind, placed deterministically from a
+seed; faults held back to a restart; alarms told apart from the faults behind
+them; and a short soak end to end (slow)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.harness.cli import ROOT
+from megaresil.config import ConfigError, load_recipe
+from megaresil.events import EventLog
+from megaresil.resilience.faults import FaultInjector, InjectedFault, fault_id
+from megaresil.drills.analyse import false_alarms
+from megaresil.drills.schedule import Calibration, episodes, first_fault_step, fit, schedule
+
+DEMO = ROOT / "recipes" / "gpt-tiny.yaml"
+
+
+def demo_cfg():
+    return load_recipe(DEMO, [])
+
+
+def test_schedule_is_seeded_and_has_every_kind_and_placement():
+    cfg = demo_cfg()
+    placed = schedule(cfg, seed=3, steps=200, count=len(episodes()))
+    assert placed == schedule(cfg, seed=3, steps=200, count=len(episodes()))
+    assert placed != schedule(cfg, seed=4, steps=200, count=len(episodes()))
+    faults = [f for p in placed for f in p["faults"]]
+    kinds = {(f["kind"], f.get("mode")) for f in faults}
+    for kind in ["kill", "raise", "slow", "sigterm", "corrupt_checkpoint"]:
+        assert any(k == kind for k, _ in kinds), kind
+    assert {m for k, m in kinds if k == "hang"} == {"sleep", "collective", "gil", "native"}
+    assert len({fault_id(f) for f in faults}) == len(faults)
+    assert all(first_fault_step(cfg) <= f["step"] < 200 for f in faults if f["section"] != "setup")
+    assert any(f["section"] == "checkpoint" and f["kind"] in ("kill", "raise") for f in faults)
+    during_restart = [f for f in faults if f["section"] == "setup"]
+    assert during_restart and all(f["step"] == 0 and f["generation"] >= 1 for f in during_restart)
+    by_episode = {p["episode"]: p["faults"] for p in placed}
+    sigterm, kill = by_episode["kill-during-preemption-save"]
+    assert (sigterm["kind"], kill["kind"], kill["section"]) == ("sigterm", "kill", "checkpoint")
+    assert sigterm["step"] == kill["step"]
+    first, second = by_episode["adjacent-faults"]
+    assert second["step"] == first["step"] + 1
+    # Random sections: the faults of one kind do not all use one section.
+    assert len({f["section"] for f in faults if f["kind"] in ("raise", "kill", "hang")}) >= 2
+
+
+def test_with_the_local_tier_the_schedule_damages_it_too():
+    from megaresil.drills.scenarios import local_tier_settings
+
+    cfg = load_recipe(DEMO, local_tier_settings(8))
+    placed = {p["episode"]: p["faults"] for p in schedule(cfg, 3, 200, len(episodes(True)))}
+    corrupt, kill = placed["corrupt-local-then-kill"]
+    assert corrupt["kind"] == "corrupt_local_checkpoint" and kill["kind"] == "kill"
+    assert {k: v for k, v in corrupt.items() if k != "kind"} == \
+        {k: v for k, v in kill.items() if k != "kind"}  # same rank, step and section
+    assert [f["kind"] for f in placed["lose-local-node"]] == ["lose_local_node"]
+    off = schedule(demo_cfg(), 3, 200, len(episodes()))
+    assert not any(f["kind"] in ("corrupt_local_checkpoint", "lose_local_node")
+                   for p in off for f in p["faults"])
+
+
+def test_which_tier_a_restart_loaded_decides_what_a_corruption_shows():
+    from megaresil.drills.analyse import fault_row
+
+    def row(kind, load):
+        fault = {"kind": kind, "rank": 2, "step": 9, "section": "optimizer"}
+        events = [{"time": 1.0, "event": "fault_injected", "fault": fault_id(fault)},
+                  {"time": 2.0, "event": "restart", "kind": "relaunch"},
+                  {"time": 3.0, "event": "checkpoint_loaded", "step": 8, **load}]
+        return fault_row(fault, "e", events, [{"step": 9, "time": 4.0, "loss": 1.0}], 0.1)
+
+    global_skipped = row("corrupt_checkpoint", {"tier": "local", "from_replicas": []})
+    assert global_skipped["not_read"] and not global_skipped["detected"]
+    assert not row("corrupt_checkpoint", {"tier": "global"})["not_read"]
+    repaired = row("corrupt_local_checkpoint", {"tier": "local", "from_replicas": [2]})
+    assert repaired["detected"] and repaired["detection_latency_s"] == 2.0
+    assert not row("corrupt_local_checkpoint", {"tier": "local", "from_replicas": []})["detected"]
+    assert row("corrupt_local_checkpoint", {"tier": "global"})["detected"]
+    assert row("lose_local_node", {"tier": "local", "from_replicas": [2, 3]})["detected"]
+    assert not row("lose_local_node", {"tier": "local", "from_replicas": [3]})["detected"]
+
+
+def test_fitting_gives_longer_soaks_more_steps_and_episodes():
+    cfg, cal = demo_cfg(), Calibration(startup_s=30.0, step_s=0.6)
+    short, long = fit(cal, cfg, 2, seed=0), fit(cal, cfg, 30, seed=0)
+    assert 1 <= short[0] < long[0] and short[1] < long[1]
+    count, steps = short
+    placed = schedule(cfg, 0, steps, count)
+    assert len({p["episode"] for p in placed}) >= 3  # a short soak still mixes kinds
+
+
+def test_a_generation_fault_waits_for_that_restart(tmp_path):
+    """{section: setup, step: 0, generation: 1} fires in the setup of the
+    generation after the first restart, not in the first one's."""
+    fault = {"kind": "raise", "rank": 0, "step": 0, "section": "setup", "generation": 1}
+    events = EventLog(tmp_path, 0)
+
+    def injector():
+        return FaultInjector([fault], rank=0, run_dir=tmp_path, checkpoint_root=tmp_path,
+                             events=events)
+
+    injector().on_section("setup", 0)  # no restart yet: nothing fires
+    events.emit("restart", kind="in_process", generation=1)
+    with pytest.raises(InjectedFault, match="gen1"):
+        injector().on_section("setup", 0)
+    injector().on_section("setup", 0)  # once per run directory
+
+
+def test_fault_generation_is_validated():
+    bad = {"kind": "kill", "rank": 0, "step": 0, "section": "setup", "generation": 0}
+    with pytest.raises(ConfigError) as err:
+        load_recipe(DEMO, [f"faults=[{json.dumps(bad)}]"])
+    assert str(err.value).startswith("faults[0].generation")
+
+
+def test_alarms_behind_a_fault_are_not_false_alarms():
+    fault = {"injected": True, "kind": "raise", "time": 10.0}
+    events = [{"time": 10.1, "event": "worker_error", "rank": 1},
+              {"time": 11.0, "event": "checkpoint_loaded", "step": 5},
+              {"time": 20.0, "event": "hang_detected", "rank": 3, "section": "optimizer",
+               "step": 9, "culprit_ranks": [3]},
+              {"time": 20.1, "event": "worker_error", "rank": 0}]
+    records = [{"step": 6, "time": 12.0}, {"step": 7, "time": 13.0}, {"step": 9, "time": 25.0}]
+    alarms = false_alarms([fault], events, records)
+    assert len(alarms) == 1 and alarms[0]["events"] == 2  # one incident, two events
+    assert alarms[0]["hang"]["culprit_ranks"] == [3]
+    slow = {"injected": True, "kind": "slow", "time": 1.0}  # a slow rank excuses no alarm
+    assert len(false_alarms([slow], events, records)) == 2
+
+
+@pytest.mark.slow
+def test_short_soak_recovers_every_fault_bit_equal(cli, tmp_path):
+    result = cli("soak", str(DEMO), "--minutes", "2", "--seed", "1", f"run.dir={tmp_path}",
+                 timeout=1500, check=False)
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert "verdict" in result.stdout
+    faults = report["faults"]
+    assert len({f["kind"] for f in faults}) >= 3, faults
+    assert all(f["injected"] and f["recovered"] for f in faults), faults
+    assert all(f["detected"] for f in faults if f["kind"] != "slow" and not f["not_read"]), faults
+    assert report["local_tier"]
+    assert report["false_alarms"] == [], report["false_alarms"]
+    assert report["bit_equal"] and report["final_step"] == report["steps"], report
+    assert 0 < report["goodput"] < 1
+    assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_a_corruption_always_has_an_older_checkpoint_to_fall_back_on():
+    from megaresil.drills import schedule as soak
+
+    cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [])
+    for seed in range(6):
+        placed = soak.schedule(cfg, seed, steps=485, count=55)
+        corrupt = [f["step"] for e in placed for f in e["faults"]
+                   if f["kind"] == "corrupt_checkpoint"]
+        assert corrupt and min(corrupt) >= soak.CORRUPT_FROM, (seed, corrupt)
+
+
+def test_faults_meant_for_a_save_meet_one():
+    from megaresil.drills import schedule as soak
+
+    cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [])
+    for steps, count in ((224, 27), (485, 55), (60, 5)):
+        for seed in range(4):
+            for episode in soak.schedule(cfg, seed, steps=steps, count=count):
+                for f in episode["faults"]:
+                    if f.get("section") == "checkpoint" and f["kind"] != "sigterm":
+                        saves = f["step"] % soak.SAVE_INTERVAL == 0
+                        preempted = any(g["kind"] == "sigterm" and g["step"] == f["step"]
+                                        for g in episode["faults"])
+                        assert saves or preempted, (steps, seed, episode)

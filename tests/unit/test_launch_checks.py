@@ -1,0 +1,94 @@
+"""What no restart can cure is said once, before any worker starts (exit 2,
+one line naming the key and the fix), and classified fatal at once where a
+worker meets it; the guardian says what it sees of a process that stopped."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.harness.cli import SMALL
+from megaresil.events import read_events
+from megaresil.resilience.guardian import stopped, why_no_progress
+
+TINY = ["recipes/gpt-tiny.yaml", "parallel.tp=1", "parallel.pp=1", "parallel.dp=1",
+        "train.steps=2", "logging.progress=false", "logging.tensorboard=false"]
+
+
+def refused(cli_main, *args: str) -> str:
+    """The one line `megaresil ARGS` exits 2 with."""
+    result = cli_main(*args, check=False)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("megaresil: error: ") and "Fix: " in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("override,key", [
+    ("data.source=/etc/passwd", "data.seq_len"),  # 23 tokens of valid data, samples need 129
+    ("model.vocab_size=10", "model.vocab_size"),  # below the byte-level BPE's 257
+    ("data.tokenizer=byte model.vocab_size=100", "model.vocab_size"),  # below the 257 byte ids
+])
+def test_data_no_worker_could_use_is_refused_by_the_launcher(cli_main, tmp_path, override, key):
+    run_dir = tmp_path / "run"
+    line = refused(cli_main, "train", *TINY, *override.split(), f"run.dir={run_dir}",
+                   f"data.cache_dir={tmp_path / 'cache'}")
+    assert line.startswith(f"megaresil: error: {key}: ")
+    assert not (run_dir / "events.jsonl").exists()  # no worker started
+
+
+def test_a_fault_on_a_rank_the_job_lacks_is_refused(cli_main, tmp_path):
+    line = refused(cli_main, "train", *TINY, f"run.dir={tmp_path}",
+                   "faults=[{kind: kill, rank: 1, step: 1}]")
+    assert line.startswith("megaresil: error: faults[0].rank: 1 is not a rank of this job")
+
+
+def test_a_recipe_path_that_is_a_directory_is_a_recipe_error(cli_main, tmp_path):
+    line = refused(cli_main, "train", str(tmp_path))
+    assert line == (f"megaresil: error: {tmp_path}: is a directory, not a recipe file. "
+                    "Fix: give a recipe's .yaml file, e.g. recipes/gpt-tiny.yaml.")
+
+
+def test_the_guardian_says_a_stopped_process_is_not_running():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert "GIL" in why_no_progress(child.pid)
+        child.send_signal(signal.SIGSTOP)
+        for _ in range(250):  # until the kernel has delivered the signal
+            if stopped(child.pid):
+                break
+            time.sleep(0.02)
+        assert why_no_progress(child.pid) == "not running: stopped or starved"
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.slow
+def test_token_ids_past_the_vocabulary_stop_the_job_at_once(cli, tmp_path):
+    """Indexed data prepared with the byte tokenizer (ids up to 256) read by a
+    model of 100 tokens, the tokenizer unknown up front: each sample is
+    checked as it is read, and the first bad one ends the job on every rank
+    without a restart (it would fail the same way every time)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"line {i}: the quick brown fox ~~~"}) + "\n"
+                              for i in range(200)))
+    prefix = tmp_path / "data" / "corpus"
+    cli("data", "prepare", "--input", str(corpus), "--json-key", "text", "--output", str(prefix),
+        "--tokenizer", "byte")
+    run_dir = tmp_path / "run"
+    result = cli("train", *SMALL, f"run.dir={run_dir}", "logging.progress=false",
+                 "data.source=indexed", f"data.path={prefix}", "data.tokenizer=bpe",
+                 "model.vocab_size=100", "data.seq_len=32", "resilience.max_restarts=1",
+                 check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("megaresil: giving up: rank ") and "model.vocab_size" in last
+    assert "(no restart can fix this)" in last
+    events = read_events(run_dir)
+    assert not [e for e in events if e["event"] == "restart"]
+    assert len([e for e in events if e["event"] == "run_failed"]) == 1

@@ -1,0 +1,244 @@
+"""The hang detector as a whole: slow told apart from stuck (on a fake
+clock), calibration that follows the layout and machine, a bounded store
+load, raise_in_thread, culprits across real ranks. The pure parts have
+their own tests: test_watchdog_judgement.py, test_watchdog_budgets.py."""
+from __future__ import annotations
+
+import ctypes
+import json
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness.dist import spawn_ranks
+from tests.harness.fake_clock import FakeClock, FakeCpu, run_monitor
+from megaresil.config import WatchdogConfig
+from megaresil.events import EventLog, read_events
+from megaresil.ports import free_port
+from megaresil.resilience.watchdog.abort import HangAbort, raise_in_thread
+from megaresil.resilience.watchdog.monitor import Watchdog
+
+
+def watchdog(tmp_path, store, clock: FakeClock, cpu: FakeCpu, **overrides) -> Watchdog:
+    """A one-rank watchdog in generation 0 on a fake clock and CPU clock; its
+    thread is not started: the test drives its polls (run_monitor)."""
+    cfg = WatchdogConfig(**{"initial_timeout_s": 0.5, "calibration_steps": 100,
+                            "stall_s": 0.5, **overrides})
+    wd = Watchdog(cfg, rank=0, world=1, store=store, run_dir=tmp_path,
+                  events=EventLog(tmp_path, 0), exit_on_hang=None, guardian=False,
+                  clock=clock, cpu_clock=cpu)
+    wd.begin_generation(0)
+    return wd
+
+
+def event_names(tmp_path) -> list[str]:
+    return [e["event"] for e in read_events(tmp_path)]
+
+
+def test_a_slow_rank_is_suspected_once_and_never_aborted(tmp_path):
+    clock, cpu = FakeClock(), FakeCpu()
+    wd = watchdog(tmp_path, dist.HashStore(), clock, cpu)
+    try:
+        with wd.section("data", 5):
+            # Three budgets, still computing.
+            run_monitor(wd, clock, cpu, seconds=1.5, cpu_share=1.0)
+    finally:
+        wd.close()
+    assert event_names(tmp_path) == ["hang_suspected"]
+    suspected = read_events(tmp_path)[0]
+    assert suspected["culprit_ranks"] == [0] and suspected["budget_s"] == 0.5
+    assert suspected["section"] == "data" and suspected["step"] == 5
+
+
+def test_a_stuck_rank_is_aborted_soon_after_its_budget(tmp_path):
+    clock, cpu = FakeClock(), FakeCpu()
+    wd = watchdog(tmp_path, dist.HashStore(), clock, cpu)
+    started = clock.monotonic()
+    try:
+        with pytest.raises(HangAbort), wd.section("data", 5):
+            run_monitor(wd, clock, cpu, seconds=10, cpu_share=0.0)  # the `hang` fault's sleep
+    finally:
+        wd.close()
+    assert clock.monotonic() - started < 0.5 + 1.5
+    detected = [e for e in read_events(tmp_path) if e["event"] == "hang_detected"]
+    assert len(detected) == 1 and detected[0]["culprit_ranks"] == [0]
+    assert detected[0]["why"] == "stuck"
+
+
+def test_an_endless_computation_is_caught_at_the_hard_limit(tmp_path):
+    clock, cpu = FakeClock(), FakeCpu()
+    wd = watchdog(tmp_path, dist.HashStore(), clock, cpu, slow_limit_factor=3.0)
+    started = clock.monotonic()
+    try:
+        with pytest.raises(HangAbort), wd.section("optimizer", 5):
+            run_monitor(wd, clock, cpu, seconds=10, cpu_share=1.0)
+    finally:
+        wd.close()
+    assert 1.5 <= clock.monotonic() - started < 1.5 + 1.0
+    detected = next(e for e in read_events(tmp_path) if e["event"] == "hang_detected")
+    assert detected["why"] == "slow_limit"
+
+
+# --- calibration -----------------------------------------------------------------
+
+def test_calibrated_budgets_have_a_floor(tmp_path):
+    wd = watchdog(tmp_path, dist.HashStore(), FakeClock(), FakeCpu(), calibration_steps=2,
+                  factor=5.0, floor_s=2.0, initial_timeout_s=60)
+    wd.close()
+    wd.budgets.slowest = {"data": 0.01, "forward_backward": 0.9}
+    assert wd.budget("data") == 60  # not calibrated yet
+    wd.budgets.steps_seen = 2
+    assert wd.budget("data") == 2.0 and wd.budget("forward_backward") == pytest.approx(4.5)
+    assert wd.budget("checkpoint") == wd.cfg.checkpoint_timeout_s
+    assert wd.slow_limit("forward_backward") == pytest.approx(5 * 4.5)
+
+
+def test_calibration_is_restored_only_on_the_layout_and_machine_it_was_measured_on(tmp_path):
+    cfg = WatchdogConfig(calibration_steps=2, floor_s=1.0)
+
+    def make(world: int, workload: dict) -> Watchdog:
+        wd = Watchdog(cfg, rank=0, world=world, store=dist.HashStore(), run_dir=tmp_path,
+                      events=EventLog(tmp_path, 0), exit_on_hang=None, workload=workload,
+                      guardian=False)
+        wd.close()
+        return wd
+
+    eight = make(8, {"tp": 2, "pp": 2, "dp": 2})
+    eight.budgets.slowest, eight.budgets.steps_seen = {"forward_backward": 1.548}, 40
+    saved = json.loads(json.dumps(eight.calibration()))  # as the checkpoint stores it
+    one = make(1, {"tp": 1, "pp": 1, "dp": 1})
+    assert not one.restore_calibration(saved)
+    assert one.budget("forward_backward") == cfg.initial_timeout_s  # measured afresh
+    other_machine = json.loads(json.dumps(saved))
+    other_machine["measured_on"]["machine"]["cores"] += 1
+    again = make(8, {"tp": 2, "pp": 2, "dp": 2})
+    assert not again.restore_calibration(other_machine)
+    assert not again.restore_calibration({"slowest": {"data": 1.0}, "steps_seen": 7})  # unknown
+    assert again.restore_calibration(saved)
+    assert again.budget("forward_backward") == pytest.approx(5 * 1.548)
+
+
+# --- store load --------------------------------------------------------------------
+
+class CountingStore:
+    """A store that counts operations (a multi_get counts one per key)."""
+
+    def __init__(self, store: dist.Store):
+        self.store, self.ops = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.ops += len(args[0]) if name == "multi_get" else 1
+            return method(*args, **kwargs)
+        return counted
+
+
+def test_store_ops_per_rank_stay_bounded(tmp_path):
+    """Four ranks training normally for 3 s: at most 3 ops/s per rank (the
+    old design wrote a heartbeat and polled the abort key every 0.1 s: 20),
+    and with 1,000 ranks the whole job stays under store_ops_limit."""
+    shared = dist.HashStore()
+    cfg = WatchdogConfig(initial_timeout_s=60)
+    stores = [CountingStore(shared) for _ in range(4)]
+    dogs = [Watchdog(cfg, rank=r, world=4, store=stores[r], run_dir=tmp_path,
+                     events=EventLog(tmp_path, r), exit_on_hang=None, guardian=False)
+            for r in range(4)]
+    for wd in dogs:
+        wd.begin_generation(0)
+        wd.start()
+    started = time.monotonic()
+    for step in range(1, 31):  # 30 steps of three 0.033 s sections
+        for section in ("data", "forward_backward", "optimizer"):
+            for wd in dogs:
+                wd.current = (section, step, time.monotonic())
+            time.sleep(0.033)
+    seconds = time.monotonic() - started
+    ops = [s.ops for s in stores]
+    for wd in dogs:
+        wd.close()
+    # The first beat and poll come at once; then 2 beats and 1 poll a second.
+    assert max(ops) <= 2 + 3.0 * seconds + 1, (ops, seconds)
+    big = Watchdog(cfg, rank=0, world=1000, store=dist.HashStore(), run_dir=tmp_path,
+                   events=EventLog(tmp_path, 0), exit_on_hang=None, guardian=False)
+    big.close()
+    per_rank = 1 / big.heartbeat_every + 1 / big.abort_poll_every
+    assert 1000 * per_rank <= cfg.store_ops_limit + 1e-6
+
+
+# --- raise_in_thread -----------------------------------------------------------------
+
+def test_raise_in_thread_reports_a_missing_thread_and_raises_in_a_live_one():
+    assert raise_in_thread(2**40 + 12345, HangAbort) is False
+    caught = []
+
+    def victim():
+        try:
+            while True:
+                time.sleep(0.01)
+        except HangAbort:
+            caught.append(True)
+    thread = threading.Thread(target=victim)
+    thread.start()
+    assert raise_in_thread(thread.ident, HangAbort) is True
+    thread.join(timeout=5)
+    assert caught == [True]
+
+
+def test_raise_in_thread_undoes_a_call_that_matched_several_threads(monkeypatch):
+    calls = []
+
+    def set_async_exc(thread_id, exc):
+        calls.append(exc)
+        return 2 if len(calls) == 1 else 1
+    monkeypatch.setattr(ctypes.pythonapi, "PyThreadState_SetAsyncExc", set_async_exc)
+    with pytest.raises(SystemError, match="matched 2 thread states"):
+        raise_in_thread(7, HangAbort)
+    assert len(calls) == 2 and calls[1] is None  # the exception was taken back
+
+
+# --- several ranks -------------------------------------------------------------------
+
+def chain_worker(rank: int, port: int, run_dir: str) -> None:
+    """Rank 0 calls a collective nobody else calls; rank 1 waits for 0 on
+    their pair, rank 2 for 1 on theirs."""
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=rank == 0,
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=3, store=dist.PrefixStore("pg", store))
+    side, pair01, pair12 = (dist.new_group(ranks) for ranks in ([0, 1, 2], [0, 1], [1, 2]))
+    cfg = WatchdogConfig(initial_timeout_s=1.0, calibration_steps=100, slow_limit_factor=3.0)
+    wd = Watchdog(cfg, rank=rank, world=3, store=dist.PrefixStore("wd", store),
+                  run_dir=run_dir, events=EventLog(run_dir, rank), exit_on_hang=None,
+                  guardian=False)
+    wd.begin_generation(0)
+    wd.start()
+    dist.barrier()
+    try:
+        try:
+            with wd.section("optimizer", 5):
+                if rank == 0:
+                    dist.barrier(group=side)
+                elif rank == 1:
+                    dist.all_reduce(torch.ones(1), group=pair01)
+                else:
+                    time.sleep(0.2)
+                    dist.all_reduce(torch.ones(1), group=pair12)
+        except RuntimeError:  # the collective timed out: HangAbort is on its way
+            time.sleep(10)
+    except HangAbort:
+        pass
+    wd.close()
+
+
+def test_collective_hang_across_ranks_names_the_rank_that_hung(tmp_path):
+    spawn_ranks(chain_worker, (free_port(), str(tmp_path)), 3)
+    events = read_events(tmp_path)
+    detected = [e for e in events if e["event"] == "hang_detected"]
+    assert len(detected) == 1, events
+    assert detected[0]["culprit_ranks"] == [0] and detected[0]["section"] == "optimizer"
+    assert detected[0]["waited_s"] < 1.0 + 1.5
