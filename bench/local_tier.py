@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.sharded import WEIGHTS
+from megaresil.checkpoint.validation import read_manifest
+from megaresil.checkpoint.keys import WEIGHTS
 from megaresil.events import read_events
 from megaresil.resilience.chaos import local_tier_settings, run_scenario, run_training, step_records
 
@@ -67,7 +68,7 @@ def base(args) -> list[str]:
 def state_bytes(checkpoint: Path) -> dict:
     """The training state's size, from a global checkpoint's manifest: it
     holds each weight and moment once; the gradients are the weights' size."""
-    tensors = fmt.read_manifest(checkpoint)["tensors"]
+    tensors = read_manifest(checkpoint)["tensors"]
     sizes = {key: fmt.region_bytes(entry["global_shape"], entry["dtype"])
              for key, entry in tensors.items()}
     weights = sum(n for key, n in sizes.items() if key.startswith(WEIGHTS))

@@ -18,7 +18,8 @@ from typing import Iterable, Optional, Protocol
 
 import torch.nn as nn
 
-from megaresil.checkpoint.sharded import MomentsOf, Rect, state_rects
+from megaresil.checkpoint.keys import MomentsOf, state_rects
+from megaresil.checkpoint.sharded import Rect
 from megaresil.config import ModelConfig
 from megaresil.parallel.layout import ParallelLayout
 

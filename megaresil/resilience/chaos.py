@@ -22,7 +22,7 @@ from typing import Optional
 
 import psutil
 
-from megaresil.checkpoint.local_tier import local_root, node_dir
+from megaresil.checkpoint.local.store import local_root, node_dir
 from megaresil.config import load_recipe
 from megaresil.events import read_events
 from megaresil.parallel.layout import visible_gpus

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from megaresil.checkpoint.diff import diff_checkpoints
+from megaresil.checkpoint.offline.diff import diff_checkpoints
 from megaresil.checkpoint.format import committed_checkpoints, step_dir_name
 from megaresil.config import RecipeConfig, load_recipe
 from megaresil.events import read_events
