@@ -109,6 +109,9 @@ class TrainingState(Protocol):
         shards carry their marks (tp_dim, tp_rank), a tied embedding's copy
         on the last stage `pipeline_copy`."""
 
+    def layout_record(self) -> dict:
+        """This rank's layout as the manifest records it (`layout_record`)."""
+
     def run_state(self) -> RunState:
         """The non-tensor state to save now (rank_states empty: the
         checkpointer gathers each rank's `rng_state`)."""

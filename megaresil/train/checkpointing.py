@@ -22,9 +22,9 @@ from megaresil.checkpoint.local.tier import LocalTier
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.sources import CheckpointSource
+from megaresil.checkpoint.state import TrainingState
 from megaresil.checkpoint.validation import read_manifest
 from megaresil.config import ConfigError, ModelConfig, RecipeConfig, model_from_dict
-from megaresil.train.state import TrainerState
 
 
 def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
@@ -101,7 +101,7 @@ class TrainCheckpointing:
     (both tiers), resuming from the newest state every rank can recover,
     and starting a new run from other weights. Events go out from rank 0."""
 
-    def __init__(self, cfg: RecipeConfig, checkpointer: Checkpointer, state: TrainerState,
+    def __init__(self, cfg: RecipeConfig, checkpointer: Checkpointer, state: TrainingState,
                  events, rank: int):
         self.cfg, self.checkpointer, self.state = cfg, checkpointer, state
         self.events, self.rank = events, rank
