@@ -78,6 +78,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.backends.dcp_write import EarlyWriteback
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.sharded import Rect
@@ -301,7 +302,7 @@ def ours_saver(me: Rank, backend: str, root: Path) -> Callable[[], None]:
 def ours_loader(me: Rank, backend: str, root: Path) -> Callable[[], None]:
     # The trainer reads (and verifies) the manifest before it loads: not timed.
     directory = root / fmt.step_dir_name(STEP)
-    manifest = fmt.read_manifest(directory)
+    manifest = read_manifest(directory)
     ckpt = checkpointer(me, backend, root, asynchronous=False)
     return lambda: ckpt.load(directory, manifest, me.targets)
 

@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.sharded import WEIGHTS
+from megaresil.checkpoint.keys import WEIGHTS
+from megaresil.checkpoint.validation import read_manifest
 from megaresil.drills.chaos import run_scenario
 from megaresil.drills.run import run_training, step_records
 from megaresil.drills.scenarios import local_tier_settings
@@ -69,7 +70,7 @@ def base(args) -> list[str]:
 def state_bytes(checkpoint: Path) -> dict:
     """The training state's size, from a global checkpoint's manifest: it
     holds each weight and moment once; the gradients are the weights' size."""
-    tensors = fmt.read_manifest(checkpoint)["tensors"]
+    tensors = read_manifest(checkpoint)["tensors"]
     sizes = {key: fmt.region_bytes(entry["global_shape"], entry["dtype"])
              for key, entry in tensors.items()}
     weights = sum(n for key, n in sizes.items() if key.startswith(WEIGHTS))

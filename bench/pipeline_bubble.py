@@ -3,7 +3,7 @@
 For p pipeline ranks and m micro-batches, GPipe and 1F1B leave each rank idle
 for a fraction (p-1)/(m+p-1) of a step; interleaved schedules with v virtual
 chunks per rank shrink the warm-up/cool-down to (p-1)/(v*m+p-1). This script
-runs every schedule of `megaresil.parallel.pipeline.SCHEDULE_CLASSES` over p
+runs every schedule of `megaresil.parallel.pipeline.schedule_class` over p
 gloo processes at a few micro-batch counts and reports the measured bubble
 (1 - ideal busy time / step time) next to that theory. Zero-bubble schedules
 are held to the interleaved formula too: they can beat it, since the deferred
@@ -46,7 +46,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 
 from megaresil.config import PipelineSchedule
 from megaresil.ports import free_port
-from megaresil.parallel.pipeline import MULTI_STAGE, SCHEDULE_CLASSES
+from megaresil.parallel.pipeline import MULTI_STAGE, schedule_class
 
 MICRO_BATCH = 2
 WIDTH = 64  # activations are (MICRO_BATCH, WIDTH): small, so p2p costs little
@@ -169,7 +169,7 @@ def build_schedule(case: Case, rank: int, p: int,
                                     torch.device("cpu"), input_args=example_in,
                                     output_args=example_out))
     target = stages if case.schedule in MULTI_STAGE else stages[0]
-    return SCHEDULE_CLASSES[case.schedule](target, n_microbatches=case.m,
+    return schedule_class(case.schedule)(target, n_microbatches=case.m,
                                            loss_fn=lambda output, _target: output.mean())
 
 

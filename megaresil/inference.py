@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.convert import open_source
+from megaresil.checkpoint.validation import read_manifest
+from megaresil.checkpoint.offline.convert import open_source
 from megaresil.config import (ConfigError, ParallelConfig, Precision, RecipeConfig, from_dict,
                               validate)
 from megaresil.data.build import build_test_dataset, recipe_tokenizer
@@ -143,7 +144,7 @@ def on_rank(checkpoint: Path, recipe: RecipeConfig, tp: int, eval_batches: int |
 
 
 def step_of(checkpoint: Path) -> int:
-    return fmt.read_manifest(checkpoint)["step"]
+    return read_manifest(checkpoint)["step"]
 
 
 def inference_recipe(cfg: RecipeConfig, eval_batches: int | None, scratch: Path,

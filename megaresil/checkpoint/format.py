@@ -120,9 +120,14 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, check_dtype(name))
 
 
-def region_bytes(shape: list[int], dtype_name: str) -> int:
-    """Bytes of a (sub)tensor of `shape` and the manifest dtype `dtype_name`."""
-    return math.prod(shape) * _ITEMSIZES[check_dtype(dtype_name)]
+def dtype_name(tensor: torch.Tensor) -> str:
+    """The manifest's name of a tensor's dtype (torch_dtype's inverse)."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def region_bytes(shape: list[int], dtype: str) -> int:
+    """Bytes of a (sub)tensor of `shape` and the manifest dtype `dtype`."""
+    return math.prod(shape) * _ITEMSIZES[check_dtype(dtype)]
 
 
 def data_bytes(manifest: dict) -> int:
@@ -226,100 +231,6 @@ def inside(directory: Path, name: str) -> Path:
     if directory.resolve() not in path.parents and path != directory.resolve():
         raise CheckpointError(f"manifest names a file outside the checkpoint: {name!r}")
     return path
-
-
-# --- reading --------------------------------------------------------------------
-
-
-def read_manifest(directory: Path) -> dict:
-    """The manifest of a committed checkpoint, or CheckpointError saying why not."""
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory} does not exist or is not a directory")
-    if not (directory / MARKER).exists():
-        raise CheckpointError(f"{directory.name} has no completion marker ({MARKER}): the save "
-                              "did not finish")
-    manifest = read_covered_json(directory, MANIFEST)
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{directory.name} is not a {FORMAT_NAME} (format "
-                              f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
-    version = manifest.get("version", 0)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"{directory.name} has format version {version!r}, newer "
-                              f"than this megaresil reads ({FORMAT_VERSION}); upgrade megaresil")
-    try:
-        check_manifest(manifest)
-    except CheckpointError as err:
-        raise CheckpointError(f"{directory.name}/{MANIFEST}: {err}") from None
-    return manifest
-
-
-# The largest tensor dimension a manifest may name: far above any real model,
-# far below what would overflow a size computation.
-MAX_DIM = 2**36
-BACKENDS = ("torch_dist", "zarr")
-
-
-def check_run_fields(run: dict) -> None:
-    """The non-tensor state a resume reads (checkpoint/state.py's RunState),
-    present and of the right kinds, so reading it cannot fail later."""
-    need_field(run, "step", int, lambda v: v >= 0)
-    need_field(run, "layout", dict)
-    need_field(run, "recipe", dict)
-    need_field(need_field(run, "data", dict), "consumed_samples", int, lambda v: v >= 0)
-    need_field(need_field(run, "optimizer", dict), "adam_step", int, lambda v: v >= 0)
-    if not isinstance(run.get("rank_states") or [], list):
-        raise CheckpointError("rank_states is not a list")
-
-
-def check_manifest(manifest: dict) -> None:
-    """Everything a load reads from a manifest, checked before anything is
-    allocated or opened: CheckpointError naming the first bad field."""
-    check_run_fields(manifest)
-    if manifest.get("backend") not in BACKENDS:
-        raise CheckpointError(f"unknown backend {manifest.get('backend')!r} (known: "
-                              f"{', '.join(BACKENDS)})")
-    for key, entry in need_field(manifest, "tensors", dict).items():
-        check_tensor_entry(key, entry)
-
-
-def check_tensor_entry(key: str, entry: Any) -> None:
-    """A tensor's entry: a known dtype, a sane global shape, and shards that
-    lie inside it and cover it exactly (each region is written once)."""
-    if not isinstance(entry, dict):
-        raise CheckpointError(f"tensor {key!r} is not an object")
-    check_dtype(entry.get("dtype"))
-    shape = checked_shape(entry.get("global_shape"), f"{key}: global_shape")
-    covered = 0
-    for shard in need_field(entry, "shards", list):
-        if not isinstance(shard, dict):
-            raise CheckpointError(f"{key}: a shard is not an object")
-        offset = checked_shape(shard.get("offset"), f"{key}: shard offset", len(shape))
-        extent = checked_shape(shard.get("shape"), f"{key}: shard shape", len(shape))
-        if any(o + n > g for o, n, g in zip(offset, extent, shape)):
-            raise CheckpointError(f"{key}: shard at {tuple(offset)} of shape {tuple(extent)} "
-                                  f"lies outside the tensor's shape {tuple(shape)}")
-        need_field(shard, "checksum", str)
-        need_field(shard, "rank", int)
-        covered += math.prod(extent)
-    if covered != math.prod(shape):
-        raise CheckpointError(f"{key}: its shards hold {covered} elements, its shape "
-                              f"{tuple(shape)} has {math.prod(shape)}")
-
-
-def checked_shape(value: Any, what: str, ndim: Optional[int] = None) -> list[int]:
-    if (not isinstance(value, list) or (ndim is not None and len(value) != ndim)
-            or not all(type(v) is int and 0 <= v <= MAX_DIM for v in value)):
-        raise CheckpointError(f"{what} is {str(value)[:80]}, not a list of "
-                              f"{ndim if ndim is not None else 'some'} sizes in 0..{MAX_DIM}")
-    return value
-
-
-def need_field(record: dict, key: str, kind: type, ok=lambda v: True) -> Any:
-    """record[key], refused unless of `kind` and `ok`."""
-    value = record.get(key) if isinstance(record, dict) else None
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is int or not ok(value):
-        raise CheckpointError(f"{key!r} is {str(value)[:80]}, not a valid {kind.__name__}")
-    return value
 
 
 def committed_checkpoints(root: Path) -> list[Path]:

@@ -23,6 +23,7 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str]:
     damaged one must not choose). Returns it and a line saying which (empty
     when `path` was the checkpoint itself); CheckpointError when none reads."""
     from megaresil.checkpoint import format as fmt
+    from megaresil.checkpoint.validation import read_manifest
 
     if not path.exists():
         raise fmt.CheckpointError(f"{path} does not exist. Fix: give a checkpoint directory, "
@@ -37,7 +38,7 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str]:
     skipped = []
     for candidate in fmt.committed_checkpoints(root):
         try:
-            fmt.read_manifest(candidate)
+            read_manifest(candidate)
         except fmt.CheckpointError as err:
             skipped.append(f"{candidate.name}: {err}")
             continue

@@ -4,99 +4,34 @@ protocol, async saves, retention, verification and resharding loads.
 One thread, one process group: every checkpoint collective (planning,
 writing and committing a save, verifying and loading at start-up) runs on
 the checkpointer's own thread over a process group of its own, whether the
-save is asynchronous or not. The training thread never issues a collective
-on that group, and the save thread never on a training group, so no two
-threads can pair the wrong calls (they did: an async save's barrier met the
-loop's preemption all-reduce). The loop only waits for that thread, in short
-slices, so a hang abort can still reach it.
+save is asynchronous or not (collectives.py); the save's lifecycle is
+async_save.py's, shared with the local tier.
 
 The trainer is seen only through `TrainingState` (checkpoint/state.py).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import shutil
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.backends import Backend, get_backend
-from megaresil.checkpoint.sharded import WEIGHTS, Rect, assign_writers
+from megaresil.checkpoint.async_save import BackgroundSaves, SaveReport, SaveRequest
+from megaresil.checkpoint.backends import get_backend
+from megaresil.checkpoint.backends.base import Backend
+from megaresil.checkpoint.keys import WEIGHTS
+from megaresil.checkpoint.sharded import Rect, assign_writers
 from megaresil.checkpoint.staging import StagingCopy
-from megaresil.parallel.layout import use_device
 from megaresil.checkpoint.state import RunState, TrainingState, training_rects, weight_rects
+from megaresil.checkpoint.validation import check_shapes, read_manifest, verify_shards
 
 if TYPE_CHECKING:
-    from megaresil.checkpoint.local_tier import LocalTier
-
-
-class Collectives:
-    """The few collectives checkpointing needs, degrading to no-ops in a
-    single process without a process group. Each is issued on the group's
-    owning thread (`owner`, a one-thread executor): a caller on another
-    thread hands it over and waits. Only the collective hops: the reading,
-    writing and allocating stay on the caller's thread (a new thread's
-    allocations land in a new malloc arena, which in-process restarts would
-    pile up)."""
-
-    def __init__(self, group: Optional[dist.ProcessGroup],
-                 owner: Optional[ThreadPoolExecutor] = None):
-        self.group, self.owner = group, owner
-        self.rank = dist.get_rank() if group is not None else 0
-        self.world = dist.get_world_size() if group is not None else 1
-
-    def _on_owner(self, fn: Callable, *args):
-        if self.owner is None or getattr(_thread_role, "owns_checkpoint_group", False):
-            return fn(*args)
-        return wait_for(self.owner.submit(fn, *args))
-
-    def all_gather(self, obj) -> list:
-        if self.group is None:
-            return [obj]
-        out = [None] * self.world
-        self._on_owner(lambda: dist.all_gather_object(out, obj, group=self.group))
-        return out
-
-    def gather(self, obj) -> Optional[list]:
-        """Every rank's `obj` on rank 0 (None elsewhere)."""
-        if self.group is None:
-            return [obj]
-        out = [None] * self.world if self.rank == 0 else None
-        self._on_owner(lambda: dist.gather_object(obj, out, group=self.group, group_dst=0))
-        return out
-
-    def barrier(self) -> None:
-        if self.group is not None:
-            self._on_owner(lambda: dist.barrier(group=self.group))
-
-    def exchange(self, sends: list[tuple[int, int, torch.Tensor]],
-                 recvs: list[tuple[int, int, torch.Tensor]]) -> None:
-        """Point-to-point: send each (peer, tag, tensor), and fill each
-        (peer, tag, tensor) from the send of that peer with that tag."""
-        if self.group is None:
-            return
-
-        def run():
-            works = [dist.isend(t, dst=peer, group=self.group, tag=tag) for peer, tag, t in sends]
-            works += [dist.irecv(t, src=peer, group=self.group, tag=tag) for peer, tag, t in recvs]
-            for work in works:
-                work.wait()
-        self._on_owner(run)
-
-    def any(self, flag: bool) -> bool:
-        if self.group is None:
-            return flag
-        t = torch.tensor([int(flag)])
-        dist.all_reduce(t, group=self.group)
-        return bool(t.item())
+    from megaresil.checkpoint.local.tier import LocalTier
 
 
 def layout_plan(gathered: list[list[dict]]) -> dict[str, dict]:
@@ -110,14 +45,10 @@ def layout_plan(gathered: list[list[dict]]) -> dict[str, dict]:
     return plan
 
 
-def dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 def rect_record(rect: Rect) -> dict:
     """What the manifest says about a rect, before it is written."""
     return {"key": rect.key, "global_shape": list(rect.global_shape),
-            "dtype": dtype_name(rect.tensor), "offset": list(rect.offset),
+            "dtype": fmt.dtype_name(rect.tensor), "offset": list(rect.offset),
             "shape": list(rect.shape)}
 
 
@@ -147,83 +78,17 @@ def commit(partial: Path, final: Path, manifest: dict, make_room: Callable[[Path
     fmt.write_marker(final, {fmt.MANIFEST: digest})
 
 
-_thread_role = threading.local()
-
-
-def save_thread_setup(device: torch.device) -> None:
-    """First thing on the checkpointer's thread: it owns the checkpoint
-    group, and works on the trainer's device."""
-    _thread_role.owns_checkpoint_group = True
-    use_device(device)
-
-
-class SaveReport:
-    """The `checkpoint_saved` event of one save: the save's figures come from
-    the thread that commits it (rank 0), `blocking_seconds` from the loop,
-    which was held by the save call and, for an async save, by its wait for
-    the staging copy at its next update.
-
-    The event goes out at the commit, and no thread waits for the other: a
-    loop that has not reached its update by then will not wait at all (the
-    copy is done before the commit), and a loop that is waiting at that
-    moment sends the event itself when its wait ends."""
-
-    def __init__(self, events, event: str = "checkpoint_saved"):
-        self.events, self.event = events, event
-        self.lock = threading.Lock()
-        self.held = 0.0  # seconds the loop has been held so far
-        self.waiting = False  # the loop is in `loop_waiting`
-        self.figures: Optional[dict] = None  # the committed save's, until sent
-
-    def loop_held(self, seconds: float) -> None:
-        with self.lock:
-            self.held += seconds
-            self.waiting = False
-            self._send()
-
-    @contextlib.contextmanager
-    def loop_waiting(self) -> Iterator[None]:
-        """Around the loop's wait for the save: its duration counts as held."""
-        with self.lock:
-            self.waiting = True
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.loop_held(time.perf_counter() - started)
-
-    def saved(self, **figures) -> None:
-        with self.lock:
-            self.figures = figures
-            if not self.waiting:
-                self._send()
-
-    def _send(self) -> None:
-        if self.figures is not None:
-            self.events.emit(self.event, **self.figures, blocking_seconds=self.held)
-            self.figures = None
-
-
-class Checkpointer:
+class Checkpointer(BackgroundSaves):
     def __init__(self, root: Path, backend: str, *, group: Optional[dist.ProcessGroup],
                  asynchronous: bool, keep: int, events, device: torch.device,
                  local: Optional[LocalTier] = None):
+        super().__init__("ckpt-save", group, device)
         self.root = root
-        self.local = local  # the node-local tier (local_tier.py), on a thread of its own
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save",
-                                           initializer=save_thread_setup, initargs=(device,))
-        self.coll = Collectives(group, self.executor)
+        self.local = local  # the node-local tier (checkpoint/local/), on a thread of its own
         self.backend: Backend = get_backend(backend)
         self.asynchronous, self.keep, self.events = asynchronous, keep, events
-        self.device = device  # of the training state; the save thread works on it
         self.writers: Optional[dict[tuple, int]] = None
         self.layout_plan: Optional[dict[str, dict]] = None  # of the written rects, every rank's
-        self.pending: Optional[Future] = None
-        self.staged: Optional[threading.Event] = None  # async: set once the staging copy is done
-        self.copy: Optional[StagingCopy] = None  # async: the staging copy in flight
-        self.report: Optional[SaveReport] = None  # async: of the save in flight
-        self.abandoned = False  # the job failed: the save in flight must not commit
-
 
     # --- saving ---------------------------------------------------------------
 
@@ -269,10 +134,8 @@ class Checkpointer:
         if not self.asynchronous:
             self._save_now(rects, state, rank_state, started, report)
             return
-        self.staged, self.report = threading.Event(), report
-        self.copy = StagingCopy.of([r.tensor for r in rects])
-        self.pending = self.executor.submit(self._stage_write_commit, rects, state, rank_state,
-                                            started, self.copy, self.staged, report)
+        request = SaveRequest(StagingCopy.of([r.tensor for r in rects]), report)
+        self._submit(request, self._stage_write_commit, rects, state, rank_state, started)
         report.loop_held(time.perf_counter() - started)
 
     def _save_now(self, rects: list[Rect], state: RunState, rank_state: dict, started: float,
@@ -294,35 +157,16 @@ class Checkpointer:
         self.local.save(state, step)
 
     def before_update(self) -> None:
-        """Call before anything modifies the saved tensors (the optimizer step):
-        waits for an async save's staging copy (on a GPU: for it to be
-        enqueued, then the training stream waits for it) and reports how long
-        the loop was held."""
         if self.local is not None:
             self.local.before_update()
-        if self.staged is None:
-            return
-        with self.report.loop_waiting():
-            wait_for(self.staged)
-        self.copy.order_before_update()
-        self.staged = self.report = self.copy = None
-
-    def wait(self) -> None:
-        """Wait for an in-flight save; re-raises its failure."""
-        self.before_update()
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            wait_for(pending)
+        super().before_update()
 
     def _stage_write_commit(self, rects: list[Rect], state: RunState, rank_state: dict,
-                            started: float, copy: StagingCopy, staged: threading.Event,
-                            report: SaveReport) -> None:
-        try:
-            copies = self._stage(self._my_writes(rects), copy)
-        finally:
-            staged.set()
-        copy.wait_on_host()
-        self._write_and_commit(copies, state, rank_state, started, report)
+                            started: float, request: SaveRequest) -> None:
+        with request.staging():
+            copies = self._stage(self._my_writes(rects), request.copy)
+        request.copy.wait_on_host()
+        self._write_and_commit(copies, state, rank_state, started, request.report)
 
     def _write_and_commit(self, staged: list[Rect], state: RunState, rank_state: dict,
                           started: float, report: SaveReport) -> None:
@@ -366,7 +210,7 @@ class Checkpointer:
         with checkpoint.load=none): a valid one is never overwritten, so it
         is renamed aside; an invalid one is removed."""
         try:
-            fmt.read_manifest(existing)
+            read_manifest(existing)
         except fmt.CheckpointError:
             shutil.rmtree(existing)
             return
@@ -382,17 +226,13 @@ class Checkpointer:
     def close(self) -> None:
         if self.local is not None:
             self.local.close()
-        if not self.abandoned:
-            self.wait()
-        self.executor.shutdown(wait=not self.abandoned)
+        super().close()
 
     def abandon(self) -> None:
-        """The job failed: do not wait for the save in flight (its peers may
-        be gone, its collectives then wait out their timeout on the save
-        thread) and do not let it commit; the newest committed checkpoint
-        stands, and its partial directory is cleaned at the next start."""
-        self.abandoned = True
-        self.pending = self.staged = self.report = self.copy = None
+        """The job failed (see BackgroundSaves.abandon): the newest committed
+        checkpoint stands, and the partial directory of the save in flight is
+        cleaned at the next start."""
+        super().abandon()
         if self.local is not None:
             self.local.abandon()
 
@@ -445,21 +285,6 @@ class Checkpointer:
         return saved
 
 
-def wait_for(waitable: threading.Event | Future, slice_s: float = 0.1):
-    """Wait for an event or a future in short slices: a thread blocked in
-    one long C-level wait never runs bytecode, so an abort raised in it (the
-    watchdog's HangAbort) would never land."""
-    if isinstance(waitable, threading.Event):
-        while not waitable.wait(slice_s):
-            pass
-        return None
-    while True:
-        try:
-            return waitable.result(timeout=slice_s)
-        except FutureTimeout:
-            continue
-
-
 def tensor_table(all_written: list[list[dict]]) -> dict:
     tensors: dict[str, dict] = {}
     for written in all_written:
@@ -469,56 +294,3 @@ def tensor_table(all_written: list[list[dict]]) -> dict:
             entry["shards"].append({k: w[k] for k in ("offset", "shape", "rank", "checksum",
                                                       "location")})
     return dict(sorted(tensors.items()))
-
-
-def _named(keys: list[str], shown: int = 8) -> str:
-    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
-    return f"{len(keys)} tensor(s) ({', '.join(keys[:shown])}{more})"
-
-
-def check_keys(held: Iterable[str], consumed: set[str]) -> None:
-    """Refuse a checkpoint whose tensor keys (`held`) are not exactly those
-    the model consumes: a key left over would be silently ignored (a 4-layer
-    checkpoint loading into a 2-layer model), a missing one left unset."""
-    held = set(held)
-    missing, unused = sorted(consumed - held), sorted(held - consumed)
-    problems = []
-    if missing:
-        problems.append(f"lacks {_named(missing)} that the model needs")
-    if unused:
-        problems.append(f"holds {_named(unused)} that the model does not use")
-    if problems:
-        raise fmt.CheckpointError(f"the checkpoint {' and '.join(problems)}: it was saved from "
-                                  "a different model. Fix: check model.* against the "
-                                  "checkpoint's recipe (megaresil ckpt inspect)")
-
-
-def check_shapes(tensors: dict[str, dict], targets: list[Rect], consumed: set[str]) -> None:
-    """Refuse a checkpoint (its tensor table `tensors`) unless its keys are
-    exactly `consumed` (what every rank of the layout loads, together) and
-    each of `targets` (the rects loaded here) has its global shape."""
-    check_keys(tensors, consumed)
-    for target in sorted(targets, key=lambda t: t.key):
-        saved = tensors[target.key]
-        if tuple(saved["global_shape"]) != tuple(target.global_shape):
-            raise fmt.CheckpointError(
-                f"{target.key}: the checkpoint holds shape {tuple(saved['global_shape'])}, the "
-                f"model expects {tuple(target.global_shape)}; check model.* against the "
-                "checkpoint's recipe (megaresil ckpt inspect)")
-
-
-def verify_shards(backend: Backend, directory: Path, manifest: dict,
-                  shards: list[tuple[str, dict, dict]]) -> Optional[str]:
-    """Read each shard back and compare its checksum; None if all match."""
-    targets = [Rect(key, tuple(entry["global_shape"]), tuple(shard["offset"]),
-                    torch.empty(shard["shape"], dtype=fmt.torch_dtype(entry["dtype"])))
-               for key, entry, shard in shards]
-    try:
-        backend.read(directory, manifest, targets)
-    except Exception as err:  # a missing or truncated file: say which checkpoint is bad
-        return f"reading shards failed: {type(err).__name__}: {err}"
-    for target, (key, _, shard) in zip(targets, shards):
-        if fmt.checksum(target.tensor) != shard["checksum"]:
-            return (f"checksum mismatch in {key} at offset {tuple(shard['offset'])} "
-                    f"(written by rank {shard['rank']})")
-    return None

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import ConfigError, RecipeConfig, to_dict
 
@@ -51,7 +52,7 @@ def newest_manifest(cfg: RecipeConfig) -> Optional[tuple[Path, dict]]:
     paths = [Path(load)] if load != "auto" else fmt.committed_checkpoints(checkpoint_root(cfg))
     for path in paths:
         try:
-            return path, fmt.read_manifest(path)
+            return path, read_manifest(path)
         except fmt.CheckpointError:
             continue  # the workers skip it too, and say so
     return None

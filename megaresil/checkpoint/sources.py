@@ -3,8 +3,8 @@
 A source names its global tensors (key -> global shape and dtype, as a
 manifest's tensor table does) and fills any rectangles of them. A committed
 checkpoint is read through its backend's `read`, the same resharding path a
-resuming trainer uses; global tensors held in memory (from Hugging Face)
-serve the same interface.
+resuming trainer uses; a Hugging Face model's files serve the same interface
+(hf/io.py's HFTensorSource).
 """
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ import torch
 from tqdm import tqdm
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.validation import read_manifest, verify_shards
 from megaresil.checkpoint.backends import get_backend
-from megaresil.checkpoint.backends.dcp_read import narrowed
-from megaresil.checkpoint.manager import dtype_name, verify_shards
 from megaresil.checkpoint.sharded import Rect
 
 # Reads are batched up to this many bytes: a read of a DCP checkpoint costs
@@ -53,7 +52,7 @@ class CheckpointSource:
 
     def __init__(self, path: Path):
         self.path = path
-        self.manifest = fmt.read_manifest(path)
+        self.manifest = read_manifest(path)
         self.backend = get_backend(self.manifest["backend"])
         self.tensors: dict[str, dict] = self.manifest["tensors"]
 
@@ -73,19 +72,6 @@ class CheckpointSource:
                         f"{self.path} is corrupt: {reason}. Fix: convert an earlier checkpoint "
                         "(`megaresil ckpt verify PATH` checks one).")
                 bar.update(len(batch))
-
-
-class FullTensorSource:
-    """Global tensors held in memory, e.g. converted from Hugging Face."""
-
-    def __init__(self, full: dict[str, torch.Tensor]):
-        self.full = full
-        self.tensors = {key: {"global_shape": list(t.shape), "dtype": dtype_name(t)}
-                        for key, t in full.items()}
-
-    def read(self, targets: list[Rect]) -> None:
-        for target in targets:
-            target.tensor.copy_(narrowed(self.full[target.key], target.offset, target.shape))
 
 
 def _entry_bytes(entry: dict) -> int:

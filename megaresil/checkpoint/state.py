@@ -18,7 +18,8 @@ from typing import Iterable, Optional, Protocol
 
 import torch.nn as nn
 
-from megaresil.checkpoint.sharded import MomentsOf, Rect, state_rects
+from megaresil.checkpoint.keys import MomentsOf, state_rects
+from megaresil.checkpoint.sharded import Rect
 from megaresil.config import ModelConfig
 from megaresil.parallel.layout import ParallelLayout
 
@@ -107,6 +108,9 @@ class TrainingState(Protocol):
         """(layout-free key, parameter) over this rank's model chunks; TP
         shards carry their marks (tp_dim, tp_rank), a tied embedding's copy
         on the last stage `pipeline_copy`."""
+
+    def layout_record(self) -> dict:
+        """This rank's layout as the manifest records it (`layout_record`)."""
 
     def run_state(self) -> RunState:
         """The non-tensor state to save now (rank_states empty: the

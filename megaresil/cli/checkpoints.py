@@ -9,13 +9,13 @@ from megaresil.cli.common import checkpoint_argument
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from megaresil.checkpoint.convert import Target
+    from megaresil.checkpoint.offline.convert import Target
 
 
 def cmd_ckpt_inspect(args: argparse.Namespace) -> int:
     import json
 
-    from megaresil.checkpoint.inspect import format_summary, summary
+    from megaresil.checkpoint.offline.inspect import format_summary, summary
 
     info = summary(checkpoint_argument(args.path))
     print(json.dumps(info, indent=1) if args.json else format_summary(info, args.tensors))
@@ -23,7 +23,7 @@ def cmd_ckpt_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt_verify(args: argparse.Namespace) -> int:
-    from megaresil.checkpoint.inspect import verify
+    from megaresil.checkpoint.offline.inspect import verify
 
     path = checkpoint_argument(args.path)
     reason = verify(path)
@@ -35,7 +35,7 @@ def cmd_ckpt_verify(args: argparse.Namespace) -> int:
 
 
 def _convert_target(args: argparse.Namespace) -> Target:
-    from megaresil.checkpoint.convert import Target
+    from megaresil.checkpoint.offline.convert import Target
 
     distributed = None if args.distributed_optimizer is None else args.distributed_optimizer == "on"
     return Target(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp,
@@ -71,8 +71,8 @@ def _convert_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 def cmd_convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megaresil.checkpoint.convert import convert
-    from megaresil.checkpoint.hf_io import export_to_hf, import_from_hf, parse_size
+    from megaresil.checkpoint.offline.convert import convert
+    from megaresil.checkpoint.hf.io import export_to_hf, import_from_hf, parse_size
 
     paths = _convert_paths(args.parser, args)
     if args.to_hf:
@@ -95,7 +95,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt_diff(args: argparse.Namespace) -> int:
-    from megaresil.checkpoint.diff import diff_checkpoints, format_report
+    from megaresil.checkpoint.offline.diff import diff_checkpoints, format_report
 
     tolerant = args.atol is not None or args.rtol is not None
     report = diff_checkpoints(checkpoint_argument(args.a), checkpoint_argument(args.b),

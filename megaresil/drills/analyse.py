@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from megaresil.checkpoint.diff import diff_checkpoints
+from megaresil.checkpoint.offline.diff import diff_checkpoints
 from megaresil.checkpoint.format import committed_checkpoints, step_dir_name
 from megaresil.config import RecipeConfig
 from megaresil.drills.run import Launch, step_records

@@ -15,7 +15,7 @@ from typing import Optional
 
 import psutil
 
-from megaresil.checkpoint.local_tier import local_root, node_dir
+from megaresil.checkpoint.local.store import local_root, node_dir
 from megaresil.config import load_recipe
 from megaresil.events import read_metrics
 from megaresil.ports import free_port

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megaresil.checkpoint.local_tier import local_root
+from megaresil.checkpoint.local.store import local_root
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.safe_files import refuse_links

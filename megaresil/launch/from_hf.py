@@ -54,8 +54,8 @@ def resolve_from_hf(hf_dir: Path, recipe: str, overrides: list[str]) -> FromHF:
     its tokenizer (when DIR has one) and checkpoint.init_from=DIR as plain
     overrides; the user's own KEY=VALUE overrides still win."""
     from megaresil.checkpoint.format import CheckpointError
-    from megaresil.checkpoint.hf_io import hf_model_keys
-    from megaresil.checkpoint.hf_tokenizer import check_hf_tokenizer
+    from megaresil.checkpoint.hf.io import hf_model_keys
+    from megaresil.checkpoint.hf.tokenizer import check_hf_tokenizer
     from megaresil.config import parse_override, to_dict
 
     hf_dir = hf_dir.resolve()
@@ -96,8 +96,8 @@ def check_hf_init(cfg: RecipeConfig, from_hf: bool) -> None:
     """Before any worker starts: a new run's Hugging Face checkpoint.init_from
     describes the recipe's model (only the settings the model uses count,
     e.g. no RoPE scaling factor without scaling)."""
-    from megaresil.checkpoint.hf import model_differences
-    from megaresil.checkpoint.hf_io import hf_model_keys, is_hf_directory
+    from megaresil.checkpoint.hf.mapping import model_differences
+    from megaresil.checkpoint.hf.io import hf_model_keys, is_hf_directory
     from megaresil.config import model_from_dict
 
     path = cfg.checkpoint.init_from

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.local_tier import DATA, NodeStore
+from megaresil.checkpoint.local.store import DATA, NodeStore
 from megaresil.compat import spin_cuda_kernel
 from megaresil.config import ConfigError
 from megaresil.events import EventLog, read_events

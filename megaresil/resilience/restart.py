@@ -45,9 +45,9 @@ import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.format import CheckpointError
-from megaresil.checkpoint.local_tier import local_root, newest_complete_step, node_dir
+from megaresil.checkpoint.local.replication import ranks_per_node
+from megaresil.checkpoint.local.store import local_root, newest_complete_step, node_dir
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
-from megaresil.checkpoint.replication import ranks_per_node
 from megaresil.compat import (abort_process_groups, has_nccl_groups, lost_peer_error,
                               tcp_store_listening_on)
 from megaresil.config import ConfigError, RecipeConfig

@@ -1,6 +1,7 @@
 """What the training loop saves and restores, which checkpoint it resumes
 from (restart-from-latest), and the weights a new run starts from
-(checkpoint.init_from)."""
+(checkpoint.init_from): `build_checkpointer` makes both tiers for a recipe,
+`TrainCheckpointing` uses them for one trainer's state."""
 from __future__ import annotations
 
 import os
@@ -13,13 +14,16 @@ import torch
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.local_tier import LocalTier, local_root as local_dir_of
+from megaresil.checkpoint.hf.io import hf_model_keys, hf_source, is_hf_directory
+from megaresil.checkpoint.hf.mapping import model_differences
+from megaresil.checkpoint.local.replication import Choice, Topology, ranks_per_node
+from megaresil.checkpoint.local.store import local_root as local_dir_of
+from megaresil.checkpoint.local.tier import LocalTier
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
-from megaresil.checkpoint.hf import model_differences
-from megaresil.checkpoint.hf_io import hf_model_keys, hf_source, is_hf_directory
 from megaresil.checkpoint.manager import Checkpointer
-from megaresil.checkpoint.replication import Choice, Topology, ranks_per_node
 from megaresil.checkpoint.sources import CheckpointSource
+from megaresil.checkpoint.state import TrainingState
+from megaresil.checkpoint.validation import read_manifest
 from megaresil.config import ConfigError, ModelConfig, RecipeConfig, model_from_dict
 
 
@@ -68,19 +72,9 @@ def build_local_tier(cfg: RecipeConfig, events, group: Optional[dist.ProcessGrou
                      interval=local.interval, keep=local.keep, events=events, device=device)
 
 
-def save(trainer) -> None:
-    """Checkpoint the trainer's state at its current step."""
-    trainer.checkpointer.save_training(trainer.checkpoint_state)
-
-
-def save_local(trainer) -> None:
-    trainer.checkpointer.save_local(trainer.checkpoint_state, trainer.state.step)
-
-
-def candidates(trainer) -> list[Path]:
-    """Checkpoints to try, newest first, per checkpoint.load."""
-    load = trainer.cfg.checkpoint.load
-    root = trainer.checkpointer.root
+def candidates(load: str, root: Path) -> list[Path]:
+    """Checkpoints to try, newest first, per checkpoint.load (`load`) under
+    the checkpoint root."""
     if load == "none":
         return []
     if load != "auto":
@@ -93,53 +87,6 @@ def step_of(path: Path) -> Optional[int]:
     return int(found.group(1)) if found else None
 
 
-def choose(trainer, newer_than: Optional[int] = None,
-           skipped: Optional[list] = None) -> Optional[tuple[Path, dict]]:
-    """The newest global checkpoint that passes (marker, manifest,
-    checksums); each one skipped is reported with its reason (and added to
-    `skipped`). With `newer_than` (a recoverable local step) only newer ones
-    are tried, and finding none valid is no error: the local step serves."""
-    skipped = [] if skipped is None else skipped
-    for path in candidates(trainer):
-        if newer_than is not None and (step_of(path) or 0) <= newer_than:
-            break
-        try:
-            manifest = fmt.read_manifest(path)
-            reason = trainer.checkpointer.verify(path, manifest)
-        except fmt.CheckpointError as err:
-            reason = str(err)
-        if reason is None:
-            return path, manifest
-        skipped.append((path, reason))
-        if trainer.layout.rank == 0:
-            trainer.events.emit("checkpoint_skipped", path=str(path), reason=reason)
-    if newer_than is not None:
-        return None
-    if trainer.cfg.checkpoint.load not in ("auto", "none"):
-        raise NoValidCheckpoint(f"checkpoint.load={trainer.cfg.checkpoint.load}: {skipped[0][1]}")
-    if skipped:
-        listing = "; ".join(f"{p.name}: {r}" for p, r in skipped)
-        raise NoValidCheckpoint(
-            f"checkpoints exist under {trainer.checkpointer.root} but none is valid ({listing}). "
-            "Fix: move the bad ones away, or set checkpoint.load=none to start from scratch.")
-    return None
-
-
-def find_local(trainer) -> tuple[Optional[Choice], str]:
-    """Collective over the local tier: the newest local step every rank can
-    recover (None when there is none, or the tier is not consulted) and, if
-    none, why."""
-    local, load = trainer.checkpointer.local, trainer.cfg.checkpoint.load
-    if local is None:
-        return None, "the local tier is off (checkpoint.local.enabled=false)"
-    if load != "auto":
-        return None, f"checkpoint.load={load} names what to load"
-    choice = local.find(trainer.checkpoint_state.layout_record())
-    if choice.step is None:
-        return None, "; ".join(choice.skipped) or "no local step is held"
-    return choice, ""
-
-
 @dataclass(frozen=True)
 class Loaded:
     """What resume read, for the start-up line: its phase name and, for a
@@ -149,71 +96,190 @@ class Loaded:
     nbytes: Optional[int]
 
 
-def resume(trainer) -> Optional[Loaded]:
-    """Restart-from-latest across both tiers: the newest state every rank
-    can recover, a global checkpoint (at whatever layout it was saved from:
-    the rects reshard it) or a local step (same layout only), logged with the
-    tier and why the other was not used. Returns what was loaded, or None."""
-    if trainer.layout.rank == 0:
-        removed = fmt.clean_partials(trainer.checkpointer.root)
-        for name in removed:
-            trainer.events.emit("checkpoint_skipped", path=str(trainer.checkpointer.root / name),
-                                reason="incomplete save removed at start-up")
-    trainer.checkpointer.barrier()
-    local, why_not_local = find_local(trainer)
-    skipped_global: list = []
-    chosen = choose(trainer, newer_than=local.step if local else None, skipped=skipped_global)
-    if chosen is not None:
-        path, manifest = chosen
-        saved = trainer.checkpointer.load_training(path, manifest, trainer.checkpoint_state)
-        if local is not None:
-            why_not_local = f"local step {local.step} is older than global step {saved.step}"
-        loaded(trainer, saved, path, "global", {"local": why_not_local})
-        found = Loaded("checkpoint load", fmt.data_bytes(manifest))
-    elif local is not None:
-        saved = trainer.checkpointer.local.recover(local, trainer.checkpoint_state)
-        path = trainer.checkpointer.local.store.shard_dir(saved.step, trainer.layout.rank)
-        loaded(trainer, saved, path, "local", {"global": why_not_global(trainer, skipped_global,
-                                                                        saved.step)},
-               from_replicas=sorted(o for o, h in local.sources.items() if o != h))
-        found = Loaded("checkpoint load from the local tier", None)
-    else:
-        saved, found = None, None
-        # Nothing of this run's own to resume: a new run, from other weights if asked.
-        if trainer.cfg.checkpoint.init_from:
-            initialize_from(trainer, Path(trainer.cfg.checkpoint.init_from))
-    if trainer.checkpointer.local is not None:
-        trainer.checkpointer.local.discard_after(saved.step if saved else None)
-        trainer.checkpointer.local.check_space(trainer.checkpoint_state)
-    return found
+class TrainCheckpointing:
+    """One trainer's checkpoints: saving its `state` through `checkpointer`
+    (both tiers), resuming from the newest state every rank can recover,
+    and starting a new run from other weights. Events go out from rank 0."""
 
+    def __init__(self, cfg: RecipeConfig, checkpointer: Checkpointer, state: TrainingState,
+                 events, rank: int):
+        self.cfg, self.checkpointer, self.state = cfg, checkpointer, state
+        self.events, self.rank = events, rank
 
-def why_not_global(trainer, skipped: list, local_step: int) -> str:
-    reasons = [f"{p.name}: {r}" for p, r in skipped]
-    newest = next((s for p in candidates(trainer) if (s := step_of(p)) is not None), None)
-    if newest is None:
-        reasons.append("no global checkpoint")
-    elif newest <= local_step:
-        reasons.append(f"newest global step {newest} is not newer than local step {local_step}")
-    return "; ".join(reasons)
+    @property
+    def local(self) -> Optional[LocalTier]:
+        return self.checkpointer.local
 
+    def emit(self, event: str, **fields) -> None:
+        if self.rank == 0:
+            self.events.emit(event, **fields)
 
-def loaded(trainer, saved, path: Path, tier: str, skipped: dict, **extra) -> None:
-    if trainer.layout.rank == 0:
-        trainer.events.emit("checkpoint_loaded", step=saved.step, path=str(path),
-                            saved_layout=saved.layout,
-                            layout=trainer.checkpoint_state.layout_record(), tier=tier,
-                            skipped=skipped, **extra)
+    # --- saving -----------------------------------------------------------------
 
+    def save(self) -> None:
+        """Checkpoint the trainer's state at its current step."""
+        self.checkpointer.save_training(self.state)
 
-def finish(trainer) -> None:
-    """The run finished: with a global checkpoint of its last step
-    (checkpoint.interval not 0), the local shards are released."""
-    if trainer.checkpointer.local is not None and trainer.cfg.checkpoint.interval != 0:
-        trainer.checkpointer.local.remove_all()
+    def save_local(self, step: int) -> None:
+        self.checkpointer.save_local(self.state, step)
 
+    def finish(self) -> None:
+        """The run finished: with a global checkpoint of its last step
+        (checkpoint.interval not 0), the local shards are released."""
+        if self.local is not None and self.cfg.checkpoint.interval != 0:
+            self.local.remove_all()
 
-# --- checkpoint.init_from: a new run from other weights ---------------------------
+    # --- resuming ---------------------------------------------------------------
+
+    def candidates(self) -> list[Path]:
+        return candidates(self.cfg.checkpoint.load, self.checkpointer.root)
+
+    def choose(self, newer_than: Optional[int] = None,
+               skipped: Optional[list] = None) -> Optional[tuple[Path, dict]]:
+        """The newest global checkpoint that passes (marker, manifest,
+        checksums); each one skipped is reported with its reason (and added to
+        `skipped`). With `newer_than` (a recoverable local step) only newer ones
+        are tried, and finding none valid is no error: the local step serves."""
+        skipped = [] if skipped is None else skipped
+        for path in self.candidates():
+            if newer_than is not None and (step_of(path) or 0) <= newer_than:
+                break
+            try:
+                manifest = read_manifest(path)
+                reason = self.checkpointer.verify(path, manifest)
+            except fmt.CheckpointError as err:
+                reason = str(err)
+            if reason is None:
+                return path, manifest
+            skipped.append((path, reason))
+            self.emit("checkpoint_skipped", path=str(path), reason=reason)
+        if newer_than is not None:
+            return None
+        load = self.cfg.checkpoint.load
+        if load not in ("auto", "none"):
+            raise NoValidCheckpoint(f"checkpoint.load={load}: {skipped[0][1]}")
+        if skipped:
+            listing = "; ".join(f"{p.name}: {r}" for p, r in skipped)
+            raise NoValidCheckpoint(
+                f"checkpoints exist under {self.checkpointer.root} but none is valid ({listing}). "
+                "Fix: move the bad ones away, or set checkpoint.load=none to start from scratch.")
+        return None
+
+    def find_local(self) -> tuple[Optional[Choice], str]:
+        """Collective over the local tier: the newest local step every rank can
+        recover (None when there is none, or the tier is not consulted) and, if
+        none, why."""
+        load = self.cfg.checkpoint.load
+        if self.local is None:
+            return None, "the local tier is off (checkpoint.local.enabled=false)"
+        if load != "auto":
+            return None, f"checkpoint.load={load} names what to load"
+        choice = self.local.find(self.state.layout_record())
+        if choice.step is None:
+            return None, "; ".join(choice.skipped) or "no local step is held"
+        return choice, ""
+
+    def resume(self) -> Optional[Loaded]:
+        """Restart-from-latest across both tiers: the newest state every rank
+        can recover, a global checkpoint (at whatever layout it was saved from:
+        the rects reshard it) or a local step (same layout only), logged with
+        the tier and why the other was not used. Returns what was loaded, or
+        None."""
+        if self.rank == 0:
+            root = self.checkpointer.root
+            for name in fmt.clean_partials(root):
+                self.emit("checkpoint_skipped", path=str(root / name),
+                          reason="incomplete save removed at start-up")
+        self.checkpointer.barrier()
+        local, why_not_local = self.find_local()
+        skipped_global: list = []
+        chosen = self.choose(newer_than=local.step if local else None, skipped=skipped_global)
+        if chosen is not None:
+            path, manifest = chosen
+            saved = self.checkpointer.load_training(path, manifest, self.state)
+            if local is not None:
+                why_not_local = f"local step {local.step} is older than global step {saved.step}"
+            self._loaded(saved, path, "global", {"local": why_not_local})
+            found = Loaded("checkpoint load", fmt.data_bytes(manifest))
+        elif local is not None:
+            saved = self.local.recover(local, self.state)
+            path = self.local.store.shard_dir(saved.step, self.rank)
+            self._loaded(saved, path, "local",
+                         {"global": self.why_not_global(skipped_global, saved.step)},
+                         from_replicas=sorted(o for o, h in local.sources.items() if o != h))
+            found = Loaded("checkpoint load from the local tier", None)
+        else:
+            saved, found = None, None
+            # Nothing of this run's own to resume: a new run, from other weights if asked.
+            if self.cfg.checkpoint.init_from:
+                self.initialize_from(Path(self.cfg.checkpoint.init_from))
+        if self.local is not None:
+            self.local.discard_after(saved.step if saved else None)
+            self.local.check_space(self.state)
+        return found
+
+    def why_not_global(self, skipped: list, local_step: int) -> str:
+        reasons = [f"{p.name}: {r}" for p, r in skipped]
+        newest = next((s for p in self.candidates() if (s := step_of(p)) is not None), None)
+        if newest is None:
+            reasons.append("no global checkpoint")
+        elif newest <= local_step:
+            reasons.append(f"newest global step {newest} is not newer than local step "
+                           f"{local_step}")
+        return "; ".join(reasons)
+
+    def _loaded(self, saved, path: Path, tier: str, skipped: dict, **extra) -> None:
+        self.emit("checkpoint_loaded", step=saved.step, path=str(path),
+                  saved_layout=saved.layout, layout=self.state.layout_record(), tier=tier,
+                  skipped=skipped, **extra)
+
+    # --- checkpoint.init_from: a new run from other weights ---------------------
+
+    def initialize_from(self, path: Path) -> None:
+        """Start a new run from the weights at `path` (any layout): step 0, a
+        fresh optimizer and data from the start, unless init_from_optimizer
+        takes a full checkpoint's optimizer state, step and data position too."""
+        source, manifest = self._init_source(path)
+        with_optimizer = self.cfg.checkpoint.init_from_optimizer
+        if with_optimizer:
+            saved = self.checkpointer.load_training(path, manifest, self.state)
+            step, saved_layout = saved.step, saved.layout
+        else:
+            self.checkpointer.load_weights(source, self.state)
+            step, saved_layout = 0, manifest["layout"] if manifest else None
+        self.emit("initialized_from", path=str(path), step=step,
+                  source="checkpoint" if manifest else "hugging_face",
+                  optimizer=with_optimizer, saved_layout=saved_layout,
+                  layout=self.state.layout_record())
+
+    def _init_source(self, path: Path):
+        """The weights to start from, checked against this run's model."""
+        ours = self.cfg.model
+        if is_hf_directory(path):
+            if self.cfg.checkpoint.init_from_optimizer:
+                raise fmt.CheckpointError(f"checkpoint.init_from={path} is a Hugging Face model, "
+                                          "which has no optimizer state. Fix: drop "
+                                          "checkpoint.init_from_optimizer.")
+            model_keys, _ = hf_model_keys(path)
+            _require_same_model(path, model_from_dict(model_keys), ours)
+            return hf_source(path, ours), None
+        try:
+            source = CheckpointSource(path)
+        except fmt.CheckpointError as err:
+            raise fmt.CheckpointError(f"checkpoint.init_from={path}: {err}. Fix: give a "
+                                      "committed checkpoint (RUN/checkpoints/step_N) or a Hugging "
+                                      "Face model directory.") from None
+        reason = self.checkpointer.verify(path, source.manifest)
+        if reason:
+            raise fmt.CheckpointError(f"checkpoint.init_from={path} is corrupt: {reason}. Fix: "
+                                      "start from an earlier checkpoint.")
+        _require_same_model(path, model_from_dict(source.manifest["recipe"]["model"]), ours)
+        if self.cfg.checkpoint.init_from_optimizer and source.manifest.get("weights_only"):
+            raise fmt.CheckpointError(f"checkpoint.init_from={path} holds weights only, so "
+                                      "checkpoint.init_from_optimizer has no optimizer state to "
+                                      "take. Fix: drop init_from_optimizer, or give a full "
+                                      "checkpoint.")
+        return source, source.manifest
 
 
 def _require_same_model(path: Path, saved: ModelConfig, ours: ModelConfig) -> None:
@@ -223,51 +289,3 @@ def _require_same_model(path: Path, saved: ModelConfig, ours: ModelConfig) -> No
             f"checkpoint.init_from={path} holds a different model: {'; '.join(differences)}. "
             "Fix: set model.* as the source has it (megaresil train --from-hf DIR takes them "
             "from a Hugging Face config.json).")
-
-
-def _init_source(trainer, path: Path):
-    """The weights to start from, checked against this run's model."""
-    ours = trainer.cfg.model
-    if is_hf_directory(path):
-        if trainer.cfg.checkpoint.init_from_optimizer:
-            raise fmt.CheckpointError(f"checkpoint.init_from={path} is a Hugging Face model, "
-                                      "which has no optimizer state. Fix: drop "
-                                      "checkpoint.init_from_optimizer.")
-        model_keys, _ = hf_model_keys(path)
-        _require_same_model(path, model_from_dict(model_keys), ours)
-        return hf_source(path, ours), None
-    try:
-        source = CheckpointSource(path)
-    except fmt.CheckpointError as err:
-        raise fmt.CheckpointError(f"checkpoint.init_from={path}: {err}. Fix: give a committed "
-                                  "checkpoint (RUN/checkpoints/step_N) or a Hugging Face model "
-                                  "directory.") from None
-    reason = trainer.checkpointer.verify(path, source.manifest)
-    if reason:
-        raise fmt.CheckpointError(f"checkpoint.init_from={path} is corrupt: {reason}. Fix: "
-                                  "start from an earlier checkpoint.")
-    _require_same_model(path, model_from_dict(source.manifest["recipe"]["model"]), ours)
-    if trainer.cfg.checkpoint.init_from_optimizer and source.manifest.get("weights_only"):
-        raise fmt.CheckpointError(f"checkpoint.init_from={path} holds weights only, so "
-                                  "checkpoint.init_from_optimizer has no optimizer state to take. "
-                                  "Fix: drop init_from_optimizer, or give a full checkpoint.")
-    return source, source.manifest
-
-
-def initialize_from(trainer, path: Path) -> None:
-    """Start a new run from the weights at `path` (any layout): step 0, a
-    fresh optimizer and data from the start, unless init_from_optimizer
-    takes a full checkpoint's optimizer state, step and data position too."""
-    source, manifest = _init_source(trainer, path)
-    with_optimizer = trainer.cfg.checkpoint.init_from_optimizer
-    if with_optimizer:
-        saved = trainer.checkpointer.load_training(path, manifest, trainer.checkpoint_state)
-        step, saved_layout = saved.step, saved.layout
-    else:
-        trainer.checkpointer.load_weights(source, trainer.checkpoint_state)
-        step, saved_layout = 0, manifest["layout"] if manifest else None
-    if trainer.layout.rank == 0:
-        trainer.events.emit("initialized_from", path=str(path), step=step,
-                            source="checkpoint" if manifest else "hugging_face",
-                            optimizer=with_optimizer, saved_layout=saved_layout,
-                            layout=trainer.checkpoint_state.layout_record())

@@ -98,7 +98,9 @@ class Trainer:
         with phases.phase("data, model and optimizer build"):
             self.build(cfg, layout)
         started = phases.clock()
-        loaded = checkpointing.resume(self)
+        self.checkpointing = checkpointing.TrainCheckpointing(
+            cfg, self.checkpointer, self.checkpoint_state, self.events, layout.rank)
+        loaded = self.checkpointing.resume()
         if loaded is not None:
             phases.finished(loaded.phase, phases.clock() - started, loaded.nbytes)
         self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank)
@@ -324,7 +326,7 @@ class Trainer:
                     self.save()
                 if self.checkpointer.local_due(step):
                     with self.supervision.section("checkpoint", step):
-                        checkpointing.save_local(self)
+                        self.checkpointing.save_local(self.state.step)
                 if step == t.exit_at_step:
                     return "exited"
         except BaseException:
@@ -345,13 +347,13 @@ class Trainer:
     def save(self) -> None:
         started = time.perf_counter()
         with self.supervision.section("checkpoint", self.state.step):
-            checkpointing.save(self)
+            self.checkpointing.save()
         self.saves.saved(self.state.step, time.perf_counter() - started)
 
     def stop(self, outcome: str, last_record: Optional[dict] = None) -> str:
         self.checkpointer.close()  # a preemption checkpoint must be committed before exit
         if outcome == "finished":
-            checkpointing.finish(self)
+            self.checkpointing.finish()
         # The rank that writes metrics ends the story: under pipeline
         # parallelism only the last stage knows the loss the summary names.
         if self.layout.is_logging_rank:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megaresil.checkpoint.sharded import HeldMoments, MomentsOf
+from megaresil.checkpoint.keys import HeldMoments, MomentsOf
 from megaresil.compat import foreach_mul_, foreach_norm
 from megaresil.config import OptimizerConfig
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tests.harness.cli import ROOT
-from megaresil.checkpoint.diff import diff_checkpoints
+from megaresil.checkpoint.offline.diff import diff_checkpoints
 from megaresil.events import read_events, read_metrics
 from megaresil.resilience.faults import is_worker
 from megaresil.run_lock import HELD_ENV, LOCK_NAME, TREE_ENV, read_lock

@@ -15,8 +15,9 @@ import torch.multiprocessing as mp
 
 from tests.harness.dist import Case, recipe_for, run_cases
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.manager import Checkpointer
-from megaresil.checkpoint.planning import recipe_layout
+from megaresil.checkpoint.offline.planning import recipe_layout
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.state import RunState
 from megaresil.config import RecipeConfig, to_dict
@@ -113,7 +114,7 @@ def test_torch_dist_files_load_with_plain_dcp(exact):
     from megaresil.checkpoint.backends import get_backend
 
     path = exact / exact_name(8, "torch_dist", False, True) / "checkpoints" / "step_0000004"
-    manifest = fmt.read_manifest(path)
+    manifest = read_manifest(path)
     ours, plain = {}, {}
     for key, entry in manifest["tensors"].items():
         shape, dtype = tuple(entry["global_shape"]), fmt.torch_dtype(entry["dtype"])

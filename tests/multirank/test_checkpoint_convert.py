@@ -23,10 +23,10 @@ from tests.harness.cli import ROOT
 from tests.harness.dist import Case, run_cases
 from tests.harness.hf import megaresil_model
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.convert import Target, convert, converted_state
-from megaresil.checkpoint.diff import diff_checkpoints
-from megaresil.checkpoint.offline import write_checkpoint
-from megaresil.checkpoint.planning import planned_rects, recipe_layout
+from megaresil.checkpoint.offline.convert import Target, convert, converted_state
+from megaresil.checkpoint.offline.diff import diff_checkpoints
+from megaresil.checkpoint.offline.writer import write_checkpoint
+from megaresil.checkpoint.offline.planning import planned_rects, recipe_layout
 from megaresil.checkpoint.sources import CheckpointSource
 from megaresil.checkpoint.state import RunState
 from megaresil.cli import main
@@ -385,7 +385,7 @@ class SyntheticWeights:
 # just written the source, is large.
 MEASURE = """
 import json, sys
-import megaresil.checkpoint.convert, megaresil.cli, torch.distributed.checkpoint, zarr
+import megaresil.checkpoint.offline.convert, megaresil.cli, torch.distributed.checkpoint, zarr
 
 def peak_rss_kib():
     for line in open("/proc/self/status"):

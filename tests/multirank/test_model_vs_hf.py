@@ -6,7 +6,7 @@ import torch
 
 from tests.harness.dist import spawn_ranks
 from tests.harness.hf import llama32_style, parallel_logits
-from megaresil.checkpoint.hf import config_from_hf, from_hf
+from megaresil.checkpoint.hf.mapping import config_from_hf, from_hf
 from megaresil.config import Flavour, ModelConfig, model_from_dict
 from megaresil.ports import free_port
 from megaresil.model.gpt import GPT

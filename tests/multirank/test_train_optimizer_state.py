@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.harness.dist import Case, run_cases
-from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.validation import read_manifest
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.train import optim
 from megaresil.events import read_metrics
@@ -60,7 +60,7 @@ def test_resume_under_a_group_step_optimizer_is_bit_identical(tmp_path, group_st
     uninterrupted one: the step count (hence bias correction) comes back."""
     run_cases(1, [Case("straight"), Case("resumed", ["train.exit_at_step=4"], resume=True)],
               tmp_path)
-    manifest = fmt.read_manifest(tmp_path / "resumed" / "checkpoints" / "step_0000004")
+    manifest = read_manifest(tmp_path / "resumed" / "checkpoints" / "step_0000004")
     assert manifest["optimizer"]["adam_step"] == 4
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert sorted(resumed) == list(range(1, 11))

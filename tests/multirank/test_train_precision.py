@@ -12,6 +12,7 @@ import torch
 
 from tests.harness.dist import Case, recipe_for, train_case
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.validation import read_manifest
 from megaresil.events import read_metrics
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.train.loop import Trainer
@@ -56,7 +57,7 @@ def test_bf16_resume_is_bit_exact(runs):
 
 def test_bf16_checkpoint_holds_fp32_main_state_and_resumes_in_fp32(tmp_path):
     bf16 = run(tmp_path, "run", BF16 + ["train.exit_at_step=5"])
-    manifest = fmt.read_manifest(fmt.committed_checkpoints(tmp_path / "run" / "checkpoints")[0])
+    manifest = read_manifest(fmt.committed_checkpoints(tmp_path / "run" / "checkpoints")[0])
     dtypes = {key: t["dtype"] for key, t in manifest["tensors"].items()}
     assert set(dtypes.values()) == {"float32"}, dtypes
 

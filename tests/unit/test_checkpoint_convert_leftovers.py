@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.convert import Target, convert
+from megaresil.checkpoint.offline.convert import Target, convert
 from megaresil.cli import main
 
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ import torch
 
 from tests.harness.hf import llama32_style, megaresil_model
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.hf_io import HFTensorSource, HFWeights, hf_model_keys
+from megaresil.checkpoint.hf.io import HFTensorSource, HFWeights, hf_model_keys
 from megaresil.checkpoint.sharded import Rect
 from megaresil.cli import main
 from megaresil.config import from_dict

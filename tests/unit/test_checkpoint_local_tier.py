@@ -10,10 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megaresil.checkpoint.local_tier import (Cadence, NodeStore, Shard, add_checksums,
-                                             shard_problem, stage, unpack_into)
-from megaresil.checkpoint.replication import Topology, complete_step, transfers
+from megaresil.checkpoint.local.cadence import Cadence
+from megaresil.checkpoint.local.replication import Topology, complete_step, transfers
+from megaresil.checkpoint.local.shard import Shard, add_checksums, stage, unpack_into
+from megaresil.checkpoint.local.store import NodeStore
 from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.validation import shard_problem
 from megaresil.events import read_events, read_metrics
 from megaresil.ports import free_port
 from tests.harness.journey import home, megaresil  # noqa: F401  (home: a fixture)
@@ -171,7 +173,7 @@ def test_retention_keeps_the_newest_steps_of_what_this_rank_writes(tmp_path):
 
 def test_adaptive_interval_is_the_smallest_keeping_the_hold_within_five_percent(monkeypatch):
     clock = iter(float(i) for i in range(100))  # due() is called one second apart
-    monkeypatch.setattr("megaresil.checkpoint.local_tier.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("megaresil.checkpoint.local.cadence.time.perf_counter", lambda: next(clock))
     cadence = Cadence(interval=0)
     assert cadence.due(1)
     cadence.saving(1)
@@ -279,7 +281,7 @@ def test_restarts_take_the_newest_recoverable_step_from_either_tier_bit_exact(tm
     losses = lambda run: {r["step"]: r["loss"] for r in read_metrics(tmp_path / run)
                           if "loss" in r}
     assert losses("faulted") == losses("reference")
-    from megaresil.checkpoint.diff import diff_checkpoints
+    from megaresil.checkpoint.offline.diff import diff_checkpoints
     final = [tmp_path / run / "checkpoints" / "step_0000009" for run in ("reference", "faulted")]
     assert diff_checkpoints(*final).identical
 
@@ -366,9 +368,9 @@ class FakeClock:
 
 def single_tier(root: Path, monkeypatch):
     """A one-rank tier (no process group) on a FillingStore, saving every step."""
-    from megaresil.checkpoint.local_tier import LocalTier
+    from megaresil.checkpoint.local.tier import LocalTier
 
-    monkeypatch.setattr("megaresil.checkpoint.local_tier.training_rects",
+    monkeypatch.setattr("megaresil.checkpoint.local.shard.training_rects",
                         lambda state, include_copies: rects(float(state.step)))
     events = Recorded()
     tier = LocalTier(root, Topology(1, 1, 1), group=None, interval=1, keep=2, events=events,
@@ -389,11 +391,11 @@ def run_steps(tier, state: FakeState, clock: FakeClock, steps) -> None:
 
 def test_a_failed_local_save_is_removed_and_pauses_the_tier_which_retries_after_a_back_off(
         tmp_path, monkeypatch):
-    from megaresil.checkpoint.local_tier import RETRY_FIRST_S
+    from megaresil.checkpoint.local.cadence import RETRY_FIRST_S
     from megaresil.resilience.incidents import describe
 
     clock = FakeClock()
-    monkeypatch.setattr("megaresil.checkpoint.local_tier.time.perf_counter", clock)
+    monkeypatch.setattr("megaresil.checkpoint.local.tier.time.perf_counter", clock)
     tier, events = single_tier(tmp_path, monkeypatch)
     state = FakeState()
     run_steps(tier, state, clock, range(1, 3))
@@ -439,7 +441,7 @@ def test_a_rerun_never_takes_a_step_a_dead_save_left_half_written(tmp_path, monk
 
 
 def test_room_for_a_save_counts_every_rank_writing_on_a_filesystem_replicas_included():
-    from megaresil.checkpoint.replication import Space, space_shortfall
+    from megaresil.checkpoint.local.replication import Space, space_shortfall
 
     two_nodes = Topology(world=2, ranks_per_node=1, replicas=1)
     one_fs = [Space("host:1", f"/shm/node_{r}", free=250, shard=60) for r in range(2)]
@@ -454,14 +456,14 @@ def test_room_for_a_save_counts_every_rank_writing_on_a_filesystem_replicas_incl
 
 def test_a_local_dir_without_room_for_one_save_turns_the_tier_off_for_the_run(
         tmp_path, monkeypatch):
-    from megaresil.checkpoint.local_tier import shard_bytes
+    from megaresil.checkpoint.local.shard import shard_bytes
     from megaresil.resilience.incidents import describe
 
     tier, events = single_tier(tmp_path, monkeypatch)
     state = FakeState()
     needed = shard_bytes(state, 0, 1)
     assert needed > sum(r.nbytes for r in rects(0.0))  # data, meta and their blocks
-    monkeypatch.setattr("megaresil.checkpoint.local_tier.filesystem_space",
+    monkeypatch.setattr("megaresil.checkpoint.local.tier.filesystem_space",
                         lambda directory: ("host:1", needed - 1))
     tier.check_space(state)
     (off,) = events.events
@@ -472,7 +474,7 @@ def test_a_local_dir_without_room_for_one_save_turns_the_tier_off_for_the_run(
     run_steps(tier, state, FakeClock(), range(1, 5))
     assert tier.store.writes == 0 and tier.store.held() == {}
     state.step = 0
-    monkeypatch.setattr("megaresil.checkpoint.local_tier.filesystem_space",
+    monkeypatch.setattr("megaresil.checkpoint.local.tier.filesystem_space",
                         lambda directory: ("host:1", needed))
     tier.pause = None
     tier.check_space(state)
@@ -484,15 +486,16 @@ def _one_rank_full(rank: int, world: int, port: int, out: str) -> None:
     rank 1's storage fills up before step 2."""
     import json
     from datetime import timedelta
-    from megaresil.checkpoint import local_tier
+    from megaresil.checkpoint.local import shard as local_shard
+    from megaresil.checkpoint.local.tier import LocalTier
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))  # a hang fails
-    local_tier.training_rects = lambda state, include_copies: rects(float(state.step + rank))
+    local_shard.training_rects = lambda state, include_copies: rects(float(state.step + rank))
     events = Recorded()
-    tier = local_tier.LocalTier(Path(out), Topology(world, 1, 1), group=group, interval=1,
-                                keep=2, events=events, device=torch.device("cpu"))
+    tier = LocalTier(Path(out), Topology(world, 1, 1), group=group, interval=1,
+                     keep=2, events=events, device=torch.device("cpu"))
     tier.store = FillingStore(tier.store.root)
     state, clock = FakeState(world), FakeClock()
     run_steps(tier, state, clock, [1])

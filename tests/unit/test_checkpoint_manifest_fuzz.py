@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.inspect import verify
-from megaresil.checkpoint.local_tier import NodeStore, Shard, add_checksums, stage
+from megaresil.checkpoint.validation import read_manifest
+from megaresil.checkpoint.offline.inspect import verify
+from megaresil.checkpoint.local.shard import Shard, add_checksums, stage
+from megaresil.checkpoint.local.store import NodeStore
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.state import RunState
@@ -50,7 +52,7 @@ def test_every_flip_of_a_manifest_byte_is_refused(tmp_path, backend):
     for variant in flipped(original, 300):
         manifest.write_bytes(variant)
         with pytest.raises(fmt.CheckpointError):
-            fmt.read_manifest(directory)
+            read_manifest(directory)
         assert verify(directory)  # `ckpt verify` says INVALID, no traceback
     manifest.write_bytes(original)
     assert verify(directory) is None
@@ -71,16 +73,12 @@ def test_a_flipped_latest_never_chooses_the_checkpoint(tmp_path):
     the step directories, and a run directory or root resolves to the same
     newest valid checkpoint, whatever `latest` says; a damaged `latest` named
     by the user is refused or names a real step beside it."""
-    from types import SimpleNamespace
-
     from megaresil.checkpoint.location import resolve_checkpoint
     from megaresil.train.checkpointing import candidates
 
     saved_checkpoint(tmp_path, step=3)
     newest = saved_checkpoint(tmp_path, step=5)
     latest = tmp_path / fmt.LATEST
-    trainer = SimpleNamespace(cfg=SimpleNamespace(checkpoint=SimpleNamespace(load="auto")),
-                              checkpointer=SimpleNamespace(root=tmp_path))
     original = latest.read_bytes()
     assert original.strip() == newest.name.encode()
     every_bit = [original[:i] + bytes([original[i] ^ (1 << bit)]) + original[i + 1:]
@@ -88,7 +86,7 @@ def test_a_flipped_latest_never_chooses_the_checkpoint(tmp_path):
     crafted = [b"step_0000003\n", b"../../etc\n", b"step_0000003/../../x\n", b""]
     for variant in every_bit + crafted:
         latest.write_bytes(variant)
-        assert candidates(trainer)[0] == newest
+        assert candidates("auto", tmp_path)[0] == newest
         assert resolve_checkpoint(tmp_path)[0] == newest
         try:
             named, _ = resolve_checkpoint(latest)
@@ -133,7 +131,7 @@ def test_damaged_metadata_is_a_checkpoint_error_naming_the_file(tmp_path, damage
     damage(manifest)
     legacy(directory, manifest)
     with pytest.raises(fmt.CheckpointError, match=f"{directory.name}/{fmt.MANIFEST}"):
-        fmt.read_manifest(directory)
+        read_manifest(directory)
     assert verify(directory)
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint import manager
 from megaresil.checkpoint.manager import Checkpointer
-from megaresil.checkpoint.planning import recipe_layout
+from megaresil.checkpoint.offline.planning import recipe_layout
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.config import RecipeConfig, WatchdogConfig, to_dict

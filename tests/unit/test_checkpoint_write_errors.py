@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.validation import read_manifest, verify_shards
 from megaresil.checkpoint.backends import get_backend
-from megaresil.checkpoint.manager import Checkpointer, verify_shards
-from megaresil.checkpoint.planning import recipe_layout
+from megaresil.checkpoint.manager import Checkpointer
+from megaresil.checkpoint.offline.planning import recipe_layout
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.state import RunState
 from megaresil.config import RecipeConfig, to_dict
@@ -53,7 +54,7 @@ def assert_previous_checkpoint_valid(root: Path, step: int) -> None:
     """`latest` still names `step`, whose shards all pass their checksums."""
     assert (root / fmt.LATEST).read_text().strip() == fmt.step_dir_name(step)
     directory = root / fmt.step_dir_name(step)
-    manifest = fmt.read_manifest(directory)
+    manifest = read_manifest(directory)
     assert verify_shards(get_backend(manifest["backend"]), directory, manifest,
                          list(fmt.iter_shards(manifest))) is None
 

@@ -15,11 +15,12 @@ import torch
 import zarr
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.backends import get_backend, zarr_layout
 from megaresil.checkpoint.backends.zarr_layout import choose_chunking
 from megaresil.checkpoint.manager import Checkpointer
-from megaresil.checkpoint.offline import write_checkpoint
-from megaresil.checkpoint.planning import planned_rects, recipe_layout
+from megaresil.checkpoint.offline.writer import write_checkpoint
+from megaresil.checkpoint.offline.planning import planned_rects, recipe_layout
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.state import RunState
 from megaresil.cli import main
@@ -75,7 +76,7 @@ def test_uneven_split_keeps_one_file_per_writer_and_reads_with_plain_zarr(tmp_pa
     source = GlobalTensors(cfg)
     checkpoint = write_checkpoint(source, cfg, tmp_path / "ckpt", backend="zarr",
                                   weights_only=False, state=state_of(cfg), overwrite=False)
-    manifest = fmt.read_manifest(checkpoint)
+    manifest = read_manifest(checkpoint)
     pairs = sum(len(entry["shards"]) for entry in manifest["tensors"].values())
     assert sum(gcd_grid_files(e) for e in manifest["tensors"].values()) > 3 * pairs
     assert len(data_files(checkpoint)) <= pairs

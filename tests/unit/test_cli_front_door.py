@@ -161,7 +161,7 @@ def _gpt2_params(run):
 
 
 def test_diff_lists_only_the_differing_tensors(cli_main, run_with_checkpoints, tmp_path):
-    from megaresil.checkpoint.diff import DiffReport, KeyDiff, format_report
+    from megaresil.checkpoint.offline.diff import DiffReport, KeyDiff, format_report
 
     report = DiffReport(keys=[KeyDiff("model/a", True, True, 0.0, 0.0),
                               KeyDiff("model/b", False, False, 1.0, 0.5)])

@@ -89,7 +89,7 @@ def tiny_gpt2_dir(directory, n_positions: int = 64, **config_changes):
 
 
 def test_a_million_declared_layers_are_refused_from_the_headers(cli_main, tmp_path, monkeypatch):
-    from megaresil.checkpoint import hf
+    from megaresil.checkpoint.hf import mapping as hf
 
     hf_dir = tiny_gpt2_dir(tmp_path / "hf", n_layer=1_000_000)
     mapped = []
@@ -104,7 +104,7 @@ def test_a_million_declared_layers_are_refused_from_the_headers(cli_main, tmp_pa
 
 def test_a_declared_vocabulary_the_embedding_lacks_is_refused(tmp_path):
     from megaresil.checkpoint.format import CheckpointError
-    from megaresil.checkpoint.hf_io import hf_model_keys
+    from megaresil.checkpoint.hf.io import hf_model_keys
 
     hf_dir = tiny_gpt2_dir(tmp_path / "hf", vocab_size=10**12, n_embd=32)
     with pytest.raises(CheckpointError, match=r"vocab_size=1000000000000 but "
@@ -115,7 +115,7 @@ def test_a_declared_vocabulary_the_embedding_lacks_is_refused(tmp_path):
 
 def test_a_truncated_config_json_is_named(tmp_path):
     from megaresil.checkpoint.format import CheckpointError
-    from megaresil.checkpoint.hf_io import hf_model_keys
+    from megaresil.checkpoint.hf.io import hf_model_keys
 
     hf_dir = tiny_gpt2_dir(tmp_path / "hf")
     (hf_dir / "config.json").write_text('{"n_layer": 2, "vocab')

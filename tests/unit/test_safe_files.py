@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.local_tier import NodeStore, Shard, add_checksums, stage
+from megaresil.checkpoint.local.shard import Shard, add_checksums, stage
+from megaresil.checkpoint.local.store import NodeStore
 from megaresil.checkpoint.sharded import Rect
 from megaresil.config import ConfigError, LoggingConfig, load_recipe
 from megaresil.events import EventLog, read_events

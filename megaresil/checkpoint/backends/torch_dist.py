@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, TensorW
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megaresil.checkpoint.backends import Written
+from megaresil.checkpoint.backends.base import Written
 from megaresil.checkpoint.backends.dcp_read import SafeReader, narrowed
 from megaresil.checkpoint.backends.dcp_write import RankWriter, fsynced_in_background, merged
 from megaresil.checkpoint.format import CheckpointError, inside, naming_write_errors

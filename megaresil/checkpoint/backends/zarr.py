@@ -26,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-from megaresil.checkpoint.backends import Written
+from megaresil.checkpoint.backends.base import Written
 from megaresil.checkpoint.backends.dcp_read import narrowed
 from megaresil.checkpoint.backends.file_io import (FsyncBehind, fsync_threads, prefetch,
                                                    start_writeback)

@@ -3,7 +3,7 @@ process without a process group.
 
 The target is the source's recipe with the requested layout applied and
 validated like any recipe (errors name the key); the source is verified
-before anything is written; the tensors go through offline.write_checkpoint
+before anything is written; the tensors go through writer.write_checkpoint
 (streamed, committed atomically). Non-tensor state is carried over
 (`RunState`), with the target's layout and recipe.
 """
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.offline import refuse_existing, write_checkpoint
-from megaresil.checkpoint.planning import recipe_layout
+from megaresil.checkpoint.offline.planning import recipe_layout
+from megaresil.checkpoint.offline.writer import refuse_existing, write_checkpoint
 from megaresil.checkpoint.sources import CheckpointSource
 from megaresil.checkpoint.state import RunState
 from megaresil.config import (KEY_ALIASES, ConfigError, RecipeConfig, from_dict, parse_override,

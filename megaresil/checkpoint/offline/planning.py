@@ -3,7 +3,7 @@
 Each (pipeline rank, tensor rank) builds its model chunks on the meta device
 with the trainer's own code (`build_chunks`; the TP layers mark their shards),
 and each rank describes its state with the trainer's own function
-(`sharded.state_rects`; the distributed optimizer's `make_shard` for moments),
+(`keys.state_rects`; the distributed optimizer's `make_shard` for moments),
 so a planned rank's rects are exactly what that rank would save.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from megaresil.checkpoint.sharded import (MOMENTS, HeldMoments, MomentsOf, Rect, assign_writers,
-                                          state_rects)
+from megaresil.checkpoint.keys import MOMENTS, HeldMoments, MomentsOf, state_rects
+from megaresil.checkpoint.sharded import Rect, assign_writers
 from megaresil.checkpoint.state import layout_record
 from megaresil.config import RecipeConfig
 from megaresil.model.chunks import build_chunks

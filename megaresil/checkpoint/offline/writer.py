@@ -25,14 +25,16 @@ import torch
 from tqdm import tqdm
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.backends import Backend, get_backend
-from megaresil.checkpoint.manager import (build_manifest, check_shapes, commit, layout_plan,
-                                          rect_record)
-from megaresil.checkpoint.ondemand import OnDemandTensor
-from megaresil.checkpoint.planning import planned_rects, writer_share
-from megaresil.checkpoint.sharded import WEIGHTS, Rect
+from megaresil.checkpoint.backends import get_backend
+from megaresil.checkpoint.backends.base import Backend
+from megaresil.checkpoint.manager import build_manifest, commit, layout_plan, rect_record
+from megaresil.checkpoint.offline.ondemand import OnDemandTensor
+from megaresil.checkpoint.offline.planning import planned_rects, writer_share
+from megaresil.checkpoint.keys import WEIGHTS
+from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.sources import TensorSource, byte_batches
 from megaresil.checkpoint.state import RunState
+from megaresil.checkpoint.validation import check_shapes
 from megaresil.config import RecipeConfig
 
 

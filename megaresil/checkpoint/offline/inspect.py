@@ -8,10 +8,12 @@ import math
 from pathlib import Path
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.backends import get_backend
+from megaresil.checkpoint.validation import read_manifest, verify_shards
 
 
 def summary(path: Path) -> dict:
-    manifest = fmt.read_manifest(path)
+    manifest = read_manifest(path)
     per_rank: dict[int, int] = {}
     tensors = {}
     for key, entry in manifest["tensors"].items():
@@ -65,11 +67,8 @@ def format_summary(info: dict, tensors: bool = False) -> str:
 
 def verify(path: Path) -> str | None:
     """None when every shard is present and matches its checksum, else why not."""
-    from megaresil.checkpoint.backends import get_backend
-    from megaresil.checkpoint.manager import verify_shards
-
     try:
-        manifest = fmt.read_manifest(path)
+        manifest = read_manifest(path)
     except fmt.CheckpointError as err:
         return str(err)
     return verify_shards(get_backend(manifest["backend"]), path, manifest,

@@ -1,0 +1,114 @@
+"""A rank's state as one local shard: every rect it holds (the tied-embedding
+copy included) back to back in one byte buffer, and a meta record of each
+rect's place and checksum, the run state and the rank's RNG. A same-layout
+resume copies the bytes back with no resharding, so it is bit-exact."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.staging import StagingCopy
+from megaresil.checkpoint.state import RunState, TrainingState, training_rects
+
+SHARD_FORMAT = "megaresil-local-shard"
+SHARD_SLACK = 64 * 1024  # a shard's bytes on disk beyond data.bin and meta.json (marker, blocks)
+
+
+def shard_rects(state: TrainingState) -> list[Rect]:
+    """What a shard of `state` holds: every rect, the tied-embedding copy
+    included (a load target, so it is restored without a collective)."""
+    return training_rects(state, include_copies=True)
+
+
+@dataclass
+class Shard:
+    meta: dict  # SHARD_FORMAT's fields: step, owner, world, layout, run, rank_state, rects
+    data: torch.Tensor  # flat uint8: every rect's bytes at its record's `start`
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
+
+    @property
+    def owner(self) -> int:
+        return self.meta["owner"]
+
+
+def stage(rects: list[Rect], buffer: Optional[torch.Tensor],
+          copy: Optional[StagingCopy] = None) -> tuple[torch.Tensor, list[dict]]:
+    """Copy `rects` back to back into `buffer` (reused when it fits) by
+    `copy` (enqueued on a GPU: see StagingCopy); returns the buffer and each
+    rect's record (checksums come later)."""
+    copy = copy or StagingCopy.of([r.tensor for r in rects])
+    records, size = rect_records(rects)
+    if buffer is None or buffer.numel() != size:
+        buffer = copy.host_empty((size,), torch.uint8)
+    copy.into([view_of(buffer, rec) for rec in records], [r.tensor for r in rects])
+    return buffer, records
+
+
+def rect_records(rects: list[Rect]) -> tuple[list[dict], int]:
+    """Each rect's record, back to back from byte 0, and the bytes of all."""
+    records, start = [], 0
+    for r in rects:
+        records.append({"key": r.key, "global_shape": list(r.global_shape),
+                        "offset": list(r.offset), "shape": list(r.shape),
+                        "dtype": fmt.dtype_name(r.tensor), "start": start, "nbytes": r.nbytes})
+        start += r.nbytes
+    return records, start
+
+
+def shard_meta(run: RunState, owner: int, world: int, rng: dict, records: list[dict]) -> dict:
+    """A shard's meta.json (its records' checksums added once staged)."""
+    return {"format": SHARD_FORMAT, "version": 1, "step": run.step, "owner": owner,
+            "world": world, "layout": run.layout, "run": run.to_manifest(),
+            "rank_state": rng, "rects": records}
+
+
+def shard_bytes(state: TrainingState, owner: int, world: int) -> int:
+    """What one shard of `state` takes in the local tier's storage."""
+    records, size = rect_records(shard_rects(state))
+    for rec in records:
+        rec["checksum"] = "0" * 16  # an xxh3-64 digest's length
+    meta = shard_meta(state.run_state(), owner, world, state.rng_state(), records)
+    return size + len(json.dumps(meta, indent=1)) + SHARD_SLACK  # as write_json_atomic writes it
+
+
+def view_of(data: torch.Tensor, record: dict) -> torch.Tensor:
+    """The tensor a record describes, as a view into a shard's bytes."""
+    raw = data[record["start"]: record["start"] + record["nbytes"]]
+    return raw.view(fmt.torch_dtype(record["dtype"])).view(record["shape"])
+
+
+def add_checksums(data: torch.Tensor, records: list[dict]) -> None:
+    for rec in records:
+        rec["checksum"] = fmt.checksum(data[rec["start"]: rec["start"] + rec["nbytes"]])
+
+
+def unpack_into(shard: Shard, targets: list[Rect]) -> None:
+    """Fill this rank's `targets` from its own shard, matched by identity."""
+    saved = {(rec["key"], tuple(rec["offset"]), tuple(rec["shape"])): rec
+             for rec in shard.meta["rects"]}
+    wanted = {t.identity() for t in targets}
+    if wanted != set(saved):
+        differ = sorted(str(i[0]) for i in wanted ^ set(saved))
+        raise fmt.CheckpointError(f"the local shard of rank {shard.owner} at step {shard.step} "
+                                  f"does not hold this rank's tensors ({', '.join(differ[:4])}); "
+                                  "Fix: set checkpoint.local.enabled=false for this restart")
+    with torch.no_grad():
+        for t in targets:
+            t.tensor.copy_(view_of(shard.data, saved[t.identity()]))
+
+
+def saved_run_state(shard: Shard) -> RunState:
+    """The shard's run state, its owner's RNG state placed at the owner's
+    rank (the only one a rank restores)."""
+    saved = RunState.from_manifest(shard.meta["run"])
+    saved.rank_states = [None] * shard.meta["world"]
+    saved.rank_states[shard.owner] = shard.meta["rank_state"]
+    return saved

@@ -1,0 +1,314 @@
+"""LocalTier: the node-local checkpoint tier's saves, replication and
+recovery (docs/local-tier.md).
+
+Threads and groups as for the global tier: staging, writing, replication and
+the start-up collectives run on the tier's own thread over its own process
+group (async_save.BackgroundSaves), never the training thread's nor the
+global checkpointer's. When the world changes shape (elastic shrink) the
+shards do not fit: the restart takes the global tier, which reshards.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.async_save import BackgroundSaves, SaveReport, SaveRequest
+from megaresil.checkpoint.local.cadence import Cadence, Pause, retry_step
+from megaresil.checkpoint.local.replication import (Choice, Space, Topology, complete_step,
+                                                    decode_meta, encode_meta, header,
+                                                    space_shortfall, transfers)
+from megaresil.checkpoint.local.shard import (Shard, add_checksums, saved_run_state, shard_bytes,
+                                              shard_meta, shard_rects, stage, unpack_into)
+from megaresil.checkpoint.local.store import DIR_KEY, NodeStore, filesystem_space, node_dir
+from megaresil.checkpoint.staging import StagingCopy
+from megaresil.checkpoint.state import RunState, TrainingState
+from megaresil.checkpoint.validation import shard_problem
+from megaresil.compat import detach_process_group
+
+
+@dataclass
+class Outcome:
+    """One rank's side of a local save, gathered by every rank at its end."""
+    bytes: int
+    replica_bytes: int
+    seconds: float
+    replication_seconds: float
+    proposal: int  # the interval this rank proposes (Cadence)
+    problem: Optional[str]  # why this rank's writes failed, None when they did not
+    retry_at: int  # the step this rank proposes to retry at, should any rank have failed
+    retry_after_s: float
+
+
+class LocalTier(BackgroundSaves):
+    """This rank's side of the local tier: its node's store, its replicas'
+    peers (`topology`) and the cadence of its saves."""
+
+    def __init__(self, root: Path, topology: Topology, *, group: Optional[dist.ProcessGroup],
+                 interval: int, keep: int, events, device: torch.device):
+        super().__init__("ckpt-local", group, device)
+        self.device = device  # of the training state; the tier's thread works on it
+        self.topology, self.keep, self.events = topology, keep, events
+        self.rank = self.coll.rank
+        self.store = NodeStore(node_dir(root, topology.node_of(self.rank)))
+        self.mine = [self.rank, *topology.sources(self.rank)]  # the shards this rank writes
+        self.cadence = Cadence(interval)
+        self.buffer: Optional[torch.Tensor] = None  # staging, reused by every save
+        self.recv_buffers: dict[int, torch.Tensor] = {}
+        self.loaded: dict[int, Shard] = {}  # start-up: shards of the chosen step, by owner
+        self.pause: Optional[Pause] = None  # set and cleared by saves' agreement (and start-up)
+
+    # --- saving --------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return self.cadence.due(step)
+
+    def save(self, state: TrainingState, step: int) -> None:
+        """Start saving this rank's state after `step` as a local step:
+        staged, written, replicated and committed on the tier's thread; the
+        loop waits only for the staging copy, at its next optimizer step."""
+        started = time.perf_counter()
+        self.wait()  # after it, every rank knows the same pause
+        if self.pause is not None and self.pause.holds(step):
+            return
+        self.cadence.saving(step)
+        # The RNG is global to the process: read it here, before the next
+        # step draws from it. The rest is read on the tier's thread before
+        # the staging copy is done, which the next optimizer step awaits.
+        rng = state.rng_state()
+        report = SaveReport(self.events, "local_checkpoint_saved")
+        failures = self.pause.failures + 1 if self.pause else 1
+        retry = retry_step(step, failures, self.cadence.step_seconds())  # should this one fail
+        self._submit(SaveRequest(StagingCopy(self.device), report), self._stage_write_replicate,
+                     [state], rng, started, retry)
+        held = time.perf_counter() - started
+        report.loop_held(held)
+        self._loop_held(held)
+
+    def _loop_held(self, seconds: float) -> None:
+        self.cadence.held(seconds)
+
+    def _stage_write_replicate(self, holder: list[TrainingState], rng: dict, started: float,
+                               retry: tuple[int, float], request: SaveRequest) -> None:
+        # The state comes in a holder emptied once staged: a save abandoned
+        # with a job blocks in its collectives until their timeout, and must
+        # not keep the job's model (and its process groups, whose sockets
+        # tell peers blocked on them that this rank left) alive meanwhile.
+        state = holder.pop()
+        try:
+            run = state.run_state()
+            self.buffer, records = stage(shard_rects(state), self.buffer, request.copy)
+            meta = shard_meta(run, self.rank, self.coll.world, rng, records)
+        finally:
+            del state
+            request.staged.set()
+        request.copy.wait_on_host()
+        add_checksums(self.buffer, meta["rects"])
+        own = Shard(meta, self.buffer)
+        # Every rank goes through the replication and the final gather
+        # whatever its writes did, so none waits on a peer that gave up; the
+        # gather tells every rank whether the step stands.
+        problem = self._written([own])
+        replica_started = time.perf_counter()
+        received = self._replicate(own)
+        problem = problem or self._damaged(received) or self._written(received)
+        outcome = Outcome(own.data.numel(), sum(s.data.numel() for s in received),
+                          time.perf_counter() - started, time.perf_counter() - replica_started,
+                          self.cadence.proposal, problem, *retry)
+        gathered = self.coll.all_gather(outcome)
+        if self.abandoned:
+            # The job failed meanwhile: the next generation may be reading
+            # this node's shards; what this save left is retired by its
+            # retention (or cleaned at the next start-up).
+            return
+        self.cadence.agree([g.proposal for g in gathered])
+        failed = {rank: g.problem for rank, g in enumerate(gathered) if g.problem}
+        if failed:
+            self.store.remove(own.step, self.mine)
+            self._paused(own.step, failed, max(g.retry_at for g in gathered), retry[1])
+            return
+        self.pause = None
+        self.store.retain(self.keep, self.rank, self.mine)
+        if self.rank == 0:
+            request.report.saved(step=own.step, bytes=sum(g.bytes for g in gathered),
+                                 replica_bytes=sum(g.replica_bytes for g in gathered),
+                                 seconds=max(g.seconds for g in gathered),
+                                 replication_seconds=max(g.replication_seconds for g in gathered),
+                                 replicas=self.topology.copies, path=str(self.store.root.parent),
+                                 interval=self.cadence.every)
+
+    def _written(self, shards: list[Shard]) -> Optional[str]:
+        """Write `shards` here; None, or why a write failed (full storage,
+        any OSError): the tier pauses then, the run goes on."""
+        try:
+            for shard in shards:
+                self.store.write(shard)
+        except (OSError, fmt.CheckpointError) as err:
+            return str(err)
+        return None
+
+    @staticmethod
+    def _damaged(received: list[Shard]) -> Optional[str]:
+        """Why a replica that arrived is not what its owner sent, if it is
+        not: never committed, so the previous step's replica stands."""
+        for shard in received:
+            problem = shard_problem(shard)
+            if problem:
+                return (f"the replica of rank {shard.owner}'s step {shard.step} arrived "
+                        f"damaged: {problem}")
+        return None
+
+    def _paused(self, step: int, failed: dict[int, str], retry_at: int, backoff_s: float) -> None:
+        """Every rank, after a failed save: its shards of the step are gone;
+        pause until `retry_at`; rank 0 reports it."""
+        failures = self.pause.failures + 1 if self.pause else 1
+        first = min(failed)
+        reason = f"rank {first}: {failed[first]}"
+        self.pause = Pause(step, reason, retry_at, failures)
+        if self.rank == 0:
+            self.events.emit("local_tier_paused", step=step, reason=reason, ranks=sorted(failed),
+                             retry_at_step=retry_at, retry_after_s=backoff_s, failures=failures,
+                             path=str(self.store.root.parent))
+
+    def _replicate(self, own: Shard) -> list[Shard]:
+        """Send this rank's shard to its peers and take in its sources'."""
+        peers, sources = self.topology.peers(self.rank), self.topology.sources(self.rank)
+        if not peers:
+            return []
+        meta = encode_meta(own.meta)
+        heads = {src: torch.empty(2, dtype=torch.int64) for src in sources}
+        self.coll.exchange([(p, 0, header(meta, own.data)) for p in peers],
+                           [(s, 0, heads[s]) for s in sources])
+        metas = {s: torch.empty(int(heads[s][0]), dtype=torch.uint8) for s in sources}
+        for s in sources:
+            size = int(heads[s][1])
+            if s not in self.recv_buffers or self.recv_buffers[s].numel() != size:
+                self.recv_buffers[s] = torch.empty(size, dtype=torch.uint8)
+        self.coll.exchange([x for p in peers for x in ((p, 1, meta), (p, 2, own.data))],
+                           [x for s in sources for x in ((s, 1, metas[s]),
+                                                         (s, 2, self.recv_buffers[s]))])
+        return [Shard(decode_meta(metas[s]), self.recv_buffers[s]) for s in sources]
+
+    # --- start-up ------------------------------------------------------------------
+
+    def find(self, layout: dict) -> Choice:
+        """Collective: the newest local step every rank can recover at this
+        layout, checksums verified; this rank keeps what it holds of it."""
+        self.store.clean_partials(self.mine)
+        reports = self.coll.all_gather(self.store.report(layout, self.coll.world))
+        verified: set[int] = set()
+        while True:
+            choice = complete_step(reports, self.coll.world)
+            if choice.step is None or choice.step in verified:
+                return choice
+            step = choice.step
+            self.loaded.clear()  # of a step found wanting
+            mine = {owner: self._verified(step, owner)
+                    for owner, problem in reports[self.rank].get(step, {}).items()
+                    if problem is None}
+            for rank, found in enumerate(self.coll.all_gather(mine)):
+                if found:
+                    reports[rank][step].update(found)
+            verified.add(step)
+
+    def _verified(self, step: int, owner: int) -> Optional[str]:
+        try:
+            shard = self.store.read(step, owner)
+        except (OSError, ValueError, fmt.CheckpointError) as err:
+            return f"reading it failed: {err}"
+        problem = shard_problem(shard)
+        if problem is None:
+            self.loaded[owner] = shard
+        return problem
+
+    def recover(self, choice: Choice, state: TrainingState) -> RunState:
+        """Collective: shards move from holders to owners whose own copy is
+        missing or bad; each rank loads its own."""
+        sends, recvs, heads = [], [], {}
+        for holder, owner in transfers(choice.sources):
+            if holder == self.rank:
+                meta = encode_meta(self.loaded[owner].meta)
+                sends.append((owner, 0, header(meta, self.loaded[owner].data)))
+                sends += [(owner, 1, meta), (owner, 2, self.loaded[owner].data)]
+            if owner == self.rank:
+                heads[holder] = torch.empty(2, dtype=torch.int64)
+                recvs.append((holder, 0, heads[holder]))
+        # Headers first (sizes), then payloads; sends of both go out at once.
+        self.coll.exchange([s for s in sends if s[1] == 0], recvs)
+        payload = []
+        for holder, head in heads.items():
+            payload += [(holder, 1, torch.empty(int(head[0]), dtype=torch.uint8)),
+                        (holder, 2, torch.empty(int(head[1]), dtype=torch.uint8))]
+        self.coll.exchange([s for s in sends if s[1] > 0], payload)
+        shard = self._own_shard(choice, payload)
+        unpack_into(shard, shard_rects(state))
+        saved = saved_run_state(shard)
+        state.restore(saved)
+        self.loaded.clear()
+        return saved
+
+    def _own_shard(self, choice: Choice, payload: list) -> Shard:
+        holder = choice.sources[self.rank]
+        if holder == self.rank:
+            return self.loaded[self.rank]
+        (_, _, meta), (_, _, data) = payload  # from the one holder of this rank's shard
+        shard = Shard(decode_meta(meta), data)
+        problem = shard_problem(shard)
+        if problem:
+            raise fmt.CheckpointError(f"rank {self.rank}'s shard of step {choice.step} arrived "
+                                      f"from rank {holder} damaged: {problem}")
+        self.store.write(shard)  # this node holds its own shard again
+        return shard
+
+    def check_space(self, state: TrainingState) -> None:
+        """Collective, at start-up (after the resume, which retired later
+        steps): the tier stays off for this run when one save does not fit
+        in the free space of checkpoint.local.dir, counting on each
+        filesystem the shards of every rank writing there, replicas too."""
+        filesystem, free = filesystem_space(self.store.root)
+        mine = Space(filesystem, str(self.store.root), free,
+                     shard_bytes(state, self.rank, self.coll.world))
+        short = space_shortfall(self.coll.all_gather(mine), self.topology)
+        if short is None:
+            return
+        step, root = state.run_state().step, self.store.root.parent
+        reason = (f"{DIR_KEY}={root}: {short}. Fix: free space there, point {DIR_KEY} at "
+                  "storage with room (in Docker, a larger --shm-size), or set "
+                  "checkpoint.local.enabled=false")
+        self.pause = Pause(step, reason, retry_at=None)
+        if self.rank == 0:
+            self.events.emit("local_tier_paused", step=step, reason=reason, ranks=[],
+                             retry_at_step=None, retry_after_s=None, failures=0, path=str(root))
+
+    def discard_after(self, step: Optional[int]) -> None:
+        """The run resumed from `step` (None: from scratch): later local steps
+        are from an abandoned future and must never be chosen. Shards read
+        at start-up are let go."""
+        self.loaded.clear()
+        self.store.discard_after(-1 if step is None else step, self.mine)
+
+    # --- ending ----------------------------------------------------------------------
+
+    def remove_all(self) -> None:
+        """The run finished with a global checkpoint of its last step: this
+        rank's local shards are no longer needed (they hold memory)."""
+        self.discard_after(None)
+        for path in (self.store.root, self.store.root.parent):
+            try:
+                path.rmdir()
+            except OSError:
+                pass  # other ranks' shards still there
+
+    def abandon(self) -> None:
+        """The job failed (see BackgroundSaves.abandon): the committed local
+        steps stand."""
+        super().abandon()
+        # A save every step is nearly always in flight when a job fails: its
+        # blocked collective must not hold up the generation's teardown.
+        if self.coll.group is not None:
+            detach_process_group(self.coll.group)
