@@ -1,6 +1,8 @@
-"""The recipe: its typed schema (`schema`, `run`, `fields`), how a recipe is
+"""The recipe: its typed schema (`schema`, `run`, `faults`, `fields`), how a recipe is
 composed from configs/ and overrides (`loading`), and the rules that span
 fields (`validation`). Everything a caller needs is importable from here."""
+from megaresil.config.faults import (FAULT_KINDS, HANG_MODES, SECTIONS, FaultKind, FaultSpec,
+                                     HangMode, parse_fault, parse_faults)
 from megaresil.config.fields import (FRACTION, KEY_ALIASES, NON_NEGATIVE, POSITIVE, SEED, Bounds,
                                      ConfigError)
 from megaresil.config.loading import (PACKAGED_RECIPES, REPO_CONFIGS, find_recipe, from_dict,
@@ -16,10 +18,11 @@ from megaresil.config.schema import (FP8, ActivationOffload, Backend, DataConfig
                                      RecomputePolicy, RopeScalingConfig, RopeScalingType,
                                      TrainConfig, field_docs, microbatches_per_step,
                                      resolved_schedule)
-from megaresil.config.validation import (SECTIONS, numeric_fields, validate,
-                                         validate_world_size)
+from megaresil.config.validation import numeric_fields, validate, validate_world_size
 
 __all__ = [
+    "FAULT_KINDS", "HANG_MODES", "SECTIONS", "FaultKind", "FaultSpec", "HangMode", "parse_fault",
+    "parse_faults",
     "FRACTION", "KEY_ALIASES", "NON_NEGATIVE", "POSITIVE", "SEED", "Bounds", "ConfigError",
     "PACKAGED_RECIPES", "REPO_CONFIGS", "find_recipe", "from_dict", "load_recipe",
     "model_from_dict", "packaged_recipes", "parse_override", "to_dict", "to_yaml",
@@ -30,5 +33,5 @@ __all__ = [
     "OptimizerConfig", "ParallelConfig", "PipelineSchedule", "Precision", "RecipeConfig",
     "Recompute", "RecomputePolicy", "RopeScalingConfig", "RopeScalingType", "TrainConfig",
     "field_docs", "microbatches_per_step", "resolved_schedule",
-    "SECTIONS", "numeric_fields", "validate", "validate_world_size",
+    "numeric_fields", "validate", "validate_world_size",
 ]

@@ -62,10 +62,13 @@ FRACTION = Bounds(0, 1, high_open=True)  # probabilities, Adam betas, held-out s
 SEED = Bounds(0, 2**32, high_open=True)  # what numpy's seeding accepts
 
 
-def doc(default: Any, text: str, bounds: Optional[Bounds] = None, **kwargs: Any) -> Any:
+def doc(default: Any, text: str, bounds: Optional[Bounds] = None,
+        recipe_type: Optional[str] = None, **kwargs: Any) -> Any:
     """A dataclass field with its documentation (and, for numbers, the
-    values it admits, checked by `validate`) attached."""
-    metadata = {"doc": text, "bounds": bounds}
+    values it admits, checked by `validate`) attached. `recipe_type`: the
+    type `config docs` shows where a recipe writes the value differently
+    from its Python type (a typed record is written as a YAML mapping)."""
+    metadata = {"doc": text, "bounds": bounds, "recipe_type": recipe_type}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         # Each instance gets its own copy: a shared default would leak one
         # instance's edits into every other.

@@ -16,6 +16,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megaresil.config.faults import parse_faults
 from megaresil.config.fields import KEY_ALIASES, ConfigError, public_key
 from megaresil.config.schema import ModelConfig, RecipeConfig
 from megaresil.config.validation import validate
@@ -33,6 +34,21 @@ def _to_field_keys(data: dict) -> dict:
         if isinstance(data.get(sec), dict) and key in data[sec]:
             data[sec][private.split(".")[1]] = data[sec].pop(key)
     return data
+
+
+def _typed(piece: dict) -> dict:
+    """A recipe mapping in the schema's terms: keys that are Python keywords
+    renamed to their fields, faults typed."""
+    piece = _to_field_keys(piece)
+    if "faults" in piece:
+        piece["faults"] = _typed_value("faults", piece["faults"])
+    return piece
+
+
+def _typed_value(key: str, value: Any) -> Any:
+    """Faults become `FaultSpec`s here, checked with their own messages
+    (config/faults.py) before OmegaConf would check them against the schema."""
+    return parse_faults(value) if key == "faults" and isinstance(value, list) else value
 
 
 def _to_public_keys(data: dict) -> dict:
@@ -92,7 +108,7 @@ def _compose(recipe_path: Path) -> list[dict]:
         raise ConfigError("defaults", "must be a list of config names.",
                           "write defaults: [model/gpt-tiny, ...].")
     pieces = [_read_yaml(_resolve_piece(str(p), recipe_path)) for p in pieces] + [body]
-    return [_to_field_keys(piece) for piece in pieces]
+    return [_typed(piece) for piece in pieces]
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -155,7 +171,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
             if OmegaConf.select(merged, key, default="__missing__") == "__missing__":
                 raise ConfigError(key, "is not a recipe key.",
                                   "check the spelling (`megaresil config docs` lists every key).")
-            OmegaConf.update(merged, key, value, merge=False)
+            OmegaConf.update(merged, key, _typed_value(key, value), merge=False)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise _explain_omegaconf(err) from None
@@ -166,7 +182,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
 def from_dict(data: dict) -> RecipeConfig:
     """A `RecipeConfig` from a plain dict (e.g. the resolved recipe of a run)."""
     try:
-        data = _to_field_keys(copy.deepcopy(data))
+        data = _typed(copy.deepcopy(data))
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), data))
     except OmegaConfBaseException as err:
         raise _explain_omegaconf(err) from None
@@ -184,8 +200,10 @@ def model_from_dict(data: dict) -> ModelConfig:
 
 
 def to_dict(cfg: RecipeConfig) -> dict:
-    """Plain, YAML/JSON-safe dict of a resolved recipe."""
-    return _to_public_keys(OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
+    """Plain, YAML/JSON-safe dict of a resolved recipe; each fault as written."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    data["faults"] = [fault.to_dict() for fault in parse_faults(cfg.faults)]
+    return _to_public_keys(data)
 
 
 def to_yaml(cfg: RecipeConfig) -> str:

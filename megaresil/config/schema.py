@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megaresil.config.faults import FaultSpec
 from megaresil.config.fields import FRACTION, NON_NEGATIVE, POSITIVE, SEED, doc, public_key, section
 from megaresil.config.run import (SUPERVISION_BOUNDS, CheckpointConfig, LoggingConfig,
                                   ProfileConfig, ResilienceConfig, RunConfig)
@@ -254,16 +255,17 @@ class RecipeConfig:
     profile: ProfileConfig = section(ProfileConfig, "torch.profiler traces of chosen steps.")
     run: RunConfig = section(RunConfig, "Run directory.")
     resilience: ResilienceConfig = section(ResilienceConfig, "Detect, restart, recover.")
-    faults: list[dict[str, Any]] = doc([], "Injected faults: a list of {kind, rank, step, "
-                                       "section?, seconds?, mode?, generation?}; kind in kill, "
-                                       "raise, hang, slow, sigterm, corrupt_checkpoint, "
-                                       "corrupt_local_checkpoint, lose_local_node (the last "
-                                       "two need checkpoint.local); a hang's mode: sleep, "
-                                       "collective, gil, native or device (a CUDA kernel). "
-                                       "Each fires "
-                                       "once per run directory; generation: G waits for the "
-                                       "run's G-th restart (with section: setup, step: 0: a "
-                                       "fault during that restart).")
+    faults: list[FaultSpec] = doc([], "Injected faults: a list of {kind, rank, step, "
+                                  "section?, seconds?, mode?, generation?}; kind in kill, "
+                                  "raise, hang, slow, sigterm, corrupt_checkpoint, "
+                                  "corrupt_local_checkpoint, lose_local_node (the last "
+                                  "two need checkpoint.local); a hang's mode: sleep, "
+                                  "collective, gil, native or device (a CUDA kernel). "
+                                  "Each fires "
+                                  "once per run directory; generation: G waits for the "
+                                  "run's G-th restart (with section: setup, step: 0: a "
+                                  "fault during that restart).",
+                                  recipe_type="list[dict[str, Any]]")
 
 
 def resolved_schedule(p: ParallelConfig) -> PipelineSchedule:
@@ -290,5 +292,6 @@ def field_docs(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, st
         key = public_key(key)
         text = f.metadata.get("doc", "")
         bounds = f.metadata.get("bounds") or SUPERVISION_BOUNDS.get(key)
-        rows.append((key, str(f.type), repr(shown), f"{text} Allowed: {bounds}." if bounds else text))
+        shown_type = f.metadata.get("recipe_type") or str(f.type)
+        rows.append((key, shown_type, repr(shown), f"{text} Allowed: {bounds}." if bounds else text))
     return rows

@@ -6,7 +6,8 @@ import dataclasses
 import math
 from typing import Any, Iterator, Optional
 
-from megaresil.config.fields import NON_NEGATIVE, Bounds, public_key, require
+from megaresil.config.faults import LOCAL_FAULT_KINDS, parse_faults
+from megaresil.config.fields import Bounds, public_key, require
 from megaresil.config.run import SUPERVISION_BOUNDS, CheckpointConfig
 from megaresil.config.schema import (FP8, ActivationOffload, Backend, Flavour, ModelConfig,
                                      OptimizerConfig, ParallelConfig, PipelineSchedule,
@@ -163,41 +164,6 @@ def _validate_pipeline(cfg: RecipeConfig) -> None:
                 f"{p.pp * cfg.train.micro_batch_size * p.dp} or use schedule=gpipe.")
 
 
-FAULT_KINDS = ("kill", "raise", "hang", "slow", "sigterm", "corrupt_checkpoint",
-               "corrupt_local_checkpoint", "lose_local_node")
-LOCAL_FAULT_KINDS = ("corrupt_local_checkpoint", "lose_local_node")
-# How a hang fault blocks (resilience/faults.py): device needs a CUDA device.
-HANG_MODES = ("sleep", "collective", "gil", "native", "device")
-FAULT_KEYS = {"kind", "rank", "step", "section", "seconds", "mode", "generation"}
-SECTIONS = ("setup", "data", "forward_backward", "optimizer", "checkpoint", "eval")
-
-
-def _validate_faults(faults: list[dict]) -> None:
-    for i, fault in enumerate(faults):
-        key = f"faults[{i}]"
-        require(isinstance(fault, dict), key, "must be a mapping.", "write {kind: kill, rank: 0, step: 5}.")
-        unknown = set(fault) - FAULT_KEYS
-        require(not unknown, key, f"unknown field(s) {sorted(unknown)}.",
-                f"use only {sorted(FAULT_KEYS)}.")
-        require(fault.get("kind") in FAULT_KINDS, f"{key}.kind",
-                f"{fault.get('kind')!r} is not a fault kind.", f"use one of {list(FAULT_KINDS)}.")
-        for field_name in ("rank", "step"):
-            require(isinstance(fault.get(field_name), int) and fault[field_name] >= 0,
-                    f"{key}.{field_name}", "is required and must be an integer >= 0.",
-                    f"add {field_name}: N.")
-        seconds = fault.get("seconds", 0)
-        require(isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
-                and NON_NEGATIVE.admits(seconds), f"{key}.seconds",
-                f"must be a number >= 0, got {seconds!r}.", "give seconds: N (e.g. 0.5).")
-        require(isinstance(fault.get("generation", 1), int) and fault.get("generation", 1) >= 1,
-                f"{key}.generation", "must be an integer >= 1 (restarts seen before it fires).",
-                "write generation: 1 for the first restart, or leave it out.")
-        require(fault.get("section", "data") in SECTIONS, f"{key}.section",
-                f"{fault.get('section')!r} is not a section.", f"use one of {list(SECTIONS)}.")
-        require(fault.get("mode", "sleep") in HANG_MODES, f"{key}.mode",
-                f"{fault.get('mode')!r} is not a hang mode.", f"use one of {list(HANG_MODES)}.")
-
-
 def _validate_observing(cfg: RecipeConfig) -> None:
     require(cfg.logging.wandb.mode in WANDB_MODES, "logging.wandb.mode",
             f"{cfg.logging.wandb.mode!r} is not a W&B mode.", f"use one of {list(WANDB_MODES)}.")
@@ -218,8 +184,7 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_token_ids(cfg.model)
     _validate_batch(cfg)
     _validate_pipeline(cfg)
-    _validate_faults(cfg.faults)
-    local_faults = [f["kind"] for f in cfg.faults if f["kind"] in LOCAL_FAULT_KINDS]
+    local_faults = [f.kind.value for f in parse_faults(cfg.faults) if f.kind in LOCAL_FAULT_KINDS]
     require(cfg.checkpoint.local.enabled or not local_faults, "faults",
             f"{local_faults[0] if local_faults else ''} acts on the local checkpoint tier, "
             "which is off.", "set checkpoint.local.enabled=true.")
