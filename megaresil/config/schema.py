@@ -163,6 +163,11 @@ class ParallelConfig:
                                      "interleaved_1f1b or interleaved_zero_bubble; auto means "
                                      "1f1b, or interleaved_1f1b when vpp > 1.")
 
+    @property
+    def world_size(self) -> int:
+        """The ranks the layout needs: tp * pp * dp."""
+        return self.tp * self.pp * self.dp
+
 
 @dataclass
 class DataConfig:

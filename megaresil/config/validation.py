@@ -202,7 +202,7 @@ def validate(cfg: RecipeConfig) -> None:
 
 def _validate_local_tier(cfg: RecipeConfig) -> None:
     per_node = cfg.checkpoint.local.ranks_per_node
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    world = cfg.parallel.world_size
     if per_node:
         require(world % per_node == 0, "checkpoint.local.ranks_per_node",
                 f"{per_node} does not divide the world size tp*pp*dp = {world}.",
@@ -224,7 +224,7 @@ def _validate_data(cfg: RecipeConfig) -> None:
 
 def validate_world_size(cfg: RecipeConfig, world_size: int) -> None:
     p = cfg.parallel
-    need = p.tp * p.pp * p.dp
+    need = p.world_size
     require(need == world_size, "parallel",
             f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {need} but the world size is {world_size}.",
             f"launch {need} processes, or change parallel.dp to {world_size // (p.tp * p.pp) or 1}.")
