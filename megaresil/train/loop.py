@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -39,15 +38,9 @@ from megaresil.train.optim import (build_optimizer, clip_gradients, global_grad_
 from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
                                        optimizer_params, resolve, set_kernel_determinism,
                                        shard_main_params)
+from megaresil.train.progress import Progress
 from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.state import TrainerState
-
-
-@dataclass
-class TrainState:
-    """Where training stands; `consumed_samples` is the whole data position."""
-    step: int = 0
-    consumed_samples: int = 0
 
 
 def make_deterministic(cfg: RecipeConfig, device: torch.device) -> None:
@@ -139,7 +132,7 @@ class Trainer:
             shard_main_params(self.optimizer)
         self.grads = GradBuffers(self.params, self.opt_params, self.reducer(),
                                  grad_dtype=torch.float32)
-        self.state = TrainState()
+        self.state = Progress()
         self.checkpointer = checkpointing.build_checkpointer(cfg, self.events,
                                                              self.supervision.watchdog,
                                                              device=layout.device)
