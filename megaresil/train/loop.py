@@ -1,4 +1,7 @@
-"""The training loop: one function per part of a step, wired by `train`."""
+"""The training loop: `Trainer` builds one rank's part of the job (data,
+model chunks, optimizer, grad buffers, checkpointer) and `run` trains it to
+train.steps, one method per part of a step (data, forward_backward,
+optimizer), saving and evaluating between steps."""
 from __future__ import annotations
 
 import os
