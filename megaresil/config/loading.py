@@ -28,18 +28,21 @@ REPO_CONFIGS = PACKAGE_DIR / "configs"
 PACKAGED_RECIPES = PACKAGE_DIR / "recipes"
 
 
-def _to_field_keys(data: dict) -> dict:
+def _rename_aliased(data: dict, to_fields: bool) -> dict:
+    """Rename KEY_ALIASES' keys in a nested recipe dict: to their dataclass
+    fields (`to_fields`), or back to the recipe's spelling."""
     for public, private in KEY_ALIASES.items():
-        sec, key = public.split(".")
+        old, new = (public, private) if to_fields else (private, public)
+        sec, key = old.split(".")
         if isinstance(data.get(sec), dict) and key in data[sec]:
-            data[sec][private.split(".")[1]] = data[sec].pop(key)
+            data[sec][new.split(".")[1]] = data[sec].pop(key)
     return data
 
 
 def _typed(piece: dict) -> dict:
     """A recipe mapping in the schema's terms: keys that are Python keywords
     renamed to their fields, faults typed."""
-    piece = _to_field_keys(piece)
+    piece = _rename_aliased(piece, to_fields=True)
     if "faults" in piece:
         piece["faults"] = _typed_value("faults", piece["faults"])
     return piece
@@ -49,14 +52,6 @@ def _typed_value(key: str, value: Any) -> Any:
     """Faults become `FaultSpec`s here, checked with their own messages
     (config/faults.py) before OmegaConf would check them against the schema."""
     return parse_faults(value) if key == "faults" and isinstance(value, list) else value
-
-
-def _to_public_keys(data: dict) -> dict:
-    for public, private in KEY_ALIASES.items():
-        sec, key = private.split(".")
-        if isinstance(data.get(sec), dict) and key in data[sec]:
-            data[sec][public.split(".")[1]] = data[sec].pop(key)
-    return data
 
 
 class _RecipeLoader(yaml.SafeLoader):
@@ -203,7 +198,7 @@ def to_dict(cfg: RecipeConfig) -> dict:
     """Plain, YAML/JSON-safe dict of a resolved recipe; each fault as written."""
     data = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     data["faults"] = [fault.to_dict() for fault in parse_faults(cfg.faults)]
-    return _to_public_keys(data)
+    return _rename_aliased(data, to_fields=False)
 
 
 def to_yaml(cfg: RecipeConfig) -> str:
