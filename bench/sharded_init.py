@@ -29,10 +29,14 @@ from pathlib import Path
 
 import torch
 
-from megaresil.config import Flavour, ModelConfig
-from megaresil.model import init
-from megaresil.model.gpt import GPT
-from megaresil.parallel.tensor_parallel import TPGroup
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the "before" side slices global tensors as the tests do
+
+from megaresil.config import Flavour, ModelConfig  # noqa: E402
+from megaresil.model import init  # noqa: E402
+from megaresil.model.gpt import GPT  # noqa: E402
+from megaresil.parallel.tensor_parallel import TPGroup  # noqa: E402
+from tests.harness.model import assign_full  # noqa: E402
 
 # A Llama-style model of ~0.5B parameters: ~2 GB in fp32.
 CONFIG = dict(flavour=Flavour.llama, num_layers=8, hidden_size=2048, num_heads=16,
@@ -60,7 +64,7 @@ def full_tensor_init(model: GPT, cfg: ModelConfig, seed: int) -> None:
         else:
             generator = torch.Generator().manual_seed(init.key_seed(seed, key))
             full = torch.randn(shape, generator=generator) * init.init_std(key, cfg)
-        init.assign_full(param, full)
+        assign_full(param, full)
 
 
 def one_side(side: str, tp: int, rank: int) -> dict:

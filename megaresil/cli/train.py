@@ -33,7 +33,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if step is not None and step.one_task_per_rank:
         return slurm_task(args.recipe, overrides, cfg, step)
     if step is not None and not args.nnodes:
-        world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+        world = cfg.parallel.world_size
         membership = Membership.for_slurm(step, world, args.nproc_per_node, args.rdzv_backend,
                                           args.rdzv_endpoint)
     else:

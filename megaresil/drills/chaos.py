@@ -32,7 +32,7 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
                  rendezvous: Rendezvous = Rendezvous(), timeout_s: float = 900.0) -> dict:
     cfg = load_recipe(recipe, overrides)
     root = Path(cfg.run.dir)
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    world = cfg.parallel.world_size
     # The scenarios need to know the save steps: auto (or never) becomes every 2 steps.
     fixed = cfg.checkpoint.interval != "auto" and cfg.checkpoint.interval > 0
     interval = cfg.checkpoint.interval if fixed else 2

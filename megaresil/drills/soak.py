@@ -97,7 +97,7 @@ def run_soak(recipe: str, overrides: list[str], *, minutes: float, seed: int,
     RUN_DIR/soak.json."""
     if local:
         p = load_recipe(recipe, overrides).parallel
-        overrides = [*local_tier_settings(p.tp * p.pp * p.dp), *overrides]
+        overrides = [*local_tier_settings(p.world_size), *overrides]
     cfg = load_recipe(recipe, overrides)
     root = Path(cfg.run.dir)
     hog_procs = start_hogs(hogs)

@@ -60,7 +60,7 @@ def lost_worker_line(record: logging.LogRecord) -> bool:
 def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
            membership: Membership = Membership()) -> int:
     """Run local workers under a TorchElastic agent; returns the exit code."""
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    world = cfg.parallel.world_size
     nproc = membership.nproc_per_node or world
     gpus = visible_gpus()
     check_local_gpus(nproc, gpus)

@@ -33,7 +33,7 @@ def adapt_to_world(cfg: RecipeConfig, world: int) -> RecipeConfig:
     """Elastic membership: keep tp and pp, derive dp from the world size that
     actually formed; refuse clearly when that is impossible."""
     p = cfg.parallel
-    if world == p.tp * p.pp * p.dp or world % (p.tp * p.pp):
+    if world == p.world_size or world % (p.tp * p.pp):
         validate_world_size(cfg, world)
         return cfg
     resized = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=world // (p.tp * p.pp)))
@@ -62,7 +62,7 @@ def trainer_job(cfg: RecipeConfig, device: torch.device):
 def slurm_task(recipe: str, overrides: list[str], cfg: RecipeConfig, step: SlurmStep) -> int:
     """One Slurm task per rank: this task is the worker; returns the exit
     code the batch script acts on (75 after a preemption save: requeue)."""
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    world = cfg.parallel.world_size
     os.environ.update(step.worker_env(world))
     # torch is imported already, so the variable alone would not reach its pool.
     threads = os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(step.tasks_on_node)))

@@ -1,8 +1,8 @@
 """Fault injection for tests, chaos runs and users' own drills.
 
-A fault `{kind, rank, step, section?, seconds?, mode?, generation?}` fires on
-`rank` when the training loop enters `section` (default: data) of step
-`step`. Each fires once per run directory: a `fault_injected` event is written
+A fault `{kind, rank, step, section?, seconds?, mode?, generation?}` (typed and
+checked as config's `FaultSpec`) fires on `rank` when the training loop enters
+`section` (default: data) of step `step`. Each fires once per run directory: a `fault_injected` event is written
 before it acts, and faults already recorded there are skipped, so the restart
 a fault causes does not meet it again.
 
@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import psutil
 import torch
@@ -36,90 +36,100 @@ import torch.distributed as dist
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local.store import DATA, NodeStore
 from megaresil.compat import spin_cuda_kernel
-from megaresil.config import ConfigError
+from megaresil.config import ConfigError, FaultKind, FaultSpec, HangMode, parse_fault, parse_faults
 from megaresil.events import EventLog, read_events
 
+# A fault as the recipe writes it (drills build these) or as the schema types it.
+FaultLike = Union[FaultSpec, Mapping[str, Any]]
 
-def check_device_faults(faults: list[dict], gpus: int) -> None:
+
+def check_device_faults(faults: Iterable[FaultLike], gpus: int) -> None:
     """A device hang needs a kernel to hang on: refuse it before any worker starts
     (`megaresil train` and `chaos` call it)."""
-    device_hangs = [i for i, f in enumerate(faults) if f.get("mode") == "device"]
+    device_hangs = [i for i, f in enumerate(parse_faults(faults)) if f.mode == HangMode.device]
     if device_hangs and gpus == 0:
         raise ConfigError(f"faults[{device_hangs[0]}].mode", "device hangs a CUDA kernel and "
                           "this node sees no GPU.", "use mode: native (or sleep) on a CPU machine.")
 
 
-def check_fault_ranks(faults: list[dict], world: int) -> None:
+def check_fault_ranks(faults: Iterable[FaultLike], world: int) -> None:
     """A fault on a rank the job does not have would never fire: a drill that
     tests nothing. Checked by the launcher against the world it starts, not
     by the recipe's validation, which also runs when an elastic job re-forms
     smaller (a fault aimed at a lost node's rank has done its work then)."""
-    for i, fault in enumerate(faults):
-        if fault["rank"] >= world:
-            raise ConfigError(f"faults[{i}].rank", f"{fault['rank']} is not a rank of this job "
+    for i, fault in enumerate(parse_faults(faults)):
+        if fault.rank >= world:
+            raise ConfigError(f"faults[{i}].rank", f"{fault.rank} is not a rank of this job "
                               f"(tp*pp*dp = {world}: ranks 0..{world - 1}).",
                               f"give a rank below {world}.")
 
 
-def fault_id(fault: dict) -> str:
-    name = f"{fault['kind']}@rank{fault['rank']}/step{fault['step']}/{fault.get('section', 'data')}"
-    return f"{name}/gen{fault['generation']}" if "generation" in fault else name
+def fault_id(fault: FaultLike) -> str:
+    """The name a `fault_injected` event records, which keeps it from firing twice."""
+    spec = parse_fault(fault, "faults")
+    name = f"{spec.kind.value}@rank{spec.rank}/step{spec.step}/{spec.fires_in}"
+    return name if spec.generation is None else f"{name}/gen{spec.generation}"
 
 
 class FaultInjector:
-    def __init__(self, faults: list[dict], *, rank: int, run_dir: Path, checkpoint_root: Path,
-                 events: EventLog, local_node_dir: Optional[Path] = None):
+    """Fires this rank's faults (recipe mappings or `FaultSpec`s) as the loop
+    enters their sections."""
+
+    def __init__(self, faults: Iterable[FaultLike], *, rank: int, run_dir: Path,
+                 checkpoint_root: Path, events: EventLog, local_node_dir: Optional[Path] = None):
         # Rank 0 records a restart before the rendezvous of the generation it
         # starts, so every rank counts the same restarts here.
         history = read_events(run_dir)
         fired = {e.get("fault") for e in history if e["event"] == "fault_injected"}
         restarts = sum(e["event"] == "restart" for e in history)
-        self.pending = [f for f in faults if f["rank"] == rank and fault_id(f) not in fired
-                        and f.get("generation", 0) <= restarts]
+        specs = parse_faults(faults)
+        self.pending = [f for f in specs if f.rank == rank and fault_id(f) not in fired
+                        and f.restarts_needed <= restarts]
         self.slow_seconds = 0.0
         self.events, self.checkpoint_root = events, checkpoint_root
         # None when the local tier is off (config refuses local faults then).
         self.rank, self.local_node_dir = rank, local_node_dir
         # Every rank takes part in creating the group a collective hang blocks
         # on; afterwards only the faulty rank ever enters it.
-        wants_group = any(f["kind"] == "hang" and f.get("mode") == "collective" for f in faults)
+        wants_group = any(f.kind == FaultKind.hang and f.mode == HangMode.collective
+                          for f in specs)
         self.hang_group = (dist.new_group(backend="gloo")
                            if wants_group and dist.is_initialized() else None)
+        self.actions: dict[FaultKind, Callable[[FaultSpec], None]] = {
+            FaultKind.kill: lambda f: os.kill(os.getpid(), signal.SIGKILL),
+            FaultKind.raise_: self._raise,
+            FaultKind.hang: lambda f: hang(f.hang_mode, self.hang_group),
+            FaultKind.slow: self._slow_down,
+            FaultKind.sigterm: lambda f: os.kill(os.getpid(), signal.SIGTERM),
+            FaultKind.corrupt_checkpoint: lambda f: corrupt_newest(self.checkpoint_root),
+            FaultKind.corrupt_local_checkpoint: self._corrupt_local,
+            FaultKind.lose_local_node: lambda f: lose_node(self.local_node_dir),
+        }
 
     def on_section(self, section: str, step: int) -> None:
         """Called as the loop enters a section; fires the faults due there."""
         if self.slow_seconds and section == "data":
             compute_for(self.slow_seconds)
         for fault in list(self.pending):
-            if fault["step"] == step and fault.get("section", "data") == section:
+            if fault.step == step and fault.fires_in == section:
                 self.pending.remove(fault)
-                self.events.emit("fault_injected", fault=fault_id(fault), kind=fault["kind"],
+                self.events.emit("fault_injected", fault=fault_id(fault), kind=fault.kind.value,
                                  step=step, section=section)
-                self._fire(fault)
+                self.actions[fault.kind](fault)
 
-    def _fire(self, fault: dict) -> None:
-        kind = fault["kind"]
-        if kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif kind == "raise":
-            raise InjectedFault(f"injected exception ({fault_id(fault)})")
-        elif kind == "hang":
-            hang(fault.get("mode", "sleep"), self.hang_group)
-        elif kind == "slow":
-            self.slow_seconds = float(fault.get("seconds", 1.0))
-            compute_for(self.slow_seconds)
-        elif kind == "sigterm":
-            os.kill(os.getpid(), signal.SIGTERM)
-        elif kind == "corrupt_checkpoint":
-            corrupt_newest(self.checkpoint_root)
-        elif kind == "corrupt_local_checkpoint":
-            for shard in own_local_shards(self.local_node_dir, self.rank):
-                try:
-                    flip_middle_byte(shard / DATA)
-                except FileNotFoundError:
-                    pass  # retired by retention meanwhile: nothing left to damage
-        elif kind == "lose_local_node":
-            lose_node(self.local_node_dir)
+    def _raise(self, fault: FaultSpec) -> None:
+        raise InjectedFault(f"injected exception ({fault_id(fault)})")
+
+    def _slow_down(self, fault: FaultSpec) -> None:
+        self.slow_seconds = fault.slow_seconds
+        compute_for(self.slow_seconds)
+
+    def _corrupt_local(self, fault: FaultSpec) -> None:
+        for shard in own_local_shards(self.local_node_dir, self.rank):
+            try:
+                flip_middle_byte(shard / DATA)
+            except FileNotFoundError:
+                pass  # retired by retention meanwhile: nothing left to damage
 
 
 # Run apart from the workers: wait for the given processes to end, then
@@ -180,20 +190,20 @@ def compute_for(seconds: float) -> None:
         sum(range(10_000))
 
 
-def hang(mode: str, group: Optional[dist.ProcessGroup]) -> None:
+def hang(mode: HangMode, group: Optional[dist.ProcessGroup]) -> None:
     """Block forever: in Python (sleep), inside a collective nobody else joins
     (collective), in C code that holds the GIL (gil), in C code that released
     it (native), or on a CUDA kernel that never ends (device)."""
-    if mode == "collective" and group is not None:
+    if mode == HangMode.collective and group is not None:
         dist.barrier(group=group)  # peers never arrive
-    if mode == "gil":
+    if mode == HangMode.gil:
         # libc sleep through PyDLL keeps the GIL: no other thread of this process runs.
         ctypes.PyDLL(None).sleep(10**6)
-    if mode == "native":
+    if mode == HangMode.native:
         # Through CDLL the GIL is released: the monitor runs, but no exception
         # raised in this thread is seen until the call returns.
         ctypes.CDLL(None).sleep(10**6)
-    if mode == "device":
+    if mode == HangMode.device:
         # The host thread waits in a synchronize (spinning, so it looks busy).
         spin_cuda_kernel(DEVICE_HANG_CYCLES)
         torch.cuda.synchronize()

@@ -1,10 +1,12 @@
-"""The training loop: one function per part of a step, wired by `train`."""
+"""The training loop: `Trainer` builds one rank's part of the job (data,
+model chunks, optimizer, grad buffers, checkpointer) and `run` trains it to
+train.steps, one method per part of a step (data, forward_backward,
+optimizer), saving and evaluating between steps."""
 from __future__ import annotations
 
 import os
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -39,15 +41,9 @@ from megaresil.train.optim import (build_optimizer, clip_gradients, global_grad_
 from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
                                        optimizer_params, resolve, set_kernel_determinism,
                                        shard_main_params)
+from megaresil.train.progress import Progress
 from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.state import TrainerState
-
-
-@dataclass
-class TrainState:
-    """Where training stands; `consumed_samples` is the whole data position."""
-    step: int = 0
-    consumed_samples: int = 0
 
 
 def make_deterministic(cfg: RecipeConfig, device: torch.device) -> None:
@@ -141,7 +137,7 @@ class Trainer:
             shard_main_params(self.optimizer)
         self.grads = GradBuffers(self.params, self.opt_params, self.reducer(),
                                  grad_dtype=torch.float32)
-        self.state = TrainState()
+        self.state = Progress()
         self.checkpointer = checkpointing.build_checkpointer(cfg, self.events,
                                                              self.supervision.watchdog,
                                                              device=layout.device)

@@ -34,8 +34,7 @@ class StepFigures:
 
     @classmethod
     def for_recipe(cls, cfg: RecipeConfig, device: torch.device) -> "StepFigures":
-        p = cfg.parallel
-        return cls(flops_per_step(cfg), p.tp * p.pp * p.dp, peak_tflops(cfg, device), device)
+        return cls(flops_per_step(cfg), cfg.parallel.world_size, peak_tflops(cfg, device), device)
 
     def of(self, step_time_s: float) -> dict[str, float]:
         tflops = achieved_tflops(self.flops_per_step, step_time_s, self.devices)

@@ -189,10 +189,3 @@ def clip_gradients(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm
         return
     scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     foreach_mul_(grads, scale.to(grads[0].device))
-
-
-def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of optimizer state tensors held by this rank."""
-    inner = getattr(optimizer, "inner", optimizer)
-    return sum(t.numel() * t.element_size() for state in inner.state.values()
-               for t in state.values() if torch.is_tensor(t) and t.ndim > 0)

@@ -9,7 +9,7 @@
   resumes under fp32 and vice versa. Under the distributed optimizer (ZeRO-1)
   each DP rank keeps only its row shard of the fp32 main weights (and grads),
   as Megatron's distributed optimizer does: `shard_main_params`.
-- `amp`: fp32 parameters under bf16 autocast (the previous `bf16`).
+- `amp`: fp32 parameters under bf16 autocast.
 - `auto`: fp32 on CPU, bf16 on CUDA.
 """
 from __future__ import annotations

@@ -37,8 +37,7 @@ def job_mtbf_hours(cfg: RecipeConfig) -> float:
     """resilience.mtbf_hours, or the planner's cluster profile scaled to this job's GPUs."""
     if cfg.resilience.mtbf_hours:
         return cfg.resilience.mtbf_hours
-    world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-    return mtbf_hours(job_kinds(load_profile(), world))
+    return mtbf_hours(job_kinds(load_profile(), cfg.parallel.world_size))
 
 
 def never_saving_warning(cfg: RecipeConfig) -> Optional[str]:

@@ -16,10 +16,10 @@ from megaresil.config import RecipeConfig, to_dict
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.random import capture_rng_state, restore_rng_state
 from megaresil.train.optim import AdamState
+from megaresil.train.progress import Progress
 
 if TYPE_CHECKING:
     from megaresil.resilience.watchdog.monitor import Watchdog
-    from megaresil.train.loop import TrainState
 
 # The RunState.extra field that carries the watchdog's calibration, so a
 # restart does not recalibrate from zero.
@@ -31,7 +31,7 @@ class TrainerState:
     Holds the trainer's live objects: saving reads them, loading fills them."""
 
     def __init__(self, cfg: RecipeConfig, layout: ParallelLayout,
-                 named_params: list[tuple[str, nn.Parameter]], optimizer, position: TrainState,
+                 named_params: list[tuple[str, nn.Parameter]], optimizer, position: Progress,
                  watchdog: Optional[Watchdog] = None,
                  after_load: Optional[Callable[[], None]] = None):
         """`named_params`: what is saved under each key (under bf16, the fp32

@@ -21,7 +21,6 @@ from megaresil.config import load_recipe
 from megaresil.ports import free_port
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.train.loop import Trainer
-from megaresil.train.optim import optimizer_state_bytes
 
 from tests.harness.cli import ROOT
 
@@ -103,6 +102,13 @@ def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
             grad = grad[: trainer.cfg.model.vocab_size]
         grads[key] = grad
     return grads
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state tensors held by this rank."""
+    inner = getattr(optimizer, "inner", optimizer)
+    return sum(t.numel() * t.element_size() for state in inner.state.values()
+               for t in state.values() if torch.is_tensor(t) and t.ndim > 0)
 
 
 def run_case(case: Case, out: Path) -> None:

@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.harness.model import load_full_state
 from megaresil.checkpoint.sources import CheckpointSource, full_tensors
 from megaresil.config import from_dict, load_recipe
 from megaresil.launch.from_hf import from_hf_overrides
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.tensor_parallel import gather_vocab
 from megaresil.model.gpt import GPT
-from megaresil.model.init import load_full_state
 from megaresil.train.loop import Trainer
 from tests.harness.cli import ROOT
 

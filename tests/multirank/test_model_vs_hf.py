@@ -10,7 +10,7 @@ from megaresil.checkpoint.hf.mapping import config_from_hf, from_hf
 from megaresil.config import Flavour, ModelConfig, model_from_dict
 from megaresil.ports import free_port
 from megaresil.model.gpt import GPT
-from megaresil.model.init import load_full_state
+from tests.harness.model import load_full_state
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,6 +7,7 @@ from megaresil.config import Flavour, ModelConfig
 from megaresil.model import init
 from megaresil.model.gpt import GPT
 from megaresil.parallel.tensor_parallel import TPGroup
+from tests.harness.model import local_slice
 
 
 def config(flavour: str) -> ModelConfig:
@@ -39,7 +40,7 @@ def test_every_rank_holds_its_slice_of_the_single_process_values(flavour, small_
                 if init.vocab_rows(key, cfg):
                     assert not full[cfg.vocab_size:].any(), key  # padding is zero
                     full = full[:cfg.vocab_size]
-                expected = init.local_slice(param, full)
+                expected = local_slice(param, full)
                 torch.testing.assert_close(param.detach(), expected, rtol=0, atol=0,
                                            msg=f"{key} tp={tp} rank={rank}")
 

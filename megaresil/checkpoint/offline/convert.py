@@ -81,7 +81,7 @@ def fresh_rank_states(cfg: RecipeConfig) -> list[dict]:
     torch.manual_seed(cfg.train.seed)
     fresh = capture_rng_state()
     restore_rng_state(saved)
-    return [fresh] * (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp)
+    return [fresh] * cfg.parallel.world_size
 
 
 def converted_state(manifest: dict, cfg: RecipeConfig, weights_only: bool) -> RunState:

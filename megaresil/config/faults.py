@@ -1,0 +1,133 @@
+"""The `faults` recipe key: injected faults as typed `FaultSpec`s, checked here.
+
+A recipe writes a fault as a mapping, `{kind: kill, rank: 1, step: 7}`;
+`parse_fault` checks it and types it. Only the fields written are kept (the
+others are None and take their meaning from the properties below), so a
+resolved recipe, and the checkpoints that store it, holds each fault as it
+was written and an older checkpoint's faults read back unchanged.
+resilience/faults.py fires them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Union
+
+from megaresil.config.fields import NON_NEGATIVE, require
+
+
+class FaultKind(str, enum.Enum):
+    kill = "kill"  # SIGKILL the rank's own process
+    raise_ = "raise"  # an exception in the training thread
+    hang = "hang"  # block forever (how: HangMode)
+    slow = "slow"  # compute `seconds` more at every step from then on
+    sigterm = "sigterm"  # a preemption notice
+    corrupt_checkpoint = "corrupt_checkpoint"  # flip bytes of the newest global checkpoint
+    # The local tier's (checkpoint.local): flip a byte of every committed
+    # shard of the rank's own; kill the rank and empty its node's directory.
+    corrupt_local_checkpoint = "corrupt_local_checkpoint"
+    lose_local_node = "lose_local_node"
+
+
+LOCAL_FAULT_KINDS = (FaultKind.corrupt_local_checkpoint, FaultKind.lose_local_node)
+
+
+class HangMode(str, enum.Enum):
+    """How a hang blocks (resilience/faults.py `hang`); device needs a CUDA device."""
+    sleep = "sleep"
+    collective = "collective"
+    gil = "gil"
+    native = "native"
+    device = "device"
+
+
+# The sections of a step a fault can fire in (the watchdog's sections too).
+SECTIONS = ("setup", "data", "forward_backward", "optimizer", "checkpoint", "eval")
+
+
+@dataclass
+class FaultSpec:
+    kind: FaultKind
+    rank: int
+    step: int
+    section: Optional[str] = None  # None: data
+    # slow: seconds per step; None: 1. An int stays one, as the recipe wrote it.
+    seconds: Optional[Union[int, float]] = None
+    mode: Optional[HangMode] = None  # hang: None is sleep
+    # Restarts the run directory has seen before the fault may fire; None: 0.
+    generation: Optional[int] = None
+
+    @property
+    def fires_in(self) -> str:
+        """The section whose start fires it."""
+        return self.section or "data"
+
+    @property
+    def hang_mode(self) -> HangMode:
+        return self.mode or HangMode.sleep
+
+    @property
+    def slow_seconds(self) -> float:
+        return float(1.0 if self.seconds is None else self.seconds)
+
+    @property
+    def restarts_needed(self) -> int:
+        return self.generation or 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mapping a recipe writes: the fields given, enums as their values."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
+
+
+FAULT_KEYS = {f.name for f in dataclasses.fields(FaultSpec)}
+FAULT_KINDS = tuple(kind.value for kind in FaultKind)
+HANG_MODES = tuple(mode.value for mode in HangMode)
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def parse_fault(fault: Union[FaultSpec, Mapping[str, Any]], key: str) -> FaultSpec:
+    """`fault` checked and typed; `key` (`faults[i]`) names it in an error.
+    A FaultSpec is checked as the mapping it stands for (it may have been
+    edited, or built in code)."""
+    data = fault.to_dict() if isinstance(fault, FaultSpec) else fault
+    check_fault(data, key)
+    if isinstance(fault, FaultSpec):
+        return fault
+    mode = data.get("mode")
+    return FaultSpec(**{**data, "kind": FaultKind(data["kind"]),
+                        "mode": None if mode is None else HangMode(mode)})
+
+
+def parse_faults(faults: Iterable[Union[FaultSpec, Mapping[str, Any]]]) -> list[FaultSpec]:
+    return [parse_fault(fault, f"faults[{i}]") for i, fault in enumerate(faults)]
+
+
+def check_fault(fault: Any, key: str) -> None:
+    """Every rule of one fault's mapping, as `ConfigError`s naming the field."""
+    require(isinstance(fault, Mapping), key, "must be a mapping.",
+            "write {kind: kill, rank: 0, step: 5}.")
+    unknown = set(fault) - FAULT_KEYS
+    require(not unknown, key, f"unknown field(s) {sorted(unknown)}.",
+            f"use only {sorted(FAULT_KEYS)}.")
+    require(fault.get("kind") in FAULT_KINDS, f"{key}.kind",
+            f"{fault.get('kind')!r} is not a fault kind.", f"use one of {list(FAULT_KINDS)}.")
+    for field_name in ("rank", "step"):
+        require(isinstance(fault.get(field_name), int) and fault[field_name] >= 0,
+                f"{key}.{field_name}", "is required and must be an integer >= 0.",
+                f"add {field_name}: N.")
+    seconds = fault.get("seconds", 0)
+    require(isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+            and NON_NEGATIVE.admits(seconds), f"{key}.seconds",
+            f"must be a number >= 0, got {seconds!r}.", "give seconds: N (e.g. 0.5).")
+    require(isinstance(fault.get("generation", 1), int) and fault.get("generation", 1) >= 1,
+            f"{key}.generation", "must be an integer >= 1 (restarts seen before it fires).",
+            "write generation: 1 for the first restart, or leave it out.")
+    require(fault.get("section", "data") in SECTIONS, f"{key}.section",
+            f"{fault.get('section')!r} is not a section.", f"use one of {list(SECTIONS)}.")
+    require(fault.get("mode", "sleep") in HANG_MODES, f"{key}.mode",
+            f"{fault.get('mode')!r} is not a hang mode.", f"use one of {list(HANG_MODES)}.")

@@ -1,0 +1,205 @@
+"""Loading a recipe: compose its `defaults:` pieces from configs/ (never
+from above it), apply KEY=VALUE overrides (each value parsed as YAML), and
+turn the result into a validated `RecipeConfig`; and back to a plain dict.
+
+YAML is read safely and without aliases. OmegaConf merges the pieces onto the
+structured schema, so an unknown key or a wrong type is refused with its full
+key name; `config.validation` then checks the rules that span fields.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megaresil.config.faults import parse_faults
+from megaresil.config.fields import KEY_ALIASES, ConfigError, public_key
+from megaresil.config.schema import ModelConfig, RecipeConfig
+from megaresil.config.validation import validate
+
+# The packaged recipes and their pieces (the repository's recipes/ and configs/
+# are links to them), so a recipe name works from any directory.
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+REPO_CONFIGS = PACKAGE_DIR / "configs"
+PACKAGED_RECIPES = PACKAGE_DIR / "recipes"
+
+
+def _rename_aliased(data: dict, to_fields: bool) -> dict:
+    """Rename KEY_ALIASES' keys in a nested recipe dict: to their dataclass
+    fields (`to_fields`), or back to the recipe's spelling."""
+    for public, private in KEY_ALIASES.items():
+        old, new = (public, private) if to_fields else (private, public)
+        sec, key = old.split(".")
+        if isinstance(data.get(sec), dict) and key in data[sec]:
+            data[sec][new.split(".")[1]] = data[sec].pop(key)
+    return data
+
+
+def _typed(piece: dict) -> dict:
+    """A recipe mapping in the schema's terms: keys that are Python keywords
+    renamed to their fields, faults typed."""
+    piece = _rename_aliased(piece, to_fields=True)
+    if "faults" in piece:
+        piece["faults"] = _typed_value("faults", piece["faults"])
+    return piece
+
+
+def _typed_value(key: str, value: Any) -> Any:
+    """Faults become `FaultSpec`s here, checked with their own messages
+    (config/faults.py) before OmegaConf would check them against the schema."""
+    return parse_faults(value) if key == "faults" and isinstance(value, list) else value
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """safe_load without aliases: a few lines of nested aliases (billion
+    laughs) expand to billions of nodes when the recipe is merged."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "uses a YAML alias (*name); recipes refuse aliases, write the values "
+                "out", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.load(path.read_text(), Loader=_RecipeLoader) or {}
+    except FileNotFoundError:
+        raise ConfigError(str(path), "file not found.", "check the recipe path.") from None
+    except IsADirectoryError:
+        raise ConfigError(str(path), "is a directory, not a recipe file.",
+                          "give a recipe's .yaml file, e.g. recipes/gpt-tiny.yaml.") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(str(path), f"is not valid YAML ({err}).", "fix the YAML syntax.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "must hold a mapping of sections.", "start with e.g. 'model:'.")
+    return data
+
+
+def _resolve_piece(name: str, recipe_path: Path) -> Path:
+    """A `defaults:` entry names a file under configs/ (without .yaml), or
+    beside the recipe; never above either (no `..`, no absolute path)."""
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise ConfigError("defaults", f"'{name}' leaves configs/ (absolute or '..').",
+                          "name a piece under configs/ or beside the recipe, e.g. model/gpt-tiny.")
+    for base in (recipe_path.parent.parent / "configs", REPO_CONFIGS, recipe_path.parent):
+        candidate = base / (name if name.endswith(".yaml") else f"{name}.yaml")
+        if candidate.is_file():
+            return candidate
+    raise ConfigError("defaults", f"config piece '{name}' not found under configs/.",
+                      "use a name like 'model/gpt-tiny' that exists in configs/.")
+
+
+def _compose(recipe_path: Path) -> list[dict]:
+    """The recipe's `defaults:` pieces in order, then the recipe body."""
+    body = _read_yaml(recipe_path)
+    pieces = body.pop("defaults", []) or []
+    if not isinstance(pieces, list):
+        raise ConfigError("defaults", "must be a list of config names.",
+                          "write defaults: [model/gpt-tiny, ...].")
+    pieces = [_read_yaml(_resolve_piece(str(p), recipe_path)) for p in pieces] + [body]
+    return [_typed(piece) for piece in pieces]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(text, "is not a KEY=VALUE override.", "write e.g. train.steps=20.")
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError as err:
+        raise ConfigError(key, f"value {raw!r} is not valid YAML ({err}).", "quote it.") from None
+    key = KEY_ALIASES.get(key.strip(), key.strip())
+    return key, value
+
+
+def _explain_omegaconf(err: OmegaConfBaseException) -> ConfigError:
+    key = getattr(err, "full_key", None) or "recipe"
+    key = public_key(key)
+    first_line = str(err).splitlines()[0]
+    if "not in" in first_line:
+        fix = "remove it or correct the spelling (`megaresil config docs` lists every key)."
+    else:
+        fix = "give a value of the documented type (`megaresil config docs`)."
+    return ConfigError(key, first_line, fix)
+
+
+def find_recipe(recipe: str) -> Path:
+    """RECIPE as given: an existing path, else a packaged recipe's name
+    (`gpt-tiny` or `gpt-tiny.yaml`), so `megaresil train gpt-tiny` works anywhere."""
+    if Path(recipe).exists():
+        return Path(recipe)
+    packaged = PACKAGED_RECIPES / (recipe if recipe.endswith(".yaml") else f"{recipe}.yaml")
+    if "/" not in recipe and packaged.is_file():
+        return packaged
+    names = ", ".join(name for name, _ in packaged_recipes())
+    raise ConfigError("recipe", f"'{recipe}' is neither a file nor a packaged recipe "
+                      f"({names}).", "give a recipe YAML path or one of those names.")
+
+
+def packaged_recipes() -> list[tuple[str, str]]:
+    """(name, first line of its header comment) for every packaged recipe."""
+    return [(path.stem, _header_line(path)) for path in sorted(PACKAGED_RECIPES.glob("*.yaml"))]
+
+
+def _header_line(path: Path) -> str:
+    for line in path.read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip().rstrip(",:")
+    return ""
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
+    """Compose a recipe and its overrides into a validated `RecipeConfig`."""
+    recipe_path = Path(path)
+    merged = OmegaConf.structured(RecipeConfig)
+    try:
+        for piece in _compose(recipe_path):
+            merged = OmegaConf.merge(merged, piece)
+        for text in overrides:
+            key, value = parse_override(text)
+            if OmegaConf.select(merged, key, default="__missing__") == "__missing__":
+                raise ConfigError(key, "is not a recipe key.",
+                                  "check the spelling (`megaresil config docs` lists every key).")
+            OmegaConf.update(merged, key, _typed_value(key, value), merge=False)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _explain_omegaconf(err) from None
+    validate(cfg)
+    return cfg
+
+
+def from_dict(data: dict) -> RecipeConfig:
+    """A `RecipeConfig` from a plain dict (e.g. the resolved recipe of a run)."""
+    try:
+        data = _typed(copy.deepcopy(data))
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), data))
+    except OmegaConfBaseException as err:
+        raise _explain_omegaconf(err) from None
+    validate(cfg)
+    return cfg
+
+
+def model_from_dict(data: dict) -> ModelConfig:
+    """A `ModelConfig` from plain `model.*` keys, the rest defaults (its
+    rules against the rest of a recipe are not checked here)."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), data))
+    except OmegaConfBaseException as err:
+        raise _explain_omegaconf(err) from None
+
+
+def to_dict(cfg: RecipeConfig) -> dict:
+    """Plain, YAML/JSON-safe dict of a resolved recipe; each fault as written."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    data["faults"] = [fault.to_dict() for fault in parse_faults(cfg.faults)]
+    return _rename_aliased(data, to_fields=False)
+
+
+def to_yaml(cfg: RecipeConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

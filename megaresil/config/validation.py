@@ -1,0 +1,230 @@
+"""The rules that span fields, checked after a recipe is composed: each
+raises `ConfigError(key, problem, fix)` naming the key to change and how."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterator, Optional
+
+from megaresil.config.faults import LOCAL_FAULT_KINDS, parse_faults
+from megaresil.config.fields import Bounds, public_key, require
+from megaresil.config.run import SUPERVISION_BOUNDS, CheckpointConfig
+from megaresil.config.schema import (FP8, ActivationOffload, Backend, Flavour, ModelConfig,
+                                     OptimizerConfig, ParallelConfig, PipelineSchedule,
+                                     RecipeConfig, Recompute, RecomputePolicy, RopeScalingType,
+                                     microbatches_per_step, resolved_schedule)
+
+
+def numeric_fields(node: Any, prefix: str = "") -> Iterator[tuple[str, float, Optional[Bounds]]]:
+    """(key, value, declared bounds) of every number set in a config tree."""
+    for f in dataclasses.fields(node):
+        key, value = f"{prefix}{f.name}", getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from numeric_fields(value, key + ".")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            public = public_key(key)
+            yield public, value, f.metadata.get("bounds") or SUPERVISION_BOUNDS.get(public)
+
+
+def _validate_bounds(cfg: RecipeConfig) -> None:
+    for key, value, bounds in numeric_fields(cfg):
+        require(math.isfinite(value), key, f"must be a finite number, got {value}.",
+                "give a finite value (`megaresil config docs`).")
+        if bounds is not None:
+            require(bounds.admits(value), key, f"must be {bounds}, got {value}.",
+                    f"give a value {bounds}.")
+
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
+    require(o.min_lr <= o.lr, "optimizer.min_lr",
+            f"{o.min_lr} exceeds the peak optimizer.lr={o.lr}; the schedule would rise.",
+            "give min_lr between 0 and optimizer.lr.")
+
+
+def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
+    require(m.hidden_size % m.num_heads == 0, "model.num_heads",
+            f"{m.num_heads} heads do not divide hidden_size {m.hidden_size}.",
+            "choose num_heads dividing model.hidden_size.")
+    kv = m.num_kv_heads or m.num_heads
+    require(m.num_heads % kv == 0, "model.num_kv_heads",
+            f"{kv} kv heads do not divide num_heads {m.num_heads}.",
+            "choose num_kv_heads dividing model.num_heads.")
+    require(m.num_heads % p.tp == 0, "parallel.tp",
+            f"tp={p.tp} does not divide model.num_heads={m.num_heads}.",
+            "choose tp dividing the number of attention heads.")
+    # Each TP rank holds whole kv groups (Megatron's rule); kv heads are not replicated.
+    require(kv % p.tp == 0, "parallel.tp",
+            f"tp={p.tp} does not divide model.num_kv_heads={kv}.",
+            "choose tp dividing the number of key/value heads.")
+    require(m.num_layers % (p.pp * p.vpp) == 0, "model.num_layers",
+            f"{m.num_layers} layers do not divide into pp*vpp={p.pp * p.vpp} chunks.",
+            "choose num_layers a multiple of parallel.pp * parallel.vpp.")
+    _validate_activation_memory(m, p)
+    if m.flavour == Flavour.gpt2:
+        require(m.num_kv_heads in (None, m.num_heads), "model.num_kv_heads",
+                "gpt2 flavour has no grouped-query attention.",
+                "leave num_kv_heads null for gpt2, or use flavour=llama.")
+
+
+def _validate_rope_scaling(m: ModelConfig) -> None:
+    r = m.rope_scaling
+    if r.type == RopeScalingType.llama3:
+        require(m.flavour == Flavour.llama, "model.rope_scaling.type",
+                "RoPE scaling needs RoPE, which only the llama flavour has.",
+                "set model.flavour=llama or rope_scaling.type=none.")
+        require(r.high_freq_factor > r.low_freq_factor, "model.rope_scaling.high_freq_factor",
+                f"{r.high_freq_factor} must exceed low_freq_factor={r.low_freq_factor}.",
+                "use Llama 3's values (low 1, high 4) or others with high > low.")
+
+
+def _validate_token_ids(m: ModelConfig) -> None:
+    for name in ("bos_token_id", "eos_token_id"):
+        token = getattr(m, name)
+        require(token is None or token < m.vocab_size, f"model.{name}",
+                f"{token} is outside the vocabulary (vocab_size={m.vocab_size}).",
+                "give an id below model.vocab_size, or null.")
+
+
+def _validate_interval(c: CheckpointConfig) -> None:
+    require(not isinstance(c.interval, str) or c.interval == "auto", "checkpoint.interval",
+            f"{c.interval!r} is neither auto nor a number of steps.",
+            "give auto, a number of steps, or 0 for never.")
+
+
+def _validate_init_from(c: CheckpointConfig) -> None:
+    require(not c.init_from_optimizer or bool(c.init_from), "checkpoint.init_from_optimizer",
+            "is set but checkpoint.init_from is not.",
+            "set checkpoint.init_from=PATH (a full checkpoint) or drop init_from_optimizer.")
+
+def _validate_activation_memory(m: ModelConfig, p: ParallelConfig) -> None:
+    full = m.recompute == Recompute.full
+    chunk_layers = m.num_layers // (p.pp * p.vpp)
+    custom_policy = m.recompute_layers != 1 or m.recompute_policy != RecomputePolicy.uniform
+    require(full or not custom_policy, "model.recompute_layers",
+            f"recompute_policy/recompute_layers choose layers of full recomputation, but "
+            f"recompute={m.recompute.value}.", "set model.recompute=full or leave them at "
+            "uniform/1.")
+    require(m.recompute_layers <= chunk_layers, "model.recompute_layers",
+            f"{m.recompute_layers} exceeds the {chunk_layers} layers of a pipeline chunk "
+            f"(num_layers / (pp*vpp)).", f"choose recompute_layers <= {chunk_layers}.")
+    if m.activation_partition:
+        require(full, "model.activation_partition",
+                "partitions the inputs of fully recomputed layers, but recompute="
+                f"{m.recompute.value}.", "set model.recompute=full.")
+        require(p.tp > 1, "model.activation_partition", "splits checkpoints across the TP group "
+                "but tp=1.", "set parallel.tp > 1 or turn it off.")
+        require(not p.sequence_parallel, "model.activation_partition", "with sequence "
+                "parallelism each rank's checkpoints are already 1/tp of the sequence.",
+                "turn parallel.sequence_parallel off or activation_partition off.")
+    require(full or m.activation_offload == ActivationOffload.none, "model.activation_offload",
+            f"offloads the inputs of fully recomputed layers, but recompute={m.recompute.value}.",
+            "set model.recompute=full or activation_offload=none.")
+
+
+def _validate_batch(cfg: RecipeConfig) -> None:
+    t, p = cfg.train, cfg.parallel
+    per_step = t.micro_batch_size * p.dp
+    require(t.global_batch_size % per_step == 0, "train.global_batch_size",
+            f"{t.global_batch_size} is not a multiple of micro_batch_size*dp = "
+            f"{t.micro_batch_size}*{p.dp} = {per_step}.",
+            f"use a multiple of {per_step}, e.g. {per_step * max(1, t.global_batch_size // per_step)}.")
+    if t.exit_at_step is not None:
+        require(0 < t.exit_at_step <= t.steps, "train.exit_at_step",
+                f"{t.exit_at_step} is outside 1..train.steps={t.steps}.",
+                "choose a step between 1 and train.steps.")
+    require(cfg.data.seq_len <= cfg.model.max_seq_len, "data.seq_len",
+            f"{cfg.data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.",
+            "lower data.seq_len or raise model.max_seq_len.")
+
+
+
+def _validate_pipeline(cfg: RecipeConfig) -> None:
+    p = cfg.parallel
+    schedule = resolved_schedule(p)
+    interleaved = schedule in (PipelineSchedule.interleaved_1f1b,
+                               PipelineSchedule.interleaved_zero_bubble)
+    require(p.vpp == 1 or p.pp > 1, "parallel.vpp", "virtual stages need pipeline parallelism.",
+            "set parallel.pp > 1 or parallel.vpp=1.")
+    require(p.vpp == 1 or interleaved, "parallel.schedule",
+            f"{schedule.value} runs one chunk per stage but vpp={p.vpp}.",
+            "use schedule=interleaved_1f1b (or auto) with vpp > 1.")
+    if p.pp == 1:
+        return
+    m = microbatches_per_step(cfg)
+    if interleaved:
+        require(m >= p.pp and m % p.pp == 0, "train.global_batch_size",
+                f"the interleaved schedule needs the micro-batches per step "
+                f"(global_batch/(micro_batch*dp) = {m}) to be a multiple of pp={p.pp}.",
+                f"raise train.global_batch_size to a multiple of "
+                f"{p.pp * cfg.train.micro_batch_size * p.dp}.")
+    elif schedule == PipelineSchedule.one_f_one_b:
+        require(m >= p.pp, "train.global_batch_size",
+                f"1F1B needs at least pp={p.pp} micro-batches per step, got {m}.",
+                f"raise train.global_batch_size to at least "
+                f"{p.pp * cfg.train.micro_batch_size * p.dp} or use schedule=gpipe.")
+
+
+def _validate_observing(cfg: RecipeConfig) -> None:
+    require(cfg.logging.wandb.mode in WANDB_MODES, "logging.wandb.mode",
+            f"{cfg.logging.wandb.mode!r} is not a W&B mode.", f"use one of {list(WANDB_MODES)}.")
+    bad = [r for r in cfg.profile.ranks if not (isinstance(r, int) and r >= 0)]
+    require(not bad, "profile.ranks", f"{bad} are not ranks.", "give ranks as integers >= 0.")
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def validate(cfg: RecipeConfig) -> None:
+    """Cross-field rules; raises `ConfigError` naming the key and the fix."""
+    _validate_bounds(cfg)
+    _validate_observing(cfg)
+    _validate_optimizer(cfg.optimizer)
+    _validate_model(cfg.model, cfg.parallel)
+    _validate_rope_scaling(cfg.model)
+    _validate_token_ids(cfg.model)
+    _validate_batch(cfg)
+    _validate_pipeline(cfg)
+    local_faults = [f.kind.value for f in parse_faults(cfg.faults) if f.kind in LOCAL_FAULT_KINDS]
+    require(cfg.checkpoint.local.enabled or not local_faults, "faults",
+            f"{local_faults[0] if local_faults else ''} acts on the local checkpoint tier, "
+            "which is off.", "set checkpoint.local.enabled=true.")
+    if cfg.train.fp8 != FP8.none:
+        require(cfg.model.backend == Backend.te, "train.fp8",
+                "FP8 needs Transformer Engine's layers.", "set model.backend=te, or train.fp8=none.")
+    if cfg.parallel.sequence_parallel:
+        require(cfg.parallel.tp > 1, "parallel.sequence_parallel",
+                "sequence parallelism needs tp > 1.", "set parallel.tp>1 or turn it off.")
+    _validate_interval(cfg.checkpoint)
+    _validate_init_from(cfg.checkpoint)
+    _validate_local_tier(cfg)
+    _validate_data(cfg)
+
+
+def _validate_local_tier(cfg: RecipeConfig) -> None:
+    per_node = cfg.checkpoint.local.ranks_per_node
+    world = cfg.parallel.world_size
+    if per_node:
+        require(world % per_node == 0, "checkpoint.local.ranks_per_node",
+                f"{per_node} does not divide the world size tp*pp*dp = {world}.",
+                f"choose a divisor of {world}, or 0 for the launcher's LOCAL_WORLD_SIZE.")
+
+
+def _validate_data(cfg: RecipeConfig) -> None:
+    data = cfg.data
+    if data.source == "indexed":
+        require(bool(data.path) != bool(data.paths), "data.path",
+                "source 'indexed' needs one dataset prefix (data.path) or a blend (data.paths), "
+                "not both.", "set data.path=PREFIX (the part before .bin/.idx), or for a "
+                "blend data.path=null data.paths='[0.7, PREFIX_A, 0.3, PREFIX_B]'.")
+    else:
+        require(not (data.path or data.paths), "data.source",
+                f"data.path/data.paths are read only by source 'indexed', not {data.source!r}.",
+                "set data.source=indexed, or drop data.path/data.paths.")
+
+
+def validate_world_size(cfg: RecipeConfig, world_size: int) -> None:
+    p = cfg.parallel
+    need = p.world_size
+    require(need == world_size, "parallel",
+            f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {need} but the world size is {world_size}.",
+            f"launch {need} processes, or change parallel.dp to {world_size // (p.tp * p.pp) or 1}.")
