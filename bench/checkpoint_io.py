@@ -82,7 +82,7 @@ from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.backends.dcp_write import EarlyWriteback
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.sharded import Rect
-from megaresil.checkpoint.state import RunState
+from megaresil.checkpoint.state import RunRecord
 from megaresil.config import RecipeConfig, to_dict
 from megaresil.events import EventLog, read_events
 from megaresil.ports import free_port
@@ -212,11 +212,11 @@ def zeroed_like(rects: list[Rect]) -> list[Rect]:
     return targets
 
 
-def manifest_state(me: Rank) -> RunState:
+def manifest_state(me: Rank) -> RunRecord:
     """The non-tensor state a trainer's save passes, with placeholder values."""
     layout = {"tp": TP, "pp": 1, "dp": me.dp, "vpp": 1, "sequence_parallel": False,
               "world_size": me.world, "distributed_optimizer": False}
-    return RunState(step=STEP, layout=layout, recipe=to_dict(RecipeConfig()), consumed_samples=0,
+    return RunRecord(step=STEP, layout=layout, recipe=to_dict(RecipeConfig()), consumed_samples=0,
                     optimizer_steps=1)
 
 

@@ -27,7 +27,7 @@ from megaresil.checkpoint.backends.base import Backend
 from megaresil.checkpoint.keys import WEIGHTS
 from megaresil.checkpoint.sharded import Rect, assign_writers
 from megaresil.checkpoint.staging import StagingCopy
-from megaresil.checkpoint.state import RunState, TrainingState, training_rects, weight_rects
+from megaresil.checkpoint.state import RunRecord, TrainingState, training_rects, weight_rects
 from megaresil.checkpoint.validation import check_shapes, read_manifest, verify_shards
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def rect_record(rect: Rect) -> dict:
             "shape": list(rect.shape)}
 
 
-def build_manifest(backend: str, state: RunState, all_written: list[list[dict]]) -> dict:
+def build_manifest(backend: str, state: RunRecord, all_written: list[list[dict]]) -> dict:
     """The manifest: format, backend, the non-tensor `state` and every rank's
     written rects (`all_written[r]`: records with rank, checksum, location)."""
     return {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "backend": backend,
@@ -116,9 +116,9 @@ class Checkpointer(BackgroundSaves):
     def save_training(self, state: TrainingState) -> None:
         """Checkpoint a trainer's state: its tensors, its run state and this
         rank's RNG state."""
-        self.save(training_rects(state), state.run_state(), rank_state=state.rng_state())
+        self.save(training_rects(state), state.run_record(), rank_state=state.rng_state())
 
-    def save(self, rects: list[Rect], state: RunState, rank_state: dict) -> None:
+    def save(self, rects: list[Rect], state: RunRecord, rank_state: dict) -> None:
         """Save `rects` (this rank's view of the training state), the
         non-tensor `state` (same on every rank) and this rank's `rank_state`
         as checkpoint `state.step`. At most one save is in flight.
@@ -138,7 +138,7 @@ class Checkpointer(BackgroundSaves):
         self._submit(request, self._stage_write_commit, rects, state, rank_state, started)
         report.loop_held(time.perf_counter() - started)
 
-    def _save_now(self, rects: list[Rect], state: RunState, rank_state: dict, started: float,
+    def _save_now(self, rects: list[Rect], state: RunRecord, rank_state: dict, started: float,
                   report: SaveReport) -> None:
         mine = self._my_writes(rects)
         # On the CPU a synchronous save writes straight from the live tensors
@@ -161,14 +161,14 @@ class Checkpointer(BackgroundSaves):
             self.local.before_update()
         super().before_update()
 
-    def _stage_write_commit(self, rects: list[Rect], state: RunState, rank_state: dict,
+    def _stage_write_commit(self, rects: list[Rect], state: RunRecord, rank_state: dict,
                             started: float, request: SaveRequest) -> None:
         with request.staging():
             copies = self._stage(self._my_writes(rects), request.copy)
         request.copy.wait_on_host()
         self._write_and_commit(copies, state, rank_state, started, request.report)
 
-    def _write_and_commit(self, staged: list[Rect], state: RunState, rank_state: dict,
+    def _write_and_commit(self, staged: list[Rect], state: RunRecord, rank_state: dict,
                           started: float, report: SaveReport) -> None:
         name = fmt.step_dir_name(state.step)
         partial = self.root / f"{name}.partial-0"
@@ -197,7 +197,7 @@ class Checkpointer(BackgroundSaves):
         self.coll.barrier()
 
     def _commit(self, name: str, partial: Path, all_written: list[list[dict]],
-                state: RunState) -> Path:
+                state: RunRecord) -> Path:
         final = self.root / name
         commit(partial, final, build_manifest(self.backend.name, state, all_written),
                make_room=self._set_aside)
@@ -270,10 +270,10 @@ class Checkpointer(BackgroundSaves):
         check_shapes(held, targets, consumed)
         source.read(targets)
 
-    def load_training(self, directory: Path, manifest: dict, state: TrainingState) -> RunState:
+    def load_training(self, directory: Path, manifest: dict, state: TrainingState) -> RunRecord:
         """Load a checkpoint into a trainer's state, at whatever layout it was
         saved from (the rects reshard it); returns what it saved."""
-        saved = RunState.from_manifest(manifest)
+        saved = RunRecord.from_manifest(manifest)
         if saved.weights_only:
             raise fmt.CheckpointError(
                 f"{directory} holds weights only (no optimizer state), so training cannot resume "

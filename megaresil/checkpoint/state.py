@@ -1,6 +1,6 @@
 """What a checkpoint holds besides tensor data, and what a trainer hands it.
 
-`RunState` is the manifest's non-tensor state (design.md §2: step, layout,
+`RunRecord` is the manifest's non-tensor state (design.md §2: step, layout,
 data position, optimizer hyper-state and step count, per-rank RNG states,
 the recipe), typed. It is the only code that writes that state into a
 manifest or reads it back; whoever saves (the trainer, the converter, the
@@ -39,7 +39,7 @@ def layout_record(layout: ParallelLayout, distributed_optimizer: bool) -> dict:
 
 
 @dataclass
-class RunState:
+class RunRecord:
     """A checkpoint's non-tensor state."""
     step: int  # optimizer steps taken by the run
     layout: dict  # layout_record of the ranks that saved
@@ -63,7 +63,7 @@ class RunState:
         return {**fields, **self.extra}
 
     @classmethod
-    def from_manifest(cls, manifest: dict) -> RunState:
+    def from_manifest(cls, manifest: dict) -> RunRecord:
         ignored = set(_RUN_FIELDS + FORMAT_FIELDS + RETIRED_FIELDS)
         return cls(step=manifest["step"], layout=manifest["layout"], recipe=manifest["recipe"],
                    consumed_samples=manifest["data"]["consumed_samples"],
@@ -112,14 +112,14 @@ class TrainingState(Protocol):
     def layout_record(self) -> dict:
         """This rank's layout as the manifest records it (`layout_record`)."""
 
-    def run_state(self) -> RunState:
+    def run_record(self) -> RunRecord:
         """The non-tensor state to save now (rank_states empty: the
         checkpointer gathers each rank's `rng_state`)."""
 
     def rng_state(self) -> dict:
         """This rank's RNG state, JSON-safe."""
 
-    def restore(self, saved: RunState) -> None:
+    def restore(self, saved: RunRecord) -> None:
         """Go on from a checkpoint whose tensors are already loaded."""
 
 

@@ -55,7 +55,7 @@ BACKENDS = ("torch_dist", "zarr")
 
 
 def check_run_fields(run: dict) -> None:
-    """The non-tensor state a resume reads (checkpoint/state.py's RunState),
+    """The non-tensor state a resume reads (checkpoint/state.py's RunRecord),
     present and of the right kinds, so reading it cannot fail later."""
     need_field(run, "step", int, lambda v: v >= 0)
     need_field(run, "layout", dict)

@@ -43,7 +43,7 @@ from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
                                        shard_main_params)
 from megaresil.train.progress import Progress
 from megaresil.train.save_schedule import SaveSchedule
-from megaresil.train.state import TrainerState
+from megaresil.train.state import LiveTrainingState
 
 
 def make_deterministic(cfg: RecipeConfig, device: torch.device) -> None:
@@ -141,7 +141,7 @@ class Trainer:
         self.checkpointer = checkpointing.build_checkpointer(cfg, self.events,
                                                              self.supervision.watchdog,
                                                              device=layout.device)
-        self.checkpoint_state = TrainerState(cfg, layout, list(self.named_state_parameters()),
+        self.checkpoint_state = LiveTrainingState(cfg, layout, list(self.named_state_parameters()),
                                              self.optimizer, self.state, self.supervision.watchdog,
                                              after_load=self.main_to_model if bf16 else None)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 import torch.nn as nn
 
-from megaresil.checkpoint.state import RunState, layout_record
+from megaresil.checkpoint.state import RunRecord, layout_record
 from megaresil.config import RecipeConfig, to_dict
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.random import capture_rng_state, restore_rng_state
@@ -21,12 +21,12 @@ from megaresil.train.progress import Progress
 if TYPE_CHECKING:
     from megaresil.resilience.watchdog.monitor import Watchdog
 
-# The RunState.extra field that carries the watchdog's calibration, so a
+# The RunRecord.extra field that carries the watchdog's calibration, so a
 # restart does not recalibrate from zero.
 WATCHDOG = "watchdog"
 
 
-class TrainerState:
+class LiveTrainingState:
     """One rank's training state (implements checkpoint.state.TrainingState).
     Holds the trainer's live objects: saving reads them, loading fills them."""
 
@@ -51,16 +51,16 @@ class TrainerState:
     def layout_record(self) -> dict:
         return layout_record(self.layout, self.optimizer.sharded)
 
-    def run_state(self) -> RunState:
+    def run_record(self) -> RunRecord:
         extra = {WATCHDOG: self.watchdog.calibration()} if self.watchdog is not None else {}
-        return RunState(step=self.position.step, layout=self.layout_record(),
+        return RunRecord(step=self.position.step, layout=self.layout_record(),
                         recipe=self.recipe, consumed_samples=self.position.consumed_samples,
                         optimizer_steps=self.optimizer.step_count(), extra=extra)
 
     def rng_state(self) -> dict:
         return capture_rng_state()
 
-    def restore(self, saved: RunState) -> None:
+    def restore(self, saved: RunRecord) -> None:
         if self.after_load is not None:
             self.after_load()
         self.optimizer.set_step_count(saved.optimizer_steps)

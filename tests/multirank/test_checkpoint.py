@@ -19,7 +19,7 @@ from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.offline.planning import recipe_layout
 from megaresil.checkpoint.sharded import Rect
-from megaresil.checkpoint.state import RunState
+from megaresil.checkpoint.state import RunRecord
 from megaresil.config import RecipeConfig, to_dict
 from megaresil.events import EventLog, read_events, read_metrics
 from megaresil.parallel.layout import ParallelLayout
@@ -316,10 +316,10 @@ def test_inspect_retention_and_format_checks(cli, cli_main, tmp_path):
 
 # --- the checkpointer on its own (single process) ----------------------------------
 
-def small_state(seed: int = 0) -> tuple[list[Rect], RunState]:
+def small_state(seed: int = 0) -> tuple[list[Rect], RunRecord]:
     cfg = RecipeConfig()
     tensor = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed))
-    state = RunState(step=1, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=0,
+    state = RunRecord(step=1, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=0,
                      optimizer_steps=1)
     return [Rect("model/w", (64, 32), (0, 0), tensor)], state
 
@@ -397,8 +397,8 @@ def test_manifests_with_the_retired_lr_schedule_still_load():
     _, state = small_state()
     old = {**state.to_manifest(), "lr_schedule": {"lr": 0.001, "total_steps": 10},
            "watchdog": {"budgets": {}}}
-    read = RunState.from_manifest(old)
-    assert read == RunState(**{**vars(state), "extra": {"watchdog": {"budgets": {}}}})
+    read = RunRecord.from_manifest(old)
+    assert read == RunRecord(**{**vars(state), "extra": {"watchdog": {"budgets": {}}}})
     assert "lr_schedule" not in read.to_manifest()
 
 

@@ -28,7 +28,7 @@ from megaresil.checkpoint.offline.diff import diff_checkpoints
 from megaresil.checkpoint.offline.writer import write_checkpoint
 from megaresil.checkpoint.offline.planning import planned_rects, recipe_layout
 from megaresil.checkpoint.sources import CheckpointSource
-from megaresil.checkpoint.state import RunState
+from megaresil.checkpoint.state import RunRecord
 from megaresil.cli import main
 from megaresil.config import RecipeConfig, from_dict, to_dict
 from megaresil.events import read_events
@@ -419,7 +419,7 @@ def test_conversion_streams_a_checkpoint_over_1gb(tmp_path):
     source = SyntheticWeights(cfg)
     sizes = [torch.Size(e["global_shape"]).numel() * 4 for e in source.tensors.values()]
     assert sum(sizes) >= 2**30
-    state = RunState(step=1, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=16,
+    state = RunRecord(step=1, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=16,
                      optimizer_steps=1)
     bound = 2 * max(sizes) + 256 * 2**20
     try:  # 3.9 GB on disk: not left for pytest's temp-dir rotation

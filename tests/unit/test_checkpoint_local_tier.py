@@ -331,10 +331,10 @@ class FakeState:
     def __init__(self, world: int = 1):
         self.step, self.world = 0, world
 
-    def run_state(self):
-        from megaresil.checkpoint.state import RunState
+    def run_record(self):
+        from megaresil.checkpoint.state import RunRecord
         layout = {**LAYOUT, "dp": self.world, "world_size": self.world}
-        return RunState(step=self.step, layout=layout, recipe={"optimizer": {}},
+        return RunRecord(step=self.step, layout=layout, recipe={"optimizer": {}},
                         consumed_samples=4 * self.step, optimizer_steps=self.step)
 
     def rng_state(self) -> dict:

@@ -18,7 +18,7 @@ from megaresil.checkpoint.local.shard import Shard, add_checksums, stage
 from megaresil.checkpoint.local.store import NodeStore
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.sharded import Rect
-from megaresil.checkpoint.state import RunState
+from megaresil.checkpoint.state import RunRecord
 
 LAYOUT = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
 
@@ -28,7 +28,7 @@ def saved_checkpoint(root: Path, step: int = 3, backend: str = "torch_dist") -> 
                         events=type("E", (), {"emit": lambda *a, **k: None})(),
                         device=torch.device("cpu"))
     rects = [Rect("w", (4, 3), (0, 0), torch.arange(12.0).view(4, 3))]
-    state = RunState(step=step, layout=LAYOUT, recipe={"optimizer": {"lr": 0.1}},
+    state = RunRecord(step=step, layout=LAYOUT, recipe={"optimizer": {"lr": 0.1}},
                      consumed_samples=240, optimizer_steps=step)
     ckpt.save(rects, state, rank_state={"seed": 5})
     ckpt.close()
@@ -138,7 +138,7 @@ def test_damaged_metadata_is_a_checkpoint_error_naming_the_file(tmp_path, damage
 def local_shard(step: int = 4) -> Shard:
     data, records = stage([Rect("w", (4,), (0,), torch.arange(4.0))], None)
     add_checksums(data, records)
-    run = RunState(step=step, layout=LAYOUT, recipe={"optimizer": {}}, consumed_samples=80,
+    run = RunRecord(step=step, layout=LAYOUT, recipe={"optimizer": {}}, consumed_samples=80,
                    optimizer_steps=step).to_manifest()
     return Shard({"format": "megaresil-local-shard", "version": 1, "step": step, "owner": 0,
                   "world": 1, "layout": LAYOUT, "run": run, "rank_state": {"seed": 1},

@@ -24,9 +24,9 @@ from megaresil.resilience.watchdog.monitor import Watchdog
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def state_of(tensor: torch.Tensor) -> tuple[list[Rect], manager.RunState]:
+def state_of(tensor: torch.Tensor) -> tuple[list[Rect], manager.RunRecord]:
     cfg = RecipeConfig()
-    state = manager.RunState(step=1, layout=recipe_layout(cfg), recipe=to_dict(cfg),
+    state = manager.RunRecord(step=1, layout=recipe_layout(cfg), recipe=to_dict(cfg),
                              consumed_samples=0, optimizer_steps=1)
     return [Rect("model/w", tuple(tensor.shape), (0, 0), tensor)], state
 

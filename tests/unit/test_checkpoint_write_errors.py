@@ -22,7 +22,7 @@ from megaresil.checkpoint.backends import get_backend
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.offline.planning import recipe_layout
 from megaresil.checkpoint.sharded import Rect
-from megaresil.checkpoint.state import RunState
+from megaresil.checkpoint.state import RunRecord
 from megaresil.config import RecipeConfig, to_dict
 from tests.harness.cli import ROOT
 from tests.harness.tmpfs import mounted_tmpfs
@@ -45,7 +45,7 @@ def checkpointer(root: Path, backend: str) -> Checkpointer:
 
 def save(ckpt: Checkpointer, step: int, tensor: torch.Tensor) -> None:
     cfg = RecipeConfig()
-    state = RunState(step=step, layout=recipe_layout(cfg), recipe=to_dict(cfg),
+    state = RunRecord(step=step, layout=recipe_layout(cfg), recipe=to_dict(cfg),
                      consumed_samples=0, optimizer_steps=step)
     ckpt.save([Rect("w", (ELEMENTS,), (0,), tensor)], state, {})
 

@@ -22,7 +22,7 @@ from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.offline.writer import write_checkpoint
 from megaresil.checkpoint.offline.planning import planned_rects, recipe_layout
 from megaresil.checkpoint.sharded import Rect
-from megaresil.checkpoint.state import RunState
+from megaresil.checkpoint.state import RunRecord
 from megaresil.cli import main
 from megaresil.config import RecipeConfig, load_recipe, to_dict
 from tests.harness.cli import ROOT
@@ -47,8 +47,8 @@ class GlobalTensors:
             target.tensor.copy_(self.full[target.key][region])
 
 
-def state_of(cfg: RecipeConfig) -> RunState:
-    return RunState(step=1, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=0,
+def state_of(cfg: RecipeConfig) -> RunRecord:
+    return RunRecord(step=1, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=0,
                     optimizer_steps=1)
 
 

@@ -158,14 +158,14 @@ def model_checkpoint(root: Path) -> Path:
     """A one-process save of one model tensor at step 3, with the layout a run records."""
     from megaresil.checkpoint.manager import Checkpointer
     from megaresil.checkpoint.sharded import Rect
-    from megaresil.checkpoint.state import RunState
+    from megaresil.checkpoint.state import RunRecord
 
     layout = {"tp": 1, "pp": 1, "dp": 1, "vpp": 1, "sequence_parallel": False,
               "distributed_optimizer": False, "world_size": 1}
     ckpt = Checkpointer(root, "torch_dist", group=None, asynchronous=False, keep=0,
                         events=Recorder(), device=torch.device("cpu"))
     ckpt.save([Rect("model/w", (4, 3), (0, 0), torch.arange(12.0).view(4, 3))],
-              RunState(step=3, layout=layout, recipe={"optimizer": {"lr": 0.1}},
+              RunRecord(step=3, layout=layout, recipe={"optimizer": {"lr": 0.1}},
                        consumed_samples=24, optimizer_steps=3), rank_state={"seed": 5})
     ckpt.close()
     return root / fmt.step_dir_name(3)

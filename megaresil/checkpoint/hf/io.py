@@ -35,7 +35,7 @@ from megaresil.checkpoint.offline.writer import (partial_dir, refuse_existing, r
                                                  write_checkpoint)
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.sources import CheckpointSource, full_tensors
-from megaresil.checkpoint.state import RunState
+from megaresil.checkpoint.state import RunRecord
 from megaresil.config import ModelConfig, RecipeConfig, from_dict, load_recipe, to_dict
 
 CONFIG = "config.json"
@@ -300,9 +300,9 @@ def hf_source(directory: Path, cfg: ModelConfig) -> HFTensorSource:
     return HFTensorSource(HFWeights(directory), cfg)
 
 
-def _fresh_state(cfg: RecipeConfig, origin: dict) -> RunState:
+def _fresh_state(cfg: RecipeConfig, origin: dict) -> RunRecord:
     """The non-tensor state of a checkpoint that no training wrote: step 0."""
-    return RunState(step=0, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=0,
+    return RunRecord(step=0, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=0,
                     optimizer_steps=0, rank_states=fresh_rank_states(cfg), weights_only=True,
                     extra={"origin": origin})
 

@@ -13,7 +13,7 @@ import torch
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.staging import StagingCopy
-from megaresil.checkpoint.state import RunState, TrainingState, training_rects
+from megaresil.checkpoint.state import RunRecord, TrainingState, training_rects
 
 SHARD_FORMAT = "megaresil-local-shard"
 SHARD_SLACK = 64 * 1024  # a shard's bytes on disk beyond data.bin and meta.json (marker, blocks)
@@ -63,7 +63,7 @@ def rect_records(rects: list[Rect]) -> tuple[list[dict], int]:
     return records, start
 
 
-def shard_meta(run: RunState, owner: int, world: int, rng: dict, records: list[dict]) -> dict:
+def shard_meta(run: RunRecord, owner: int, world: int, rng: dict, records: list[dict]) -> dict:
     """A shard's meta.json (its records' checksums added once staged)."""
     return {"format": SHARD_FORMAT, "version": 1, "step": run.step, "owner": owner,
             "world": world, "layout": run.layout, "run": run.to_manifest(),
@@ -75,7 +75,7 @@ def shard_bytes(state: TrainingState, owner: int, world: int) -> int:
     records, size = rect_records(shard_rects(state))
     for rec in records:
         rec["checksum"] = "0" * 16  # an xxh3-64 digest's length
-    meta = shard_meta(state.run_state(), owner, world, state.rng_state(), records)
+    meta = shard_meta(state.run_record(), owner, world, state.rng_state(), records)
     return size + len(json.dumps(meta, indent=1)) + SHARD_SLACK  # as write_json_atomic writes it
 
 
@@ -105,10 +105,10 @@ def unpack_into(shard: Shard, targets: list[Rect]) -> None:
             t.tensor.copy_(view_of(shard.data, saved[t.identity()]))
 
 
-def saved_run_state(shard: Shard) -> RunState:
+def saved_run_record(shard: Shard) -> RunRecord:
     """The shard's run state, its owner's RNG state placed at the owner's
     rank (the only one a rank restores)."""
-    saved = RunState.from_manifest(shard.meta["run"])
+    saved = RunRecord.from_manifest(shard.meta["run"])
     saved.rank_states = [None] * shard.meta["world"]
     saved.rank_states[shard.owner] = shard.meta["rank_state"]
     return saved

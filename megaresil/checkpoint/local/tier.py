@@ -23,11 +23,11 @@ from megaresil.checkpoint.local.cadence import Cadence, Pause, retry_step
 from megaresil.checkpoint.local.replication import (Choice, Space, Topology, complete_step,
                                                     decode_meta, encode_meta, header,
                                                     space_shortfall, transfers)
-from megaresil.checkpoint.local.shard import (Shard, add_checksums, saved_run_state, shard_bytes,
+from megaresil.checkpoint.local.shard import (Shard, add_checksums, saved_run_record, shard_bytes,
                                               shard_meta, shard_rects, stage, unpack_into)
 from megaresil.checkpoint.local.store import DIR_KEY, NodeStore, filesystem_space, node_dir
 from megaresil.checkpoint.staging import StagingCopy
-from megaresil.checkpoint.state import RunState, TrainingState
+from megaresil.checkpoint.state import RunRecord, TrainingState
 from megaresil.checkpoint.validation import shard_problem
 from megaresil.compat import detach_process_group
 
@@ -101,7 +101,7 @@ class LocalTier(BackgroundSaves):
         # tell peers blocked on them that this rank left) alive meanwhile.
         state = holder.pop()
         try:
-            run = state.run_state()
+            run = state.run_record()
             self.buffer, records = stage(shard_rects(state), self.buffer, request.copy)
             meta = shard_meta(run, self.rank, self.coll.world, rng, records)
         finally:
@@ -226,7 +226,7 @@ class LocalTier(BackgroundSaves):
             self.loaded[owner] = shard
         return problem
 
-    def recover(self, choice: Choice, state: TrainingState) -> RunState:
+    def recover(self, choice: Choice, state: TrainingState) -> RunRecord:
         """Collective: shards move from holders to owners whose own copy is
         missing or bad; each rank loads its own."""
         sends, recvs, heads = [], [], {}
@@ -247,7 +247,7 @@ class LocalTier(BackgroundSaves):
         self.coll.exchange([s for s in sends if s[1] > 0], payload)
         shard = self._own_shard(choice, payload)
         unpack_into(shard, shard_rects(state))
-        saved = saved_run_state(shard)
+        saved = saved_run_record(shard)
         state.restore(saved)
         self.loaded.clear()
         return saved
@@ -276,7 +276,7 @@ class LocalTier(BackgroundSaves):
         short = space_shortfall(self.coll.all_gather(mine), self.topology)
         if short is None:
             return
-        step, root = state.run_state().step, self.store.root.parent
+        step, root = state.run_record().step, self.store.root.parent
         reason = (f"{DIR_KEY}={root}: {short}. Fix: free space there, point {DIR_KEY} at "
                   "storage with room (in Docker, a larger --shm-size), or set "
                   "checkpoint.local.enabled=false")

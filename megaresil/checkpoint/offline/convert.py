@@ -5,7 +5,7 @@ The target is the source's recipe with the requested layout applied and
 validated like any recipe (errors name the key); the source is verified
 before anything is written; the tensors go through writer.write_checkpoint
 (streamed, committed atomically). Non-tensor state is carried over
-(`RunState`), with the target's layout and recipe.
+(`RunRecord`), with the target's layout and recipe.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.offline.planning import recipe_layout
 from megaresil.checkpoint.offline.writer import refuse_existing, write_checkpoint
 from megaresil.checkpoint.sources import CheckpointSource
-from megaresil.checkpoint.state import RunState
+from megaresil.checkpoint.state import RunRecord
 from megaresil.config import (KEY_ALIASES, ConfigError, RecipeConfig, from_dict, parse_override,
                               to_dict)
 from megaresil.parallel.random import capture_rng_state, restore_rng_state
@@ -84,9 +84,9 @@ def fresh_rank_states(cfg: RecipeConfig) -> list[dict]:
     return [fresh] * cfg.parallel.world_size
 
 
-def converted_state(manifest: dict, cfg: RecipeConfig, weights_only: bool) -> RunState:
+def converted_state(manifest: dict, cfg: RecipeConfig, weights_only: bool) -> RunRecord:
     """The source's non-tensor state, with layout and recipe of the target."""
-    source, layout = RunState.from_manifest(manifest), recipe_layout(cfg)
+    source, layout = RunRecord.from_manifest(manifest), recipe_layout(cfg)
     same_ranks = layout == source.layout and source.rank_states
     return dataclasses.replace(
         source, layout=layout, recipe=to_dict(cfg),

@@ -33,7 +33,7 @@ from megaresil.checkpoint.offline.planning import planned_rects, writer_share
 from megaresil.checkpoint.keys import WEIGHTS
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.sources import TensorSource, byte_batches
-from megaresil.checkpoint.state import RunState
+from megaresil.checkpoint.state import RunRecord
 from megaresil.checkpoint.validation import check_shapes
 from megaresil.config import RecipeConfig
 
@@ -231,7 +231,7 @@ def _check_source(source: TensorSource, planned: list[Rect], weights_only: bool)
 
 
 def write_checkpoint(source: TensorSource, cfg: RecipeConfig, dst: Path, *, backend: str,
-                     weights_only: bool, state: RunState, overwrite: bool) -> Path:
+                     weights_only: bool, state: RunRecord, overwrite: bool) -> Path:
     """Write `source`'s tensors as checkpoint `dst` at the layout of recipe
     `cfg`, with the non-tensor `state`. `dst` appears only once complete."""
     refuse_existing(dst, overwrite)
