@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 # Nothing that imports torch at the top: --help, config, recipes answer in a
@@ -43,6 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return run_command(argv)
+    except BrokenPipeError:
+        # `megaresil config docs | head`: the reader left. Exit as a process
+        # killed by SIGPIPE would, without a traceback; stdout goes to devnull
+        # so the interpreter's flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def run_command(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # `megaresil soak|chaos RECIPE --opt V KEY=VALUE ...`: overrides after the options too.

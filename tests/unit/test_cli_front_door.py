@@ -271,3 +271,18 @@ def test_a_different_model_is_refused_before_any_worker_starts(cli_main, tmp_pat
     assert "rope_theta=500000.0 (this recipe: 10000.0)" in error
     assert "--from-hf" in error and "use --from-hf" not in error  # not the command just run
     assert not (run / "events.jsonl").exists()  # no worker started
+
+
+def test_output_piped_into_head_ends_without_a_traceback():
+    """`megaresil config docs | head`: the reader closing the pipe is not a
+    crash; the command exits as SIGPIPE would (141), silently."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    megaresil = Path(sys.executable).parent / "megaresil"
+    result = subprocess.run(["bash", "-c", f"'{megaresil}' config docs | head -1; "
+                             "exit ${PIPESTATUS[0]}"], capture_output=True, text=True, timeout=60)
+    assert result.stdout.startswith("model.flavour")
+    assert "Traceback" not in result.stderr and result.stderr == ""
+    assert result.returncode == 141
