@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 SOAK_MINUTES ?= 30
 SOAK_HOGS ?= 2
 
-.PHONY: setup cluster-deps demo test test-fast soak bench clean
+.PHONY: setup cluster-deps demo test test-fast docs soak bench clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,10 @@ cluster-deps:
 soak: setup
 	$(VENV)/bin/megaresil soak recipes/gpt-tiny.yaml --minutes $(SOAK_MINUTES) \
 		--hogs $(SOAK_HOGS) run.dir=runs/soak
+
+# The manual as a site under build/site (mkdocs --strict: a broken link fails).
+docs: setup
+	$(PY) tools/docs_site.py
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
