@@ -51,8 +51,10 @@ class Block:
 
 
 def manual_pages() -> list[Path]:
-    """README.md and every page under docs/ (the manual a user reads)."""
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    """README.md, every page under docs/, the benchmarks' page and the
+    changelog: the manual a user reads (and the site publishes)."""
+    return [ROOT / p for p in ("README.md", "CHANGELOG.md", "bench/README.md")] + sorted(
+        (ROOT / "docs").rglob("*.md"))
 
 
 def blocks_of(path: Path) -> list[Block]:
