@@ -1,25 +1,11 @@
 """Goodput of a run directory, across all its restarts and requeues: where the
-wall time went, from the run's own records (events.jsonl, metrics.jsonl).
+wall time went, computed from the run's own records (events.jsonl,
+metrics.jsonl) into buckets that add up (productive, startup, restarts,
+failed, recomputed, checkpoint, eval, idle, other).
 
-Every second from the launch of the first job to the end lands in exactly
-one bucket:
-- startup: launch -> the end of the run's first step (its warm-up included);
-- restarts: for each interruption, its detection (the first hang_detected,
-  worker_error, preempted or restart event after the last completed step)
-  -> the end of the first step after it (re-launch, re-rendezvous, checkpoint
-  load and that step's warm-up); a requeued job's wait counts here too;
-- failed: the last completed step before an interruption -> its detection
-  (work thrown away, the detection latency), less saves and evals in between;
-- idle: from an intended stop (run_finished, preempted, interrupted, or a
-  job that saved its last step and ended, as train.exit_at_step does) to the
-  next job's launch: the user's own pause or the queue, no fault's cost
-  (taken out of that gap's restarts);
-- recomputed: steps computed again after a restart (their earlier copies);
-- checkpoint: time a save blocked training (`blocking_seconds`);
-- eval: evaluation passes;
-- productive: every other step's own time (`step_time_s`);
-- other: the rest (logging, the console, gaps between steps).
-goodput = productive / (wall - idle): a pause the user chose is not the run's loss.
+goodput = productive / (wall - idle): a pause the user chose is not the run's
+loss. docs/observability.md ("Goodput", and "How it works") defines each
+bucket and how interruptions and idle gaps are found.
 """
 from __future__ import annotations
 
