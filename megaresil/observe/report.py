@@ -227,7 +227,7 @@ def summary_rows(runs: list[Run]) -> list[dict]:
                      "median tok/s": median("tokens_per_s"), "median TFLOP/s": median("tflops"),
                      "median MFU %": percent(median("mfu")),
                      "median step s": median("step_time_s"),
-                     "peak mem MB (rank 0)": max((r.get("mem_peak_mb", 0) for r in steps),
+                     "peak mem MB (logging rank)": max((r.get("mem_peak_mb", 0) for r in steps),
                                                  default=None),
                      "wall s": g["wall_s"], "goodput %": percent(g["goodput"]),
                      **{f"{b} s": g[f"{b}_s"] for b in BUCKETS if b != "productive"},

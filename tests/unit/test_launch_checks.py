@@ -32,6 +32,7 @@ def refused(cli_main, *args: str) -> str:
     ("data.source=/etc/passwd", "data.seq_len"),  # 23 tokens of valid data, samples need 129
     ("model.vocab_size=10", "model.vocab_size"),  # below the byte-level BPE's 257
     ("data.tokenizer=byte model.vocab_size=100", "model.vocab_size"),  # below the 257 byte ids
+    ("data.tokenizer=foo", "data.tokenizer"),  # no such tokenizer: was a traceback, exit 1
 ])
 def test_data_no_worker_could_use_is_refused_by_the_launcher(cli_main, tmp_path, override, key):
     run_dir = tmp_path / "run"
