@@ -1,41 +1,13 @@
-"""`run.lock`: one job owns a run directory.
+"""`run.lock`: one job owns a run directory, and one its checkpoint root.
 
-Two jobs writing one run directory interleave their metrics and replace each
-other's checkpoints, so the job that owns it holds `RUN/run.lock`, a JSON file
-naming the holder (host, pid, its process start time, job id, since when).
-
-- Creation is atomic on local and NFS-like filesystems: the holder's record is
-  written to a file of its own, then hard-linked to `run.lock` (link fails
-  when the name exists); success is read from the record's link count, which
-  stays right when an NFS link call is retried after it succeeded.
-- Liveness: on the holder's own host its pid is checked, with the process's
-  start time against a reused pid. A pid on another host can't be checked, so
-  the holder touches the file every `heartbeat_s` from a daemon thread, and a
-  lock of another host whose mtime is older than `stale_s` is stale. (Reading
-  opens the file, so NFS close-to-open consistency gives a fresh mtime; hosts'
-  clocks must agree to within stale_s - heartbeat_s.)
-- Takeover of a stale lock renames it aside, checks that what was moved is
-  exactly what was judged stale (same bytes and mtime) and puts it back when
-  not (it was refreshed or replaced meanwhile), then creates a new one.
-- The job, not only its holder: every process the holder starts inherits
-  `TREE_ENV` naming the holder, so a lock whose holder died is not taken
-  over while a process of its job (a worker, a guardian) still runs on this
-  host. The next start waits `orphan_wait_s` for them (the kernel kills a
-  dead launcher's workers, resilience/supervision.py), then refuses naming them.
-- One lock per job, whoever holds it: processes that present the same job id
-  share it. The first one holds it; the others join, and each one's thread
-  takes the lock over should it go stale or vanish while the job runs (e.g.
-  the holding node was lost and the job re-formed without it).
-
-The checkpoint root is locked the same way (`ROOT/run.lock`, key
-`checkpoint.dir`), wherever it lies: two runs with their own run.dir but one
-checkpoint.dir would resume and replace each other's checkpoints.
-
-Who takes it (launch/): the `megaresil train` launcher, for the job id of its
-rendezvous (`--rdzv-id` with several agents, so all agents of one elastic job
-share one lock), and tells its workers through `HELD_ENV`; under a torchrun
-of the user's own, global rank 0's worker takes it for the torchrun job.
-"""
+The holder's record (host, pid, process start time, job id, since) is
+hard-linked into place, so creation is atomic on NFS too; a holder on this
+host is judged by its pid, one on another host by the heartbeat it touches.
+A dead holder's lock is not taken over while a process of its job (marked by
+`TREE_ENV`) still runs here. Processes presenting one job id share one lock.
+The launcher takes it for its rendezvous' job id and tells its workers
+(`HELD_ENV`); under a user's own torchrun, rank 0's worker takes it.
+docs/fault-tolerance.md ("The run lock") describes the rules."""
 from __future__ import annotations
 
 import contextlib

@@ -1,25 +1,11 @@
 """Writing a run's files without following links planted in their place.
 
-Run directories are copied from elsewhere, shared, and written by jobs run as
-root. A `metrics.jsonl` that is a symlink to `/etc/passwd` must not grow a
-line of metrics there, nor a `recipe.yaml` link replace its target. So every
-file a run writes is opened here:
-
-- appended files (`metrics.jsonl`, `events.jsonl`, `stragglers.jsonl`) with
-  `O_NOFOLLOW`: a link in the file's place is refused, never followed;
-- replaced files (`recipe.yaml`, `goodput.json`, `latest`, reports) through a
-  fresh temporary file in the same directory (created with `O_EXCL`, which
-  never follows a link either), fsynced and renamed over the name: a link
-  there is replaced, not written through;
-- directories inside the run (`checkpoints/`, `report/`, the local tier's
-  node and step directories) made or checked by `own_dir`, which refuses one
-  that is a link, so nothing is created through it.
-
-The paths a user names (`run.dir`, `checkpoint.dir`, `report --out`) are
-trusted as named, links included: what lies *under* them is not.
-`refuse_links` is the launcher's check before any worker starts, naming
-every known path of the run that is a link.
-"""
+Appended files are opened with `O_NOFOLLOW`; replaced files go through a
+fresh `O_EXCL` temporary file renamed over the name; the run's directories
+are refused when they are links (`own_dir`); `refuse_links` is the
+launcher's check before any worker starts. Paths a user names (`run.dir`,
+`checkpoint.dir`, `report --out`) are trusted as named, links included.
+docs/security.md ("Links in run directories") gives the rules."""
 from __future__ import annotations
 
 import errno

@@ -1,38 +1,14 @@
-"""`megaresil soak`: one long run with faults of every kind, then a fault-free
-reference to the same step; proof over time, not scenarios.
+"""`megaresil soak`: one long run with faults of every kind at seeded random
+steps and sections, then a fault-free reference to the same step; proof
+over time, not scenarios.
 
-The faulted run is the recipe's own layout (the demo: tp2 x pp2 x dp2) with
-asynchronous saves. Its faults come in episodes, each at a random step and,
-where the kind allows, a random section: one fault of each kind (kill, raise,
-hang in sleep / a collective / holding the GIL, slow, sigterm, a corrupted
-checkpoint followed by a kill), a fault during a save, one during a restart
-(`generation`, see faults.py), a kill during the preemption save, and two
-faults on adjacent steps. A job that exits preempted (75) is requeued like a
-scheduler would. CPU hogs may run beside it.
-
-The local checkpoint tier is on unless asked otherwise (`local=False`): a
-local save every step on two simulated nodes, each rank's shard replicated
-to the other, so most faults cost one step. Two more episodes then damage
-it: a rank's own local shards corrupted before it is killed (the restart
-must take them from their replicas) and a lost node (its local directory
-deleted and a rank killed: its ranks' shards come from the other node). A
-corrupted global checkpoint is then often not read at all (a newer local
-step serves): the report says so instead of counting it undetected.
-
-How long: a short fault-free calibration run measures start-up and step
-time. Episodes are taken, cheapest first for the first round of kinds (so a
-short soak still sees several) and in seeded random order after that, while
-their estimated recovery cost and room to run fit in --minutes; the steps are
-what is left of the budget over the step time. Given the seed, the number of
-steps and of episodes (all in soak.json), the schedule is always the same.
-
-Report (console and `soak.json` in the soak directory): faults injected,
-detected and recovered, false alarms (hang_detected / worker_error with no
-fault behind it; hang_suspected counted apart as warnings), steps and time
-lost per fault, goodput (productive step time / wall time), and whether the
-final checkpoint equals the reference's bit for bit and every step's loss
-matches.
-"""
+A short calibration run sizes the steps and the episodes (schedule.py) to
+--minutes; the faulted run is requeued after a preemption, with CPU hogs
+beside it if asked, and the local tier on unless `local=False`. The report
+(console and soak.json) counts faults injected, detected and recovered, false
+alarms, steps and time lost, goodput, and whether the final checkpoint and
+every loss equal the reference's. docs/fault-tolerance.md ("megaresil soak",
+"How the soak schedules faults") describes it for users."""
 from __future__ import annotations
 
 import json

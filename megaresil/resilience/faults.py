@@ -1,23 +1,11 @@
 """Fault injection for tests, chaos runs and users' own drills.
 
-A fault `{kind, rank, step, section?, seconds?, mode?, generation?}` (typed and
-checked as config's `FaultSpec`) fires on `rank` when the training loop enters
-`section` (default: data) of step `step`. Each fires once per run directory: a `fault_injected` event is written
-before it acts, and faults already recorded there are skipped, so the restart
-a fault causes does not meet it again.
-
-`generation: G` holds a fault back until the run directory has seen at least
-G restarts (its `restart` events), counted when a generation begins. With
-`section: setup, step: 0` that is a fault during a restart: it fires while the
-G-th restart (or the first one after it) builds the trainer and loads the
-checkpoint, as the first generation's setup has seen no restart.
-
-Two kinds act on the local checkpoint tier (checkpoint.local), on the
-faulty rank's node directory: `corrupt_local_checkpoint` flips a byte in
-every committed shard of the rank's own (the replicas on other nodes stay
-good), and `lose_local_node` kills the rank and deletes the node's whole
-directory once its workers are gone, as if its machine were replaced.
-"""
+A fault (config's `FaultSpec`: kind, rank, step, section, seconds, mode,
+generation) fires on its rank as the training loop enters its section of its
+step. A `fault_injected` event is written before it acts, and each fires once
+per run directory; `generation` holds it back until that many restarts.
+docs/fault-tolerance.md ("Injected faults", "How a fault fires") lists the
+kinds and what each does."""
 from __future__ import annotations
 
 import ctypes

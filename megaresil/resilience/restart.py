@@ -1,30 +1,12 @@
 """A worker's life: process groups per generation, in-process restarts, and
 the hand-over to the launcher when a process is lost.
 
-What is restarted is *a job* (`Job`): whatever `make_job` builds for one
-generation; this module knows nothing of training, the way NVIDIA's
-in-process wrapper restarts any function.
-
-In-process restart keeps the process (no re-import, no CUDA re-init): on an
-exception, a detected hang or an abort announced by another rank, the job's
-thread unwinds to here, the old generation's job and process groups are
-dropped, all ranks meet again under a new store prefix (a stale address of
-the previous generation can never be read), and the next generation's job
-resumes from the newest valid state. Lost processes (SIGKILL, segfault) and
-exhausted in-process restarts go to the TorchElastic agent, which relaunches
-the group; its workers resume from the newest state too.
-
-Restarts are bounded by *consecutive* failures without progress (a
-generation that completes a step resets the count), so a long run survives
-many spaced faults while a fault that recurs at once gives up; repeated
-failures back off exponentially before the ranks meet again.
-
-Restart numbers and the back-off's count come from the run directory's own
-records (`restart` events, metrics.jsonl's steps), not from the launch store:
-that store lives in one agent or rank (the rendezvous' rank 0) and is gone
-with its node, while the run directory is shared by every node (the global
-checkpoints live there) and outlives any of them.
-"""
+What is restarted is *a job* (`Job`), whatever `make_job` builds for one
+generation: this module knows nothing of training. Each generation meets
+under a store prefix of its own; restarts are bounded by failures in a row
+without progress and back off exponentially; restart numbers come from the
+run directory's records, which outlive any node's store.
+docs/fault-tolerance.md ("What happens", "Restarts") says it for users."""
 from __future__ import annotations
 
 import gc

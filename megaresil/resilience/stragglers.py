@@ -1,31 +1,11 @@
 """Straggler detection: which rank is slow, and where.
 
-Every `logging.straggler_interval` steps each rank hands in its window's
-section times (training-thread CPU and wall seconds per step, see
-observe/sections.py) and peak memory through one small all-gather on the
-training thread's own world group. Rank 0 compares each rank with the median
-of its peers (the ranks of its pipeline stage, which do the same work)
-section by section, on CPU time: a rank waiting
-in a collective for a slow peer gains almost none, so the waiting ranks are
-not blamed, only the one they wait for. For an even count the lower median
-is used, so with two ranks the slow one is compared with the other.
-
-Ranks of different stages are never compared: stages do different work by
-design (the last one computes the loss and the head), so their times differ
-on a healthy run. A rank alone in its stage (tp=1 and dp=1, e.g. tp1 x pp2 x
-dp1) is not judged: its ratios are 1.0 and its score 1.0. Its own history is
-no sound baseline either: its step time moves with evals, saves and restarts,
-so it would raise alarms on healthy runs. docs/fault-tolerance-stragglers.md
-says this for users.
-
-Written by rank 0: a line per window in run.dir/stragglers.jsonl (every
-rank's times, ratios, relative performance score = peers' median busy time /
-the rank's, 1.0 typical and lower slower, the way NVIDIA's resiliency
-extension scores ranks; and peak memory), and `straggler_detected` (rank,
-section, ratio, window) once a rank has been `straggler_threshold` times its
-peers' median in a section for `straggler_windows` windows in a row; again
-only after it recovered. Slowness is never an alarm: nothing is aborted.
-"""
+Every `logging.straggler_interval` steps the ranks all-gather their window's
+section times (training-thread CPU and wall) and peak memory; rank 0 compares
+each rank with the median of its pipeline stage's ranks, on CPU time, writes
+the window to run.dir/stragglers.jsonl and, after `straggler_windows` slow
+windows in a row, a `straggler_detected` event. Nothing is aborted.
+docs/fault-tolerance-stragglers.md says who is compared with whom, and why."""
 from __future__ import annotations
 
 import json
