@@ -43,7 +43,7 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str]:
             skipped.append(f"{candidate.name}: {err}")
             continue
         passed = f" (skipped {'; '.join(skipped)})" if skipped else ""
-        return candidate, f"using {candidate}, the newest valid checkpoint under {path}{passed}"
+        return candidate, f"using {candidate}, the newest committed checkpoint under {path}{passed}"
     raise fmt.CheckpointError(f"{path} holds no valid checkpoint" +
                               (f" ({'; '.join(skipped)})" if skipped else
                                " (no step_* directory)") +
