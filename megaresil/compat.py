@@ -2,26 +2,14 @@
 
 Each function names what it reaches into. Together they were checked on the
 torch minor versions CHECKED_TORCH[0] through CHECKED_TORCH[1]:
-
 - 2.13 (the version the project installs): the whole test suite runs on it;
-- 2.14: the source of every API used here read in its wheel (same names,
-  fields and signatures);
-- 2.9, the floor: the first release with everything megaresil needs from
-  torch's public APIs as well. DCP's no-collectives save (`use_collectives`,
-  which gives each rank's RankWriter its own file) arrived in 2.9; the newest
-  of the rest are `gather_object(group_dst=)` (2.6) and
-  `scaled_dot_product_attention(enable_gqa=)` (2.5). Every private API used
-  here predates 2.9. pyproject.toml's torch floor is the same version
+- 2.14: the source of every API used here read in its wheel;
+- 2.9, the floor: the first release with every public API megaresil needs
+  (DCP's no-collectives save); pyproject.toml's floor is the same version
   (tests/unit/test_compat.py holds the two together).
-
-A torch outside that range is refused when this module is imported, which
-every module using a private API does: the job stops before it builds a
-process group or starts a worker, with a message naming the versions, rather
-than with an AttributeError deep inside a save thread or, worse, inside the
-hang handler that only runs when something else has already gone wrong
-(`abort_process_groups`). A torch newer than the range may be tried with
-MEGARESIL_UNCHECKED_TORCH=1; one older than the floor lacks public APIs the
-code calls and cannot work.
+A torch outside that range is refused when this module is imported, before a
+process group or worker exists (MEGARESIL_UNCHECKED_TORCH=1 allows a newer
+one). See docs/gpu.md ("PyTorch versions").
 """
 from __future__ import annotations
 

@@ -2,18 +2,12 @@
 checkpointed (the recompute plan), and how each checkpoint's stored input is
 kept until backward (whole, split across the TP group, or in host memory).
 
-A checkpointed group of layers runs under torch's non-reentrant checkpoint,
-which keeps only the group's inputs and recomputes the rest in backward. It
-saves those inputs through the saved-tensor hooks active around the call, so
-`CheckpointStore` installs its own there: pack turns the hidden states into
-their stored form (this rank's 1/tp slice, and/or a host copy), unpack turns
-them back before the recomputation. Everything inside the group is saved by
-checkpoint's own (inner) hooks and never reaches these.
-
-Recomputation redraws the same dropout masks: they are a pure function of
-(seed, sample, site) (parallel/random.py), and checkpoint restores the global
-RNG state besides. So every variant gives the losses and grads of no
-recomputation, bit for bit in the tests.
+`CheckpointStore` installs saved-tensor hooks around torch's non-reentrant
+checkpoint: pack turns a group's input into its stored form (this rank's 1/tp
+slice and/or a host copy), unpack turns it back before recomputation.
+Recomputation redraws the same dropout masks, so every variant gives the
+losses and grads of no recomputation. See docs/parallelism.md
+("Activation memory").
 """
 from __future__ import annotations
 

@@ -2,46 +2,13 @@
 of the local layers, with the layout's TP group and sequence parallelism, and
 FP8 (`train.fp8=hybrid`).
 
-Written against TE's documented API (transformer_engine.pytorch.Linear,
-LayerNormLinear, LayerNormMLP, LayerNorm, RMSNorm, DotProductAttention,
-autocast (fp8_autocast before TE 2.8), common.recipe.DelayedScaling) and untested until a CUDA machine
-with TE runs `pytest -m gpu` (tools/gpu_check.sh does).
-
-The model is built and initialised with the local layers, then `convert`
-swaps them, in each block:
-- norm1 + attn.qkv -> LayerNormLinear (column parallel); the attention core
-  (torch SDPA) -> DotProductAttention (causal, GQA groups; RoPE is applied to
-  q and k before it, as locally); attn.proj -> Linear (row);
-- GPT-2: norm2 + mlp.fc + gelu + mlp.proj -> LayerNormMLP (fc1 column, fc2 row);
-- Llama: norm2 + mlp.gate + mlp.up -> one LayerNormLinear whose weight TE
-  exposes as two Parameters (parameters_split: gate_weight, up_weight), so each
-  stays its own TP row block as in the local model; mlp.down -> Linear (row).
-  LayerNormMLP's swiglu fc1 would hold [gate; up] rows of *each TP rank* in one
-  tensor, which is no rectangle of a local key;
-- the final norm -> LayerNorm/RMSNorm. The output head stays the local
-  ColumnParallelLinear, as Megatron-Core's GPT keeps its own output layer: the
-  stage's logits are batch-first, and TE's sequence parallelism is not.
-TE modules get global sizes, parallel_mode, tp_group, tp_size and
-sequence_parallel and hold the same local shard the local layer held; the
-shard's values and the marks the parallel code and checkpoints read (tp_dim,
-sequence_parallel, ...) are copied. DotProductAttention holds no parameters.
-The fused modules name their parameters as TE does (layer_norm_weight,
-fc1_weight, ...); `local_key` / `te_key` map between those names and the local
-backend's, so checkpoints keep the local keys: a TE-trained checkpoint resumes
-on the local backend and the other way round.
-
-Layout: the converted blocks run on (T, B, C), Megatron's layout, because TE's
-sequence parallelism gathers and scatters along dim 0. `GPT.blocks_layout`
-transposes once on entry to a stage's blocks and once on exit, so the stage's
-inputs and outputs (pipeline shapes, embedding, head) stay (B, T, C); under
-sequence parallelism rank r's (B, T/tp, C) shard transposes to exactly TE's
-dim-0 shard of (T, B, C). The blocks' dropouts keep their layout-independent
-masks (drawn per sample on the batch-first view). Attention-probability
-dropout is DotProductAttention's own, drawn from the CUDA RNG: unlike the
-local backend's, it depends on the layout (Llama recipes use none).
-
-`import transformer_engine` without CUDA raises RuntimeError, not
-ImportError, hence the broad except.
+`convert` swaps a built, initialised local model's layers for TE modules that
+hold the same local shard and marks; the converted blocks run on (T, B, C)
+(`GPT.blocks_layout` transposes around them). `local_key` / `te_key` map TE's
+parameter names to the local backend's, so checkpoints keep the local keys.
+Written against TE's documented API and untested until a CUDA machine with TE
+runs `pytest -m gpu`. `import transformer_engine` without CUDA raises
+RuntimeError, not ImportError, hence the broad except. See docs/gpu.md.
 """
 from __future__ import annotations
 

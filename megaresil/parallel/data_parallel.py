@@ -1,45 +1,13 @@
-"""Gradients in contiguous buffers, reduced over data parallelism in buckets.
+"""Gradients in contiguous buffers, reduced over data parallelism in buckets
+(megaresil's own, not DistributedDataParallel).
 
-Why not DistributedDataParallel: it hides which grads are final behind its
-reducer, its first use imports torch._dynamo (seconds of restart time on a
-small CPU box), and the distributed optimizer needs a reduce-scatter path that
-DDP does not offer.
-
-Every bucket owns one flat buffer and each of its parameters' grads is a view
-into it (Megatron's grad buffer, DDP's gradient_as_bucket_view), so a step
-allocates, concatenates and copies nothing: the buffer is reduced in place.
-Two ways a grad lands in its view:
-- same dtype (fp32 training): `param.grad` *is* the view before backward
-  starts, and autograd accumulates into it in place;
-- bf16 parameters with fp32 main grads (train.precision=bf16): the buffer is
-  fp32 and a post-accumulate-grad hook adds each micro-batch's bf16 grad into
-  the view and frees the bf16 grad, so accumulation over micro-batches happens
-  in fp32, as Megatron's `main_grad` does. The view is the whole fp32 main
-  parameter's `.grad`, or, under the distributed optimizer (which keeps only
-  its rows of the main parameters), no tensor's: the reduce-scatter hands
-  each rank its rows.
-
-On the micro-batch that ends a step, a bucket whose grads are all ready is
-handed to the reducer (an all-reduce here, a reduce-scatter in the distributed
-optimizer) asynchronously while backward goes on through the earlier layers,
-so communication overlaps compute. Earlier micro-batches only accumulate
-locally: one sync per optimizer step.
-
-Which thread issues these collectives (design.md: one thread, one process
-group). The grad hooks run on the thread that executes the parameters'
-AccumulateGrad nodes: the training thread on CPU, autograd's worker thread
-for the device on CUDA (the same thread that runs the TP layers' backward
-collectives). That is still one issuer at a time, in one total order: the
-training thread issues its DP collectives before and after `backward()`, and
-is blocked inside it, waiting for the graph, while the worker thread runs
-the hooks; `backward()` returns only when they are done. PyTorch DDP's
-reducer launches from the same hooks on the same argument. Autograd's engine
-sets the worker thread's CUDA device to its own, so NCCL calls go to the
-right GPU. What the hooks cannot promise is the order in which buckets become
-ready on every rank (a graph's readiness order is an engine detail), so, as
-DDP does, buckets are launched strictly in index order: a bucket that is
-ready before its predecessors waits for them. Every rank then issues the
-same collectives in the same order whatever order the hooks fire in.
+Each bucket owns one flat buffer and every grad is a view into it (fp32 main
+grads under bf16, filled by a post-accumulate-grad hook). On the step's last
+micro-batch each ready bucket is reduced asynchronously during backward (an
+all-reduce, or the distributed optimizer's reduce-scatter), strictly in bucket
+index order so every rank issues the same collectives in the same order.
+docs/parallelism.md ("How it works") explains why, and which thread issues
+these collectives.
 """
 from __future__ import annotations
 
