@@ -1,27 +1,12 @@
-"""The on-disk checkpoint format: directory names, manifest, checksums, and the
-atomic commit protocol.
+"""The on-disk checkpoint format: directory names, the manifest, checksums
+and the file steps of the atomic commit protocol.
 
-    ROOT/
-      latest                       name of the newest committed checkpoint (replaced atomically)
-      step_0000100/
-        metadata.json              the manifest
-        <backend files>
-        COMMITTED                  completion marker, the last thing written
-      step_0000200.partial-<id>/   a save in progress (or one that died): never loaded
-
-A checkpoint is written under its `.partial-` name; only after every rank's
-data is fsynced and the manifest written is it renamed into place, then the
-marker is written, then `latest` is replaced. A crash at any point leaves the
-previous checkpoint and `latest` untouched.
-
-Checksums are xxHash3-64 over each shard's raw bytes: it hashes faster than
-disks read, so verifying never costs more than reading the data. The
-manifest itself is covered too: the completion marker, written last, holds
-the digest of the manifest's bytes (`ok`, then `metadata.json xxh3-64 HEX`),
-so a flipped step, data position, Adam step or RNG state is an invalid
-checkpoint like a flipped shard. A bare `ok` marker (checkpoints written
-before the digest) is read without it. `latest` is a hint for people and
-tools; resuming never reads it (it scans the step directories).
+A checkpoint is `ROOT/step_NNNNNNN/` (`metadata.json`, the backend's files,
+`COMMITTED`), written as `step_N.partial-<id>/`, renamed into place once
+every rank's data is fsynced and the manifest written, then marked; `latest`
+is replaced last. Shards carry xxHash3-64 checksums in the manifest, and the
+marker carries the manifest's. Resuming scans the step directories and never
+reads `latest`. docs/checkpoints.md ("How it works") has the details.
 """
 from __future__ import annotations
 

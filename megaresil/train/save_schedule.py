@@ -1,20 +1,12 @@
-"""When the training loop saves a global checkpoint (checkpoint.interval).
+"""When the training loop saves a global checkpoint (checkpoint.interval):
+every N steps, never (0), or auto: after one measuring save, Young/Daly's
+sqrt(2 x save x MTBF), capped by checkpoint.max_minutes_at_risk and chosen
+again when a cost moves by more than 2x. train.exit_at_step always saves;
+except with 0, so does the last step.
 
-- N > 0: every N steps, and at the last step.
-- 0: never (said once at start), except at train.exit_at_step, whose
-  contract is a save.
-- auto (the default): one early save right after the watchdog's calibration
-  steps measures what a save costs; then the interval is Young/Daly's
-  sqrt(2 x save x MTBF) (plan/model.py), at most
-  checkpoint.max_minutes_at_risk, turned into steps by the measured step
-  time, and chosen again when the save or step cost moves by more than 2x.
-  The last step is always saved.
-
-Every rank must save at the same steps, so the measurements are combined
-over the world (the slowest rank's, an all-reduce MAX on the training
-thread's group) at steps every rank knows (after a save, every RECHECK_STEPS
-steps): each rank then computes the same decision from the same numbers.
-Which steps are saved never changes what is trained.
+Every rank must save at the same steps: the costs are the slowest rank's
+(an all-reduce MAX), combined at steps every rank knows. docs/checkpoints.md
+("When checkpoints are saved", "When auto saves") has the details.
 """
 from __future__ import annotations
 

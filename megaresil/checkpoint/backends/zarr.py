@@ -1,19 +1,11 @@
 """zarr v3 backend: one array per key holding the global tensor.
 
-Rank 0 writes every array's metadata (zarr.json: the chunking of
-zarr_layout.py) and its shard directories; each rank then writes its rects'
-bytes straight from the tensors into their places in the shard files (pwrite,
-no copy where a piece is contiguous), with the torch_dist writer's discipline
-(file_io.py): the disk starts on every piece as soon as it is written, and a
-thread fsyncs each file while the next one is written. Reads take each
-piece's place from its shard's index and read it straight into the target
-tensor, the next file's bytes asked for while the current one is read.
-
-No compression: checkpoints are write-bandwidth bound and float weights
-barely compress. bfloat16, which zarr lacks, is stored as its uint16 bit
-pattern with the array attribute `torch_dtype: bfloat16`; the round trip is
-exact. Any zarr tool reads the arrays (bf16 ones as raw uint16 plus that
-attribute); this module writes and reads the files itself, without zarr.
+Rank 0 writes every array's `zarr.json` (zarr_layout.py); each rank then
+writes its rects' bytes straight into their places in the shard files, with
+file_io.py's early writeback and fsync behind the writer; reads go straight
+into the target tensors. bfloat16 is stored as its uint16 bits with the
+attribute `torch_dtype: bfloat16`. This module reads and writes the files
+itself, without zarr. docs/checkpoints.md ("The zarr backend") has more.
 """
 from __future__ import annotations
 

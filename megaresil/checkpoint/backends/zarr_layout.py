@@ -1,27 +1,11 @@
 """Where every byte of a zarr v3 array lies: the chunking we choose, the
 array metadata (`zarr.json`), and the byte layout of its shard files.
 
-An array is cut into shards (one file each, zarr's `sharding_indexed` codec),
-each shard into inner chunks of a few MiB (what a reader fetches). The shard
-grid follows the writers' rectangles: where their boundaries fall on a
-regular grid (even tensor-parallel splits, the distributed optimizer's row
-blocks of a whole parameter) each writer's rectangle is exactly one shard; where
-they do not (row blocks inside a tensor-parallel block whose size dp does not
-divide, a vocabulary cut at its real size), the shards are about as large as
-the writers' blocks along that dimension, so an array has at most as many
-shard files as it has writer rectangles (per dimension: at most as many
-shards as distinct writer intervals), and a shard there is shared by the
-writers whose rows it holds, each writing its own bytes in place.
-
-Inner chunks are stored uncompressed (`bytes` codec, little endian), so every
-chunk's place in its shard file is known in advance: the in-bounds chunks of
-a shard in C order, then the index (offset, length per chunk as uint64;
-chunks beyond the array's edge marked empty), with no index checksum (the
-manifest's checksums cover the data). Any zarr v3 reader reads the arrays.
-
-A 0-d array, which zarr's sharding does not handle, is one plain chunk. The
-reader also reads arrays of unsharded regular chunks (what megaresil wrote
-before shards).
+Shards (one file each, zarr's `sharding_indexed` codec) follow the writers'
+rectangles, so an array never has more shard files than writer rectangles;
+inner chunks of about 4 MiB are stored uncompressed, so every chunk's place
+in its file is known in advance. docs/checkpoints.md ("The zarr backend")
+explains the rules.
 """
 from __future__ import annotations
 
