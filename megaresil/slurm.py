@@ -101,7 +101,7 @@ class SlurmStep:
         if self.tasks != world:
             raise ConfigError("parallel", f"the Slurm step has {self.tasks} tasks "
                               f"({self.nodes} node(s) x {self.tasks_on_node}) but the "
-                              f"recipe's tp*pp*dp is {world}",
+                              f"recipe's tp*pp*dp is {world}.",
                               f"submit with {fitting_task_layout(world, self.nodes)} "
                               f"(--ntasks={world}, one task per rank), or "
                               "--ntasks-per-node=1 to let megaresil start the ranks.")

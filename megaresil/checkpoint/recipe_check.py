@@ -13,11 +13,11 @@ from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import ConfigError, RecipeConfig, to_dict
 
 # Keys (or key prefixes ending in '.') that may change on resume: the layout
-# (checkpoints reshard), how long to train, when and where to save, what to
+# (checkpoints reshard, ZeRO-1's row shards of the moments included), how long to train, when and where to save, what to
 # log, how to detect and recover, and injected faults.
 RESUMABLE = ("parallel.", "train.steps", "train.exit_at_step", "train.micro_batch_size",
-             "train.eval_interval", "train.eval_batches", "checkpoint.", "logging.", "profile.",
-             "resilience.", "faults", "run.")
+             "optimizer.distributed", "train.eval_interval", "train.eval_batches", "checkpoint.",
+             "logging.", "profile.", "resilience.", "faults", "run.")
 
 
 def flat(values: dict, prefix: str = "") -> dict[str, object]:

@@ -23,8 +23,8 @@ class ConfigError(ValueError):
     def __init__(self, key: str, problem: str, fix: str = ""):
         self.key = key
         message = f"{key}: {problem}"
-        if fix:
-            message += f" Fix: {fix}"
+        if fix:  # a problem of several lines ends in one: its fix starts a line
+            message += f"{'' if problem.endswith(chr(10)) else ' '}Fix: {fix}"
         super().__init__(message)
 
 

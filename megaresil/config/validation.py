@@ -227,4 +227,11 @@ def validate_world_size(cfg: RecipeConfig, world_size: int) -> None:
     need = p.world_size
     require(need == world_size, "parallel",
             f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {need} but the world size is {world_size}.",
-            f"launch {need} processes, or change parallel.dp to {world_size // (p.tp * p.pp) or 1}.")
+            f"launch {need} processes, or {fitting_change(p.tp * p.pp, world_size)}.")
+
+
+def fitting_change(tp_pp: int, world_size: int) -> str:
+    """The layout change that fits the world, where one dp does."""
+    if world_size % tp_pp == 0:
+        return f"change parallel.dp to {world_size // tp_pp}"
+    return f"choose parallel.tp*pp (now {tp_pp}) dividing {world_size}, then dp to fit"

@@ -43,6 +43,11 @@ class Membership:
             where = "HOST:PORT" if backend == "c10d" else "ETCD_HOST:PORT"
             raise ConfigError("--rdzv-endpoint", "several nodes need a rendezvous endpoint.",
                               f"add --rdzv-endpoint {where} (the same on every node).")
+        if not run_id and int(high or low) > 1:
+            # Without one each agent would name its job after its own pid:
+            # the nodes would never meet, each waiting for the others.
+            raise ConfigError("--rdzv-id", "several nodes need one job id to meet under.",
+                              "add --rdzv-id ID (the same on every node, e.g. the job's name).")
         return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf, backend,
                    local_addr)
 

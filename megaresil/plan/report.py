@@ -4,7 +4,7 @@ checkpoint interval and expected goodput (model.py), and the simulated run
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -83,8 +83,9 @@ def plan(costs: RunCosts, kinds: list[Kind], *, replacement_s: float,
          scale: Optional[Scale] = None, step_s: Optional[float] = None,
          simulate_days: Optional[float] = None, seed: int = 0) -> dict:
     if scale:
-        costs = RunCosts(costs.step_s, costs.steps, costs.interval,
-                         {t: scale.save(s) for t, s in costs.saves.items()}, costs.outages)
+        # replace, not a new RunCosts: the measured start-up (a relaunch's
+        # floor) must survive the scaling of the saves.
+        costs = replace(costs, saves={t: scale.save(s) for t, s in costs.saves.items()})
     step = step_s or costs.step_s
     mtbf = 1 / sum(k.per_s for k in kinds)
     restart_s = restart_costs(costs, replacement_s, scale)

@@ -196,9 +196,12 @@ def test_a_resume_with_another_recipe_is_refused_naming_the_key(tmp_path, change
     refusal = resume_refusal(tmp_path, change)
     assert f"{key}: the checkpoint has" in refusal and "allow_recipe_change=[" in refusal
     assert "init_from=" in refusal and "run.dir" in refusal
+    assert "\nFix: " in refusal  # the fix starts its own line, after the list of keys
 
 
 def test_allowed_changes_resume(tmp_path):
     assert resume_refusal(tmp_path, "parallel.dp=2", "train.steps=50", "logging.log_interval=3") == ""
+    # ZeRO-1 on or off: the moments are stored whole, its row shards reshard as any layout does
+    assert resume_refusal(tmp_path, "parallel.dp=2", "optimizer.distributed=true") == ""
     assert resume_refusal(tmp_path, "train.seed=7",
                           "checkpoint.allow_recipe_change=[train.seed]") == ""

@@ -62,6 +62,11 @@ def test_world_size_mismatch_names_the_fix():
     cfg = load_recipe(TINY, [])
     with pytest.raises(ConfigError, match="world size is 3"):
         validate_world_size(cfg, 3)
+    # tp*pp=4 fits no dp in 3 ranks: the fix may not propose one
+    with pytest.raises(ConfigError, match=r"choose parallel.tp\*pp \(now 4\) dividing 3"):
+        validate_world_size(cfg, 3)
+    with pytest.raises(ConfigError, match="change parallel.dp to 3"):
+        validate_world_size(cfg, 12)
 
 
 def test_every_field_is_documented():

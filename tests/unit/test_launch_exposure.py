@@ -217,3 +217,13 @@ def test_from_hf_names_a_malformed_tokenizer_config_before_any_worker(tmp_path):
     with pytest.raises(ConfigError, match=f"--from-hf: {hf_dir / 'tokenizer_config.json'} is not"):
         resolve_from_hf(hf_dir, recipe, [])
     resolve_from_hf(hf_dir, recipe, ["data.tokenizer=byte"])  # one the user chose instead
+
+
+def test_several_nodes_without_a_job_id_are_refused():
+    """Each agent would otherwise name the job after its own pid, and the
+    nodes would wait for one another for good."""
+    from megaresil.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--rdzv-id: .*Fix: add --rdzv-id ID"):
+        Membership.parse("2", 4, "node0:29400", None)
+    assert Membership.parse("1", 4, "node0:29400", None).max_nodes == 1

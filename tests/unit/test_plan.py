@@ -105,3 +105,18 @@ def test_plan_on_a_real_run(cli_main, tmp_path):
     assert report["policies"][0]["policy"] == "global only"
     assert 0 < report["policies"][0]["expected_goodput"] < 1
     assert report["local_tier_measured"] is False
+
+
+def test_scaling_a_run_without_a_relaunch_keeps_its_start_up():
+    """`megaresil plan RUN --state-bytes N` on a run that never relaunched:
+    the relaunch is estimated from the run's start-up, which the scaling of
+    its saves must keep (it dropped it, and the command refused the run)."""
+    from megaresil.plan.costs import SaveCost
+    from megaresil.plan.report import Scale, plan
+
+    costs = RunCosts(step_s=0.2, steps=10, interval=2, startup_s=6.0,
+                     saves={"global": SaveCost("global", 5, 0.01, 0.1, 30_000_000)})
+    kinds = job_kinds(load_profile(), 16384)
+    report = plan(costs, kinds, replacement_s=600,
+                  scale=Scale(state_bytes=4.86e12, gpus=16384, storage_bytes_per_s=1e12))
+    assert report["policies"] and 0 < report["policies"][0]["expected_goodput"] < 1
