@@ -3,20 +3,9 @@ datasets indexed by global sample index, `build_test_dataset` gives the
 held-out test split (`megaresil eval --split test`), and `recipe_tokenizer`
 gives the tokenizer the data was made with.
 
-Indexed data (`data.source=indexed`) is one prefix (`data.path`) or a blend
-(`data.paths`). Each prefix's valid part is, in this order: its documents
-in the valid share of `data.split` when that is set; else PREFIX_valid when
-it exists; else its last `data.valid_fraction` of documents. Its test part,
-as Megatron's: the documents in the test share of `data.split` (after the
-valid ones); else PREFIX_test when it exists; else it has none. Training
-never sees a document of the valid or test part.
-
-A prepared corpus (shakespeare, kjv, a text or JSONL file) holds out its
-last `data.valid_fraction`; the first half of that held-out part (by
-documents, or by tokens when it is a single document) is the valid split,
-the second half the test split, so the two never share a token. A held-out
-part too small to give each half one sample stays valid whole, with no test.
-Synthetic data draws its test samples from a third seed.
+How each source is split into train, valid and test (data.split,
+PREFIX_valid/_test, data.valid_fraction; a prepared corpus's held-out
+halves) and blended: docs/data.md, "Splits" and "How it works".
 """
 from __future__ import annotations
 
@@ -54,7 +43,7 @@ def build_datasets(data_cfg: DataConfig, model_vocab_size: int, seed: int, *,
 
 
 def build_test_dataset(data_cfg: DataConfig, model_vocab_size: int, seed: int) -> Dataset:
-    """The test split (see the module's docstring for how it is carved);
+    """The test split (how it is carved: docs/data.md, "Splits");
     ConfigError naming the fix when the recipe's data has none."""
     if data_cfg.source == "synthetic":
         return SyntheticDataset(model_vocab_size, data_cfg.seq_len, seed + 2)

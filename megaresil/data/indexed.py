@@ -2,21 +2,8 @@
 
 Byte-compatible with `megatron/core/datasets/indexed_dataset.py` (index
 version 1, not multimodal), so data prepared here trains in Megatron-LM and
-vice versa. The .idx layout, all little-endian:
-
-    9 bytes      b"MMIDIDX\\x00\\x00"
-    <Q           version, always 1
-    <B           token dtype code (see DTYPE_CODES)
-    <Q           sequence count S
-    <Q           document count D
-    S x int32    tokens per sequence
-    S x int64    byte offset of each sequence in .bin
-    D x int64    document indices: 0, then after each document the number of
-                 sequences written so far (so D = documents + 1)
-
-The .bin file is every sequence's tokens back to back. Here one document is
-one sequence, as Megatron's preprocess_data.py writes without sentence
-splitting.
+vice versa; one document is one sequence. The .idx layout, byte by byte:
+docs/data.md, "How it works".
 """
 from __future__ import annotations
 
