@@ -18,7 +18,7 @@ from megaresil.events import read_events, read_jsonl
 from megaresil.safe_files import write_atomic
 
 INTERRUPTIONS = ("hang_detected", "worker_error", "preempted", "interrupted", "restart")
-INTENDED_STOPS = ("run_finished", "preempted", "interrupted")
+INTENDED_STOPS = ("run_finished", "exited", "preempted", "interrupted")
 FAILURES = ("hang_detected", "worker_error", "restart")
 BUCKETS = ("productive", "startup", "restarts", "failed", "recomputed", "checkpoint", "eval",
            "idle", "other")
@@ -55,7 +55,7 @@ def idle_gaps(events: list[dict], records: list[dict]) -> list[tuple[float, floa
         window = [e for e in events if last["time"] <= e["time"] < launch]
         stop = next((e["time"] for e in window if e["event"] in INTENDED_STOPS), None)
         if stop is None and not any(e["event"] in FAILURES for e in window):
-            # No event marks train.exit_at_step: the job saved its last step and ended.
+            # A run written before the `exited` event: it saved its last step and ended.
             stop = next((e["time"] for e in window if e["event"] == "checkpoint_saved"
                          and e.get("step") == last["step"]), None)
         if stop is not None:

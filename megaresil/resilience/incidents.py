@@ -82,6 +82,8 @@ FORMATS: dict[str, Callable[[dict], Optional[str]]] = {
     "preempted": lambda e: (f"preempted: saved step {e.get('step')}; exiting for a requeue "
                             "(run the same command again to continue)"),
     "interrupted": lambda e: f"interrupted: saved step {e.get('step')}, resume with the same command",
+    "exited": lambda e: (f"stopped at train.exit_at_step={e.get('step')}, saved; the same "
+                         "command without train.exit_at_step continues"),
     "checkpoint_saved": lambda e: (f"checkpoint saved: step {e.get('step')}, "
                                    f"{e.get('bytes', 0) / 1e9:.3f} GB in {e.get('seconds', 0):.1f} s "
                                    f"(loop held {e.get('blocking_seconds', 0):.1f} s), global tier: "

@@ -324,7 +324,7 @@ class Trainer:
                     with self.supervision.section("checkpoint", step):
                         self.checkpointing.save_local(self.state.step)
                 if step == t.exit_at_step:
-                    return "exited"
+                    return self.stop("exited", last_record)
         except BaseException:
             self.checkpointer.abandon()  # a failed job does not wait for its save
             raise
@@ -360,7 +360,7 @@ class Trainer:
                 self.events.emit("run_finished", step=self.state.step, goodput=goodput, line=line)
                 if HELD_ENV not in os.environ:  # no megaresil launcher prints the events in order
                     story.say(f"megaresil: {line}")
-            else:  # preempted or interrupted
+            else:  # exited (train.exit_at_step), preempted or interrupted
                 self.events.emit(outcome, step=self.state.step)
         return outcome
 

@@ -587,8 +587,12 @@ def test_exit_and_rerun_through_the_cli(cli, tmp_path):
             "train.steps=6", "train.eval_batches=0",
             "checkpoint.backend=zarr", "checkpoint.async=true", *QUIET]
     cli("train", *opts, f"run.dir={tmp_path / 'straight'}")
-    cli("train", *opts, f"run.dir={tmp_path / 'resumed'}", "train.exit_at_step=3")
+    exited = cli("train", *opts, f"run.dir={tmp_path / 'resumed'}", "train.exit_at_step=3")
     assert sorted(losses(tmp_path / "resumed")) == [1, 2, 3]
+    # It says where it stopped and how to go on, and ends its bookkeeping.
+    assert ("stopped at train.exit_at_step=3, saved; the same command without "
+            "train.exit_at_step continues") in exited.stderr
+    assert (tmp_path / "resumed" / "goodput.json").exists()
     cli("train", *opts, f"run.dir={tmp_path / 'resumed'}")
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert [resumed[s] for s in (4, 5, 6)] == [straight[s] for s in (4, 5, 6)]
