@@ -44,7 +44,7 @@ def add_checkpoint_use_parsers(sub) -> None:
                           "train.eval_batches)")
     evaluate.add_argument("--split", choices=("valid", "test"), default="valid",
                           help="valid (the default: the run's own eval batches) or test (held "
-                          "out from both training and eval; how it is carved: data/build.py)")
+                          "out from both training and eval; how it is carved: docs/data.md, Splits)")
     evaluate.add_argument("--json", action="store_true")
     evaluate.add_argument("--tp", type=int, default=1, help=TP_HELP)
     evaluate.set_defaults(func=cmd_eval)

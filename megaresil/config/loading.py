@@ -87,7 +87,8 @@ def _resolve_piece(name: str, recipe_path: Path) -> Path:
     if Path(name).is_absolute() or ".." in Path(name).parts:
         raise ConfigError("defaults", f"'{name}' leaves configs/ (absolute or '..').",
                           "name a piece under configs/ or beside the recipe, e.g. model/gpt-tiny.")
-    for base in (recipe_path.parent.parent / "configs", REPO_CONFIGS, recipe_path.parent):
+    recipe_dir = recipe_path.resolve().parent  # `cd recipes && ... wide.yaml` finds ../configs too
+    for base in (recipe_dir.parent / "configs", REPO_CONFIGS, recipe_dir):
         candidate = base / (name if name.endswith(".yaml") else f"{name}.yaml")
         if candidate.is_file():
             return candidate
@@ -121,7 +122,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def _explain_omegaconf(err: OmegaConfBaseException) -> ConfigError:
     key = getattr(err, "full_key", None) or "recipe"
     key = public_key(key)
-    first_line = str(err).splitlines()[0]
+    first_line = str(err).splitlines()[0].rstrip(".") + "."
     if "not in" in first_line:
         fix = "remove it or correct the spelling (`megaresil config docs` lists every key)."
     else:

@@ -93,3 +93,19 @@ def test_the_site_builds_strict(tmp_path):
                             timeout=300)
     assert result.returncode == 0, f"mkdocs --strict failed:\n{result.stdout}\n{result.stderr}"
     assert (tmp_path / "site" / "index.html").exists()
+
+
+MAX_DOCSTRING_LINES = 15
+
+
+def test_module_docstrings_are_summaries_that_point_at_the_manual():
+    """A module says what it is for in a few lines; the explanation lives in
+    docs/, where a user finds it and the tests run its examples."""
+    import ast
+
+    long = []
+    for path in sorted((ROOT / "megaresil").rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        if doc and doc.count("\n") + 1 > MAX_DOCSTRING_LINES:
+            long.append(f"{path.relative_to(ROOT)} ({doc.count(chr(10)) + 1} lines)")
+    assert not long, f"module docstrings over {MAX_DOCSTRING_LINES} lines: {long}"

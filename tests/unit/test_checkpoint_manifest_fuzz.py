@@ -205,3 +205,30 @@ def test_allowed_changes_resume(tmp_path):
     assert resume_refusal(tmp_path, "parallel.dp=2", "optimizer.distributed=true") == ""
     assert resume_refusal(tmp_path, "train.seed=7",
                           "checkpoint.allow_recipe_change=[train.seed]") == ""
+
+
+def test_a_changed_recipe_is_refused_under_a_torchrun_of_the_users_own(tmp_path):
+    """No megaresil launcher checked the recipe: the worker does, before it
+    trains (it resumed the checkpoint's tensors into another run)."""
+    import os
+    import subprocess
+    import sys
+
+    from megaresil.config import load_recipe, to_dict
+    from megaresil.run_lock import HELD_ENV
+    from tests.harness.cli import ROOT
+
+    run = ["recipes/gpt-tiny.yaml", "parallel.tp=1", "parallel.pp=1", "parallel.dp=1",
+           f"run.dir={tmp_path}"]
+    directory = saved_checkpoint(tmp_path / "checkpoints")
+    manifest = json.loads((directory / fmt.MANIFEST).read_text())
+    manifest["recipe"] = to_dict(load_recipe(run[0], run[1:]))
+    (directory / fmt.MANIFEST).write_text(json.dumps(manifest))
+    (directory / fmt.MARKER).write_text("ok\n")
+    env = {k: v for k, v in os.environ.items() if k != HELD_ENV}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29593")
+    result = subprocess.run([sys.executable, "-m", "megaresil", "train", *run, "optimizer.lr=0.5"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "optimizer.lr: the checkpoint has" in result.stderr

@@ -114,3 +114,21 @@ def test_recipe_aliases_are_refused_through_the_cli(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert "alias" in result.stderr and "laughs.yaml" in result.stderr
+
+
+def test_a_recipes_pieces_are_found_however_its_path_is_written(tmp_path, monkeypatch):
+    """configs/ beside recipes/ is found from `recipes/wide.yaml` and from
+    `wide.yaml` inside recipes/ alike (the bare name had no parent to climb)."""
+    (tmp_path / "configs" / "model").mkdir(parents=True)
+    (tmp_path / "configs" / "model" / "wide.yaml").write_text("model: {hidden_size: 96}\n")
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "wide.yaml").write_text("defaults: [model/wide]\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe("recipes/wide.yaml", []).model.hidden_size == 96
+    monkeypatch.chdir(tmp_path / "recipes")
+    assert load_recipe("wide.yaml", []).model.hidden_size == 96
+
+
+def test_a_value_of_the_wrong_type_is_one_sentence_then_the_fix():
+    with pytest.raises(ConfigError, match=r"Integer\. Fix: give a value"):
+        load_recipe(TINY, ["train.steps=ten"])
