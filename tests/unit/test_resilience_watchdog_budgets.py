@@ -49,3 +49,11 @@ def test_a_calibration_round_trips_only_onto_what_it_was_measured_on():
     same.observe("data", 2, 0.5)
     assert same.restore(saved)
     assert same.slowest == {"forward_backward": 0.9, "data": 0.5} and same.steps_seen == 3
+
+
+def test_a_refused_calibration_names_what_differs_not_both_records():
+    from megaresil.resilience.watchdog.budgets import what_differs
+
+    saved = {"world": 1, "workload": {"layout": [1, 1, 1], "batch": 16}, "machine": "cpu"}
+    now = {"world": 2, "workload": {"layout": [1, 1, 2], "batch": 16}, "machine": "cpu"}
+    assert what_differs(saved, now) == "workload.layout [1, 1, 1] -> [1, 1, 2], world 1 -> 2"

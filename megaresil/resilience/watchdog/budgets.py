@@ -55,3 +55,19 @@ class Budgets:
             self.slowest[name] = max(self.slowest.get(name, 0.0), seconds)
         self.steps_seen = max(self.steps_seen, saved.get("steps_seen", 0))
         return True
+
+
+def what_differs(saved: dict, now: dict, prefix: str = "") -> str:
+    """`world 1 -> 2, workload.layout ...`: where two measured_on records
+    part, for a line a person reads (not the two whole records)."""
+    parts = []
+    for key in sorted(set(saved) | set(now)):
+        old, new = saved.get(key), now.get(key)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            parts.append(what_differs(old, new, f"{prefix}{key}."))
+        else:
+            parts.append(f"{prefix}{key} {old} -> {new}")
+    return ", ".join(parts)
+

@@ -23,7 +23,7 @@ from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.watchdog.abort import (ABORT_GRACE_S, ExitTimer, Guardian, dump_stacks,
                                                  exit_for_relaunch, free_training_thread,
                                                  set_collective_timeouts)
-from megaresil.resilience.watchdog.budgets import Budgets
+from megaresil.resilience.watchdog.budgets import Budgets, what_differs
 from megaresil.resilience.watchdog.clock import Clock, SystemClock
 from megaresil.resilience.watchdog.judgement import (Alarm, PeerBeats, ProgressMeter, position,
                                                      store_intervals, stuck_or_running, verdict)
@@ -124,9 +124,9 @@ class Watchdog:
         ignored (False) when measured on another world, workload or machine."""
         restored = self.budgets.restore(saved)
         if not restored and self.rank == 0:
-            print(f"megaresil watchdog: the checkpoint's budgets were measured on "
-                  f"{saved.get('measured_on')}, this run is {self.budgets.measured_on}: "
-                  "calibrating again", file=sys.stderr)
+            changed = what_differs(saved.get("measured_on") or {}, self.budgets.measured_on)
+            print(f"megaresil watchdog: the checkpoint's budgets were measured on another run "
+                  f"shape ({changed}): calibrating again", file=sys.stderr)
         return restored
 
     def budget(self, section: str) -> float:
