@@ -58,7 +58,8 @@ class CheckpointConfig:
     dir: Optional[str] = doc(None, "Checkpoint root; null means run.dir/checkpoints.")
     load: str = doc("auto", "auto: resume from the newest valid checkpoint under the root (error "
                     "if checkpoints exist but none is valid); none: start from scratch; or a "
-                    "checkpoint directory to load.")
+                    "checkpoint directory to load. With none or a directory, the job's restarts "
+                    "go on from what it saved since it started.")
     init_from: Optional[str] = doc(None, "Start a new run from these weights: a megaresil "
                                    "checkpoint (weights-only or full, any layout) or a Hugging "
                                    "Face model directory (config.json + safetensors). Fresh "

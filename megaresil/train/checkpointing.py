@@ -72,14 +72,20 @@ def build_local_tier(cfg: RecipeConfig, events, group: Optional[dist.ProcessGrou
                      interval=local.interval, keep=local.keep, events=events, device=device)
 
 
-def candidates(load: str, root: Path) -> list[Path]:
+def candidates(load: str, root: Path, job_started: float) -> list[Path]:
     """Checkpoints to try, newest first, per checkpoint.load (`load`) under
-    the checkpoint root."""
-    if load == "none":
-        return []
-    if load != "auto":
-        return [Path(load)]
-    return fmt.committed_checkpoints(root)
+    the checkpoint root. `none` and a PATH say where the job starts: once it
+    has saved, its restarts resume from what it saved since `job_started`
+    (a restart that went back to PATH, or to nothing, would lose those steps)."""
+    if load == "auto":
+        return fmt.committed_checkpoints(root)
+    return [*saved_since(root, job_started), *([] if load == "none" else [Path(load)])]
+
+
+def saved_since(root: Path, started: float) -> list[Path]:
+    """The checkpoints committed under `root` since `started`, newest first."""
+    return [path for path in fmt.committed_checkpoints(root)
+            if (path / fmt.MARKER).is_file() and (path / fmt.MARKER).stat().st_mtime >= started]
 
 
 def step_of(path: Path) -> Optional[int]:
@@ -102,9 +108,10 @@ class TrainCheckpointing:
     and starting a new run from other weights. Events go out from rank 0."""
 
     def __init__(self, cfg: RecipeConfig, checkpointer: Checkpointer, state: TrainingState,
-                 events, rank: int):
+                 events, rank: int, job_started: float):
         self.cfg, self.checkpointer, self.state = cfg, checkpointer, state
         self.events, self.rank = events, rank
+        self.job_started = job_started  # when the launcher (or torchrun) started the job
 
     @property
     def local(self) -> Optional[LocalTier]:
@@ -132,7 +139,7 @@ class TrainCheckpointing:
     # --- resuming ---------------------------------------------------------------
 
     def candidates(self) -> list[Path]:
-        return candidates(self.cfg.checkpoint.load, self.checkpointer.root)
+        return candidates(self.cfg.checkpoint.load, self.checkpointer.root, self.job_started)
 
     def choose(self, newer_than: Optional[int] = None,
                skipped: Optional[list] = None) -> Optional[tuple[Path, dict]]:

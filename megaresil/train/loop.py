@@ -95,7 +95,8 @@ class Trainer:
             self.build(cfg, layout)
         started = phases.clock()
         self.checkpointing = checkpointing.TrainCheckpointing(
-            cfg, self.checkpointer, self.checkpoint_state, self.events, layout.rank)
+            cfg, self.checkpointer, self.checkpoint_state, self.events, layout.rank,
+            job_started=process_times()["launched_at"])
         loaded = self.checkpointing.resume()
         if loaded is not None:
             phases.finished(loaded.phase, phases.clock() - started, loaded.nbytes)

@@ -247,6 +247,21 @@ def step_1(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+def test_a_restart_goes_on_from_what_the_run_saved_not_back_to_checkpoint_load(cli, step_1,
+                                                                                tmp_path):
+    """checkpoint.load=PATH says where the job starts; after the job saved
+    step 2, a failure at step 3 restarts from that save (reloading PATH would
+    lose the steps since, and did)."""
+    from megaresil.events import read_events
+
+    run = tmp_path / "run"
+    train(cli, run, "train.steps=3", "checkpoint.interval=2", f"checkpoint.load={step_1}",
+          "faults=[{kind: raise, rank: 0, step: 3}]")
+    loaded = [e["path"] for e in read_events(run) if e["event"] == "checkpoint_loaded"]
+    assert loaded == [str(step_1), str(run / "checkpoints" / "step_0000002")], loaded
+
+
+@pytest.mark.slow
 def test_other_model_shape_names_key_and_shapes(cli, step_1, tmp_path):
     # past the launcher's recipe check, to the loader's check of the shapes
     result = train(cli, tmp_path / "other", "train.steps=2", "model.hidden_size=96",

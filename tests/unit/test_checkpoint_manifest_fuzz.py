@@ -86,7 +86,7 @@ def test_a_flipped_latest_never_chooses_the_checkpoint(tmp_path):
     crafted = [b"step_0000003\n", b"../../etc\n", b"step_0000003/../../x\n", b""]
     for variant in every_bit + crafted:
         latest.write_bytes(variant)
-        assert candidates("auto", tmp_path)[0] == newest
+        assert candidates("auto", tmp_path, job_started=0.0)[0] == newest
         assert resolve_checkpoint(tmp_path)[0] == newest
         try:
             named, _ = resolve_checkpoint(latest)
@@ -232,3 +232,21 @@ def test_a_changed_recipe_is_refused_under_a_torchrun_of_the_users_own(tmp_path)
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "optimizer.lr: the checkpoint has" in result.stderr
+
+
+def test_a_restart_resumes_what_the_job_saved_not_where_it_started(tmp_path):
+    """checkpoint.load=PATH (or none) says where a job starts; a restart after
+    it saved goes on from its own newest, never back (the steps since lost)."""
+    import os
+
+    from megaresil.train.checkpointing import candidates
+
+    start = saved_checkpoint(tmp_path / "elsewhere", step=3)
+    before = saved_checkpoint(tmp_path / "root", step=2)  # an older run's, in the same root
+    os.utime(before / fmt.MARKER, (100.0, 100.0))
+    assert candidates(str(start), tmp_path / "root", job_started=200.0) == [start]
+    assert candidates("none", tmp_path / "root", job_started=200.0) == []
+    own = saved_checkpoint(tmp_path / "root", step=6)  # saved by this job, after it started
+    os.utime(own / fmt.MARKER, (300.0, 300.0))
+    assert candidates(str(start), tmp_path / "root", job_started=200.0) == [own, start]
+    assert candidates("none", tmp_path / "root", job_started=200.0) == [own]
