@@ -24,7 +24,7 @@ from megaresil.checkpoint.recipe_check import check_resume_recipe
 from megaresil.compat import elastic_stores_listening_on
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
-from megaresil.launch.checks import check_data, check_links, check_local_gpus
+from megaresil.launch.checks import check_backend, check_data, check_links, check_local_gpus
 from megaresil.launch.membership import Membership
 from megaresil.launch.worker import worker_threads
 from megaresil.observe.startup import StartupPhases
@@ -64,6 +64,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     nproc = membership.nproc_per_node or world
     gpus = visible_gpus()
     check_local_gpus(nproc, gpus)
+    check_backend(cfg)
     check_links(cfg)
     check_device_faults(cfg.faults, gpus)
     check_resume_recipe(cfg)

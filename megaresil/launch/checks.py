@@ -42,3 +42,13 @@ def check_data(cfg: RecipeConfig) -> None:
 
     build_datasets(cfg.data, cfg.model.vocab_size, cfg.train.seed,
                    need_valid=cfg.train.eval_batches > 0)
+
+
+def check_backend(cfg: RecipeConfig) -> None:
+    """model.backend=te on a machine without Transformer Engine: said once
+    here, not raised by every worker through every restart."""
+    if cfg.model.backend == "te":
+        from megaresil.model import te
+
+        te.require()
+

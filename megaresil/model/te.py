@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megaresil.config import ConfigError
 from megaresil.model.gpt import GPT
 from megaresil.model.layers import Attention, Block, GeluMLP, split_heads
 from megaresil.parallel.random import LayoutDropout
@@ -42,10 +43,11 @@ def import_error() -> Optional[str]:
 
 
 def require() -> None:
+    """A recipe error, not a failure: no restart installs Transformer Engine."""
     if te is None:
-        raise RuntimeError(f"model.backend=te needs NVIDIA Transformer Engine on a CUDA machine "
-                           f"({_IMPORT_ERROR}). Fix: pip install 'megaresil[gpu]' there, or "
-                           "use model.backend=local")
+        raise ConfigError("model.backend", f"te needs NVIDIA Transformer Engine on a CUDA "
+                          f"machine ({_IMPORT_ERROR}).", "pip install 'megaresil[gpu]' there, "
+                          "or use model.backend=local.")
 
 
 def device_context(device: torch.device):

@@ -51,7 +51,7 @@ def test_a_device_hang_needs_a_gpu_and_says_so(cli_main):
 def test_te_backend_is_refused_clearly_where_it_cannot_run():
     if te.available():
         pytest.skip("Transformer Engine imports here")
-    with pytest.raises(RuntimeError, match="model.backend=local"):
+    with pytest.raises(ConfigError, match="model.backend=local"):  # fatal: no restart cures it
         te.require()
     with pytest.raises(ConfigError, match="train.fp8"):
         load_recipe(RECIPE, TINY + ["train.fp8=hybrid"])

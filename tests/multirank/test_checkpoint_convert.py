@@ -125,6 +125,8 @@ def test_weights_only_drops_the_optimizer_state(trained, tmp_path, capsys):
     saved = manifest(out)
     assert saved["weights_only"] is True
     assert saved["tensors"] and all(key.startswith("model/") for key in saved["tensors"])
+    assert main(["ckpt", "inspect", str(out)]) == 0  # says so before a resume would fail
+    assert "(weights only: no optimizer state" in capsys.readouterr().out
     assert main(["ckpt", "diff", str(trained), str(out)]) == 1
     assert "only in A: optim/exp_avg/layers.0.attn.qkv.weight" in capsys.readouterr().out
     assert main(["convert", str(out), str(tmp_path / "again")]) == 1

@@ -93,3 +93,16 @@ def test_token_ids_past_the_vocabulary_stop_the_job_at_once(cli, tmp_path):
     events = read_events(run_dir)
     assert not [e for e in events if e["event"] == "restart"]
     assert len([e for e in events if e["event"] == "run_failed"]) == 1
+
+
+def test_the_te_backend_without_transformer_engine_is_refused_by_the_launcher(cli_main,
+                                                                              tmp_path):
+    """No restart installs a library: one line before any worker starts (every
+    worker raised it, through every restart, before)."""
+    from megaresil.model import te
+
+    if te.available():
+        pytest.skip("Transformer Engine is installed here")
+    line = refused(cli_main, "train", *TINY, f"run.dir={tmp_path}", "model.backend=te")
+    assert line.startswith("megaresil: error: model.backend: te needs NVIDIA Transformer Engine")
+    assert not (tmp_path / "events.jsonl").exists()

@@ -31,7 +31,8 @@ def summary(path: Path) -> dict:
             "consumed_samples": manifest["data"]["consumed_samples"],
             "total_bytes": sum(per_rank.values()),
             "bytes_per_rank": [per_rank[r] for r in sorted(per_rank)], "parameters": parameters,
-            "model": manifest.get("recipe", {}).get("model", {}), "tensors": tensors}
+            "model": manifest.get("recipe", {}).get("model", {}),
+            "weights_only": bool(manifest.get("weights_only", False)), "tensors": tensors}
 
 
 def format_model(model: dict) -> str:
@@ -50,7 +51,9 @@ def format_summary(info: dict, tensors: bool = False) -> str:
              f"layout      tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} "
              f"vpp={layout['vpp']} sp={layout['sequence_parallel']} "
              f"distributed_optimizer={layout['distributed_optimizer']}",
-             f"parameters  {info['parameters']:,}",
+             f"parameters  {info['parameters']:,}"
+             + ("  (weights only: no optimizer state, not a point to resume training from; "
+                "start a run from it with checkpoint.init_from)" if info["weights_only"] else ""),
              f"model       {format_model(info['model'])}",
              f"tensors     {len(info['tensors'])}, {info['total_bytes'] / 2**20:.2f} MiB"
              + ("" if tensors else "  (list them with --tensors)"),
