@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
+import torch
+
 from megaresil.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, MARKER,
                                          CheckpointError, check_dtype, checksum, read_covered_json,
                                          region_bytes, torch_dtype)
@@ -25,6 +27,18 @@ if TYPE_CHECKING:
 
 
 # --- a global checkpoint's manifest ---------------------------------------------------
+
+def nonfinite_keys(rects: Iterable[Rect]) -> list[str]:
+    """The keys of the rects that hold a NaN or an infinity: such a state is
+    never saved (docs/numerics.md). One pass over the data, at a save."""
+    return [r.key for r in rects
+            if r.tensor.is_floating_point() and not bool(torch.isfinite(r.tensor).all())]
+
+
+def nonfinite_refusal(keys: list[str]) -> str:
+    return (f"non-finite values (NaN or inf) in {_named(sorted(set(keys)))}: not saved, the "
+            "previous checkpoint stays")
+
 
 def read_manifest(directory: Path) -> dict:
     """The manifest of a committed checkpoint, or CheckpointError saying why not."""
