@@ -51,13 +51,13 @@ def differing_ranks(first: Sequence[Figures], second: Sequence[Figures]) -> list
             if not (same_bits(a.loss, b.loss) and same_bits(a.norm_squared, b.norm_squared))]
 
 
-def what_is_nonfinite(loss: float, grad_norm: float) -> str:
-    """Which of the step's global figures is non-finite, for the event. The
-    loss (data-parallel mean) carries the grad norm's finiteness too, so a
-    bad norm alone reads "grad_norm", a bad loss "loss and grad_norm" on the
-    stages whose norm it rode in."""
-    bad = [name for name, value in (("loss", loss), ("grad_norm", grad_norm))
-           if not math.isfinite(value)]
+def what_is_nonfinite(figures: Sequence[Figures]) -> str:
+    """Which of the step's figures some rank's own contribution made
+    non-finite: "loss", "grad_norm" or both (each rank's own, before the
+    reductions spread the NaN to every rank)."""
+    bad = [name for name, values in (("loss", [f.loss for f in figures]),
+                                     ("grad_norm", [f.norm_squared for f in figures]))
+           if not all(math.isfinite(v) for v in values)]
     return " and ".join(bad) or "nothing"
 
 

@@ -97,8 +97,7 @@ class NumericsGuard:
         if first.applied or not self.settings.enabled:
             return first
         before = gather_figures(first, self.layout)
-        self.emit("nonfinite_detected", step=step, what=what_is_nonfinite(first.loss,
-                                                                          first.grad_norm),
+        self.emit("nonfinite_detected", step=step, what=what_is_nonfinite(before),
                   ranks=nonfinite_ranks(before), samples=self.samples(),
                   next=f"update not applied; replaying step {step}")
         restore_rng(rng)

@@ -49,6 +49,8 @@ EXPECTED = {
                                     second_restart_says="not freed by the hang abort"),
     # Slow but progressing: no alarm, no restart; named.
     "slow-rank": Expected("none", detected=False, stragglers=(1,)),
+    # A NaN in one rank's grads: replayed in place, no restart.
+    "nan-in-grads": Expected("none"),
     "sigterm": Expected("requeue"),
     "corrupt-latest-checkpoint": Expected("relaunch", skips_checkpoint=True),
     "kill-during-checkpoint-save": Expected("relaunch"),

@@ -96,6 +96,7 @@ def test_a_transient_nan_is_replayed_bit_equal(runs, optimizer):
     assert losses(run) == losses(reference) and sorted(losses(run)) == list(range(1, 11))
     detected, = events(run, "nonfinite_detected")
     assert detected["step"] == 5 and detected["ranks"] == [1], detected
+    assert detected["what"] == "grad_norm" and detected["samples"] == [32, 40], detected
     replayed, = events(run, "step_replayed")
     assert replayed["outcome"] == "transient" and replayed["differed_ranks"] == [1], replayed
     assert not events(run, "rolled_back") and not events(reference, "nonfinite_detected")

@@ -35,8 +35,9 @@ def test_ranks_that_differ_on_replay_are_named():
 
 
 def test_what_is_nonfinite_and_the_rollback_limit():
-    assert what_is_nonfinite(NAN, 1.0) == "loss"
-    assert what_is_nonfinite(NAN, INF) == "loss and grad_norm"
+    assert what_is_nonfinite([Figures(NAN, 1.0), Figures(2.0, 1.0)]) == "loss"
+    assert what_is_nonfinite([Figures(2.0, 1.0), Figures(2.0, INF)]) == "grad_norm"
+    assert what_is_nonfinite([Figures(NAN, 1.0), Figures(2.0, NAN)]) == "loss and grad_norm"
     assert rollback_refusal(7, made=2, limit=3) is None
     line = rollback_refusal(7, made=3, limit=3)
     assert "step 7" in line and "max_rollbacks=3" in line and "\n" not in line
