@@ -38,8 +38,9 @@ from megaresil.observe.profiler import StepProfiler
 from megaresil.observe.sections import record_fields
 from megaresil.train.metrics import MetricsLog, StepFigures
 from megaresil.train.numerics import NumericsGuard, StepResult
-from megaresil.train.optim import (build_optimizer, clip_gradients, local_grad_norm_squared,
-                                   lr_at, reduce_grad_norm, set_lr, shards_over_dp)
+from megaresil.train.optim import (build_optimizer, clip_gradients, counted_here,
+                                   local_grad_norm_squared, lr_at, reduce_grad_norm, set_lr,
+                                   shards_over_dp)
 from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
                                        optimizer_params, resolve, set_kernel_determinism,
                                        shard_main_params)
@@ -228,7 +229,9 @@ class Trainer:
         apply its update; the grads are zeroed either way."""
         entries = self.sync_grads()
         if self.supervision.poisons_grads(step, self.state.consumed_samples):
-            poison_with_nan([g for _, g in entries])
+            # Into a grad the norm counts (not a tied embedding's copy, nor a
+            # TP replica's): a real fault lands there before the grads' syncs.
+            poison_with_nan([g for p, g in entries if counted_here(p, self.layout)])
         local = local_grad_norm_squared(entries, self.layout)
         # The loss rides in the norm's all-reduce, the norm in the loss's
         # data-parallel mean: every rank sees any rank's non-finite value.
@@ -281,6 +284,8 @@ class Trainer:
                   **record_fields(self.supervision.step_times), "time": time.time()}
         if self.supervision.generation:
             record["restart"] = self.supervision.generation
+        if self.numerics.rollbacks:  # steps trained again after a rollback
+            record["rollback"] = self.numerics.rollbacks
         return record
 
     @torch.no_grad()

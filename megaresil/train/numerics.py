@@ -86,6 +86,7 @@ class NumericsGuard:
         self.cfg, self.layout, self.progress = cfg, layout, progress
         self.checkpointing, self.events, self.section = checkpointing, events, section
         self.settings = cfg.resilience.numerics
+        self.rollbacks = 0  # made by this trainer: its metrics lines say so
 
     def emit(self, event: str, **fields) -> None:
         if self.layout.rank == 0:
@@ -126,7 +127,10 @@ class NumericsGuard:
         if refusal:
             raise PersistentNumericalFault(refusal)
         skipped = {**self.progress.skipped, first: size}
-        self.checkpointing.checkpointer.wait()  # a save in flight is of an earlier, finite step
+        # The saves in flight are of earlier, finite steps: let them commit first.
+        self.checkpointing.checkpointer.wait()
+        if self.checkpointing.local is not None:
+            self.checkpointing.local.wait()
         if self.checkpointing.resume() is None:
             raise PersistentNumericalFault(
                 f"step {step} is non-finite again on replay (a persistent fault) and there is no "
@@ -134,6 +138,7 @@ class NumericsGuard:
                 "(checkpoint.interval) so that a rollback has somewhere to go")
         # The checkpoint's record of skips, and this one (not yet saved anywhere).
         self.progress.skipped = {**self.progress.skipped, **skipped}
+        self.rollbacks += 1
         self.emit("rolled_back", step=step, to_step=self.progress.step,
                   rollback=len(self.progress.skipped), max_rollbacks=self.settings.max_rollbacks,
                   next=f"training again from step {self.progress.step + 1}")

@@ -37,6 +37,8 @@ CASES = {
     "transient": DP2 + [NAN_AT_5],
     "reference_zero1": ZERO1,
     "transient_zero1": ZERO1 + [NAN_AT_5],
+    "reference_pp2": ["parallel.pp=2"],  # the loss on the last stage (rank 1) only
+    "transient_pp2": ["parallel.pp=2", NAN_AT_5],
     "persistent": DP2 + SAVES + [PERSISTENT_AT_6],
     "skipped_from_start": DP2 + SAVES,  # the batch of step 6 (samples 40..47) skipped
     "unchecked": DP2 + SAVES + ["checkpoint.keep=1", "resilience.numerics.enabled=false",
@@ -90,9 +92,9 @@ def events(run_dir: Path, name: str) -> list[dict]:
     return [e for e in read_events(run_dir) if e["event"] == name]
 
 
-@pytest.mark.parametrize("optimizer", ["", "_zero1"])
-def test_a_transient_nan_is_replayed_bit_equal(runs, optimizer):
-    run, reference = runs / f"transient{optimizer}", runs / f"reference{optimizer}"
+@pytest.mark.parametrize("variant", ["", "_zero1", "_pp2"])
+def test_a_transient_nan_is_replayed_bit_equal(runs, variant):
+    run, reference = runs / f"transient{variant}", runs / f"reference{variant}"
     assert losses(run) == losses(reference) and sorted(losses(run)) == list(range(1, 11))
     detected, = events(run, "nonfinite_detected")
     assert detected["step"] == 5 and detected["ranks"] == [1], detected
@@ -117,6 +119,9 @@ def test_a_persistent_nan_rolls_back_and_skips_its_batch(runs):
     manifest = read_manifest(run / "checkpoints" / "step_0000010")
     assert manifest["skipped_batches"] == [[40, 8]]
     assert manifest["data"]["consumed_samples"] == 11 * G
+    # The steps trained again after the rollback say so in metrics.jsonl.
+    again = [r["step"] for r in read_metrics(run) if r.get("rollback") == 1]
+    assert again == list(range(5, 11)), again
 
 
 def test_rollbacks_run_out_with_one_line(runs):
