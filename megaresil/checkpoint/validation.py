@@ -14,8 +14,6 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-import torch
-
 from megaresil.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, MARKER,
                                          CheckpointError, check_dtype, checksum, read_covered_json,
                                          region_bytes, torch_dtype)
@@ -31,6 +29,7 @@ if TYPE_CHECKING:
 def nonfinite_keys(rects: Iterable[Rect]) -> list[str]:
     """The keys of the rects that hold a NaN or an infinity: such a state is
     never saved (docs/numerics.md). One pass over the data, at a save."""
+    import torch  # here: `ckpt inspect` and `verify` read manifests without torch
     return [r.key for r in rects
             if r.tensor.is_floating_point() and not bool(torch.isfinite(r.tensor).all())]
 
