@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from megaresil.config.fields import NON_NEGATIVE, POSITIVE, Bounds, doc, section
 
@@ -178,6 +178,12 @@ class NumericsConfig:
                              "its life, counted by the batches its checkpoints record as "
                              "skipped; the next persistent non-finite step stops the run with "
                              "exit 1. 0: stop at the first.", bounds=NON_NEGATIVE)
+    skip_batches: list[Any] = doc([], "Global batches to pass over, by hand: [[first_sample, "
+                                  "samples], ...], each first_sample where a global batch starts "
+                                  "(train.global_batch_size times a step). What a rollback "
+                                  "records in its checkpoints, given up front: to skip a bad data "
+                                  "window, or for a reference run that skips what a faulted one "
+                                  "did.", recipe_type="list[[int, int]]")
 
 
 @dataclass

@@ -46,7 +46,7 @@ from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
                                        shard_main_params)
 from megaresil.train.progress import Progress
 from megaresil.train.save_schedule import SaveSchedule
-from megaresil.train.state import LiveTrainingState
+from megaresil.train.state import LiveTrainingState, configured_skips
 
 
 def make_deterministic(cfg: RecipeConfig, device: torch.device) -> None:
@@ -142,7 +142,7 @@ class Trainer:
             shard_main_params(self.optimizer)
         self.grads = GradBuffers(self.params, self.opt_params, self.reducer(),
                                  grad_dtype=torch.float32)
-        self.state = Progress()
+        self.state = Progress(skipped=configured_skips(cfg))
         self.checkpointer = checkpointing.build_checkpointer(cfg, self.events,
                                                              self.supervision.watchdog,
                                                              device=layout.device)

@@ -21,6 +21,7 @@ from megaresil.resilience.numerics import (Figures, PersistentNumericalFault, di
                                            nonfinite_ranks, rollback_refusal, what_is_nonfinite)
 from megaresil.train.checkpointing import TrainCheckpointing
 from megaresil.train.progress import Progress
+from megaresil.train.state import configured_skips
 
 Section = Callable[[str, int], ContextManager]
 
@@ -123,7 +124,9 @@ class NumericsGuard:
         """Back to the newest checkpoint (restart-from-latest's own choice of
         tier and step), with this step's global batch recorded as skipped."""
         first, size = self.progress.consumed_samples, self.cfg.train.global_batch_size
-        refusal = rollback_refusal(step, len(self.progress.skipped), self.settings.max_rollbacks)
+        # Rollbacks made: the skips recorded, less those the recipe asks for.
+        made = len(self.progress.skipped.keys() - configured_skips(self.cfg).keys())
+        refusal = rollback_refusal(step, made, self.settings.max_rollbacks)
         if refusal:
             raise PersistentNumericalFault(refusal)
         skipped = {**self.progress.skipped, first: size}
@@ -139,8 +142,8 @@ class NumericsGuard:
         # The checkpoint's record of skips, and this one (not yet saved anywhere).
         self.progress.skipped = {**self.progress.skipped, **skipped}
         self.rollbacks += 1
-        self.emit("rolled_back", step=step, to_step=self.progress.step,
-                  rollback=len(self.progress.skipped), max_rollbacks=self.settings.max_rollbacks,
+        self.emit("rolled_back", step=step, to_step=self.progress.step, rollback=made + 1,
+                  max_rollbacks=self.settings.max_rollbacks,
                   next=f"training again from step {self.progress.step + 1}")
         self.emit("samples_skipped", step=step, samples=[first, first + size],
                   next=f"step {step} trains on the next global batch")

@@ -29,6 +29,11 @@ WATCHDOG = "watchdog"
 SKIPPED = "skipped_batches"
 
 
+def configured_skips(cfg: RecipeConfig) -> dict[int, int]:
+    """resilience.numerics.skip_batches, as Progress.skipped holds them."""
+    return {int(first): int(n) for first, n in cfg.resilience.numerics.skip_batches}
+
+
 class LiveTrainingState:
     """One rank's training state (implements checkpoint.state.TrainingState).
     Holds the trainer's live objects: saving reads them, loading fills them."""
@@ -71,7 +76,8 @@ class LiveTrainingState:
         self.optimizer.set_step_count(saved.optimizer_steps)
         self.position.step = saved.step
         self.position.consumed_samples = saved.consumed_samples
-        self.position.skipped = {first: n for first, n in saved.extra.get(SKIPPED, [])}
+        self.position.skipped = {**configured_skips(self.cfg),
+                                 **{first: n for first, n in saved.extra.get(SKIPPED, [])}}
         if self.watchdog is not None and WATCHDOG in saved.extra:
             self.watchdog.restore_calibration(saved.extra[WATCHDOG])
         rng = saved.rank_state(self.layout_record(), self.layout.rank)

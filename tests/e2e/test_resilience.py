@@ -51,6 +51,8 @@ EXPECTED = {
     "slow-rank": Expected("none", detected=False, stragglers=(1,)),
     # A NaN in one rank's grads: replayed in place, no restart.
     "nan-in-grads": Expected("none"),
+    # Persistent: rolled back in place, its batch skipped, as the reference skips it.
+    "nan-in-grads-persistent": Expected("none"),
     "sigterm": Expected("requeue"),
     "corrupt-latest-checkpoint": Expected("relaunch", skips_checkpoint=True),
     "kill-during-checkpoint-save": Expected("relaunch"),

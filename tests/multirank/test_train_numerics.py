@@ -40,7 +40,8 @@ CASES = {
     "reference_pp2": ["parallel.pp=2"],  # the loss on the last stage (rank 1) only
     "transient_pp2": ["parallel.pp=2", NAN_AT_5],
     "persistent": DP2 + SAVES + [PERSISTENT_AT_6],
-    "skipped_from_start": DP2 + SAVES,  # the batch of step 6 (samples 40..47) skipped
+    # The batch of step 6 (samples 40..47) skipped from the start.
+    "skipped_from_start": DP2 + SAVES + ["resilience.numerics.skip_batches=[[40, 8]]"],
     "unchecked": DP2 + SAVES + ["checkpoint.keep=1", "resilience.numerics.enabled=false",
                                 'faults=[{kind: nan, rank: 0, step: 3}]'],
     "exhausted": DP2 + SAVES + ["resilience.numerics.max_rollbacks=0", PERSISTENT_AT_6],
@@ -55,8 +56,6 @@ def run_case(name: str, out: Path) -> None:
                            checkpoint_root=run_dir / "checkpoints",
                            events=EventLog(run_dir, layout.rank))
     trainer = Trainer(cfg, layout, Supervision(faults=faults))
-    if name == "skipped_from_start":
-        trainer.state.skipped = {5 * G: G}
     try:
         trainer.run()
     except PersistentNumericalFault as err:
