@@ -137,3 +137,35 @@ def test_numerics_keys_are_documented_and_checked():
     assert cfg.resilience.numerics.enabled and cfg.resilience.numerics.max_rollbacks == 3
     with pytest.raises(ConfigError, match="resilience.numerics.max_rollbacks"):
         load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", ["resilience.numerics.max_rollbacks=-1"])
+
+
+def test_skips_ride_in_the_run_record_and_merge_with_the_recipes():
+    """A checkpoint saved after a rollback records the skipped batch (even one
+    still ahead of its data position), and a resume from it skips it again,
+    beside what resilience.numerics.skip_batches asks for."""
+    from megaresil.checkpoint.state import RunRecord
+    from megaresil.train.progress import Progress
+    from megaresil.train.state import LiveTrainingState
+
+    layout = ParallelLayout(device=torch.device("cpu"))
+    param = torch.nn.Parameter(torch.zeros(2))
+
+    def state(overrides, position):
+        cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", overrides)
+        return LiveTrainingState(cfg, layout, [("w", param)], torch.optim.AdamW([param]),
+                                 position)
+
+    saved = state([], Progress(step=5, consumed_samples=40, skipped={40: 8}))
+    record = RunRecord.from_manifest(saved.run_record().to_manifest())
+    assert record.extra["skipped_batches"] == [[40, 8]]
+    resumed = Progress()
+    state(["resilience.numerics.skip_batches=[[96, 8]]"], resumed).restore(record)
+    assert (resumed.consumed_samples, resumed.skipped) == (40, {40: 8, 96: 8})
+    assert skip_past(resumed.consumed_samples, resumed.skipped) == 48
+
+
+@pytest.mark.parametrize("skips", ["[[40]]", "[[-8, 8]]", "[[40, 0]]", "[40, 8]"])
+def test_skip_batches_are_checked(skips):
+    with pytest.raises(ConfigError, match=r"resilience.numerics.skip_batches"):
+        load_recipe(ROOT / "recipes" / "gpt-tiny.yaml",
+                    [f"resilience.numerics.skip_batches={skips}"])
