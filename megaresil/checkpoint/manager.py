@@ -28,7 +28,8 @@ from megaresil.checkpoint.keys import WEIGHTS
 from megaresil.checkpoint.sharded import Rect, assign_writers
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState, training_rects, weight_rects
-from megaresil.checkpoint.validation import check_shapes, read_manifest, verify_shards
+from megaresil.checkpoint.validation import (check_shapes, nonfinite_keys, nonfinite_refusal,
+                                             read_manifest, verify_shards)
 
 if TYPE_CHECKING:
     from megaresil.checkpoint.local.tier import LocalTier
@@ -182,19 +183,38 @@ class Checkpointer(BackgroundSaves):
         written = [{**rect_record(r), "rank": self.coll.rank, "checksum": fmt.checksum(r.tensor),
                     "location": done.locations[r.identity()]} for r in staged]
         done.durable()
-        gathered = self.coll.gather((written, rank_state, done.note))
+        # Whether this rank's writes hold a NaN or inf rides in the gather the
+        # commit needs anyway: such a state is refused, never committed.
+        gathered = self.coll.gather((written, rank_state, done.note, nonfinite_keys(staged)))
         if self.coll.rank == 0 and not self.abandoned:
-            all_written, rank_states, notes = zip(*gathered)
-            self.backend.finish(partial, list(notes))
-            path = self._commit(name, partial, all_written,
-                                dataclasses.replace(state, rank_states=list(rank_states)))
-            per_rank = [sum(fmt.region_bytes(w["shape"], w["dtype"]) for w in ws) for ws in all_written]
-            seconds = time.perf_counter() - started
-            if not self.asynchronous:
-                report.loop_held(seconds)
-            report.saved(step=state.step, path=str(path), bytes=sum(per_rank),
-                         bytes_per_rank=per_rank, seconds=seconds, backend=self.backend.name)
+            all_written, rank_states, notes, nonfinite = zip(*gathered)
+            refused = [key for keys in nonfinite for key in keys]
+            if refused:
+                self._refuse(state.step, partial, refused)
+            else:
+                self._commit_gathered(name, partial, state, all_written, rank_states, notes,
+                                      started, report)
         self.coll.barrier()
+
+    def _commit_gathered(self, name: str, partial: Path, state: RunRecord, all_written,
+                         rank_states, notes, started: float, report: SaveReport) -> None:
+        self.backend.finish(partial, list(notes))
+        path = self._commit(name, partial, all_written,
+                            dataclasses.replace(state, rank_states=list(rank_states)))
+        per_rank = [sum(fmt.region_bytes(w["shape"], w["dtype"]) for w in ws) for ws in all_written]
+        seconds = time.perf_counter() - started
+        if not self.asynchronous:
+            report.loop_held(seconds)
+        report.saved(step=state.step, path=str(path), bytes=sum(per_rank),
+                     bytes_per_rank=per_rank, seconds=seconds, backend=self.backend.name)
+
+    def _refuse(self, step: int, partial: Path, keys: list[str]) -> None:
+        """Drop a save whose state is not finite: the previous checkpoint (and
+        `latest`) stay, and retention, which runs only at a commit, deletes
+        nothing."""
+        shutil.rmtree(partial, ignore_errors=True)
+        if self.events is not None:
+            self.events.emit("checkpoint_refused", step=step, reason=nonfinite_refusal(keys))
 
     def _commit(self, name: str, partial: Path, all_written: list[list[dict]],
                 state: RunRecord) -> Path:

@@ -26,6 +26,19 @@ if TYPE_CHECKING:
 
 # --- a global checkpoint's manifest ---------------------------------------------------
 
+def nonfinite_keys(rects: Iterable[Rect]) -> list[str]:
+    """The keys of the rects that hold a NaN or an infinity: such a state is
+    never saved (docs/numerics.md). One pass over the data, at a save."""
+    import torch  # here: `ckpt inspect` and `verify` read manifests without torch
+    return [r.key for r in rects
+            if r.tensor.is_floating_point() and not bool(torch.isfinite(r.tensor).all())]
+
+
+def nonfinite_refusal(keys: list[str]) -> str:
+    return (f"non-finite values (NaN or inf) in {_named(sorted(set(keys)))}: not saved, the "
+            "previous checkpoint stays")
+
+
 def read_manifest(directory: Path) -> dict:
     """The manifest of a committed checkpoint, or CheckpointError saying why not."""
     if not directory.is_dir():

@@ -28,6 +28,10 @@ class FaultKind(str, enum.Enum):
     # shard of the rank's own; kill the rank and empty its node's directory.
     corrupt_local_checkpoint = "corrupt_local_checkpoint"
     lose_local_node = "lose_local_node"
+    # A NaN in the rank's gradients (after their data-parallel reduction):
+    # once, or with persistent: true on every attempt of the global batch it
+    # first hit (a bad batch, or a rank that recomputes it wrong every time).
+    nan = "nan"
 
 
 LOCAL_FAULT_KINDS = (FaultKind.corrupt_local_checkpoint, FaultKind.lose_local_node)
@@ -57,11 +61,17 @@ class FaultSpec:
     mode: Optional[HangMode] = None  # hang: None is sleep
     # Restarts the run directory has seen before the fault may fire; None: 0.
     generation: Optional[int] = None
+    persistent: Optional[bool] = None  # nan: every attempt of its batch; None: once
 
     @property
     def fires_in(self) -> str:
-        """The section whose start fires it."""
-        return self.section or "data"
+        """The section whose start fires it (nan: the optimizer section,
+        once the grads are reduced)."""
+        return self.section or ("optimizer" if self.kind == FaultKind.nan else "data")
+
+    @property
+    def every_attempt(self) -> bool:
+        return bool(self.persistent)
 
     @property
     def hang_mode(self) -> HangMode:
@@ -129,5 +139,9 @@ def check_fault(fault: Any, key: str) -> None:
             "write generation: 1 for the first restart, or leave it out.")
     require(fault.get("section", "data") in SECTIONS, f"{key}.section",
             f"{fault.get('section')!r} is not a section.", f"use one of {list(SECTIONS)}.")
+    require(fault.get("persistent") in (None, True, False), f"{key}.persistent",
+            f"must be true or false, got {fault.get('persistent')!r}.", "write persistent: true.")
+    require("persistent" not in fault or fault.get("kind") == FaultKind.nan.value,
+            f"{key}.persistent", "applies to kind nan only.", "drop it, or use kind: nan.")
     require(fault.get("mode", "sleep") in HANG_MODES, f"{key}.mode",
             f"{fault.get('mode')!r} is not a hang mode.", f"use one of {list(HANG_MODES)}.")

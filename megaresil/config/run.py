@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from megaresil.config.fields import NON_NEGATIVE, POSITIVE, Bounds, doc, section
 
@@ -167,6 +167,27 @@ class WatchdogConfig:
 
 
 @dataclass
+class NumericsConfig:
+    enabled: bool = doc(True, "Check the loss and the global grad norm for non-finite values "
+                        "(NaN, inf) at every step before the update, inside the grad norm's own "
+                        "all-reduce (no extra collective). A non-finite step is not applied; it "
+                        "is replayed once from the same samples and RNG state: finite then, it "
+                        "was a transient fault and training goes on with the replay; non-finite "
+                        "again, the run rolls back to the newest checkpoint and skips that "
+                        "step's global batch (docs/numerics.md).")
+    max_rollbacks: int = doc(3, "Rollbacks (each skips one global batch) the run may make over "
+                             "its life, counted by the batches its checkpoints record as "
+                             "skipped; the next persistent non-finite step stops the run with "
+                             "exit 1. 0: stop at the first.", bounds=NON_NEGATIVE)
+    skip_batches: list[Any] = doc([], "Global batches to pass over, by hand: [[first_sample, "
+                                  "samples], ...], each first_sample where a global batch starts "
+                                  "(train.global_batch_size times a step). What a rollback "
+                                  "records in its checkpoints, given up front: to skip a bad data "
+                                  "window, or for a reference run that skips what a faulted one "
+                                  "did.", recipe_type="list[[int, int]]")
+
+
+@dataclass
 class ResilienceConfig:
     in_process: bool = doc(True, "On an exception or a detected hang, every rank tears down, "
                            "re-rendezvouses and reloads the newest checkpoint without exiting "
@@ -188,6 +209,8 @@ class ResilienceConfig:
                                       "profile (megaresil/plan/profiles) scaled to the job's GPUs.",
                                       bounds=POSITIVE)
     watchdog: WatchdogConfig = section(WatchdogConfig, "Hang detection.")
+    numerics: NumericsConfig = section(NumericsConfig, "Non-finite loss and gradients: "
+                                       "check, replay, roll back.")
 
 
 @dataclass

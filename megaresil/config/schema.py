@@ -261,10 +261,12 @@ class RecipeConfig:
     run: RunConfig = section(RunConfig, "Run directory.")
     resilience: ResilienceConfig = section(ResilienceConfig, "Detect, restart, recover.")
     faults: list[FaultSpec] = doc([], "Injected faults: a list of {kind, rank, step, "
-                                  "section?, seconds?, mode?, generation?}; kind in kill, "
+                                  "section?, seconds?, mode?, generation?, persistent?}; kind in kill, "
                                   "raise, hang, slow, sigterm, corrupt_checkpoint, "
                                   "corrupt_local_checkpoint, lose_local_node (the last "
-                                  "two need checkpoint.local); a hang's mode: sleep, "
+                                  "two need checkpoint.local), nan (NaN into the rank's "
+                                  "gradients; persistent: true on every attempt of that "
+                                  "batch); a hang's mode: sleep, "
                                   "collective, gil, native or device (a CUDA kernel). "
                                   "Each fires "
                                   "once per run directory; generation: G waits for the "

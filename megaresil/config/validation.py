@@ -174,6 +174,16 @@ def _validate_observing(cfg: RecipeConfig) -> None:
 WANDB_MODES = ("online", "offline", "disabled")
 
 
+def _validate_skips(skips: list) -> None:
+    for i, skip in enumerate(skips):
+        ok = (isinstance(skip, (list, tuple)) and len(skip) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in skip)
+              and skip[0] >= 0 and skip[1] > 0)
+        require(ok, f"resilience.numerics.skip_batches[{i}]",
+                f"must be [first_sample, samples] (integers, samples > 0), got {skip!r}.",
+                "write e.g. [[40, 8]] to pass over samples 40..47.")
+
+
 def validate(cfg: RecipeConfig) -> None:
     """Cross-field rules; raises `ConfigError` naming the key and the fix."""
     _validate_bounds(cfg)
@@ -198,6 +208,7 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_init_from(cfg.checkpoint)
     _validate_local_tier(cfg)
     _validate_data(cfg)
+    _validate_skips(cfg.resilience.numerics.skip_batches)
 
 
 def _validate_local_tier(cfg: RecipeConfig) -> None:

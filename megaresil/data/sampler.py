@@ -5,11 +5,12 @@ The global batch after `consumed_samples` is the global sample indices
 [consumed, consumed + global_batch_size); data-parallel rank r takes the
 contiguous r-th slice of it, cut into micro-batches in order. So the batches
 do not depend on dp (a run may resume with another dp) and every index is
-seen by exactly one rank.
+seen by exactly one rank. A global batch a run skips (`skip_past`) is
+recorded with the position, so a resumed run skips it too.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
@@ -26,6 +27,15 @@ def micro_batches(consumed_samples: int, global_batch_size: int, micro_batch_siz
     first = consumed_samples + dp_rank * per_rank
     return [list(range(start, start + micro_batch_size))
             for start in range(first, first + per_rank, micro_batch_size)]
+
+
+def skip_past(consumed_samples: int, skipped: Mapping[int, int]) -> int:
+    """The data position after passing over skipped global batches at
+    `consumed_samples`: `skipped` maps a skipped batch's first sample to its
+    size (resilience.numerics skips a batch a step stayed non-finite on)."""
+    while consumed_samples in skipped:
+        consumed_samples += skipped[consumed_samples]
+    return consumed_samples
 
 
 def _check_batch_layout(consumed_samples: int, global_batch_size: int, micro_batch_size: int,

@@ -17,7 +17,7 @@ from megaresil.drills.scenarios import Scenario
 from megaresil.events import read_events
 from megaresil.resilience.faults import fault_id
 
-DETECTIONS = ("hang_detected", "worker_error", "preempted")
+DETECTIONS = ("hang_detected", "worker_error", "preempted", "nonfinite_detected")
 ALARMS = ("hang_detected", "worker_error")
 # What says a fault of each kind was noticed (a restart also counts, except
 # for a corrupted checkpoint: only skipping it on a load shows it was seen).
@@ -26,7 +26,8 @@ ALARMS = ("hang_detected", "worker_error")
 # a lost node needs that as well as the restart.
 DETECTED_BY = {"kill": DETECTIONS, "raise": ("worker_error",), "hang": ("hang_detected",),
                "sigterm": ("preempted",), "corrupt_checkpoint": ("checkpoint_skipped",),
-               "slow": (), "lose_local_node": DETECTIONS, "corrupt_local_checkpoint": ()}
+               "slow": (), "lose_local_node": DETECTIONS, "corrupt_local_checkpoint": (),
+               "nan": ("nonfinite_detected",)}
 CORRUPTIONS = ("corrupt_checkpoint", "corrupt_local_checkpoint")  # no restart of their own
 
 
@@ -133,7 +134,7 @@ def fault_row(fault: dict, episode: str, events: list[dict], records: list[dict]
     t = fired["time"]
     expected = DETECTED_BY[fault["kind"]]
     rec = measure_recovery(events, records, t, expected)
-    restart_counts = fault["kind"] not in ("slow", *CORRUPTIONS)
+    restart_counts = fault["kind"] not in ("slow", "nan", *CORRUPTIONS)
     detected_at = min((e["time"] for e in events if e["time"] >= t and e["event"] in expected),
                       default=rec["detected_at"] if restart_counts else None)
     load = next((e for e in events if e["event"] == "checkpoint_loaded" and e["time"] > t), None)

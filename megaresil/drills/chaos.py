@@ -40,15 +40,17 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
         overrides = [*overrides, f"checkpoint.interval={interval}"]
     fault_step = step or cfg.train.steps // 2 + 1
     save_step = interval * max(2, fault_step // interval)
-    table = scenarios(world - 1 if rank is None else rank, fault_step, save_step, world)
+    table = scenarios(world - 1 if rank is None else rank, fault_step, save_step, world,
+                      cfg.train.global_batch_size)
     if name not in table:
         raise ValueError(f"--scenario: unknown scenario {name!r}; one of {sorted(table)}")
     scenario = table[name]
     check_device_faults(scenario.faults, visible_gpus())
-    if reference is None:
-        reference = root / "reference"
+    if reference is None or scenario.reference_settings:  # a reference of its own
+        reference = root / ("reference-" + name if scenario.reference_settings else "reference")
         shutil.rmtree(reference, ignore_errors=True)
-        if run_training(recipe, overrides, reference).exit_code != 0:
+        if run_training(recipe, overrides + scenario.reference_settings,
+                        reference).exit_code != 0:
             raise RuntimeError("the fault-free reference run failed")
     faulted = root / f"faulted-{name}"
     shutil.rmtree(faulted, ignore_errors=True)

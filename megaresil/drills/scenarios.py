@@ -17,6 +17,8 @@ class Scenario:
     nodes: int = 1  # > 1: agents that form one elastic job; the last one is lost
     lose_first: bool = False  # lose the node that started first instead (the c10d host)
     lose_simulated_node: bool = False  # kill the local tier's last simulated node, wipe its dir
+    # Settings of a reference run of the scenario's own (the shared one has none).
+    reference_settings: list[str] = field(default_factory=list)
 
 
 def local_tier_settings(world: int) -> list[str]:
@@ -26,7 +28,8 @@ def local_tier_settings(world: int) -> list[str]:
             "checkpoint.local.replicas=1", f"checkpoint.local.ranks_per_node={max(1, world // 2)}"]
 
 
-def scenarios(rank: int, step: int, save_step: int, world: int = 2) -> dict[str, Scenario]:
+def scenarios(rank: int, step: int, save_step: int, world: int = 2,
+              global_batch: int = 1) -> dict[str, Scenario]:
     in_process = ["resilience.in_process=true"]
     relaunch = ["resilience.in_process=false", "resilience.max_restarts=2"]
     local = local_tier_settings(world)
@@ -46,6 +49,16 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2) -> dict[str,
                                           "mode": "native"}], in_process),
         Scenario("hang-on-device", [{"kind": "hang", "rank": rank, "step": step,
                                      "mode": "device"}], in_process),
+        # Replayed at once, no restart: the final loss is the reference's.
+        Scenario("nan-in-grads", [{"kind": "nan", "rank": rank, "step": step}], in_process,
+                 expect_restart=False),
+        # Back to the newest checkpoint, the step's batch skipped: the reference
+        # skips the same batch from the start.
+        Scenario("nan-in-grads-persistent",
+                 [{"kind": "nan", "rank": rank, "step": step, "persistent": True}], in_process,
+                 expect_restart=False, reference_settings=[
+                     f"resilience.numerics.skip_batches=[[{(step - 1) * global_batch}, "
+                     f"{global_batch}]]"]),
         Scenario("slow-rank", [{"kind": "slow", "rank": rank, "step": step, "seconds": 0.3}],
                  in_process, expect_restart=False),
         Scenario("sigterm", [{"kind": "sigterm", "rank": rank, "step": step}],

@@ -71,8 +71,12 @@ class FaultInjector:
         fired = {e.get("fault") for e in history if e["event"] == "fault_injected"}
         restarts = sum(e["event"] == "restart" for e in history)
         specs = parse_faults(faults)
-        self.pending = [f for f in specs if f.rank == rank and fault_id(f) not in fired
-                        and f.restarts_needed <= restarts]
+        mine = [f for f in specs if f.rank == rank and fault_id(f) not in fired
+                and f.restarts_needed <= restarts]
+        # NaN faults fire where the trainer asks (`poisons_grads`), not at a section's start.
+        self.pending = [f for f in mine if f.kind != FaultKind.nan]
+        self.grad_faults = [f for f in mine if f.kind == FaultKind.nan]
+        self.bad_batches: set[int] = set()  # persistent NaN faults: the batches they hit
         self.slow_seconds = 0.0
         self.events, self.checkpoint_root = events, checkpoint_root
         # None when the local tier is off (config refuses local faults then).
@@ -104,6 +108,22 @@ class FaultInjector:
                 self.events.emit("fault_injected", fault=fault_id(fault), kind=fault.kind.value,
                                  step=step, section=section)
                 self.actions[fault.kind](fault)
+
+    def poisons_grads(self, step: int, position: int) -> bool:
+        """Whether this attempt of `step`, on the global batch starting at
+        sample `position`, gets a NaN in its grads: a transient fault on the
+        first attempt of its step only; a persistent one on every attempt of
+        the batch it first hit (skipping that batch is the cure)."""
+        if position in self.bad_batches:
+            return True
+        for fault in [f for f in self.grad_faults if f.step == step]:
+            self.grad_faults.remove(fault)
+            self.events.emit("fault_injected", fault=fault_id(fault), kind=fault.kind.value,
+                             step=step, section=fault.fires_in, persistent=fault.every_attempt)
+            if fault.every_attempt:
+                self.bad_batches.add(position)
+            return True
+        return False
 
     def _raise(self, fault: FaultSpec) -> None:
         raise InjectedFault(f"injected exception ({fault_id(fault)})")
@@ -216,6 +236,13 @@ def own_local_shards(node_dir: Path, rank: int) -> list[Path]:
     store = NodeStore(node_dir)
     return [d for step, owners in store.held().items() if rank in owners
             and ((d := store.shard_dir(step, rank)) / fmt.MARKER).exists()]
+
+
+def poison_with_nan(grads: list[torch.Tensor]) -> None:
+    """A NaN into the first element of the first non-empty grad."""
+    first = next((g for g in grads if g is not None and g.numel() > 0), None)
+    if first is not None:
+        first.view(-1)[0] = float("nan")
 
 
 def flip_middle_byte(target: Path) -> None:

@@ -68,7 +68,38 @@ def _loaded(e: dict) -> str:
     return line
 
 
+def _ranks(ranks) -> str:
+    return f"rank(s) {ranks}" if ranks else "no single rank"
+
+
+def _nonfinite(e: dict) -> str:
+    return (f"non-finite {e.get('what')} at step {e.get('step')} from {_ranks(e.get('ranks'))}; "
+            f"{e.get('next')}")
+
+
+def _replayed(e: dict) -> str:
+    if e.get("outcome") == "transient":
+        what = f"step {e.get('step')} is finite on replay: a transient fault"
+    else:
+        what = f"step {e.get('step')} is non-finite again on replay: a persistent fault"
+    return f"{what}, recomputation differed on {_ranks(e.get('differed_ranks'))}; {e.get('next')}"
+
+
+NUMERICS: dict[str, Callable[[dict], Optional[str]]] = {
+    "nonfinite_detected": _nonfinite,
+    "step_replayed": _replayed,
+    "rolled_back": lambda e: (f"rolled back from step {e.get('step')} to the checkpoint of step "
+                              f"{e.get('to_step')} (rollback {e.get('rollback')} of at most "
+                              f"{e.get('max_rollbacks')}); {e.get('next')}"),
+    "samples_skipped": lambda e: (f"skipped the global batch of step {e.get('step')} (samples "
+                                  f"{e.get('samples')[0]}..{e.get('samples')[1] - 1}); "
+                                  f"{e.get('next')}"),
+    "checkpoint_refused": lambda e: f"checkpoint of step {e.get('step')} refused: {e.get('reason')}",
+}
+
+
 FORMATS: dict[str, Callable[[dict], Optional[str]]] = {
+    **NUMERICS,
     "fault_injected": lambda e: f"fault injected on rank {e.get('rank')}: {e.get('fault')}",
     "hang_detected": _hang,
     "hang_suspected": _suspected,

@@ -38,6 +38,7 @@ from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import backend_for, use_device
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.incidents import is_abort
+from megaresil.resilience.numerics import PersistentNumericalFault
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
@@ -46,7 +47,7 @@ from megaresil.resilience.watchdog.monitor import Watchdog
 
 # Failures a restart cannot cure (a bad recipe, no usable checkpoint, a full
 # disk): the whole job stops at once, on every rank, with the reason.
-FATAL = (ConfigError, NoValidCheckpoint, CheckpointError)
+FATAL = (ConfigError, NoValidCheckpoint, CheckpointError, PersistentNumericalFault)
 NOT_RESTARTABLE = (*FATAL, KeyboardInterrupt, SystemExit)
 MAX_BACKOFF_S = 30.0
 

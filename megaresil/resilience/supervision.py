@@ -58,6 +58,10 @@ class Supervision:
         if self.faults is not None:
             self.faults.on_section(name, step)
 
+    def poisons_grads(self, step: int, position: int) -> bool:
+        """Whether an injected NaN fault hits this attempt's grads."""
+        return self.faults is not None and self.faults.poisons_grads(step, position)
+
     def step_done(self) -> None:
         self.steps += 1
         self.last_step = self.step

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megaresil.config import FP8, Backend, Precision, RecipeConfig, microbatches_per_step, resolved_schedule, to_yaml
 from megaresil.data import build_datasets
-from megaresil.data.sampler import collate, micro_batches
+from megaresil.data.sampler import collate, micro_batches, skip_past
 from megaresil.events import EventLog
 from megaresil.model.chunks import build_chunks
 from megaresil.model.gpt import GPT
@@ -27,6 +27,7 @@ from megaresil.parallel.data_parallel import (AllReduceMean, GradBuffers,
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, sync_tied_embedding_grads
+from megaresil.resilience.faults import poison_with_nan
 from megaresil.resilience.supervision import Supervision
 from megaresil.run_lock import HELD_ENV
 from megaresil.safe_files import write_atomic
@@ -36,14 +37,16 @@ from megaresil.observe.startup import StartupPhases
 from megaresil.observe.profiler import StepProfiler
 from megaresil.observe.sections import record_fields
 from megaresil.train.metrics import MetricsLog, StepFigures
-from megaresil.train.optim import (build_optimizer, clip_gradients, global_grad_norm, lr_at,
-                                   set_lr, shards_over_dp)
+from megaresil.train.numerics import NumericsGuard, StepResult
+from megaresil.train.optim import (build_optimizer, clip_gradients, counted_here,
+                                   local_grad_norm_squared, lr_at, reduce_grad_norm, set_lr,
+                                   shards_over_dp)
 from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
                                        optimizer_params, resolve, set_kernel_determinism,
                                        shard_main_params)
 from megaresil.train.progress import Progress
 from megaresil.train.save_schedule import SaveSchedule
-from megaresil.train.state import LiveTrainingState
+from megaresil.train.state import LiveTrainingState, configured_skips
 
 
 def make_deterministic(cfg: RecipeConfig, device: torch.device) -> None:
@@ -101,6 +104,8 @@ class Trainer:
         if loaded is not None:
             phases.finished(loaded.phase, phases.clock() - started, loaded.nbytes)
         self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank)
+        self.numerics = NumericsGuard(cfg, layout, self.state, self.checkpointing, self.events,
+                                      self.supervision.section)
 
     def build(self, cfg: RecipeConfig, layout: ParallelLayout) -> None:
         """Data, model chunks, optimizer, grad buffers and checkpointer."""
@@ -138,7 +143,7 @@ class Trainer:
             shard_main_params(self.optimizer)
         self.grads = GradBuffers(self.params, self.opt_params, self.reducer(),
                                  grad_dtype=torch.float32)
-        self.state = Progress()
+        self.state = Progress(skipped=configured_skips(cfg))
         self.checkpointer = checkpointing.build_checkpointer(cfg, self.events,
                                                              self.supervision.watchdog,
                                                              device=layout.device)
@@ -220,44 +225,68 @@ class Trainer:
         sync_tied_embedding_grads(entries, self.layout.embedding_group)
         return entries
 
-    def optimizer_step(self, step: int) -> float:
+    def optimizer_step(self, step: int, loss: torch.Tensor) -> StepResult:
+        """Check the step (resilience.numerics) and, when finite or unchecked,
+        apply its update; the grads are zeroed either way."""
         entries = self.sync_grads()
-        norm = global_grad_norm(entries, self.layout, sharded_over_dp=self.sharded_optimizer)
-        clip_gradients([g for _, g in entries], norm, self.cfg.optimizer.grad_clip)
-        set_lr(self.optimizer, lr_at(step, self.cfg.optimizer, self.cfg.train.steps))
-        self.checkpointer.before_update()  # an async save may still be copying the weights
-        self.optimizer.step()
-        if self.main is not None:
-            self.main.copy_to_model()
+        if self.supervision.poisons_grads(step, self.state.consumed_samples):
+            # Into a grad the norm counts (not a tied embedding's copy, nor a
+            # TP replica's): a real fault lands there before the grads' syncs.
+            poison_with_nan([g for p, g in entries if counted_here(p, self.layout)])
+        local = local_grad_norm_squared(entries, self.layout)
+        # The loss rides in the norm's all-reduce, the norm in the loss's
+        # data-parallel mean: every rank sees any rank's non-finite value.
+        norm = reduce_grad_norm(local, self.layout, sharded_over_dp=self.sharded_optimizer,
+                                loss=loss)
+        result = StepResult(dp_mean(loss.detach() + norm.to(loss.dtype) * 0.0, self.layout),
+                            norm, loss, local)
+        if result.finite or not self.cfg.resilience.numerics.enabled:
+            clip_gradients([g for _, g in entries], norm, self.cfg.optimizer.grad_clip)
+            set_lr(self.optimizer, lr_at(step, self.cfg.optimizer, self.cfg.train.steps))
+            self.checkpointer.before_update()  # an async save may still be copying the weights
+            self.optimizer.step()
+            if self.main is not None:
+                self.main.copy_to_model()
+            result.applied = True
         self.grads.zero()
         if self.sharded_optimizer:
             self.optimizer.zero_grad()
-        return norm.item()
+        return result
 
-    def train_step(self) -> dict:
-        step = self.state.step + 1
+    def attempt_step(self, step: int) -> StepResult:
+        """One attempt of a step from the current data position."""
         section = self.supervision.section
-        started = time.perf_counter()
-        self.model.train()
         with section("data", step):
             batches = self.batches(self.train_data, self.state.consumed_samples)
         with section("forward_backward", step):
             loss = self.forward_backward(batches)
         with section("optimizer", step):
-            grad_norm = self.optimizer_step(step)
+            return self.optimizer_step(step, loss)
+
+    def train_step(self) -> dict:
+        step = self.state.step + 1
+        started = time.perf_counter()
+        self.model.train()
+        # The sampler passes over global batches a rollback skipped.
+        self.state.consumed_samples = skip_past(self.state.consumed_samples, self.state.skipped)
+        result = self.numerics.run(step, lambda: self.attempt_step(step))
+        if result is None:  # rolled back: on from the checkpoint's step
+            return self.train_step()
         self.supervision.step_done()
         self.state.step = step
         self.state.consumed_samples += self.cfg.train.global_batch_size
         seconds = time.perf_counter() - started
         tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
-        record = {"step": step, "loss": dp_mean(loss, self.layout),
+        record = {"step": step, "loss": result.loss,
                   "lr": lr_at(step, self.cfg.optimizer, self.cfg.train.steps),
-                  "grad_norm": grad_norm,
+                  "grad_norm": result.grad_norm,
                   "tokens": self.state.consumed_samples * self.cfg.data.seq_len,
                   "tokens_per_s": tokens / seconds, "step_time_s": seconds,
                   **record_fields(self.supervision.step_times), "time": time.time()}
         if self.supervision.generation:
             record["restart"] = self.supervision.generation
+        if self.numerics.rollbacks:  # steps trained again after a rollback
+            record["rollback"] = self.numerics.rollbacks
         return record
 
     @torch.no_grad()

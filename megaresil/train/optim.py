@@ -170,17 +170,35 @@ def counted_here(param: nn.Parameter, layout: ParallelLayout) -> bool:
     return getattr(param, "tp_dim", None) is not None or layout.tp_rank == 0
 
 
-def global_grad_norm(entries: list[tuple[nn.Parameter, torch.Tensor]], layout: ParallelLayout,
-                     *, sharded_over_dp: bool) -> torch.Tensor:
-    """L2 norm of the whole model's gradient. `entries` pairs each param with
-    this rank's grad of it (a row shard when the optimizer is distributed)."""
-    squared = local_norm_squared([g for p, g in entries if counted_here(p, layout)],
-                                 layout.device)
+def local_grad_norm_squared(entries: list[tuple[nn.Parameter, torch.Tensor]],
+                            layout: ParallelLayout) -> torch.Tensor:
+    """This rank's part of the squared global grad norm. `entries` pairs each
+    param with this rank's grad of it (a row shard when the optimizer is
+    distributed)."""
+    return local_norm_squared([g for p, g in entries if counted_here(p, layout)], layout.device)
+
+
+def reduce_grad_norm(squared: torch.Tensor, layout: ParallelLayout, *, sharded_over_dp: bool,
+                     loss: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """L2 norm of the whole model's gradient from every rank's
+    `local_grad_norm_squared`. `loss` (this rank's; zero on stages that do
+    not compute it) rides in the same all-reduce: 0 * loss adds exactly zero
+    when the loss is finite and NaN when it is not, so one reduction checks
+    both (resilience/numerics.py) and a finite run is bit-identical."""
+    if loss is not None:
+        squared = squared + loss.detach().to(squared.dtype) * 0.0
     dims = ["tp", "pp"] + (["dp"] if sharded_over_dp else [])
     for dim in dims:
         if getattr(layout, dim) > 1:
             dist.all_reduce(squared, group=layout.group(dim))
     return squared.sqrt().float()
+
+
+def global_grad_norm(entries: list[tuple[nn.Parameter, torch.Tensor]], layout: ParallelLayout,
+                     *, sharded_over_dp: bool) -> torch.Tensor:
+    """L2 norm of the whole model's gradient (see local_grad_norm_squared)."""
+    return reduce_grad_norm(local_grad_norm_squared(entries, layout), layout,
+                            sharded_over_dp=sharded_over_dp)
 
 
 def clip_gradients(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:

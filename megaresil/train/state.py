@@ -24,6 +24,14 @@ if TYPE_CHECKING:
 # The RunRecord.extra field that carries the watchdog's calibration, so a
 # restart does not recalibrate from zero.
 WATCHDOG = "watchdog"
+# The RunRecord.extra field of the global batches the run skipped after a
+# persistent non-finite step: [[first sample, samples], ...].
+SKIPPED = "skipped_batches"
+
+
+def configured_skips(cfg: RecipeConfig) -> dict[int, int]:
+    """resilience.numerics.skip_batches, as Progress.skipped holds them."""
+    return {int(first): int(n) for first, n in cfg.resilience.numerics.skip_batches}
 
 
 class LiveTrainingState:
@@ -53,6 +61,8 @@ class LiveTrainingState:
 
     def run_record(self) -> RunRecord:
         extra = {WATCHDOG: self.watchdog.calibration()} if self.watchdog is not None else {}
+        if self.position.skipped:
+            extra[SKIPPED] = [[first, n] for first, n in sorted(self.position.skipped.items())]
         return RunRecord(step=self.position.step, layout=self.layout_record(),
                         recipe=self.recipe, consumed_samples=self.position.consumed_samples,
                         optimizer_steps=self.optimizer.step_count(), extra=extra)
@@ -66,6 +76,8 @@ class LiveTrainingState:
         self.optimizer.set_step_count(saved.optimizer_steps)
         self.position.step = saved.step
         self.position.consumed_samples = saved.consumed_samples
+        self.position.skipped = {**configured_skips(self.cfg),
+                                 **{first: n for first, n in saved.extra.get(SKIPPED, [])}}
         if self.watchdog is not None and WATCHDOG in saved.extra:
             self.watchdog.restore_calibration(saved.extra[WATCHDOG])
         rng = saved.rank_state(self.layout_record(), self.layout.rank)

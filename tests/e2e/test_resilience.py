@@ -49,6 +49,10 @@ EXPECTED = {
                                     second_restart_says="not freed by the hang abort"),
     # Slow but progressing: no alarm, no restart; named.
     "slow-rank": Expected("none", detected=False, stragglers=(1,)),
+    # A NaN in one rank's grads: replayed in place, no restart.
+    "nan-in-grads": Expected("none"),
+    # Persistent: rolled back in place, its batch skipped, as the reference skips it.
+    "nan-in-grads-persistent": Expected("none"),
     "sigterm": Expected("requeue"),
     "corrupt-latest-checkpoint": Expected("relaunch", skips_checkpoint=True),
     "kill-during-checkpoint-save": Expected("relaunch"),

@@ -28,7 +28,7 @@ from megaresil.checkpoint.local.shard import (Shard, add_checksums, saved_run_re
 from megaresil.checkpoint.local.store import DIR_KEY, NodeStore, filesystem_space, node_dir
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
-from megaresil.checkpoint.validation import shard_problem
+from megaresil.checkpoint.validation import nonfinite_keys, nonfinite_refusal, shard_problem
 from megaresil.compat import detach_process_group
 
 
@@ -102,7 +102,9 @@ class LocalTier(BackgroundSaves):
         state = holder.pop()
         try:
             run = state.run_record()
-            self.buffer, records = stage(shard_rects(state), self.buffer, request.copy)
+            rects = shard_rects(state)
+            nonfinite = nonfinite_keys(rects)  # such a step is refused (below): never saved
+            self.buffer, records = stage(rects, self.buffer, request.copy)
             meta = shard_meta(run, self.rank, self.coll.world, rng, records)
         finally:
             del state
@@ -113,7 +115,7 @@ class LocalTier(BackgroundSaves):
         # Every rank goes through the replication and the final gather
         # whatever its writes did, so none waits on a peer that gave up; the
         # gather tells every rank whether the step stands.
-        problem = self._written([own])
+        problem = nonfinite_refusal(nonfinite) if nonfinite else self._written([own])
         replica_started = time.perf_counter()
         received = self._replicate(own)
         problem = problem or self._damaged(received) or self._written(received)

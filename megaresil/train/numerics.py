@@ -1,0 +1,149 @@
+"""The trainer's side of resilience.numerics: each step is checked before its
+update (train/optim.reduce_grad_norm, Trainer.optimizer_step); a non-finite
+step is replayed once from the same samples and RNG state, and one that stays
+non-finite rolls the run back to its newest checkpoint and skips the step's
+global batch. The decisions are resilience/numerics.py's; docs/numerics.md
+tells the whole story."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megaresil.config import RecipeConfig
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.resilience.numerics import (Figures, PersistentNumericalFault, differing_ranks,
+                                           nonfinite_ranks, rollback_refusal, what_is_nonfinite)
+from megaresil.train.checkpointing import TrainCheckpointing
+from megaresil.train.progress import Progress
+from megaresil.train.state import configured_skips
+
+Section = Callable[[str, int], ContextManager]
+
+
+@dataclass
+class StepResult:
+    """One attempt of a step: its global figures, this rank's own loss and
+    squared grad norm (tensors, read only on the rare non-finite path), and
+    whether its update was applied."""
+    loss: float  # data-parallel mean; non-finite when any rank's loss or grad norm is
+    norm: torch.Tensor  # the global grad norm
+    local_loss: torch.Tensor
+    local_norm_squared: torch.Tensor
+    applied: bool = False
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss)
+
+    @property
+    def grad_norm(self) -> float:
+        return self.norm.item()
+
+
+def rng_snapshot() -> tuple:
+    """This process's global RNG states, as they are (no conversion: taken every step)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def restore_rng(snapshot: tuple) -> None:
+    python, numpy_state, cpu, cuda = snapshot
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def gather_figures(result: StepResult, layout: ParallelLayout) -> list[Figures]:
+    """Every rank's own figures of an attempt, in rank order: one small
+    all-gather over the world, on the rare non-finite path only."""
+    mine = torch.stack([result.local_loss.detach().double().reshape(()),
+                        result.local_norm_squared.detach().double().reshape(())])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+    else:
+        parts = [mine]
+    return [Figures(*p.tolist()) for p in parts]
+
+
+class NumericsGuard:
+    """Runs each step through the check: `run(step, attempt)` returns the
+    applied attempt, or None after a rollback (the caller goes on from the
+    checkpoint's step). Events go out from rank 0, which sees every rank's
+    figures."""
+
+    def __init__(self, cfg: RecipeConfig, layout: ParallelLayout, progress: Progress,
+                 checkpointing: TrainCheckpointing, events, section: Section):
+        """`section`: the supervision's (the rollback's load runs in a
+        checkpoint section, under the checkpoint's watchdog budget)."""
+        self.cfg, self.layout, self.progress = cfg, layout, progress
+        self.checkpointing, self.events, self.section = checkpointing, events, section
+        self.settings = cfg.resilience.numerics
+        self.rollbacks = 0  # made by this trainer: its metrics lines say so
+
+    def emit(self, event: str, **fields) -> None:
+        if self.layout.rank == 0:
+            self.events.emit(event, **fields)
+
+    def run(self, step: int, attempt: Callable[[], StepResult]) -> Optional[StepResult]:
+        rng = rng_snapshot() if self.settings.enabled else None
+        first = attempt()
+        if first.applied or not self.settings.enabled:
+            return first
+        before = gather_figures(first, self.layout)
+        self.emit("nonfinite_detected", step=step, what=what_is_nonfinite(before),
+                  ranks=nonfinite_ranks(before), samples=self.samples(),
+                  next=f"update not applied; replaying step {step}")
+        restore_rng(rng)
+        second = attempt()  # the same samples: the position moves only once a step is applied
+        differed = differing_ranks(before, gather_figures(second, self.layout))
+        if second.applied:
+            self.emit("step_replayed", step=step, outcome="transient", differed_ranks=differed,
+                      next="continuing with the replayed step")
+            return second
+        self.emit("step_replayed", step=step, outcome="persistent", differed_ranks=differed,
+                  next="rolling back to the newest checkpoint and skipping the step's samples")
+        with self.section("checkpoint", step):
+            self.rollback(step)
+        return None
+
+    def samples(self) -> list[int]:
+        """The global samples of the step at hand: [first, end)."""
+        first = self.progress.consumed_samples
+        return [first, first + self.cfg.train.global_batch_size]
+
+    def rollback(self, step: int) -> None:
+        """Back to the newest checkpoint (restart-from-latest's own choice of
+        tier and step), with this step's global batch recorded as skipped."""
+        first, size = self.progress.consumed_samples, self.cfg.train.global_batch_size
+        # Rollbacks made: the skips recorded, less those the recipe asks for.
+        made = len(self.progress.skipped.keys() - configured_skips(self.cfg).keys())
+        refusal = rollback_refusal(step, made, self.settings.max_rollbacks)
+        if refusal:
+            raise PersistentNumericalFault(refusal)
+        skipped = {**self.progress.skipped, first: size}
+        # The saves in flight are of earlier, finite steps: let them commit first.
+        self.checkpointing.checkpointer.wait()
+        if self.checkpointing.local is not None:
+            self.checkpointing.local.wait()
+        if self.checkpointing.resume() is None:
+            raise PersistentNumericalFault(
+                f"step {step} is non-finite again on replay (a persistent fault) and there is no "
+                "checkpoint to roll back to: stopping. Fix: save checkpoints "
+                "(checkpoint.interval) so that a rollback has somewhere to go")
+        # The checkpoint's record of skips, and this one (not yet saved anywhere).
+        self.progress.skipped = {**self.progress.skipped, **skipped}
+        self.rollbacks += 1
+        self.emit("rolled_back", step=step, to_step=self.progress.step, rollback=made + 1,
+                  max_rollbacks=self.settings.max_rollbacks,
+                  next=f"training again from step {self.progress.step + 1}")
+        self.emit("samples_skipped", step=step, samples=[first, first + size],
+                  next=f"step {step} trains on the next global batch")

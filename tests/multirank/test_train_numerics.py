@@ -1,0 +1,150 @@
+"""Non-finite steps at dp=2 on gloo: a NaN injected into one rank's grads is
+replayed and training goes on bit-equal to the fault-free run; a persistent
+one rolls back to the newest checkpoint and skips its batch, bit-equal to a
+run that skipped the same batch from the start; a non-finite state is never
+saved and retention keeps the newest finite checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.validation import read_manifest
+from megaresil.events import EventLog, read_events, read_metrics
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.ports import free_port
+from megaresil.resilience.faults import FaultInjector
+from megaresil.resilience.numerics import PersistentNumericalFault
+from megaresil.resilience.supervision import Supervision
+from megaresil.train.loop import Trainer
+
+from tests.harness.dist import TINY, RECIPE, spawn_ranks
+from megaresil.config import load_recipe
+
+DP2 = ["parallel.dp=2"]
+ZERO1 = DP2 + ["optimizer.distributed=true"]
+SAVES = ["checkpoint.interval=2"]
+G = 8  # TINY's global batch
+NAN_AT_5 = 'faults=[{kind: nan, rank: 1, step: 5}]'
+PERSISTENT_AT_6 = 'faults=[{kind: nan, rank: 1, step: 6, persistent: true}]'
+CASES = {
+    "reference": DP2,
+    "transient": DP2 + [NAN_AT_5],
+    "reference_zero1": ZERO1,
+    "transient_zero1": ZERO1 + [NAN_AT_5],
+    "reference_pp2": ["parallel.pp=2"],  # the loss on the last stage (rank 1) only
+    "transient_pp2": ["parallel.pp=2", NAN_AT_5],
+    "persistent": DP2 + SAVES + [PERSISTENT_AT_6],
+    # The batch of step 6 (samples 40..47) skipped from the start.
+    "skipped_from_start": DP2 + SAVES + ["resilience.numerics.skip_batches=[[40, 8]]"],
+    "unchecked": DP2 + SAVES + ["checkpoint.keep=1", "resilience.numerics.enabled=false",
+                                'faults=[{kind: nan, rank: 0, step: 3}]'],
+    "exhausted": DP2 + SAVES + ["resilience.numerics.max_rollbacks=0", PERSISTENT_AT_6],
+}
+
+
+def run_case(name: str, out: Path) -> None:
+    run_dir = out / name
+    cfg = load_recipe(RECIPE, TINY + CASES[name] + [f"run.dir={run_dir}"])
+    layout = ParallelLayout.from_config(cfg.parallel, torch.device("cpu"))
+    faults = FaultInjector(cfg.faults, rank=layout.rank, run_dir=run_dir,
+                           checkpoint_root=run_dir / "checkpoints",
+                           events=EventLog(run_dir, layout.rank))
+    trainer = Trainer(cfg, layout, Supervision(faults=faults))
+    try:
+        trainer.run()
+    except PersistentNumericalFault as err:
+        (run_dir / f"stopped.{layout.rank}").write_text(str(err))
+    dist.barrier()
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        for name in CASES:
+            run_case(name, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("numerics")
+    spawn_ranks(_worker, (free_port(), str(out)), 2)
+    return out
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> (loss, grad norm), the last line for a step winning."""
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run_dir) if "loss" in r}
+
+
+def events(run_dir: Path, name: str) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["event"] == name]
+
+
+@pytest.mark.parametrize("variant", ["", "_zero1", "_pp2"])
+def test_a_transient_nan_is_replayed_bit_equal(runs, variant):
+    run, reference = runs / f"transient{variant}", runs / f"reference{variant}"
+    assert losses(run) == losses(reference) and sorted(losses(run)) == list(range(1, 11))
+    detected, = events(run, "nonfinite_detected")
+    assert detected["step"] == 5 and detected["ranks"] == [1], detected
+    assert detected["what"] == "grad_norm" and detected["samples"] == [32, 40], detected
+    replayed, = events(run, "step_replayed")
+    assert replayed["outcome"] == "transient" and replayed["differed_ranks"] == [1], replayed
+    assert not events(run, "rolled_back") and not events(reference, "nonfinite_detected")
+
+
+def test_a_persistent_nan_rolls_back_and_skips_its_batch(runs):
+    run = runs / "persistent"
+    replayed, = events(run, "step_replayed")
+    assert replayed["outcome"] == "persistent" and replayed["differed_ranks"] == [], replayed
+    rolled, = events(run, "rolled_back")
+    assert (rolled["step"], rolled["to_step"], rolled["rollback"]) == (6, 4, 1)
+    skipped, = events(run, "samples_skipped")
+    assert skipped["samples"] == [40, 48]
+    # Bit-equal, from the rollback on, to a run that skipped that batch from the start.
+    expected = losses(runs / "skipped_from_start")
+    assert losses(run) == expected and sorted(expected) == list(range(1, 11))
+    # The skip is in every later checkpoint's run record, so a resume repeats it.
+    manifest = read_manifest(run / "checkpoints" / "step_0000010")
+    assert manifest["skipped_batches"] == [[40, 8]]
+    assert manifest["data"]["consumed_samples"] == 11 * G
+    # The steps trained again after the rollback say so in metrics.jsonl.
+    again = [r["step"] for r in read_metrics(run) if r.get("rollback") == 1]
+    assert again == list(range(5, 11)), again
+
+
+def test_rollbacks_run_out_with_one_line(runs):
+    run = runs / "exhausted"
+    for rank in (0, 1):
+        line = (run / f"stopped.{rank}").read_text()
+        assert "step 6" in line and "max_rollbacks=0" in line and "\n" not in line
+    assert max(losses(run)) == 5 and not events(run, "rolled_back")
+
+
+def test_a_nonfinite_state_is_never_saved(runs):
+    """Unchecked (numerics off), a NaN reaches the weights at step 3: every
+    later save is refused, and with checkpoint.keep=1 the step-2 checkpoint,
+    the newest finite one, stays and stays `latest`."""
+    run = runs / "unchecked"
+    assert math_nan(losses(run)[4][0])
+    refused = events(run, "checkpoint_refused")
+    assert [e["step"] for e in refused] == [4, 6, 8, 10]
+    assert "non-finite" in refused[0]["reason"] and "\n" not in refused[0]["reason"]
+    root = run / "checkpoints"
+    assert [p.name for p in fmt.committed_checkpoints(root)] == ["step_0000002"]
+    assert (root / "latest").read_text().strip() == "step_0000002"
+    assert not list(root.glob("*partial*"))
+
+
+def math_nan(value: float) -> bool:
+    return value != value
