@@ -202,7 +202,7 @@ def test_a_resume_with_another_recipe_is_refused_naming_the_key(tmp_path, change
 def test_allowed_changes_resume(tmp_path):
     assert resume_refusal(tmp_path, "parallel.dp=2", "train.steps=50", "logging.log_interval=3") == ""
     # ZeRO-1 on or off: the moments are stored whole, its row shards reshard as any layout does
-    assert resume_refusal(tmp_path, "parallel.dp=2", "optimizer.distributed=true") == ""
+    assert resume_refusal(tmp_path / "zero1", "parallel.dp=2", "optimizer.distributed=true") == ""
     assert resume_refusal(tmp_path, "train.seed=7",
                           "checkpoint.allow_recipe_change=[train.seed]") == ""
 
