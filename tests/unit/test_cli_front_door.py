@@ -200,16 +200,19 @@ def test_a_slurm_mismatch_names_the_layout_that_fits():
         SlurmStep.from_environ(env).worker_env(world=3)
 
 
-def test_the_readmes_slurm_examples_fit_their_recipe():
-    """Each `sbatch ... tools/slurm/train.sbatch RECIPE` line of the README:
-    nodes x ranks per node (tasks per rank, else GPUs per node) = tp*pp*dp."""
+def test_the_manuals_slurm_examples_fit_their_recipe():
+    """Each `sbatch ... tools/slurm/train.sbatch RECIPE` command of the manual
+    (README and docs/clusters.md, continuation lines joined): nodes x ranks
+    per node (tasks per rank, else GPUs per node) = tp*pp*dp."""
     import re
     import shlex
 
-    from megaresil.config import load_recipe
+    from megaresil.config import find_recipe, load_recipe
     from tests.harness.cli import ROOT
 
-    examples = [shlex.split(line) for line in (ROOT / "README.md").read_text().splitlines()
+    text = "\n".join((ROOT / page).read_text() for page in ("README.md", "docs/clusters.md"))
+    commands = text.replace("\\\n", " ").splitlines()
+    examples = [shlex.split(line) for line in commands
                 if line.startswith("sbatch ") and "tools/slurm/train.sbatch" in line]
     assert examples
     template = (ROOT / "tools/slurm/train.sbatch").read_text()
@@ -217,8 +220,8 @@ def test_the_readmes_slurm_examples_fit_their_recipe():
     assert re.search(r"^#SBATCH --time=", template, re.M) and "MEGARESIL_ACTIVATE" in template
     for argv in examples:
         flags = dict(a.removeprefix("--").split("=", 1) for a in argv if a.startswith("--"))
-        recipe = next(a for a in argv if a.endswith(".yaml"))
-        p = load_recipe(ROOT / recipe, []).parallel
+        recipe = argv[argv.index("tools/slurm/train.sbatch") + 1]
+        p = load_recipe(find_recipe(recipe), []).parallel
         per_node = int(flags.get("ntasks-per-node", 1))
         ranks_per_node = per_node if per_node > 1 else int(flags["gpus-per-node"])
         assert int(flags["nodes"]) * ranks_per_node == p.tp * p.pp * p.dp, argv
