@@ -194,13 +194,6 @@ def reduce_grad_norm(squared: torch.Tensor, layout: ParallelLayout, *, sharded_o
     return squared.sqrt().float()
 
 
-def global_grad_norm(entries: list[tuple[nn.Parameter, torch.Tensor]], layout: ParallelLayout,
-                     *, sharded_over_dp: bool) -> torch.Tensor:
-    """L2 norm of the whole model's gradient (see local_grad_norm_squared)."""
-    return reduce_grad_norm(local_grad_norm_squared(entries, layout), layout,
-                            sharded_over_dp=sharded_over_dp)
-
-
 def clip_gradients(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
     """Scale grads so the global norm is at most `max_norm` (0 disables)."""
     if max_norm <= 0 or not grads:

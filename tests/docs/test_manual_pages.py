@@ -10,18 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.manual import ROOT
+from tests.harness.manual import ROOT, docs_site, manual_pages
 
 pytestmark = pytest.mark.docs
 
-sys.path.insert(0, str(ROOT / "tools"))
-import docs_site  # noqa: E402  (a tool, not a package)
-import reference_docs  # noqa: E402
+import reference_docs  # noqa: E402  (a tool: tests.harness.manual put tools/ on the path)
 
 README_LIMIT_BYTES = 15 * 1024
-LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
-PAGES = docs_site.manual_pages()
+PAGES = manual_pages()
 
 
 def github_anchor(heading: str) -> str:
@@ -44,7 +41,7 @@ def anchors_of(page: Path) -> set[str]:
 
 def links_of(page: Path) -> list[str]:
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
-    return [a or b for a, b in LINK.findall(text)]
+    return docs_site.LINK.findall(text)  # links and images alike
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])

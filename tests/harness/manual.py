@@ -17,10 +17,13 @@ The HTML comment lines right above a fence are its directives:
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import docs_site  # noqa: E402  (a tool, not a package)
 SHELL_LANGS = {"bash", "sh", "shell"}
 # Commands a reader would paste: a block starting with one must be a command block.
 COMMAND_WORDS = ("megaresil ", "make ", "torchrun ", "srun ", "sbatch ", "pip ", "python ",
@@ -51,10 +54,9 @@ class Block:
 
 
 def manual_pages() -> list[Path]:
-    """README.md, every page under docs/, the benchmarks' page and the
-    changelog: the manual a user reads (and the site publishes)."""
-    return [ROOT / p for p in ("README.md", "CHANGELOG.md", "bench/README.md")] + sorted(
-        (ROOT / "docs").rglob("*.md"))
+    """The manual a user reads: the pages the site publishes (tools/docs_site.py
+    is their one list)."""
+    return docs_site.manual_pages()
 
 
 def blocks_of(path: Path) -> list[Block]:
