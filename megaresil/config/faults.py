@@ -32,7 +32,22 @@ class FaultKind(str, enum.Enum):
     # once, or with persistent: true on every attempt of the global batch it
     # first hit (a bad batch, or a rank that recomputes it wrong every time).
     nan = "nan"
+    # The rank's loss times `scale` (default 10) at one step, as the spike
+    # detector sees it; its gradients are left as they were.
+    spike = "spike"
+    # One bit flipped (`bit`, else chosen by `seed`) in one element chosen by
+    # `seed`: `target: param`, in the rank's copy of a parameter after the
+    # step's update (memory at rest); `target: grad`, in the gradient its
+    # optimizer steps on, after the data-parallel reduction.
+    bitflip = "bitflip"
 
+# The kinds that act on a step's numbers where the trainer asks, not at a section's start.
+STEP_FAULT_KINDS = (FaultKind.nan, FaultKind.spike, FaultKind.bitflip)
+
+
+class FlipTarget(str, enum.Enum):
+    param = "param"
+    grad = "grad"
 
 LOCAL_FAULT_KINDS = (FaultKind.corrupt_local_checkpoint, FaultKind.lose_local_node)
 
@@ -62,12 +77,16 @@ class FaultSpec:
     # Restarts the run directory has seen before the fault may fire; None: 0.
     generation: Optional[int] = None
     persistent: Optional[bool] = None  # nan: every attempt of its batch; None: once
+    scale: Optional[float] = None  # spike: the loss's factor; None: 10
+    target: Optional[FlipTarget] = None  # bitflip: None is param
+    seed: Optional[int] = None  # bitflip: picks the element (and the bit); None: the step
+    bit: Optional[int] = None  # bitflip: 0 is the lowest mantissa bit; None: chosen by seed
 
     @property
     def fires_in(self) -> str:
-        """The section whose start fires it (nan: the optimizer section,
-        once the grads are reduced)."""
-        return self.section or ("optimizer" if self.kind == FaultKind.nan else "data")
+        """The section whose start fires it (nan, spike, bitflip: the
+        optimizer section, once the grads are reduced)."""
+        return self.section or ("optimizer" if self.kind in STEP_FAULT_KINDS else "data")
 
     @property
     def every_attempt(self) -> bool:
@@ -85,6 +104,18 @@ class FaultSpec:
     def restarts_needed(self) -> int:
         return self.generation or 0
 
+    @property
+    def loss_scale(self) -> float:
+        return float(10.0 if self.scale is None else self.scale)
+
+    @property
+    def flip_target(self) -> FlipTarget:
+        return self.target or FlipTarget.param
+
+    @property
+    def flip_seed(self) -> int:
+        return self.step if self.seed is None else self.seed
+
     def to_dict(self) -> dict[str, Any]:
         """The mapping a recipe writes: the fields given, enums as their values."""
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)
@@ -94,6 +125,10 @@ class FaultSpec:
 FAULT_KEYS = {f.name for f in dataclasses.fields(FaultSpec)}
 FAULT_KINDS = tuple(kind.value for kind in FaultKind)
 HANG_MODES = tuple(mode.value for mode in HangMode)
+FLIP_TARGETS = tuple(target.value for target in FlipTarget)
+# The fields only one kind reads.
+KIND_FIELDS = {"persistent": FaultKind.nan, "scale": FaultKind.spike,
+               "target": FaultKind.bitflip, "seed": FaultKind.bitflip, "bit": FaultKind.bitflip}
 
 
 def _plain(value: Any) -> Any:
@@ -108,9 +143,10 @@ def parse_fault(fault: Union[FaultSpec, Mapping[str, Any]], key: str) -> FaultSp
     check_fault(data, key)
     if isinstance(fault, FaultSpec):
         return fault
-    mode = data.get("mode")
+    mode, target = data.get("mode"), data.get("target")
     return FaultSpec(**{**data, "kind": FaultKind(data["kind"]),
-                        "mode": None if mode is None else HangMode(mode)})
+                        "mode": None if mode is None else HangMode(mode),
+                        "target": None if target is None else FlipTarget(target)})
 
 
 def parse_faults(faults: Iterable[Union[FaultSpec, Mapping[str, Any]]]) -> list[FaultSpec]:
@@ -141,7 +177,19 @@ def check_fault(fault: Any, key: str) -> None:
             f"{fault.get('section')!r} is not a section.", f"use one of {list(SECTIONS)}.")
     require(fault.get("persistent") in (None, True, False), f"{key}.persistent",
             f"must be true or false, got {fault.get('persistent')!r}.", "write persistent: true.")
-    require("persistent" not in fault or fault.get("kind") == FaultKind.nan.value,
-            f"{key}.persistent", "applies to kind nan only.", "drop it, or use kind: nan.")
+    for name, kind in KIND_FIELDS.items():
+        require(name not in fault or fault.get("kind") == kind.value, f"{key}.{name}",
+                f"applies to kind {kind.value} only.", f"drop it, or use kind: {kind.value}.")
+    scale = fault.get("scale", 10.0)
+    require(isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0,
+            f"{key}.scale", f"must be a number > 0, got {scale!r}.", "write scale: 10.")
+    require(fault.get("target", "param") in FLIP_TARGETS, f"{key}.target",
+            f"{fault.get('target')!r} is not a bit-flip target.",
+            f"use one of {list(FLIP_TARGETS)}.")
+    for name, low, high in (("seed", 0, 2**63 - 1), ("bit", 0, 31)):
+        value = fault.get(name, low)
+        require(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
+                f"{key}.{name}", f"must be an integer in [{low}, {high}], got {value!r}.",
+                f"write {name}: {low}.")
     require(fault.get("mode", "sleep") in HANG_MODES, f"{key}.mode",
             f"{fault.get('mode')!r} is not a hang mode.", f"use one of {list(HANG_MODES)}.")

@@ -14,6 +14,14 @@ class CheckpointBackend(str, enum.Enum):
     zarr = "zarr"
 
 
+class SpikePolicy(str, enum.Enum):
+    """What a loss spike does (resilience.numerics.on_spike; docs/numerics.md)."""
+    off = "off"  # no detector
+    warn = "warn"  # reported, the update applied
+    skip = "skip"  # the update not applied, the step's batch skipped
+    rollback = "rollback"  # back to the newest checkpoint, the spike's data window skipped
+
+
 
 @dataclass
 class LocalCheckpointConfig:
@@ -185,6 +193,28 @@ class NumericsConfig:
                                   "records in its checkpoints, given up front: to skip a bad data "
                                   "window, or for a reference run that skips what a faulted one "
                                   "did.", recipe_type="list[[int, int]]")
+    on_spike: SpikePolicy = doc(SpikePolicy.warn, "What a loss spike does (the step's loss "
+                                "more than spike_threshold robust deviations above the median "
+                                "of the last spike_window steps; off during the LR warmup and "
+                                "until the window is full): warn (an event and a console line, "
+                                "the update applied); skip (the update not applied, the step "
+                                "trains on the next global batch); rollback (back to the "
+                                "newest checkpoint, the spike's data window skipped); off.")
+    spike_window: int = doc(50, "Steps of loss history the spike detector compares with (their "
+                            "median and median absolute deviation).", bounds=Bounds(5))
+    spike_threshold: float = doc(6.0, "Robust deviations (1.4826 x MAD, at least 1% of the "
+                                 "median) above the median that make a spike.", bounds=POSITIVE)
+    spike_skip_window: int = doc(1, "on_spike=rollback: global batches skipped, the spike's own "
+                                 "and those of the steps just before it (never before the "
+                                 "checkpoint rolled back to). Each skip counts against "
+                                 "max_rollbacks.", bounds=Bounds(1))
+    check_interval: int = doc(1, "Compare a checksum of every data-parallel replica's "
+                              "parameters (and their optimizer state, unless "
+                              "optimizer.distributed) every this many steps and before every "
+                              "save: a replica that differs (silent data corruption) is named "
+                              "and restored from a healthy one (dp >= 3), or found by a replay "
+                              "from the newest checkpoint (dp = 2). 0: off. No effect at dp=1.",
+                              bounds=NON_NEGATIVE)
 
 
 @dataclass
@@ -209,8 +239,8 @@ class ResilienceConfig:
                                       "profile (megaresil/plan/profiles) scaled to the job's GPUs.",
                                       bounds=POSITIVE)
     watchdog: WatchdogConfig = section(WatchdogConfig, "Hang detection.")
-    numerics: NumericsConfig = section(NumericsConfig, "Non-finite loss and gradients: "
-                                       "check, replay, roll back.")
+    numerics: NumericsConfig = section(NumericsConfig, "Numerical faults: non-finite "
+                                       "values, loss spikes, replicas that differ.")
 
 
 @dataclass

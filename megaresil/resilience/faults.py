@@ -24,8 +24,10 @@ import torch.distributed as dist
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local.store import DATA, NodeStore
 from megaresil.compat import spin_cuda_kernel
-from megaresil.config import ConfigError, FaultKind, FaultSpec, HangMode, parse_fault, parse_faults
+from megaresil.config import (STEP_FAULT_KINDS, ConfigError, FaultKind, FaultSpec, HangMode,
+                              parse_fault, parse_faults)
 from megaresil.events import EventLog, read_events
+from megaresil.resilience.step_faults import StepFaults
 
 # A fault as the recipe writes it (drills build these) or as the schema types it.
 FaultLike = Union[FaultSpec, Mapping[str, Any]]
@@ -73,10 +75,12 @@ class FaultInjector:
         specs = parse_faults(faults)
         mine = [f for f in specs if f.rank == rank and fault_id(f) not in fired
                 and f.restarts_needed <= restarts]
-        # NaN faults fire where the trainer asks (`poisons_grads`), not at a section's start.
-        self.pending = [f for f in mine if f.kind != FaultKind.nan]
-        self.grad_faults = [f for f in mine if f.kind == FaultKind.nan]
-        self.bad_batches: set[int] = set()  # persistent NaN faults: the batches they hit
+        # The faults on a step's numbers fire where the trainer asks
+        # (`step_faults`), not at a section's start.
+        self.pending = [f for f in mine if f.kind not in STEP_FAULT_KINDS]
+        self.numeric_faults = [f for f in mine if f.kind in STEP_FAULT_KINDS]
+        # Persistent NaN faults by the first sample of the batch they hit.
+        self.bad_batches: dict[int, FaultSpec] = {}
         self.slow_seconds = 0.0
         self.events, self.checkpoint_root = events, checkpoint_root
         # None when the local tier is off (config refuses local faults then).
@@ -105,25 +109,29 @@ class FaultInjector:
         for fault in list(self.pending):
             if fault.step == step and fault.fires_in == section:
                 self.pending.remove(fault)
-                self.events.emit("fault_injected", fault=fault_id(fault), kind=fault.kind.value,
-                                 step=step, section=section)
+                self.announce(fault, step)
                 self.actions[fault.kind](fault)
 
-    def poisons_grads(self, step: int, position: int) -> bool:
-        """Whether this attempt of `step`, on the global batch starting at
-        sample `position`, gets a NaN in its grads: a transient fault on the
-        first attempt of its step only; a persistent one on every attempt of
-        the batch it first hit (skipping that batch is the cure)."""
-        if position in self.bad_batches:
-            return True
-        for fault in [f for f in self.grad_faults if f.step == step]:
-            self.grad_faults.remove(fault)
-            self.events.emit("fault_injected", fault=fault_id(fault), kind=fault.kind.value,
-                             step=step, section=fault.fires_in, persistent=fault.every_attempt)
+    def step_faults(self, step: int, position: int) -> StepFaults:
+        """The faults due in this attempt of `step`, on the global batch
+        starting at sample `position`: each once, on the first attempt of its
+        step, except a persistent NaN, which hits every attempt of the batch
+        it first hit (skipping that batch is the cure)."""
+        due = [f for f in self.numeric_faults if f.step == step]
+        for fault in due:
+            self.numeric_faults.remove(fault)
             if fault.every_attempt:
-                self.bad_batches.add(position)
-            return True
-        return False
+                self.bad_batches[position] = fault
+        announced = [f for f in due if f.kind != FaultKind.bitflip]  # bit flips say what they hit
+        for fault in announced:
+            self.announce(fault, step, persistent=fault.every_attempt)
+        if position in self.bad_batches and self.bad_batches[position] not in due:
+            due.append(self.bad_batches[position])
+        return StepFaults(due, lambda fault, **details: self.announce(fault, step, **details))
+
+    def announce(self, fault: FaultSpec, step: int, **details) -> None:
+        self.events.emit("fault_injected", fault=fault_id(fault), kind=fault.kind.value,
+                         step=step, section=fault.fires_in, **details)
 
     def _raise(self, fault: FaultSpec) -> None:
         raise InjectedFault(f"injected exception ({fault_id(fault)})")
@@ -236,13 +244,6 @@ def own_local_shards(node_dir: Path, rank: int) -> list[Path]:
     store = NodeStore(node_dir)
     return [d for step, owners in store.held().items() if rank in owners
             and ((d := store.shard_dir(step, rank)) / fmt.MARKER).exists()]
-
-
-def poison_with_nan(grads: list[torch.Tensor]) -> None:
-    """A NaN into the first element of the first non-empty grad."""
-    first = next((g for g in grads if g is not None and g.numel() > 0), None)
-    if first is not None:
-        first.view(-1)[0] = float("nan")
 
 
 def flip_middle_byte(target: Path) -> None:

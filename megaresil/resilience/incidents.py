@@ -85,15 +85,42 @@ def _replayed(e: dict) -> str:
     return f"{what}, recomputation differed on {_ranks(e.get('differed_ranks'))}; {e.get('next')}"
 
 
+def _rolled_back(e: dict) -> str:
+    why = {"nonfinite": "a persistent non-finite step", "loss_spike": "a loss spike",
+           "silent_corruption": "replicas that differ"}.get(e.get("reason"), e.get("reason"))
+    counted = (f", rollback {e.get('rollback')} of at most {e.get('max_rollbacks')}"
+               if "rollback" in e else "")
+    return (f"rolled back from step {e.get('step')} to the checkpoint of step "
+            f"{e.get('to_step')} ({why}{counted}); {e.get('next')}")
+
+
+def _culprit(e: dict) -> str:
+    culprit = e.get("culprit")
+    if culprit is None:
+        return "the corrupted replica is not known yet"
+    return f"corrupted replica on rank(s) {culprit}" if culprit else "no replica differed on replay"
+
+
+def _corruption(e: dict) -> str:
+    where = f" in {', '.join(e['tensors'][:3])}" if e.get("tensors") else ""
+    return (f"silent data corruption at step {e.get('step')}: data-parallel replicas differ"
+            f"{where}; {_culprit(e)}; {e.get('next')}")
+
+
 NUMERICS: dict[str, Callable[[dict], Optional[str]]] = {
     "nonfinite_detected": _nonfinite,
     "step_replayed": _replayed,
-    "rolled_back": lambda e: (f"rolled back from step {e.get('step')} to the checkpoint of step "
-                              f"{e.get('to_step')} (rollback {e.get('rollback')} of at most "
-                              f"{e.get('max_rollbacks')}); {e.get('next')}"),
-    "samples_skipped": lambda e: (f"skipped the global batch of step {e.get('step')} (samples "
-                                  f"{e.get('samples')[0]}..{e.get('samples')[1] - 1}); "
+    "rolled_back": _rolled_back,
+    "samples_skipped": lambda e: (f"skipped samples {e.get('samples')[0]}.."
+                                  f"{e.get('samples')[1] - 1} (step {e.get('step')}); "
                                   f"{e.get('next')}"),
+    "loss_spike": lambda e: (f"loss spike at step {e.get('step')}: {e.get('loss'):.4g} is "
+                             f"{e.get('deviations')} robust deviations above the median "
+                             f"{e.get('median'):.4g} (threshold {e.get('threshold')}); "
+                             f"{e.get('next')}"),
+    "silent_corruption_detected": _corruption,
+    "silent_corruption_attributed": lambda e: (f"replicas replayed to step {e.get('step')}: "
+                                               f"{_culprit(e)}; {e.get('next')}"),
     "checkpoint_refused": lambda e: f"checkpoint of step {e.get('step')} refused: {e.get('reason')}",
 }
 

@@ -1,4 +1,5 @@
-"""Non-finite loss and gradients: the decisions, apart from the trainer.
+"""Numerical faults: the decisions, apart from the trainer (train/numerics.py,
+train/replicas.py): non-finite steps, loss spikes, replicas that differ.
 
 A step's loss and global grad norm are checked before its update (the loss
 rides in the grad norm's all-reduce, see train/optim.reduce_grad_norm). A
@@ -12,8 +13,10 @@ does the replay and the rollback).
 from __future__ import annotations
 
 import math
+import statistics
+from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 class PersistentNumericalFault(RuntimeError):
@@ -70,3 +73,62 @@ def rollback_refusal(step: int, made: int, limit: int) -> str | None:
             f"made {made} rollback(s), resilience.numerics.max_rollbacks={limit}: stopping. "
             "Fix: look for the bad data or rank named in events.jsonl (nonfinite_detected, "
             "step_replayed), or raise resilience.numerics.max_rollbacks")
+
+
+# --- loss spikes -------------------------------------------------------------------
+
+# A robust deviation (1.4826 x MAD estimates a normal sigma) is at least this
+# fraction of the median: a window of near-equal losses must not make every
+# wobble a spike.
+MIN_RELATIVE_DEVIATION = 0.01
+
+
+@dataclass(frozen=True)
+class Spike:
+    loss: float
+    median: float
+    deviation: float  # the robust deviation the threshold multiplies
+
+    @property
+    def deviations(self) -> float:
+        return (self.loss - self.median) / self.deviation
+
+
+def find_spike(loss: float, window: Sequence[float], size: int,
+               threshold: float) -> Optional[Spike]:
+    """`loss` as a spike against the last `size` losses of `window` (None
+    while fewer are known): more than `threshold` robust deviations above
+    their median. Only upward: a loss that falls fast is no fault."""
+    recent = list(window)[-size:]
+    if len(recent) < size:
+        return None
+    median = statistics.median(recent)
+    mad = statistics.median(abs(x - median) for x in recent)
+    spike = Spike(loss, median, max(1.4826 * mad, MIN_RELATIVE_DEVIATION * abs(median)))
+    return spike if spike.deviations > threshold else None
+
+
+def skip_refusal(step: int, made: int, limit: int, what: str) -> str | None:
+    """Why `what` at `step` (a spike to skip) stops the run, `made` skips
+    into it; None while skips are left (they share max_rollbacks)."""
+    if made < limit:
+        return None
+    return (f"{what} at step {step} and the run has skipped {made} global batch(es), "
+            f"resilience.numerics.max_rollbacks={limit}: stopping. Fix: look at the data of the "
+            "samples named in events.jsonl (loss_spike, samples_skipped), raise "
+            "resilience.numerics.max_rollbacks, or set resilience.numerics.on_spike=warn")
+
+
+# --- replicas that differ (silent data corruption) ----------------------------------
+
+def odd_ones_out(digests: Sequence[int]) -> Optional[list[int]]:
+    """The replicas (indices) whose digest differs from a strict majority's;
+    [] when all agree, None when no digest has a majority (dp = 2, or a tie):
+    only a replay can tell then."""
+    counts = Counter(digests)
+    common, n = counts.most_common(1)[0]
+    if n == len(digests):
+        return []
+    if n * 2 <= len(digests):
+        return None
+    return [i for i, d in enumerate(digests) if d != common]

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from megaresil.observe.sections import SectionClock, SectionTime
 from megaresil.resilience.faults import FaultInjector
+from megaresil.resilience.step_faults import StepFaults
 from megaresil.resilience.guardian import die_with_parent
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.watchdog.monitor import Watchdog
@@ -58,9 +59,9 @@ class Supervision:
         if self.faults is not None:
             self.faults.on_section(name, step)
 
-    def poisons_grads(self, step: int, position: int) -> bool:
-        """Whether an injected NaN fault hits this attempt's grads."""
-        return self.faults is not None and self.faults.poisons_grads(step, position)
+    def step_faults(self, step: int, position: int) -> StepFaults:
+        """The injected faults on this attempt's numbers (none without an injector)."""
+        return self.faults.step_faults(step, position) if self.faults is not None else StepFaults()
 
     def step_done(self) -> None:
         self.steps += 1

@@ -27,7 +27,6 @@ from megaresil.parallel.data_parallel import (AllReduceMean, GradBuffers,
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, sync_tied_embedding_grads
-from megaresil.resilience.faults import poison_with_nan
 from megaresil.resilience.supervision import Supervision
 from megaresil.run_lock import HELD_ENV
 from megaresil.safe_files import write_atomic
@@ -38,6 +37,7 @@ from megaresil.observe.profiler import StepProfiler
 from megaresil.observe.sections import record_fields
 from megaresil.train.metrics import MetricsLog, StepFigures
 from megaresil.train.numerics import NumericsGuard, StepResult
+from megaresil.train.replicas import ReplicaCheck
 from megaresil.train.optim import (build_optimizer, clip_gradients, counted_here,
                                    local_grad_norm_squared, lr_at, reduce_grad_norm, set_lr,
                                    shards_over_dp)
@@ -106,6 +106,10 @@ class Trainer:
         self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank)
         self.numerics = NumericsGuard(cfg, layout, self.state, self.checkpointing, self.events,
                                       self.supervision.section)
+        self.replicas = ReplicaCheck(cfg.resilience.numerics.check_interval, layout,
+                                     self.replicated_state, self.events,
+                                     lambda step, reason: self.numerics.rollback(step, reason, []),
+                                     self.supervision.section)
 
     def build(self, cfg: RecipeConfig, layout: ParallelLayout) -> None:
         """Data, model chunks, optimizer, grad buffers and checkpointer."""
@@ -182,6 +186,21 @@ class Trainer:
         return [(*(x.to(device) for x in collate(dataset, idx)), torch.tensor(idx))
                 for idx in indices]
 
+    def replicated_state(self) -> list[tuple[str, torch.Tensor]]:
+        """What every data-parallel replica holds alike, named: the model's
+        parameters and, unless the optimizer shards them over dp, their fp32
+        main copies and optimizer state."""
+        named = list(self.named_parameters())
+        if self.sharded_optimizer:
+            return named
+        model = dict(named)
+        for key, held in self.named_state_parameters():
+            if held is not model[key]:
+                named.append((f"{key}.main", held))
+            named += [(f"{key}.{k}", v) for k, v in self.optimizer.state.get(held, {}).items()
+                      if torch.is_tensor(v)]
+        return named
+
     def named_parameters(self):
         """(layout-free key, parameter) over this rank's chunks: the local
         backend's keys under model.backend=te too (model/te.local_key)."""
@@ -229,18 +248,22 @@ class Trainer:
         """Check the step (resilience.numerics) and, when finite or unchecked,
         apply its update; the grads are zeroed either way."""
         entries = self.sync_grads()
-        if self.supervision.poisons_grads(step, self.state.consumed_samples):
-            # Into a grad the norm counts (not a tied embedding's copy, nor a
-            # TP replica's): a real fault lands there before the grads' syncs.
-            poison_with_nan([g for p, g in entries if counted_here(p, self.layout)])
+        faults = self.supervision.step_faults(step, self.state.consumed_samples)
+        if faults.due:
+            # A NaN into a grad the norm counts (not a tied embedding's copy,
+            # nor a TP replica's): a real fault lands there before the syncs.
+            names = {id(p): key for key, p in self.named_state_parameters()}
+            loss = faults.before_update(
+                loss, [g for p, g in entries if counted_here(p, self.layout)],
+                [(names.get(id(p), "?"), g) for p, g in entries])
         local = local_grad_norm_squared(entries, self.layout)
-        # The loss rides in the norm's all-reduce, the norm in the loss's
-        # data-parallel mean: every rank sees any rank's non-finite value.
-        norm = reduce_grad_norm(local, self.layout, sharded_over_dp=self.sharded_optimizer,
-                                loss=loss)
-        result = StepResult(dp_mean(loss.detach() + norm.to(loss.dtype) * 0.0, self.layout),
+        norm, stage_loss = reduce_grad_norm(local, self.layout,
+                                            sharded_over_dp=self.sharded_optimizer, loss=loss)
+        # The norm rides in the loss's data-parallel mean: every rank sees any
+        # rank's non-finite value (the loss rode in the norm's all-reduce).
+        result = StepResult(dp_mean(stage_loss + norm.to(stage_loss.dtype) * 0.0, self.layout),
                             norm, loss, local)
-        if result.finite or not self.cfg.resilience.numerics.enabled:
+        if not self.numerics.holds_back(step, result):
             clip_gradients([g for _, g in entries], norm, self.cfg.optimizer.grad_clip)
             set_lr(self.optimizer, lr_at(step, self.cfg.optimizer, self.cfg.train.steps))
             self.checkpointer.before_update()  # an async save may still be copying the weights
@@ -248,6 +271,7 @@ class Trainer:
             if self.main is not None:
                 self.main.copy_to_model()
             result.applied = True
+            faults.after_update(list(self.named_parameters()))
         self.grads.zero()
         if self.sharded_optimizer:
             self.optimizer.zero_grad()
@@ -333,6 +357,16 @@ class Trainer:
                 if log:
                     log.write(record)
                 step = record["step"]
+                self.saves.step_done(step, record["step_time_s"],
+                                     first_of_process=self.supervision.steps == 1)
+                saving, saving_local = self.saves.due(step), self.checkpointer.local_due(step)
+                # On the training thread's own (world) group: the checkpoint
+                # group belongs to the save thread while a save is in flight.
+                stopping = self.supervision.preempted(None)
+                # Replicas compared before anything is saved from them.
+                if (self.replicas.due(step, saving=saving or saving_local or bool(stopping))
+                        and self.replicas.check(step)):
+                    continue  # rolled back: on from the checkpoint's step
                 if self.should_eval(step):
                     eval_started = time.perf_counter()
                     with self.supervision.section("eval", step):
@@ -340,17 +374,12 @@ class Trainer:
                     if log:
                         log.write({"step": step, "eval_loss": eval_loss, "time": time.time(),
                                    "eval_time_s": time.perf_counter() - eval_started})
-                # On the training thread's own (world) group: the checkpoint
-                # group belongs to the save thread while a save is in flight.
-                stopping = self.supervision.preempted(None)
                 if stopping:
                     self.save()
                     return self.stop(stopping)
-                self.saves.step_done(step, record["step_time_s"],
-                                     first_of_process=self.supervision.steps == 1)
-                if self.saves.due(step):
+                if saving:
                     self.save()
-                if self.checkpointer.local_due(step):
+                if saving_local:
                     with self.supervision.section("checkpoint", step):
                         self.checkpointing.save_local(self.state.step)
                 if step == t.exit_at_step:

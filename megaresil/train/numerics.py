@@ -2,12 +2,14 @@
 update (train/optim.reduce_grad_norm, Trainer.optimizer_step); a non-finite
 step is replayed once from the same samples and RNG state, and one that stays
 non-finite rolls the run back to its newest checkpoint and skips the step's
-global batch. The decisions are resilience/numerics.py's; docs/numerics.md
-tells the whole story."""
+global batch. A loss spike is warned of, skipped, or rolled back with its
+data window skipped (on_spike). The decisions are resilience/numerics.py's;
+docs/numerics.md tells the whole story."""
 from __future__ import annotations
 
 import math
 import random
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Optional
 
@@ -15,10 +17,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megaresil.config import RecipeConfig
+from megaresil.config import RecipeConfig, SpikePolicy
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.resilience.numerics import (Figures, PersistentNumericalFault, differing_ranks,
-                                           nonfinite_ranks, rollback_refusal, what_is_nonfinite)
+from megaresil.resilience.numerics import (Figures, PersistentNumericalFault, Spike,
+                                           differing_ranks, find_spike, nonfinite_ranks,
+                                           rollback_refusal, skip_refusal, what_is_nonfinite)
 from megaresil.train.checkpointing import TrainCheckpointing
 from megaresil.train.progress import Progress
 from megaresil.train.state import configured_skips
@@ -36,6 +39,7 @@ class StepResult:
     local_loss: torch.Tensor
     local_norm_squared: torch.Tensor
     applied: bool = False
+    spike: Optional[Spike] = None
 
     @property
     def finite(self) -> bool:
@@ -88,16 +92,35 @@ class NumericsGuard:
         self.checkpointing, self.events, self.section = checkpointing, events, section
         self.settings = cfg.resilience.numerics
         self.rollbacks = 0  # made by this trainer: its metrics lines say so
+        # Where the last applied steps started: a spike's rollback skips their batches.
+        self.recent_starts: deque[int] = deque(maxlen=self.settings.spike_skip_window)
 
     def emit(self, event: str, **fields) -> None:
         if self.layout.rank == 0:
             self.events.emit(event, **fields)
 
+    def holds_back(self, step: int, result: StepResult) -> bool:
+        """Whether the attempt's update must not be applied: a non-finite
+        step (checked), or a spike that on_spike skips or rolls back."""
+        if not result.finite:
+            return self.settings.enabled
+        result.spike = self.spike_in(step, result.loss)
+        return result.spike is not None and self.settings.on_spike != SpikePolicy.warn
+
+    def spike_in(self, step: int, loss: float) -> Optional[Spike]:
+        """A spike against the loss window, off during the LR warmup."""
+        if self.settings.on_spike == SpikePolicy.off or step <= self.cfg.optimizer.warmup_steps:
+            return None
+        return find_spike(loss, self.progress.losses, self.settings.spike_window,
+                          self.settings.spike_threshold)
+
     def run(self, step: int, attempt: Callable[[], StepResult]) -> Optional[StepResult]:
         rng = rng_snapshot() if self.settings.enabled else None
         first = attempt()
+        if first.spike is not None:
+            return self.after_spike(step, first)
         if first.applied or not self.settings.enabled:
-            return first
+            return self.applied(first)
         before = gather_figures(first, self.layout)
         self.emit("nonfinite_detected", step=step, what=what_is_nonfinite(before),
                   ranks=nonfinite_ranks(before), samples=self.samples(),
@@ -108,11 +131,52 @@ class NumericsGuard:
         if second.applied:
             self.emit("step_replayed", step=step, outcome="transient", differed_ranks=differed,
                       next="continuing with the replayed step")
-            return second
+            return self.applied(second)
         self.emit("step_replayed", step=step, outcome="persistent", differed_ranks=differed,
                   next="rolling back to the newest checkpoint and skipping the step's samples")
-        with self.section("checkpoint", step):
-            self.rollback(step)
+        refusal = rollback_refusal(step, self.skips_made(), self.settings.max_rollbacks)
+        if refusal:
+            raise PersistentNumericalFault(refusal)
+        self.rollback(step, "nonfinite", [self.progress.consumed_samples])
+        return None
+
+    def applied(self, result: StepResult) -> StepResult:
+        """An applied step: its start joins the window a spike's rollback
+        skips, its loss (unless a spike) the window spikes are measured on."""
+        self.recent_starts.append(self.progress.consumed_samples)
+        if result.spike is None and math.isfinite(result.loss):
+            self.progress.losses = (self.progress.losses + [result.loss])[
+                -self.settings.spike_window:]
+        return result
+
+    def after_spike(self, step: int, result: StepResult) -> Optional[StepResult]:
+        policy, spike = self.settings.on_spike, result.spike
+        fields = dict(step=step, loss=spike.loss, median=spike.median,
+                      deviations=round(spike.deviations, 2),
+                      threshold=self.settings.spike_threshold, samples=self.samples(),
+                      policy=policy.value)
+        if policy == SpikePolicy.warn:
+            self.emit("loss_spike", **fields, next="update applied (on_spike=warn)")
+            return self.applied(result)
+        refusal = skip_refusal(step, self.skips_made(), self.settings.max_rollbacks,
+                               f"a loss spike ({spike.loss:.4g} against a median of "
+                               f"{spike.median:.4g})")
+        if refusal:
+            raise PersistentNumericalFault(refusal)
+        if policy == SpikePolicy.skip:
+            self.emit("loss_spike", **fields, next="update not applied; skipping its batch")
+            first = self.progress.consumed_samples
+            self.progress.skipped = {**self.progress.skipped,
+                                     first: self.cfg.train.global_batch_size}
+            self.emit("samples_skipped", step=step, samples=self.samples(),
+                      next=f"step {step} trains on the next global batch")
+            return None
+        self.emit("loss_spike", **fields, next="update not applied; rolling back to the newest "
+                  "checkpoint and skipping the spike's data window")
+        # The spike's batch and the batches of the steps just before it.
+        before = list(self.recent_starts)[len(self.recent_starts) + 1
+                                          - self.settings.spike_skip_window:]
+        self.rollback(step, "loss_spike", [*before, self.progress.consumed_samples])
         return None
 
     def samples(self) -> list[int]:
@@ -120,30 +184,36 @@ class NumericsGuard:
         first = self.progress.consumed_samples
         return [first, first + self.cfg.train.global_batch_size]
 
-    def rollback(self, step: int) -> None:
+    def skips_made(self) -> int:
+        """Global batches skipped by rollbacks and spikes: those recorded,
+        less those the recipe asks for."""
+        return len(self.progress.skipped.keys() - configured_skips(self.cfg).keys())
+
+    def rollback(self, step: int, reason: str, skip_starts: list[int]) -> None:
         """Back to the newest checkpoint (restart-from-latest's own choice of
-        tier and step), with this step's global batch recorded as skipped."""
-        first, size = self.progress.consumed_samples, self.cfg.train.global_batch_size
-        # Rollbacks made: the skips recorded, less those the recipe asks for.
-        made = len(self.progress.skipped.keys() - configured_skips(self.cfg).keys())
-        refusal = rollback_refusal(step, made, self.settings.max_rollbacks)
-        if refusal:
-            raise PersistentNumericalFault(refusal)
-        skipped = {**self.progress.skipped, first: size}
-        # The saves in flight are of earlier, finite steps: let them commit first.
-        self.checkpointing.checkpointer.wait()
-        if self.checkpointing.local is not None:
-            self.checkpointing.local.wait()
-        if self.checkpointing.resume() is None:
-            raise PersistentNumericalFault(
-                f"step {step} is non-finite again on replay (a persistent fault) and there is no "
-                "checkpoint to roll back to: stopping. Fix: save checkpoints "
-                "(checkpoint.interval) so that a rollback has somewhere to go")
-        # The checkpoint's record of skips, and this one (not yet saved anywhere).
-        self.progress.skipped = {**self.progress.skipped, **skipped}
+        tier and step), with the global batches starting at `skip_starts`
+        recorded as skipped (those after the checkpoint's position)."""
+        size = self.cfg.train.global_batch_size
+        skipped = dict(self.progress.skipped)
+        with self.section("checkpoint", step):
+            # The saves in flight are of earlier, checked steps: let them commit first.
+            self.checkpointing.checkpointer.wait()
+            if self.checkpointing.local is not None:
+                self.checkpointing.local.wait()
+            if self.checkpointing.resume() is None:
+                raise PersistentNumericalFault(
+                    f"step {step} needs a rollback ({reason}) and there is no checkpoint to roll "
+                    "back to: stopping. Fix: save checkpoints (checkpoint.interval) so that a "
+                    "rollback has somewhere to go")
+        new = {first: size for first in skip_starts if first >= self.progress.consumed_samples}
+        # The checkpoint's record of skips, and these (not yet saved anywhere).
+        self.progress.skipped = {**self.progress.skipped, **skipped, **new}
+        self.recent_starts.clear()
         self.rollbacks += 1
-        self.emit("rolled_back", step=step, to_step=self.progress.step, rollback=made + 1,
-                  max_rollbacks=self.settings.max_rollbacks,
+        counts = (dict(rollback=self.skips_made(), max_rollbacks=self.settings.max_rollbacks)
+                  if new else {})
+        self.emit("rolled_back", step=step, to_step=self.progress.step, reason=reason, **counts,
                   next=f"training again from step {self.progress.step + 1}")
-        self.emit("samples_skipped", step=step, samples=[first, first + size],
-                  next=f"step {step} trains on the next global batch")
+        for first in sorted(new):
+            self.emit("samples_skipped", step=step, samples=[first, first + size],
+                      next="the sampler passes over them")

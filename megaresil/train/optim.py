@@ -179,19 +179,24 @@ def local_grad_norm_squared(entries: list[tuple[nn.Parameter, torch.Tensor]],
 
 
 def reduce_grad_norm(squared: torch.Tensor, layout: ParallelLayout, *, sharded_over_dp: bool,
-                     loss: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """L2 norm of the whole model's gradient from every rank's
-    `local_grad_norm_squared`. `loss` (this rank's; zero on stages that do
-    not compute it) rides in the same all-reduce: 0 * loss adds exactly zero
-    when the loss is finite and NaN when it is not, so one reduction checks
-    both (resilience/numerics.py) and a finite run is bit-identical."""
-    if loss is not None:
-        squared = squared + loss.detach().to(squared.dtype) * 0.0
-    dims = ["tp", "pp"] + (["dp"] if sharded_over_dp else [])
-    for dim in dims:
+    `local_grad_norm_squared`, and the loss of this rank's data-parallel
+    replica (`loss` is this rank's; zero on stages that do not compute it).
+    Both ride in one all-reduce: the loss, from TP rank 0 only, plus zeros
+    (exact), so every stage learns it (the spike check); and 0 * loss in the
+    norm, which adds exactly zero when the loss is finite and NaN when it is
+    not, so one reduction checks both (resilience/numerics.py) and a finite
+    run is bit-identical."""
+    loss_dtype, loss = loss.dtype, loss.detach().to(squared.dtype)
+    packed = torch.stack([squared + loss * 0.0, loss if layout.tp_rank == 0 else loss * 0.0])
+    for dim in ("tp", "pp"):
         if getattr(layout, dim) > 1:
-            dist.all_reduce(squared, group=layout.group(dim))
-    return squared.sqrt().float()
+            dist.all_reduce(packed, group=layout.group(dim))
+    stage_loss = packed[1].to(loss_dtype, copy=True)  # exact: the loss was of this dtype
+    if sharded_over_dp and layout.dp > 1:
+        dist.all_reduce(packed, group=layout.group("dp"))  # its loss is no longer one replica's
+    return packed[0].sqrt().float(), stage_loss
 
 
 def clip_gradients(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 class Progress:
     """Optimizer steps done and samples consumed; `consumed_samples` and the
     global batches skipped (first sample -> samples; data/sampler.skip_past)
-    are the whole data position."""
+    are the whole data position. `losses`: the last steps' losses, the
+    spike detector's window (saved, so a resume detects as the run would)."""
     step: int = 0
     consumed_samples: int = 0
     skipped: dict[int, int] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)

@@ -27,6 +27,8 @@ WATCHDOG = "watchdog"
 # The RunRecord.extra field of the global batches the run skipped after a
 # persistent non-finite step: [[first sample, samples], ...].
 SKIPPED = "skipped_batches"
+# The RunRecord.extra field of the spike detector's loss window.
+LOSSES = "loss_window"
 
 
 def configured_skips(cfg: RecipeConfig) -> dict[int, int]:
@@ -63,6 +65,8 @@ class LiveTrainingState:
         extra = {WATCHDOG: self.watchdog.calibration()} if self.watchdog is not None else {}
         if self.position.skipped:
             extra[SKIPPED] = [[first, n] for first, n in sorted(self.position.skipped.items())]
+        if self.position.losses:
+            extra[LOSSES] = list(self.position.losses)
         return RunRecord(step=self.position.step, layout=self.layout_record(),
                         recipe=self.recipe, consumed_samples=self.position.consumed_samples,
                         optimizer_steps=self.optimizer.step_count(), extra=extra)
@@ -78,6 +82,7 @@ class LiveTrainingState:
         self.position.consumed_samples = saved.consumed_samples
         self.position.skipped = {**configured_skips(self.cfg),
                                  **{first: n for first, n in saved.extra.get(SKIPPED, [])}}
+        self.position.losses = [float(x) for x in saved.extra.get(LOSSES, [])]
         if self.watchdog is not None and WATCHDOG in saved.extra:
             self.watchdog.restore_calibration(saved.extra[WATCHDOG])
         rng = saved.rank_state(self.layout_record(), self.layout.rank)

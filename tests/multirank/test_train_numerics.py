@@ -32,6 +32,8 @@ SAVES = ["checkpoint.interval=2"]
 G = 8  # TINY's global batch
 NAN_AT_5 = 'faults=[{kind: nan, rank: 1, step: 5}]'
 PERSISTENT_AT_6 = 'faults=[{kind: nan, rank: 1, step: 6, persistent: true}]'
+SPIKE = ["resilience.numerics.spike_window=5"]
+SPIKE_AT_9 = 'faults=[{kind: spike, rank: 1, step: 9}]'
 CASES = {
     "reference": DP2,
     "transient": DP2 + [NAN_AT_5],
@@ -45,6 +47,17 @@ CASES = {
     "unchecked": DP2 + SAVES + ["checkpoint.keep=1", "resilience.numerics.enabled=false",
                                 'faults=[{kind: nan, rank: 0, step: 3}]'],
     "exhausted": DP2 + SAVES + ["resilience.numerics.max_rollbacks=0", PERSISTENT_AT_6],
+    # Loss spikes: rank 1's loss x10 at step 9, against a window of 5 steps.
+    "spike_rollback": DP2 + SAVES + SPIKE + ["resilience.numerics.on_spike=rollback", SPIKE_AT_9],
+    "spike_skip": DP2 + SPIKE + ["resilience.numerics.on_spike=skip", SPIKE_AT_9],
+    "spike_warn": DP2 + SPIKE + [SPIKE_AT_9],
+    # The batch of step 9 (samples 64..71) skipped from the start; checked, no spike.
+    "spike_skipped_from_start": DP2 + SPIKE + ["resilience.numerics.on_spike=rollback",
+                                               "resilience.numerics.skip_batches=[[64, 8]]"],
+    # Replicas that differ at dp=2: no majority, found by a replay from step 4.
+    "bitflip_param": DP2 + SAVES + ['faults=[{kind: bitflip, rank: 1, step: 5, bit: 20}]'],
+    "bitflip_grad": DP2 + SAVES + ['faults=[{kind: bitflip, rank: 0, step: 7, bit: 22, '
+                                   'target: grad}]'],
 }
 
 
@@ -148,3 +161,49 @@ def test_a_nonfinite_state_is_never_saved(runs):
 
 def math_nan(value: float) -> bool:
     return value != value
+
+
+def test_a_loss_spike_rolls_back_and_skips_its_batch(runs):
+    run = runs / "spike_rollback"
+    spike, = events(run, "loss_spike")
+    assert spike["step"] == 9 and spike["policy"] == "rollback" and spike["samples"] == [64, 72]
+    assert spike["deviations"] > 6 and spike["loss"] > 5 * spike["median"], spike
+    rolled, = events(run, "rolled_back")
+    assert (rolled["step"], rolled["to_step"], rolled["reason"]) == (9, 8, "loss_spike")
+    assert [e["samples"] for e in events(run, "samples_skipped")] == [[64, 72]]
+    expected = losses(runs / "spike_skipped_from_start")
+    assert losses(run) == expected and sorted(expected) == list(range(1, 11))
+    assert read_manifest(run / "checkpoints" / "step_0000010")["skipped_batches"] == [[64, 8]]
+    # No false alarm in the checked reference.
+    assert not events(runs / "spike_skipped_from_start", "loss_spike")
+
+
+def test_a_loss_spike_skipped_or_warned_of(runs):
+    skipped = runs / "spike_skip"
+    assert events(skipped, "loss_spike")[0]["policy"] == "skip"
+    assert not events(skipped, "rolled_back")
+    assert losses(skipped) == losses(runs / "spike_skipped_from_start")
+    warned = runs / "spike_warn"
+    spike, = events(warned, "loss_spike")
+    assert spike["policy"] == "warn" and "applied" in spike["next"]
+    # Only rank 1's loss as seen was scaled (the mean of the two: 5.5x), and
+    # no gradient: every other step is the reference's.
+    reference, seen = losses(runs / "reference"), losses(warned)
+    assert 4 * reference[9][0] < seen[9][0] < 7 * reference[9][0]
+    assert {s: v for s, v in seen.items() if s != 9} == {
+        s: v for s, v in reference.items() if s != 9}
+
+
+@pytest.mark.parametrize("case, rank, step", [("bitflip_param", 1, 5), ("bitflip_grad", 0, 7)])
+def test_replicas_that_differ_at_dp2_are_found_by_a_replay(runs, case, rank, step):
+    run = runs / case
+    flipped, = events(run, "fault_injected")
+    assert flipped["rank"] == rank and flipped["before"] != flipped["after"], flipped
+    detected, = events(run, "silent_corruption_detected")
+    assert detected["step"] == step and detected["culprit"] is None
+    rolled, = events(run, "rolled_back")
+    assert rolled["reason"] == "silent_corruption" and rolled["to_step"] == step - step % 2
+    attributed, = events(run, "silent_corruption_attributed")
+    assert attributed["step"] == step and attributed["culprit"] == [rank], attributed
+    assert losses(run) == losses(runs / "reference")  # the replay is the fault-free run
+    assert not events(runs / "reference", "silent_corruption_detected")

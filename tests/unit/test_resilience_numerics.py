@@ -13,7 +13,8 @@ from megaresil.config import ConfigError, field_docs, load_recipe, parse_faults
 from megaresil.data.sampler import skip_past
 from megaresil.events import EventLog, read_events
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.resilience.faults import FaultInjector, fault_id, poison_with_nan
+from megaresil.resilience.faults import FaultInjector, fault_id
+from megaresil.resilience.step_faults import poison_with_nan
 from megaresil.resilience.incidents import describe
 from megaresil.resilience.numerics import (Figures, differing_ranks, nonfinite_ranks,
                                            rollback_refusal, same_bits, what_is_nonfinite)
@@ -48,17 +49,18 @@ def test_what_is_nonfinite_and_the_rollback_limit():
 def test_a_finite_loss_leaves_the_norm_bit_identical(loss):
     layout = ParallelLayout(device=torch.device("cpu"))
     squared = torch.tensor(1.2345678901234567, dtype=torch.float64)
-    plain = reduce_grad_norm(squared.clone(), layout, sharded_over_dp=False)
-    folded = reduce_grad_norm(squared.clone(), layout, sharded_over_dp=False,
-                              loss=torch.tensor(loss))
+    plain = squared.clone().sqrt().float()
+    folded, stage_loss = reduce_grad_norm(squared.clone(), layout, sharded_over_dp=False,
+                                          loss=torch.tensor(loss))
     assert torch.equal(plain, folded) and plain.dtype == folded.dtype
+    assert torch.equal(stage_loss, torch.tensor(loss))  # every stage learns the loss, exactly
 
 
 @pytest.mark.parametrize("loss", [NAN, INF, -INF])
 def test_a_nonfinite_loss_makes_the_norm_nan(loss):
     layout = ParallelLayout(device=torch.device("cpu"))
-    norm = reduce_grad_norm(torch.tensor(4.0, dtype=torch.float64), layout,
-                            sharded_over_dp=False, loss=torch.tensor(loss))
+    norm, _ = reduce_grad_norm(torch.tensor(4.0, dtype=torch.float64), layout,
+                               sharded_over_dp=False, loss=torch.tensor(loss))
     assert math.isnan(norm.item())
 
 
@@ -87,21 +89,22 @@ def injector(tmp_path, faults) -> FaultInjector:
 def test_a_transient_nan_fires_on_the_first_attempt_only(tmp_path):
     faults = injector(tmp_path, [{"kind": "nan", "rank": 1, "step": 5}])
     faults.on_section("optimizer", 5)  # not fired by a section's start
-    assert [faults.poisons_grads(s, 8 * (s - 1)) for s in (4, 5, 5, 6)] == [False, True,
-                                                                           False, False]
+    assert [bool(faults.step_faults(s, 8 * (s - 1)).due) for s in (4, 5, 5, 6)] == [
+        False, True, False, False]
     assert [e["event"] for e in read_events(tmp_path)] == ["fault_injected"]
 
 
 def test_a_persistent_nan_hits_every_attempt_of_its_batch(tmp_path):
     faults = injector(tmp_path, [{"kind": "nan", "rank": 1, "step": 5, "persistent": True}])
-    assert faults.poisons_grads(5, 32) and faults.poisons_grads(5, 32)
-    assert faults.poisons_grads(3, 32)  # the same batch again after a rollback
-    assert not faults.poisons_grads(5, 40)  # its batch skipped: cured
+    hits = lambda step, position: bool(faults.step_faults(step, position).due)
+    assert hits(5, 32) and hits(5, 32)
+    assert hits(3, 32)  # the same batch again after a rollback
+    assert not hits(5, 40)  # its batch skipped: cured
 
 
 def test_a_fault_fires_once_per_run_directory(tmp_path):
-    injector(tmp_path, [{"kind": "nan", "rank": 1, "step": 5}]).poisons_grads(5, 32)
-    assert not injector(tmp_path, [{"kind": "nan", "rank": 1, "step": 5}]).poisons_grads(5, 32)
+    injector(tmp_path, [{"kind": "nan", "rank": 1, "step": 5}]).step_faults(5, 32)
+    assert not injector(tmp_path, [{"kind": "nan", "rank": 1, "step": 5}]).step_faults(5, 32).due
 
 
 def test_poison_skips_empty_grads():

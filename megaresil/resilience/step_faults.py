@@ -1,0 +1,74 @@
+"""The faults that act on a step's numbers (kinds nan, spike, bitflip): what
+one attempt of a step gets, applied where the trainer hands over its loss,
+gradients and parameters (Trainer.optimizer_step)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from megaresil.config import FaultKind, FaultSpec, FlipTarget
+
+Named = Sequence[tuple[str, torch.Tensor]]
+# Bit patterns of each float width, read and written as integers of the same width.
+INT_VIEWS = {4: torch.int32, 2: torch.int16, 8: torch.int64}
+
+
+@dataclass
+class StepFaults:
+    """The faults due in one attempt of a step. `fired(fault, **details)`
+    records one as injected (the injector's `fault_injected` event)."""
+    due: list[FaultSpec] = field(default_factory=list)
+    fired: Callable[..., None] = lambda fault, **details: None
+
+    def of(self, kind: FaultKind, target: FlipTarget | None = None) -> list[FaultSpec]:
+        return [f for f in self.due if f.kind == kind
+                and (target is None or f.flip_target == target)]
+
+    def before_update(self, loss: torch.Tensor, counted_grads: list[torch.Tensor],
+                      own_grads: Named) -> torch.Tensor:
+        """NaN into a grad the norm counts, the loss scaled, bits flipped in
+        the grads this rank steps on; returns the loss as the checks see it."""
+        if self.of(FaultKind.nan):
+            poison_with_nan(counted_grads)
+        for fault in self.of(FaultKind.spike):
+            loss = loss * fault.loss_scale
+        for fault in self.of(FaultKind.bitflip, FlipTarget.grad):
+            self.fired(fault, **flip_bit(own_grads, fault.flip_seed, fault.bit))
+        return loss
+
+    def after_update(self, params: Named) -> None:
+        """Bits flipped in this rank's parameters, once the update is applied."""
+        for fault in self.of(FaultKind.bitflip, FlipTarget.param):
+            self.fired(fault, **flip_bit(params, fault.flip_seed, fault.bit))
+
+
+def poison_with_nan(grads: list[torch.Tensor]) -> None:
+    """A NaN into the first element of the first non-empty grad."""
+    first = next((g for g in grads if g is not None and g.numel() > 0), None)
+    if first is not None:
+        first.view(-1)[0] = float("nan")
+
+
+def flip_bit(named: Named, seed: int, bit: int | None = None) -> dict:
+    """Flip one bit of one element, chosen by `seed` uniformly over every
+    element of `named` (the same choice on every data-parallel replica,
+    which holds the same tensors); `bit` None: chosen by seed too. Returns
+    what was flipped, for the event."""
+    tensors = [(name, t) for name, t in named if t is not None and t.numel() > 0]
+    rng = random.Random(seed)
+    index = rng.randrange(sum(t.numel() for _, t in tensors))
+    for name, tensor in tensors:
+        if index < tensor.numel():
+            break
+        index -= tensor.numel()
+    width = tensor.element_size() * 8
+    bit = rng.randrange(width) if bit is None else bit % width
+    bits = tensor.detach().view(-1).view(INT_VIEWS[tensor.element_size()])
+    before = tensor.detach().view(-1)[index].item()
+    unsigned = (int(bits[index]) & ((1 << width) - 1)) ^ (1 << bit)
+    bits[index] = unsigned - (1 << width) if unsigned >= 1 << (width - 1) else unsigned
+    return {"tensor": name, "index": index, "bit": bit, "before": before,
+            "after": tensor.detach().view(-1)[index].item()}

@@ -1,0 +1,163 @@
+"""Silent data corruption: after an update every data-parallel replica holds
+the same parameters (and, unless optimizer.distributed, the same optimizer
+state). Every resilience.numerics.check_interval steps, and before every
+save, each rank sums its state's mixed bit patterns per tensor (any one
+changed element always changes the sum) and one world all-gather of the
+totals compares the replicas. A replica outvoted by a majority (dp >= 3) gets the tensors
+that differ from a healthy one; with no majority (dp = 2) the run rolls back
+to its newest checkpoint and replays: the replica whose replayed state
+differs from what it held was the corrupted one. docs/numerics.md."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.resilience.numerics import odd_ones_out
+from megaresil.resilience.step_faults import INT_VIEWS
+
+Named = Sequence[tuple[str, torch.Tensor]]
+Section = Callable[[str, int], ContextManager]
+
+
+# Odd multipliers of a 64-bit mix (splitmix64's): each step is a bijection,
+# so an element that changes always changes its term of the sum, and many
+# small changes (a replica whose clipping differed) do not cancel out as
+# they can in a plain sum of bit patterns.
+MIX = (-4658895280553007687, -7723592293110705685)  # 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+CHUNK = 1 << 22  # elements mixed at a time: bounds the int64 temporaries
+
+
+def tensor_checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum, wrapping, of every element's mixed bit pattern (int64)."""
+    bits = tensor.detach().reshape(-1).view(INT_VIEWS[tensor.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), CHUNK):
+        h = bits[start:start + CHUNK].to(torch.int64) * MIX[0]
+        h = (h ^ (h >> 31)) * MIX[1]
+        total += h.sum()
+    return total
+
+
+def checksums(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One int64 per tensor (tensor_checksum)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    # .to(device): AdamW keeps its step count on the host even on a GPU.
+    return torch.stack([tensor_checksum(t).to(device) for t in tensors])
+
+
+def replica_groups(layout: ParallelLayout) -> list[list[int]]:
+    """The ranks of every data-parallel group (each a replica set), in dp order."""
+    if layout.mesh is None:
+        return [[0]]
+    grid = layout.mesh.mesh  # (pp, dp, tp)
+    return [[int(r) for r in grid[p, :, t]] for p in range(layout.pp) for t in range(layout.tp)]
+
+
+@dataclass
+class Suspicion:
+    """A mismatch with no majority, waiting for the replay to reach its step."""
+    step: int
+    sums: torch.Tensor  # this rank's per-tensor sums when it was found
+    names: list[str]
+
+
+class ReplicaCheck:
+    """`check(step)` compares the replicas; True when it rolled the run back
+    (the caller goes on from the checkpoint's step)."""
+
+    def __init__(self, interval: int, layout: ParallelLayout, state: Callable[[], Named],
+                 events, rollback: Callable[[int, str], None], section: Section):
+        """`state`: this rank's replicated tensors, named, in the same order
+        on every replica; `rollback(step, reason)`: back to the newest
+        checkpoint (it raises when there is none); `section`: the
+        supervision's (the comparison's collectives run under the watchdog)."""
+        self.interval, self.layout, self.state = interval, layout, state
+        self.events, self.rollback, self.section = events, rollback, section
+        self.groups = replica_groups(layout)
+        self.suspicion: Optional[Suspicion] = None
+
+    def due(self, step: int, saving: bool) -> bool:
+        if self.interval == 0 or self.layout.dp == 1:
+            return False
+        return saving or step % self.interval == 0 or (
+            self.suspicion is not None and step == self.suspicion.step)
+
+    def check(self, step: int) -> bool:
+        with self.section("optimizer", step):
+            verdicts = self.compare(step)
+        if verdicts is None:
+            self.rollback(step, "silent_corruption")
+            return True
+        return False
+
+    def compare(self, step: int) -> Optional[dict]:
+        """The replica groups' verdicts, after restoring outvoted replicas;
+        None when some group has no majority (a replay must tell)."""
+        named = list(self.state())
+        sums = checksums([t for _, t in named], self.layout.device)
+        replaying = self.suspicion is not None and step == self.suspicion.step
+        changed = replaying and not torch.equal(sums, self.suspicion.sums)
+        mine = torch.stack([sums.sum(), torch.tensor(int(changed), device=sums.device)])
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, mine)
+        digests, changes = zip(*(p.tolist() for p in parts))
+        if replaying:
+            self.attribute(step, changes)
+        verdicts = {tuple(g): odd_ones_out([digests[r] for r in g]) for g in self.groups}
+        if all(v == [] for v in verdicts.values()):
+            return verdicts
+        if all(v is not None for v in verdicts.values()):
+            self.restore(step, named, sums, verdicts)
+            return verdicts
+        self.suspicion = Suspicion(step, sums, [n for n, _ in named])
+        bad = [list(g) for g, v in verdicts.items() if v != []]
+        self.emit_once("silent_corruption_detected", step=step, culprit=None, replicas=bad,
+                  how="no majority", next=f"rolling back to replay up to step {step} and tell "
+                  "which replica is wrong")
+        return None
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """`tensor` := src's, through the device (NCCL takes no host tensor)."""
+        on_device = tensor.detach().to(self.layout.device)
+        dist.broadcast(on_device, src=src, group=self.layout.group("dp"))
+        if on_device.data_ptr() != tensor.data_ptr():
+            tensor.detach().copy_(on_device)
+
+    def emit_once(self, event: str, **fields) -> None:
+        if self.layout.rank == 0:
+            self.events.emit(event, **fields)
+
+    def attribute(self, step: int, changes: Sequence[int]) -> None:
+        """At the replay's step: the ranks whose state differs from what
+        they held before the rollback were the corrupted ones."""
+        culprits = [rank for rank, c in enumerate(changes) if c]
+        self.suspicion = None
+        self.emit_once("silent_corruption_attributed", step=step, culprit=culprits, how="replay",
+                  next="the rollback restored every replica; training on")
+
+    def restore(self, step: int, named: Named, sums: torch.Tensor,
+                verdicts: dict[tuple[int, ...], Optional[list[int]]]) -> None:
+        """Each outvoted replica gets the tensors that differ from a healthy
+        one of its group, by broadcast on the group's own data-parallel
+        group (the ranks of the other groups take no part)."""
+        group = next(g for g in verdicts if self.layout.rank in g)
+        outvoted = verdicts[group]
+        if outvoted:
+            everyone = [torch.empty_like(sums) for _ in group]
+            dist.all_gather(everyone, sums, group=self.layout.group("dp"))
+            healthy = next(i for i in range(len(group)) if i not in outvoted)
+            differ = [i for i in range(len(named))
+                      if any(everyone[o][i] != everyone[healthy][i] for o in outvoted)]
+            for i in differ:
+                self.broadcast(named[i][1], src=group[healthy])
+            if self.layout.rank == group[healthy]:  # each group's own report
+                self.events.emit("silent_corruption_detected", step=step,
+                                 culprit=[group[o] for o in outvoted],
+                                 tensors=[named[i][0] for i in differ][:8],
+                                 differing_tensors=len(differ), how="majority",
+                                 next=f"restored from rank {group[healthy]}; training on")
