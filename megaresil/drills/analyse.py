@@ -18,7 +18,10 @@ from megaresil.events import read_events
 from megaresil.resilience.faults import fault_id
 
 DETECTIONS = ("hang_detected", "worker_error", "preempted", "nonfinite_detected")
-ALARMS = ("hang_detected", "worker_error")
+# The numerical checks' alarms, which need no restart.
+NUMERIC_ALARMS = ("nonfinite_detected", "loss_spike", "silent_corruption_detected")
+ALARMS = ("hang_detected", "worker_error", *NUMERIC_ALARMS)
+NUMERIC_KINDS = ("nan", "spike", "bitflip")
 # What says a fault of each kind was noticed (a restart also counts, except
 # for a corrupted checkpoint: only skipping it on a load shows it was seen).
 # A corrupted local shard is seen where the load takes its rank's shard from
@@ -27,7 +30,8 @@ ALARMS = ("hang_detected", "worker_error")
 DETECTED_BY = {"kill": DETECTIONS, "raise": ("worker_error",), "hang": ("hang_detected",),
                "sigterm": ("preempted",), "corrupt_checkpoint": ("checkpoint_skipped",),
                "slow": (), "lose_local_node": DETECTIONS, "corrupt_local_checkpoint": (),
-               "nan": ("nonfinite_detected",)}
+               "nan": ("nonfinite_detected",), "spike": ("loss_spike",),
+               "bitflip": ("silent_corruption_detected", "nonfinite_detected", "loss_spike")}
 CORRUPTIONS = ("corrupt_checkpoint", "corrupt_local_checkpoint")  # no restart of their own
 
 
@@ -60,7 +64,11 @@ def analyse_scenario(reference: Path, faulted: Path, scenario: Scenario,
     if fault_time is None:
         fault_time = min((e["time"] for e in events if e["event"] == "fault_injected"),
                          default=None)
-    recovery = (measure_recovery(events, metrics, fault_time) if fault_time is not None
+    # What shows these faults were noticed, besides the restart-making detections.
+    detections = tuple({*DETECTIONS,
+                        *(d for f in scenario.faults for d in DETECTED_BY[f["kind"]])})
+    recovery = (measure_recovery(events, metrics, fault_time, detections)
+                if fault_time is not None
                 else measure_recovery([], [], 0.0))
     detected, first_after = recovery["detected_at"], recovery["first_step_after_at"]
     ref_final = step_records(reference)[-1]
@@ -134,7 +142,7 @@ def fault_row(fault: dict, episode: str, events: list[dict], records: list[dict]
     t = fired["time"]
     expected = DETECTED_BY[fault["kind"]]
     rec = measure_recovery(events, records, t, expected)
-    restart_counts = fault["kind"] not in ("slow", "nan", *CORRUPTIONS)
+    restart_counts = fault["kind"] not in ("slow", *NUMERIC_KINDS, *CORRUPTIONS)
     detected_at = min((e["time"] for e in events if e["time"] >= t and e["event"] in expected),
                       default=rec["detected_at"] if restart_counts else None)
     load = next((e for e in events if e["event"] == "checkpoint_loaded" and e["time"] > t), None)
@@ -183,8 +191,9 @@ def false_alarms(rows: list[dict], events: list[dict], records: list[dict]) -> l
     """Alarms with no fault behind them, as incidents (alarms not separated by
     a completed step). A fault covers alarms from its injection until the run
     completes a step after the next checkpoint load; a slow fault covers none."""
-    windows = [(r["time"], recovered_by(r["time"], events, records)) for r in rows
-               if r["injected"] and r["kind"] != "slow"]
+    windows = [(r["time"], passed(r, records) if r["kind"] in NUMERIC_KINDS
+                else recovered_by(r["time"], events, records))
+               for r in rows if r["injected"] and r["kind"] != "slow"]
     unexplained = [e for e in events if e["event"] in ALARMS
                    and not any(start <= e["time"] <= end for start, end in windows)]
     incidents: list[list[dict]] = []
@@ -195,6 +204,13 @@ def false_alarms(rows: list[dict], events: list[dict], records: list[dict]) -> l
         else:
             incidents.append([alarm])
     return [describe_incident(i) for i in incidents]
+
+
+def passed(row: dict, records: list[dict]) -> float:
+    """When a numerical fault's step was completed past (its checks, replays
+    and rollbacks are over by then): the first later step's record."""
+    return next((r["time"] for r in records if r["time"] > row["time"]
+                 and r["step"] > row["step"]), float("inf"))
 
 
 def recovered_by(t: float, events: list[dict], records: list[dict]) -> float:

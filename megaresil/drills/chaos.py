@@ -45,6 +45,7 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     if name not in table:
         raise ValueError(f"--scenario: unknown scenario {name!r}; one of {sorted(table)}")
     scenario = table[name]
+    check_fits(scenario, cfg, fault_step)
     check_device_faults(scenario.faults, visible_gpus())
     if reference is None or scenario.reference_settings:  # a reference of its own
         reference = root / ("reference-" + name if scenario.reference_settings else "reference")
@@ -73,6 +74,20 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     write_atomic(root / f"chaos-{name}.json", json.dumps(result, indent=1))
     write_atomic(root / "chaos.json", json.dumps(result, indent=1))
     return result
+
+
+def check_fits(scenario, cfg, fault_step: int) -> None:
+    """Refuse a drill that could not show what it tests, before any run."""
+    if cfg.parallel.dp < scenario.min_dp:
+        raise ValueError(f"--scenario {scenario.name}: needs data-parallel replicas to compare "
+                         f"(parallel.dp >= {scenario.min_dp}, got {cfg.parallel.dp}); add "
+                         f"parallel.dp={scenario.min_dp}")
+    earliest = cfg.optimizer.warmup_steps + scenario.spike_window + 1
+    if scenario.spike_window and fault_step < earliest:
+        raise ValueError(f"--scenario {scenario.name}: the spike detector is off until step "
+                         f"{earliest} (optimizer.warmup_steps={cfg.optimizer.warmup_steps} plus "
+                         f"a window of {scenario.spike_window} steps); give --step {earliest} "
+                         "or later")
 
 
 def format_result(r: dict) -> str:

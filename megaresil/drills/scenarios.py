@@ -19,6 +19,11 @@ class Scenario:
     lose_simulated_node: bool = False  # kill the local tier's last simulated node, wipe its dir
     # Settings of a reference run of the scenario's own (the shared one has none).
     reference_settings: list[str] = field(default_factory=list)
+    min_dp: int = 1  # replicas to compare (the bit flips)
+    spike_window: int = 0  # > 0: the fault step must come after warmup and this many steps
+
+
+SPIKE_WINDOW = 5  # loss-spike: a short window, so a short drill has the detector on
 
 
 def local_tier_settings(world: int) -> list[str]:
@@ -33,6 +38,8 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2,
     in_process = ["resilience.in_process=true"]
     relaunch = ["resilience.in_process=false", "resilience.max_restarts=2"]
     local = local_tier_settings(world)
+    spike = ["resilience.numerics.on_spike=rollback",
+             f"resilience.numerics.spike_window={SPIKE_WINDOW}"]
     return {s.name: s for s in [
         Scenario("kill-rank", [{"kind": "kill", "rank": rank, "step": step}], relaunch),
         Scenario("raise-in-rank", [{"kind": "raise", "rank": rank, "step": step}], in_process),
@@ -59,6 +66,22 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2,
                  expect_restart=False, reference_settings=[
                      f"resilience.numerics.skip_batches=[[{(step - 1) * global_batch}, "
                      f"{global_batch}]]"]),
+        # Back to the newest checkpoint, the spike's batch skipped: the
+        # reference skips the same batch from the start (with the detector on,
+        # which must raise no false alarm there).
+        Scenario("loss-spike", [{"kind": "spike", "rank": rank, "step": step}],
+                 in_process + spike, expect_restart=False, spike_window=SPIKE_WINDOW,
+                 reference_settings=spike + [
+                     f"resilience.numerics.skip_batches=[[{(step - 1) * global_batch}, "
+                     f"{global_batch}]]"]),
+        # One replica's copy differs: found by the replica checksum (restored
+        # from a healthy replica at dp >= 3, by a replay at dp = 2) or by the
+        # non-finite check; the final loss is the reference's.
+        Scenario("bitflip-param", [{"kind": "bitflip", "rank": rank, "step": step}], in_process,
+                 expect_restart=False, min_dp=2),
+        Scenario("bitflip-grad", [{"kind": "bitflip", "rank": rank, "step": step,
+                                   "target": "grad", "bit": 22}], in_process,
+                 expect_restart=False, min_dp=2),
         Scenario("slow-rank", [{"kind": "slow", "rank": rank, "step": step, "seconds": 0.3}],
                  in_process, expect_restart=False),
         Scenario("sigterm", [{"kind": "sigterm", "rank": rank, "step": step}],

@@ -67,15 +67,16 @@ class Costs:
 
 # --- episodes -----------------------------------------------------------------------
 
-def _fault(rng: random.Random, plan: Plan, kind: str, step: int, sections=None, **extra) -> dict:
+def _fault(rng: random.Random, plan: Plan, kind: str, step: int, sections=None,
+           **extra) -> dict:
     section = rng.choice(sections or plan.sections_at(step, hang=kind == "hang"))
     return {"kind": kind, "rank": rng.randrange(plan.world), "step": step, "section": section,
             **extra}
 
 
-def _single(kind: str, **extra) -> Callable:
+def _single(kind: str, sections=None, **extra) -> Callable:
     def build(rng, lo, hi, plan, restarts_before):
-        return [_fault(rng, plan, kind, rng.randint(lo, hi), **extra)]
+        return [_fault(rng, plan, kind, rng.randint(lo, hi), sections, **extra)]
     return build
 
 
@@ -132,12 +133,21 @@ def _adjacent(rng, lo, hi, plan, restarts_before):
             for kind, s in ((first, step), (second, step + 1))]
 
 
-def episodes(local: bool = False) -> list[Episode]:
+def episodes(local: bool = False, replicas: bool = True) -> list[Episode]:
     """One of each, roughly cheapest first; with `local`, the local tier's
-    own are the first that relaunch, so a soak of a few minutes damages it."""
+    own are the first that relaunch, so a soak of a few minutes damages it;
+    a bit flip only where `replicas` are compared (dp > 1, the check on)."""
     return [
         Episode("slow", 0, lambda c: c.slow, _single("slow", seconds=SLOW_S)),
         Episode("raise", 1, lambda c: c.in_process + c.recompute, _single("raise")),
+        # Replayed at once / found by the replica checksum (at dp = 2 by a
+        # replay from the newest checkpoint): no restart.
+        Episode("nan", 0, lambda c: c.recompute / SAVE_INTERVAL,
+                _single("nan", sections=["optimizer"])),
+    ] + ([
+        Episode("bitflip-param", 0, lambda c: c.recompute,
+                _single("bitflip", sections=["optimizer"])),
+    ] if replicas else []) + [
         Episode("hang-sleep", 1, lambda c: c.detect_hang + c.in_process + c.recompute,
                 _single("hang", mode="sleep")),
         Episode("hang-collective", 1, lambda c: c.detect_hang + c.in_process + c.recompute,
@@ -183,12 +193,18 @@ def estimate_costs(cal: Calibration, cfg: RecipeConfig) -> Costs:
                  recompute=SAVE_INTERVAL * cal.step_s, slow=SPACING * SLOW_S)
 
 
-def episode_order(rng: random.Random, count: int, local: bool) -> list[Episode]:
+def catalogue(cfg: RecipeConfig) -> list[Episode]:
+    """The episodes a soak of this recipe can run."""
+    return episodes(cfg.checkpoint.local.enabled,
+                    cfg.parallel.dp > 1 and cfg.resilience.numerics.check_interval > 0)
+
+
+def episode_order(rng: random.Random, count: int, cfg: RecipeConfig) -> list[Episode]:
     """Every kind once, cheapest first, then seeded random rounds."""
-    catalogue = episodes(local)
-    order = list(catalogue)
+    kinds = catalogue(cfg)
+    order = list(kinds)
     while len(order) < count:
-        round_ = list(catalogue)
+        round_ = list(kinds)
         rng.shuffle(round_)
         order += round_
     return order[:count]
@@ -200,7 +216,7 @@ def fit(cal: Calibration, cfg: RecipeConfig, minutes: float, seed: int) -> tuple
     budget = minutes * 60 - cal.startup_s
     costs = estimate_costs(cal, cfg)
     chosen, spent = 0, 0.0
-    for episode in episode_order(random.Random(seed), 1000, cfg.checkpoint.local.enabled):
+    for episode in episode_order(random.Random(seed), 1000, cfg):
         steps_needed = first_fault_step(cfg) + (chosen + 1) * SPACING + 1
         if chosen and spent + episode.cost(costs) + steps_needed * cal.step_s > budget:
             break
@@ -214,7 +230,7 @@ def schedule(cfg: RecipeConfig, seed: int, steps: int, count: int) -> list[dict]
     episode, the episodes in seeded random order, each placed at random in its
     slot. Returns [{episode, faults}] in step order."""
     rng = random.Random(seed)
-    chosen = episode_order(rng, count, cfg.checkpoint.local.enabled)
+    chosen = episode_order(rng, count, cfg)
     rng.shuffle(chosen)
     first, last = first_fault_step(cfg), steps - 1
     width = max(SPACING, (last - first + 1) // max(count, 1))

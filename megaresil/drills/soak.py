@@ -24,7 +24,7 @@ from megaresil.drills.run import (Launch, run_training, run_with_requeue, start_
                                   step_records)
 from megaresil.drills.scenarios import local_tier_settings
 from megaresil.drills.schedule import (GIL_TIMEOUT_S, KEEP, SAVE_INTERVAL, Calibration,
-                                       episodes, fit, schedule)
+                                       catalogue, fit, schedule)
 from megaresil.observe.report import write_report
 from megaresil.safe_files import write_atomic
 
@@ -78,7 +78,7 @@ def run_soak(recipe: str, overrides: list[str], *, minutes: float, seed: int,
     root = Path(cfg.run.dir)
     hog_procs = start_hogs(hogs)
     try:
-        cal = calibrate(recipe, overrides + soak_settings(len(episodes(local))),
+        cal = calibrate(recipe, overrides + soak_settings(len(catalogue(cfg))),
                         root / "calibration")
         count, steps = fit(cal, cfg, minutes, seed)
         placed = schedule(cfg, seed, steps, count)

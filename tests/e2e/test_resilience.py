@@ -27,6 +27,7 @@ class Expected:
     reference's final loss (which every scenario must)."""
     restart_kind: str  # the report's: in_process, relaunch, requeue or none
     args: tuple[str, ...] = ()  # extra `megaresil chaos` arguments
+    overrides: tuple[str, ...] = ()  # recipe overrides, for the scenario's own reference too
     injects: bool = True  # a fault_injected event (node loss kills from outside)
     detected: bool = True  # a detection latency; False: no hang alarm at all
     hang: bool = False  # caught within budget, the faulty rank named alone, stacks dumped
@@ -53,6 +54,13 @@ EXPECTED = {
     "nan-in-grads": Expected("none"),
     # Persistent: rolled back in place, its batch skipped, as the reference skips it.
     "nan-in-grads-persistent": Expected("none"),
+    # Rolled back in place, the spike's batch skipped, as the reference skips it;
+    # the detector needs the LR warmup and its window of 5 steps behind it.
+    "loss-spike": Expected("none", args=("--step", "7"), overrides=("optimizer.warmup_steps=1",)),
+    # One replica's weight (then grad) flipped: no majority at dp=2, so a
+    # replay from the newest checkpoint names the replica.
+    "bitflip-param": Expected("none"),
+    "bitflip-grad": Expected("none"),
     "sigterm": Expected("requeue"),
     "corrupt-latest-checkpoint": Expected("relaunch", skips_checkpoint=True),
     "kill-during-checkpoint-save": Expected("relaunch"),
@@ -71,7 +79,8 @@ def chaos_root(tmp_path_factory):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_chaos_scenario_recovers_exactly(cli_main, chaos_root, chaos_reference, scenario):
     expected = EXPECTED[scenario]
-    result = cli_main("chaos", *SMALL, f"run.dir={chaos_root}", "--scenario", scenario,
+    result = cli_main("chaos", *SMALL, *expected.overrides, f"run.dir={chaos_root}",
+                      "--scenario", scenario,
                       *expected.args, "--reference", str(chaos_reference), "--timeout", "240")
     report = json.loads((chaos_root / f"chaos-{scenario}.json").read_text())
     assert "final loss" in result.stdout
@@ -101,6 +110,12 @@ def test_chaos_scenario_recovers_exactly(cli_main, chaos_root, chaos_reference, 
         assert goodput["restarts_s"] == pytest.approx(report["restart_time_s"], rel=0.1)
     if expected.skips_checkpoint:
         assert report["checkpoints_skipped"], "the corrupted checkpoint must be skipped"
+    if scenario.startswith("bitflip"):
+        attributed = [e for e in events if e["event"] == "silent_corruption_attributed"]
+        assert [e["culprit"] for e in attributed] == [[1]], attributed
+    if scenario == "loss-spike":
+        assert [e["reason"] for e in events if e["event"] == "rolled_back"] == ["loss_spike"]
+        assert not [e for e in read_events(report["reference"]) if e["event"] == "loss_spike"]
     if expected.dp_shrinks:
         loaded = next(e for e in events if e["event"] == "checkpoint_loaded")
         assert loaded["saved_layout"]["dp"] == 2 and loaded["layout"]["dp"] == 1

@@ -16,8 +16,11 @@ from megaresil.parallel.layout import ParallelLayout
 from megaresil.resilience.faults import FaultInjector, fault_id
 from megaresil.resilience.step_faults import poison_with_nan
 from megaresil.resilience.incidents import describe
-from megaresil.resilience.numerics import (Figures, differing_ranks, nonfinite_ranks,
-                                           rollback_refusal, same_bits, what_is_nonfinite)
+from megaresil.resilience.numerics import (Figures, differing_ranks, find_spike,
+                                           nonfinite_ranks, odd_ones_out, rollback_refusal,
+                                           same_bits, skip_refusal, what_is_nonfinite)
+from megaresil.resilience.step_faults import flip_bit
+from megaresil.train.replicas import tensor_checksum
 from megaresil.train.optim import reduce_grad_norm
 
 from tests.harness.cli import ROOT
@@ -172,3 +175,116 @@ def test_skip_batches_are_checked(skips):
     with pytest.raises(ConfigError, match=r"resilience.numerics.skip_batches"):
         load_recipe(ROOT / "recipes" / "gpt-tiny.yaml",
                     [f"resilience.numerics.skip_batches={skips}"])
+
+
+# --- loss spikes, bit flips, replica checksums ----------------------------------------
+
+def test_a_spike_is_measured_against_the_window_median_and_mad():
+    window = [2.0, 2.1, 1.9, 2.05, 1.95]
+    assert find_spike(9.0, window[:4], size=5, threshold=6.0) is None  # window not full
+    spike = find_spike(9.0, window, size=5, threshold=6.0)
+    assert spike.median == 2.0 and spike.deviations > 6
+    assert find_spike(2.3, window, size=5, threshold=6.0) is None  # within the noise
+    assert find_spike(0.1, window, size=5, threshold=6.0) is None  # falling is no fault
+    # Flat losses: the deviation floor (1% of the median) keeps a wobble from alarming.
+    assert find_spike(2.01, [2.0] * 5, size=5, threshold=6.0) is None
+    assert find_spike(2.2, [2.0] * 5, size=5, threshold=6.0) is not None
+    line = skip_refusal(9, made=3, limit=3, what="a loss spike")
+    assert "step 9" in line and "on_spike=warn" in line and "\n" not in line
+    assert skip_refusal(9, made=2, limit=3, what="a loss spike") is None
+
+
+def test_the_odd_replica_needs_a_strict_majority():
+    assert odd_ones_out([5, 5, 5]) == []
+    assert odd_ones_out([5, 7, 5]) == [1]
+    assert odd_ones_out([5, 7, 5, 5]) == [1]
+    assert odd_ones_out([5, 7]) is None  # dp=2: a replay tells
+    assert odd_ones_out([5, 5, 7, 7]) is None  # a tie
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_flip_changes_one_bit_of_one_element_chosen_by_seed(dtype):
+    named = [("a", torch.randn(7, dtype=dtype)), ("b", torch.randn(3, 5, dtype=dtype))]
+    before = [t.clone() for _, t in named]
+    flipped = flip_bit(named, seed=11, bit=3)
+    again = flip_bit([(n, t.clone()) for n, t in zip("ab", before)], seed=11, bit=3)
+    assert {k: flipped[k] for k in ("tensor", "index", "bit")} == {
+        k: again[k] for k in ("tensor", "index", "bit")}  # the same choice on every replica
+    changed = [(n, (t != b).nonzero().flatten().tolist()) for (n, t), b in zip(named, before)
+               if not torch.equal(t, b)]
+    assert len(changed) == 1 and changed[0][0] == flipped["tensor"]
+    tensor = dict(named)[flipped["tensor"]].reshape(-1)
+    width = tensor.element_size() * 8
+    original = before[0 if flipped["tensor"] == "a" else 1].reshape(-1)
+    int_view = {4: torch.int32, 2: torch.int16, 8: torch.int64}[tensor.element_size()]
+    xor = (tensor.view(int_view) ^ original.view(int_view))[flipped["index"]].item()
+    assert xor & ((1 << width) - 1) == 1 << 3
+    top = flip_bit([("x", torch.ones(1, dtype=dtype))], seed=0, bit=width - 1)
+    assert top["after"] == -1.0  # the sign bit
+
+
+def test_the_checksum_sees_any_one_changed_element_and_cancelling_changes():
+    t = torch.randn(1000)
+    base = tensor_checksum(t)
+    for seed in range(40):  # elements and bits chosen by seed: mantissa, exponent, sign
+        u = t.clone()
+        flip_bit([("u", u)], seed=seed)
+        assert tensor_checksum(u) != base
+    # +1 ulp here and -1 ulp there: a plain sum of bit patterns would not see it.
+    u = t.clone().view(torch.int32)
+    u[10] += 1
+    u[20] -= 1
+    assert tensor_checksum(u.view(torch.float32)) != base
+    assert tensor_checksum(t.clone()) == base
+
+
+def test_new_fault_kinds_parse_and_refuse_their_fields_elsewhere():
+    spike, flip = parse_faults([{"kind": "spike", "rank": 0, "step": 9},
+                                {"kind": "bitflip", "rank": 1, "step": 5, "target": "grad",
+                                 "bit": 31}])
+    assert spike.loss_scale == 10.0 and spike.fires_in == "optimizer"
+    assert flip.flip_target.value == "grad" and flip.flip_seed == 5 and flip.bit == 31
+    for bad, key in [({"kind": "kill", "scale": 2}, "scale"),
+                     ({"kind": "spike", "scale": 0}, "scale"),
+                     ({"kind": "bitflip", "target": "moment"}, "target"),
+                     ({"kind": "bitflip", "bit": 32}, "bit"),
+                     ({"kind": "nan", "seed": 1}, "seed")]:
+        with pytest.raises(ConfigError, match=rf"faults\[0\].{key}"):
+            parse_faults([{"rank": 0, "step": 1, **bad}])
+
+
+def test_a_spike_fault_scales_the_loss_and_a_grad_flip_fires_once(tmp_path):
+    faults = injector(tmp_path, [{"kind": "spike", "rank": 1, "step": 3, "scale": 4},
+                                 {"kind": "bitflip", "rank": 1, "step": 3, "target": "grad"}])
+    grads = [("w", torch.ones(4))]
+    loss = faults.step_faults(3, 16).before_update(torch.tensor(2.0), [], grads)
+    assert loss.item() == 8.0 and not torch.equal(grads[0][1], torch.ones(4))
+    assert not faults.step_faults(3, 16).due  # the replay: no fault again
+    fired = [e for e in read_events(tmp_path) if e["event"] == "fault_injected"]
+    assert [e["kind"] for e in fired] == ["spike", "bitflip"] and fired[1]["tensor"] == "w"
+
+
+def test_spike_and_corruption_events_are_one_console_line():
+    lines = [describe(e) for e in [
+        {"event": "loss_spike", "step": 9, "loss": 25.1, "median": 2.5, "deviations": 40.2,
+         "threshold": 6.0, "next": "rolling back"},
+        {"event": "silent_corruption_detected", "step": 5, "culprit": [2],
+         "tensors": ["layers.0.attn.qkv.weight"], "next": "restored from rank 0"},
+        {"event": "silent_corruption_detected", "step": 5, "culprit": None, "next": "replaying"},
+        {"event": "silent_corruption_attributed", "step": 5, "culprit": [1], "next": "on"},
+        {"event": "rolled_back", "step": 5, "to_step": 4, "reason": "silent_corruption",
+         "next": "training again from step 5"}]]
+    assert all(line.startswith("megaresil: ") and "\n" not in line for line in lines)
+    assert "loss spike at step 9" in lines[0] and "40.2" in lines[0]
+    assert "rank(s) [2]" in lines[1] and "qkv" in lines[1]
+    assert "not known yet" in lines[2] and "rank(s) [1]" in lines[3]
+    assert "replicas that differ" in lines[4] and "rollback 1" not in lines[4]
+
+
+def test_the_numerics_keys_are_documented():
+    docs = {key: doc for key, _, _, doc in field_docs()}
+    for key in ("on_spike", "spike_window", "spike_threshold", "spike_skip_window",
+                "check_interval"):
+        assert docs[f"resilience.numerics.{key}"]
+    with pytest.raises(ConfigError, match="on_spike"):
+        load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", ["resilience.numerics.on_spike=maybe"])
