@@ -16,7 +16,7 @@ class CheckpointBackend(str, enum.Enum):
 
 class SpikePolicy(str, enum.Enum):
     """What a loss spike does (resilience.numerics.on_spike; docs/numerics.md)."""
-    off = "off"  # no detector
+    none = "none"  # no detector
     warn = "warn"  # reported, the update applied
     skip = "skip"  # the update not applied, the step's batch skipped
     rollback = "rollback"  # back to the newest checkpoint, the spike's data window skipped
@@ -199,7 +199,8 @@ class NumericsConfig:
                                 "until the window is full): warn (an event and a console line, "
                                 "the update applied); skip (the update not applied, the step "
                                 "trains on the next global batch); rollback (back to the "
-                                "newest checkpoint, the spike's data window skipped); off.")
+                                "newest checkpoint, the spike's data window skipped); none (no "
+                                "detector).")
     spike_window: int = doc(50, "Steps of loss history the spike detector compares with (their "
                             "median and median absolute deviation).", bounds=Bounds(5))
     spike_threshold: float = doc(6.0, "Robust deviations (1.4826 x MAD, at least 1% of the "

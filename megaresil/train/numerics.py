@@ -109,7 +109,7 @@ class NumericsGuard:
 
     def spike_in(self, step: int, loss: float) -> Optional[Spike]:
         """A spike against the loss window, off during the LR warmup."""
-        if self.settings.on_spike == SpikePolicy.off or step <= self.cfg.optimizer.warmup_steps:
+        if self.settings.on_spike == SpikePolicy.none or step <= self.cfg.optimizer.warmup_steps:
             return None
         return find_spike(loss, self.progress.losses, self.settings.spike_window,
                           self.settings.spike_threshold)
