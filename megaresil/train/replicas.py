@@ -1,9 +1,9 @@
 """Silent data corruption: after an update every data-parallel replica holds
 the same parameters (and, unless optimizer.distributed, the same optimizer
 state). Every resilience.numerics.check_interval steps, and before every
-save, each rank sums its state's mixed bit patterns per tensor (any one
-changed element always changes the sum) and one world all-gather of the
-totals compares the replicas. A replica outvoted by a majority (dp >= 3) gets the tensors
+save, each rank sums its state's bit patterns (and their squares) per
+tensor (any one changed element always changes the sum) and one world
+all-gather of the totals compares the replicas. A replica outvoted by a majority (dp >= 3) gets the tensors
 that differ from a healthy one; with no majority (dp = 2) the run rolls back
 to its newest checkpoint and replays: the replica whose replayed state
 differs from what it held was the corrupted one. docs/numerics.md."""
@@ -23,29 +23,21 @@ Named = Sequence[tuple[str, torch.Tensor]]
 Section = Callable[[str, int], ContextManager]
 
 
-# Odd multipliers of a 64-bit mix (splitmix64's): each step is a bijection,
-# so an element that changes always changes its term of the sum, and many
-# small changes (a replica whose clipping differed) do not cancel out as
-# they can in a plain sum of bit patterns.
-MIX = (-4658895280553007687, -7723592293110705685)  # 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-CHUNK = 1 << 22  # elements mixed at a time: bounds the int64 temporaries
-
-
 def tensor_checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum, wrapping, of every element's mixed bit pattern (int64)."""
+    """Two int64 sums over the elements' bit patterns: of the patterns (one
+    changed element always changes it), and of their squares wrapped to the
+    element's width, so that many small changes (a replica whose clipping
+    differed: +1 unit in the last place here, -1 there) do not cancel out in
+    both. Each is one pass the memory system streams; a hash (xxh3) would
+    need a copy to the host or a kernel of our own."""
     bits = tensor.detach().reshape(-1).view(INT_VIEWS[tensor.element_size()])
-    total = torch.zeros((), dtype=torch.int64, device=bits.device)
-    for start in range(0, bits.numel(), CHUNK):
-        h = bits[start:start + CHUNK].to(torch.int64) * MIX[0]
-        h = (h ^ (h >> 31)) * MIX[1]
-        total += h.sum()
-    return total
+    return torch.stack([bits.sum(dtype=torch.int64), (bits * bits).sum(dtype=torch.int64)])
 
 
 def checksums(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One int64 per tensor (tensor_checksum)."""
+    """(tensors, 2) int64: each tensor's tensor_checksum."""
     if not tensors:
-        return torch.zeros(0, dtype=torch.int64, device=device)
+        return torch.zeros(0, 2, dtype=torch.int64, device=device)
     # .to(device): AdamW keeps its step count on the host even on a GPU.
     return torch.stack([tensor_checksum(t).to(device) for t in tensors])
 
@@ -102,10 +94,11 @@ class ReplicaCheck:
         sums = checksums([t for _, t in named], self.layout.device)
         replaying = self.suspicion is not None and step == self.suspicion.step
         changed = replaying and not torch.equal(sums, self.suspicion.sums)
-        mine = torch.stack([sums.sum(), torch.tensor(int(changed), device=sums.device)])
+        mine = torch.cat([sums.sum(0), torch.tensor([int(changed)], device=sums.device)])
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, mine)
-        digests, changes = zip(*(p.tolist() for p in parts))
+        rows = [p.tolist() for p in parts]
+        digests, changes = [tuple(r[:2]) for r in rows], [r[2] for r in rows]
         if replaying:
             self.attribute(step, changes)
         verdicts = {tuple(g): odd_ones_out([digests[r] for r in g]) for g in self.groups}
@@ -152,7 +145,8 @@ class ReplicaCheck:
             dist.all_gather(everyone, sums, group=self.layout.group("dp"))
             healthy = next(i for i in range(len(group)) if i not in outvoted)
             differ = [i for i in range(len(named))
-                      if any(everyone[o][i] != everyone[healthy][i] for o in outvoted)]
+                      if any(not torch.equal(everyone[o][i], everyone[healthy][i])
+                             for o in outvoted)]
             for i in differ:
                 self.broadcast(named[i][1], src=group[healthy])
             if self.layout.rank == group[healthy]:  # each group's own report
