@@ -55,7 +55,6 @@ class Suspicion:
     """A mismatch with no majority, waiting for the replay to reach its step."""
     step: int
     sums: torch.Tensor  # this rank's per-tensor sums when it was found
-    names: list[str]
 
 
 class ReplicaCheck:
@@ -107,11 +106,11 @@ class ReplicaCheck:
         if all(v is not None for v in verdicts.values()):
             self.restore(step, named, sums, verdicts)
             return verdicts
-        self.suspicion = Suspicion(step, sums, [n for n, _ in named])
+        self.suspicion = Suspicion(step, sums)
         bad = [list(g) for g, v in verdicts.items() if v != []]
         self.emit_once("silent_corruption_detected", step=step, culprit=None, replicas=bad,
-                  how="no majority", next=f"rolling back to replay up to step {step} and tell "
-                  "which replica is wrong")
+                       how="no majority", next=f"rolling back to replay up to step {step} and "
+                       "tell which replica is wrong")
         return None
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
@@ -130,8 +129,8 @@ class ReplicaCheck:
         they held before the rollback were the corrupted ones."""
         culprits = [rank for rank, c in enumerate(changes) if c]
         self.suspicion = None
-        self.emit_once("silent_corruption_attributed", step=step, culprit=culprits, how="replay",
-                  next="the rollback restored every replica; training on")
+        self.emit_once("silent_corruption_attributed", step=step, culprit=culprits,
+                       how="replay", next="the rollback restored every replica; training on")
 
     def restore(self, step: int, named: Named, sums: torch.Tensor,
                 verdicts: dict[tuple[int, ...], Optional[list[int]]]) -> None:

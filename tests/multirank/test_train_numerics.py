@@ -5,26 +5,13 @@ run that skipped the same batch from the start; a non-finite state is never
 saved and retention keeps the newest finite checkpoint."""
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import pytest
-import torch
-import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.validation import read_manifest
-from megaresil.events import EventLog, read_events, read_metrics
-from megaresil.parallel.layout import ParallelLayout
-from megaresil.ports import free_port
-from megaresil.resilience.faults import FaultInjector
-from megaresil.resilience.numerics import PersistentNumericalFault
-from megaresil.resilience.supervision import Supervision
-from megaresil.train.loop import Trainer
+from megaresil.events import read_metrics
 
-from tests.harness.dist import TINY, RECIPE, spawn_ranks
-from megaresil.config import load_recipe
+from tests.harness.faulted import events, losses, run_cases
 
 DP2 = ["parallel.dp=2"]
 ZERO1 = DP2 + ["optimizer.distributed=true"]
@@ -61,47 +48,11 @@ CASES = {
 }
 
 
-def run_case(name: str, out: Path) -> None:
-    run_dir = out / name
-    cfg = load_recipe(RECIPE, TINY + CASES[name] + [f"run.dir={run_dir}"])
-    layout = ParallelLayout.from_config(cfg.parallel, torch.device("cpu"))
-    faults = FaultInjector(cfg.faults, rank=layout.rank, run_dir=run_dir,
-                           checkpoint_root=run_dir / "checkpoints",
-                           events=EventLog(run_dir, layout.rank))
-    trainer = Trainer(cfg, layout, Supervision(faults=faults))
-    try:
-        trainer.run()
-    except PersistentNumericalFault as err:
-        (run_dir / f"stopped.{layout.rank}").write_text(str(err))
-    dist.barrier()
-
-
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        for name in CASES:
-            run_case(name, Path(out))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("numerics")
-    spawn_ranks(_worker, (free_port(), str(out)), 2)
-    return out
+    return run_cases(CASES, 2, tmp_path_factory.mktemp("numerics"))
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    """step -> (loss, grad norm), the last line for a step winning."""
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run_dir) if "loss" in r}
-
-
-def events(run_dir: Path, name: str) -> list[dict]:
-    return [e for e in read_events(run_dir) if e["event"] == name]
 
 
 @pytest.mark.parametrize("variant", ["", "_zero1", "_pp2"])

@@ -5,22 +5,9 @@ the fault-free run; a gradient flip under the distributed optimizer reaches
 every replica alike, which the checksum cannot see (docs/numerics.md)."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
-import torch
-import torch.distributed as dist
 
-from megaresil.config import load_recipe
-from megaresil.events import EventLog, read_events, read_metrics
-from megaresil.parallel.layout import ParallelLayout
-from megaresil.ports import free_port
-from megaresil.resilience.faults import FaultInjector
-from megaresil.resilience.supervision import Supervision
-from megaresil.train.loop import Trainer
-
-from tests.harness.dist import RECIPE, TINY, spawn_ranks
+from tests.harness.faulted import events, losses, run_cases
 
 DP3 = ["parallel.dp=3", "train.global_batch_size=6"]
 ZERO1 = DP3 + ["optimizer.distributed=true"]
@@ -37,42 +24,11 @@ CASES = {
 }
 
 
-def run_case(name: str, out: Path) -> None:
-    run_dir = out / name
-    cfg = load_recipe(RECIPE, TINY + CASES[name] + [f"run.dir={run_dir}"])
-    layout = ParallelLayout.from_config(cfg.parallel, torch.device("cpu"))
-    faults = FaultInjector(cfg.faults, rank=layout.rank, run_dir=run_dir,
-                           checkpoint_root=run_dir / "checkpoints",
-                           events=EventLog(run_dir, layout.rank))
-    Trainer(cfg, layout, Supervision(faults=faults)).run()
-    dist.barrier()
-
-
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="3", LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=3)
-    try:
-        for name in CASES:
-            run_case(name, Path(out))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("replicas")
-    spawn_ranks(_worker, (free_port(), str(out)), 3)
-    return out
+    return run_cases(CASES, 3, tmp_path_factory.mktemp("replicas"))
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run_dir) if "loss" in r}
-
-
-def events(run_dir: Path, name: str) -> list[dict]:
-    return [e for e in read_events(run_dir) if e["event"] == name]
 
 
 @pytest.mark.parametrize("case, rank, step", [("param", 2, 4), ("grad", 1, 6),
