@@ -556,8 +556,12 @@ def small_shm(home):
 
 
 @pytest.mark.journey
-def test_a_full_local_tier_pauses_and_the_run_ends_bit_equal_to_the_reference(home, small_shm):
+def test_a_full_local_tier_pauses_and_the_run_ends_bit_equal_to_the_reference(home, small_shm,
+                                                                             demo_corpus):
     from tests.harness.dist import RECIPE
+    from tests.harness.journey import with_demo_corpus
+
+    with_demo_corpus(home / "cache", demo_corpus)  # as an earlier run left it
 
     common = [str(RECIPE), "parallel.tp=1", "parallel.pp=1", "parallel.dp=2", "train.steps=8",
               "checkpoint.interval=6", "data.seq_len=32", "train.eval_batches=0",
