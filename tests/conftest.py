@@ -47,3 +47,19 @@ def chaos_reference(tmp_path_factory) -> Path:
     megaresil_cli("train", *SMALL, "checkpoint.interval=2", f"run.dir={run_dir}",
                   "logging.progress=false", timeout=300)
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def demo_corpus(tmp_path_factory) -> Path:
+    """The demo's corpus (Shakespeare, its BPE trained to gpt-tiny's
+    vocabulary) prepared once for the session, as a data.cache_dir: a fresh
+    directory would train the same tokenizer again, ~12 s of each journey
+    whose point is not the first preparation (test_journey_recipes keeps one
+    that is)."""
+    from megaresil.config import load_recipe
+    from megaresil.data.prepare import prepare_dataset
+
+    cache = tmp_path_factory.mktemp("demo-corpus") / "megaresil"
+    cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [f"data.cache_dir={cache}"])
+    prepare_dataset(cfg.data, cfg.model.vocab_size)
+    return cache

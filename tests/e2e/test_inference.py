@@ -1,4 +1,9 @@
-"""`megaresil eval` and `megaresil generate` on a saved run, in one process."""
+"""`megaresil eval` and `megaresil generate` on a saved run, in one process.
+
+The run is trained by the CLI in a subprocess, as users train; the commands
+on it run by the CLI's main() in this process (the cli_main fixture): at one
+rank they start no process of their own, and each subprocess would import
+torch again (~10 s a command on 2 cores)."""
 import json
 
 import pytest
@@ -12,7 +17,7 @@ TINY = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "train.steps=4", "dat
         "logging.progress=false"]
 
 
-pytestmark = pytest.mark.slow  # a short training run, then one process per command
+pytestmark = pytest.mark.slow  # a short training run, then the commands on it
 
 
 @pytest.fixture(scope="module")
@@ -22,24 +27,24 @@ def run_dir(tmp_path_factory):
     return run
 
 
-def test_eval_equals_the_runs_own_eval_at_that_step(run_dir):
+def test_eval_equals_the_runs_own_eval_at_that_step(cli_main, run_dir):
     written = {r["step"]: r["eval_loss"] for r in map(json.loads,
                (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r}
     for target, step in ((run_dir / "checkpoints/step_0000002", 2), (run_dir, 4)):
-        out = megaresil_cli("eval", str(target), "--json").stdout
+        out = cli_main("eval", str(target), "--json").stdout
         result = json.loads(out.splitlines()[-1])
         assert result["step"] == step and result["loss"] == written[step]
         assert result["perplexity"] == pytest.approx(torch.tensor(written[step]).exp().item())
-    line = megaresil_cli("eval", str(run_dir), "--batches", "1").stdout.splitlines()[-1]
+    line = cli_main("eval", str(run_dir), "--batches", "1").stdout.splitlines()[-1]
     assert line.startswith("step 4: valid loss ") and "perplexity" in line
 
 
-def test_greedy_generation_equals_transformers_on_the_hf_export(run_dir, tmp_path):
+def test_greedy_generation_equals_transformers_on_the_hf_export(cli_main, run_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
-    megaresil_cli("convert", str(run_dir / "checkpoints/step_0000004"), "--to-hf",
-                  str(tmp_path / "hf"))
-    out = megaresil_cli("generate", str(run_dir), "--prompt", "ROMEO: What light",
-                        "--max-new-tokens", "12", "--json").stdout
+    cli_main("convert", str(run_dir / "checkpoints/step_0000004"), "--to-hf",
+             str(tmp_path / "hf"))
+    out = cli_main("generate", str(run_dir), "--prompt", "ROMEO: What light",
+                   "--max-new-tokens", "12", "--json").stdout
     ours = json.loads(out.splitlines()[-1])
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     prompt = tokenizer("ROMEO: What light", return_tensors="pt").input_ids
@@ -49,10 +54,10 @@ def test_greedy_generation_equals_transformers_on_the_hf_export(run_dir, tmp_pat
     assert ours["token_ids"] == theirs[0, prompt.shape[1]:].tolist()
 
 
-def test_sampling_is_seeded(run_dir):
+def test_sampling_is_seeded(cli_main, run_dir):
     def sample(seed: str) -> list[int]:
-        out = megaresil_cli("generate", str(run_dir), "--prompt", "KING", "--temperature",
-                            "1.0", "--top-k", "50", "--seed", seed, "--max-new-tokens", "8",
-                            "--json").stdout
+        out = cli_main("generate", str(run_dir), "--prompt", "KING", "--temperature",
+                       "1.0", "--top-k", "50", "--seed", seed, "--max-new-tokens", "8",
+                       "--json").stdout
         return json.loads(out.splitlines()[-1])["token_ids"]
     assert sample("1") == sample("1") != sample("2")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.journey import home, interrupt, megaresil, start, user_env  # noqa: F401  (home: a fixture)
+from tests.harness.journey import (home, interrupt, megaresil, start,  # noqa: F401  (home: a fixture)
+                                   user_env, with_demo_corpus)
 
 pytestmark = pytest.mark.journey
 
@@ -32,7 +33,8 @@ def wait_for_step(metrics: Path, step: int, proc, timeout: float = 300) -> None:
     raise AssertionError(f"step {step} never came: {proc.communicate()[0][-3000:]}")
 
 
-def test_second_ctrl_c_stops_at_once_then_resume_eval_and_generate(home):
+def test_second_ctrl_c_stops_at_once_then_resume_eval_and_generate(home, demo_corpus):
+    with_demo_corpus(home / ".cache" / "megaresil", demo_corpus)  # as an earlier run left it
     proc = start(*COMMAND, cwd=home)
     wait_for_step(home / "run/metrics.jsonl", 2, proc)
     time.sleep(1.0)  # into step 3's minute

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from tests.harness.cli import ROOT
-from tests.harness.journey import home, interrupt, megaresil, start  # noqa: F401  (home: a fixture)
+from tests.harness.journey import (home, interrupt, megaresil, start,  # noqa: F401  (home: a fixture)
+                                   with_demo_corpus)
 
 RECIPE = str(ROOT / "recipes" / "gpt-tiny.yaml")
 SMALL = ["parallel.tp=1", "parallel.pp=1", "data.seq_len=64", "train.micro_batch_size=4",
@@ -18,9 +19,10 @@ pytestmark = pytest.mark.journey
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> str:
-    """One tokenizer cache for the module's runs (each would train the same BPE)."""
-    return f"data.cache_dir={tmp_path_factory.mktemp('cache')}"
+def cache(tmp_path_factory, demo_corpus) -> str:
+    """One tokenizer cache for the module's runs (each would train the same
+    BPE), holding the session's prepared demo corpus."""
+    return f"data.cache_dir={with_demo_corpus(tmp_path_factory.mktemp('cache'), demo_corpus)}"
 
 
 def events(run_dir: Path) -> list[dict]:

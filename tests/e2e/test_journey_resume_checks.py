@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from tests.harness.cli import ROOT
-from tests.harness.journey import home, megaresil  # noqa: F401  (home: a fixture)
+from tests.harness.journey import home, megaresil, with_demo_corpus  # noqa: F401  (home: a fixture)
 
 RECIPE = str(ROOT / "recipes" / "gpt-tiny.yaml")
 RUN = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "checkpoint.interval=2",
@@ -19,7 +19,8 @@ RUN = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "checkpoint.interval=2
 
 @pytest.mark.slow
 @pytest.mark.journey
-def test_a_changed_manifest_is_walked_back_from_and_another_recipe_refused(home):
+def test_a_changed_manifest_is_walked_back_from_and_another_recipe_refused(home, demo_corpus):
+    with_demo_corpus(home / ".cache" / "megaresil", demo_corpus)  # as an earlier run left it
     megaresil("train", RECIPE, *RUN, "train.steps=4", cwd=home)
     checkpoints = home / "run" / "checkpoints"
     shutil.copytree(checkpoints / "step_0000004", home / "reference")

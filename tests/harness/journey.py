@@ -51,3 +51,10 @@ def home(tmp_path: Path) -> Path:
     d = tmp_path / "user"
     d.mkdir()
     return d
+
+
+def with_demo_corpus(cache_dir: Path, corpus: Path) -> Path:
+    """cache_dir holding a copy of the prepared demo corpus, as a user's
+    earlier run would have left it (a copy: runs may add to a cache)."""
+    shutil.copytree(corpus, cache_dir, dirs_exist_ok=True)
+    return cache_dir

@@ -454,17 +454,17 @@ def _crafted_safetensors(header: dict | None, data: bytes = b"", length: int | N
                                 "data_offsets": [0, 8]}}, b"\0" * 8),
     _crafted_safetensors({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})[:-3],
 ], ids=["huge-header", "past-end", "overlapping", "dtype-mismatch", "huge-shape", "truncated"])
-def test_crafted_safetensors_give_one_line(tmp_path, crafted):
-    """Each crafted weights file ends in the one-line error naming the file."""
+def test_crafted_safetensors_give_one_line(cli_main, tmp_path, crafted):
+    """Each crafted weights file ends in the one-line error naming the file
+    (by the CLI's main() in this process: a subprocess each, importing torch
+    again, cost ~7 s a case)."""
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps({
         "architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 8, "n_head": 2,
         "n_positions": 256, "vocab_size": 32}))
     (hf_dir / "model.safetensors").write_bytes(crafted)
-    result = subprocess.run([sys.executable, "-m", "megaresil", "convert", "--from-hf",
-                             str(hf_dir), str(tmp_path / "out")],
-                            capture_output=True, text=True, timeout=120)
+    result = cli_main("convert", "--from-hf", str(hf_dir), str(tmp_path / "out"), check=False)
     assert result.returncode == 1, result.stderr
     assert result.stderr.startswith("megaresil: error: ") and "Fix:" in result.stderr
     assert "model.safetensors" in result.stderr and "Traceback" not in result.stderr

@@ -18,7 +18,7 @@ from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.validation import shard_problem
 from megaresil.events import read_events, read_metrics
 from megaresil.ports import free_port
-from tests.harness.journey import home, megaresil  # noqa: F401  (home: a fixture)
+from tests.harness.journey import home, megaresil, with_demo_corpus  # noqa: F401  (home: a fixture)
 
 LAYOUT = {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
 
@@ -556,8 +556,11 @@ def small_shm(home):
 
 
 @pytest.mark.journey
-def test_a_full_local_tier_pauses_and_the_run_ends_bit_equal_to_the_reference(home, small_shm):
+def test_a_full_local_tier_pauses_and_the_run_ends_bit_equal_to_the_reference(home, small_shm,
+                                                                             demo_corpus):
     from tests.harness.dist import RECIPE
+
+    with_demo_corpus(home / "cache", demo_corpus)  # as an earlier run left it
 
     common = [str(RECIPE), "parallel.tp=1", "parallel.pp=1", "parallel.dp=2", "train.steps=8",
               "checkpoint.interval=6", "data.seq_len=32", "train.eval_batches=0",

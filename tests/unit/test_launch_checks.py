@@ -70,7 +70,7 @@ def test_the_guardian_says_a_stopped_process_is_not_running():
 
 
 @pytest.mark.slow
-def test_token_ids_past_the_vocabulary_stop_the_job_at_once(cli, tmp_path):
+def test_token_ids_past_the_vocabulary_stop_the_job_at_once(cli, cli_main, tmp_path):
     """Indexed data prepared with the byte tokenizer (ids up to 256) read by a
     model of 100 tokens, the tokenizer unknown up front: each sample is
     checked as it is read, and the first bad one ends the job on every rank
@@ -79,8 +79,8 @@ def test_token_ids_past_the_vocabulary_stop_the_job_at_once(cli, tmp_path):
     corpus.write_text("".join(json.dumps({"text": f"line {i}: the quick brown fox ~~~"}) + "\n"
                               for i in range(200)))
     prefix = tmp_path / "data" / "corpus"
-    cli("data", "prepare", "--input", str(corpus), "--json-key", "text", "--output", str(prefix),
-        "--tokenizer", "byte")
+    cli_main("data", "prepare", "--input", str(corpus), "--json-key", "text", "--output",
+             str(prefix), "--tokenizer", "byte")  # in-process: only the job is under test
     run_dir = tmp_path / "run"
     result = cli("train", *SMALL, f"run.dir={run_dir}", "logging.progress=false",
                  "data.source=indexed", f"data.path={prefix}", "data.tokenizer=bpe",
