@@ -186,12 +186,12 @@ class Trainer:
         return [(*(x.to(device) for x in collate(dataset, idx)), torch.tensor(idx))
                 for idx in indices]
 
-    def replicated_state(self) -> list[tuple[str, torch.Tensor]]:
+    def replicated_state(self, full: bool) -> list[tuple[str, torch.Tensor]]:
         """What every data-parallel replica holds alike, named: the model's
-        parameters and, unless the optimizer shards them over dp, their fp32
-        main copies and optimizer state."""
+        parameters and, with `full` unless the optimizer shards them over dp,
+        their fp32 main copies and optimizer state."""
         named = list(self.named_parameters())
-        if self.sharded_optimizer:
+        if self.sharded_optimizer or not full:
             return named
         model = dict(named)
         for key, held in self.named_state_parameters():
@@ -364,8 +364,9 @@ class Trainer:
                 # group belongs to the save thread while a save is in flight.
                 stopping = self.supervision.preempted(None)
                 # Replicas compared before anything is saved from them.
-                if (self.replicas.due(step, saving=saving or saving_local or bool(stopping))
-                        and self.replicas.check(step)):
+                about_to_save = saving or saving_local or bool(stopping)
+                if (self.replicas.due(step, about_to_save)
+                        and self.replicas.check(step, about_to_save)):
                     continue  # rolled back: on from the checkpoint's step
                 if self.should_eval(step):
                     eval_started = time.perf_counter()

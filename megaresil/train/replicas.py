@@ -1,12 +1,13 @@
 """Silent data corruption: after an update every data-parallel replica holds
 the same parameters (and, unless optimizer.distributed, the same optimizer
-state). Every resilience.numerics.check_interval steps, and before every
-save, each rank sums its state's bit patterns (and their squares) per
-tensor (any one changed element always changes the sum) and one world
-all-gather of the totals compares the replicas. A replica outvoted by a majority (dp >= 3) gets the tensors
-that differ from a healthy one; with no majority (dp = 2) the run rolls back
-to its newest checkpoint and replays: the replica whose replayed state
-differs from what it held was the corrupted one. docs/numerics.md."""
+state). Every resilience.numerics.check_interval steps each rank sums its
+weights' bit patterns (any one changed element changes the sum), and before
+every save, or once those sums differ, its whole replicated state's, per
+tensor, with their squares; one world all-gather compares the replicas. A
+replica outvoted by a majority (dp >= 3) gets the tensors that differ from a
+healthy one; with no majority (dp = 2) the run rolls back to its newest
+checkpoint and replays: the replica whose replayed state differs from what
+it held was the corrupted one. docs/numerics.md."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,6 +43,17 @@ def checksums(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Te
     return torch.stack([tensor_checksum(t).to(device) for t in tensors])
 
 
+def quick_checksum(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """(1, 1) int64: the sum of every element's bit pattern, one read of each
+    tensor. Any one changed element changes it; what it could miss (changes
+    that cancel out) is what the full check, before every save, is for."""
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for t in tensors:
+        total += t.detach().reshape(-1).view(INT_VIEWS[t.element_size()]).sum(
+            dtype=torch.int64).to(device)
+    return total.reshape(1, 1)
+
+
 def replica_groups(layout: ParallelLayout) -> list[list[int]]:
     """The ranks of every data-parallel group (each a replica set), in dp order."""
     if layout.mesh is None:
@@ -61,10 +73,11 @@ class ReplicaCheck:
     """`check(step)` compares the replicas; True when it rolled the run back
     (the caller goes on from the checkpoint's step)."""
 
-    def __init__(self, interval: int, layout: ParallelLayout, state: Callable[[], Named],
+    def __init__(self, interval: int, layout: ParallelLayout, state: Callable[[bool], Named],
                  events, rollback: Callable[[int, str], None], section: Section):
-        """`state`: this rank's replicated tensors, named, in the same order
-        on every replica; `rollback(step, reason)`: back to the newest
+        """`state(full)`: this rank's replicated tensors, named, in the same
+        order on every replica: the weights, and with `full` their optimizer
+        state too; `rollback(step, reason)`: back to the newest
         checkpoint (it raises when there is none); `section`: the
         supervision's (the comparison's collectives run under the watchdog)."""
         self.interval, self.layout, self.state = interval, layout, state
@@ -75,33 +88,44 @@ class ReplicaCheck:
     def due(self, step: int, saving: bool) -> bool:
         if self.interval == 0 or self.layout.dp == 1:
             return False
-        return saving or step % self.interval == 0 or (
-            self.suspicion is not None and step == self.suspicion.step)
+        return saving or step % self.interval == 0 or self.replaying(step)
 
-    def check(self, step: int) -> bool:
+    def replaying(self, step: int) -> bool:
+        return self.suspicion is not None and step == self.suspicion.step
+
+    def check(self, step: int, saving: bool) -> bool:
+        """Between saves the weights, with one sum per rank; before a save,
+        at a replay's step, or once the quick sums differ, everything, with
+        two sums per tensor."""
         with self.section("optimizer", step):
-            verdicts = self.compare(step)
+            full = saving or self.replaying(step)
+            verdicts = self.compare(step, full)
+            if not full and any(v != [] for v in verdicts.values()):
+                verdicts = self.compare(step, full=True)
         if verdicts is None:
             self.rollback(step, "silent_corruption")
             return True
         return False
 
-    def compare(self, step: int) -> Optional[dict]:
-        """The replica groups' verdicts, after restoring outvoted replicas;
-        None when some group has no majority (a replay must tell)."""
-        named = list(self.state())
-        sums = checksums([t for _, t in named], self.layout.device)
+    def compare(self, step: int, full: bool) -> Optional[dict]:
+        """The replica groups' verdicts, after restoring outvoted replicas
+        (full checks only); None when some group has no majority (a replay
+        must tell)."""
+        named = list(self.state(full))
+        tensors = [t for _, t in named]
+        device = self.layout.device
+        sums = checksums(tensors, device) if full else quick_checksum(tensors, device)
         replaying = self.suspicion is not None and step == self.suspicion.step
         changed = replaying and not torch.equal(sums, self.suspicion.sums)
         mine = torch.cat([sums.sum(0), torch.tensor([int(changed)], device=sums.device)])
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, mine)
         rows = [p.tolist() for p in parts]
-        digests, changes = [tuple(r[:2]) for r in rows], [r[2] for r in rows]
+        digests, changes = [tuple(r[:-1]) for r in rows], [r[-1] for r in rows]
         if replaying:
             self.attribute(step, changes)
         verdicts = {tuple(g): odd_ones_out([digests[r] for r in g]) for g in self.groups}
-        if all(v == [] for v in verdicts.values()):
+        if all(v == [] for v in verdicts.values()) or not full:
             return verdicts
         if all(v is not None for v in verdicts.values()):
             self.restore(step, named, sums, verdicts)
