@@ -122,13 +122,15 @@ def skip_refusal(step: int, made: int, limit: int, what: str) -> str | None:
 # --- replicas that differ (silent data corruption) ----------------------------------
 
 def odd_ones_out(digests: Sequence[int]) -> Optional[list[int]]:
-    """The replicas (indices) whose digest differs from a strict majority's;
-    [] when all agree, None when no digest has a majority (dp = 2, or a tie):
-    only a replay can tell then."""
-    counts = Counter(digests)
-    common, n = counts.most_common(1)[0]
+    """The replicas (indices) whose digest differs from the one most of them
+    hold; [] when all agree. Two replicas that agree bit for bit are taken
+    as healthy (two corruptions do not land on the same state), so at dp >= 3
+    a unique most common digest held by two or more wins. None when no
+    digest wins (dp = 2, or a tie): only a replay can tell then."""
+    ranked = Counter(digests).most_common()
+    common, n = ranked[0]
     if n == len(digests):
         return []
-    if n * 2 <= len(digests):
+    if n < 2 or (len(ranked) > 1 and ranked[1][1] == n):
         return None
     return [i for i, d in enumerate(digests) if d != common]

@@ -200,6 +200,8 @@ def test_the_odd_replica_needs_a_strict_majority():
     assert odd_ones_out([5, 7, 5, 5]) == [1]
     assert odd_ones_out([5, 7]) is None  # dp=2: a replay tells
     assert odd_ones_out([5, 5, 7, 7]) is None  # a tie
+    assert odd_ones_out([5, 7, 5, 9]) == [1, 3]  # two corruptions, two healthy replicas agree
+    assert odd_ones_out([5, 7, 9]) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
