@@ -1,6 +1,10 @@
 """What the numerical checks cost and what they catch (issue 31), in one run.
 
     python bench/numerics.py [--rounds 3] [--steps 30] [--out bench/results] [--quick]
+        [--part all|overhead|campaign]
+
+`--part` runs one half and keeps the other from OUT/numerics.json (each half
+records the date and load it was measured at).
 
 **Overhead.** The CPU demo's model (recipes/gpt-tiny.yaml, tp=1 pp=1 dp=2,
 two gloo processes) trains the same steps with every check off, with each
@@ -250,14 +254,16 @@ def campaign_table(campaign: dict, dp1: dict) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-    lines = ["# Numerical checks: overhead and bit-flip campaign", "",
-             f"`{report['command']}`, {report['date']}, {report['machine']}, load average "
-             f"{report['load_average']} before the run.", "", "## Step overhead", "",
+    measured = lambda run: (f"`{run['command']}`, {run['date']}, {run['machine']}, load average "
+                            f"{run['load_average']} before the run, {run['seconds']} s."
+                            + (f" {run['note']}" if run.get("note") else ""))
+    lines = ["# Numerical checks: overhead and bit-flip campaign", "", "## Step overhead", "",
+             measured(report["overhead_run"]), "",
              "| variant | median step (s) | steps | ratio to all checks off |",
              "| --- | --- | --- | --- |"]
     lines += [f"| {r['variant']} | {r['median_step_s']:.4f} | {r['steps']} | {r['ratio']:.3f} |"
               for r in report["overhead"]]
-    lines += ["", "## Bit flips", "",
+    lines += ["", "## Bit flips", "", measured(report["campaign_run"]), "",
               "| class | bits | flips | named and restored | found by the non-finite check | "
               "caught (dp=1: non-finite or spike) | caught, ended bit-equal | not caught, moved "
               "the loss | run bit-equal at end | false alarms |",
@@ -281,29 +287,41 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="1 round, 12 steps, 8 flips")
+    parser.add_argument("--part", choices=("all", "overhead", "campaign"), default="all")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.flips = 1, 12, 8
         args.out = args.out / "quick"
     args.out.mkdir(parents=True, exist_ok=True)
-    load = os.getloadavg()[0]
-    started = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        scratch = Path(tmp)
-        spawn(overhead_worker, 2, args, scratch)
-        spawn(campaign_worker, 4, args, scratch)
-        campaign = json.loads((scratch / "campaign.json").read_text())
-        dp1 = unreplicated_grads(args, scratch)
-        periods = json.loads((scratch / "overhead.json").read_text())
-    report = {"command": "python bench/numerics.py" + (" --quick" if args.quick else ""),
-              "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPUs, "
-              f"{platform.machine()}, torch {torch.__version__}", "load_average": round(load, 2),
-              "seconds": round(time.time() - started), "overhead": overhead_table(periods),
-              "campaign": campaign_table(campaign, dp1), "raw": {"campaign": campaign,
-                                                                  "dp1": dp1}}
+    report = measure(args)
     (args.out / "numerics.json").write_text(json.dumps(report, indent=1))
     (args.out / "numerics.md").write_text(markdown(report))
     print(markdown(report))
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """This run's halves, the others from the results file already there."""
+    previous = args.out / "numerics.json"
+    report = json.loads(previous.read_text()) if args.part != "all" else {}
+    run = {"command": f"python bench/numerics.py --part {args.part}"
+           + (" --quick" if args.quick else ""), "date": time.strftime("%Y-%m-%d %H:%M"),
+           "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, torch {torch.__version__}",
+           "load_average": round(os.getloadavg()[0], 2)}
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        if args.part in ("all", "overhead"):
+            spawn(overhead_worker, 2, args, scratch)
+            periods = json.loads((scratch / "overhead.json").read_text())
+            report.update(overhead=overhead_table(periods), overhead_run=run)
+        if args.part in ("all", "campaign"):
+            spawn(campaign_worker, 4, args, scratch)
+            campaign = json.loads((scratch / "campaign.json").read_text())
+            dp1 = unreplicated_grads(args, scratch)
+            report.update(campaign=campaign_table(campaign, dp1), campaign_run=run,
+                          raw={"campaign": campaign, "dp1": dp1})
+    run["seconds"] = round(time.time() - started)
+    return report
 
 
 if __name__ == "__main__":
