@@ -288,14 +288,15 @@ class Trainer:
             return self.optimizer_step(step, loss)
 
     def train_step(self) -> dict:
-        step = self.state.step + 1
-        started = time.perf_counter()
-        self.model.train()
-        # The sampler passes over global batches a rollback skipped.
-        self.state.consumed_samples = skip_past(self.state.consumed_samples, self.state.skipped)
-        result = self.numerics.run(step, lambda: self.attempt_step(step))
-        if result is None:  # rolled back: on from the checkpoint's step
-            return self.train_step()
+        result = None
+        while result is None:  # None: rolled back, on from the checkpoint's step
+            step = self.state.step + 1
+            started = time.perf_counter()
+            self.model.train()
+            # The sampler passes over global batches a rollback skipped.
+            self.state.consumed_samples = skip_past(self.state.consumed_samples,
+                                                    self.state.skipped)
+            result = self.numerics.run(step, lambda: self.attempt_step(step))
         self.supervision.step_done()
         self.state.step = step
         self.state.consumed_samples += self.cfg.train.global_batch_size
