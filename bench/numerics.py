@@ -1,6 +1,6 @@
 """What the numerical checks cost and what they catch (issue 31), in one run.
 
-    python bench/numerics.py [--rounds 3] [--steps 30] [--out bench/results] [--quick]
+    python bench/numerics.py [--rounds 5] [--steps 24] [--out bench/results] [--quick]
         [--part all|overhead|campaign]
 
 `--part` runs one half and keeps the other from OUT/numerics.json (each half
@@ -11,7 +11,14 @@ two gloo processes) trains the same steps with every check off, with each
 check alone, and with the defaults, the variants alternating in rounds (each
 round starting one variant later) in the same, warmed-up processes. A step's time is the time between consecutive steps'
 metrics lines, so it includes the replica check, which runs between steps.
-The figure is each variant's median step time over the checks-off one's.
+Two figures per variant:
+
+- the ratio of its median step time to the checks-off run's of the same
+  round, as the median (and range) over the rounds: side by side, but on
+  2 shared cores a few percent of it is noise (the range shows how much);
+- the time the checks themselves took inside its steps (each check's
+  function timed on rank 0, collectives and their waits included), as a
+  share of its step time: an upper bound on what they cost, far less noisy.
 
 **Bit-flip campaign.** Flips at random ranks, tensors, elements and bits
 (every bit of fp32: mantissa 0-22, exponent 23-30, sign 31), by class:
@@ -34,6 +41,7 @@ OUT/numerics.json and OUT/numerics.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -53,7 +61,10 @@ from megaresil.parallel.layout import ParallelLayout
 from megaresil.ports import free_port
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.supervision import Supervision
+from megaresil.train import numerics as numerics_guard
 from megaresil.train.loop import Trainer
+from megaresil.train.numerics import NumericsGuard
+from megaresil.train.replicas import ReplicaCheck
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results"
@@ -105,9 +116,45 @@ def step_periods(run_dir: Path, skip: int) -> list[float]:
 
 # --- overhead ----------------------------------------------------------------------
 
+# What each check runs inside a step, timed by `time_checks`: the
+# non-finite check's RNG snapshot (for a replay) and verdict, the spike
+# detector, and the replica check (its collectives included).
+CHECKED = {"non-finite check": [(numerics_guard, "rng_snapshot"), (NumericsGuard, "holds_back")],
+           "spike detector": [(NumericsGuard, "spike_in")],
+           "replica check": [(ReplicaCheck, "check")]}
+
+
+def time_checks(seconds: dict[str, float]) -> None:
+    """Wrap each check's functions so their time adds up in `seconds`. The
+    spike detector runs inside holds_back: its time is left out of the
+    non-finite check's by counting only the outermost timed call."""
+    depth = [0]
+
+    def timed(name: str, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            started = time.perf_counter()
+            depth[0] += 1
+            try:
+                return fn(*a, **kw)
+            finally:
+                depth[0] -= 1
+                spent = time.perf_counter() - started
+                seconds[name] = seconds.get(name, 0.0) + spent
+                if depth[0]:  # inside another timed check: not its time
+                    seconds["nested"] = seconds.get("nested", 0.0) + spent
+        return wrapper
+
+    for name, places in CHECKED.items():
+        for owner, attr in places:
+            setattr(owner, attr, timed(name, getattr(owner, attr)))
+
+
 def overhead_worker(rank: int, port: int, args: argparse.Namespace, scratch: str) -> None:
     init(rank, port, 2)
-    periods: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    seconds: dict[str, float] = {}
+    time_checks(seconds)
+    runs: list[dict] = []
     layout = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=2", *QUIET]
     try:
         # A first run warms the processes up (allocator, kernels); not counted.
@@ -116,19 +163,34 @@ def overhead_worker(rank: int, port: int, args: argparse.Namespace, scratch: str
         for r in range(args.rounds):
             for v, name in enumerate(names[r % len(names):] + names[:r % len(names)]):
                 run_dir = Path(scratch) / f"overhead-{r}-{v}"
+                seconds.clear()
                 train([*layout, f"train.steps={args.steps}", *VARIANTS[name]], run_dir)
-                if rank == 0:
-                    periods[name] += step_periods(run_dir, skip=3)
+                runs.append({"round": r, "variant": name, "periods": step_periods(run_dir, 3),
+                             "check_s": checks_only(seconds), "steps": args.steps})
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        Path(scratch, "overhead.json").write_text(json.dumps(periods))
+        Path(scratch, "overhead.json").write_text(json.dumps(runs))
 
 
-def overhead_table(periods: dict[str, list[float]]) -> list[dict]:
-    base = statistics.median(periods["all checks off"])
-    return [{"variant": name, "median_step_s": statistics.median(p), "steps": len(p),
-             "ratio": statistics.median(p) / base} for name, p in periods.items()]
+def checks_only(seconds: dict[str, float]) -> float:
+    return sum(v for k, v in seconds.items() if k != "nested") - seconds.get("nested", 0.0)
+
+
+def overhead_table(runs: list[dict]) -> list[dict]:
+    off = {r["round"]: statistics.median(r["periods"]) for r in runs
+           if r["variant"] == "all checks off"}
+    table = []
+    for name in VARIANTS:
+        mine = [r for r in runs if r["variant"] == name]
+        ratios = [statistics.median(r["periods"]) / off[r["round"]] for r in mine]
+        step_s = sum(r["steps"] * statistics.median(r["periods"]) for r in mine)
+        table.append({"variant": name, "steps": sum(len(r["periods"]) for r in mine),
+                      "median_step_s": statistics.median(p for r in mine for p in r["periods"]),
+                      "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+                      "ratio_max": max(ratios),
+                      "check_share": sum(r["check_s"] for r in mine) / step_s})
+    return table
 
 
 # --- the campaign --------------------------------------------------------------------
@@ -257,13 +319,27 @@ def markdown(report: dict) -> str:
     measured = lambda run: (f"`{run['command']}`, {run['date']}, {run['machine']}, load average "
                             f"{run['load_average']} before the run, {run['seconds']} s."
                             + (f" {run['note']}" if run.get("note") else ""))
-    lines = ["# Numerical checks: overhead and bit-flip campaign", "", "## Step overhead", "",
-             measured(report["overhead_run"]), "",
-             "| variant | median step (s) | steps | ratio to all checks off |",
-             "| --- | --- | --- | --- |"]
-    lines += [f"| {r['variant']} | {r['median_step_s']:.4f} | {r['steps']} | {r['ratio']:.3f} |"
+    lines = ["# Numerical checks: overhead and bit-flip campaign"]
+    if "overhead_run" in report:
+        lines += overhead_markdown(report, measured)
+    if "campaign_run" in report:
+        lines += campaign_markdown(report, measured)
+    return "\n".join(lines) + "\n"
+
+
+def overhead_markdown(report: dict, measured) -> list[str]:
+    lines = ["", "## Step overhead", "", measured(report["overhead_run"]), "",
+             "| variant | median step (s) | steps | step time over checks off, median of "
+             "rounds (range) | time inside the checks, share of the step |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['variant']} | {r['median_step_s']:.4f} | {r['steps']} | {r['ratio']:.3f} "
+              f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {100 * r['check_share']:.2f} % |"
               for r in report["overhead"]]
-    lines += ["", "## Bit flips", "", measured(report["campaign_run"]), "",
+    return lines
+
+
+def campaign_markdown(report: dict, measured) -> list[str]:
+    lines = ["", "## Bit flips", "", measured(report["campaign_run"]), "",
               "| class | bits | flips | named and restored | found by the non-finite check | "
               "caught (dp=1: non-finite or spike) | caught, ended bit-equal | not caught, moved "
               "the loss | run bit-equal at end | false alarms |",
@@ -275,13 +351,13 @@ def markdown(report: dict) -> str:
                      f"{dash(r.get('caught_ended_equal'))} | "
                      f"{dash(r.get('uncaught_moved_the_loss'))} | "
                      f"{dash(r.get('bit_equal_at_end'))} | {dash(r.get('false_alarms'))} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30, help="steps per overhead run")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=24, help="steps per overhead run")
     parser.add_argument("--flips", type=int, default=80,
                         help="flips of the dp=4 parameter class; the others scale from it")
     parser.add_argument("--seed", type=int, default=0)
@@ -312,8 +388,8 @@ def measure(args: argparse.Namespace) -> dict:
         scratch = Path(tmp)
         if args.part in ("all", "overhead"):
             spawn(overhead_worker, 2, args, scratch)
-            periods = json.loads((scratch / "overhead.json").read_text())
-            report.update(overhead=overhead_table(periods), overhead_run=run)
+            runs = json.loads((scratch / "overhead.json").read_text())
+            report.update(overhead=overhead_table(runs), overhead_run=run)
         if args.part in ("all", "campaign"):
             spawn(campaign_worker, 4, args, scratch)
             campaign = json.loads((scratch / "campaign.json").read_text())
