@@ -43,14 +43,30 @@ def checksums(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Te
     return torch.stack([tensor_checksum(t).to(device) for t in tensors])
 
 
+def word_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum, wrapped to 64 bits, of the tensor's bytes read as int64 words
+    (the few elements that do not fill an aligned word widened one by one).
+    Any one changed element changes it: its word changes by less than 2**64.
+    Reading the bytes as words, rather than widening each element to int64
+    first, is ~10x faster on the CPU."""
+    flat = tensor.detach().reshape(-1)
+    per_word = 8 // flat.element_size()
+    if flat.storage_offset() % per_word:
+        # view(int64) needs an aligned start; a copy keeps the words starting
+        # at element 0, so equal contents give equal sums wherever they lie.
+        flat = flat.clone()
+    whole = flat.numel() - flat.numel() % per_word
+    words = flat[:whole].view(torch.int64).sum()
+    return words + flat[whole:].view(INT_VIEWS[flat.element_size()]).sum(dtype=torch.int64)
+
+
 def quick_checksum(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """(1, 1) int64: the sum of every element's bit pattern, one read of each
+    """(1, 1) int64: every tensor's word_sum, added up: one read of each
     tensor. Any one changed element changes it; what it could miss (changes
     that cancel out) is what the full check, before every save, is for."""
     total = torch.zeros((), dtype=torch.int64, device=device)
     for t in tensors:
-        total += t.detach().reshape(-1).view(INT_VIEWS[t.element_size()]).sum(
-            dtype=torch.int64).to(device)
+        total += word_sum(t).to(device)
     return total.reshape(1, 1)
 
 

@@ -20,7 +20,7 @@ from megaresil.resilience.numerics import (Figures, differing_ranks, find_spike,
                                            nonfinite_ranks, odd_ones_out, rollback_refusal,
                                            same_bits, skip_refusal, what_is_nonfinite)
 from megaresil.resilience.step_faults import flip_bit
-from megaresil.train.replicas import tensor_checksum
+from megaresil.train.replicas import tensor_checksum, word_sum
 from megaresil.train.optim import reduce_grad_norm
 
 from tests.harness.cli import ROOT
@@ -238,6 +238,21 @@ def test_the_checksum_sees_any_one_changed_element_and_cancelling_changes():
     u[20] -= 1
     assert not torch.equal(tensor_checksum(u.view(torch.float32)), base)
     assert torch.equal(tensor_checksum(t.clone()), base)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_quick_sum_sees_any_one_flip_wherever_the_tensor_lies(dtype):
+    """Read as int64 words: odd lengths and unaligned views (a tensor that
+    starts mid-word in a flat buffer) included, and equal contents give
+    equal sums wherever they lie."""
+    buffer = torch.randn(1003).to(dtype)
+    for start, length in [(0, 1000), (1, 7), (3, 998), (2, 1), (5, 0)]:
+        t = buffer[start:start + length]
+        assert torch.equal(word_sum(t), word_sum(t.clone()))
+        for seed in range(8 if length else 0):
+            u = buffer.clone()
+            flip_bit([("u", u[start:start + length])], seed=seed)
+            assert not torch.equal(word_sum(u[start:start + length]), word_sum(t))
 
 
 def test_new_fault_kinds_parse_and_refuse_their_fields_elsewhere():
