@@ -9,6 +9,7 @@ key name; `config.validation` then checks the rules that span fields.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,10 @@ def _explain_omegaconf(err: OmegaConfBaseException) -> ConfigError:
     first_line = str(err).splitlines()[0].rstrip(".") + "."
     if "not in" in first_line:
         fix = "remove it or correct the spelling (`megaresil config docs` lists every key)."
+    elif "expected one of" in first_line and re.search(r"value '(True|False)'", first_line):
+        # YAML 1.1 reads on/off/yes/no as booleans: `on_spike=off` arrives as False.
+        off = " (none turns it off)" if re.search(r"\bnone\b", first_line) else ""
+        fix = f"YAML reads on/off/yes/no as true/false: write one of the listed names{off}."
     else:
         fix = "give a value of the documented type (`megaresil config docs`)."
     return ConfigError(key, first_line, fix)

@@ -80,6 +80,19 @@ def test_config_show_rejects_out_of_range_value_with_one_line(cli_main, override
     assert_one_line_refusal(cli_main("config", "show", str(TINY), override, check=False), key)
 
 
+@pytest.mark.parametrize("override,fix", [
+    ("resilience.numerics.on_spike=off", "write one of the listed names (none turns it off)."),
+    ("checkpoint.backend=yes", "write one of the listed names."),
+])
+def test_a_yaml_boolean_given_for_a_choice_says_how_yaml_read_it(override, fix):
+    """`off` arrives as False (YAML 1.1): the fix says so instead of
+    leaving the user with "Invalid value 'False'"."""
+    with pytest.raises(ConfigError) as err:
+        load_recipe(TINY, [override])
+    assert "YAML reads on/off/yes/no as true/false" in str(err.value)
+    assert str(err.value).endswith(fix)
+
+
 def test_the_refusal_is_all_the_process_prints():
     """As its own process (`python -m megaresil`), with nothing else on stderr."""
     override, key = CLI_BAD[0]
