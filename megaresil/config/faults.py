@@ -32,8 +32,9 @@ class FaultKind(str, enum.Enum):
     # once, or with persistent: true on every attempt of the global batch it
     # first hit (a bad batch, or a rank that recomputes it wrong every time).
     nan = "nan"
-    # The rank's loss times `scale` (default 10) at one step, as the spike
-    # detector sees it; its gradients are left as they were.
+    # The loss of the rank's data-parallel replica times `scale` (default
+    # 10) at one step, as the spike detector sees it (any rank of the replica
+    # will do: TP ranks and pipeline stages alike); gradients are left alone.
     spike = "spike"
     # One bit flipped (`bit`, else chosen by `seed`) in one element chosen by
     # `seed`: `target: param`, in the rank's copy of a parameter after the

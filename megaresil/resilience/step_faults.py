@@ -3,6 +3,7 @@ one attempt of a step gets, applied where the trainer hands over its loss,
 gradients and parameters (Trainer.optimizer_step)."""
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -27,17 +28,20 @@ class StepFaults:
         return [f for f in self.due if f.kind == kind
                 and (target is None or f.flip_target == target)]
 
-    def before_update(self, loss: torch.Tensor, counted_grads: list[torch.Tensor],
-                      own_grads: Named) -> torch.Tensor:
-        """NaN into a grad the norm counts, the loss scaled, bits flipped in
-        the grads this rank steps on; returns the loss as the checks see it."""
+    def before_update(self, counted_grads: list[torch.Tensor], own_grads: Named) -> None:
+        """NaN into a grad the norm counts, bits flipped in the grads this
+        rank steps on."""
         if self.of(FaultKind.nan):
             poison_with_nan(counted_grads)
-        for fault in self.of(FaultKind.spike):
-            loss = loss * fault.loss_scale
         for fault in self.of(FaultKind.bitflip, FlipTarget.grad):
             self.fired(fault, **flip_bit(own_grads, fault.flip_seed, fault.bit))
-        return loss
+
+    def loss_factor(self) -> float:
+        """What this rank's spike faults multiply its replica's loss by, as the
+        checks see it (1: none). The factor, not a scaled local loss, because
+        only one rank of a replica contributes the loss (TP rank 0 of the last
+        stage): a spike on any other rank would otherwise change nothing."""
+        return math.prod(f.loss_scale for f in self.of(FaultKind.spike))
 
     def after_update(self, params: Named) -> None:
         """Bits flipped in this rank's parameters, once the update is applied."""

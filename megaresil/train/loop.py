@@ -253,12 +253,12 @@ class Trainer:
             # A NaN into a grad the norm counts (not a tied embedding's copy,
             # nor a TP replica's): a real fault lands there before the syncs.
             names = {id(p): key for key, p in self.named_state_parameters()}
-            loss = faults.before_update(
-                loss, [g for p, g in entries if counted_here(p, self.layout)],
-                [(names.get(id(p), "?"), g) for p, g in entries])
+            faults.before_update([g for p, g in entries if counted_here(p, self.layout)],
+                                 [(names.get(id(p), "?"), g) for p, g in entries])
         local = local_grad_norm_squared(entries, self.layout)
         norm, stage_loss = reduce_grad_norm(local, self.layout,
-                                            sharded_over_dp=self.sharded_optimizer, loss=loss)
+                                            sharded_over_dp=self.sharded_optimizer, loss=loss,
+                                            loss_factor=faults.loss_factor())
         # The norm rides in the loss's data-parallel mean: every rank sees any
         # rank's non-finite value (the loss rode in the norm's all-reduce).
         result = StepResult(dp_mean(stage_loss + norm.to(stage_loss.dtype) * 0.0, self.layout),

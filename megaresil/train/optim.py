@@ -179,7 +179,8 @@ def local_grad_norm_squared(entries: list[tuple[nn.Parameter, torch.Tensor]],
 
 
 def reduce_grad_norm(squared: torch.Tensor, layout: ParallelLayout, *, sharded_over_dp: bool,
-                     loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     loss: torch.Tensor, loss_factor: float = 1.0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """L2 norm of the whole model's gradient from every rank's
     `local_grad_norm_squared`, and the loss of this rank's data-parallel
     replica (`loss` is this rank's; zero on stages that do not compute it).
@@ -187,13 +188,16 @@ def reduce_grad_norm(squared: torch.Tensor, layout: ParallelLayout, *, sharded_o
     (exact), so every stage learns it (the spike check); and 0 * loss in the
     norm, which adds exactly zero when the loss is finite and NaN when it is
     not, so one reduction checks both (resilience/numerics.py) and a finite
-    run is bit-identical."""
+    run is bit-identical. `loss_factor` (an injected spike on any rank of
+    the replica) rides along as factor - 1: 0 and an exact 1 without one."""
     loss_dtype, loss = loss.dtype, loss.detach().to(squared.dtype)
-    packed = torch.stack([squared + loss * 0.0, loss if layout.tp_rank == 0 else loss * 0.0])
+    packed = torch.stack([squared + loss * 0.0, loss if layout.tp_rank == 0 else loss * 0.0,
+                          torch.full_like(squared, loss_factor - 1.0)])
     for dim in ("tp", "pp"):
         if getattr(layout, dim) > 1:
             dist.all_reduce(packed, group=layout.group(dim))
-    stage_loss = packed[1].to(loss_dtype, copy=True)  # exact: the loss was of this dtype
+    # Exact without a spike: the loss was of this dtype, and x * (1 + 0) is x.
+    stage_loss = (packed[1] * (1.0 + packed[2])).to(loss_dtype)
     if sharded_over_dp and layout.dp > 1:
         dist.all_reduce(packed, group=layout.group("dp"))  # its loss is no longer one replica's
     return packed[0].sqrt().float(), stage_loss

@@ -38,6 +38,10 @@ CASES = {
     "spike_rollback": DP2 + SAVES + SPIKE + ["resilience.numerics.on_spike=rollback", SPIKE_AT_9],
     "spike_skip": DP2 + SPIKE + ["resilience.numerics.on_spike=skip", SPIKE_AT_9],
     "spike_warn": DP2 + SPIKE + [SPIKE_AT_9],
+    # A spike on a rank that does not contribute its replica's loss: TP rank
+    # 1, and a pipeline stage without the loss.
+    "spike_warn_tp2": ["parallel.tp=2"] + SPIKE + [SPIKE_AT_9],
+    "spike_warn_pp2": ["parallel.pp=2"] + SPIKE + ['faults=[{kind: spike, rank: 0, step: 9}]'],
     # The batch of step 9 (samples 64..71) skipped from the start; checked, no spike.
     "spike_skipped_from_start": DP2 + SPIKE + ["resilience.numerics.on_spike=rollback",
                                                "resilience.numerics.skip_batches=[[64, 8]]"],
@@ -143,6 +147,18 @@ def test_a_loss_spike_skipped_or_warned_of(runs):
     assert 4 * reference[9][0] < seen[9][0] < 7 * reference[9][0]
     assert {s: v for s, v in seen.items() if s != 9} == {
         s: v for s, v in reference.items() if s != 9}
+
+
+@pytest.mark.parametrize("case, reference", [("spike_warn_tp2", "reference"),
+                                             ("spike_warn_pp2", "reference_pp2")])
+def test_a_spike_on_any_rank_of_the_replica_is_seen(runs, case, reference):
+    """Only TP rank 0 of the last stage hands its replica's loss to the
+    checks; a spike fault on another rank scales that replica's loss all
+    the same, so the drill tests the detector, not the fault's placement."""
+    spike, = events(runs / case, "loss_spike")
+    assert spike["step"] == 9
+    seen, plain = losses(runs / case)[9][0], losses(runs / reference)[9][0]
+    assert seen == pytest.approx(10 * plain, rel=1e-4)
 
 
 @pytest.mark.parametrize("case, rank, step", [("bitflip_param", 1, 5), ("bitflip_grad", 0, 7)])

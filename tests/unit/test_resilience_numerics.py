@@ -274,8 +274,9 @@ def test_a_spike_fault_scales_the_loss_and_a_grad_flip_fires_once(tmp_path):
     faults = injector(tmp_path, [{"kind": "spike", "rank": 1, "step": 3, "scale": 4},
                                  {"kind": "bitflip", "rank": 1, "step": 3, "target": "grad"}])
     grads = [("w", torch.ones(4))]
-    loss = faults.step_faults(3, 16).before_update(torch.tensor(2.0), [], grads)
-    assert loss.item() == 8.0 and not torch.equal(grads[0][1], torch.ones(4))
+    due = faults.step_faults(3, 16)
+    due.before_update([], grads)
+    assert due.loss_factor() == 4.0 and not torch.equal(grads[0][1], torch.ones(4))
     assert not faults.step_faults(3, 16).due  # the replay: no fault again
     fired = [e for e in read_events(tmp_path) if e["event"] == "fault_injected"]
     assert [e["kind"] for e in fired] == ["spike", "bitflip"] and fired[1]["tensor"] == "w"
