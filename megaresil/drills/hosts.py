@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import psutil
+
 from megaresil.config import ConfigError
 from megaresil.drills.run import kill_tree
+from megaresil.drills.scenarios import HOSTS_MODES
 from megaresil.ports import LOOPBACK, free_port
 
-HOSTS_MODES = ("local", "netns")
 RENDEZVOUS_PORT = 29400  # free in node 0's fresh namespace
 # Run inside the node's new mount and UTS namespaces: its hostname, a /dev/shm
 # and /etc/hosts of its own (the hosts file names every node, as a cluster's
@@ -33,11 +35,11 @@ NODE_SHELL = ('hostname "$1" && mount -t tmpfs tmpfs /dev/shm && mount --bind "$
 def netns_missing_reason() -> Optional[str]:
     """Why nodes cannot run in namespaces here, or None when they can."""
     if os.geteuid() != 0:
-        return "--hosts netns needs root (network and mount namespaces): run as root, e.g. in CI"
+        return "netns needs root (it makes network and mount namespaces): run as root, as CI does"
     missing = [tool for tool in ("ip", "unshare") if not shutil.which(tool)]
     if missing:
-        return (f"--hosts netns needs {' and '.join(missing)}: install iproute2 and util-linux "
-                "(make cluster-deps does, as root)")
+        return (f"netns needs {' and '.join(missing)}: install iproute2 and util-linux "
+                "(`make cluster-deps` does, as root)")
     return None
 
 
@@ -58,6 +60,9 @@ class LocalHosts:
     def rendezvous_endpoint(self) -> str:
         return f"{LOOPBACK}:{free_port()}"
 
+    def node_options(self, node: int) -> list[str]:
+        return []  # each agent finds its address towards the endpoint: loopback
+
     def start(self, node: int, command: list[str]) -> subprocess.Popen:
         self.procs[node] = subprocess.Popen(command)
         return self.procs[node]
@@ -66,9 +71,6 @@ class LocalHosts:
         proc = self.procs.pop(node)
         kill_tree(proc.pid)
         proc.wait()
-
-    def replace(self, node: int) -> None:
-        """A fresh machine in the lost one's place: nothing to set up here."""
 
     def close(self) -> None:
         for node in list(self.procs):
@@ -131,6 +133,11 @@ class NetnsHosts:
     def rendezvous_endpoint(self) -> str:
         return f"{self.address(0)}:{RENDEZVOUS_PORT}"
 
+    def node_options(self, node: int) -> list[str]:
+        """`megaresil train` options of the node's agent: its stores and
+        workers on its own address."""
+        return ["--local-addr", self.address(node)]
+
     def add(self, node: int) -> None:
         """Node `node` on the bridge: a namespace, a veth pair, an address."""
         self.slots += 1
@@ -170,17 +177,21 @@ class NetnsHosts:
 
     def lose(self, node: int) -> None:
         """The node dies: SIGKILL every process in its namespace, then the
-        namespace goes, its veth and (with its last process) its /dev/shm."""
+        namespace goes, with its veth and (its last process gone) its /dev/shm.
+        The processes are gone first, so their peers see the connections
+        close, as when today's local drills kill a node's processes."""
         if node not in self.nodes:
             return
-        for pid in self.pids(node):
+        procs = [psutil.Process(pid) for pid in self.pids(node) if psutil.pid_exists(pid)]
+        for proc in procs:
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+                proc.kill()
+            except psutil.NoSuchProcess:
                 pass
-        n = self.nodes.pop(node)
         if node in self.procs:
             self.procs.pop(node).wait()
+        wait_gone(procs)
+        n = self.nodes.pop(node)
         ip("netns", "del", n.namespace, check=False)
         ip("link", "del", n.host_link, check=False)  # gone with the namespace, normally
 
@@ -195,6 +206,21 @@ class NetnsHosts:
             self.lose(node)
         ip("link", "del", self.bridge, check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def wait_gone(procs: list[psutil.Process], timeout_s: float = 10.0) -> None:
+    """Until the killed processes have exited (a zombie has: its sockets are
+    closed; whoever adopted it reaps it)."""
+    deadline = time.time() + timeout_s
+    while not all(map(exited, procs)) and time.time() < deadline:
+        time.sleep(0.05)
+
+
+def exited(proc: psutil.Process) -> bool:
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def ip(*args: str, check: bool = True) -> str:

@@ -18,7 +18,6 @@ import psutil
 from megaresil.checkpoint.local.store import local_root, node_dir
 from megaresil.config import load_recipe
 from megaresil.events import read_metrics
-from megaresil.ports import free_port
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 
 
@@ -107,25 +106,35 @@ class Rendezvous:
 
 
 def run_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
-                  lose_after_step: int, *, lose_first: bool = False,
+                  lose_after_step: int, hosts, *, lose_first: bool = False,
+                  replace: bool = False,
                   rendezvous: Rendezvous = Rendezvous()) -> tuple[int, float]:
-    """Two agents ("nodes") form one elastic job; once `lose_after_step` is
-    done, one agent and its workers are killed: the second, or with
-    `lose_first` the first (with c10d it hosts the rendezvous store; as the
-    lower pid on this machine it is also rank 0, whose agent hosts the
-    workers' store). Returns (the survivor's exit code, loss time)."""
-    endpoint = rendezvous.endpoint or f"127.0.0.1:{free_port()}"
-    membership = ["--nnodes", "1:2", "--nproc-per-node", str(world // 2),
+    """Two agents ("nodes") form one elastic job on `hosts` (drills/hosts.py);
+    once `lose_after_step` is done, one node is lost with its workers: the
+    second, or with `lose_first` the first (with c10d it hosts the rendezvous
+    store; as the lower pid or address it is also rank 0, whose agent hosts
+    the workers' store). With `replace` the job keeps two nodes (--nnodes 2)
+    and a fresh one takes the lost one's place, so the layout stays and the
+    local tier can resume. Returns (the job's exit code, loss time)."""
+    endpoint = rendezvous.endpoint or hosts.rendezvous_endpoint()
+    membership = ["--nnodes", "2" if replace else "1:2", "--nproc-per-node", str(world // 2),
                   "--rdzv-backend", rendezvous.backend, "--rdzv-endpoint", endpoint,
                   "--rdzv-id", f"chaos-{os.getpid()}-{int(time.time())}"]
     command = train_command(recipe, overrides, run_dir) + membership
-    first = subprocess.Popen(command + rendezvous.options(first=True))
-    second = subprocess.Popen(command + rendezvous.options(first=False))
-    lost, survivor = (first, second) if lose_first else (second, first)
+
+    def start(node: int):
+        return hosts.start(node, command + hosts.node_options(node)
+                           + rendezvous.options(first=node == 0))
+    agents = [start(0), start(1)]
+    lost = 0 if lose_first else 1
+    survivor = agents[1 - lost]
     lost_at = wait_for_step(run_dir, lose_after_step, survivor)
-    kill_tree(lost.pid)
-    lost.wait()
-    return survivor.wait(), lost_at
+    hosts.lose(lost)
+    if not replace:
+        return survivor.wait(), lost_at
+    hosts.replace(lost)
+    newcomer = start(lost)
+    return survivor.wait() or newcomer.wait(), lost_at
 
 
 def run_simulated_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
