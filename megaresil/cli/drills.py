@@ -58,10 +58,10 @@ def add_chaos_parser(sub) -> None:
     chaos.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                        help="the etcd server of --rdzv-backend etcd or etcd-v2")
     chaos.add_argument("--hosts", default="local", choices=HOSTS_MODES,
-                       help="where the node scenarios' nodes run: local (default), processes "
-                            "on this machine; netns, each node in network, UTS and mount "
-                            "namespaces of its own on a bridge (own address, hostname and "
-                            "/dev/shm; needs root)")
+                       help="where node-loss and node-loss-first run their nodes: local "
+                            "(default), processes on this machine; netns, each node in network, "
+                            "UTS and mount namespaces of its own on a bridge (own address, "
+                            "hostname and /dev/shm; needs root)")
     chaos.set_defaults(func=cmd_chaos, overrides_anywhere=True)
 
 

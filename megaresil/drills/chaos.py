@@ -59,14 +59,12 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     faulted = root / f"faulted-{name}"
     shutil.rmtree(faulted, ignore_errors=True)
     fault_time = None
-    if scenario.nodes > 1 or (scenario.lose_simulated_node and hosts != "local"):
-        # Real nodes: a lost one with local shards is replaced, keeping the layout.
-        with open_hosts(hosts, 2) as nodes:
+    if scenario.nodes > 1:
+        with open_hosts(hosts, scenario.nodes) as nodes:
             code, fault_time = run_node_loss(recipe, overrides + scenario.settings, faulted,
                                              world, fault_step, nodes,
                                              lose_first=scenario.lose_first,
-                                             replace=scenario.lose_simulated_node,
-                                             rendezvous=rendezvous)
+                                             rendezvous=rendezvous, timeout_s=timeout_s)
     elif scenario.lose_simulated_node:
         code, fault_time = run_simulated_node_loss(recipe, overrides + scenario.settings,
                                                    faulted, world, fault_step)
@@ -102,10 +100,11 @@ def check_hosts(scenario, hosts: str, rendezvous: Rendezvous) -> None:
     not meet, before any run."""
     if hosts == "local":
         return
-    if scenario.nodes == 1 and not scenario.lose_simulated_node:
+    if scenario.nodes == 1:
+        # node-loss-local's nodes are simulated inside one agent: not yet real ones.
         raise ConfigError("--hosts", f"--scenario {scenario.name} runs no nodes to put in "
-                          "namespaces", "use --hosts netns with node-loss, node-loss-first or "
-                          "node-loss-local, or leave --hosts out")
+                          "namespaces", "use --hosts netns with node-loss or node-loss-first, "
+                          "or leave --hosts out")
     if rendezvous.backend != "c10d":
         raise ConfigError("--hosts", f"the nodes in namespaces reach only their bridge, not "
                           f"the etcd server of --rdzv-backend {rendezvous.backend}",

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,18 +27,19 @@ from megaresil.drills.scenarios import HOSTS_MODES
 from megaresil.ports import LOOPBACK, free_port
 
 RENDEZVOUS_PORT = 29400  # free in node 0's fresh namespace
-# Run inside the node's new mount and UTS namespaces: its hostname, a /dev/shm
-# and /etc/hosts of its own (the hosts file names every node, as a cluster's
-# DNS would: gloo finds a node's address from its hostname), then the command.
-NODE_SHELL = ('hostname "$1" && mount -t tmpfs tmpfs /dev/shm && mount --bind "$2" /etc/hosts '
-              '&& shift 2 && exec "$@"')
+# A node's first process, in its new mount and UTS namespaces: its hostname, a
+# /dev/shm and /etc/hosts of its own (the hosts file names every node, as a
+# cluster's DNS would: gloo finds a node's address from its hostname), then it
+# sleeps, holding the namespaces (and the /dev/shm) for the node's lifetime.
+NODE_INIT = ('hostname "$1" && mount -t tmpfs tmpfs /dev/shm && mount --bind "$2" /etc/hosts '
+             '&& echo ready && exec sleep infinity')
 
 
 def netns_missing_reason() -> Optional[str]:
     """Why nodes cannot run in namespaces here, or None when they can."""
     if os.geteuid() != 0:
         return "netns needs root (it makes network and mount namespaces): run as root, as CI does"
-    missing = [tool for tool in ("ip", "unshare") if not shutil.which(tool)]
+    missing = [tool for tool in ("ip", "unshare", "nsenter") if not shutil.which(tool)]
     if missing:
         return (f"netns needs {' and '.join(missing)}: install iproute2 and util-linux "
                 "(`make cluster-deps` does, as root)")
@@ -83,12 +86,14 @@ class Node:
     hostname: str
     address: str
     host_link: str  # the veth end on the bridge
+    procs: list[subprocess.Popen]  # the node's init first, then what was started on it
 
 
 class NetnsHosts:
     """Nodes in namespaces of their own on a bridge (see the module
     docstring). Everything it creates is named after `prefix` and removed by
-    close(), also when setting up fails part way."""
+    close(), also when setting up fails part way or the drill is stopped
+    (Ctrl-C, SIGTERM)."""
     mode = "netns"
 
     def __init__(self, count: int, prefix: Optional[str] = None):
@@ -101,9 +106,9 @@ class NetnsHosts:
         self.subnet = f"10.{200 + pid // 256 % 50}.{pid % 256}"
         self.bridge = f"{self.prefix}br"
         self.nodes: dict[int, Node] = {}
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.slots = 0  # addresses handed out: a replacement gets a new one
+        self.slots = 0  # addresses handed out
         self.dir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
+        self.saved_sigterm = None
         try:
             ip("link", "add", self.bridge, "type", "bridge")
             ip("addr", "add", f"{self.address_of_host()}/24", "dev", self.bridge)
@@ -115,10 +120,15 @@ class NetnsHosts:
             raise
 
     def __enter__(self) -> "NetnsHosts":
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM (a CI timeout, `timeout`) unwinds like Ctrl-C, through close().
+            self.saved_sigterm = signal.signal(signal.SIGTERM, stop_on_sigterm)
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+        if self.saved_sigterm is not None:
+            signal.signal(signal.SIGTERM, self.saved_sigterm)
 
     def address_of_host(self) -> str:
         """The bridge's address: the host seen from the nodes."""
@@ -126,9 +136,6 @@ class NetnsHosts:
 
     def address(self, node: int) -> str:
         return self.nodes[node].address
-
-    def namespace(self, node: int) -> str:
-        return self.nodes[node].namespace
 
     def rendezvous_endpoint(self) -> str:
         return f"{self.address(0)}:{RENDEZVOUS_PORT}"
@@ -139,18 +146,28 @@ class NetnsHosts:
         return ["--local-addr", self.address(node)]
 
     def add(self, node: int) -> None:
-        """Node `node` on the bridge: a namespace, a veth pair, an address."""
+        """Node `node` on the bridge: a namespace, a veth pair, an address,
+        its init process."""
         self.slots += 1
         name = f"{self.prefix}n{self.slots}"
-        self.nodes[node] = Node(name, f"{self.prefix}-node{node}",
-                                f"{self.subnet}.{self.slots}", f"{name}h")
+        n = self.nodes[node] = Node(name, f"{self.prefix}-node{node}",
+                                    f"{self.subnet}.{self.slots}", f"{name}h", [])
         ip("netns", "add", name)
-        ip("link", "add", f"{name}h", "type", "veth", "peer", "name", "eth0", "netns", name)
-        ip("link", "set", f"{name}h", "master", self.bridge, "up")
-        ip("-n", name, "addr", "add", f"{self.subnet}.{self.slots}/24", "dev", "eth0")
+        ip("link", "add", n.host_link, "type", "veth", "peer", "name", "eth0", "netns", name)
+        ip("link", "set", n.host_link, "master", self.bridge, "up")
+        ip("-n", name, "addr", "add", f"{n.address}/24", "dev", "eth0")
         ip("-n", name, "link", "set", "eth0", "up")
         ip("-n", name, "link", "set", "lo", "up")
         self.write_hosts_file()
+        init = subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--mount", "--uts",
+                                 "--propagation", "private", "--", "sh", "-c", NODE_INIT,
+                                 "node", n.hostname, str(self.dir / "hosts")],
+                                stdout=subprocess.PIPE, text=True)
+        n.procs.append(init)
+        if init.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"node {node}: its namespaces could not be set up "
+                               f"(exit code {init.wait()})")
+        init.stdout.close()
 
     def write_hosts_file(self) -> None:
         """Every node's name and address. Written in place: the nodes
@@ -161,19 +178,21 @@ class NetnsHosts:
             f.write("\n".join(lines) + "\n")
 
     def command(self, node: int, command: list[str]) -> list[str]:
-        """`command` as run on the node, in its namespaces."""
-        n = self.nodes[node]
-        return ["ip", "netns", "exec", n.namespace, "unshare", "--mount", "--uts",
-                "--propagation", "private", "--", "sh", "-c", NODE_SHELL, "node",
-                n.hostname, str(self.dir / "hosts"), *command]
+        """`command` as run on the node: in its init's namespaces, in this
+        directory (the run directory and recipes are shared)."""
+        init = self.nodes[node].procs[0]
+        return ["nsenter", f"--target={init.pid}", "--net", "--mount", "--uts",
+                f"--wd={os.getcwd()}", "--", *command]
 
     def start(self, node: int, command: list[str], **popen) -> subprocess.Popen:
-        self.procs[node] = subprocess.Popen(self.command(node, command), **popen)
-        return self.procs[node]
+        proc = subprocess.Popen(self.command(node, command), **popen)
+        self.nodes[node].procs.append(proc)
+        return proc
 
     def pids(self, node: int) -> list[int]:
         """The processes running on the node."""
-        return [int(pid) for pid in ip("netns", "pids", self.namespace(node)).split()]
+        out = ip("netns", "pids", self.nodes[node].namespace, check=False)
+        return [int(pid) for pid in out.split()]
 
     def lose(self, node: int) -> None:
         """The node dies: SIGKILL every process in its namespace, then the
@@ -188,17 +207,13 @@ class NetnsHosts:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
-        if node in self.procs:
-            self.procs.pop(node).wait()
-        wait_gone(procs)
         n = self.nodes.pop(node)
+        for started in n.procs:
+            started.kill()  # one that had not entered the namespace yet
+            started.wait()
+        wait_gone(procs)
         ip("netns", "del", n.namespace, check=False)
         ip("link", "del", n.host_link, check=False)  # gone with the namespace, normally
-
-    def replace(self, node: int) -> None:
-        """A fresh machine in the lost node's place: its hostname, a new
-        namespace and address, an empty /dev/shm."""
-        self.add(node)
 
     def close(self) -> None:
         """Remove every node, the bridge and the hosts file (idempotent)."""
@@ -206,6 +221,10 @@ class NetnsHosts:
             self.lose(node)
         ip("link", "del", self.bridge, check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def stop_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def wait_gone(procs: list[psutil.Process], timeout_s: float = 10.0) -> None:

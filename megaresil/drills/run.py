@@ -107,34 +107,45 @@ class Rendezvous:
 
 def run_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
                   lose_after_step: int, hosts, *, lose_first: bool = False,
-                  replace: bool = False,
-                  rendezvous: Rendezvous = Rendezvous()) -> tuple[int, float]:
+                  rendezvous: Rendezvous = Rendezvous(),
+                  timeout_s: Optional[float] = None) -> tuple[int, float]:
     """Two agents ("nodes") form one elastic job on `hosts` (drills/hosts.py);
     once `lose_after_step` is done, one node is lost with its workers: the
     second, or with `lose_first` the first (with c10d it hosts the rendezvous
     store; as the lower pid or address it is also rank 0, whose agent hosts
-    the workers' store). With `replace` the job keeps two nodes (--nnodes 2)
-    and a fresh one takes the lost one's place, so the layout stays and the
-    local tier can resume. Returns (the job's exit code, loss time)."""
-    endpoint = rendezvous.endpoint or hosts.rendezvous_endpoint()
-    membership = ["--nnodes", "2" if replace else "1:2", "--nproc-per-node", str(world // 2),
-                  "--rdzv-backend", rendezvous.backend, "--rdzv-endpoint", endpoint,
-                  "--rdzv-id", f"chaos-{os.getpid()}-{int(time.time())}"]
-    command = train_command(recipe, overrides, run_dir) + membership
-
-    def start(node: int):
-        return hosts.start(node, command + hosts.node_options(node)
-                           + rendezvous.options(first=node == 0))
-    agents = [start(0), start(1)]
+    the workers' store). Returns (the survivor's exit code, loss time);
+    TIMED_OUT when it has not ended within `timeout_s`."""
+    deadline = None if timeout_s is None else time.time() + timeout_s
+    agents = start_agents(recipe, overrides, run_dir, world, hosts, rendezvous)
     lost = 0 if lose_first else 1
     survivor = agents[1 - lost]
     lost_at = wait_for_step(run_dir, lose_after_step, survivor)
     hosts.lose(lost)
-    if not replace:
-        return survivor.wait(), lost_at
-    hosts.replace(lost)
-    newcomer = start(lost)
-    return survivor.wait() or newcomer.wait(), lost_at
+    return wait_until(survivor, deadline), lost_at
+
+
+def start_agents(recipe: str, overrides: list[str], run_dir: Path, world: int, hosts,
+                 rendezvous: Rendezvous) -> list[subprocess.Popen]:
+    """One agent on each of the two nodes, meeting under a new job id; the
+    job may shrink to one."""
+    endpoint = rendezvous.endpoint or hosts.rendezvous_endpoint()
+    membership = ["--nnodes", "1:2", "--nproc-per-node", str(world // 2),
+                  "--rdzv-backend", rendezvous.backend, "--rdzv-endpoint", endpoint,
+                  "--rdzv-id", f"chaos-{os.getpid()}-{time.time_ns()}"]
+    command = train_command(recipe, overrides, run_dir) + membership
+    return [hosts.start(node, command + hosts.node_options(node)
+                        + rendezvous.options(first=node == 0)) for node in (0, 1)]
+
+
+def wait_until(proc: subprocess.Popen, deadline: Optional[float]) -> int:
+    """The process's exit code, or TIMED_OUT (it and its children killed)
+    at the deadline (epoch s)."""
+    try:
+        return proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.wait()
+        return TIMED_OUT
 
 
 def run_simulated_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
