@@ -3,9 +3,9 @@
 namespace with its own address on a bridge (through a veth pair), a UTS
 namespace with its own hostname and a mount namespace with its own /dev/shm
 (so its local checkpoint tier) and /etc/hosts, the run directory shared.
-Agents then meet over the bridge, the local tier's replicas cross a real
-link, and a lost node takes its /dev/shm with it. Namespaces need root and
-iproute2's `ip`."""
+Agents then meet over the bridge, the local tier's replicas (when it is on)
+cross a real link, and a lost node takes its /dev/shm with it. Namespaces
+need root, iproute2's `ip` and util-linux (docs/fault-tolerance.md)."""
 from __future__ import annotations
 
 import os
@@ -49,8 +49,6 @@ def netns_missing_reason() -> Optional[str]:
 class LocalHosts:
     """Every node a plain process tree on this machine, meeting on loopback
     (today's drills)."""
-    mode = "local"
-
     def __init__(self):
         self.procs: dict[int, subprocess.Popen] = {}
 
@@ -94,8 +92,6 @@ class NetnsHosts:
     docstring). Everything it creates is named after `prefix` and removed by
     close(), also when setting up fails part way or the drill is stopped
     (Ctrl-C, SIGTERM)."""
-    mode = "netns"
-
     def __init__(self, count: int, prefix: Optional[str] = None):
         reason = netns_missing_reason()
         if reason:
