@@ -32,12 +32,13 @@ test: setup cluster-deps
 	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The test_slurm_* tests run a real one-host Slurm cluster, the test_etcd_*
-# tests a real etcd server. As root on a machine with apt (CI, a fresh VM)
-# their Debian packages are installed here; elsewhere those tests skip and say why.
-CLUSTER_PKGS ?= slurmctld slurmd slurm-client munge etcd-server
+# tests a real etcd server, test_netns_hosts nodes in namespaces (iproute2's
+# `ip`). As root on a machine with apt (CI, a fresh VM) their Debian packages
+# are installed here; elsewhere those tests skip and say why.
+CLUSTER_PKGS ?= slurmctld slurmd slurm-client munge etcd-server iproute2
 cluster-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-		! { command -v slurmctld && command -v etcd; } >/dev/null; then \
+		! { command -v slurmctld && command -v etcd && command -v ip; } >/dev/null; then \
 		echo "installing $(CLUSTER_PKGS) for the cluster tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 			$(CLUSTER_PKGS) >/dev/null; \

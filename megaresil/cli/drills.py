@@ -5,7 +5,7 @@ import argparse
 
 # No torch at the top (see cli/__init__.py): each command imports what it needs.
 from megaresil.cli.common import add_recipe_args
-from megaresil.drills.scenarios import scenarios
+from megaresil.drills.scenarios import HOSTS_MODES, scenarios
 
 # The scenario table's names (whatever the rank and steps), from its light
 # module: `chaos --help` needs no torch.
@@ -22,7 +22,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
                           reference=Path(args.reference) if args.reference else None,
                           rank=args.rank, step=args.step,
                           rendezvous=Rendezvous(args.rdzv_backend, args.rdzv_endpoint),
-                          timeout_s=args.timeout)
+                          timeout_s=args.timeout, hosts=args.hosts)
     print(format_result(result))
     ok = result["recovered"] and result["final_loss_equal"]
     return 0 if ok else 1
@@ -57,6 +57,11 @@ def add_chaos_parser(sub) -> None:
                             "--rdzv-endpoint ETCD_HOST:PORT)")
     chaos.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                        help="the etcd server of --rdzv-backend etcd or etcd-v2")
+    chaos.add_argument("--hosts", default="local", choices=HOSTS_MODES,
+                       help="where node-loss and node-loss-first run their nodes: local "
+                            "(default), processes on this machine; netns, each node in network, "
+                            "UTS and mount namespaces of its own on a bridge (own address, "
+                            "hostname and /dev/shm; needs root)")
     chaos.set_defaults(func=cmd_chaos, overrides_anywhere=True)
 
 

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from megaresil.config import load_recipe
+from megaresil.config import ConfigError, load_recipe
 from megaresil.drills.analyse import analyse_scenario
+from megaresil.drills.hosts import netns_missing_reason, open_hosts
 from megaresil.drills.run import (Rendezvous, run_node_loss, run_simulated_node_loss,
                                   run_training, run_with_requeue)
 from megaresil.drills.scenarios import fault_overrides, scenarios
@@ -29,7 +30,8 @@ from megaresil.safe_files import write_atomic
 
 def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Optional[Path],
                  rank: Optional[int], step: Optional[int],
-                 rendezvous: Rendezvous = Rendezvous(), timeout_s: float = 900.0) -> dict:
+                 rendezvous: Rendezvous = Rendezvous(), timeout_s: float = 900.0,
+                 hosts: str = "local") -> dict:
     cfg = load_recipe(recipe, overrides)
     root = Path(cfg.run.dir)
     world = cfg.parallel.world_size
@@ -46,6 +48,7 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
         raise ValueError(f"--scenario: unknown scenario {name!r}; one of {sorted(table)}")
     scenario = table[name]
     check_fits(scenario, cfg, fault_step)
+    check_hosts(scenario, hosts, rendezvous)
     check_device_faults(scenario.faults, visible_gpus())
     if reference is None or scenario.reference_settings:  # a reference of its own
         reference = root / ("reference-" + name if scenario.reference_settings else "reference")
@@ -57,9 +60,11 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     shutil.rmtree(faulted, ignore_errors=True)
     fault_time = None
     if scenario.nodes > 1:
-        code, fault_time = run_node_loss(recipe, overrides + scenario.settings, faulted, world,
-                                         fault_step, lose_first=scenario.lose_first,
-                                         rendezvous=rendezvous)
+        with open_hosts(hosts, scenario.nodes) as nodes:
+            code, fault_time = run_node_loss(recipe, overrides + scenario.settings, faulted,
+                                             world, fault_step, nodes,
+                                             lose_first=scenario.lose_first,
+                                             rendezvous=rendezvous, timeout_s=timeout_s)
     elif scenario.lose_simulated_node:
         code, fault_time = run_simulated_node_loss(recipe, overrides + scenario.settings,
                                                    faulted, world, fault_step)
@@ -69,7 +74,7 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
                                 requeues=int(scenario.requeue_after_exit),
                                 deadline=time.time() + timeout_s)[-1].exit_code
     result = {**analyse_scenario(reference, faulted, scenario, fault_time), "exit_code": code,
-              "reference": str(reference), "faulted": str(faulted)}
+              "reference": str(reference), "faulted": str(faulted), "hosts": hosts}
     result["report"] = str(write_report(faulted, [reference]))
     write_atomic(root / f"chaos-{name}.json", json.dumps(result, indent=1))
     write_atomic(root / "chaos.json", json.dumps(result, indent=1))
@@ -90,11 +95,30 @@ def check_fits(scenario, cfg, fault_step: int) -> None:
                          "or later")
 
 
+def check_hosts(scenario, hosts: str, rendezvous: Rendezvous) -> None:
+    """Refuse nodes in namespaces where there are none, or where they could
+    not meet, before any run."""
+    if hosts == "local":
+        return
+    if scenario.nodes == 1:
+        # node-loss-local's nodes are simulated inside one agent: not yet real ones.
+        raise ConfigError("--hosts", f"--scenario {scenario.name} runs no nodes to put in "
+                          "namespaces", "use --hosts netns with node-loss or node-loss-first, "
+                          "or leave --hosts out")
+    if rendezvous.backend != "c10d":
+        raise ConfigError("--hosts", f"the nodes in namespaces reach only their bridge, not "
+                          f"the etcd server of --rdzv-backend {rendezvous.backend}",
+                          "leave --rdzv-backend out (c10d, on the first node's address)")
+    if netns_missing_reason():
+        raise ConfigError("--hosts", netns_missing_reason())
+
+
 def format_result(r: dict) -> str:
     def seconds(v):
         return "-" if v is None else f"{v:.2f} s"
     return "\n".join([
         f"scenario          {r['scenario']}",
+        f"hosts             {r['hosts']}",
         f"recovered         {r['recovered']} (exit code {r['exit_code']})",
         f"detection latency {seconds(r['detection_latency_s'])}",
         f"restart time      {seconds(r['restart_time_s'])}",

@@ -18,7 +18,6 @@ import psutil
 from megaresil.checkpoint.local.store import local_root, node_dir
 from megaresil.config import load_recipe
 from megaresil.events import read_metrics
-from megaresil.ports import free_port
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 
 
@@ -107,25 +106,46 @@ class Rendezvous:
 
 
 def run_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
-                  lose_after_step: int, *, lose_first: bool = False,
-                  rendezvous: Rendezvous = Rendezvous()) -> tuple[int, float]:
-    """Two agents ("nodes") form one elastic job; once `lose_after_step` is
-    done, one agent and its workers are killed: the second, or with
-    `lose_first` the first (with c10d it hosts the rendezvous store; as the
-    lower pid on this machine it is also rank 0, whose agent hosts the
-    workers' store). Returns (the survivor's exit code, loss time)."""
-    endpoint = rendezvous.endpoint or f"127.0.0.1:{free_port()}"
+                  lose_after_step: int, hosts, *, lose_first: bool = False,
+                  rendezvous: Rendezvous = Rendezvous(),
+                  timeout_s: Optional[float] = None) -> tuple[int, float]:
+    """Two agents ("nodes") form one elastic job on `hosts` (drills/hosts.py);
+    once `lose_after_step` is done, one node is lost with its workers: the
+    second, or with `lose_first` the first (with c10d it hosts the rendezvous
+    store; as the lower pid or address it is also rank 0, whose agent hosts
+    the workers' store). Returns (the survivor's exit code, loss time);
+    TIMED_OUT when it has not ended within `timeout_s`."""
+    deadline = None if timeout_s is None else time.time() + timeout_s
+    agents = start_agents(recipe, overrides, run_dir, world, hosts, rendezvous)
+    lost = 0 if lose_first else 1
+    survivor = agents[1 - lost]
+    lost_at = wait_for_step(run_dir, lose_after_step, survivor)
+    hosts.lose(lost)
+    return wait_until(survivor, deadline), lost_at
+
+
+def start_agents(recipe: str, overrides: list[str], run_dir: Path, world: int, hosts,
+                 rendezvous: Rendezvous) -> list[subprocess.Popen]:
+    """One agent on each of the two nodes, meeting under a new job id; the
+    job may shrink to one."""
+    endpoint = rendezvous.endpoint or hosts.rendezvous_endpoint()
     membership = ["--nnodes", "1:2", "--nproc-per-node", str(world // 2),
                   "--rdzv-backend", rendezvous.backend, "--rdzv-endpoint", endpoint,
-                  "--rdzv-id", f"chaos-{os.getpid()}-{int(time.time())}"]
+                  "--rdzv-id", f"chaos-{os.getpid()}-{time.time_ns()}"]
     command = train_command(recipe, overrides, run_dir) + membership
-    first = subprocess.Popen(command + rendezvous.options(first=True))
-    second = subprocess.Popen(command + rendezvous.options(first=False))
-    lost, survivor = (first, second) if lose_first else (second, first)
-    lost_at = wait_for_step(run_dir, lose_after_step, survivor)
-    kill_tree(lost.pid)
-    lost.wait()
-    return survivor.wait(), lost_at
+    return [hosts.start(node, command + hosts.node_options(node)
+                        + rendezvous.options(first=node == 0)) for node in (0, 1)]
+
+
+def wait_until(proc: subprocess.Popen, deadline: Optional[float]) -> int:
+    """The process's exit code, or TIMED_OUT (it and its children killed)
+    at the deadline (epoch s)."""
+    try:
+        return proc.wait(timeout=None if deadline is None else max(0.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.wait()
+        return TIMED_OUT
 
 
 def run_simulated_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,

@@ -23,6 +23,9 @@ class Scenario:
     spike_window: int = 0  # > 0: the fault step must come after warmup and this many steps
 
 
+# Where the node scenarios' nodes run (drills/hosts.py): named here, with the
+# scenarios, for `chaos --help`.
+HOSTS_MODES = ("local", "netns")
 SPIKE_WINDOW = 5  # loss-spike: a short window, so a short drill has the detector on
 
 
