@@ -335,12 +335,18 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def table_start(title: str, measured_line: str, columns: list[str]) -> list[str]:
+    """A section's heading, how it was measured, and its table's header."""
+    return ["", f"## {title}", "", measured_line, "", "| " + " | ".join(columns) + " |",
+            "|" + " --- |" * len(columns)]
+
+
 def overhead_markdown(report: dict, measured) -> list[str]:
-    lines = ["", "## Step overhead", "", measured(report["overhead_run"]), "",
-             "| variant | median step (s) | steps | step time over checks off, median of "
-             "rounds (range) | inside the checks, rank 0 (waits included) | inside the checks, "
-             "the fastest rank's (their own cost) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = table_start("Step overhead", measured(report["overhead_run"]), [
+        "variant", "median step (s)", "steps",
+        "step time over checks off, median of rounds (range)",
+        "inside the checks, rank 0 (waits included)",
+        "inside the checks, the fastest rank's (their own cost)"])
     lines += [f"| {r['variant']} | {r['median_step_s']:.4f} | {r['steps']} | {r['ratio']:.3f} "
               f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {100 * r['check_share']:.2f} % | "
               f"{100 * r['check_own_share']:.2f} % |" for r in report["overhead"]]
@@ -348,11 +354,10 @@ def overhead_markdown(report: dict, measured) -> list[str]:
 
 
 def campaign_markdown(report: dict, measured) -> list[str]:
-    lines = ["", "## Bit flips", "", measured(report["campaign_run"]), "",
-              "| class | bits | flips | named and restored | found by the non-finite check | "
-              "caught (dp=1: non-finite or spike) | caught, ended bit-equal | not caught, moved "
-              "the loss | run bit-equal at end | false alarms |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = table_start("Bit flips", measured(report["campaign_run"]), [
+        "class", "bits", "flips", "named and restored", "found by the non-finite check",
+        "caught (dp=1: non-finite or spike)", "caught, ended bit-equal",
+        "not caught, moved the loss", "run bit-equal at end", "false alarms"])
     dash = lambda v: "-" if v is None else v
     for r in report["campaign"]:
         lines.append(f"| {r['class']} | {r['bits']} | {r['flips']} | {dash(r.get('attributed'))} | "
