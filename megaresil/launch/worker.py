@@ -20,6 +20,9 @@ from megaresil.run_lock import HELD_ENV, held_by_worker
 from megaresil.slurm import SlurmStep
 
 
+ERRORED = "errored"  # an outcome: this rank failed, and the launcher restarts the workers
+
+
 def inside_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ
                                                     and "WORLD_SIZE" in os.environ)
@@ -92,7 +95,20 @@ def worker(recipe: str, overrides: list[str]) -> str:
         check_links(cfg)
         check_resume_recipe(cfg)
     with held_by_worker(Path(cfg.run.dir), rank, checkpoint_root(cfg)):  # refused: the error goes to the console
-        return _train_as_worker(cfg, rank, world, device)
+        outcome = _train_as_worker(cfg, rank, world, device)
+    if outcome == ERRORED:
+        exit_abandoning_saves(1)
+    return outcome
+
+
+def exit_abandoning_saves(code: int) -> None:
+    """Exit now. A failure abandons this rank's save threads, blocked in
+    collectives its peers never join; the interpreter's exit would join
+    them, up to the checkpoint timeout, and hold up the relaunch. What they
+    left half-written is removed when the job next starts."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _train_as_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device) -> str:
@@ -109,4 +125,4 @@ def _train_as_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.dev
         # Already in events.jsonl (and on the launcher's console, one line):
         # record it for TorchElastic, but spare the console the traceback.
         get_error_handler().record_exception(err)
-        sys.exit(1)
+        return ERRORED

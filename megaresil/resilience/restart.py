@@ -42,7 +42,7 @@ from megaresil.resilience.numerics import PersistentNumericalFault
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
-from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, raise_in_thread
+from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, HangAbort, raise_in_thread
 from megaresil.resilience.watchdog.monitor import Watchdog
 
 # Failures a restart cannot cure (a bad recipe, no usable checkpoint, a full
@@ -344,10 +344,8 @@ class WorkerLife:
             self.preemption.saving_possible = True
             return job.run()
         except BaseException as err:  # noqa: B902  (HangAbort and DCP's errors are BaseExceptions)
+            self._leave_generation()
             self.preemption.saving_possible = False
-            if self.watchdog is not None:
-                self.watchdog.pause()
-            raise_in_thread(threading.main_thread().ident, None)  # drop a pending abort
             self._handle_failure(err, made_progress=self._progressed(supervision))
             return None
         finally:
@@ -355,6 +353,20 @@ class WorkerLife:
                 job.close()
             del job
             self._teardown()
+
+    def _leave_generation(self) -> None:
+        """Stop the watchdog judging this rank, and drop an abort it raised
+        here before: after pause() it raises none, but one raised just before
+        lands at any bytecode until cleared, pause()'s own included. The
+        monitor raises once a generation, so at most one lands."""
+        while True:
+            try:
+                if self.watchdog is not None:
+                    self.watchdog.pause()
+                raise_in_thread(threading.main_thread().ident, None)
+                return
+            except HangAbort:
+                continue
 
     def _supervision(self) -> Supervision:
         generation = restarts_recorded(self.run_dir)

@@ -83,6 +83,35 @@ def test_an_endless_computation_is_caught_at_the_hard_limit(tmp_path):
     assert detected["why"] == "slow_limit"
 
 
+def test_a_rank_that_leaves_the_generation_while_an_abort_is_on_its_way_is_not_hit(
+        tmp_path, monkeypatch):
+    # A peer announced an abort; this rank's monitor reads it and dumps the
+    # stacks while the training thread fails on its own and leaves the
+    # generation. HangAbort must not land in that thread's failure handling
+    # (it did: the worker died, and a restart waited out the checkpoint timeout).
+    import megaresil.resilience.watchdog.monitor as monitor
+
+    clock, cpu = FakeClock(), FakeCpu()
+    store = dist.HashStore()
+    wd = watchdog(tmp_path, store, clock, cpu)
+    store.set("abort/0", json.dumps({"reason": "error", "rank": 1}))
+    dumped = monitor.dump_stacks
+
+    def dump_while_the_thread_leaves(*args):
+        dumped(*args)
+        wd.pause()
+
+    monkeypatch.setattr(monitor, "dump_stacks", dump_while_the_thread_leaves)
+    try:
+        wd.poll()
+        for _ in range(1000):  # bytecodes enough for a pending HangAbort to land
+            pass
+    finally:
+        wd.close()
+    assert (tmp_path / "hangs" / "generation_0" / "rank0.txt").exists()
+    assert json.loads(store.get("hb/0/0"))["state"] == "left"
+
+
 # --- calibration -----------------------------------------------------------------
 
 def test_calibrated_budgets_have_a_floor(tmp_path):

@@ -61,12 +61,11 @@ def set_collective_timeouts(seconds: float, exempt: set) -> None:
             set_gloo_timeout(group, seconds)
 
 
-def free_training_thread(thread_id: int) -> None:
-    """Abort the NCCL communicators (their blocked ops return) and raise
-    HangAbort in the thread at its next bytecode."""
+def abort_nccl_groups() -> None:
+    """Abort the NCCL communicators: ops blocked in them return (gloo has no
+    such abort)."""
     if dist.is_initialized() and has_nccl_groups():
         abort_process_groups()
-    raise_in_thread(thread_id, HangAbort)
 
 
 def dump_stacks(path: Path, headline: str, mode: str) -> None:

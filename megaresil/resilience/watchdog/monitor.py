@@ -20,12 +20,13 @@ from megaresil.events import EventLog
 from megaresil.observe.sections import SectionTime
 from megaresil.parallel.layout import use_device
 from megaresil.resilience.stragglers import StragglerDetector
-from megaresil.resilience.watchdog.abort import (ABORT_GRACE_S, ExitTimer, Guardian, dump_stacks,
-                                                 exit_for_relaunch, free_training_thread,
+from megaresil.resilience.watchdog.abort import (ABORT_GRACE_S, ExitTimer, Guardian, HangAbort,
+                                                 abort_nccl_groups, dump_stacks,
+                                                 exit_for_relaunch, raise_in_thread,
                                                  set_collective_timeouts)
 from megaresil.resilience.watchdog.budgets import Budgets, what_differs
 from megaresil.resilience.watchdog.clock import Clock, SystemClock
-from megaresil.resilience.watchdog.judgement import (Alarm, PeerBeats, ProgressMeter, position,
+from megaresil.resilience.watchdog.judgement import (Alarm, PeerBeats, ProgressMeter,
                                                      store_intervals, stuck_or_running, verdict)
 from megaresil.resilience.watchdog.probes import (machine_kind, thread_cpu_clock,
                                                   waiting_in_torch_distributed)
@@ -52,6 +53,7 @@ class Watchdog:
                                      "machine": machine_kind()})
         self.current = ("setup", 0, clock.monotonic())
         self.generation: int | None = None  # None: paused between generations
+        self.leaving: int | None = None  # the generation pause() has yet to publish "left" in
         self.aborted = False
         self.exit_timer = ExitTimer(clock)  # armed by an abort
         self.main_thread = threading.main_thread().ident
@@ -106,15 +108,20 @@ class Watchdog:
             self.stragglers.restart()
 
     def pause(self) -> None:
-        """Leave the generation: peers stop counting this rank as a culprit."""
+        """Leave the generation: peers stop counting this rank as a culprit,
+        and once this returns the monitor raises no abort in the training
+        thread (_abort checks the generation under the same lock). A second
+        call publishes the "left" a first one interrupted did not."""
         with self.lock:
-            generation, self.generation = self.generation, None
-        if generation is None:
+            if self.generation is not None:
+                self.leaving, self.generation = self.generation, None
+        if self.leaving is None:
             return
         try:
-            self._publish(generation, state="left")
+            self._publish(self.leaving, state="left")
         except Exception as err:  # the store is gone: so is the job, nobody is judging
             print(f"megaresil watchdog (rank {self.rank}): {err}", file=sys.stderr)
+        self.leaving = None
 
     def calibration(self) -> dict:
         return self.budgets.calibration()
@@ -180,7 +187,7 @@ class Watchdog:
         if now >= self.next_abort_poll:
             self.next_abort_poll = now + self.abort_poll_every
             if self.store.check([self._key("abort")]):
-                self._abort(json.loads(self.store.get(self._key("abort"))))
+                self._abort(generation, json.loads(self.store.get(self._key("abort"))))
                 return
         section, step, started = self.current
         waited = now - started
@@ -189,7 +196,7 @@ class Watchdog:
             return
         if self.alarm is None or self.alarm.started != started:
             self.alarm = Alarm(section, step, started)
-        self._judge(self.alarm, waited, now)
+        self._judge(generation, self.alarm, waited, now)
 
     def _publish(self, generation: int, state: str = "running") -> None:
         now = self.clock.monotonic()
@@ -211,14 +218,14 @@ class Watchdog:
 
     # --- judging an alarm -----------------------------------------------------------
 
-    def _judge(self, alarm: Alarm, waited: float, now: float) -> None:
+    def _judge(self, generation: int, alarm: Alarm, waited: float, now: float) -> None:
         if now >= alarm.next_read:
             alarm.next_read = now + self.heartbeat_every
             self._read_culprits(alarm, now)
         states = [self._culprit_state(r, now) for r in alarm.culprits]
         found = verdict(states, waited, self.slow_limit(alarm.section), alarm.suspected)
         if found in ("stuck", "slow_limit"):
-            self._declare(alarm, waited, found)
+            self._declare(generation, alarm, waited, found)
         elif found == "suspect":
             alarm.suspected = True
             self._suspect(alarm, waited)
@@ -265,36 +272,40 @@ class Watchdog:
         if self.store.compare_set(key, "", str(self.rank)) == str(self.rank).encode():
             self.events.emit("hang_suspected", **{k: v for k, v in report.items() if k != "rank"})
 
-    def _declare(self, alarm: Alarm, waited: float, why: str) -> None:
+    def _declare(self, generation: int, alarm: Alarm, waited: float, why: str) -> None:
         report = {**self._report(alarm, waited), "why": why,
-                  "stack_dump": str(self.hang_dir / f"generation_{self.generation}")}
+                  "stack_dump": str(self.hang_dir / f"generation_{generation}")}
         mine = json.dumps(report)
         if self.store.compare_set(self._key("hang"), "", mine) == mine.encode():
             self.events.emit("hang_detected", **{k: v for k, v in report.items() if k != "rank"})
             self.store.set(self._key("abort"), json.dumps({"reason": "hang", **report}))
-        self._abort({"reason": "hang", **report})
+        self._abort(generation, {"reason": "hang", **report})
 
     # --- aborting -------------------------------------------------------------------
 
-    def _dump_path(self) -> Path:
-        return self.hang_dir / f"generation_{self.generation}" / f"rank{self.rank}.txt"
+    def _dump_path(self, generation: int) -> Path:
+        return self.hang_dir / f"generation_{generation}" / f"rank{self.rank}.txt"
 
-    def _abort(self, reason: dict) -> None:
+    def _abort(self, generation: int, reason: dict) -> None:
         """Free this rank's training thread: dump stacks, abort NCCL
         communicators, and raise HangAbort at its next bytecode (a gloo op
         already blocked returns at its timeout)."""
         self.aborted = True
-        dump_stacks(self._dump_path(), f"abort: {json.dumps(reason)}", "w")
+        dump_stacks(self._dump_path(generation), f"abort: {json.dumps(reason)}", "w")
         if self.exit_on_hang is not None:  # no in-process restart: the launcher restarts us
             os._exit(self.exit_on_hang)
-        generation = self.generation
         self.exit_timer.arm(self.slow_limit(self.current[0]) + ABORT_GRACE_S,
                             lambda: self._exit_if_not_freed(generation))
-        free_training_thread(self.main_thread)
+        abort_nccl_groups()
+        with self.lock:
+            # The thread may have left the generation meanwhile, failing on its
+            # own: HangAbort would then land in its failure handling.
+            if self.generation == generation:
+                raise_in_thread(self.main_thread, HangAbort)
 
-    def _exit_if_not_freed(self, generation: int | None) -> None:
+    def _exit_if_not_freed(self, generation: int) -> None:
         """Exit for a relaunch if the training thread still has not left the
         aborted generation (see abort.exit_for_relaunch)."""
         if self.aborted and self.generation == generation:
-            exit_for_relaunch(self.events, self._dump_path(), section=self.current[0],
+            exit_for_relaunch(self.events, self._dump_path(generation), section=self.current[0],
                               generation=generation)
