@@ -30,6 +30,7 @@ from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState, training_rects, weight_rects
 from megaresil.checkpoint.validation import (check_shapes, nonfinite_keys, nonfinite_refusal,
                                              read_manifest, verify_shards)
+from megaresil.fencing import Fence, Fenced
 
 if TYPE_CHECKING:
     from megaresil.checkpoint.local.tier import LocalTier
@@ -82,9 +83,10 @@ def commit(partial: Path, final: Path, manifest: dict, make_room: Callable[[Path
 class Checkpointer(BackgroundSaves):
     def __init__(self, root: Path, backend: str, *, group: Optional[dist.ProcessGroup],
                  asynchronous: bool, keep: int, events, device: torch.device,
-                 local: Optional[LocalTier] = None):
+                 local: Optional[LocalTier] = None, fence: Optional[Fence] = None):
         super().__init__("ckpt-save", group, device)
         self.root = root
+        self.fence = fence  # None: no restarts (library use): every commit is this job's
         self.local = local  # the node-local tier (checkpoint/local/), on a thread of its own
         self.backend: Backend = get_backend(backend)
         self.asynchronous, self.keep, self.events = asynchronous, keep, events
@@ -172,7 +174,9 @@ class Checkpointer(BackgroundSaves):
     def _write_and_commit(self, staged: list[Rect], state: RunRecord, rank_state: dict,
                           started: float, report: SaveReport) -> None:
         name = fmt.step_dir_name(state.step)
-        partial = self.root / f"{name}.partial-0"
+        # Named by the generation: ranks a re-formed job left behind never
+        # write into the directory the job now saves the same step in.
+        partial = self.root / f"{name}.partial-{self.fence.name() if self.fence else 0}"
         if self.coll.rank == 0:
             if partial.exists():
                 shutil.rmtree(partial)
@@ -219,11 +223,23 @@ class Checkpointer(BackgroundSaves):
     def _commit(self, name: str, partial: Path, all_written: list[list[dict]],
                 state: RunRecord) -> Path:
         final = self.root / name
+        self._check_fence(f"the commit of {name}", partial)
         commit(partial, final, build_manifest(self.backend.name, state, all_written),
                make_room=self._set_aside)
         fmt.update_latest(self.root, name)
         self._retain(final)
         return final
+
+    def _check_fence(self, write: str, partial: Path) -> None:
+        """A save of a generation the job re-formed without is dropped, not
+        committed (fencing.py): it raises Fenced."""
+        if self.fence is None:
+            return
+        try:
+            self.fence.check(write)
+        except Fenced:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
 
     def _set_aside(self, existing: Path) -> None:
         """A checkpoint of the same step exists (a run restarted from scratch

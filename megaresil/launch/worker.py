@@ -113,6 +113,7 @@ def exit_abandoning_saves(code: int) -> None:
 
 def _train_as_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device) -> str:
     from megaresil.resilience.restart import JobFailed, run_worker
+    from megaresil.fencing import Fenced
     from megaresil.resilience.watchdog.abort import HangAbort
 
     try:
@@ -121,7 +122,7 @@ def _train_as_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.dev
         if HELD_ENV not in os.environ:
             raise  # not under megaresil's launcher: the exit status must say it
         return "failed"  # exit 0: no relaunch; the launcher reports run_failed
-    except (Exception, HangAbort) as err:
+    except (Exception, HangAbort, Fenced) as err:
         # Already in events.jsonl (and on the launcher's console, one line):
         # record it for TorchElastic, but spare the console the traceback.
         get_error_handler().record_exception(err)

@@ -10,7 +10,6 @@ docs/fault-tolerance.md ("What happens", "Restarts") says it for users."""
 from __future__ import annotations
 
 import gc
-import json
 import os
 import socket
 import threading
@@ -30,12 +29,13 @@ from megaresil.checkpoint.format import CheckpointError
 from megaresil.checkpoint.local.replication import ranks_per_node
 from megaresil.checkpoint.local.store import local_root, newest_complete_step, node_dir
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
-from megaresil.compat import (abort_process_groups, has_nccl_groups, lost_peer_error,
-                              tcp_store_listening_on)
+from megaresil.compat import abort_process_groups, has_nccl_groups, tcp_store_listening_on
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import EventLog, read_events, read_metrics
+from megaresil.fencing import Fence, Fenced, fence_of, new_token, set_fence
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import backend_for, use_device
+from megaresil.resilience.abort_board import AbortBoard
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.incidents import is_abort
 from megaresil.resilience.numerics import PersistentNumericalFault
@@ -170,60 +170,6 @@ def workload(cfg: RecipeConfig) -> dict:
             "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size}
 
 
-class AbortBoard:
-    """The generation's abort record in the store: the first failing rank
-    announces it (compare-and-set), every rank reads the same cause."""
-
-    def __init__(self, store: dist.Store, rank: int):
-        self.store, self.rank = store, rank
-
-    @staticmethod
-    def key(generation: int) -> str:
-        return f"abort/{generation}"  # the watchdog declares hangs under the same key
-
-    def announced(self, generation: int) -> bool:
-        return self.store.check([self.key(generation)])
-
-    def announce(self, generation: int, err: BaseException, reason: str = "error") -> str:
-        """Announce this rank's failure unless a rank already did; returns
-        the first announced cause."""
-        return self._describe(self._first(generation, err, reason))
-
-    def _first(self, generation: int, err: BaseException, reason: str) -> dict:
-        mine = json.dumps({"reason": reason, "rank": self.rank,
-                           "error": f"{type(err).__name__}: {err}"[:500]})
-        return json.loads(self.store.compare_set(self.key(generation), "", mine))
-
-    def fatal(self, generation: int, err: BaseException) -> Optional[dict]:
-        """Announce `err` as fatal unless another cause came first; the
-        first announcement when it is fatal (every rank stops), else None."""
-        first = self._first(generation, err, "fatal")
-        return first if first.get("reason") == "fatal" else None
-
-    def fatal_announced(self, generation: int) -> bool:
-        if not self.announced(generation):
-            return False
-        return json.loads(self.store.get(self.key(generation))).get("reason") == "fatal"
-
-    @staticmethod
-    def _describe(first: dict) -> str:
-        if first.get("reason") == "hang":
-            return (f"hang on rank(s) {first.get('culprit_ranks')} in {first.get('section')} "
-                    f"at step {first.get('step')}")
-        return f"rank {first['rank']}: {first['error']}"
-
-    def peer_gone(self, generation: int, err: BaseException) -> bool:
-        """A connection closed under us means a lost peer, unless a peer
-        announced this generation's abort first: then it is that (live) peer
-        tearing down its process group before we heard of the abort."""
-        if not lost_peer_error(err):
-            return False
-        try:
-            return not self.announced(generation)
-        except dist.DistNetworkError:  # the store went with the peer: its node is lost
-            return True
-
-
 @dataclass
 class RestartPolicy:
     """How many restarts in a row without progress, and how long to wait."""
@@ -326,7 +272,8 @@ class WorkerLife:
         """Rank 0 records the restart before the next rendezvous; every rank
         counts the recorded restarts after it, so all agree on the number."""
         from_step, from_tier = newest_step(self.cfg, self.world)
-        self.events.emit("restart", kind=kind, generation=restarts_recorded(self.run_dir) + 1,
+        generation = max(restarts_recorded(self.run_dir), fence_of(self.run_dir)) + 1
+        self.events.emit("restart", kind=kind, generation=generation,
                          reason=reason[:500], from_step=from_step, from_tier=from_tier,
                          attempt=number,
                          max_attempts=limit)
@@ -337,7 +284,7 @@ class WorkerLife:
             dist.init_process_group(backend_for(self.device), rank=self.rank,
                                     world_size=self.world,
                                     store=dist.PrefixStore(f"gen{self.generation}", self.store))
-        job, supervision = None, self._supervision()
+        job, supervision = None, self._supervision(self._generation_token())
         try:
             with supervision.section("setup", 0):
                 job = self.make_job(supervision)
@@ -346,7 +293,7 @@ class WorkerLife:
         except BaseException as err:  # noqa: B902  (HangAbort and DCP's errors are BaseExceptions)
             self._leave_generation()
             self.preemption.saving_possible = False
-            self._handle_failure(err, made_progress=self._progressed(supervision))
+            self._handle_failure(err, supervision)
             return None
         finally:
             if job is not None:
@@ -368,18 +315,37 @@ class WorkerLife:
             except HangAbort:
                 continue
 
-    def _supervision(self) -> Supervision:
-        generation = restarts_recorded(self.run_dir)
+    def _generation_token(self) -> str:
+        """The token of the generation that just formed: drawn by rank 0,
+        read by the others through the generation's store."""
+        store = dist.PrefixStore(f"gen{self.generation}", self.store)
+        if self.rank == 0:
+            store.set("fence_token", new_token())
+        return store.get("fence_token").decode()
+
+    def _supervision(self, token: str) -> Supervision:
+        # The fence, where it is ahead of the events (events.jsonl lost or
+        # cut short): a generation never starts behind its own fence.
+        generation = max(restarts_recorded(self.run_dir), fence_of(self.run_dir))
+        if self.rank == 0:
+            # Now, not when the restart was recorded: every rank of the job has
+            # left the old generation (they all joined this one), so none of
+            # them is fenced on its way out; nothing of this one is written yet.
+            set_fence(self.run_dir, generation, token)
         if self.watchdog is not None:
             self.watchdog.begin_generation(self.generation)
         faults = FaultInjector(self.cfg.faults, rank=self.rank, run_dir=self.run_dir,
                                checkpoint_root=checkpoint_root(self.cfg), events=self.events,
                                local_node_dir=local_node_dir(self.cfg, self.rank, self.world))
-        return Supervision(self.watchdog, faults, self.preemption, generation)
+        return Supervision(self.watchdog, faults, self.preemption, generation,
+                           Fence(self.run_dir, generation, token, self.events))
 
-    def _handle_failure(self, err: BaseException, made_progress: bool) -> None:
+    def _handle_failure(self, err: BaseException, supervision: Supervision) -> None:
         """Re-raise what the launcher must handle; otherwise record the
         failure and announce the abort so every rank restarts with us."""
+        if isinstance(err, Fenced):
+            raise err  # recorded as `fenced`: a rank left behind writes nothing more
+        made_progress = self._progressed(supervision)
         section = self.watchdog.current[0] if self.watchdog is not None else "unknown"
         peer_gone = self.board.peer_gone(self.generation, err)
         self.events.emit("worker_error", error=f"{type(err).__name__}: {err}"[:2000],
@@ -397,6 +363,7 @@ class WorkerLife:
         traceback.clear_frames(err.__traceback__)
         self.generation += 1
         if self.rank == 0:
+            supervision.fence.check("the record of an in-process restart")
             self._count_restart("in_process", cause, self.policy.consecutive,
                                 self.policy.max_consecutive)
         self.policy.wait()

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megaresil.fencing import Fence
 from megaresil.observe.sections import SectionClock, SectionTime
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.step_faults import StepFaults
@@ -37,6 +38,7 @@ class Supervision:
     faults: Optional[FaultInjector] = None
     preemption: Optional[PreemptionFlag] = None
     generation: int = 0  # restarts so far in this run directory
+    fence: Optional[Fence] = None  # refuses this generation's writes once the job re-forms
     steps: int = 0  # steps completed in this generation
     step: int = 0  # the step the current section belongs to
     last_step: int = 0  # the step number of the last step completed (0: none)

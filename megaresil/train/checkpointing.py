@@ -25,17 +25,18 @@ from megaresil.checkpoint.sources import CheckpointSource
 from megaresil.checkpoint.state import TrainingState
 from megaresil.checkpoint.validation import read_manifest
 from megaresil.config import ConfigError, ModelConfig, RecipeConfig, model_from_dict
+from megaresil.fencing import Fence
 
 
 def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
-                       device: torch.device) -> Checkpointer:
+                       device: torch.device, fence: Optional[Fence] = None) -> Checkpointer:
     group = checkpoint_group(cfg, watchdog)
     local = None
     if cfg.checkpoint.local.enabled:  # its own group too: it saves beside the global tier
         local = build_local_tier(cfg, events, checkpoint_group(cfg, watchdog), device)
     return Checkpointer(checkpoint_root(cfg), cfg.checkpoint.backend.value, group=group,
                         asynchronous=cfg.checkpoint.async_, keep=cfg.checkpoint.keep,
-                        events=events, device=device, local=local)
+                        events=events, device=device, local=local, fence=fence)
 
 
 def checkpoint_group(cfg: RecipeConfig, watchdog) -> Optional[dist.ProcessGroup]:

@@ -150,7 +150,8 @@ class Trainer:
         self.state = Progress(skipped=configured_skips(cfg))
         self.checkpointer = checkpointing.build_checkpointer(cfg, self.events,
                                                              self.supervision.watchdog,
-                                                             device=layout.device)
+                                                             device=layout.device,
+                                                             fence=self.supervision.fence)
         self.checkpoint_state = LiveTrainingState(cfg, layout, list(self.named_state_parameters()),
                                              self.optimizer, self.state, self.supervision.watchdog,
                                              after_load=self.main_to_model if bf16 else None)
@@ -432,7 +433,8 @@ class Trainer:
         self.events.emit("generation_started", generation=self.supervision.generation,
                          step=self.state.step, **process_times())
         return MetricsLog(self.run_dir, self.cfg, StepFigures.for_recipe(self.cfg, self.layout.device),
-                          start_step=self.state.step, generation=self.supervision.generation)
+                          start_step=self.state.step, generation=self.supervision.generation,
+                          fence=self.supervision.fence)
 
 
 def process_times() -> dict[str, float]:

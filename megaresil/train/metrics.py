@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from megaresil.events import repair_prefix
+from megaresil.fencing import Fence
 from megaresil.config import LoggingConfig, Precision, RecipeConfig, to_dict
 from megaresil.observe.flops import achieved_tflops, flops_per_step
 from megaresil.observe.loggers import build_loggers
@@ -97,9 +98,10 @@ class Console:
 
 class MetricsLog:
     def __init__(self, run_dir: str | Path, cfg: RecipeConfig, figures: StepFigures, *,
-                 start_step: int, generation: int = 0):
+                 start_step: int, generation: int = 0, fence: Optional[Fence] = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.generation = generation  # on every row: a redone step shows in which generation
+        self.fence = fence
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open_nofollow(self.path)
         self.file.write(repair_prefix(self.file.fileno()))  # a torn last line stays alone
@@ -112,6 +114,8 @@ class MetricsLog:
         if "step_time_s" in record:
             record.update(self.figures.of(record["step_time_s"]))
         record.setdefault("generation", self.generation)
+        if self.fence is not None:
+            self.fence.check(f"the metrics row of step {record['step']}")
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         for logger in self.loggers:

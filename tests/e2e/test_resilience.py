@@ -199,7 +199,7 @@ def test_closed_connection_after_an_announced_abort_is_not_a_lost_peer():
     Without an announcement it is (relaunch)."""
     import torch.distributed as dist
 
-    from megaresil.resilience.restart import AbortBoard
+    from megaresil.resilience.abort_board import AbortBoard
 
     board = AbortBoard(dist.HashStore(), rank=0)
     closed = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5300")

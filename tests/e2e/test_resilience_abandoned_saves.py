@@ -13,6 +13,7 @@ import json
 import pytest
 
 from megaresil.events import read_events
+from megaresil.fencing import fence_of
 
 # resilience.watchdog.checkpoint_timeout_s: what a stalled restart waits. A
 # relaunch on a busy 2-core machine takes up to ~40 s; half of this is the bound.
@@ -48,3 +49,7 @@ def test_failures_mid_save_restart_without_waiting_out_either_tiers_save(cli, tm
     loads = [e for e in events if e["event"] == "checkpoint_loaded"]
     assert [e["tier"] for e in loads] == ["local", "local"] and loads[1]["step"] >= 4, loads
     assert any(e["event"] == "run_finished" for e in events)
+    # Each restart raised the fence before its generation formed, and no
+    # rank of the job was behind it.
+    assert fence_of(tmp_path / "run") == 2
+    assert not any(e["event"] == "fenced" for e in events)

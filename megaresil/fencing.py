@@ -1,0 +1,92 @@
+"""Fencing: a rank of a generation the job formed again without writes nothing.
+
+A generation is one formation of the job: its number is the restarts
+recorded in the run directory, and a token drawn as it forms tells apart two
+formations with one number. As it forms, its rank 0 sets the run directory's
+fence, the file `generation` ("NUMBER TOKEN", replaced atomically, never set
+back to a lower number). A rank whose generation the fence does not name was
+cut off (a partition), outlived its relaunch, or formed apart from the job
+(the last to form holds the fence): it commits no checkpoint, moves no
+`latest`, appends no metrics row and records no restart; it records
+`fenced` once and stops. The check reads the fence just before each such
+write: shared file systems have no compare-and-swap, so a re-form inside that
+instant is caught at the rank's next write.
+docs/fault-tolerance.md ("Fencing") says it for users."""
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Optional
+
+from megaresil.events import EventLog
+from megaresil.safe_files import write_atomic
+
+FENCE_NAME = "generation"
+
+
+class Fenced(BaseException):
+    """This rank's generation is behind the fence: the job re-formed without
+    it. A BaseException, so that no `except Exception` on the way keeps the
+    rank going."""
+
+
+def read_fence(run_dir: Path) -> tuple[int, str]:
+    """The run directory's fence: the newest generation's number and token
+    ((0, "") without one)."""
+    path = Path(run_dir) / FENCE_NAME
+    try:  # never through a link planted in its place
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return 0, ""
+    try:
+        text = os.read(fd, 128).decode(errors="replace").strip()
+    finally:
+        os.close(fd)
+    number, _, token = text.partition(" ")
+    if not number.isdigit():
+        raise ValueError(f"{path} holds {text[:40]!r}, not a generation number and token: "
+                         "remove it (the next generation writes it again)")
+    return int(number), token
+
+
+def fence_of(run_dir: Path) -> int:
+    """The newest generation's number (0 without a fence)."""
+    return read_fence(run_dir)[0]
+
+
+def new_token() -> str:
+    return secrets.token_hex(6)
+
+
+def set_fence(run_dir: Path, generation: int, token: str) -> None:
+    """Fence out every other formation: the generation `generation` formed
+    as `token` holds the run directory; never set back to a lower number."""
+    if generation >= fence_of(run_dir):
+        write_atomic(Path(run_dir) / FENCE_NAME, f"{generation} {token}\n".encode())
+
+
+class Fence:
+    """One rank's check before a write only the current generation may make."""
+
+    def __init__(self, run_dir: Path, generation: int, token: str, events: Optional[EventLog]):
+        self.run_dir, self.generation, self.token = Path(run_dir), generation, token
+        self.events = events
+        self.reported = False
+
+    def name(self) -> str:
+        return f"{self.generation}-{self.token}"
+
+    def check(self, write: str) -> None:
+        """Raise Fenced, recording `fenced` once, when another formation of
+        the job holds the fence; `write` names what was about to be written."""
+        current, token = read_fence(self.run_dir)
+        if (current, token) == (self.generation, self.token) or current < self.generation:
+            return  # ours, or an older formation's (none yet: a run directory of an older version)
+        reason = (f"the job formed again as generation {current} without this rank "
+                  f"(generation {self.generation}): {write} refused")
+        if self.events is not None and not self.reported:
+            self.reported = True
+            self.events.emit("fenced", generation=self.generation, current_generation=current,
+                             refused=write, reason=reason)
+        raise Fenced(reason)

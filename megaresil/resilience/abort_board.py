@@ -1,0 +1,66 @@
+"""The generation's abort record in the store: the first failing rank
+announces its cause, every rank reads the same one, and a closed connection
+is told apart from a peer tearing down after an announced abort.
+docs/fault-tolerance.md ("Restarts") says it for users."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch.distributed as dist
+
+from megaresil.compat import lost_peer_error
+
+
+class AbortBoard:
+    """The generation's abort record in the store: the first failing rank
+    announces it (compare-and-set), every rank reads the same cause."""
+
+    def __init__(self, store: dist.Store, rank: int):
+        self.store, self.rank = store, rank
+
+    @staticmethod
+    def key(generation: int) -> str:
+        return f"abort/{generation}"  # the watchdog declares hangs under the same key
+
+    def announced(self, generation: int) -> bool:
+        return self.store.check([self.key(generation)])
+
+    def announce(self, generation: int, err: BaseException, reason: str = "error") -> str:
+        """Announce this rank's failure unless a rank already did; returns
+        the first announced cause."""
+        return self._describe(self._first(generation, err, reason))
+
+    def _first(self, generation: int, err: BaseException, reason: str) -> dict:
+        mine = json.dumps({"reason": reason, "rank": self.rank,
+                           "error": f"{type(err).__name__}: {err}"[:500]})
+        return json.loads(self.store.compare_set(self.key(generation), "", mine))
+
+    def fatal(self, generation: int, err: BaseException) -> Optional[dict]:
+        """Announce `err` as fatal unless another cause came first; the
+        first announcement when it is fatal (every rank stops), else None."""
+        first = self._first(generation, err, "fatal")
+        return first if first.get("reason") == "fatal" else None
+
+    def fatal_announced(self, generation: int) -> bool:
+        if not self.announced(generation):
+            return False
+        return json.loads(self.store.get(self.key(generation))).get("reason") == "fatal"
+
+    @staticmethod
+    def _describe(first: dict) -> str:
+        if first.get("reason") == "hang":
+            return (f"hang on rank(s) {first.get('culprit_ranks')} in {first.get('section')} "
+                    f"at step {first.get('step')}")
+        return f"rank {first['rank']}: {first['error']}"
+
+    def peer_gone(self, generation: int, err: BaseException) -> bool:
+        """A connection closed under us means a lost peer, unless a peer
+        announced this generation's abort first: then it is that (live) peer
+        tearing down its process group before we heard of the abort."""
+        if not lost_peer_error(err):
+            return False
+        try:
+            return not self.announced(generation)
+        except dist.DistNetworkError:  # the store went with the peer: its node is lost
+            return True

@@ -1,0 +1,135 @@
+"""Fencing: once the job forms again without a rank (the run directory's
+fence names another formation), that rank commits no checkpoint, moves no
+`latest` and appends no metrics row; it records `fenced` once."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.manager import Checkpointer
+from megaresil.checkpoint.offline.planning import recipe_layout
+from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.state import RunRecord
+from megaresil.config import RecipeConfig, to_dict
+from megaresil.events import EventLog, read_events
+import megaresil.checkpoint.manager as manager
+from megaresil.fencing import FENCE_NAME, Fence, Fenced, fence_of, read_fence, set_fence
+from megaresil.train.metrics import MetricsLog, StepFigures
+
+
+def save(ckpt: Checkpointer, step: int) -> None:
+    cfg = RecipeConfig()
+    state = RunRecord(step=step, layout=recipe_layout(cfg), recipe=to_dict(cfg),
+                      consumed_samples=0, optimizer_steps=step)
+    ckpt.save([Rect("w", (1000,), (0,), torch.full((1000,), float(step)))], state, {})
+    ckpt.wait()
+
+
+def fenced_events(run_dir: Path) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["event"] == "fenced"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_save_of_a_generation_the_job_left_behind_is_never_committed(tmp_path, asynchronous):
+    run_dir, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    events = EventLog(run_dir, 0)
+    ckpt = Checkpointer(root, "torch_dist", group=None, asynchronous=asynchronous, keep=3,
+                        events=events, device=torch.device("cpu"),
+                        fence=Fence(run_dir, 2, "ours", events))
+    try:
+        set_fence(run_dir, 2, "ours")
+        save(ckpt, 1)
+        set_fence(run_dir, 3, "theirs")  # the job formed again without this rank
+        for step in (2, 3):
+            with pytest.raises(Fenced, match="generation 3 without this rank"):
+                save(ckpt, step)
+    finally:
+        ckpt.close()
+    assert sorted(p.name for p in root.iterdir()) == [fmt.LATEST, fmt.step_dir_name(1)]
+    assert (root / fmt.LATEST).read_text().strip() == fmt.step_dir_name(1)
+    [fenced] = fenced_events(run_dir)  # once, however many writes it gave up
+    assert fenced["rank"] == 0 and fenced["generation"] == 2
+    assert fenced["current_generation"] == 3
+    assert fenced["refused"] == f"the commit of {fmt.step_dir_name(2)}"
+
+
+def test_a_save_in_the_current_generation_commits_in_its_own_partial_directory(
+        tmp_path, monkeypatch):
+    run_dir, root = tmp_path, tmp_path / "checkpoints"
+    set_fence(run_dir, 4, "ours")
+    seen = []
+
+    def commit(partial, final, *args, **kwargs):
+        seen.append(partial.name)
+        return original(partial, final, *args, **kwargs)
+
+    original = manager.commit
+    monkeypatch.setattr(manager, "commit", commit)
+    ckpt = Checkpointer(root, "torch_dist", group=None, asynchronous=False, keep=3,
+                        events=EventLog(run_dir, 0), device=torch.device("cpu"),
+                        fence=Fence(run_dir, 4, "ours", EventLog(run_dir, 0)))
+    save(ckpt, 1)
+    ckpt.close()
+    assert seen == [f"{fmt.step_dir_name(1)}.partial-4-ours"]
+    assert (root / fmt.LATEST).read_text().strip() == fmt.step_dir_name(1)
+    assert fenced_events(run_dir) == []
+
+
+def test_metrics_rows_stop_at_the_fence(tmp_path):
+    cfg = RecipeConfig()
+    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, tensorboard=False,
+                                                               progress=False))
+    events = EventLog(tmp_path, 0)
+    log = MetricsLog(tmp_path, cfg, StepFigures.for_recipe(cfg, torch.device("cpu")),
+                     start_step=0, generation=1, fence=Fence(tmp_path, 1, "ours", events))
+    try:
+        set_fence(tmp_path, 1, "ours")
+        log.write({"step": 1, "loss": 2.0})
+        set_fence(tmp_path, 2, "theirs")
+        with pytest.raises(Fenced):
+            log.write({"step": 2, "loss": 1.9})
+    finally:
+        log.close()
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and '"step": 1' in rows[0]
+    assert fenced_events(tmp_path)[0]["refused"] == "the metrics row of step 2"
+
+
+def test_two_formations_with_one_number_fence_each_other_out(tmp_path):
+    # Two parts of a job that formed apart, both as generation 3: the last to
+    # form holds the run directory, the other writes nothing more.
+    first, second = Fence(tmp_path, 3, "aaaa", None), Fence(tmp_path, 3, "bbbb", None)
+    set_fence(tmp_path, 3, "aaaa")
+    first.check("a write")
+    set_fence(tmp_path, 3, "bbbb")
+    second.check("a write")
+    with pytest.raises(Fenced):
+        first.check("a write")
+
+
+def test_the_fence_never_goes_back_and_a_damaged_one_says_what_to_do(tmp_path):
+    assert read_fence(tmp_path) == (0, "")
+    Fence(tmp_path, 2, "ours", None).check("anything")  # no fence yet: an older run directory
+    set_fence(tmp_path, 3, "new")
+    set_fence(tmp_path, 2, "old")  # an older formation's rank 0, late
+    assert read_fence(tmp_path) == (3, "new")
+    Fence(tmp_path, 4, "next", None).check("anything")  # newer than the fence: not fenced
+    (tmp_path / FENCE_NAME).write_text("three\n")
+    with pytest.raises(ValueError, match="not a generation number and token: remove it"):
+        fence_of(tmp_path)
+
+
+def test_a_link_in_the_fences_place_is_neither_read_nor_written_through(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("1\n")
+    (tmp_path / FENCE_NAME).symlink_to(target)
+    with pytest.raises(OSError):
+        fence_of(tmp_path)
+    (tmp_path / FENCE_NAME).unlink()
+    (tmp_path / FENCE_NAME).symlink_to(tmp_path / "missing")  # reads as no fence
+    with pytest.raises(OSError):
+        fence_of(tmp_path)
