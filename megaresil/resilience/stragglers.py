@@ -24,6 +24,10 @@ from megaresil.observe.sections import SectionTime
 from megaresil.safe_files import open_nofollow
 
 MIN_EXCESS_S = 0.005  # per step: below this a section's difference is noise, not a straggler
+# A rank blocked in a collective still spends CPU there (gloo polls): 2.6 % of a 0.31 s wait
+# in a CI run, which at dp=2 put the waiting rank 1.5x over its peer. An excess under this
+# share of the rank's own wait in the section is the wait's cost, not a slow rank.
+WAIT_CPU_SHARE = 0.1
 SKIPPED = ("setup",)
 # Uneven by design (rank 0 commits, replicas split the writes): shown, never a straggler.
 UNEVEN = ("checkpoint",)
@@ -80,8 +84,9 @@ def judge(table: list[dict], pp: int, threshold: float) -> dict:
                 table[r]["sections"].get(section, {}).get("cpu_s", 0.0) for r in group)
             ratio = spent["cpu_s"] / median if median > 0 else 1.0
             ratios[rank][section] = ratio
-            if (ratio >= threshold and spent["cpu_s"] - median >= MIN_EXCESS_S
-                    and section not in UNEVEN):
+            waited = max(0.0, spent["wall_s"] - spent["cpu_s"])
+            if (ratio >= threshold and section not in UNEVEN
+                    and spent["cpu_s"] - median >= max(MIN_EXCESS_S, WAIT_CPU_SHARE * waited)):
                 slow.append((rank, section, ratio))
         busy = [sum(s["cpu_s"] for s in table[r]["sections"].values()) for r in group]
         mine_busy = sum(s["cpu_s"] for s in mine["sections"].values())

@@ -118,6 +118,21 @@ def test_the_slow_rank_is_named_not_the_ranks_waiting_for_it():
     assert all(found["scores"][r] == 1.0 for r in (0, 1, 3))
 
 
+def test_a_rank_that_waited_is_not_named_for_the_cpu_its_wait_cost():
+    # From a CI run of the slow-rank drill at dp=2: rank 1 sleeps 0.3 s in
+    # data, rank 0 waits for it in the optimizer's all-reduce, polling: 8 ms
+    # more CPU there than rank 1, 1.5x its peer's, over 0.31 s of waiting.
+    table = [{"steps": 2, "first": 7, "mem_peak_mb": 100.0, "sections": {
+                 "optimizer": {"cpu_s": 0.024124, "wall_s": 0.332543},
+                 "data": {"cpu_s": 0.000281, "wall_s": 0.000281},
+                 "forward_backward": {"cpu_s": 0.071249, "wall_s": 0.072343}}},
+             {"steps": 2, "first": 7, "mem_peak_mb": 100.0, "sections": {
+                 "optimizer": {"cpu_s": 0.015979, "wall_s": 0.035566},
+                 "data": {"cpu_s": 0.296587, "wall_s": 0.300623},
+                 "forward_backward": {"cpu_s": 0.069199, "wall_s": 0.069196}}}]
+    assert [(r, s) for r, s, _ in judge(table, pp=1, threshold=1.5)["slow"]] == [(1, "data")]
+
+
 def test_a_save_is_uneven_by_design_not_a_straggler():
     cpu = {r: {"checkpoint": 0.05 if r else 0.5} for r in range(4)}  # rank 0 commits
     assert judge(section_table(cpu, {}), pp=1, threshold=1.5)["slow"] == []
