@@ -93,7 +93,22 @@ def analyse_scenario(reference: Path, faulted: Path, scenario: Scenario,
         "hang_detected": len(hangs), "culprit_ranks": hangs[0]["culprit_ranks"] if hangs else [],
         "checkpoints_skipped": [e["path"] for e in events if e["event"] == "checkpoint_skipped"],
         "stragglers": sorted({e["rank"] for e in events if e["event"] == "straggler_detected"}),
+        "stale_writes": stale_writes(events, metrics),
+        "fenced": sum(e["event"] == "fenced" for e in events),
     }
+
+
+def stale_writes(events: list[dict], metrics: list[dict]) -> int:
+    """Rows that name a generation older than one already formed when they
+    were written: writes from a side the job re-formed without, which
+    fencing keeps out (it must stay 0)."""
+    formed = [(e["time"], e["generation"]) for e in events
+              if e["event"] == "generation_started" and "generation" in e]
+
+    def newest_formed(t: float) -> int:
+        return max((g for at, g in formed if at <= t), default=0)
+    return sum(r["generation"] < newest_formed(r["time"]) for r in [*events, *metrics]
+               if isinstance(r.get("generation"), int) and r.get("event") != "fenced")
 
 
 # --- a soak -------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Optional
 from megaresil.config import ConfigError, load_recipe
 from megaresil.drills.analyse import analyse_scenario
 from megaresil.drills.hosts import netns_missing_reason, open_hosts
-from megaresil.drills.run import (Rendezvous, run_node_loss, run_simulated_node_loss,
+from megaresil.drills.run import (Rendezvous, run_node_fault, run_simulated_node_loss,
                                   run_training, run_with_requeue)
 from megaresil.drills.scenarios import fault_overrides, scenarios
 from megaresil.observe.report import write_report
@@ -61,10 +61,11 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     fault_time = None
     if scenario.nodes > 1:
         with open_hosts(hosts, scenario.nodes) as nodes:
-            code, fault_time = run_node_loss(recipe, overrides + scenario.settings, faulted,
-                                             world, fault_step, nodes,
-                                             lose_first=scenario.lose_first,
-                                             rendezvous=rendezvous, timeout_s=timeout_s)
+            code, fault_time = run_node_fault(recipe, overrides + scenario.settings, faulted,
+                                              world, fault_step, nodes,
+                                              fault=scenario.node_fault,
+                                              first=scenario.lose_first,
+                                              rendezvous=rendezvous, timeout_s=timeout_s)
     elif scenario.lose_simulated_node:
         code, fault_time = run_simulated_node_loss(recipe, overrides + scenario.settings,
                                                    faulted, world, fault_step)
@@ -99,6 +100,9 @@ def check_hosts(scenario, hosts: str, rendezvous: Rendezvous) -> None:
     """Refuse nodes in namespaces where there are none, or where they could
     not meet, before any run."""
     if hosts == "local":
+        if scenario.node_fault != "lose":
+            raise ConfigError("--hosts", f"--scenario {scenario.name} strikes a node's link, "
+                              "which only nodes in namespaces have.", "add --hosts netns")
         return
     if scenario.nodes == 1:
         # node-loss-local's nodes are simulated inside one agent: not yet real ones.
@@ -126,6 +130,7 @@ def format_result(r: dict) -> str:
         f"restart kind      {r['restart_kind']}",
         f"hangs detected    {r['hang_detected']} (culprits {r['culprit_ranks']})",
         f"stragglers        {r['stragglers'] or 'none'}",
+        f"stale writes      {r['stale_writes']} (fenced {r['fenced']})",
         f"final loss        {r['final_loss']!r} vs reference {r['reference_final_loss']!r}: "
         f"{'equal' if r['final_loss_equal'] else 'DIFFERENT'}",
         f"report            {r['report']}"])

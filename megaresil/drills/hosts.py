@@ -177,13 +177,39 @@ class NetnsHosts:
         """`command` as run on the node: in its init's namespaces, in this
         directory (the run directory and recipes are shared)."""
         init = self.nodes[node].procs[0]
-        return ["nsenter", f"--target={init.pid}", "--net", "--mount", "--uts",
-                f"--wd={os.getcwd()}", "--", *command]
+        # The directory is entered inside the node's mount namespace (env
+        # --chdir), not by nsenter --wd: that one stays on this namespace's
+        # mount, so a rename between a relative and an absolute path in it
+        # failed with EXDEV (two mounts of one filesystem).
+        return ["nsenter", f"--target={init.pid}", "--net", "--mount", "--uts", "--",
+                "env", f"--chdir={os.getcwd()}", *command]
 
     def start(self, node: int, command: list[str], **popen) -> subprocess.Popen:
         proc = subprocess.Popen(self.command(node, command), **popen)
         self.nodes[node].procs.append(proc)
         return proc
+
+    def cut(self, node: int) -> None:
+        """A partition: the node's link goes down (a pulled cable, a dead
+        switch port). Its processes live on and still see the shared disk;
+        what they send is lost, so their connections stall without a reset."""
+        ip("link", "set", self.nodes[node].host_link, "down")
+
+    def heal(self, node: int) -> None:
+        """The link back up (after cut or cap): stalled connections resume
+        at their next retransmission."""
+        n = self.nodes[node]
+        ip("link", "set", n.host_link, "up")
+        tc("qdisc", "del", "dev", n.host_link, "root", check=False)  # no cap: nothing to delete
+        tc("qdisc", "del", "dev", "eth0", "root", netns=n.namespace, check=False)
+
+    def cap(self, node: int, rate: str) -> None:
+        """A slow link: a `tbf` bandwidth cap (`rate` as tc writes it, e.g.
+        `8mbit`) on both directions of the node's link. The `netem` qdisc,
+        which would add delay or loss, is not available on these kernels."""
+        shape = ["root", "tbf", "rate", rate, "burst", "32kb", "latency", "400ms"]
+        tc("qdisc", "add", "dev", self.nodes[node].host_link, *shape)
+        tc("qdisc", "add", "dev", "eth0", *shape, netns=self.nodes[node].namespace)
 
     def pids(self, node: int) -> list[int]:
         """The processes running on the node."""
@@ -243,6 +269,14 @@ def ip(*args: str, check: bool = True) -> str:
     if check and result.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
     return result.stdout
+
+
+def tc(*args: str, netns: Optional[str] = None, check: bool = True) -> None:
+    """iproute2's `tc`, in the namespace `netns` when given."""
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    result = subprocess.run([*prefix, "tc", *args], capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"tc {' '.join(args)}: {result.stderr.strip()}")
 
 
 def open_hosts(mode: str, count: int):

@@ -17,6 +17,7 @@ import psutil
 
 from megaresil.checkpoint.local.store import local_root, node_dir
 from megaresil.config import load_recipe
+from megaresil.drills.scenarios import FLAP_S, SLOW_LINK_RATE
 from megaresil.events import read_metrics
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 
@@ -105,23 +106,38 @@ class Rendezvous:
         return []
 
 
-def run_node_loss(recipe: str, overrides: list[str], run_dir: Path, world: int,
-                  lose_after_step: int, hosts, *, lose_first: bool = False,
-                  rendezvous: Rendezvous = Rendezvous(),
-                  timeout_s: Optional[float] = None) -> tuple[int, float]:
+def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
+                   fault_after_step: int, hosts, *, fault: str = "lose", first: bool = False,
+                   rendezvous: Rendezvous = Rendezvous(),
+                   timeout_s: Optional[float] = None) -> tuple[int, float]:
     """Two agents ("nodes") form one elastic job on `hosts` (drills/hosts.py);
-    once `lose_after_step` is done, one node is lost with its workers: the
-    second, or with `lose_first` the first (with c10d it hosts the rendezvous
-    store; as the lower pid or address it is also rank 0, whose agent hosts
-    the workers' store). Returns (the survivor's exit code, loss time);
-    TIMED_OUT when it has not ended within `timeout_s`."""
+    once `fault_after_step` is done, `fault` (scenarios.NODE_FAULTS) befalls
+    one node: the second, or with `first` the first (with c10d it hosts the
+    rendezvous store; as the lower pid or address it is also rank 0, whose
+    agent hosts the workers' store). Returns (the other node's exit code,
+    fault time); TIMED_OUT when it has not ended within `timeout_s`."""
     deadline = None if timeout_s is None else time.time() + timeout_s
     agents = start_agents(recipe, overrides, run_dir, world, hosts, rendezvous)
-    lost = 0 if lose_first else 1
-    survivor = agents[1 - lost]
-    lost_at = wait_for_step(run_dir, lose_after_step, survivor)
-    hosts.lose(lost)
-    return wait_until(survivor, deadline), lost_at
+    struck = 0 if first else 1
+    other = agents[1 - struck]
+    struck_at = wait_for_step(run_dir, fault_after_step, other)
+    strike_node(hosts, struck, fault)
+    return wait_until(other, deadline), struck_at
+
+
+def strike_node(hosts, node: int, fault: str) -> None:
+    """The node fault of a drill: lost, cut off for good, cut for FLAP_S
+    seconds, or its link capped (the last three only on nodes in namespaces)."""
+    if fault == "lose":
+        hosts.lose(node)
+    elif fault == "partition":
+        hosts.cut(node)
+    elif fault == "flap":
+        hosts.cut(node)
+        time.sleep(FLAP_S)
+        hosts.heal(node)
+    else:
+        hosts.cap(node, SLOW_LINK_RATE)
 
 
 def start_agents(recipe: str, overrides: list[str], run_dir: Path, world: int, hosts,

@@ -14,8 +14,9 @@ class Scenario:
     settings: list[str] = field(default_factory=list)  # resilience.* overrides
     expect_restart: bool = True
     requeue_after_exit: bool = False  # like a scheduler rerunning a preempted job
-    nodes: int = 1  # > 1: agents that form one elastic job; the last one is lost
-    lose_first: bool = False  # lose the node that started first instead (the c10d host)
+    nodes: int = 1  # > 1: agents that form one elastic job; the last one meets node_fault
+    node_fault: str = "lose"  # what befalls that node: one of NODE_FAULTS
+    lose_first: bool = False  # the fault befalls the node that started first (the c10d host)
     lose_simulated_node: bool = False  # kill the local tier's last simulated node, wipe its dir
     # Settings of a reference run of the scenario's own (the shared one has none).
     reference_settings: list[str] = field(default_factory=list)
@@ -26,6 +27,14 @@ class Scenario:
 # Where the node scenarios' nodes run (drills/hosts.py): named here, with the
 # scenarios, for `chaos --help`.
 HOSTS_MODES = ("local", "netns")
+# What befalls a node scenario's node: it dies (any hosts), or its link, which
+# only nodes in namespaces have: cut for good (a partition: its processes live
+# on), cut for FLAP_S seconds, or capped at SLOW_LINK_RATE.
+NODE_FAULTS = ("lose", "partition", "flap", "slow")
+FLAP_S = 3.0
+# The demo at dp=2 all-reduces ~10 MB of gradients a step: ~0.4 s at this
+# rate, slower than its step but under the watchdog's calibrated budget.
+SLOW_LINK_RATE = "200mbit"
 SPIKE_WINDOW = 5  # loss-spike: a short window, so a short drill has the detector on
 
 
@@ -98,6 +107,13 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2,
                  relaunch),
         Scenario("node-loss", [], relaunch, nodes=2),
         Scenario("node-loss-first", [], relaunch, nodes=2, lose_first=True),
+        # The node's processes live on, cut off: the others re-form without it.
+        Scenario("partition-node", [], relaunch, nodes=2, node_fault="partition"),
+        # Connections stall, then resume at their next retransmission: a stall
+        # past the watchdog's budget is a hang, restarted in place.
+        Scenario("flap-link", [], in_process, nodes=2, node_fault="flap"),
+        Scenario("slow-link", [], in_process, nodes=2, node_fault="slow",
+                 expect_restart=False),
         Scenario("kill-rank-local", [{"kind": "kill", "rank": rank, "step": step}],
                  relaunch + local),
         Scenario("node-loss-local", [], relaunch + local, lose_simulated_node=True),
