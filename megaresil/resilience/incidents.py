@@ -29,7 +29,7 @@ def _hang(e: dict) -> str:
 def _suspected(e: dict) -> str:
     return (f"warning: {_where(e)} took {e.get('waited_s', 0):.1f}s, over its "
             f"{e.get('budget_s', 0):.1f}s budget, but rank(s) {e.get('culprit_ranks')} are "
-            "still computing: slow, not hung; training goes on")
+            "still computing or moving data: slow, not hung; training goes on")
 
 
 def _error(e: dict) -> str:

@@ -44,6 +44,7 @@ from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, HangAbort, raise_in_thread
 from megaresil.resilience.watchdog.monitor import Watchdog
+from megaresil.resilience.watchdog.probes import peer_bytes_counter
 
 # Failures a restart cannot cure (a bad recipe, no usable checkpoint, a full
 # disk): the whole job stops at once, on every rank, with the reason.
@@ -62,6 +63,12 @@ class Job(Protocol):
 
 
 JobFactory = Callable[[Supervision], Job]
+
+
+def launch_store_port() -> int | None:
+    """The launch store's port (its connections are not the collectives')."""
+    port = os.environ.get("MASTER_PORT")
+    return int(port) if port else None
 
 
 def launch_store(rank: int, world: int) -> dist.Store:
@@ -213,7 +220,8 @@ class WorkerLife:
                                                                run_dir=self.run_dir,
                                                                events=self.events,
                                                                pp=cfg.parallel.pp),
-                                  device=self.device)
+                                  device=self.device,
+                                  peer_bytes=peer_bytes_counter(launch_store_port()))
                          if wd.enabled else None)
         if self.watchdog is not None:
             self.watchdog.start()

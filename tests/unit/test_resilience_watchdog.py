@@ -69,6 +69,56 @@ def test_a_stuck_rank_is_aborted_soon_after_its_budget(tmp_path):
     assert detected[0]["why"] == "stuck"
 
 
+def test_a_rank_waiting_on_a_slow_link_is_suspected_and_caught_only_at_the_hard_limit(tmp_path):
+    # Blocked in a collective (no CPU) while its peer connections move bytes:
+    # a slow link, not a hang. The hard limit (the gloo timeout) still holds.
+    clock, cpu, moved = FakeClock(), FakeCpu(), [0]
+    cfg = WatchdogConfig(initial_timeout_s=0.5, calibration_steps=100, stall_s=0.5,
+                         slow_limit_factor=4.0)
+    wd = Watchdog(cfg, rank=0, world=1, store=dist.HashStore(), run_dir=tmp_path,
+                  events=EventLog(tmp_path, 0), exit_on_hang=None, guardian=False,
+                  clock=clock, cpu_clock=cpu, peer_bytes=lambda: moved[0])
+    wd.begin_generation(0)
+    started = clock.monotonic()
+    poll = wd.poll
+
+    def poll_while_the_link_moves_bytes():
+        moved[0] += 100  # each poll, a few acknowledged bytes
+        poll()
+    wd.poll = poll_while_the_link_moves_bytes
+    try:
+        with pytest.raises(HangAbort), wd.section("optimizer", 5):
+            run_monitor(wd, clock, cpu, seconds=10, cpu_share=0.0)
+    finally:
+        wd.close()
+    assert 2.0 <= clock.monotonic() - started < 2.0 + 1.0  # 4 budgets, not 0.5 + stall_s
+    events = read_events(tmp_path)
+    assert [e["event"] for e in events] == ["hang_suspected", "hang_detected"]
+    assert events[1]["why"] == "slow_limit"
+
+
+def test_the_bytes_a_process_moves_are_counted_and_the_stores_left_out():
+    from megaresil.resilience.watchdog.probes import peer_bytes_counter
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = server.accept()
+            with accepted:
+                counted, store_left_out = peer_bytes_counter(None), peer_bytes_counter(port)
+                before = counted(), store_left_out()
+                client.sendall(b"x" * 50_000)
+                received = 0
+                while received < 50_000:
+                    received += len(accepted.recv(1 << 20))
+                deadline = time.time() + 10
+                while counted() - before[0] < 100_000 and time.time() < deadline:
+                    time.sleep(0.01)  # the acknowledgement's way back
+                assert counted() - before[0] == 100_000  # acknowledged + received
+                assert store_left_out() == before[1]  # both ends are the "store's"
+
+
 def test_an_endless_computation_is_caught_at_the_hard_limit(tmp_path):
     clock, cpu = FakeClock(), FakeCpu()
     wd = watchdog(tmp_path, dist.HashStore(), clock, cpu, slow_limit_factor=3.0)

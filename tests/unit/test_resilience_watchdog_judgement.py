@@ -12,6 +12,7 @@ from megaresil.resilience.watchdog.judgement import (
     ProgressMeter,
     find_culprits,
     store_intervals,
+    stuck_or_running,
     verdict,
 )
 
@@ -97,6 +98,36 @@ def test_progress_meter_tells_computing_from_blocked():
         cpu[0] += 5e-6
         meter.sample(tick * 0.1)
     assert meter.stalled_s(4.0) == pytest.approx(2.0)
+
+
+def test_a_byte_counter_advances_with_any_byte_and_a_quiet_link_stalls():
+    moved = [0]
+    meter = ProgressMeter(lambda: moved[0], now=0.0, min_rate=0.0)
+    for tick in range(1, 11):  # a slow link: a few bytes acknowledged each poll
+        moved[0] += 3
+        meter.sample(tick * 0.1)
+    assert meter.stalled_s(1.0) == 0.0
+    for tick in range(11, 31):  # cut off: nothing moves
+        meter.sample(tick * 0.1)
+    assert meter.stalled_s(3.0) == pytest.approx(2.0)
+
+
+def test_a_rank_without_cpu_is_stuck_only_when_its_connections_are_quiet_too():
+    assert stuck_or_running(2.0, stall_s=0.5) == "stuck"  # not measured: the CPU decides
+    assert stuck_or_running(2.0, stall_s=0.5, quiet_s=0.1) == "running"  # a slow link
+    assert stuck_or_running(2.0, stall_s=0.5, quiet_s=2.0) == "stuck"  # cut off, or waiting
+    assert stuck_or_running(0.0, stall_s=0.5, quiet_s=2.0) == "running"  # computing
+
+
+def test_a_peer_waiting_on_a_slow_link_is_running_and_a_cut_off_one_stuck():
+    peers = PeerBeats(heartbeat_every=0.5)
+    for n, quiet_s in enumerate([0.1, 0.2], start=1):
+        peers.note({1: {**beat(5, "optimizer", stalled_s=3.0), "beat": n, "quiet_s": quiet_s}},
+                   now=10.0 + n * 0.5)
+    assert peers.state(1, 11.0, stall_s=0.5) == "running"
+    peers.note({1: {**beat(5, "optimizer", stalled_s=3.5), "beat": 3, "quiet_s": 1.5}},
+               now=11.5)
+    assert peers.state(1, 11.5, stall_s=0.5) == "stuck"
 
 
 # --- peers' heartbeats ------------------------------------------------------------

@@ -4,8 +4,9 @@ the store.
 
 A heartbeat is a dict a rank writes to the store: `state` (running|left),
 `section`, `step`, `beat` (a counter), `stalled_s` (how long its training
-thread has used no CPU), `waiting` (inside torch.distributed) and `coll`
-(collectives started per process group). See docs/watchdog.md."""
+thread has used no CPU), `quiet_s` (how long its peer connections have moved
+no byte; absent where not measured), `waiting` (inside torch.distributed) and
+`coll` (collectives started per process group). See docs/watchdog.md."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,20 +30,23 @@ def store_intervals(cfg: WatchdogConfig, world: int) -> tuple[float, float]:
 
 
 class ProgressMeter:
-    """Whether a thread is running: the CPU time it gains between samples."""
+    """Whether something advances: a thread's CPU time (at least `min_rate`
+    CPU seconds per wall second), or with min_rate=0 a byte count (any gain)."""
 
-    def __init__(self, read_cpu: Callable[[], float], now: float):
-        self.read_cpu = read_cpu
-        self.cpu, self.sampled, self.last_progress = read_cpu(), now, now
+    def __init__(self, read: Callable[[], float], now: float,
+                 min_rate: float = PROGRESS_CPU_SHARE):
+        self.read, self.min_rate = read, min_rate
+        self.value, self.sampled, self.last_progress = read(), now, now
 
     def sample(self, now: float) -> None:
-        cpu = self.read_cpu()
-        if cpu - self.cpu >= PROGRESS_CPU_SHARE * (now - self.sampled):
+        value = self.read()
+        gained = value - self.value
+        if gained > 0 and gained >= self.min_rate * (now - self.sampled):
             self.last_progress = now
-        self.cpu, self.sampled = cpu, now
+        self.value, self.sampled = value, now
 
     def stalled_s(self, now: float) -> float:
-        """Seconds since the thread last used a fair share of CPU."""
+        """Seconds since it last advanced."""
         return now - self.last_progress
 
 
@@ -106,9 +110,11 @@ def alone_in_a_collective(rank: int, heartbeats: dict[int, dict]) -> bool:
     return False
 
 
-def stuck_or_running(stalled_s: float, stall_s: float) -> str:
-    """A thread that has used no CPU for stall_s is stuck."""
-    return "stuck" if stalled_s >= stall_s else "running"
+def stuck_or_running(stalled_s: float, stall_s: float, quiet_s: float = float("inf")) -> str:
+    """A rank whose training thread has used no CPU for stall_s is stuck,
+    unless its peer connections moved bytes meanwhile (`quiet_s` ago): then
+    it waits on a slow link, it is not hung."""
+    return "stuck" if min(stalled_s, quiet_s) >= stall_s else "running"
 
 
 @dataclass
@@ -147,7 +153,8 @@ class PeerBeats:
             return "stuck"
         if not beat.fresh:
             return "unknown"
-        return stuck_or_running(beat.record["stalled_s"], stall_s)
+        return stuck_or_running(beat.record["stalled_s"], stall_s,
+                                beat.record.get("quiet_s", float("inf")))
 
 
 @dataclass

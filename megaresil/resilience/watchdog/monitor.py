@@ -42,7 +42,8 @@ class Watchdog:
                  workload: dict | None = None, guardian: bool = True,
                  stragglers: StragglerDetector | None = None,
                  device: torch.device = torch.device("cpu"), clock: Clock = SystemClock(),
-                 cpu_clock: Callable[[], float] | None = None):
+                 cpu_clock: Callable[[], float] | None = None,
+                 peer_bytes: Callable[[], int] | None = None):
         self.cfg, self.rank, self.world, self.store = cfg, rank, world, store
         self.clock = clock
         self.device = device  # the trainer's: the monitor thread aborts NCCL groups on it
@@ -59,6 +60,10 @@ class Watchdog:
         self.main_thread = threading.main_thread().ident
         self.progress = ProgressMeter(cpu_clock or thread_cpu_clock(self.main_thread),
                                       clock.monotonic())
+        # Bytes its peer connections move (probes.peer_bytes_counter): a rank
+        # waiting on a slow link is not hung. None: not measured.
+        self.traffic = (None if peer_bytes is None
+                        else ProgressMeter(peer_bytes, clock.monotonic(), min_rate=0.0))
         self.exempt: set = set()  # process groups whose timeout we leave alone
         self.heartbeat_every, self.abort_poll_every = store_intervals(cfg, world)
         self.beats = 0
@@ -165,6 +170,8 @@ class Watchdog:
             self.guardian.tick()
         now = self.clock.monotonic()
         self.progress.sample(now)
+        if self.traffic is not None:
+            self.traffic.sample(now)
         generation = self.generation
         if generation is None:
             return
@@ -211,10 +218,13 @@ class Watchdog:
     def _record(self, state: str, now: float) -> dict:
         """This rank's heartbeat: where it is and whether its thread runs."""
         section, step, _ = self.current
-        return {"state": state, "section": section, "step": step, "beat": self.beats,
-                "stalled_s": round(self.progress.stalled_s(now), 3),
-                "waiting": waiting_in_torch_distributed(self.main_thread),
-                "coll": collective_counts(self.exempt) if dist.is_initialized() else {}}
+        record = {"state": state, "section": section, "step": step, "beat": self.beats,
+                  "stalled_s": round(self.progress.stalled_s(now), 3),
+                  "waiting": waiting_in_torch_distributed(self.main_thread),
+                  "coll": collective_counts(self.exempt) if dist.is_initialized() else {}}
+        if self.traffic is not None:
+            record["quiet_s"] = round(self.traffic.stalled_s(now), 3)
+        return record
 
     # --- judging an alarm -----------------------------------------------------------
 
@@ -257,7 +267,9 @@ class Watchdog:
         """This rank asks its own meter (no store delay); a peer is judged
         by its heartbeats."""
         if rank == self.rank:
-            return stuck_or_running(self.progress.stalled_s(now), self.cfg.stall_s)
+            return stuck_or_running(self.progress.stalled_s(now), self.cfg.stall_s,
+                                    float("inf") if self.traffic is None
+                                    else self.traffic.stalled_s(now))
         return self.peers.state(rank, now, self.cfg.stall_s)
 
     def _report(self, alarm: Alarm, waited: float) -> dict:

@@ -1,9 +1,12 @@
 """What the watchdog reads of its own process: the training thread's CPU
-clock and where it waits, and the kind of machine a calibration holds on."""
+clock and where it waits, the bytes its peer connections move, and the kind
+of machine a calibration holds on."""
 from __future__ import annotations
 
 import os
 import platform
+import socket
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +34,55 @@ def waiting_in_torch_distributed(thread_id: int) -> bool:
     waits there on its peers (a collective, a group's creation, the store)."""
     frame = sys._current_frames().get(thread_id)
     return frame is not None and TORCH_DISTRIBUTED in frame.f_code.co_filename
+
+
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked and tcpi_bytes_received, two
+# u64 at byte 120, there since Linux 4.1 and 4.2.
+TCP_INFO_BYTES = struct.Struct("=QQ")
+TCP_INFO_BYTES_AT = 120
+TCP_INFO_LEN = TCP_INFO_BYTES_AT + TCP_INFO_BYTES.size
+
+
+def peer_bytes_counter(store_port: int | None) -> Callable[[], int]:
+    """Bytes acknowledged by and received from the peers of this process's
+    TCP connections, the store's (port `store_port`, at either end) left out: what a
+    rank waiting in a gloo collective over a slow link still moves, and one
+    cut off or waiting for a hung peer does not. Read from each socket's
+    TCP_INFO through a duplicate of its descriptor (torch does not expose
+    gloo's sockets); 0 where /proc is missing. NCCL's traffic (InfiniBand,
+    NVLink) is not seen."""
+    def count() -> int:
+        total = 0
+        for fd in socket_fds():
+            try:
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    if sock.type != socket.SOCK_STREAM or sock.family not in (
+                            socket.AF_INET, socket.AF_INET6):
+                        continue
+                    if store_port in (sock.getpeername()[1], sock.getsockname()[1]):
+                        continue  # the store's, as its client or (on its host) its server
+                    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_LEN)
+            except OSError:  # closed meanwhile, not connected, not TCP
+                continue
+            if len(info) == TCP_INFO_LEN:
+                total += sum(TCP_INFO_BYTES.unpack_from(info, TCP_INFO_BYTES_AT))
+        return total
+    return count
+
+
+def socket_fds() -> list[int]:
+    fds = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return fds
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.append(int(name))
+        except OSError:
+            continue
+    return fds
 
 
 def machine_kind() -> dict:
