@@ -147,7 +147,9 @@ FORMATS: dict[str, Callable[[dict], Optional[str]]] = {
                                    f"(loop held {e.get('blocking_seconds', 0):.1f} s), global tier: "
                                    f"{e.get('path')}"),
     "checkpoint_interval": lambda e: e.get("line", ""),
-    # The end summary: printed here, after the last checkpoint's line, not by the worker.
+    # The banner and the end summary: printed here, in order with the lines
+    # around them, not by the worker.
+    "generation_started": lambda e: e.get("line", ""),
     "run_finished": lambda e: e.get("line", ""),
     "startup_phase": startup.describe,
     "local_tier_paused": _local_paused,

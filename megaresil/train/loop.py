@@ -4,7 +4,6 @@ train.steps, one method per part of a step (data, forward_backward,
 optimizer), saving and evaluating between steps."""
 from __future__ import annotations
 
-import os
 import random
 import time
 from pathlib import Path
@@ -28,7 +27,6 @@ from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, sync_tied_embedding_grads
 from megaresil.resilience.supervision import Supervision
-from megaresil.run_lock import HELD_ENV
 from megaresil.safe_files import write_atomic
 from megaresil.train import checkpointing, story
 from megaresil.observe.goodput import write_goodput
@@ -345,8 +343,6 @@ class Trainer:
         (SIGINT; both after saving)."""
         t = self.cfg.train
         log = self.open_metrics()
-        if self.layout.rank == 0:
-            story.say(story.banner(self.cfg, self.state.step))
         last_record = None
         profiler = StepProfiler(self.cfg.profile, self.layout.rank, self.run_dir)
         started = time.perf_counter()
@@ -420,8 +416,7 @@ class Trainer:
                 line = story.summary(self.cfg, self.checkpointer.root, self.state.step,
                                      last_record, goodput)
                 self.events.emit("run_finished", step=self.state.step, goodput=goodput, line=line)
-                if HELD_ENV not in os.environ:  # no megaresil launcher prints the events in order
-                    story.say(f"megaresil: {line}")
+                story.tell(line)
             else:  # exited (train.exit_at_step), preempted or interrupted
                 self.events.emit(outcome, step=self.state.step)
         return outcome
@@ -430,8 +425,12 @@ class Trainer:
         if not self.layout.is_logging_rank:
             return None
         write_atomic(self.run_dir / "recipe.yaml", to_yaml(self.cfg))
+        # The banner rides in the event: the launcher prints it after the
+        # load's line ("resumed from ..."), not racing it.
+        banner = story.banner(self.cfg, self.state.step)
         self.events.emit("generation_started", generation=self.supervision.generation,
-                         step=self.state.step, **process_times())
+                         step=self.state.step, line=banner, **process_times())
+        story.tell(banner)
         return MetricsLog(self.run_dir, self.cfg, StepFigures.for_recipe(self.cfg, self.layout.device),
                           start_step=self.state.step, generation=self.supervision.generation,
                           fence=self.supervision.fence)

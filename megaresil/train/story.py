@@ -1,8 +1,10 @@
-"""The console's story of a run, told by rank 0: a start banner and an
-end summary (the launcher prints each checkpoint and incident between, and
-the summary after them, from the run_finished event)."""
+"""The console's story of a run, told by the rank that writes metrics: a
+start banner and an end summary. Both ride in events (generation_started,
+run_finished), so the launcher prints them in order with each checkpoint and
+incident between; without a megaresil launcher the rank prints them itself."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -12,6 +14,7 @@ import torch
 from megaresil.checkpoint import format as fmt
 from megaresil.config import RecipeConfig
 from megaresil.model.gpt import GPT
+from megaresil.run_lock import HELD_ENV
 
 
 def parameters(cfg: RecipeConfig) -> int:
@@ -28,7 +31,7 @@ def banner(cfg: RecipeConfig, start_step: int) -> str:
                       "apart)", 0: "never (checkpoint.interval=0)"}.get(interval,
                                                                         f"every {interval} steps")
     start = f"resumes from step {start_step}" if start_step else "starts at step 0"
-    return (f"megaresil: training tp={p.tp} pp={p.pp} dp={p.dp}, {parameters(cfg) / 1e6:.1f}M "
+    return (f"training tp={p.tp} pp={p.pp} dp={p.dp}, {parameters(cfg) / 1e6:.1f}M "
             f"parameters, {tokens:,} tokens per step, {cfg.train.steps} steps; run dir "
             f"{cfg.run.dir}; checkpoints {policy}; {start}")
 
@@ -45,3 +48,10 @@ def summary(cfg: RecipeConfig, root: Path, steps: int, last: Optional[dict],
 
 def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def tell(line: str) -> None:
+    """A line of the story, printed here when no megaresil launcher prints
+    it from the events (under the user's own torchrun)."""
+    if HELD_ENV not in os.environ:
+        say(f"megaresil: {line}")
