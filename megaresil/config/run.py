@@ -157,9 +157,10 @@ class WatchdogConfig:
     poll_s: float = doc(0.1, "How often the monitor samples its training thread and checks "
                         "its budget (local only: no store traffic).")
     stall_s: float = doc(0.5, "A rank past its budget is declared hung only when its culprits' "
-                         "training threads used (almost) no CPU and their connections to their "
-                         "peers moved no byte for this long; a culprit still computing or "
-                         "moving data is slow, not stuck (a hang_suspected warning, no abort).")
+                         "training threads used (almost) no CPU for this long (and their "
+                         "connections to their peers moved no byte for the section's budget); "
+                         "a culprit still computing or moving data is slow, not stuck (a "
+                         "hang_suspected warning, no abort).")
     slow_limit_factor: float = doc(5.0, "Hard limit of a section, as a multiple of its budget: "
                                    "past it a culprit is declared hung even while it computes "
                                    "(an endless loop), and it is the timeout of gloo collectives "

@@ -121,23 +121,38 @@ def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
     struck = 0 if first else 1
     other = agents[1 - struck]
     struck_at = wait_for_step(run_dir, fault_after_step, other)
-    strike_node(hosts, struck, fault)
+    strike_node(hosts, struck, fault, run_dir, other)
     return wait_until(other, deadline), struck_at
 
 
-def strike_node(hosts, node: int, fault: str) -> None:
-    """The node fault of a drill: lost, cut off for good, cut for FLAP_S
-    seconds, or its link capped (the last three only on nodes in namespaces)."""
+def strike_node(hosts, node: int, fault: str, run_dir: Path, other: subprocess.Popen) -> None:
+    """The node fault of a drill: lost, cut off for good, cut until the
+    other node has re-formed the job and trained a step (`partition-heal`),
+    cut for FLAP_S seconds, or its link capped (all but the first only on
+    nodes in namespaces)."""
     if fault == "lose":
         hosts.lose(node)
     elif fault == "partition":
         hosts.cut(node)
+    elif fault == "partition-heal":
+        hosts.cut(node)
+        wait_for_reform(run_dir, other)
+        hosts.heal(node)
     elif fault == "flap":
         hosts.cut(node)
         time.sleep(FLAP_S)
         hosts.heal(node)
     else:
         hosts.cap(node, SLOW_LINK_RATE)
+
+
+def wait_for_reform(run_dir: Path, proc: subprocess.Popen) -> None:
+    """Until a generation after the first has completed a step (or `proc`,
+    the job's other node, has ended)."""
+    while proc.poll() is None:
+        if any(r.get("generation", 0) > 0 for r in step_records(run_dir)):
+            return
+        time.sleep(0.05)
 
 
 def start_agents(recipe: str, overrides: list[str], run_dir: Path, world: int, hosts,

@@ -29,12 +29,15 @@ class Scenario:
 HOSTS_MODES = ("local", "netns")
 # What befalls a node scenario's node: it dies (any hosts), or its link, which
 # only nodes in namespaces have: cut for good (a partition: its processes live
-# on), cut for FLAP_S seconds, or capped at SLOW_LINK_RATE.
-NODE_FAULTS = ("lose", "partition", "flap", "slow")
+# on), cut until the job re-formed without it, cut for FLAP_S seconds, or
+# capped at SLOW_LINK_RATE.
+NODE_FAULTS = ("lose", "partition", "partition-heal", "flap", "slow")
 FLAP_S = 3.0
 # The demo's 2.6M parameters at dp=2: ~10 MB of gradients all-reduced a step,
 # ~4-7 s at this rate.
 SLOW_LINK_RATE = "20mbit"
+SLOW_LINK_BUDGETS = ["resilience.watchdog.factor=1", "resilience.watchdog.floor_s=2",
+                     "resilience.watchdog.slow_limit_factor=10"]
 SPIKE_WINDOW = 5  # loss-spike: a short window, so a short drill has the detector on
 
 
@@ -109,14 +112,20 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2,
         Scenario("node-loss-first", [], relaunch, nodes=2, lose_first=True),
         # The node's processes live on, cut off: the others re-form without it.
         Scenario("partition-node", [], relaunch, nodes=2, node_fault="partition"),
+        # Cut as a save begins (--step a save step); the link comes back once
+        # the job re-formed without the node. A cut inside the checkpoint
+        # section is seen at that section's budget: 10 s here, not 300.
+        Scenario("partition-heal", [], relaunch + ["resilience.watchdog.checkpoint_timeout_s=10"],
+                 nodes=2, node_fault="partition-heal"),
         # Connections stall, then resume at their next retransmission: a stall
         # past the watchdog's budget is a hang, restarted in place.
         Scenario("flap-link", [], in_process, nodes=2, node_fault="flap"),
-        # Budgets the capped steps pass (1.5 times the slowest step seen, not
-        # 5), so the drill shows a rank waiting on a slow link judged slow,
-        # not hung: it still moves bytes.
-        Scenario("slow-link", [], in_process + ["resilience.watchdog.factor=1.5"], nodes=2,
-                 node_fault="slow", expect_restart=False),
+        # Budgets the first capped step passes, whatever the load (the slowest
+        # section seen, at least 2 s, not 5 times it), and a hard limit well
+        # beyond it: the drill shows a rank waiting on a slow link judged
+        # slow, not hung, since it still moves bytes.
+        Scenario("slow-link", [], in_process + SLOW_LINK_BUDGETS, nodes=2, node_fault="slow",
+                 expect_restart=False),
         Scenario("kill-rank-local", [{"kind": "kill", "rank": rank, "step": step}],
                  relaunch + local),
         Scenario("node-loss-local", [], relaunch + local, lose_simulated_node=True),

@@ -180,10 +180,10 @@ def rendezvous_lost(membership: Membership, err: RendezvousError) -> str:
                 "its own --rdzv-id")
     if membership.host_can_be_lost or not isinstance(err, RendezvousConnectionError):
         return f"the rendezvous at {membership.endpoint} failed: {type(err).__name__}: {err}"
-    return (f"the c10d rendezvous host {membership.endpoint} is gone (the agent started with "
-            "is_host=1, usually the first node, was lost), so no node can rejoin; to survive "
-            "losing any node, run the rendezvous in etcd: --rdzv-backend etcd-v2 "
-            "--rdzv-endpoint ETCD_HOST:PORT")
+    return (f"the c10d rendezvous host {membership.endpoint} is gone or out of reach (the "
+            "agent started with is_host=1, usually the first node, was lost or cut off from "
+            "this one), so this node cannot rejoin; to survive losing any node, run the "
+            "rendezvous in etcd: --rdzv-backend etcd-v2 --rdzv-endpoint ETCD_HOST:PORT")
 
 
 def last_ending(run_dir: Path, events_before: int) -> Optional[dict]:

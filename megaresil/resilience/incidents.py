@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
@@ -21,6 +22,13 @@ def _where(e: dict) -> str:
 
 
 def _hang(e: dict) -> str:
+    if e.get("unreachable"):
+        nodes = "; ".join(f"node {n['node']} (ranks {n['ranks']}) since "
+                          f"{time.strftime('%H:%M:%S', time.localtime(n['since']))}"
+                          for n in e["unreachable"])
+        return (f"unreachable: {nodes}: no heartbeat from it while the job waited {_where(e)} "
+                f"({e.get('waited_s', 0):.1f}s, budget {e.get('budget_s', 0):.1f}s); a "
+                f"network partition or a frozen node; stacks in {e.get('stack_dump')}")
     return (f"hang detected {_where(e)}: rank(s) {e.get('culprit_ranks')} made no progress "
             f"for {e.get('waited_s', 0):.1f}s (budget {e.get('budget_s', 0):.1f}s); "
             f"stacks in {e.get('stack_dump')}")

@@ -44,7 +44,8 @@ from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, HangAbort, raise_in_thread
 from megaresil.resilience.watchdog.monitor import Watchdog
-from megaresil.resilience.watchdog.probes import peer_bytes_counter
+from megaresil.resilience.watchdog.probes import (NodeTraffic, node_traffic_path,
+                                                  peer_bytes_counter)
 
 # Failures a restart cannot cure (a bad recipe, no usable checkpoint, a full
 # disk): the whole job stops at once, on every rank, with the reason.
@@ -69,6 +70,11 @@ def launch_store_port() -> int | None:
     """The launch store's port (its connections are not the collectives')."""
     port = os.environ.get("MASTER_PORT")
     return int(port) if port else None
+
+
+def node_name() -> str:
+    """This rank's node as reports name it: its agent's node rank and host."""
+    return f"{os.environ.get('GROUP_RANK', '0')} on {socket.gethostname()}"
 
 
 def launch_store(rank: int, world: int) -> dist.Store:
@@ -212,6 +218,10 @@ class WorkerLife:
         self.preemption = PreemptionFlag().install()
         wd = res.watchdog
         monitor_store = dist.PrefixStore(f"megaresil/attempt_{attempt()}", own_connection(store))
+        self.traffic = NodeTraffic(peer_bytes_counter(launch_store_port()),
+                                   node_traffic_path(launch_store_port(),
+                                                     int(os.environ.get("GROUP_RANK", 0))),
+                                   int(os.environ.get("LOCAL_RANK", rank)))
         self.watchdog = (Watchdog(wd, rank=rank, world=world, store=monitor_store,
                                   run_dir=self.run_dir, events=self.events,
                                   exit_on_hang=None if res.in_process else HANG_EXIT_CODE,
@@ -221,7 +231,7 @@ class WorkerLife:
                                                                events=self.events,
                                                                pp=cfg.parallel.pp),
                                   device=self.device,
-                                  peer_bytes=peer_bytes_counter(launch_store_port()))
+                                  peer_bytes=self.traffic, node=node_name())
                          if wd.enabled else None)
         if self.watchdog is not None:
             self.watchdog.start()
@@ -248,6 +258,7 @@ class WorkerLife:
         finally:
             if self.watchdog is not None:
                 self.watchdog.close()
+            self.traffic.close()
 
     def _after_relaunch(self) -> None:
         """On a relaunched attempt, rank 0 numbers the restart and backs off
@@ -353,6 +364,10 @@ class WorkerLife:
         failure and announce the abort so every rank restarts with us."""
         if isinstance(err, Fenced):
             raise err  # recorded as `fenced`: a rank left behind writes nothing more
+        if supervision.fence is not None:
+            # A rank the job re-formed without (cut off, then its collectives
+            # timed out) records `fenced`, not an error of the job's.
+            supervision.fence.check(f"the record of its failure ({type(err).__name__})")
         made_progress = self._progressed(supervision)
         section = self.watchdog.current[0] if self.watchdog is not None else "unknown"
         peer_gone = self.board.peer_gone(self.generation, err)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -146,8 +147,8 @@ def test_node_loss_in_namespaces_recovers_at_dp1(cli_main, chaos_reference, tmp_
 
 @needs_netns
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario,step", [("partition-node", 3), ("flap-link", 3),
-                                           ("slow-link", 6)])
+@pytest.mark.parametrize("scenario,step", [("partition-node", 3), ("partition-heal", 4),
+                                           ("flap-link", 3), ("slow-link", 6)])
 def test_link_faults_in_namespaces_end_as_written_down(cli_main, chaos_reference, tmp_path,
                                                        scenario, step):
     """docs/fault-tolerance.md's table of network faults: what each one does
@@ -162,9 +163,24 @@ def test_link_faults_in_namespaces_end_as_written_down(cli_main, chaos_reference
     events = read_events(report["faulted"])
     layouts = [e["layout"]["dp"] for e in events if e["event"] == "checkpoint_loaded"]
     if scenario == "partition-node":
-        # The cut-off rank is blamed for the hang; the job re-forms without its node.
+        # The cut-off rank is blamed for the hang, its node named as unreachable;
+        # the job re-forms without that node.
         assert report["culprit_ranks"] == [1] and report["restart_kind"] == "relaunch"
+        hang = next(e for e in events if e["event"] == "hang_detected")
+        assert [n["ranks"] for n in hang["unreachable"]] == [[1]], hang
+        assert hang["unreachable"][0]["node"].endswith("-node1")
+        assert "megaresil: unreachable: node " in result.stderr
         assert layouts == [1]
+    elif scenario == "partition-heal":
+        # Cut as step 4's save began, healed once node 0 trained alone: the
+        # cut-off rank's late failure is fenced, not recorded as the job's,
+        # and its generation's save never lands.
+        assert layouts == [1]
+        fenced = [e for e in events if e["event"] == "fenced"]
+        assert all(e["rank"] == 1 and e["generation"] == 0 for e in fenced), fenced
+        assert not list(Path(report["faulted"], "checkpoints").glob("*partial*"))
+        assert not [e for e in events if e["event"] == "worker_error" and e["rank"] == 1
+                    and e["time"] > min(e["time"] for e in events if e["event"] == "restart")]
     elif scenario == "flap-link":
         # Ridden out, or (a stall past the watchdog's budget) restarted in
         # place: both nodes stay.

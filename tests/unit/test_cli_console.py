@@ -246,3 +246,15 @@ def test_a_worker_stops_at_the_second_sigint_while_its_main_thread_is_in_c():
         proc.kill()
     assert proc.returncode == 130
     assert "second Ctrl-C: stopping at once, without saving" in proc.stderr.read()
+
+
+def test_a_hang_that_names_an_unreachable_node_says_so_in_one_line():
+    line = incident_line({"event": "hang_detected", "section": "optimizer", "step": 8,
+                          "waited_s": 3.3, "budget_s": 2.0, "culprit_ranks": [6], "why": "stuck",
+                          "stack_dump": "runs/a/hangs/generation_0",
+                          "unreachable": [{"node": "1 on n1", "ranks": [4, 5, 6, 7], "since":
+                                           time.mktime((2026, 12, 3, 7, 49, 12, 0, 0, -1))}]})
+    assert line == ("megaresil: unreachable: node 1 on n1 (ranks [4, 5, 6, 7]) since 07:49:12: "
+                    "no heartbeat from it while the job waited in optimizer at step 8 (3.3s, "
+                    "budget 2.0s); a network partition or a frozen node; stacks in "
+                    "runs/a/hangs/generation_0")

@@ -70,10 +70,11 @@ def test_a_stuck_rank_is_aborted_soon_after_its_budget(tmp_path):
 
 
 def test_a_rank_waiting_on_a_slow_link_is_suspected_and_caught_only_at_the_hard_limit(tmp_path):
-    # Blocked in a collective (no CPU) while its peer connections move bytes:
-    # a slow link, not a hang. The hard limit (the gloo timeout) still holds.
+    # Blocked in a collective (no CPU) while its peer connections move bytes,
+    # a second apart as on a congested link: a slow link, not a hang. The
+    # hard limit (the gloo timeout) still holds.
     clock, cpu, moved = FakeClock(), FakeCpu(), [0]
-    cfg = WatchdogConfig(initial_timeout_s=0.5, calibration_steps=100, stall_s=0.5,
+    cfg = WatchdogConfig(initial_timeout_s=2.0, calibration_steps=100, stall_s=0.5,
                          slow_limit_factor=4.0)
     wd = Watchdog(cfg, rank=0, world=1, store=dist.HashStore(), run_dir=tmp_path,
                   events=EventLog(tmp_path, 0), exit_on_hang=None, guardian=False,
@@ -83,7 +84,8 @@ def test_a_rank_waiting_on_a_slow_link_is_suspected_and_caught_only_at_the_hard_
     poll = wd.poll
 
     def poll_while_the_link_moves_bytes():
-        moved[0] += 100  # each poll, a few acknowledged bytes
+        if round(clock.monotonic() * 10) % 10 == 0:
+            moved[0] += 100  # a few acknowledged bytes each second
         poll()
     wd.poll = poll_while_the_link_moves_bytes
     try:
@@ -91,7 +93,7 @@ def test_a_rank_waiting_on_a_slow_link_is_suspected_and_caught_only_at_the_hard_
             run_monitor(wd, clock, cpu, seconds=10, cpu_share=0.0)
     finally:
         wd.close()
-    assert 2.0 <= clock.monotonic() - started < 2.0 + 1.0  # 4 budgets, not 0.5 + stall_s
+    assert 8.0 <= clock.monotonic() - started < 8.0 + 1.0  # 4 budgets, not 2 + stall_s
     events = read_events(tmp_path)
     assert [e["event"] for e in events] == ["hang_suspected", "hang_detected"]
     assert events[1]["why"] == "slow_limit"
@@ -117,6 +119,23 @@ def test_the_bytes_a_process_moves_are_counted_and_the_stores_left_out():
                     time.sleep(0.01)  # the acknowledgement's way back
                 assert counted() - before[0] == 100_000  # acknowledged + received
                 assert store_left_out() == before[1]  # both ends are the "store's"
+
+
+def test_a_nodes_ranks_share_their_byte_counts_and_the_last_one_out_removes_the_file(tmp_path):
+    from megaresil.resilience.watchdog.probes import NodeTraffic
+
+    own = {0: 0, 1: 0}
+    path = tmp_path / "traffic"
+    ranks = {r: NodeTraffic(lambda r=r: own[r], path, local_rank=r) for r in (0, 1)}
+    own[1] = 500  # rank 0's sockets idle, rank 1's move: the node's link is busy
+    assert ranks[1]() == 500 and ranks[0]() == 500
+    own[0] = 20
+    assert ranks[0]() == 520
+    ranks[0].close()
+    assert path.exists()
+    ranks[1].close()
+    assert not path.exists()
+    assert NodeTraffic(lambda: 7, None, local_rank=3)() == 7  # no node-local directory
 
 
 def test_an_endless_computation_is_caught_at_the_hard_limit(tmp_path):

@@ -13,6 +13,7 @@ from megaresil.resilience.watchdog.judgement import (
     find_culprits,
     store_intervals,
     stuck_or_running,
+    unreachable_nodes,
     verdict,
 )
 
@@ -117,6 +118,9 @@ def test_a_rank_without_cpu_is_stuck_only_when_its_connections_are_quiet_too():
     assert stuck_or_running(2.0, stall_s=0.5, quiet_s=0.1) == "running"  # a slow link
     assert stuck_or_running(2.0, stall_s=0.5, quiet_s=2.0) == "stuck"  # cut off, or waiting
     assert stuck_or_running(0.0, stall_s=0.5, quiet_s=2.0) == "running"  # computing
+    # A congested link: a second between bytes is no hang within a 4 s budget.
+    assert stuck_or_running(5.0, stall_s=0.5, quiet_s=1.4, quiet_limit=4.0) == "running"
+    assert stuck_or_running(5.0, stall_s=0.5, quiet_s=4.0, quiet_limit=4.0) == "stuck"
 
 
 def test_a_peer_waiting_on_a_slow_link_is_running_and_a_cut_off_one_stuck():
@@ -127,7 +131,24 @@ def test_a_peer_waiting_on_a_slow_link_is_running_and_a_cut_off_one_stuck():
     assert peers.state(1, 11.0, stall_s=0.5) == "running"
     peers.note({1: {**beat(5, "optimizer", stalled_s=3.5), "beat": 3, "quiet_s": 1.5}},
                now=11.5)
-    assert peers.state(1, 11.5, stall_s=0.5) == "stuck"
+    assert peers.state(1, 11.5, stall_s=0.5, quiet_limit=4.0) == "running"  # congested
+    assert peers.state(1, 11.5, stall_s=0.5, quiet_limit=1.0) == "stuck"
+
+
+def test_a_node_whose_every_rank_went_silent_is_named_with_its_ranks_and_since_when():
+    peers = PeerBeats(heartbeat_every=0.5)
+
+    def read(now: float, beats: dict[int, int]) -> None:
+        peers.note({r: {**beat(7, "optimizer"), "beat": n, "node": f"{r // 2} on h{r // 2}",
+                        "at": 1000.0 + n} for r, n in beats.items()}, now)
+    read(10.0, {0: 1, 1: 1, 2: 1, 3: 1})
+    read(12.0, {0: 2, 1: 2, 2: 1, 3: 1})  # node 1's beats stopped; node 0's go on
+    assert unreachable_nodes(peers, 12.0, mine="0 on h0") == [
+        {"node": "1 on h1", "ranks": [2, 3], "since": 1001.0}]
+    assert unreachable_nodes(peers, 12.0, mine="1 on h1") == []  # never this rank's own node
+    # One silent rank of a node whose other rank still beats: a rank's hang, not the node.
+    read(14.0, {0: 3, 1: 3, 2: 1, 3: 2})
+    assert unreachable_nodes(peers, 14.5, mine="0 on h0") == []
 
 
 # --- peers' heartbeats ------------------------------------------------------------

@@ -6,7 +6,8 @@ A heartbeat is a dict a rank writes to the store: `state` (running|left),
 `section`, `step`, `beat` (a counter), `stalled_s` (how long its training
 thread has used no CPU), `quiet_s` (how long its peer connections have moved
 no byte; absent where not measured), `waiting` (inside torch.distributed) and
-`coll` (collectives started per process group). See docs/watchdog.md."""
+`coll` (collectives started per process group), and where measured `node`
+(the rank's node) and `at` (wall time written). See docs/watchdog.md."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -110,11 +111,17 @@ def alone_in_a_collective(rank: int, heartbeats: dict[int, dict]) -> bool:
     return False
 
 
-def stuck_or_running(stalled_s: float, stall_s: float, quiet_s: float = float("inf")) -> str:
+def stuck_or_running(stalled_s: float, stall_s: float, quiet_s: float = float("inf"),
+                     quiet_limit: float | None = None) -> str:
     """A rank whose training thread has used no CPU for stall_s is stuck,
-    unless its peer connections moved bytes meanwhile (`quiet_s` ago): then
-    it waits on a slow link, it is not hung."""
-    return "stuck" if min(stalled_s, quiet_s) >= stall_s else "running"
+    unless its peer connections moved a byte within `quiet_limit` (default
+    stall_s; `quiet_s` is how long ago they did): then it waits on a slow
+    link, it is not hung. On a congested link a waiting rank's own sockets
+    idle for a second or more between bytes (1.4 s seen at 20 Mbit/s), so
+    the monitor gives a section's whole budget: that long with no byte is
+    no congestion."""
+    limit = stall_s if quiet_limit is None else max(stall_s, quiet_limit)
+    return "stuck" if stalled_s >= stall_s and quiet_s >= limit else "running"
 
 
 @dataclass
@@ -144,17 +151,33 @@ class PeerBeats:
         return [r for r, beat in self.seen.items() if beat.record["state"] == "running"
                 and now - beat.seen > self.stale_after]
 
-    def state(self, rank: int, now: float, stall_s: float) -> str:
+    def state(self, rank: int, now: float, stall_s: float,
+              quiet_limit: float | None = None) -> str:
         """stuck, running, or unknown (no heartbeat written since the alarm
-        began yet): judged by a heartbeat written since the previous read,
-        or by the peer's silence."""
+        began yet): judged by a heartbeat written since the previous read
+        (see stuck_or_running), or by the peer's silence."""
         beat = self.seen.get(rank)
         if beat is None or rank in self.gone(now):
             return "stuck"
         if not beat.fresh:
             return "unknown"
         return stuck_or_running(beat.record["stalled_s"], stall_s,
-                                beat.record.get("quiet_s", float("inf")))
+                                beat.record.get("quiet_s", float("inf")), quiet_limit)
+
+
+def unreachable_nodes(peers: PeerBeats, now: float, mine: str | None) -> list[dict]:
+    """Nodes other than this one (`mine`) whose every rank's heartbeat
+    stopped: cut off from the store (a partition) or frozen whole, not a
+    hang inside one rank. Each with its ranks and the wall time of its
+    newest heartbeat (`since`)."""
+    gone = set(peers.gone(now))
+    nodes: dict[str, list[int]] = {}
+    for rank, beat in peers.seen.items():
+        if beat.record.get("node") is not None:
+            nodes.setdefault(beat.record["node"], []).append(rank)
+    return [{"node": node, "ranks": sorted(ranks),
+             "since": max(peers.seen[r].record.get("at", 0.0) for r in ranks)}
+            for node, ranks in sorted(nodes.items()) if node != mine and set(ranks) <= gone]
 
 
 @dataclass

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +28,8 @@ from megaresil.resilience.watchdog.abort import (ABORT_GRACE_S, ExitTimer, Guard
 from megaresil.resilience.watchdog.budgets import Budgets, what_differs
 from megaresil.resilience.watchdog.clock import Clock, SystemClock
 from megaresil.resilience.watchdog.judgement import (Alarm, PeerBeats, ProgressMeter,
-                                                     store_intervals, stuck_or_running, verdict)
+                                                     store_intervals, stuck_or_running,
+                                                     unreachable_nodes, verdict)
 from megaresil.resilience.watchdog.probes import (machine_kind, thread_cpu_clock,
                                                   waiting_in_torch_distributed)
 
@@ -43,8 +45,9 @@ class Watchdog:
                  stragglers: StragglerDetector | None = None,
                  device: torch.device = torch.device("cpu"), clock: Clock = SystemClock(),
                  cpu_clock: Callable[[], float] | None = None,
-                 peer_bytes: Callable[[], int] | None = None):
+                 peer_bytes: Callable[[], int] | None = None, node: str | None = None):
         self.cfg, self.rank, self.world, self.store = cfg, rank, world, store
+        self.node = node  # this rank's node, named in heartbeats: a partition names the node
         self.clock = clock
         self.device = device  # the trainer's: the monitor thread aborts NCCL groups on it
         self.hang_dir = Path(run_dir) / "hangs"
@@ -224,6 +227,8 @@ class Watchdog:
                   "coll": collective_counts(self.exempt) if dist.is_initialized() else {}}
         if self.traffic is not None:
             record["quiet_s"] = round(self.traffic.stalled_s(now), 3)
+        if self.node is not None:
+            record.update(node=self.node, at=round(time.time(), 3))
         return record
 
     # --- judging an alarm -----------------------------------------------------------
@@ -232,10 +237,11 @@ class Watchdog:
         if now >= alarm.next_read:
             alarm.next_read = now + self.heartbeat_every
             self._read_culprits(alarm, now)
-        states = [self._culprit_state(r, now) for r in alarm.culprits]
+        states = [self._culprit_state(r, now, self.budget(alarm.section))
+                  for r in alarm.culprits]
         found = verdict(states, waited, self.slow_limit(alarm.section), alarm.suspected)
         if found in ("stuck", "slow_limit"):
-            self._declare(generation, alarm, waited, found)
+            self._declare(generation, alarm, waited, found, now)
         elif found == "suspect":
             alarm.suspected = True
             self._suspect(alarm, waited)
@@ -263,14 +269,15 @@ class Watchdog:
             beats[self.rank] = self._record("running", now)
         return beats
 
-    def _culprit_state(self, rank: int, now: float) -> str:
-        """This rank asks its own meter (no store delay); a peer is judged
-        by its heartbeats."""
+    def _culprit_state(self, rank: int, now: float, quiet_limit: float) -> str:
+        """This rank asks its own meters (no store delay); a peer is judged
+        by its heartbeats. No byte for `quiet_limit` (the section's budget)
+        is needed besides no CPU: see judgement.stuck_or_running."""
         if rank == self.rank:
-            return stuck_or_running(self.progress.stalled_s(now), self.cfg.stall_s,
-                                    float("inf") if self.traffic is None
-                                    else self.traffic.stalled_s(now))
-        return self.peers.state(rank, now, self.cfg.stall_s)
+            quiet_s = float("inf") if self.traffic is None else self.traffic.stalled_s(now)
+            return stuck_or_running(self.progress.stalled_s(now), self.cfg.stall_s, quiet_s,
+                                    quiet_limit)
+        return self.peers.state(rank, now, self.cfg.stall_s, quiet_limit)
 
     def _report(self, alarm: Alarm, waited: float) -> dict:
         return {"rank": self.rank, "section": alarm.section, "step": alarm.step,
@@ -284,14 +291,26 @@ class Watchdog:
         if self.store.compare_set(key, "", str(self.rank)) == str(self.rank).encode():
             self.events.emit("hang_suspected", **{k: v for k, v in report.items() if k != "rank"})
 
-    def _declare(self, generation: int, alarm: Alarm, waited: float, why: str) -> None:
+    def _declare(self, generation: int, alarm: Alarm, waited: float, why: str,
+                 now: float) -> None:
         report = {**self._report(alarm, waited), "why": why,
                   "stack_dump": str(self.hang_dir / f"generation_{generation}")}
+        unreachable = self._unreachable(now)
+        if unreachable:
+            report["unreachable"] = unreachable
         mine = json.dumps(report)
         if self.store.compare_set(self._key("hang"), "", mine) == mine.encode():
             self.events.emit("hang_detected", **{k: v for k, v in report.items() if k != "rank"})
             self.store.set(self._key("abort"), json.dumps({"reason": "hang", **report}))
         self._abort(generation, {"reason": "hang", **report})
+
+    def _unreachable(self, now: float) -> list[dict]:
+        """Nodes whose ranks all went silent, from every rank's heartbeat
+        read afresh (the alarm re-read only its culprits')."""
+        if self.node is None:
+            return []
+        self._heartbeats(range(self.world), now)
+        return unreachable_nodes(self.peers, now, self.node)
 
     # --- aborting -------------------------------------------------------------------
 

@@ -70,6 +70,52 @@ def peer_bytes_counter(store_port: int | None) -> Callable[[], int]:
     return count
 
 
+class NodeTraffic:
+    """The bytes this job's ranks on this node move to their peers: each
+    rank's own count (peer_bytes_counter) in its slot of one node-local file
+    (`path`, under /dev/shm), summed. On a congested link one rank's own
+    sockets can idle for seconds (a flow backing off after drops) while its
+    node-mates' transfers keep the link busy; a node whose ranks all wait on
+    a hung peer moves nothing. Without `path` (no /dev/shm), the rank's own
+    count. close() removes the file with the last slot left."""
+    SLOT = struct.Struct("=Q")
+
+    def __init__(self, own: Callable[[], int], path: Path | None, local_rank: int):
+        self.own, self.path, self.offset = own, path, local_rank * self.SLOT.size
+        self.fd = None
+        if path is not None:
+            try:
+                self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError:
+                self.path = None
+
+    def __call__(self) -> int:
+        value = self.own()
+        if self.fd is None:
+            return value
+        os.pwrite(self.fd, self.SLOT.pack(value), self.offset)
+        data = os.pread(self.fd, 1 << 16, 0)
+        return sum(self.SLOT.unpack_from(data, at)[0]
+                   for at in range(0, len(data) - self.SLOT.size + 1, self.SLOT.size))
+
+    def close(self) -> None:
+        if self.fd is None:
+            return
+        os.pwrite(self.fd, self.SLOT.pack(0), self.offset)
+        if not any(os.pread(self.fd, 1 << 16, 0)):
+            Path(self.path).unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = None
+
+
+def node_traffic_path(store_port: int | None, node_rank: int) -> Path | None:
+    """The node-local file of a job's NodeTraffic (one per launch store and
+    node: simulated nodes share one /dev/shm), or None where there is none."""
+    shm = Path("/dev/shm")
+    return (shm / f"megaresil-traffic-{store_port}-{node_rank}" if store_port and shm.is_dir()
+            else None)
+
+
 def socket_fds() -> list[int]:
     fds = []
     try:
