@@ -72,9 +72,14 @@ def launch_store_port() -> int | None:
     return int(port) if port else None
 
 
+def node_rank() -> int:
+    """This rank's node: its agent's node rank (0 without an agent)."""
+    return int(os.environ.get("GROUP_RANK", 0))
+
+
 def node_name() -> str:
-    """This rank's node as reports name it: its agent's node rank and host."""
-    return f"{os.environ.get('GROUP_RANK', '0')} on {socket.gethostname()}"
+    """This rank's node as reports name it: its node rank and host."""
+    return f"{node_rank()} on {socket.gethostname()}"
 
 
 def launch_store(rank: int, world: int) -> dist.Store:
@@ -218,9 +223,8 @@ class WorkerLife:
         self.preemption = PreemptionFlag().install()
         wd = res.watchdog
         monitor_store = dist.PrefixStore(f"megaresil/attempt_{attempt()}", own_connection(store))
-        self.traffic = NodeTraffic(peer_bytes_counter(launch_store_port()),
-                                   node_traffic_path(launch_store_port(),
-                                                     int(os.environ.get("GROUP_RANK", 0))),
+        port = launch_store_port()
+        self.traffic = NodeTraffic(peer_bytes_counter(port), node_traffic_path(port, node_rank()),
                                    int(os.environ.get("LOCAL_RANK", rank)))
         self.watchdog = (Watchdog(wd, rank=rank, world=world, store=monitor_store,
                                   run_dir=self.run_dir, events=self.events,

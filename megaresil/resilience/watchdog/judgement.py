@@ -117,7 +117,7 @@ def stuck_or_running(stalled_s: float, stall_s: float, quiet_s: float = float("i
     unless its peer connections moved a byte within `quiet_limit` (default
     stall_s; `quiet_s` is how long ago they did): then it waits on a slow
     link, it is not hung. On a congested link a waiting rank's own sockets
-    idle for a second or more between bytes (1.4 s seen at 20 Mbit/s), so
+    idle for seconds between bytes (0.7-2.5 s seen at 20 Mbit/s), so
     the monitor gives a section's whole budget: that long with no byte is
     no congestion."""
     limit = stall_s if quiet_limit is None else max(stall_s, quiet_limit)
