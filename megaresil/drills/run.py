@@ -15,6 +15,7 @@ from typing import Optional
 
 import psutil
 
+from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local.store import local_root, node_dir
 from megaresil.config import load_recipe
 from megaresil.drills.scenarios import FLAP_S, SLOW_LINK_RATE
@@ -120,7 +121,8 @@ def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
     agents = start_agents(recipe, overrides, run_dir, world, hosts, rendezvous)
     struck = 0 if first else 1
     other = agents[1 - struck]
-    struck_at = wait_for_step(run_dir, fault_after_step, other)
+    struck_at = (wait_for_save(run_dir, fault_after_step, other) if fault == "partition-heal"
+                 else wait_for_step(run_dir, fault_after_step, other))
     strike_node(hosts, struck, fault, run_dir, other)
     return wait_until(other, deadline), struck_at
 
@@ -208,6 +210,19 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> float:
             return time.time()
         time.sleep(0.05)
     raise RuntimeError("the job ended before the node could be lost")
+
+
+def wait_for_save(run_dir: Path, step: int, proc: subprocess.Popen) -> float:
+    """Until `step`'s save has begun (its partial directory is there), so
+    that a cut lands inside it; or, should the save be over before a look
+    saw it, until the next step is done."""
+    pattern = f"{fmt.step_dir_name(step)}.partial-*"
+    while proc.poll() is None:
+        if any((run_dir / "checkpoints").glob(pattern)) or any(
+                r["step"] > step for r in step_records(run_dir)):
+            return time.time()
+        time.sleep(0.01)
+    raise RuntimeError("the job ended before the node could be cut off")
 
 
 def start_hogs(count: int) -> list[subprocess.Popen]:

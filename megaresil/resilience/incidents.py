@@ -29,8 +29,10 @@ def _hang(e: dict) -> str:
         return (f"unreachable: {nodes}: no heartbeat from it while the job waited {_where(e)} "
                 f"({e.get('waited_s', 0):.1f}s, budget {e.get('budget_s', 0):.1f}s); a "
                 f"network partition or a frozen node; stacks in {e.get('stack_dump')}")
-    return (f"hang detected {_where(e)}: rank(s) {e.get('culprit_ranks')} made no progress "
-            f"for {e.get('waited_s', 0):.1f}s (budget {e.get('budget_s', 0):.1f}s); "
+    what = ("stopped sending heartbeats (killed, frozen or cut off) while the job waited"
+            if e.get("why") == "silent" else "made no progress for")
+    return (f"hang detected {_where(e)}: rank(s) {e.get('culprit_ranks')} {what} "
+            f"{e.get('waited_s', 0):.1f}s (budget {e.get('budget_s', 0):.1f}s); "
             f"stacks in {e.get('stack_dump')}")
 
 

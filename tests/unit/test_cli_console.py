@@ -248,6 +248,16 @@ def test_a_worker_stops_at_the_second_sigint_while_its_main_thread_is_in_c():
     assert "second Ctrl-C: stopping at once, without saving" in proc.stderr.read()
 
 
+def test_a_hang_on_a_silent_rank_says_it_stopped_beating():
+    line = incident_line({"event": "hang_detected", "section": "checkpoint", "step": 4,
+                          "waited_s": 2.3, "budget_s": 2.0, "culprit_ranks": [1],
+                          "why": "silent", "stack_dump": "runs/a/hangs/generation_0"})
+    assert line == ("megaresil: hang detected in checkpoint at step 4: rank(s) [1] stopped "
+                    "sending heartbeats (killed, frozen or cut off) while the job waited 2.3s "
+                    "(budget 2.0s); "
+                    "stacks in runs/a/hangs/generation_0")
+
+
 def test_a_hang_that_names_an_unreachable_node_says_so_in_one_line():
     line = incident_line({"event": "hang_detected", "section": "optimizer", "step": 8,
                           "waited_s": 3.3, "budget_s": 2.0, "culprit_ranks": [6], "why": "stuck",

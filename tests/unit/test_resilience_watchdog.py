@@ -181,6 +181,60 @@ def test_a_rank_that_leaves_the_generation_while_an_abort_is_on_its_way_is_not_h
     assert json.loads(store.get("hb/0/0"))["state"] == "left"
 
 
+def save_section_with_a_peer(tmp_path, clock: FakeClock, peer_beats_until: float):
+    """Rank 0 of two (node n0) blocked in a save's checkpoint section (budget
+    300 s), its peer (node n1) blocked too, beating until `peer_beats_until`."""
+    cfg = WatchdogConfig(initial_timeout_s=0.5, calibration_steps=100, stall_s=0.5,
+                         checkpoint_timeout_s=300.0)
+    store = dist.HashStore()
+    wd = Watchdog(cfg, rank=0, world=2, store=store, run_dir=tmp_path,
+                  events=EventLog(tmp_path, 0), exit_on_hang=None, guardian=False,
+                  clock=clock, cpu_clock=FakeCpu(), node="n0")
+    wd.begin_generation(0)
+    poll, beats = wd.poll, [0]
+
+    def poll_beside_the_peer():
+        if clock.monotonic() < peer_beats_until:
+            beats[0] += 1
+            store.set("hb/0/1", json.dumps({"state": "running", "section": "checkpoint",
+                                            "step": 8, "beat": beats[0], "stalled_s": 30.0,
+                                            "quiet_s": 30.0, "node": "n1", "at": 100.0}))
+        poll()
+    wd.poll = poll_beside_the_peer
+    return wd
+
+
+def test_a_peer_silent_during_a_save_is_a_hang_long_before_the_checkpoints_budget(tmp_path):
+    # A node cut off mid-save: its heartbeats stop. The checkpoint's own
+    # budget (300 s) is for slow filesystems; a silent peer is no slow write.
+    clock = FakeClock()
+    wd = save_section_with_a_peer(tmp_path, clock, peer_beats_until=2.0)
+    try:
+        with pytest.raises(HangAbort), wd.section("checkpoint", 8):
+            run_monitor(wd, clock, FakeCpu(), seconds=60, cpu_share=0.0)
+    finally:
+        wd.close()
+    assert clock.monotonic() < 2.0 + 2 * wd.peers.stale_after
+    detected = [e for e in read_events(tmp_path) if e["event"] == "hang_detected"]
+    assert len(detected) == 1
+    assert detected[0]["why"] == "silent" and detected[0]["culprit_ranks"] == [1]
+    assert detected[0]["budget_s"] == 0.5  # the silence budget, before calibration
+    assert [u["node"] for u in detected[0]["unreachable"]] == ["n1"]
+
+
+def test_a_peer_that_beats_through_a_slow_save_waits_for_the_checkpoints_budget(tmp_path):
+    # Both ranks blocked (no CPU, no byte) in a save on a slow filesystem: no
+    # hang and no warning until the checkpoint's own budget.
+    clock = FakeClock()
+    wd = save_section_with_a_peer(tmp_path, clock, peer_beats_until=float("inf"))
+    try:
+        with wd.section("checkpoint", 8):
+            run_monitor(wd, clock, FakeCpu(), seconds=120, cpu_share=0.0)
+    finally:
+        wd.close()
+    assert [e for e in read_events(tmp_path) if e["event"].startswith("hang")] == []
+
+
 # --- calibration -----------------------------------------------------------------
 
 def test_calibrated_budgets_have_a_floor(tmp_path):
@@ -192,6 +246,9 @@ def test_calibrated_budgets_have_a_floor(tmp_path):
     wd.budgets.steps_seen = 2
     assert wd.budget("data") == 2.0 and wd.budget("forward_backward") == pytest.approx(4.5)
     assert wd.budget("checkpoint") == wd.cfg.checkpoint_timeout_s
+    wd.budgets.slowest["checkpoint"] = 1.5
+    assert wd.budgets.silence_budget("checkpoint") == pytest.approx(7.5)
+    assert wd.budgets.silence_budget("data") == wd.budget("data")
     assert wd.slow_limit("forward_backward") == pytest.approx(5 * 4.5)
 
 

@@ -4,7 +4,8 @@ the durations, it reads no clock and starts no thread.
 A budget is `factor` x the slowest observed duration of a section (never
 under `floor_s`; step 1's one-off warm-up costs are not observed), once
 `calibration_steps` steps were seen; before that, `initial_timeout_s`. Setup
-and checkpoint have budgets of their own. The hard limit, past which even a
+and checkpoint have budgets of their own; the checkpoint section is also
+watched for silent peers from its calibrated budget (`silence_budget`). The hard limit, past which even a
 computing rank is hung, is `slow_limit_factor` x the budget. A calibration
 holds only on what it was measured on (world, workload, machine kind)."""
 from __future__ import annotations
@@ -32,6 +33,18 @@ class Budgets:
             return self.cfg.setup_timeout_s
         if section == "checkpoint":
             return self.cfg.checkpoint_timeout_s
+        return self._calibrated(section)
+
+    def silence_budget(self, section: str) -> float:
+        """From when a peer whose heartbeat stopped is a hang. The
+        checkpoint's own budget is long because a slow filesystem is no
+        hang; a peer killed or cut off during a save is one, and would
+        otherwise hold the job for that whole budget."""
+        if section == "checkpoint":
+            return min(self.budget(section), self._calibrated(section))
+        return self.budget(section)
+
+    def _calibrated(self, section: str) -> float:
         if self.steps_seen < self.cfg.calibration_steps or section not in self.slowest:
             return self.cfg.initial_timeout_s
         return max(self.cfg.floor_s, self.cfg.factor * self.slowest[section])

@@ -201,7 +201,7 @@ class Watchdog:
                 return
         section, step, started = self.current
         waited = now - started
-        if waited <= self.budget(section):
+        if waited <= self.budgets.silence_budget(section):
             self.alarm = None
             return
         if self.alarm is None or self.alarm.started != started:
@@ -234,6 +234,9 @@ class Watchdog:
     # --- judging an alarm -----------------------------------------------------------
 
     def _judge(self, generation: int, alarm: Alarm, waited: float, now: float) -> None:
+        if waited <= self.budget(alarm.section):
+            self._watch_for_silence(generation, alarm, waited, now)
+            return
         if now >= alarm.next_read:
             alarm.next_read = now + self.heartbeat_every
             self._read_culprits(alarm, now)
@@ -245,6 +248,19 @@ class Watchdog:
         elif found == "suspect":
             alarm.suspected = True
             self._suspect(alarm, waited)
+
+    def _watch_for_silence(self, generation: int, alarm: Alarm, waited: float,
+                           now: float) -> None:
+        """Between a section's silence budget and its own (Budgets.silence_budget):
+        only peers whose heartbeat stopped are a hang, and they are its culprits.
+        Every rank's heartbeat is read: whoever is furthest behind is no sign."""
+        if now >= alarm.next_read:
+            alarm.next_read = now + self.heartbeat_every
+            self._heartbeats(range(self.world), now)
+        silent = self.peers.gone(now)
+        if silent:
+            alarm.culprits = sorted(silent)
+            self._declare(generation, alarm, waited, "silent", now)
 
     def _read_culprits(self, alarm: Alarm, now: float) -> None:
         """Refresh the culprits' heartbeats; every rank's on the first read,
@@ -279,9 +295,11 @@ class Watchdog:
                                     quiet_limit)
         return self.peers.state(rank, now, self.cfg.stall_s, quiet_limit)
 
-    def _report(self, alarm: Alarm, waited: float) -> dict:
+    def _report(self, alarm: Alarm, waited: float, budget: float | None = None) -> dict:
+        """`budget`: the one that applied, when not the section's own."""
+        budget = self.budget(alarm.section) if budget is None else budget
         return {"rank": self.rank, "section": alarm.section, "step": alarm.step,
-                "waited_s": round(waited, 3), "budget_s": round(self.budget(alarm.section), 3),
+                "waited_s": round(waited, 3), "budget_s": round(budget, 3),
                 "culprit_ranks": alarm.culprits}
 
     def _suspect(self, alarm: Alarm, waited: float) -> None:
@@ -293,7 +311,8 @@ class Watchdog:
 
     def _declare(self, generation: int, alarm: Alarm, waited: float, why: str,
                  now: float) -> None:
-        report = {**self._report(alarm, waited), "why": why,
+        budget = self.budgets.silence_budget(alarm.section) if why == "silent" else None
+        report = {**self._report(alarm, waited, budget), "why": why,
                   "stack_dump": str(self.hang_dir / f"generation_{generation}")}
         unreachable = self._unreachable(now)
         if unreachable:
