@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the etcd fixture the tests use
 
-from tests.harness.etcd_server import LocalEtcd, missing_reason  # noqa: E402
+from megaresil.drills.etcd import EtcdServer, etcd_missing_reason  # noqa: E402
 from megaresil.drills.chaos import run_scenario  # noqa: E402
 from megaresil.drills.run import Rendezvous, run_training  # noqa: E402
 
@@ -38,11 +38,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
-    if missing_reason():
-        sys.exit(missing_reason())
+    if etcd_missing_reason():
+        sys.exit(etcd_missing_reason())
     work = Path(tempfile.mkdtemp(prefix="rdzv-bench-"))
     (work / "etcd").mkdir()
-    server = LocalEtcd(work / "etcd").start()
+    server = EtcdServer(work / "etcd").start()
     try:
         reference = work / "reference"
         run_training(SMALL[0], SMALL[1:], reference)

@@ -53,12 +53,13 @@ def add_chaos_parser(sub) -> None:
                        help="stop the faulted run after this long and report it unrecovered "
                             "(exit code 124; default 900)")
     chaos.add_argument("--rdzv-backend", default="c10d", choices=("c10d", "etcd", "etcd-v2"),
-                       help="where the node-loss scenarios' agents meet (etcd needs "
-                            "--rdzv-endpoint ETCD_HOST:PORT)")
+                       help="where the node scenarios' agents meet (etcd needs "
+                            "--rdzv-endpoint ETCD_HOST:PORT, except with --hosts netns, "
+                            "where the drill runs an etcd of its own on a node of its own)")
     chaos.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                        help="the etcd server of --rdzv-backend etcd or etcd-v2")
     chaos.add_argument("--hosts", default="local", choices=HOSTS_MODES,
-                       help="where node-loss and node-loss-first run their nodes: local "
+                       help="where the node and link scenarios run their nodes: local "
                             "(default), processes on this machine; netns, each node in network, "
                             "UTS and mount namespaces of its own on a bridge (own address, "
                             "hostname and /dev/shm; needs root)")

@@ -18,10 +18,11 @@ from typing import Optional
 
 from megaresil.config import ConfigError, load_recipe
 from megaresil.drills.analyse import analyse_scenario
+from megaresil.drills.etcd import CLIENT_PORT, PEER_PORT, EtcdServer, etcd_missing_reason
 from megaresil.drills.hosts import netns_missing_reason, open_hosts
 from megaresil.drills.run import (Rendezvous, run_node_fault, run_simulated_node_loss,
                                   run_training, run_with_requeue)
-from megaresil.drills.scenarios import fault_overrides, scenarios
+from megaresil.drills.scenarios import RENDEZVOUS_READ_TIMEOUT_S, fault_overrides, scenarios
 from megaresil.observe.report import write_report
 from megaresil.parallel.layout import visible_gpus
 from megaresil.resilience.faults import check_device_faults
@@ -60,9 +61,12 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     shutil.rmtree(faulted, ignore_errors=True)
     fault_time = None
     if scenario.nodes > 1:
-        with open_hosts(hosts, scenario.nodes) as nodes:
-            code, fault_time = run_node_fault(recipe, overrides + scenario.settings, faulted,
-                                              world, fault_step, nodes,
+        own_etcd = hosts == "netns" and (scenario.rendezvous_host or rendezvous.backend != "c10d")
+        with open_hosts(hosts, scenario.nodes + own_etcd) as nodes:
+            if own_etcd:
+                rendezvous = serve_rendezvous(nodes, scenario.nodes, rendezvous.backend)
+            code, fault_time = run_node_fault(recipe, overrides + fault_overrides(scenario),
+                                              faulted, world, fault_step, nodes,
                                               fault=scenario.node_fault,
                                               first=scenario.lose_first,
                                               rendezvous=rendezvous, timeout_s=timeout_s)
@@ -80,6 +84,18 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     write_atomic(root / f"chaos-{name}.json", json.dumps(result, indent=1))
     write_atomic(root / "chaos.json", json.dumps(result, indent=1))
     return result
+
+
+def serve_rendezvous(nodes, node: int, backend: str) -> Rendezvous:
+    """An etcd of the drill's own on `node` (a namespace apart from the
+    training nodes: the agents reach it over the bridge, and its link can be
+    cut), removed with the nodes. Its reads time out in
+    RENDEZVOUS_READ_TIMEOUT_S, not TorchElastic's 60 s, so an outage shows in
+    a drill's seconds."""
+    server = EtcdServer(nodes.dir / "etcd", nodes.address(node), (CLIENT_PORT, PEER_PORT))
+    server.start(launch=lambda command, **popen: nodes.start(node, command, **popen))
+    return Rendezvous("etcd-v2" if backend == "c10d" else backend, server.endpoint,
+                      f"read_timeout={RENDEZVOUS_READ_TIMEOUT_S}")
 
 
 def check_fits(scenario, cfg, fault_step: int) -> None:
@@ -109,12 +125,15 @@ def check_hosts(scenario, hosts: str, rendezvous: Rendezvous) -> None:
         raise ConfigError("--hosts", f"--scenario {scenario.name} runs no nodes to put in "
                           "namespaces", "use --hosts netns with node-loss or node-loss-first, "
                           "or leave --hosts out")
-    if rendezvous.backend != "c10d":
-        raise ConfigError("--hosts", f"the nodes in namespaces reach only their bridge, not "
-                          f"the etcd server of --rdzv-backend {rendezvous.backend}",
-                          "leave --rdzv-backend out (c10d, on the first node's address)")
+    if rendezvous.endpoint and rendezvous.backend != "c10d":
+        raise ConfigError("--rdzv-endpoint", f"the nodes in namespaces reach only their "
+                          f"bridge, not the etcd server at {rendezvous.endpoint}",
+                          "leave --rdzv-endpoint out: the drill runs an etcd of its own on "
+                          "a node of its own")
     if netns_missing_reason():
         raise ConfigError("--hosts", netns_missing_reason())
+    if (scenario.rendezvous_host or rendezvous.backend != "c10d") and etcd_missing_reason():
+        raise ConfigError("--hosts", f"the drill's own etcd cannot run: {etcd_missing_reason()}")
 
 
 def format_result(r: dict) -> str:

@@ -18,7 +18,7 @@ import psutil
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local.store import local_root, node_dir
 from megaresil.config import load_recipe
-from megaresil.drills.scenarios import FLAP_S, SLOW_LINK_RATE
+from megaresil.drills.scenarios import FLAP_S, RENDEZVOUS_OUTAGE_S, SLOW_LINK_RATE
 from megaresil.events import read_metrics
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 
@@ -97,6 +97,7 @@ class Rendezvous:
     agent (on a free local port unless given), or an etcd server's endpoint."""
     backend: str = "c10d"
     endpoint: Optional[str] = None
+    conf: str = ""  # the agents' --rdzv-conf (etcd: e.g. read_timeout=3)
 
     def options(self, first: bool) -> list[str]:
         if self.backend == "c10d":
@@ -104,7 +105,7 @@ class Rendezvous:
         if not self.endpoint:
             raise ValueError(f"--rdzv-backend {self.backend} needs the etcd server: "
                              "add --rdzv-endpoint ETCD_HOST:PORT")
-        return []
+        return ["--rdzv-conf", self.conf] if self.conf else []
 
 
 def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
@@ -119,8 +120,9 @@ def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
     fault time); TIMED_OUT when it has not ended within `timeout_s`."""
     deadline = None if timeout_s is None else time.time() + timeout_s
     agents = start_agents(recipe, overrides, run_dir, world, hosts, rendezvous)
-    struck = 0 if first else 1
-    other = agents[1 - struck]
+    # The rendezvous host is the node after the two training ones.
+    struck = 2 if fault == "rendezvous-outage" else 0 if first else 1
+    other = agents[0 if struck else 1]
     struck_at = (wait_for_save(run_dir, fault_after_step, other) if fault == "partition-heal"
                  else wait_for_step(run_dir, fault_after_step, other))
     strike_node(hosts, struck, fault, run_dir, other)
@@ -130,8 +132,8 @@ def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
 def strike_node(hosts, node: int, fault: str, run_dir: Path, other: subprocess.Popen) -> None:
     """The node fault of a drill: lost, cut off for good, cut until the
     other node has re-formed the job and trained a step (`partition-heal`),
-    cut for FLAP_S seconds, or its link capped (all but the first only on
-    nodes in namespaces)."""
+    cut for FLAP_S (or, the rendezvous host, RENDEZVOUS_OUTAGE_S) seconds, or
+    its link capped (all but the first only on nodes in namespaces)."""
     if fault == "lose":
         hosts.lose(node)
     elif fault == "partition":
@@ -140,9 +142,9 @@ def strike_node(hosts, node: int, fault: str, run_dir: Path, other: subprocess.P
         hosts.cut(node)
         wait_for_reform(run_dir, other)
         hosts.heal(node)
-    elif fault == "flap":
+    elif fault in ("flap", "rendezvous-outage"):
         hosts.cut(node)
-        time.sleep(FLAP_S)
+        time.sleep(FLAP_S if fault == "flap" else RENDEZVOUS_OUTAGE_S)
         hosts.heal(node)
     else:
         hosts.cap(node, SLOW_LINK_RATE)

@@ -18,6 +18,9 @@ class Scenario:
     node_fault: str = "lose"  # what befalls that node: one of NODE_FAULTS
     lose_first: bool = False  # the fault befalls the node that started first (the c10d host)
     lose_simulated_node: bool = False  # kill the local tier's last simulated node, wipe its dir
+    # The agents meet at an etcd of the drill's own, on a node of its own
+    # (--hosts netns), which node_fault strikes instead of a training node.
+    rendezvous_host: bool = False
     # Settings of a reference run of the scenario's own (the shared one has none).
     reference_settings: list[str] = field(default_factory=list)
     min_dp: int = 1  # replicas to compare (the bit flips)
@@ -29,14 +32,24 @@ class Scenario:
 HOSTS_MODES = ("local", "netns")
 # What befalls a node scenario's node: it dies (any hosts), or its link, which
 # only nodes in namespaces have: cut for good (a partition: its processes live
-# on), cut until the job re-formed without it, cut for FLAP_S seconds, or
-# capped at SLOW_LINK_RATE.
-NODE_FAULTS = ("lose", "partition", "partition-heal", "flap", "slow")
+# on), cut until the job re-formed without it, cut for FLAP_S seconds, capped
+# at SLOW_LINK_RATE, or (the rendezvous host's) cut for RENDEZVOUS_OUTAGE_S.
+NODE_FAULTS = ("lose", "partition", "partition-heal", "flap", "slow", "rendezvous-outage")
 FLAP_S = 3.0
+# Long enough for the agents' reads to fail during it, not only wait: a read
+# gives up after ~4 read timeouts (python-etcd's retries), ~4 s here.
+RENDEZVOUS_OUTAGE_S = 12.0
+RENDEZVOUS_READ_TIMEOUT_S = 1
+# rendezvous-outage: steps slowed by this (computing) from the strike on, so
+# the job still trains when the rendezvous host comes back (from --step 3 of
+# 8 steps on).
+OUTAGE_STEP_S = 4.0
 # The demo's 2.6M parameters at dp=2: ~10 MB of gradients all-reduced a step,
 # ~4-7 s at this rate.
 SLOW_LINK_RATE = "20mbit"
-SLOW_LINK_BUDGETS = ["resilience.watchdog.factor=1", "resilience.watchdog.floor_s=2",
+# Budgets a slowed step passes (the slowest section seen, at least 2 s, not 5
+# times it) and a hard limit well beyond it.
+SLOW_STEP_BUDGETS = ["resilience.watchdog.factor=1", "resilience.watchdog.floor_s=2",
                      "resilience.watchdog.slow_limit_factor=10"]
 SPIKE_WINDOW = 5  # loss-spike: a short window, so a short drill has the detector on
 
@@ -118,12 +131,17 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2,
         # Connections stall, then resume at their next retransmission: a stall
         # past the watchdog's budget is a hang, restarted in place.
         Scenario("flap-link", [], in_process, nodes=2, node_fault="flap"),
-        # Budgets the first capped step passes, whatever the load (the slowest
-        # section seen, at least 2 s, not 5 times it), and a hard limit well
-        # beyond it: the drill shows a rank waiting on a slow link judged
-        # slow, not hung, since it still moves bytes.
-        Scenario("slow-link", [], in_process + SLOW_LINK_BUDGETS, nodes=2, node_fault="slow",
+        # Budgets the first capped step passes, whatever the load: the drill
+        # shows a rank waiting on a slow link judged slow, not hung, since it
+        # still moves bytes.
+        Scenario("slow-link", [], in_process + SLOW_STEP_BUDGETS, nodes=2, node_fault="slow",
                  expect_restart=False),
+        # The rendezvous host (etcd) out of reach while the job trains: the
+        # job needs it only to change its membership, so it trains on.
+        Scenario("rendezvous-outage",
+                 [{"kind": "slow", "rank": rank, "step": step, "seconds": OUTAGE_STEP_S}],
+                 in_process + SLOW_STEP_BUDGETS, nodes=2, node_fault="rendezvous-outage",
+                 rendezvous_host=True, expect_restart=False),
         Scenario("kill-rank-local", [{"kind": "kill", "rank": rank, "step": step}],
                  relaunch + local),
         Scenario("node-loss-local", [], relaunch + local, lose_simulated_node=True),

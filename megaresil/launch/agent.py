@@ -26,6 +26,7 @@ from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
 from megaresil.launch.checks import check_backend, check_data, check_links, check_local_gpus
 from megaresil.launch.membership import Membership
+from megaresil.launch.rendezvous import launch_backend, register_outage_tolerant
 from megaresil.launch.worker import worker_threads
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import visible_gpus
@@ -89,9 +90,11 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     if membership.backend == "etcd":  # it logs every step of every round, on its own handler
         from torch.distributed.elastic.rendezvous import etcd_rendezvous
         etcd_rendezvous.logger.setLevel(logging.WARNING)
+    register_outage_tolerant(say=lambda line: print(line, file=sys.stderr, flush=True))
     config = LaunchConfig(
         min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
-        rdzv_backend=membership.backend, rdzv_endpoint=membership.rendezvous_endpoint,
+        rdzv_backend=launch_backend(membership.backend),
+        rdzv_endpoint=membership.rendezvous_endpoint,
         local_addr=membership.local_addr,
         # Wait 5 s (not 30) for more nodes once the minimum is there, and call
         # a node gone after ~2 s without keep-alives (not 15): a job that lost

@@ -18,8 +18,8 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
 
 from tests.harness.cli import SMALL
 from tests.harness.daemons import serve
-from tests.harness.etcd_server import LocalEtcd, missing_reason
 from megaresil.config import ConfigError
+from megaresil.drills.etcd import EtcdServer, etcd_missing_reason
 from megaresil.events import EventLog, read_events
 from megaresil.launch.agent import rendezvous_lost
 from megaresil.launch.membership import Membership
@@ -28,19 +28,20 @@ from megaresil.resilience.restart import relaunches_without_progress, restarts_r
 from megaresil.slurm import SlurmStep
 from tests.e2e.test_slurm import step_env
 
-needs_etcd = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+needs_etcd = pytest.mark.skipif(etcd_missing_reason() is not None,
+                                reason=str(etcd_missing_reason()))
 
 
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory):
-    yield from serve(LocalEtcd, missing_reason, tmp_path_factory.mktemp("etcd"))
+    yield from serve(EtcdServer, etcd_missing_reason, tmp_path_factory.mktemp("etcd"))
 
 
 @needs_etcd
 def test_etcd_server_serves_the_v2_api_and_stops(tmp_path):
     import etcd as python_etcd
 
-    server = LocalEtcd(tmp_path).start()
+    server = EtcdServer(tmp_path).start()
     client = python_etcd.Client(host="127.0.0.1", port=server.client_port)
     client.write("/megaresil/probe", "1")
     assert client.read("/megaresil/probe").value == "1"
@@ -113,6 +114,34 @@ def test_etcd_a_peer_that_took_the_store_with_it_is_a_lost_peer():
     board = AbortBoard(GoneStore(), rank=1)
     assert board.peer_gone(0, closed)
     assert not board.peer_gone(0, RuntimeError("something else"))
+
+
+@needs_etcd
+def test_etcd_an_agents_rendezvous_rides_out_the_servers_outage(tmp_path):
+    # TorchElastic's own etcd-v2 handler, wrapped as the launcher does: with
+    # the server stopped, "how many nodes wait" is "none" (training goes on),
+    # said once; with it back, said again.
+    from torch.distributed.elastic.rendezvous import (RendezvousParameters,
+                                                      rendezvous_handler_registry)
+    from megaresil.launch.rendezvous import launch_backend, register_outage_tolerant
+
+    server, said = EtcdServer(tmp_path).start(), []
+    register_outage_tolerant(said.append)
+    handler = rendezvous_handler_registry.create_handler(RendezvousParameters(
+        launch_backend("etcd-v2"), server.endpoint, f"outage-{time.time_ns()}", 1, 2,
+        read_timeout=5))
+    try:
+        assert handler.num_nodes_waiting() == 0 and said == []
+        server.stop()
+        time.sleep(1.5)  # past the handler's cache of the state (1 s)
+        assert handler.num_nodes_waiting() == 0
+        assert len(said) == 1 and f"{server.endpoint} is out of reach" in said[0]
+        server.start()
+        time.sleep(1.5)
+        assert handler.num_nodes_waiting() == 0
+        assert "answers again" in said[1]
+    finally:
+        server.stop()
 
 
 def chaos_first_node_loss(cli_main, reference, run_dir, *backend: str):

@@ -16,6 +16,7 @@ import pytest
 
 from tests.harness.cli import SMALL
 from megaresil.config import ConfigError
+from megaresil.drills.etcd import etcd_missing_reason
 from megaresil.drills.hosts import NetnsHosts, netns_missing_reason
 from megaresil.events import read_events
 
@@ -148,12 +149,16 @@ def test_node_loss_in_namespaces_recovers_at_dp1(cli_main, chaos_reference, tmp_
 @needs_netns
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario,step", [("partition-node", 3), ("partition-heal", 4),
-                                           ("flap-link", 3), ("slow-link", 6)])
+                                           ("flap-link", 3), ("slow-link", 6),
+                                           ("rendezvous-outage", 3)])
 def test_link_faults_in_namespaces_end_as_written_down(cli_main, chaos_reference, tmp_path,
                                                        scenario, step):
     """docs/fault-tolerance.md's table of network faults: what each one does
     to the test job at dp=2 on two nodes, the second node's link struck
-    after `step` (slow-link: two capped steps of ~7 s each)."""
+    after `step` (slow-link: two capped steps of ~7 s each; rendezvous-outage:
+    the link of the drill's etcd, on a third node)."""
+    if scenario == "rendezvous-outage" and etcd_missing_reason():
+        pytest.skip(etcd_missing_reason())
     result = cli_main("chaos", *SMALL, f"run.dir={tmp_path}", "--scenario", scenario,
                       "--step", str(step), "--reference", str(chaos_reference),
                       "--timeout", "300", "--hosts", "netns")
@@ -189,6 +194,14 @@ def test_link_faults_in_namespaces_end_as_written_down(cli_main, chaos_reference
         # place: both nodes stay.
         assert set(layouts) <= {2}
         assert report["restart_kind"] in ("none", "in_process"), report
+    elif scenario == "rendezvous-outage":
+        # The agents' reads of the rendezvous fail, said once each, and
+        # succeed again; the job, which needs the rendezvous only to change
+        # its membership, trains on (TorchElastic alone gives up here).
+        assert report["restart_kind"] == "none" and report["exit_code"] == 0, report
+        assert "rendezvous at " in result.stderr and " is out of reach" in result.stderr
+        assert "answers again, after" in result.stderr
+        assert "giving up" not in result.stderr
     else:
         # Steps past their budget, waiting with no CPU in a collective whose
         # bytes still move: slow, not hung (one warning), no restart.

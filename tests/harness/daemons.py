@@ -1,4 +1,4 @@
-"""What the cluster tests' local daemons (etcd_server.py, slurm_cluster.py)
+"""What the cluster tests' local daemons (megaresil.drills.etcd, slurm_cluster.py)
 share: polling, with a deadline, until something answers, and the fixture
 shape that starts a daemon in a temporary directory (or skips, saying why it
 cannot start here) and stops it when the module is done."""
