@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import signal
+import sys
+from collections.abc import Callable
 
 # No torch at the top (see cli/__init__.py): each command imports what it needs.
 from megaresil.cli.common import add_recipe_args
@@ -12,6 +16,22 @@ from megaresil.drills.scenarios import HOSTS_MODES, scenarios
 CHAOS_SCENARIOS = tuple(scenarios(rank=0, step=1, save_step=1))
 
 
+def stopped_by_ctrl_c(drill: Callable[[argparse.Namespace], int]):
+    """Ctrl-C ends a drill with one line, not a traceback: its runs had the
+    signal too (they stop, saving), and its hogs and nodes are gone by then
+    (the drills undo them on the way out)."""
+    @functools.wraps(drill)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return drill(args)
+        except KeyboardInterrupt:
+            print(f"megaresil: {args.command} stopped by Ctrl-C: nothing was reported; its "
+                  "runs stopped, their directories stay under run.dir", file=sys.stderr)
+            return 128 + signal.SIGINT
+    return run
+
+
+@stopped_by_ctrl_c
 def cmd_chaos(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -28,6 +48,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+@stopped_by_ctrl_c
 def cmd_soak(args: argparse.Namespace) -> int:
     from megaresil.drills.soak import format_report, run_soak
 

@@ -50,6 +50,7 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     scenario = table[name]
     check_fits(scenario, cfg, fault_step)
     check_hosts(scenario, hosts, rendezvous)
+    check_reference(reference)
     check_device_faults(scenario.faults, visible_gpus())
     if reference is None or scenario.reference_settings:  # a reference of its own
         reference = root / ("reference-" + name if scenario.reference_settings else "reference")
@@ -110,6 +111,13 @@ def check_fits(scenario, cfg, fault_step: int) -> None:
                          f"{earliest} (optimizer.warmup_steps={cfg.optimizer.warmup_steps} plus "
                          f"a window of {scenario.spike_window} steps); give --step {earliest} "
                          "or later")
+
+
+def check_reference(reference: Optional[Path]) -> None:
+    if reference is not None and not (reference / "metrics.jsonl").exists():
+        raise ConfigError("--reference", f"{reference} holds no run (no metrics.jsonl)",
+                          "give the run directory of a fault-free run of the same recipe "
+                          "(a chaos run's reference/), or leave --reference out")
 
 
 def check_hosts(scenario, hosts: str, rendezvous: Rendezvous) -> None:

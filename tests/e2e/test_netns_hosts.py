@@ -132,14 +132,41 @@ def test_a_link_fault_on_local_hosts_is_refused_naming_netns(cli_main, tmp_path)
     assert not list(tmp_path.iterdir())
 
 
+def test_a_reference_that_holds_no_run_is_refused_before_anything_runs(cli_main, tmp_path):
+    result = cli_main("chaos", *SMALL, f"run.dir={tmp_path}", "--scenario", "kill-rank",
+                      "--reference", str(tmp_path / "nowhere"), check=False)
+    assert result.returncode == 2
+    assert f"--reference: {tmp_path / 'nowhere'} holds no run (no metrics.jsonl)" in result.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_etcd_endpoint_the_nodes_cannot_reach_is_refused(cli_main, tmp_path):
+    result = cli_main("chaos", *SMALL, f"run.dir={tmp_path}", "--scenario", "node-loss",
+                      "--hosts", "netns", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint",
+                      "127.0.0.1:2379", check=False)
+    assert result.returncode == 2
+    assert "--rdzv-endpoint: the nodes in namespaces reach only their bridge" in result.stderr
+    assert "leave --rdzv-endpoint out: the drill runs an etcd of its own" in result.stderr
+    assert not list(tmp_path.iterdir())
+
+
 @needs_netns
 @pytest.mark.slow
-def test_node_loss_in_namespaces_recovers_at_dp1(cli_main, chaos_reference, tmp_path):
-    result = cli_main("chaos", *SMALL, f"run.dir={tmp_path}", "--scenario", "node-loss",
+@pytest.mark.parametrize("scenario,rendezvous", [("node-loss", []),
+                                                 ("node-loss-first", ["--rdzv-backend",
+                                                                      "etcd-v2"])])
+def test_node_loss_in_namespaces_recovers_at_dp1(cli_main, chaos_reference, tmp_path,
+                                                 scenario, rendezvous):
+    """The second node lost, meeting at c10d on the first; or the first
+    node (the workers' store with it), meeting at the drill's own etcd on a
+    third node."""
+    if rendezvous and etcd_missing_reason():
+        pytest.skip(etcd_missing_reason())
+    result = cli_main("chaos", *SMALL, f"run.dir={tmp_path}", "--scenario", scenario,
                       "--step", "3", "--reference", str(chaos_reference), "--timeout", "300",
-                      "--hosts", "netns")
+                      "--hosts", "netns", *rendezvous)
     assert "hosts             netns" in result.stdout
-    report = json.loads((tmp_path / "chaos-node-loss.json").read_text())
+    report = json.loads((tmp_path / f"chaos-{scenario}.json").read_text())
     assert report["recovered"] and report["final_loss_equal"], report
     assert report["hosts"] == "netns" and report["restart_kind"] == "relaunch"
     loaded = next(e for e in read_events(report["faulted"]) if e["event"] == "checkpoint_loaded")

@@ -268,3 +268,20 @@ def test_a_hang_that_names_an_unreachable_node_says_so_in_one_line():
                     "no heartbeat from it while the job waited in optimizer at step 8 (3.3s, "
                     "budget 2.0s); a network partition or a frozen node; stacks in "
                     "runs/a/hangs/generation_0")
+
+
+@pytest.mark.parametrize("command", ["chaos", "soak"])
+def test_ctrl_c_ends_a_drill_with_one_line_not_a_traceback(monkeypatch, capsys, command):
+    from megaresil.cli import main
+    import megaresil.drills.chaos
+    import megaresil.drills.soak
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(megaresil.drills.chaos, "run_scenario", interrupted)
+    monkeypatch.setattr(megaresil.drills.soak, "run_soak", interrupted)
+    options = ["--scenario", "kill-rank"] if command == "chaos" else ["--minutes", "1"]
+    assert main([command, "gpt-tiny", *options]) == 130
+    err = capsys.readouterr().err
+    assert err == (f"megaresil: {command} stopped by Ctrl-C: nothing was reported; its runs "
+                   "stopped, their directories stay under run.dir\n")
