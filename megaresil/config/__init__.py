@@ -10,7 +10,7 @@ from megaresil.config.loading import (PACKAGED_RECIPES, REPO_CONFIGS, find_recip
                                       load_recipe, model_from_dict, packaged_recipes,
                                       parse_override, to_dict, to_yaml)
 from megaresil.config.run import (SUPERVISION_BOUNDS, CheckpointBackend, CheckpointConfig,
-                                  LocalCheckpointConfig, LoggingConfig, MlflowConfig,
+                                  HealthConfig, LocalCheckpointConfig, LoggingConfig, MlflowConfig,
                                   ProfileConfig, ResilienceConfig, RunConfig, SpikePolicy,
                                   WandbConfig, WatchdogConfig)
 from megaresil.config.schema import (FP8, ActivationOffload, Backend, DataConfig, Flavour,
@@ -27,7 +27,8 @@ __all__ = [
     "FRACTION", "KEY_ALIASES", "NON_NEGATIVE", "POSITIVE", "SEED", "Bounds", "ConfigError",
     "PACKAGED_RECIPES", "REPO_CONFIGS", "find_recipe", "from_dict", "load_recipe",
     "model_from_dict", "packaged_recipes", "parse_override", "to_dict", "to_yaml",
-    "SUPERVISION_BOUNDS", "CheckpointBackend", "CheckpointConfig", "LocalCheckpointConfig",
+    "SUPERVISION_BOUNDS", "CheckpointBackend", "CheckpointConfig", "HealthConfig",
+    "LocalCheckpointConfig",
     "LoggingConfig", "MlflowConfig", "ProfileConfig", "ResilienceConfig", "RunConfig",
     "SpikePolicy", "WandbConfig", "WatchdogConfig",
     "FP8", "ActivationOffload", "Backend", "DataConfig", "Flavour", "ModelConfig",

@@ -130,6 +130,11 @@ def _explain_omegaconf(err: OmegaConfBaseException) -> ConfigError:
         # YAML 1.1 reads on/off/yes/no as booleans: `on_spike=off` arrives as False.
         off = " (none turns it off)" if re.search(r"\bnone\b", first_line) else ""
         fix = f"YAML reads on/off/yes/no as true/false: write one of the listed names{off}."
+    elif re.search(r"Cannot convert '(dict|list)' to string", first_line):
+        # `command=grep -q "Mode: On"`: YAML reads `KEY: VALUE` as a mapping.
+        fix = (f"YAML read the value as a {'mapping' if 'dict' in first_line else 'list'} "
+               "(`: ` or brackets in it): quote the whole value, e.g. "
+               f"{key}=\"'...'\" on a shell command line, or set it in the recipe file.")
     else:
         fix = "give a value of the documented type (`megaresil config docs`)."
     return ConfigError(key, first_line, fix)

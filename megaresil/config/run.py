@@ -221,6 +221,22 @@ class NumericsConfig:
 
 
 @dataclass
+class HealthConfig:
+    command: str = doc("", "A shell command each node's agent runs before the node joins the "
+                       "job: exit 0 admits the node; any other exit (or a run past timeout_s) "
+                       "excludes it from the run, its last line of output the reason. Empty: "
+                       "none (docs/clusters.md#health-checks).")
+    gpu: bool = doc(True, "On a node with GPUs, check every visible device through NVML "
+                    "(nvidia-ml-py) before joining: uncorrectable ECC errors, pages waiting "
+                    "to be retired, failed row remaps, temperature, and that the node has the "
+                    "GPUs it is to use.")
+    max_temperature_c: float = doc(85.0, "A GPU this hot (Celsius) or hotter fails the check.",
+                                   bounds=POSITIVE)
+    timeout_s: float = doc(120.0, "The command's time limit; past it the check fails.",
+                           bounds=POSITIVE)
+
+
+@dataclass
 class ResilienceConfig:
     in_process: bool = doc(True, "On an exception or a detected hang, every rank tears down, "
                            "re-rendezvouses and reloads the newest checkpoint without exiting "
@@ -244,6 +260,7 @@ class ResilienceConfig:
     watchdog: WatchdogConfig = section(WatchdogConfig, "Hang detection.")
     numerics: NumericsConfig = section(NumericsConfig, "Numerical faults: non-finite "
                                        "values, loss spikes, replicas that differ.")
+    health: HealthConfig = section(HealthConfig, "Checks a node passes before it joins the job.")
 
 
 @dataclass

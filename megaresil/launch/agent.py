@@ -25,6 +25,7 @@ from megaresil.compat import elastic_stores_listening_on
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
 from megaresil.launch.checks import check_backend, check_data, check_links, check_local_gpus
+from megaresil.launch.health import admission_refusal
 from megaresil.launch.membership import Membership
 from megaresil.launch.rendezvous import launch_backend, register_outage_tolerant
 from megaresil.launch.worker import worker_threads
@@ -74,6 +75,11 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     check_data(cfg)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    refusal = admission_refusal(cfg.resilience.health, run_dir, gpus, nproc if gpus else 0,
+                                EventLog(run_dir))
+    if refusal:
+        print(f"megaresil: {refusal}", file=sys.stderr)
+        return 1
     StartupPhases(EventLog(run_dir), 0, say=lambda line: print(line, file=sys.stderr)).finished(
         "data preparation", time.monotonic() - data_started)
     if warning := never_saving_warning(cfg):

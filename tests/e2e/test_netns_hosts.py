@@ -234,3 +234,32 @@ def test_link_faults_in_namespaces_end_as_written_down(cli_main, chaos_reference
         # bytes still move: slow, not hung (one warning), no restart.
         assert report["hang_detected"] == 0 and report["restart_kind"] == "none", report
         assert any(e["event"] == "hang_suspected" and e["step"] > step for e in events), events
+
+
+@needs_netns
+@pytest.mark.slow
+def test_a_node_that_fails_its_health_check_is_excluded_and_the_job_forms_without_it(tmp_path):
+    """Two nodes meet; the second fails the recipe's health command before
+    it joins: it is excluded (a file in the run directory, an event, one
+    line) and the first trains alone at dp=1. Started again, the excluded
+    node is refused before any check runs."""
+    from megaresil.drills.run import Rendezvous, start_agents
+
+    sick = "case $(hostname) in *-node1) echo 'ib0 link down'; exit 1;; esac"
+    overrides = [*SMALL[1:], f"resilience.health.command={sick}"]
+    with NetnsHosts(2) as hosts:
+        agents = start_agents(SMALL[0], overrides, tmp_path, 2, hosts, Rendezvous())
+        assert agents[1].wait(timeout=120) == 1
+        assert agents[0].wait(timeout=300) == 0
+        host = hosts.nodes[1].hostname
+        again = hosts.start(1, [sys.executable, "-m", "megaresil", "train", *SMALL,
+                                f"run.dir={tmp_path}"], stderr=subprocess.PIPE, text=True)
+        assert again.wait(timeout=120) == 1
+        assert f"megaresil: node {host} was excluded from this run at " in again.stderr.read()
+    excluded = json.loads((tmp_path / "excluded_nodes" / f"{host}.json").read_text())
+    assert excluded["reason"].endswith("exited with 1: ib0 link down"), excluded
+    events = read_events(tmp_path)
+    assert [e["host"] for e in events if e["event"] == "node_excluded"] == [host]
+    loaded = [e for e in events if e["event"] == "generation_started"]
+    assert loaded and "dp=1" in loaded[0]["line"], loaded
+    assert any(e["event"] == "run_finished" for e in events)

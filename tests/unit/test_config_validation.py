@@ -137,3 +137,14 @@ def _all_numbers_set() -> RecipeConfig:
     cfg.logging.peak_tflops = cfg.resilience.mtbf_hours = 1.0
     cfg.checkpoint.interval = 1  # auto by default
     return cfg
+
+
+def test_a_string_that_yaml_read_as_a_mapping_says_to_quote_it():
+    with pytest.raises(ConfigError) as err:
+        load_recipe(TINY, ['resilience.health.command=grep -q "Mode: On" /etc/x'])
+    assert str(err.value).endswith(
+        "Fix: YAML read the value as a mapping (`: ` or brackets in it): quote the whole value, "
+        "e.g. resilience.health.command=\"'...'\" on a shell command line, or set it in the "
+        "recipe file.")
+    quoted = load_recipe(TINY, ["resilience.health.command='grep -q \"Mode: On\" /etc/x'"])
+    assert quoted.resilience.health.command == 'grep -q "Mode: On" /etc/x'

@@ -1,0 +1,154 @@
+"""Health checks before a node joins the job (docs/clusters.md#health-checks).
+
+Each node's agent checks its own node before it joins the rendezvous: on a
+node with GPUs, every visible device through NVML (nvidia-ml-py); anywhere,
+the recipe's command (`resilience.health.command`). A node that fails is
+excluded from the run: a file of its own under RUN_DIR/excluded_nodes/ says
+why and since when, so that a relaunch, a Slurm requeue or a second agent on
+that host does not admit it again until a person deletes the file.
+
+NVML cannot tell Xid errors that happened before it was asked (they arrive
+only as events to a process that registered for them); what they leave
+behind, uncorrectable ECC errors, retired pages and failed row remaps, is
+what is read here."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from megaresil.config import HealthConfig
+from megaresil.safe_files import write_atomic
+
+EXCLUDED_DIR = "excluded_nodes"
+
+
+@dataclass
+class Failure:
+    """Why a node failed its check, and which check said so."""
+    check: str  # "nvml" or "command"
+    reason: str
+
+
+def nvml_problems(nvml: Any, gpus_needed: int, max_temperature_c: float) -> list[str]:
+    """What NVML finds wrong with this node's devices (`nvml`: the pynvml
+    module, initialized), each naming the device."""
+    count = nvml.nvmlDeviceGetCount()
+    problems = [] if count >= gpus_needed else [
+        f"{count} GPU(s) visible to NVML, {gpus_needed} needed"]
+    for index in range(count):
+        device = nvml.nvmlDeviceGetHandleByIndex(index)
+        problems += [f"GPU {index}: {problem}" for problem in
+                     device_problems(nvml, device, max_temperature_c)]
+    return problems
+
+
+def device_problems(nvml: Any, device: Any, max_temperature_c: float) -> list[str]:
+    problems = []
+    ecc = optional(nvml, lambda: nvml.nvmlDeviceGetTotalEccErrors(
+        device, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC))
+    if ecc:
+        problems.append(f"{ecc} uncorrectable ECC error(s) since the driver loaded")
+    if optional(nvml, lambda: nvml.nvmlDeviceGetRetiredPagesPendingStatus(device)):
+        problems.append("memory pages wait to be retired (a reset is due)")
+    remap = optional(nvml, lambda: nvml.nvmlDeviceGetRemappedRows(device))
+    if remap and remap[3]:  # (corrected, uncorrected, pending, failure occurred)
+        problems.append("a memory row could not be remapped")
+    temperature = nvml.nvmlDeviceGetTemperature(device, nvml.NVML_TEMPERATURE_GPU)
+    if temperature >= max_temperature_c:
+        problems.append(f"{temperature} C, at or over resilience.health.max_temperature_c="
+                        f"{max_temperature_c:g}")
+    return problems
+
+
+def optional(nvml: Any, read):
+    """A reading some devices do not support (no ECC on consumer parts, row
+    remapping from Ampere on): None there, not a failure."""
+    try:
+        return read()
+    except nvml.NVMLError_NotSupported:
+        return None
+
+
+def command_problem(command: str, timeout_s: float) -> Optional[str]:
+    """The command's verdict: None when it exits 0, else its last line of
+    output (or its exit code) as the reason."""
+    try:
+        result = subprocess.run(command, shell=True, capture_output=True, text=True,
+                                timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"`{command}` did not finish within resilience.health.timeout_s={timeout_s:g}"
+    if result.returncode == 0:
+        return None
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    said = f": {lines[-1][:300]}" if lines else ""
+    return f"`{command}` exited with {result.returncode}{said}"
+
+
+def check_node(cfg: HealthConfig, gpus: int, gpus_needed: int) -> Optional[Failure]:
+    """This node's first failed check, or None when it is fit to join."""
+    if cfg.gpu and gpus > 0:
+        import pynvml  # nvidia-ml-py: only where there are GPUs to ask about
+
+        pynvml.nvmlInit()
+        try:
+            problems = nvml_problems(pynvml, gpus_needed, cfg.max_temperature_c)
+        finally:
+            pynvml.nvmlShutdown()
+        if problems:
+            return Failure("nvml", "; ".join(problems))
+    if cfg.command:
+        problem = command_problem(cfg.command, cfg.timeout_s)
+        if problem:
+            return Failure("command", problem)
+    return None
+
+
+class Exclusions:
+    """The nodes excluded from a run, one file each under RUN_DIR/excluded_nodes/."""
+
+    def __init__(self, run_dir: Path):
+        self.dir = Path(run_dir) / EXCLUDED_DIR
+
+    def path(self, host: str) -> Path:
+        return self.dir / f"{host}.json"
+
+    def record(self, host: str, failure: Failure) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path(host), json.dumps({"host": host, "check": failure.check,
+                                                  "reason": failure.reason,
+                                                  "time": time.time()}))
+
+    def of(self, host: str) -> Optional[dict]:
+        """Why `host` was excluded, or None when it was not."""
+        try:
+            return json.loads(self.path(host).read_text())
+        except FileNotFoundError:
+            return None
+
+
+def admission_refusal(cfg: HealthConfig, run_dir: Path, gpus: int, gpus_needed: int,
+                      events, host: Optional[str] = None) -> Optional[str]:
+    """None when this node may join the run; else the line that says why
+    not: excluded before, or failing its check now (then excluded, with a
+    `node_excluded` event)."""
+    host = host or socket.gethostname()
+    exclusions = Exclusions(run_dir)
+    before = exclusions.of(host)
+    if before is not None:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(before["time"]))
+        return (f"node {host} was excluded from this run at {since} ({before['check']} check: "
+                f"{before['reason']}); after repairing it, delete {exclusions.path(host)} to "
+                "admit it again")
+    failure = check_node(cfg, gpus, gpus_needed)
+    if failure is None:
+        return None
+    exclusions.record(host, failure)
+    events.emit("node_excluded", host=host, check=failure.check, reason=failure.reason)
+    return (f"node {host} failed its health check ({failure.check}: {failure.reason}) and is "
+            f"excluded from this run: it will not rejoin until {exclusions.path(host)} is "
+            "deleted")

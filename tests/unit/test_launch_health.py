@@ -1,0 +1,101 @@
+"""Health checks before a node joins: NVML's readings (a fake NVML here:
+no GPU on this machine), the recipe's command, and the exclusion a failure
+leaves in the run directory."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from megaresil.config import HealthConfig
+from megaresil.events import EventLog, read_events
+from megaresil.launch.health import (Exclusions, admission_refusal, command_problem,
+                                     nvml_problems)
+
+
+class FakeNvml:
+    """pynvml as far as the check reads it: devices given as dicts."""
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_TEMPERATURE_GPU = 1, 0, 0
+
+    class NVMLError_NotSupported(Exception):
+        pass
+
+    def __init__(self, *devices: dict):
+        self.devices = devices
+
+    def nvmlDeviceGetCount(self):
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return self.devices[index]
+
+    def _read(self, device, key):
+        if device.get(key) == "unsupported":
+            raise self.NVMLError_NotSupported()
+        return device.get(key, 0)
+
+    def nvmlDeviceGetTotalEccErrors(self, device, kind, counter):
+        assert (kind, counter) == (1, 0)  # uncorrected, since the driver loaded
+        return self._read(device, "ecc")
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, device):
+        return self._read(device, "pending")
+
+    def nvmlDeviceGetRemappedRows(self, device):
+        return (0, 0, 0, self._read(device, "remap_failed"))
+
+    def nvmlDeviceGetTemperature(self, device, sensor):
+        return device.get("temperature", 40)
+
+
+def test_healthy_devices_pass_and_unsupported_readings_are_no_failure():
+    consumer = {"ecc": "unsupported", "pending": "unsupported", "remap_failed": "unsupported"}
+    assert nvml_problems(FakeNvml({}, consumer), gpus_needed=2, max_temperature_c=85) == []
+
+
+def test_each_nvml_problem_names_its_device():
+    nvml = FakeNvml({}, {"ecc": 3, "temperature": 91}, {"pending": 1}, {"remap_failed": 1})
+    assert nvml_problems(nvml, gpus_needed=8, max_temperature_c=85) == [
+        "4 GPU(s) visible to NVML, 8 needed",
+        "GPU 1: 3 uncorrectable ECC error(s) since the driver loaded",
+        "GPU 1: 91 C, at or over resilience.health.max_temperature_c=85",
+        "GPU 2: memory pages wait to be retired (a reset is due)",
+        "GPU 3: a memory row could not be remapped"]
+
+
+def test_the_commands_last_line_is_the_reason():
+    assert command_problem("true", 10) is None
+    assert command_problem("echo checking; echo '/scratch is full' >&2; exit 3", 10) == (
+        "`echo checking; echo '/scratch is full' >&2; exit 3` exited with 3: /scratch is full")
+    assert "did not finish within resilience.health.timeout_s=0.2" in command_problem(
+        f"{sys.executable} -c 'import time; time.sleep(5)'", 0.2)
+
+
+def test_a_node_that_fails_is_excluded_and_refused_until_its_file_is_deleted(tmp_path):
+    events = EventLog(tmp_path)
+    failing = HealthConfig(command="echo 'ib0 down'; exit 1")
+    refusal = admission_refusal(failing, tmp_path, 0, 0, events, host="node7")
+    assert refusal == (f"node node7 failed its health check (command: `echo 'ib0 down'; exit 1` "
+                       f"exited with 1: ib0 down) and is excluded from this run: it will not "
+                       f"rejoin until {tmp_path}/excluded_nodes/node7.json is deleted")
+    [event] = read_events(tmp_path)
+    assert event["event"] == "node_excluded" and event["host"] == "node7"
+    # Healthy again (or its check changed): still refused, until a person says so.
+    again = admission_refusal(HealthConfig(), tmp_path, 0, 0, events, host="node7")
+    assert again.startswith("node node7 was excluded from this run at ")
+    assert "(command check: `echo 'ib0 down'; exit 1` exited with 1: ib0 down)" in again
+    assert admission_refusal(HealthConfig(), tmp_path, 0, 0, events, host="node8") is None
+    Exclusions(tmp_path).path("node7").unlink()
+    assert admission_refusal(HealthConfig(), tmp_path, 0, 0, events, host="node7") is None
+    assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])["check"] == (
+        "command")
+
+
+def test_without_gpus_nvml_is_not_asked(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # importing it would fail
+    assert admission_refusal(HealthConfig(gpu=True), tmp_path, 0, 0, EventLog(tmp_path),
+                             host="cpu0") is None
+    with pytest.raises(ImportError):
+        admission_refusal(HealthConfig(gpu=True), tmp_path, 1, 1, EventLog(tmp_path),
+                          host="gpu0")
