@@ -1,0 +1,60 @@
+"""A local save's own shard is committed before the loop's next optimizer
+step, replication going on after it."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from megaresil.checkpoint.local.shard import Shard
+from megaresil.checkpoint.local.store import NodeStore
+from megaresil.checkpoint.validation import shard_problem
+from tests.unit.test_checkpoint_local_tier import FakeState, single_tier
+
+# How long a gated write waits for the loop before it goes on by itself: a
+# correct tier holds the loop for the whole write, so the gate never opens.
+GATE_S = 2.0
+
+
+class GatedStore(NodeStore):
+    """A node directory whose shard writes wait for `gate` (at most GATE_S)
+    and log when they are committed."""
+
+    def __init__(self, root: Path, log: list):
+        super().__init__(root)
+        self.gate, self.log = threading.Event(), log
+
+    def write(self, shard: Shard) -> None:
+        self.gate.wait(GATE_S)
+        super().write(shard)
+        self.log.append(("committed", shard.step))
+
+
+def test_the_next_update_waits_until_the_own_shard_is_committed_and_readable(tmp_path,
+                                                                            monkeypatch):
+    """Before, the loop was let go once the state was staged: a process
+    killed after its next update lost the step still being written."""
+    tier, _ = single_tier(tmp_path, monkeypatch)
+    log: list = []
+    tier.store = GatedStore(tier.store.root, log)
+    state = FakeState()
+    state.step = 6
+    tier.save(state, 6)
+    tier.before_update()  # the loop, at step 7's optimizer step
+    log.append(("update", 7))
+    # What a restart after a kill here reads: step 6, whole and checksummed.
+    assert shard_problem(tier.store.read(6, 0)) is None
+    tier.store.gate.set()
+    tier.wait()
+    assert log == [("committed", 6), ("update", 7)]
+
+
+def test_a_failed_own_write_still_lets_the_loop_go(tmp_path, monkeypatch):
+    """A write that fails (a full /dev/shm) pauses the tier, never the run."""
+    tier, _ = single_tier(tmp_path, monkeypatch)
+    tier.store.full = True
+    state = FakeState()
+    state.step = 3
+    tier.save(state, 3)
+    tier.before_update()
+    tier.wait()
+    assert tier.pause is not None and tier.store.held() == {}
