@@ -1,13 +1,18 @@
 """A local save's own shard is committed before the loop's next optimizer
-step, replication going on after it."""
+step, replication going on after it; and the non-finite check a save runs
+on every tensor."""
 from __future__ import annotations
 
 import threading
 from pathlib import Path
 
+import pytest
+import torch
+
 from megaresil.checkpoint.local.shard import Shard
 from megaresil.checkpoint.local.store import NodeStore
-from megaresil.checkpoint.validation import shard_problem
+from megaresil.checkpoint.validation import all_finite, nonfinite_keys, shard_problem
+from megaresil.checkpoint.sharded import Rect
 from tests.unit.test_checkpoint_local_tier import FakeState, single_tier
 
 # How long a gated write waits for the loop before it goes on by itself: a
@@ -58,3 +63,26 @@ def test_a_failed_own_write_still_lets_the_loop_go(tmp_path, monkeypatch):
     tier.before_update()
     tier.wait()
     assert tier.pause is not None and tier.store.held() == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16,
+                                   torch.float64])
+def test_the_finite_check_sees_any_nan_or_inf_and_is_not_fooled_by_an_overflowing_sum(dtype):
+    big = torch.finfo(dtype).max
+    assert all_finite(torch.full((1000,), big, dtype=dtype))  # its sum overflows
+    assert all_finite(torch.empty(0, dtype=dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = torch.ones(1000, dtype=dtype)
+        t[517] = bad
+        assert not all_finite(t)
+    both = torch.zeros(8, dtype=dtype)
+    both[0], both[1] = float("inf"), float("-inf")  # a sum of NaN, still refused
+    assert not all_finite(both)
+
+
+def test_nonfinite_keys_names_only_floating_rects_with_a_nan_or_inf():
+    nan = torch.tensor([1.0, float("nan")])
+    rects = [Rect("model/ok", (2,), (0,), torch.tensor([1.0, 2.0])),
+             Rect("optim/bad", (2,), (0,), nan),
+             Rect("data/int", (2,), (0,), torch.tensor([1, 2]))]
+    assert nonfinite_keys(rects) == ["optim/bad"]
