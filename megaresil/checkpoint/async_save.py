@@ -4,13 +4,13 @@ node-local LocalTier), after Megatron-Core's AsyncRequest/AsyncCaller, on a
 thread rather than a process.
 
 A tier submits a `SaveRequest` (its staging copy and its report) with the
-work that stages, writes and commits it; the loop goes on, waits before its
-next optimizer step (`before_update`) for what the tier holds it for (the
-global tier: the staging copy; the local tier: the staging copy and the
-commit of the rank's own shard), and for the whole save only before the next
-save (`wait`) or at the end (`close`). A failed job `abandon`s the save in
-flight: nobody waits for it, it does not commit or report, and the newest
-committed state stands.
+work that stages, writes and commits it; the loop goes on and waits, before
+its next optimizer step at the latest (`before_update`), until the save
+releases it: the global tier once the state is staged, the local tier once
+the rank's own shard is committed (awaited at its save call). It waits for
+the whole save only before the next save (`wait`) or at the end (`close`). A
+failed job `abandon`s the save in flight: nobody waits for it, it does not
+commit or report, and the newest committed state stands.
 """
 from __future__ import annotations
 

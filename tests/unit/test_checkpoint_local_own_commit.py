@@ -1,6 +1,6 @@
-"""A local save's own shard is committed before the loop's next optimizer
-step, replication going on after it; and the non-finite check a save runs
-on every tensor."""
+"""A local save returns once the rank's own shard is committed, replication
+going on behind the loop; and the non-finite check a save runs on every
+tensor."""
 from __future__ import annotations
 
 import threading
@@ -16,7 +16,7 @@ from megaresil.checkpoint.sharded import Rect
 from tests.unit.test_checkpoint_local_tier import FakeState, single_tier
 
 # How long a gated write waits for the loop before it goes on by itself: a
-# correct tier holds the loop for the whole write, so the gate never opens.
+# correct save call holds the loop for the whole write, so the gate never opens.
 GATE_S = 2.0
 
 
@@ -34,23 +34,22 @@ class GatedStore(NodeStore):
         self.log.append(("committed", shard.step))
 
 
-def test_the_next_update_waits_until_the_own_shard_is_committed_and_readable(tmp_path,
-                                                                            monkeypatch):
+def test_a_save_returns_once_the_own_shard_is_committed_and_readable(tmp_path, monkeypatch):
     """Before, the loop was let go once the state was staged: a process
-    killed after its next update lost the step still being written."""
+    killed in the next step lost the step still being written."""
     tier, _ = single_tier(tmp_path, monkeypatch)
     log: list = []
     tier.store = GatedStore(tier.store.root, log)
     state = FakeState()
     state.step = 6
     tier.save(state, 6)
-    tier.before_update()  # the loop, at step 7's optimizer step
-    log.append(("update", 7))
+    log.append(("next step", 7))
     # What a restart after a kill here reads: step 6, whole and checksummed.
     assert shard_problem(tier.store.read(6, 0)) is None
     tier.store.gate.set()
+    tier.before_update()  # nothing left to wait for
     tier.wait()
-    assert log == [("committed", 6), ("update", 7)]
+    assert log == [("committed", 6), ("next step", 7)]
 
 
 def test_a_failed_own_write_still_lets_the_loop_go(tmp_path, monkeypatch):

@@ -4,9 +4,9 @@ recovery (docs/local-tier.md).
 Threads and groups as for the global tier: staging, writing, replication and
 the start-up collectives run on the tier's own thread over its own process
 group (async_save.BackgroundSaves), never the training thread's nor the
-global checkpointer's. The loop's next optimizer step waits for the rank's
-own shard to be committed, so a process killed after it finds the step on
-its node; replication goes on meanwhile. When the world changes shape
+global checkpointer's. A save call returns once the rank's own shard is
+committed, so a process killed after it finds the step on its node;
+replication goes on behind the loop. When the world changes shape
 (elastic shrink) the shards do not fit: the restart takes the global tier,
 which reshards.
 """
@@ -72,18 +72,18 @@ class LocalTier(BackgroundSaves):
         return self.cadence.due(step)
 
     def save(self, state: TrainingState, step: int) -> None:
-        """Start saving this rank's state after `step` as a local step:
-        staged, written, replicated and committed on the tier's thread; the
-        loop waits, at its next optimizer step, for the rank's own shard to
-        be committed (not for its replicas)."""
+        """Save this rank's state after `step` as a local step: staged,
+        written, replicated and committed on the tier's thread. Returns once
+        this rank's own shard is committed, so a process killed from then on
+        resumes from this step; replication goes on behind the loop."""
         started = time.perf_counter()
         self.wait()  # after it, every rank knows the same pause
         if self.pause is not None and self.pause.holds(step):
             return
         self.cadence.saving(step)
         # The RNG is global to the process: read it here, before the next
-        # step draws from it. The rest is read on the tier's thread before
-        # the own shard is committed, which the next optimizer step awaits.
+        # step draws from it. The rest is read on the tier's thread, before
+        # the own shard is committed, which this call awaits.
         rng = state.rng_state()
         report = SaveReport(self.events, "local_checkpoint_saved")
         failures = self.pause.failures + 1 if self.pause else 1
@@ -93,6 +93,12 @@ class LocalTier(BackgroundSaves):
         held = time.perf_counter() - started
         report.loop_held(held)
         self._loop_held(held)
+        # The wait every save's next update has, taken here: a rank killed
+        # in the next step's forward or backward, before that update, would
+        # otherwise lose this step with its process (issue 33: killed at step
+        # 7, it resumed from step 5). The work stays on the tier's thread,
+        # which owns the staging stream on a GPU.
+        self.before_update()
 
     def _loop_held(self, seconds: float) -> None:
         self.cadence.held(seconds)
@@ -138,10 +144,9 @@ class LocalTier(BackgroundSaves):
 
     def _commit_own(self, state: TrainingState, rng: dict,
                     copy: StagingCopy) -> tuple[Shard, Optional[str]]:
-        """Stage `state` and commit it as this rank's own shard, before the
-        loop's next update: a process killed after that update still finds
-        this step on its node. Needs no peer, so it ends even when a peer
-        died. Returns the shard, and why it was not written (None: it was)."""
+        """Stage `state` and commit it as this rank's own shard, which the
+        save call awaits. Needs no peer, so it ends even when a peer died.
+        Returns the shard, and why it was not written (None: it was)."""
         try:
             run = state.run_record()
             rects = shard_rects(state)
