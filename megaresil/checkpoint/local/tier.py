@@ -150,7 +150,7 @@ class LocalTier(BackgroundSaves):
         try:
             run = state.run_record()
             rects = shard_rects(state)
-            nonfinite = nonfinite_keys(rects)  # such a step is refused (below): never saved
+            nonfinite = nonfinite_keys(rects)  # such a step is refused: never written
             self.buffer, records = stage(rects, self.buffer, copy)
             meta = shard_meta(run, self.rank, self.coll.world, rng, records)
         finally:
