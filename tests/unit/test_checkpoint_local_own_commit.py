@@ -52,6 +52,27 @@ def test_a_save_returns_once_the_own_shard_is_committed_and_readable(tmp_path, m
     assert log == [("committed", 6), ("next step", 7)]
 
 
+def test_replication_goes_on_behind_the_loop(tmp_path, monkeypatch):
+    """The save call waits for the own shard only: a replication still in
+    flight (a slow peer) holds the next save, not the next step."""
+    tier, _ = single_tier(tmp_path, monkeypatch)
+    log: list = []
+    gate = threading.Event()
+
+    def replicate(own: Shard) -> list:
+        gate.wait(GATE_S)
+        log.append(("replicated", own.step))
+        return []
+    monkeypatch.setattr(tier, "_replicate", replicate)
+    state = FakeState()
+    state.step = 6
+    tier.save(state, 6)
+    log.append(("next step", 7))
+    gate.set()
+    tier.wait()  # the next save's first act
+    assert log == [("next step", 7), ("replicated", 6)]
+
+
 def test_a_failed_own_write_still_lets_the_loop_go(tmp_path, monkeypatch):
     """A write that fails (a full /dev/shm) pauses the tier, never the run."""
     tier, _ = single_tier(tmp_path, monkeypatch)
