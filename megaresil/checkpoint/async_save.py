@@ -4,9 +4,11 @@ node-local LocalTier), after Megatron-Core's AsyncRequest/AsyncCaller, on a
 thread rather than a process.
 
 A tier submits a `SaveRequest` (its staging copy and its report) with the
-work that stages, writes and commits it; the loop goes on, waits for the
-staging copy before its next optimizer step (`before_update`), and for the
-whole save only before the next save (`wait`) or at the end (`close`). A
+work that stages, writes and commits it; the loop goes on and waits, before
+its next optimizer step at the latest (`before_update`), until the save
+releases it: the global tier once the state is staged, the local tier once
+the rank's own shard is committed (awaited at its save call). It waits for
+the whole save only before the next save (`wait`) or at the end (`close`). A
 failed job `abandon`s the save in flight: nobody waits for it, it does not
 commit or report, and the newest committed state stands.
 """
@@ -29,12 +31,12 @@ from megaresil.checkpoint.staging import StagingCopy
 class SaveReport:
     """The `checkpoint_saved` event of one save: the save's figures come from
     the thread that commits it (rank 0), `blocking_seconds` from the loop,
-    which was held by the save call and, for an async save, by its wait for
-    the staging copy at its next update.
+    which was held by the save call and, for an async save, by its wait at
+    its next update (`before_update`).
 
     The event goes out at the commit, and no thread waits for the other: a
-    loop that has not reached its update by then will not wait at all (the
-    copy is done before the commit), and a loop that is waiting at that
+    loop that has not reached its update by then will not wait at all (a
+    save releases the loop before it commits), and a loop that is waiting at that
     moment sends the event itself when its wait ends."""
 
     def __init__(self, events, event: str = "checkpoint_saved"):
@@ -75,20 +77,22 @@ class SaveReport:
 
 @dataclass
 class SaveRequest:
-    """One save in flight: its staging copy (the loop waits for it before
-    changing the tensors) and its report."""
+    """One save in flight: its staging copy and its report; the loop's next
+    optimizer step waits for `released`."""
     copy: StagingCopy
     report: SaveReport
-    staged: threading.Event = field(default_factory=threading.Event)  # the copy is enqueued
+    released: threading.Event = field(default_factory=threading.Event)  # the loop may update
 
     @contextlib.contextmanager
-    def staging(self) -> Iterator[None]:
-        """Around the save thread's staging: the loop is let go at its end,
+    def holding_update(self) -> Iterator[None]:
+        """Around the save thread's work that the loop's next optimizer step
+        waits for (at least the staging copy, which must read the tensors
+        before the update changes them): the loop is let go at its end,
         whether it worked or not (a failure surfaces at `wait`)."""
         try:
             yield
         finally:
-            self.staged.set()
+            self.released.set()
 
 
 class BackgroundSaves:
@@ -117,14 +121,14 @@ class BackgroundSaves:
 
     def before_update(self) -> None:
         """Call before anything modifies the saved tensors (the optimizer
-        step): waits for the staging copy (on a GPU: for it to be enqueued,
-        then the training stream waits for it) and reports how long the loop
-        was held."""
+        step): waits until the save releases the loop (its staging copy
+        enqueued, on a GPU; then the training stream waits for the copy) and
+        reports how long the loop was held."""
         if self.request is None:
             return
         started = time.perf_counter()
         with self.request.report.loop_waiting():
-            wait_for(self.request.staged)
+            wait_for(self.request.released)
         self.request.copy.order_before_update()
         self._loop_held(time.perf_counter() - started)
         self.request = None

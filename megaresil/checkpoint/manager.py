@@ -166,7 +166,7 @@ class Checkpointer(BackgroundSaves):
 
     def _stage_write_commit(self, rects: list[Rect], state: RunRecord, rank_state: dict,
                             started: float, request: SaveRequest) -> None:
-        with request.staging():
+        with request.holding_update():
             copies = self._stage(self._my_writes(rects), request.copy)
         request.copy.wait_on_host()
         self._write_and_commit(copies, state, rank_state, started, request.report)

@@ -4,8 +4,11 @@ recovery (docs/local-tier.md).
 Threads and groups as for the global tier: staging, writing, replication and
 the start-up collectives run on the tier's own thread over its own process
 group (async_save.BackgroundSaves), never the training thread's nor the
-global checkpointer's. When the world changes shape (elastic shrink) the
-shards do not fit: the restart takes the global tier, which reshards.
+global checkpointer's. A save call returns once the rank's own shard is
+committed, so a process killed after it finds the step on its node;
+replication goes on behind the loop. When the world changes shape
+(elastic shrink) the shards do not fit: the restart takes the global tier,
+which reshards.
 """
 from __future__ import annotations
 
@@ -69,17 +72,18 @@ class LocalTier(BackgroundSaves):
         return self.cadence.due(step)
 
     def save(self, state: TrainingState, step: int) -> None:
-        """Start saving this rank's state after `step` as a local step:
-        staged, written, replicated and committed on the tier's thread; the
-        loop waits only for the staging copy, at its next optimizer step."""
+        """Save this rank's state after `step` as a local step: staged,
+        written, replicated and committed on the tier's thread. Returns once
+        this rank's own shard is committed, so a process killed from then on
+        resumes from this step; replication goes on behind the loop."""
         started = time.perf_counter()
         self.wait()  # after it, every rank knows the same pause
         if self.pause is not None and self.pause.holds(step):
             return
         self.cadence.saving(step)
         # The RNG is global to the process: read it here, before the next
-        # step draws from it. The rest is read on the tier's thread before
-        # the staging copy is done, which the next optimizer step awaits.
+        # step draws from it. The rest is read on the tier's thread, before
+        # the own shard is committed, which this call awaits.
         rng = state.rng_state()
         report = SaveReport(self.events, "local_checkpoint_saved")
         failures = self.pause.failures + 1 if self.pause else 1
@@ -89,6 +93,12 @@ class LocalTier(BackgroundSaves):
         held = time.perf_counter() - started
         report.loop_held(held)
         self._loop_held(held)
+        # The wait every save's next update has, taken here: a rank killed
+        # in the next step's forward or backward, before that update, would
+        # otherwise lose this step with its process (issue 33: killed at step
+        # 7, it resumed from step 5). The work stays on the tier's thread,
+        # which owns the staging stream on a GPU.
+        self.before_update()
 
     def _loop_held(self, seconds: float) -> None:
         self.cadence.held(seconds)
@@ -99,23 +109,11 @@ class LocalTier(BackgroundSaves):
         # with a job blocks in its collectives until their timeout, and must
         # not keep the job's model (and its process groups, whose sockets
         # tell peers blocked on them that this rank left) alive meanwhile.
-        state = holder.pop()
-        try:
-            run = state.run_record()
-            rects = shard_rects(state)
-            nonfinite = nonfinite_keys(rects)  # such a step is refused (below): never saved
-            self.buffer, records = stage(rects, self.buffer, request.copy)
-            meta = shard_meta(run, self.rank, self.coll.world, rng, records)
-        finally:
-            del state
-            request.staged.set()
-        request.copy.wait_on_host()
-        add_checksums(self.buffer, meta["rects"])
-        own = Shard(meta, self.buffer)
+        with request.holding_update():
+            own, problem = self._commit_own(holder.pop(), rng, request.copy)
         # Every rank goes through the replication and the final gather
         # whatever its writes did, so none waits on a peer that gave up; the
         # gather tells every rank whether the step stands.
-        problem = nonfinite_refusal(nonfinite) if nonfinite else self._written([own])
         replica_started = time.perf_counter()
         received = self._replicate(own)
         problem = problem or self._damaged(received) or self._written(received)
@@ -143,6 +141,24 @@ class LocalTier(BackgroundSaves):
                                  replication_seconds=max(g.replication_seconds for g in gathered),
                                  replicas=self.topology.copies, path=str(self.store.root.parent),
                                  interval=self.cadence.every)
+
+    def _commit_own(self, state: TrainingState, rng: dict,
+                    copy: StagingCopy) -> tuple[Shard, Optional[str]]:
+        """Stage `state` and commit it as this rank's own shard, which the
+        save call awaits. Needs no peer, so it ends even when a peer died.
+        Returns the shard, and why it was not written (None: it was)."""
+        try:
+            run = state.run_record()
+            rects = shard_rects(state)
+            nonfinite = nonfinite_keys(rects)  # such a step is refused: never written
+            self.buffer, records = stage(rects, self.buffer, copy)
+            meta = shard_meta(run, self.rank, self.coll.world, rng, records)
+        finally:
+            del state
+        copy.wait_on_host()
+        add_checksums(self.buffer, meta["rects"])
+        own = Shard(meta, self.buffer)
+        return own, nonfinite_refusal(nonfinite) if nonfinite else self._written([own])
 
     def _written(self, shards: list[Shard]) -> Optional[str]:
         """Write `shards` here; None, or why a write failed (full storage,
