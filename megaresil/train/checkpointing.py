@@ -33,7 +33,7 @@ def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
     group = checkpoint_group(cfg, watchdog)
     local = None
     if cfg.checkpoint.local.enabled:  # its own group too: it saves beside the global tier
-        local = build_local_tier(cfg, events, checkpoint_group(cfg, watchdog), device)
+        local = build_local_tier(cfg, events, checkpoint_group(cfg, watchdog), device, fence)
     return Checkpointer(checkpoint_root(cfg), cfg.checkpoint.backend.value, group=group,
                         asynchronous=cfg.checkpoint.async_, keep=cfg.checkpoint.keep,
                         events=events, device=device, local=local, fence=fence)
@@ -65,12 +65,13 @@ def local_root(cfg: RecipeConfig) -> Path:
 
 
 def build_local_tier(cfg: RecipeConfig, events, group: Optional[dist.ProcessGroup],
-                     device: torch.device) -> LocalTier:
+                     device: torch.device, fence: Optional[Fence] = None) -> LocalTier:
     local = cfg.checkpoint.local
     world = dist.get_world_size() if group is not None else 1
     per_node = ranks_per_node(local.ranks_per_node, world, os.environ.get("LOCAL_WORLD_SIZE"))
     return LocalTier(local_root(cfg), Topology(world, per_node, local.replicas), group=group,
-                     interval=local.interval, keep=local.keep, events=events, device=device)
+                     interval=local.interval, keep=local.keep, events=events, device=device,
+                     fence=fence)
 
 
 def candidates(load: str, root: Path, job_started: float) -> list[Path]:

@@ -133,3 +133,27 @@ def test_a_link_in_the_fences_place_is_neither_read_nor_written_through(tmp_path
     (tmp_path / FENCE_NAME).symlink_to(tmp_path / "missing")  # reads as no fence
     with pytest.raises(OSError):
         fence_of(tmp_path)
+
+
+def test_a_local_commit_of_a_generation_the_job_left_behind_replaces_nothing(tmp_path):
+    # The re-formed job (generation 2) committed step 3 on this node; a rank
+    # of generation 1, cut off and back, saves step 3 too: refused, and the
+    # re-formed job's shard stays as it was.
+    from megaresil.checkpoint.local.store import DATA, NodeStore
+    from tests.unit.test_safe_files import local_shard
+
+    run_dir, node = tmp_path / "run", tmp_path / "shm" / "node_0"
+    run_dir.mkdir()
+    set_fence(run_dir, 1, "old")
+    NodeStore(node, admit=Fence(run_dir, 1, "old", None).check).write(local_shard(3))
+    data = NodeStore(node).shard_dir(3, 0) / DATA
+    committed = data.read_bytes()
+    set_fence(run_dir, 2, "new")
+    stale = NodeStore(node, admit=Fence(run_dir, 1, "old", EventLog(run_dir, 0)).check)
+    shard = local_shard(3)
+    shard.data[:] = 7  # what the stale rank holds
+    with pytest.raises(Fenced, match="the local commit of rank 0's step 3 refused"):
+        stale.write(shard)
+    assert data.read_bytes() == committed and (data.parent / fmt.MARKER).exists()
+    assert not list(node.rglob("*.partial"))
+    assert [e["refused"] for e in fenced_events(run_dir)] == ["the local commit of rank 0's step 3"]

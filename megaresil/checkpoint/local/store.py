@@ -14,6 +14,7 @@ import re
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -76,10 +77,13 @@ def filesystem_space(directory: Path) -> tuple[str, int]:
 
 
 class NodeStore:
-    """One node's local directory (see the module docstring)."""
+    """One node's local directory (see the module docstring). `admit`, when
+    given, is asked before each commit, naming it, and raises to refuse it
+    (fencing.Fence.check: a rank the job re-formed without commits nothing)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, admit: Optional[Callable[[str], None]] = None):
         self.root = root
+        self.admit = admit
 
     def shard_dir(self, step: int, owner: int) -> Path:
         return self.root / fmt.step_dir_name(step) / rank_dir_name(owner)
@@ -94,11 +98,23 @@ class NodeStore:
             partial.mkdir(parents=True)
             self.write_data(partial / DATA, shard.data)
             digest = fmt.write_json_atomic(partial / META, shard.meta)
+            self._admit(f"the local commit of rank {shard.owner}'s step {shard.step}", partial)
             if final.exists():  # the step saved again after a restart: same state
                 shutil.rmtree(final)
             partial.rename(final)
             fmt.fsync_path(final.parent)
             fmt.write_marker(final, {META: digest})
+
+    def _admit(self, commit: str, partial: Path) -> None:
+        """Before the commit replaces anything: refused, the partial goes
+        and a shard the current job committed stays."""
+        if self.admit is None:
+            return
+        try:
+            self.admit(commit)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
 
     def write_data(self, path: Path, data: torch.Tensor) -> None:
         """A shard's data.bin, durable before its meta.json names it."""

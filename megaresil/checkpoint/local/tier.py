@@ -33,6 +33,7 @@ from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
 from megaresil.checkpoint.validation import nonfinite_keys, nonfinite_refusal, shard_problem
 from megaresil.compat import detach_process_group
+from megaresil.fencing import Fence
 
 
 @dataclass
@@ -53,12 +54,17 @@ class LocalTier(BackgroundSaves):
     peers (`topology`) and the cadence of its saves."""
 
     def __init__(self, root: Path, topology: Topology, *, group: Optional[dist.ProcessGroup],
-                 interval: int, keep: int, events, device: torch.device):
+                 interval: int, keep: int, events, device: torch.device,
+                 fence: Optional[Fence] = None):
         super().__init__("ckpt-local", group, device)
         self.device = device  # of the training state; the tier's thread works on it
         self.topology, self.keep, self.events = topology, keep, events
         self.rank = self.coll.rank
-        self.store = NodeStore(node_dir(root, topology.node_of(self.rank)))
+        # A fence (None: no restarts, library use) refuses the commits of a
+        # rank the job re-formed without: they could replace the re-formed
+        # job's shards of the same step on this node.
+        self.store = NodeStore(node_dir(root, topology.node_of(self.rank)),
+                               admit=fence.check if fence else None)
         self.mine = [self.rank, *topology.sources(self.rank)]  # the shards this rank writes
         self.cadence = Cadence(interval)
         self.buffer: Optional[torch.Tensor] = None  # staging, reused by every save
