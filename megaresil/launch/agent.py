@@ -96,7 +96,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     if membership.backend == "etcd":  # it logs every step of every round, on its own handler
         from torch.distributed.elastic.rendezvous import etcd_rendezvous
         etcd_rendezvous.logger.setLevel(logging.WARNING)
-    register_outage_tolerant(say=lambda line: print(line, file=sys.stderr, flush=True))
+    register_outage_tolerant()
     config = LaunchConfig(
         min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
         rdzv_backend=launch_backend(membership.backend),

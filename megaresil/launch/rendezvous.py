@@ -11,6 +11,8 @@ everything else (forming again after a failure, closing) still needs the
 rendezvous and fails as before."""
 from __future__ import annotations
 
+import functools
+import sys
 import time
 from collections.abc import Callable
 
@@ -73,18 +75,28 @@ class OutageTolerantRendezvous(RendezvousHandler):
         return self.inner.shutdown()
 
 
-def register_outage_tolerant(say: Callable[[str], None]) -> None:
-    """Register each OUTAGE_TOLERANT backend again as PREFIX + name, built
-    by TorchElastic's own creator and wrapped."""
-    for name in OUTAGE_TOLERANT:
-        def create(params: RendezvousParameters, name: str = name) -> RendezvousHandler:
-            wrapped, params.backend = params.backend, name
-            try:
-                inner = rendezvous_handler_registry.create_handler(params)
-            finally:
-                params.backend = wrapped
-            return OutageTolerantRendezvous(inner, params.endpoint, say)
-        rendezvous_handler_registry.register(PREFIX + name, create)
+def create_outage_tolerant(name: str, params: RendezvousParameters) -> RendezvousHandler:
+    """TorchElastic's handler for backend `name`, wrapped; it speaks to the
+    agent's console (stderr)."""
+    wrapped, params.backend = params.backend, name
+    try:
+        inner = rendezvous_handler_registry.create_handler(params)
+    finally:
+        params.backend = wrapped
+    return OutageTolerantRendezvous(inner, params.endpoint,
+                                    lambda line: print(line, file=sys.stderr, flush=True))
+
+
+# One creator object per name for the process: the registry refuses a name
+# registered again with another creator (a second launch in one process).
+CREATORS = {PREFIX + name: functools.partial(create_outage_tolerant, name)
+            for name in OUTAGE_TOLERANT}
+
+
+def register_outage_tolerant() -> None:
+    """Register each OUTAGE_TOLERANT backend again as PREFIX + name."""
+    for name, creator in CREATORS.items():
+        rendezvous_handler_registry.register(name, creator)
 
 
 def launch_backend(backend: str) -> str:

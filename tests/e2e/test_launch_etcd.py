@@ -117,29 +117,35 @@ def test_etcd_a_peer_that_took_the_store_with_it_is_a_lost_peer():
 
 
 @needs_etcd
-def test_etcd_an_agents_rendezvous_rides_out_the_servers_outage(tmp_path):
+def test_etcd_an_agents_rendezvous_rides_out_the_servers_outage(tmp_path, capsys):
     # TorchElastic's own etcd-v2 handler, wrapped as the launcher does: with
     # the server stopped, "how many nodes wait" is "none" (training goes on),
-    # said once; with it back, said again.
+    # said once; with it back, said again. Registering twice in one process
+    # (a second launch) is no error.
     from torch.distributed.elastic.rendezvous import (RendezvousParameters,
                                                       rendezvous_handler_registry)
     from megaresil.launch.rendezvous import launch_backend, register_outage_tolerant
 
-    server, said = EtcdServer(tmp_path).start(), []
-    register_outage_tolerant(said.append)
+    def said() -> list[str]:
+        return [line for line in capsys.readouterr().err.splitlines() if "rendezvous at" in line]
+
+    server = EtcdServer(tmp_path).start()
+    register_outage_tolerant()
+    register_outage_tolerant()
     handler = rendezvous_handler_registry.create_handler(RendezvousParameters(
         launch_backend("etcd-v2"), server.endpoint, f"outage-{time.time_ns()}", 1, 2,
         read_timeout=5))
     try:
-        assert handler.num_nodes_waiting() == 0 and said == []
+        assert handler.num_nodes_waiting() == 0 and said() == []
         server.stop()
         time.sleep(1.5)  # past the handler's cache of the state (1 s)
-        assert handler.num_nodes_waiting() == 0
-        assert len(said) == 1 and f"{server.endpoint} is out of reach" in said[0]
+        assert handler.num_nodes_waiting() == 0 and handler.num_nodes_waiting() == 0
+        out = said()
+        assert len(out) == 1 and f"{server.endpoint} is out of reach" in out[0]
         server.start()
         time.sleep(1.5)
         assert handler.num_nodes_waiting() == 0
-        assert "answers again" in said[1]
+        assert "answers again" in said()[0]
     finally:
         server.stop()
 
