@@ -62,7 +62,7 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     shutil.rmtree(faulted, ignore_errors=True)
     fault_time = None
     if scenario.nodes > 1:
-        own_etcd = hosts == "netns" and (scenario.rendezvous_host or rendezvous.backend != "c10d")
+        own_etcd = hosts == "netns" and needs_etcd(scenario, rendezvous)
         with open_hosts(hosts, scenario.nodes + own_etcd) as nodes:
             if own_etcd:
                 rendezvous = serve_rendezvous(nodes, scenario.nodes, rendezvous.backend)
@@ -97,6 +97,13 @@ def serve_rendezvous(nodes, node: int, backend: str) -> Rendezvous:
     server.start(launch=lambda command, **popen: nodes.start(node, command, **popen))
     return Rendezvous("etcd-v2" if backend == "c10d" else backend, server.endpoint,
                       f"read_timeout={RENDEZVOUS_READ_TIMEOUT_S}")
+
+
+def needs_etcd(scenario, rendezvous: Rendezvous) -> bool:
+    """Whether the agents meet at etcd: the scenario strikes the rendezvous
+    host, or the user chose an etcd backend (on nodes in namespaces the
+    drill then runs that etcd itself: serve_rendezvous)."""
+    return scenario.rendezvous_host or rendezvous.backend != "c10d"
 
 
 def check_fits(scenario, cfg, fault_step: int) -> None:
@@ -140,7 +147,7 @@ def check_hosts(scenario, hosts: str, rendezvous: Rendezvous) -> None:
                           "a node of its own")
     if netns_missing_reason():
         raise ConfigError("--hosts", netns_missing_reason())
-    if (scenario.rendezvous_host or rendezvous.backend != "c10d") and etcd_missing_reason():
+    if needs_etcd(scenario, rendezvous) and etcd_missing_reason():
         raise ConfigError("--hosts", f"the drill's own etcd cannot run: {etcd_missing_reason()}")
 
 

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -97,7 +98,7 @@ class Rendezvous:
     agent (on a free local port unless given), or an etcd server's endpoint."""
     backend: str = "c10d"
     endpoint: Optional[str] = None
-    conf: str = ""  # the agents' --rdzv-conf (etcd: e.g. read_timeout=3)
+    conf: str = ""  # the agents' --rdzv-conf (etcd: e.g. read_timeout=1)
 
     def options(self, first: bool) -> list[str]:
         if self.backend == "c10d":
@@ -153,10 +154,7 @@ def strike_node(hosts, node: int, fault: str, run_dir: Path, other: subprocess.P
 def wait_for_reform(run_dir: Path, proc: subprocess.Popen) -> None:
     """Until a generation after the first has completed a step (or `proc`,
     the job's other node, has ended)."""
-    while proc.poll() is None:
-        if any(r.get("generation", 0) > 0 for r in step_records(run_dir)):
-            return
-        time.sleep(0.05)
+    poll_until(proc, lambda: any(r.get("generation", 0) > 0 for r in step_records(run_dir)))
 
 
 def start_agents(recipe: str, overrides: list[str], run_dir: Path, world: int, hosts,
@@ -205,13 +203,19 @@ def run_simulated_node_loss(recipe: str, overrides: list[str], run_dir: Path, wo
     return agent.wait(), lost_at
 
 
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> float:
+def poll_until(proc: subprocess.Popen, done: Callable[[], bool], interval_s: float = 0.05) -> bool:
+    """Until `done()` (True) or `proc`, the job, has ended (False)."""
     while proc.poll() is None:
-        if (run_dir / "metrics.jsonl").exists() and any(
-                r["step"] >= step for r in step_records(run_dir)):
-            return time.time()
-        time.sleep(0.05)
-    raise RuntimeError("the job ended before the node could be lost")
+        if done():
+            return True
+        time.sleep(interval_s)
+    return False
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> float:
+    if not poll_until(proc, lambda: any(r["step"] >= step for r in step_records(run_dir))):
+        raise RuntimeError("the job ended before the node could be lost")
+    return time.time()
 
 
 def wait_for_save(run_dir: Path, step: int, proc: subprocess.Popen) -> float:
@@ -219,12 +223,10 @@ def wait_for_save(run_dir: Path, step: int, proc: subprocess.Popen) -> float:
     that a cut lands inside it; or, should the save be over before a look
     saw it, until the next step is done."""
     pattern = f"{fmt.step_dir_name(step)}.partial-*"
-    while proc.poll() is None:
-        if any((run_dir / "checkpoints").glob(pattern)) or any(
-                r["step"] > step for r in step_records(run_dir)):
-            return time.time()
-        time.sleep(0.01)
-    raise RuntimeError("the job ended before the node could be cut off")
+    if not poll_until(proc, lambda: any((run_dir / "checkpoints").glob(pattern)) or any(
+            r["step"] > step for r in step_records(run_dir)), interval_s=0.01):
+        raise RuntimeError("the job ended before the node could be cut off")
+    return time.time()
 
 
 def start_hogs(count: int) -> list[subprocess.Popen]:
