@@ -198,6 +198,28 @@ def elastic_stores_listening_on(address: Optional[str]) -> Iterator[None]:
         c10d_rendezvous_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server = saved
 
 
+@contextlib.contextmanager
+def elastic_agent_class(factory: Callable[..., Any]) -> Iterator[None]:
+    """While an elastic launch runs in this process, `elastic_launch` builds
+    its agent with `factory` (called as LocalElasticAgent is) instead of
+    LocalElasticAgent: torch.distributed.launcher.api's launch_agent names
+    that class and offers no parameter for another."""
+    from torch.distributed.launcher import api
+
+    saved = api.LocalElasticAgent
+    api.LocalElasticAgent = factory
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = saved
+
+
+def context_process(context: Any, index: int) -> Any:
+    """The subprocess.Popen of process `index` of a SubprocessContext (the
+    context TorchElastic starts binaries in): its `subprocess_handlers`."""
+    return context.subprocess_handlers[index].proc
+
+
 # --- tensor ops ------------------------------------------------------------------
 
 

@@ -11,7 +11,8 @@ from megaresil.config.loading import (PACKAGED_RECIPES, REPO_CONFIGS, find_recip
                                       parse_override, to_dict, to_yaml)
 from megaresil.config.run import (SUPERVISION_BOUNDS, CheckpointBackend, CheckpointConfig,
                                   HealthConfig, LocalCheckpointConfig, LoggingConfig, MlflowConfig,
-                                  ProfileConfig, ResilienceConfig, RunConfig, SpikePolicy,
+                                  ProfileConfig, ReplacementConfig, ResilienceConfig, RunConfig,
+                                  SpikePolicy,
                                   WandbConfig, WatchdogConfig)
 from megaresil.config.schema import (FP8, ActivationOffload, Backend, DataConfig, Flavour,
                                      ModelConfig, OptimizerConfig, ParallelConfig,
@@ -29,7 +30,7 @@ __all__ = [
     "model_from_dict", "packaged_recipes", "parse_override", "to_dict", "to_yaml",
     "SUPERVISION_BOUNDS", "CheckpointBackend", "CheckpointConfig", "HealthConfig",
     "LocalCheckpointConfig",
-    "LoggingConfig", "MlflowConfig", "ProfileConfig", "ResilienceConfig", "RunConfig",
+    "LoggingConfig", "MlflowConfig", "ProfileConfig", "ReplacementConfig", "ResilienceConfig", "RunConfig",
     "SpikePolicy", "WandbConfig", "WatchdogConfig",
     "FP8", "ActivationOffload", "Backend", "DataConfig", "Flavour", "ModelConfig",
     "OptimizerConfig", "ParallelConfig", "PipelineSchedule", "Precision", "RecipeConfig",

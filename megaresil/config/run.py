@@ -237,6 +237,21 @@ class HealthConfig:
 
 
 @dataclass
+class ReplacementConfig:
+    enabled: bool = doc(False, "A worker process that dies (killed, crashed, or exited by the "
+                        "watchdog) is started again alone by its node's agent while the other "
+                        "ranks wait in their processes; it takes its state from a data-parallel "
+                        "peer's memory at the step the job reached, so no completed step is "
+                        "lost (docs/fault-tolerance.md#live-replacement). Off: the launcher "
+                        "relaunches every worker and the job resumes from the newest checkpoint.")
+    join_timeout_s: float = doc(120.0, "How long the waiting ranks give a started replacement "
+                                "to join; past it they hand over to the launcher (relaunch).",
+                                bounds=POSITIVE)
+    max_replacements: int = doc(3, "Replacements per launch attempt; the next lost process "
+                                "relaunches the workers.", bounds=NON_NEGATIVE)
+
+
+@dataclass
 class ResilienceConfig:
     in_process: bool = doc(True, "On an exception or a detected hang, every rank tears down, "
                            "re-rendezvouses and reloads the newest checkpoint without exiting "
@@ -261,6 +276,8 @@ class ResilienceConfig:
     numerics: NumericsConfig = section(NumericsConfig, "Numerical faults: non-finite "
                                        "values, loss spikes, replicas that differ.")
     health: HealthConfig = section(HealthConfig, "Checks a node passes before it joins the job.")
+    replacement: ReplacementConfig = section(ReplacementConfig, "Live replacement of a lost "
+                                             "worker process, the healthy ranks kept running.")
 
 
 @dataclass

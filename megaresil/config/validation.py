@@ -209,6 +209,10 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_local_tier(cfg)
     _validate_data(cfg)
     _validate_skips(cfg.resilience.numerics.skip_batches)
+    require(cfg.resilience.in_process or not cfg.resilience.replacement.enabled,
+            "resilience.replacement.enabled", "live replacement keeps the other ranks in their "
+            "processes, which needs in-process restarts.",
+            "set resilience.in_process=true, or resilience.replacement.enabled=false.")
 
 
 def _validate_local_tier(cfg: RecipeConfig) -> None:

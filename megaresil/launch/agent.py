@@ -21,13 +21,14 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.checkpoint.recipe_check import check_resume_recipe
-from megaresil.compat import elastic_stores_listening_on
+from megaresil.compat import elastic_agent_class, elastic_stores_listening_on
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
 from megaresil.launch.checks import check_backend, check_data, check_links, check_local_gpus
 from megaresil.launch.health import admission_refusal
 from megaresil.launch.membership import Membership
 from megaresil.launch.rendezvous import launch_backend, register_outage_tolerant
+from megaresil.launch.supervisor import ReplacementPolicy, replacing_agent
 from megaresil.launch.worker import worker_threads
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import visible_gpus
@@ -120,7 +121,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     try:
         with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg)),
               IncidentPrinter(run_dir), second_interrupt_kills_workers(),
-              elastic_stores_listening_on(config.local_addr)):
+              elastic_stores_listening_on(config.local_addr),
+              elastic_agent_class(replacing_agent(replacement_policy(cfg, run_dir)))):
             elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except ChildFailedError as err:
         print(f"megaresil: giving up after {relaunches_since(run_dir, events_before)}: "
@@ -143,6 +145,14 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
               "(no restart can fix this)", file=sys.stderr)
         return 1
     return PREEMPTED_EXIT if ending and ending["event"] == "preempted" else 0
+
+
+def replacement_policy(cfg: RecipeConfig, run_dir: Path) -> Optional[ReplacementPolicy]:
+    """Live replacement's, when resilience.replacement is on."""
+    replacement = cfg.resilience.replacement
+    if not replacement.enabled:
+        return None
+    return ReplacementPolicy(replacement.max_replacements, run_dir)
 
 
 def relaunches_since(run_dir: Path, events_before: int) -> str:

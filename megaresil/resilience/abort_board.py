@@ -43,9 +43,14 @@ class AbortBoard:
         return first if first.get("reason") == "fatal" else None
 
     def fatal_announced(self, generation: int) -> bool:
+        return self.first_reason(generation) == "fatal"
+
+    def first_reason(self, generation: int) -> Optional[str]:
+        """The reason of the generation's first announcement ("error",
+        "fatal", "hang", "lost_peer"), None before any."""
         if not self.announced(generation):
-            return False
-        return json.loads(self.store.get(self.key(generation))).get("reason") == "fatal"
+            return None
+        return json.loads(self.store.get(self.key(generation))).get("reason")
 
     @staticmethod
     def _describe(first: dict) -> str:

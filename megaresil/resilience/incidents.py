@@ -48,6 +48,9 @@ def _error(e: dict) -> str:
 
 
 def _restart(e: dict) -> str:
+    if e.get("kind") == "replace":
+        return (f"{e.get('reason')}: replacing that process ({e.get('attempt')} of "
+                f"{e.get('max_attempts')}); the other ranks wait in theirs")
     tier = f" ({e['from_tier']} tier)" if e.get("from_tier") else ""
     start = (f"from step {e['from_step']}{tier}" if e.get("from_step") is not None
              else "from the start (no checkpoint yet)")
@@ -70,6 +73,11 @@ def _local_paused(e: dict) -> Optional[str]:
 
 
 def _loaded(e: dict) -> str:
+    if e.get("tier") == "live":
+        peers = e.get("from_peers") or {}
+        moved = ", ".join(f"rank {o} from rank {h}" for o, h in sorted(peers.items()))
+        return (f"took the state of step {e.get('step')} from the ranks' memory"
+                f"{f' ({moved})' if moved else ''}: no completed step lost")
     line = f"resumed from {e.get('path')} (step {e.get('step')})"
     saved, now = e.get("saved_layout") or {}, e.get("layout") or {}
     if saved and saved != now:
@@ -228,7 +236,10 @@ class IncidentPrinter:
         elif kind == "hang_detected":
             self.errors_shown = True  # every rank's unwinding from the hang is this incident
         elif kind == "restart":
-            self.errors_shown = False  # the next failure is a new incident
+            # The next failure is a new incident, unless this restart replaces a
+            # lost process: its peers' errors (the closed connection) are its
+            # consequence, shown as this line.
+            self.errors_shown = event.get("kind") == "replace"
         text = describe(event)
         if text:
             print(text, file=self.out, flush=True)

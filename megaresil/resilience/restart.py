@@ -24,22 +24,24 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.format import CheckpointError
 from megaresil.checkpoint.local.replication import ranks_per_node
-from megaresil.checkpoint.local.store import local_root, newest_complete_step, node_dir
+from megaresil.checkpoint.local.store import local_root, node_dir
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.compat import abort_process_groups, has_nccl_groups, tcp_store_listening_on
 from megaresil.config import ConfigError, RecipeConfig
-from megaresil.events import EventLog, read_events, read_metrics
+from megaresil.events import EventLog, read_metrics
 from megaresil.fencing import Fence, Fenced, fence_of, new_token, set_fence
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import backend_for, use_device
 from megaresil.resilience.abort_board import AbortBoard
 from megaresil.resilience.faults import FaultInjector
-from megaresil.resilience.incidents import is_abort
 from megaresil.resilience.numerics import PersistentNumericalFault
 from megaresil.resilience.preemption import PreemptionFlag
+from megaresil.resilience.records import (last_failure, newest_step, next_generation,
+                                          relaunches_without_progress, restarts_recorded)
+from megaresil.resilience.replacement import (attempt_prefix, await_members, enter,
+                                              generation_to_join, is_replacement)
 from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, HangAbort, raise_in_thread
@@ -56,11 +58,15 @@ MAX_BACKOFF_S = 30.0
 
 class Job(Protocol):
     """One generation's work: `run` returns how it ended ("finished",
-    "exited", "preempted"); `close` releases what would outlive it."""
+    "exited", "preempted"); `close` releases what would outlive it;
+    `hand_over` returns its state for the next generation (after a lost
+    peer, with live replacement), or None when it has none consistent."""
 
     def run(self) -> str: ...
 
     def close(self) -> None: ...
+
+    def hand_over(self) -> Optional[object]: ...
 
 
 JobFactory = Callable[[Supervision], Job]
@@ -120,33 +126,6 @@ def backoff_s(consecutive: int, base: float) -> float:
     return 0.0 if consecutive <= 1 else min(MAX_BACKOFF_S, base * 2 ** (consecutive - 2))
 
 
-def restarts_recorded(run_dir: Path) -> int:
-    """Restarts so far in this run directory: the generation a rank is in."""
-    return sum(e["event"] == "restart" for e in read_events(run_dir))
-
-
-def relaunches_without_progress(run_dir: Path) -> int:
-    """Relaunches recorded since the last optimizer step was completed."""
-    last_step = max((r["time"] for r in read_metrics(run_dir) if "loss" in r), default=0.0)
-    return sum(e["event"] == "restart" and e.get("kind") == "relaunch" and e["time"] > last_step
-               for e in read_events(run_dir))
-
-
-def newest_step(cfg: RecipeConfig, world: int) -> tuple[Optional[int], Optional[str]]:
-    """(step, tier) of the newest committed state in either tier, what a
-    restart resumes from unless it proves invalid, for the console line; the
-    local tier when the two hold the same step (the restart reads it then).
-    Without a local tier there is no choice to name: the tier is None."""
-    committed = fmt.committed_checkpoints(checkpoint_root(cfg))
-    newest_global = int(fmt.STEP_DIR.match(committed[0].name).group(1)) if committed else None
-    if not cfg.checkpoint.local.enabled:
-        return newest_global, None
-    found = [(newest_global, "global")] if committed else []
-    step = newest_complete_step(local_root(cfg.checkpoint.local.dir, cfg.run.dir), world)
-    found += [(step, "local")] if step is not None else []
-    return max(found, key=lambda f: (f[0], f[1] == "local"), default=(None, None))
-
-
 def local_node_dir(cfg: RecipeConfig, rank: int, world: int) -> Optional[Path]:
     """This rank's node directory of the local tier (None when it is off)."""
     local = cfg.checkpoint.local
@@ -161,23 +140,6 @@ class JobFailed(Exception):
     every rank; `run_failed` in events.jsonl says why). Under megaresil's
     own launcher workers then exit 0, so the agent does not relaunch them
     only to fail again; the launcher turns it into exit status 1."""
-
-
-def last_failure(run_dir: Path) -> str:
-    """What ended the previous attempt, from its events: a worker's own
-    error before a peer's report of losing it; a process that died by a
-    signal reports nothing."""
-    since_restart: list[dict] = []
-    for event in read_events(run_dir):
-        since_restart = [] if event["event"] == "restart" else since_restart + [event]
-    errors = [e for e in since_restart if e["event"] == "worker_error" and not is_abort(e)]
-    hangs = [e for e in since_restart if e["event"] == "hang_detected"]
-    if hangs:
-        return f"hang on rank(s) {hangs[0].get('culprit_ranks')} in {hangs[0].get('section')}"
-    own = [e for e in errors if not e.get("lost_peer")] or errors
-    if own and not own[0].get("lost_peer"):
-        return f"rank {own[0].get('rank')}: {own[0].get('error', '').splitlines()[0][:300]}"
-    return "a worker process died" + (f" (rank {own[0].get('rank')} lost its peer)" if own else "")
 
 
 def workload(cfg: RecipeConfig) -> dict:
@@ -216,13 +178,13 @@ class WorkerLife:
         # One prefix per launch attempt and one per generation inside it: a
         # stale address of an earlier attempt can never be read.
         store = store if store is not None else launch_store(rank, world)
-        self.store = dist.PrefixStore(f"megaresil/attempt_{attempt()}", store)
+        self.store = dist.PrefixStore(attempt_prefix(attempt()), store)
         self.board = AbortBoard(self.store, rank)
         res = cfg.resilience
         self.policy = RestartPolicy(res.max_in_process_restarts, res.restart_backoff_s)
         self.preemption = PreemptionFlag().install()
         wd = res.watchdog
-        monitor_store = dist.PrefixStore(f"megaresil/attempt_{attempt()}", own_connection(store))
+        monitor_store = dist.PrefixStore(attempt_prefix(attempt()), own_connection(store))
         port = launch_store_port()
         self.traffic = NodeTraffic(peer_bytes_counter(port), node_traffic_path(port, node_rank()),
                                    int(os.environ.get("LOCAL_RANK", rank)))
@@ -241,6 +203,9 @@ class WorkerLife:
             self.watchdog.start()
         self.generation = 0
         self.furthest_step = 0  # the furthest step any generation of this process completed
+        # Live replacement: whether the next generation waits for a
+        # replacement to join, and this rank's state carried into it.
+        self.awaiting, self.carried = False, None
 
     def _progressed(self, supervision: Supervision) -> bool:
         """Whether the generation got further than every earlier one: a step
@@ -253,7 +218,12 @@ class WorkerLife:
         return progressed
 
     def run(self) -> str:
-        self._after_relaunch()
+        if is_replacement():  # started in place of a lost process: the others wait for it
+            self.generation = generation_to_join(self.store, self.rank,
+                                                 self.cfg.resilience.replacement.join_timeout_s)
+            self.awaiting = True
+        else:
+            self._after_relaunch()
         try:
             while True:
                 outcome = self._one_generation()
@@ -295,19 +265,25 @@ class WorkerLife:
         """Rank 0 records the restart before the next rendezvous; every rank
         counts the recorded restarts after it, so all agree on the number."""
         from_step, from_tier = newest_step(self.cfg, self.world)
-        generation = max(restarts_recorded(self.run_dir), fence_of(self.run_dir)) + 1
-        self.events.emit("restart", kind=kind, generation=generation,
+        self.events.emit("restart", kind=kind, generation=next_generation(self.run_dir),
                          reason=reason[:500], from_step=from_step, from_tier=from_tier,
                          attempt=number,
                          max_attempts=limit)
 
     def _one_generation(self) -> Optional[str]:
         """Run one generation; its outcome, or None to go again."""
+        enter(self.store, self.generation, self.rank)
+        if self.awaiting:
+            with self.phases.phase("waiting for the replacement"):
+                await_members(self.store, self.generation, self.world,
+                              self.cfg.resilience.replacement.join_timeout_s)
+            self.awaiting = False
         with self.phases.phase("rendezvous"):
             dist.init_process_group(backend_for(self.device), rank=self.rank,
                                     world_size=self.world,
                                     store=dist.PrefixStore(f"gen{self.generation}", self.store))
         job, supervision = None, self._supervision(self._generation_token())
+        supervision.carried, self.carried = self.carried, None
         try:
             with supervision.section("setup", 0):
                 job = self.make_job(supervision)
@@ -316,7 +292,7 @@ class WorkerLife:
         except BaseException as err:  # noqa: B902  (HangAbort and DCP's errors are BaseExceptions)
             self._leave_generation()
             self.preemption.saving_possible = False
-            self._handle_failure(err, supervision)
+            self._handle_failure(err, supervision, job)
             return None
         finally:
             if job is not None:
@@ -363,7 +339,8 @@ class WorkerLife:
         return Supervision(self.watchdog, faults, self.preemption, generation,
                            Fence(self.run_dir, generation, token, self.events))
 
-    def _handle_failure(self, err: BaseException, supervision: Supervision) -> None:
+    def _handle_failure(self, err: BaseException, supervision: Supervision,
+                        job: Optional[Job]) -> None:
         """Re-raise what the launcher must handle; otherwise record the
         failure and announce the abort so every rank restarts with us."""
         if isinstance(err, Fenced):
@@ -383,17 +360,29 @@ class WorkerLife:
             self._stop_if_fatal(err)
         allowed = self.policy.failed(made_progress)
         stopping = self.preemption.signalled_at is not None  # told to stop: no restart here
-        if not (self.cfg.resilience.in_process and allowed and not peer_gone and not stopping
-                and not isinstance(err, NOT_RESTARTABLE)):
+        replacing = self.cfg.resilience.replacement.enabled
+        if not (self.cfg.resilience.in_process and allowed and (replacing or not peer_gone)
+                and not stopping and not isinstance(err, NOT_RESTARTABLE)):
             raise err
-        cause = self.board.announce(self.generation, err)
+        cause = self.board.announce(self.generation, err, "lost_peer" if peer_gone else "error")
         traceback.clear_frames(err.__traceback__)
+        if self.board.first_reason(self.generation) == "lost_peer":
+            self._await_replacement(job)
+            return
         self.generation += 1
         if self.rank == 0:
             supervision.fence.check("the record of an in-process restart")
             self._count_restart("in_process", cause, self.policy.consecutive,
                                 self.policy.max_consecutive)
         self.policy.wait()
+
+    def _await_replacement(self, job: Optional[Job]) -> None:
+        """A process of the job was lost: this rank keeps its state for the
+        next generation, which waits for the replacement the lost process's
+        agent starts (and records as the restart)."""
+        self.carried = job.hand_over() if job is not None else None
+        self.generation += 1
+        self.awaiting = True
 
     def _stop_if_fatal(self, err: BaseException) -> None:
         """A failure no restart can cure stops every rank: the first rank to

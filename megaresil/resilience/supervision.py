@@ -39,6 +39,9 @@ class Supervision:
     preemption: Optional[PreemptionFlag] = None
     generation: int = 0  # restarts so far in this run directory
     fence: Optional[Fence] = None  # refuses this generation's writes once the job re-forms
+    # This rank's state from the generation before, when it lost a peer and
+    # waited for its replacement (live replacement): the job's own hand_over.
+    carried: Optional[object] = None
     steps: int = 0  # steps completed in this generation
     step: int = 0  # the step the current section belongs to
     last_step: int = 0  # the step number of the last step completed (0: none)

@@ -17,6 +17,7 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.hf.io import hf_model_keys, hf_source, is_hf_directory
 from megaresil.checkpoint.hf.mapping import model_differences
 from megaresil.checkpoint.local.replication import Choice, Topology, ranks_per_node
+from megaresil.checkpoint.local.shard import Shard
 from megaresil.checkpoint.local.store import local_root as local_dir_of
 from megaresil.checkpoint.local.tier import LocalTier
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
@@ -26,6 +27,9 @@ from megaresil.checkpoint.state import TrainingState
 from megaresil.checkpoint.validation import read_manifest
 from megaresil.config import ConfigError, ModelConfig, RecipeConfig, model_from_dict
 from megaresil.fencing import Fence
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.train.handover import live_plan, recover_live
+from megaresil.train.replicas import replica_groups
 
 
 def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
@@ -188,18 +192,47 @@ class TrainCheckpointing:
             return None, "; ".join(choice.skipped) or "no local step is held"
         return choice, ""
 
-    def resume(self) -> Optional[Loaded]:
-        """Restart-from-latest across both tiers: the newest state every rank
-        can recover, a global checkpoint (at whatever layout it was saved from:
-        the rects reshard it) or a local step (same layout only), logged with
-        the tier and why the other was not used. Returns what was loaded, or
-        None."""
+    def start(self, carried: Optional[Shard], layout: ParallelLayout) -> Optional[Loaded]:
+        """A generation's state: with live replacement on, from the ranks'
+        memory when it holds the newest step the job completed (the
+        generation after a lost process), else restart-from-latest."""
+        if not self.cfg.resilience.replacement.enabled:
+            return self.resume()
+        steps = [None] * layout.world_size
+        dist.all_gather_object(steps, carried.step if carried is not None else None)
+        plan = live_plan(steps, replica_groups(layout), replicated=not self.state.optimizer.sharded,
+                         why_unreplicated="optimizer.distributed keeps each rank's optimizer "
+                         "shard in its own memory only")
+        if plan.step is None:
+            return self.resume(why_not_live=plan.why_not)
+        self.clean_partials()
+        saved = recover_live(self.state, carried, plan, self.rank, layout.device)
+        self._loaded(saved, None, "live", {"checkpoints": f"the ranks' memory holds step "
+                                           f"{saved.step}; no checkpoint is newer"},
+                     from_peers={o: h for o, h in plan.sources.items() if o != h})
+        if self.local is not None:
+            self.local.discard_after(saved.step)
+            self.local.check_space(self.state)
+        return Loaded("state from live peers", None)
+
+    def clean_partials(self) -> None:
+        """Saves left half-written by a failure are removed (rank 0), before
+        any rank saves again."""
         if self.rank == 0:
             root = self.checkpointer.root
             for name in fmt.clean_partials(root):
                 self.emit("checkpoint_skipped", path=str(root / name),
                           reason="incomplete save removed at start-up")
         self.checkpointer.barrier()
+
+    def resume(self, why_not_live: str = "") -> Optional[Loaded]:
+        """Restart-from-latest across both tiers: the newest state every rank
+        can recover, a global checkpoint (at whatever layout it was saved from:
+        the rects reshard it) or a local step (same layout only), logged with
+        the tier and why the others were not used. Returns what was loaded,
+        or None."""
+        self.clean_partials()
+        live = {"live": why_not_live} if why_not_live else {}
         local, why_not_local = self.find_local()
         skipped_global: list = []
         chosen = self.choose(newer_than=local.step if local else None, skipped=skipped_global)
@@ -208,13 +241,13 @@ class TrainCheckpointing:
             saved = self.checkpointer.load_training(path, manifest, self.state)
             if local is not None:
                 why_not_local = f"local step {local.step} is older than global step {saved.step}"
-            self._loaded(saved, path, "global", {"local": why_not_local})
+            self._loaded(saved, path, "global", {"local": why_not_local, **live})
             found = Loaded("checkpoint load", fmt.data_bytes(manifest))
         elif local is not None:
             saved = self.local.recover(local, self.state)
             path = self.local.store.shard_dir(saved.step, self.rank)
             self._loaded(saved, path, "local",
-                         {"global": self.why_not_global(skipped_global, saved.step)},
+                         {"global": self.why_not_global(skipped_global, saved.step), **live},
                          from_replicas=sorted(o for o, h in local.sources.items() if o != h))
             found = Loaded("checkpoint load from the local tier", None)
         else:
@@ -237,8 +270,8 @@ class TrainCheckpointing:
                            f"{local_step}")
         return "; ".join(reasons)
 
-    def _loaded(self, saved, path: Path, tier: str, skipped: dict, **extra) -> None:
-        self.emit("checkpoint_loaded", step=saved.step, path=str(path),
+    def _loaded(self, saved, path: Optional[Path], tier: str, skipped: dict, **extra) -> None:
+        self.emit("checkpoint_loaded", step=saved.step, path=str(path) if path else None,
                   saved_layout=saved.layout, layout=self.state.layout_record(), tier=tier,
                   skipped=skipped, **extra)
 

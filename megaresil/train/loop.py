@@ -4,23 +4,18 @@ train.steps, one method per part of a step (data, forward_backward,
 optimizer), saving and evaluating between steps."""
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
 
-from megaresil.config import FP8, Backend, Precision, RecipeConfig, microbatches_per_step, resolved_schedule, to_yaml
+from megaresil.config import FP8, Precision, RecipeConfig, microbatches_per_step, resolved_schedule, to_yaml
 from megaresil.data import build_datasets
 from megaresil.data.sampler import collate, micro_batches, skip_past
 from megaresil.events import EventLog
-from megaresil.model.chunks import build_chunks
-from megaresil.model.gpt import GPT
-from megaresil.model.init import materialize
 from megaresil.parallel.data_parallel import (AllReduceMean, GradBuffers,
                                                all_reduce_sequence_parallel_grads)
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
@@ -40,39 +35,14 @@ from megaresil.train.optim import (build_optimizer, clip_gradients, counted_here
                                    local_grad_norm_squared, lr_at, reduce_grad_norm, set_lr,
                                    shards_over_dp)
 from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
-                                       optimizer_params, resolve, set_kernel_determinism,
+                                       optimizer_params, resolve,
                                        shard_main_params)
 from megaresil.train.progress import Progress
 from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.state import LiveTrainingState, configured_skips
-
-
-def make_deterministic(cfg: RecipeConfig, device: torch.device) -> None:
-    random.seed(cfg.train.seed)
-    np.random.seed(cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
-    set_kernel_determinism(cfg.train.deterministic, device)
-
-
-def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> list[GPT]:
-    """This rank's model chunks, initialised: the whole model when pp=1.
-    Built on the meta device, then only this rank's slices are allocated and
-    drawn, on the rank's device (no global tensor, no host copy of the model)."""
-    with torch.device("meta"):
-        chunks = build_chunks(cfg.model, layout, cfg.train.seed)
-    chunks = [materialize(chunk, cfg.model, cfg.train.seed, layout.device) for chunk in chunks]
-    if cfg.model.backend == Backend.te:
-        from megaresil.model import te  # imports only where TE is wanted
-        chunks = [te.convert(chunk, layout.device) for chunk in chunks]
-    return chunks
-
-
-def checkpoint_key_map(cfg: RecipeConfig):
-    """Parameter name -> checkpoint key: the same, except TE's fused modules' names."""
-    if cfg.model.backend != Backend.te:
-        return lambda name: name
-    from megaresil.model import te
-    return lambda name: te.local_key(name, cfg.model.flavour.value)
+from megaresil.train.handover import carried_state
+from megaresil.train.model_build import build_model, checkpoint_key_map, make_deterministic
+from megaresil.checkpoint.local.shard import Shard
 
 
 def dp_mean(value: torch.Tensor, layout: ParallelLayout) -> float:
@@ -98,7 +68,8 @@ class Trainer:
         self.checkpointing = checkpointing.TrainCheckpointing(
             cfg, self.checkpointer, self.checkpoint_state, self.events, layout.rank,
             job_started=process_times()["launched_at"])
-        loaded = self.checkpointing.resume()
+        loaded = self.checkpointing.start(self.supervision.carried, layout)
+        self.supervision.carried = None  # loaded: its memory goes back
         if loaded is not None:
             phases.finished(loaded.phase, phases.clock() - started, loaded.nbytes)
         self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank)
@@ -265,6 +236,7 @@ class Trainer:
         if not self.numerics.holds_back(step, result):
             clip_gradients([g for _, g in entries], norm, self.cfg.optimizer.grad_clip)
             set_lr(self.optimizer, lr_at(step, self.cfg.optimizer, self.cfg.train.steps))
+            self.state.settled = False  # until the step is counted (train_step)
             self.checkpointer.before_update()  # an async save may still be copying the weights
             self.optimizer.step()
             if self.main is not None:
@@ -299,6 +271,7 @@ class Trainer:
         self.supervision.step_done()
         self.state.step = step
         self.state.consumed_samples += self.cfg.train.global_batch_size
+        self.state.settled = True
         seconds = time.perf_counter() - started
         tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
         record = {"step": step, "loss": result.loss,
@@ -363,9 +336,11 @@ class Trainer:
                 stopping = self.supervision.preempted(None)
                 # Replicas compared before anything is saved from them.
                 about_to_save = saving or saving_local or bool(stopping)
-                if (self.replicas.due(step, about_to_save)
-                        and self.replicas.check(step, about_to_save)):
-                    continue  # rolled back: on from the checkpoint's step
+                if self.replicas.due(step, about_to_save):
+                    with self.state.changing():  # an outvoted replica is restored in place
+                        rolled_back = self.replicas.check(step, about_to_save)
+                    if rolled_back:
+                        continue  # on from the checkpoint's step
                 if self.should_eval(step):
                     eval_started = time.perf_counter()
                     with self.supervision.section("eval", step):
@@ -392,6 +367,13 @@ class Trainer:
             if log:
                 log.close()
         return self.stop("finished", last_record)
+
+    def hand_over(self) -> Optional[Shard]:
+        """This rank's state for the next generation (live replacement), or
+        None when a failure caught it mid-change (an update, a load)."""
+        if not self.state.settled:
+            return None
+        return carried_state(self.checkpoint_state, self.layout.rank, self.layout.world_size)
 
     def close(self) -> None:
         """Finish the save in flight and release what would outlive the trainer."""

@@ -200,7 +200,9 @@ class NumericsGuard:
             self.checkpointing.checkpointer.wait()
             if self.checkpointing.local is not None:
                 self.checkpointing.local.wait()
-            if self.checkpointing.resume() is None:
+            with self.progress.changing():  # a failure mid-load leaves no step's state
+                loaded = self.checkpointing.resume()
+            if loaded is None:
                 raise PersistentNumericalFault(
                     f"step {step} needs a rollback ({reason}) and there is no checkpoint to roll "
                     "back to: stopping. Fix: save checkpoints (checkpoint.interval) so that a "

@@ -24,7 +24,7 @@ from megaresil.events import EventLog, read_events
 from megaresil.launch.agent import rendezvous_lost
 from megaresil.launch.membership import Membership
 from megaresil.resilience.abort_board import AbortBoard
-from megaresil.resilience.restart import relaunches_without_progress, restarts_recorded
+from megaresil.resilience.records import relaunches_without_progress, restarts_recorded
 from megaresil.slurm import SlurmStep
 from tests.e2e.test_slurm import step_env
 

@@ -356,7 +356,7 @@ def test_a_relaunch_does_not_wait_out_the_preemption_grace(cli, tmp_path):
 
 def test_a_relaunch_names_what_ended_the_previous_attempt(tmp_path):
     from megaresil.events import EventLog
-    from megaresil.resilience.restart import last_failure
+    from megaresil.resilience.records import last_failure
 
     EventLog(tmp_path, 0).emit("worker_error", error="InjectedFault: old", lost_peer=False)
     EventLog(tmp_path, 0).emit("restart", kind="relaunch")

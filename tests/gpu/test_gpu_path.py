@@ -155,7 +155,7 @@ def test_a_generation_that_only_repeats_a_step_is_no_progress(tmp_path, monkeypa
 
 
 def test_deterministic_kernels_follow_each_recipe(tmp_path):
-    from megaresil.train.loop import make_deterministic
+    from megaresil.train.model_build import make_deterministic
 
     before = torch.are_deterministic_algorithms_enabled()
     try:
@@ -190,7 +190,7 @@ def test_a_cuda_worker_sets_cublas_workspace_before_cuda_starts(monkeypatch):
 
 
 def test_deterministic_cuda_after_cuda_started_names_the_fix(monkeypatch):
-    from megaresil.train.loop import make_deterministic
+    from megaresil.train.model_build import make_deterministic
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)

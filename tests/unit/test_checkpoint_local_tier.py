@@ -141,7 +141,7 @@ def test_a_lost_node_comes_back_empty_once_its_worker_is_dead(tmp_path):
 def test_the_restart_line_names_the_newest_step_of_either_tier(tmp_path):
     from tests.harness.dist import RECIPE, TINY
     from megaresil.config import load_recipe
-    from megaresil.resilience.restart import newest_step
+    from megaresil.resilience.records import newest_step
 
     overrides = TINY + [f"run.dir={tmp_path}", f"checkpoint.local.dir={tmp_path}/local"]
     (tmp_path / "checkpoints" / "step_0000004").mkdir(parents=True)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.async_save import BackgroundSaves, SaveReport, SaveRequest
 from megaresil.checkpoint.local.cadence import Cadence, Pause, retry_step
+from megaresil.checkpoint.local.moves import move_shards
 from megaresil.checkpoint.local.replication import (Choice, Space, Topology, complete_step,
                                                     decode_meta, encode_meta, header,
                                                     space_shortfall, transfers)
@@ -253,41 +254,18 @@ class LocalTier(BackgroundSaves):
     def recover(self, choice: Choice, state: TrainingState) -> RunRecord:
         """Collective: shards move from holders to owners whose own copy is
         missing or bad; each rank loads its own."""
-        sends, recvs, heads = [], [], {}
-        for holder, owner in transfers(choice.sources):
-            if holder == self.rank:
-                meta = encode_meta(self.loaded[owner].meta)
-                sends.append((owner, 0, header(meta, self.loaded[owner].data)))
-                sends += [(owner, 1, meta), (owner, 2, self.loaded[owner].data)]
-            if owner == self.rank:
-                heads[holder] = torch.empty(2, dtype=torch.int64)
-                recvs.append((holder, 0, heads[holder]))
-        # Headers first (sizes), then payloads; sends of both go out at once.
-        self.coll.exchange([s for s in sends if s[1] == 0], recvs)
-        payload = []
-        for holder, head in heads.items():
-            payload += [(holder, 1, torch.empty(int(head[0]), dtype=torch.uint8)),
-                        (holder, 2, torch.empty(int(head[1]), dtype=torch.uint8))]
-        self.coll.exchange([s for s in sends if s[1] > 0], payload)
-        shard = self._own_shard(choice, payload)
+        moves = transfers(choice.sources)
+        received = move_shards(self.coll, moves, {owner: self.loaded[owner] for holder, owner
+                                                  in moves if holder == self.rank},
+                               f"rank {self.rank}'s shard of step {choice.step}")
+        if received is not None:
+            self.store.write(received)  # this node holds its own shard again
+        shard = received or self.loaded[self.rank]
         unpack_into(shard, shard_rects(state))
         saved = saved_run_record(shard)
         state.restore(saved)
         self.loaded.clear()
         return saved
-
-    def _own_shard(self, choice: Choice, payload: list) -> Shard:
-        holder = choice.sources[self.rank]
-        if holder == self.rank:
-            return self.loaded[self.rank]
-        (_, _, meta), (_, _, data) = payload  # from the one holder of this rank's shard
-        shard = Shard(decode_meta(meta), data)
-        problem = shard_problem(shard)
-        if problem:
-            raise fmt.CheckpointError(f"rank {self.rank}'s shard of step {choice.step} arrived "
-                                      f"from rank {holder} damaged: {problem}")
-        self.store.write(shard)  # this node holds its own shard again
-        return shard
 
     def check_space(self, state: TrainingState) -> None:
         """Collective, at start-up (after the resume, which retired later

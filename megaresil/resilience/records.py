@@ -1,0 +1,68 @@
+"""What the run directory's records say about restarts: how many there
+were (the generation a restart opens), the relaunches without progress (the
+back-off), what ended the previous attempt, and the newest state a restart
+resumes from. Read from events.jsonl, metrics.jsonl and the checkpoints,
+which outlive every process and node store."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.local.store import local_root, newest_complete_step
+from megaresil.checkpoint.location import checkpoint_root
+from megaresil.config import RecipeConfig
+from megaresil.events import read_events, read_metrics
+from megaresil.fencing import fence_of
+from megaresil.resilience.incidents import is_abort
+
+
+def restarts_recorded(run_dir: Path) -> int:
+    """Restarts so far in this run directory: the generation a rank is in."""
+    return sum(e["event"] == "restart" for e in read_events(run_dir))
+
+
+def relaunches_without_progress(run_dir: Path) -> int:
+    """Relaunches recorded since the last optimizer step was completed."""
+    last_step = max((r["time"] for r in read_metrics(run_dir) if "loss" in r), default=0.0)
+    return sum(e["event"] == "restart" and e.get("kind") == "relaunch" and e["time"] > last_step
+               for e in read_events(run_dir))
+
+
+def newest_step(cfg: RecipeConfig, world: int) -> tuple[Optional[int], Optional[str]]:
+    """(step, tier) of the newest committed state in either tier, what a
+    restart resumes from unless it proves invalid, for the console line; the
+    local tier when the two hold the same step (the restart reads it then).
+    Without a local tier there is no choice to name: the tier is None."""
+    committed = fmt.committed_checkpoints(checkpoint_root(cfg))
+    newest_global = int(fmt.STEP_DIR.match(committed[0].name).group(1)) if committed else None
+    if not cfg.checkpoint.local.enabled:
+        return newest_global, None
+    found = [(newest_global, "global")] if committed else []
+    step = newest_complete_step(local_root(cfg.checkpoint.local.dir, cfg.run.dir), world)
+    found += [(step, "local")] if step is not None else []
+    return max(found, key=lambda f: (f[0], f[1] == "local"), default=(None, None))
+
+
+def next_generation(run_dir: Path) -> int:
+    """The number the next restart of the run directory gets: one past the
+    restarts recorded, or past the fence where it is ahead of the events
+    (events.jsonl lost or cut short)."""
+    return max(restarts_recorded(run_dir), fence_of(run_dir)) + 1
+
+
+def last_failure(run_dir: Path) -> str:
+    """What ended the previous attempt, from its events: a worker's own
+    error before a peer's report of losing it; a process that died by a
+    signal reports nothing."""
+    since_restart: list[dict] = []
+    for event in read_events(run_dir):
+        since_restart = [] if event["event"] == "restart" else since_restart + [event]
+    errors = [e for e in since_restart if e["event"] == "worker_error" and not is_abort(e)]
+    hangs = [e for e in since_restart if e["event"] == "hang_detected"]
+    if hangs:
+        return f"hang on rank(s) {hangs[0].get('culprit_ranks')} in {hangs[0].get('section')}"
+    own = [e for e in errors if not e.get("lost_peer")] or errors
+    if own and not own[0].get("lost_peer"):
+        return f"rank {own[0].get('rank')}: {own[0].get('error', '').splitlines()[0][:300]}"
+    return "a worker process died" + (f" (rank {own[0].get('rank')} lost its peer)" if own else "")

@@ -1,0 +1,100 @@
+"""Live replacement's meeting protocol in the launch store: how the ranks
+that stayed in their processes and a replacement started in place of a lost
+one find the same generation, and how long the waiting ranks give it.
+
+Every rank records, as it enters a generation, the generation's number and
+its own pid. The agent that starts a replacement records the lost pid as
+replaced. The waiting ranks wait for every rank to enter; a missing rank
+whose lost process nobody is replacing (its node is gone too, or the
+agent's budget is spent) ends the wait at once: the job is relaunched.
+docs/fault-tolerance.md ("Live replacement") says it for users."""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+
+# Set by the agent in a replacement's environment.
+REPLACEMENT_ENV = "MEGARESIL_REPLACEMENT"
+# The agent polls its workers every 0.1 s and records a replacement as it
+# starts it: a lost rank without that record after this long has no agent
+# starting one, and waiting the whole join timeout would only delay the
+# relaunch that recovers the job.
+NOTICE_S = 10.0
+POLL_S = 0.1
+
+
+class ReplacementFailed(Exception):
+    """A lost rank was not replaced in time: the job relaunches."""
+
+
+def attempt_prefix(attempt: int) -> str:
+    """The store prefix of one launch attempt's coordination."""
+    return f"megaresil/attempt_{attempt}"
+
+
+def member_key(generation: int, rank: int) -> str:
+    return f"gen{generation}/pid/{rank}"
+
+
+def enter(store: dist.Store, generation: int, rank: int) -> None:
+    """Record that this process is `rank` in `generation`."""
+    store.set("generation", str(generation))
+    store.set(member_key(generation, rank), str(os.getpid()))
+
+
+def is_replacement() -> bool:
+    return os.environ.get(REPLACEMENT_ENV) == "1"
+
+
+def generation_to_join(store: dist.Store, rank: int, timeout_s: float) -> int:
+    """The generation a replacement of `rank` joins: the newest one, unless
+    the process it replaces was a member of it (the others have not noticed
+    the loss yet): then the next, which they form once they do."""
+    store.wait(["generation"], timedelta(seconds=timeout_s))
+    newest = int(store.get("generation"))
+    return newest + 1 if store.check([member_key(newest, rank)]) else newest
+
+
+def announce_replacement(store: dist.Store, lost_pid: int, pid: int) -> None:
+    """The agent's record: process `pid` replaces `lost_pid`."""
+    store.set(f"replaced/{lost_pid}", str(pid))
+
+
+def replacement_started(store: dist.Store, generation: int, rank: int) -> bool:
+    """Whether the last process that was `rank` before `generation` is being
+    replaced."""
+    for earlier in range(generation - 1, -1, -1):
+        if store.check([member_key(earlier, rank)]):
+            lost_pid = store.get(member_key(earlier, rank)).decode()
+            return store.check([f"replaced/{lost_pid}"])
+    return False
+
+
+def await_members(store: dist.Store, generation: int, world: int, join_timeout_s: float, *,
+                  clock: Callable[[], float] = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait until every rank entered `generation`; raises ReplacementFailed
+    once a missing rank has no replacement started after NOTICE_S, or any is
+    still missing after `join_timeout_s`."""
+    started = clock()
+    while True:
+        missing = [r for r in range(world) if not store.check([member_key(generation, r)])]
+        if not missing:
+            return
+        waited = clock() - started
+        if waited > NOTICE_S:
+            orphaned = [r for r in missing if not replacement_started(store, generation, r)]
+            if orphaned:
+                raise ReplacementFailed(f"no replacement was started for rank(s) {orphaned} "
+                                        f"within {NOTICE_S:.0f}s (its node is lost, or the "
+                                        "replacement budget is spent): relaunching the job")
+        if waited > join_timeout_s:
+            raise ReplacementFailed(f"the replacement of rank(s) {missing} did not join within "
+                                    f"{join_timeout_s:.0f}s "
+                                    "(resilience.replacement.join_timeout_s): relaunching the job")
+        sleep(POLL_S)
