@@ -20,8 +20,8 @@ from megaresil.config import ConfigError, load_recipe
 from megaresil.drills.analyse import analyse_scenario
 from megaresil.drills.etcd import CLIENT_PORT, PEER_PORT, EtcdServer, etcd_missing_reason
 from megaresil.drills.hosts import netns_missing_reason, open_hosts
-from megaresil.drills.run import (Rendezvous, run_node_fault, run_simulated_node_loss,
-                                  run_training, run_with_requeue)
+from megaresil.drills.run import (Rendezvous, run_killing_replacement, run_node_fault,
+                                  run_simulated_node_loss, run_training, run_with_requeue)
 from megaresil.drills.scenarios import RENDEZVOUS_READ_TIMEOUT_S, fault_overrides, scenarios
 from megaresil.observe.report import write_report
 from megaresil.parallel.layout import visible_gpus
@@ -71,6 +71,9 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
                                               fault=scenario.node_fault,
                                               first=scenario.lose_first,
                                               rendezvous=rendezvous, timeout_s=timeout_s)
+    elif scenario.kill_replacement:
+        code, _ = run_killing_replacement(recipe, overrides + fault_overrides(scenario), faulted,
+                                          deadline=time.time() + timeout_s)
     elif scenario.lose_simulated_node:
         code, fault_time = run_simulated_node_loss(recipe, overrides + scenario.settings,
                                                    faulted, world, fault_step)
@@ -161,7 +164,8 @@ def format_result(r: dict) -> str:
         f"detection latency {seconds(r['detection_latency_s'])}",
         f"restart time      {seconds(r['restart_time_s'])}",
         f"steps lost        {r['steps_lost']}",
-        f"restart kind      {r['restart_kind']}",
+        f"restart kind      {r['restart_kind']} ({r['replacements']} process(es) replaced, "
+        f"{r['relaunches']} relaunch(es) of all)",
         f"hangs detected    {r['hang_detected']} (culprits {r['culprit_ranks']})",
         f"stragglers        {r['stragglers'] or 'none'}",
         f"stale writes      {r['stale_writes']} (fenced {r['fenced']})",

@@ -20,7 +20,7 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local.store import local_root, node_dir
 from megaresil.config import load_recipe
 from megaresil.drills.scenarios import FLAP_S, RENDEZVOUS_OUTAGE_S, SLOW_LINK_RATE
-from megaresil.events import read_metrics
+from megaresil.events import read_events, read_metrics
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 
 
@@ -201,6 +201,28 @@ def run_simulated_node_loss(recipe: str, overrides: list[str], run_dir: Path, wo
     shutil.rmtree(node_dir(local_root(cfg.checkpoint.local.dir, str(run_dir)), node),
                   ignore_errors=True)
     return agent.wait(), lost_at
+
+
+def run_killing_replacement(recipe: str, overrides: list[str], run_dir: Path,
+                            deadline: Optional[float]) -> tuple[int, Optional[float]]:
+    """The job, with the first process its agent puts in a lost worker's
+    place killed as soon as it is recorded (a second failure while the first
+    is being repaired). Returns (exit code, when the replacement was killed)."""
+    agent = subprocess.Popen(train_command(recipe, overrides, run_dir))
+    killed_at = None
+    if poll_until(agent, lambda: replacement_pid(run_dir) is not None, interval_s=0.01):
+        try:
+            psutil.Process(replacement_pid(run_dir)).kill()
+            killed_at = time.time()
+        except psutil.NoSuchProcess:
+            pass
+    return wait_until(agent, deadline), killed_at
+
+
+def replacement_pid(run_dir: Path) -> Optional[int]:
+    """The process the first live replacement put in a lost worker's place."""
+    return next((e["pid"] for e in read_events(run_dir)
+                 if e["event"] == "restart" and e.get("kind") == "replace"), None)
 
 
 def poll_until(proc: subprocess.Popen, done: Callable[[], bool], interval_s: float = 0.05) -> bool:

@@ -25,6 +25,7 @@ class Scenario:
     reference_settings: list[str] = field(default_factory=list)
     min_dp: int = 1  # replicas to compare (the bit flips)
     spike_window: int = 0  # > 0: the fault step must come after warmup and this many steps
+    kill_replacement: bool = False  # the first replacement started is killed as it appears
 
 
 # Where the node scenarios' nodes run (drills/hosts.py): named here, with the
@@ -64,6 +65,7 @@ def local_tier_settings(world: int) -> list[str]:
 def scenarios(rank: int, step: int, save_step: int, world: int = 2,
               global_batch: int = 1) -> dict[str, Scenario]:
     in_process = ["resilience.in_process=true"]
+    replace = in_process + ["resilience.replacement.enabled=true"]
     relaunch = ["resilience.in_process=false", "resilience.max_restarts=2"]
     local = local_tier_settings(world)
     spike = ["resilience.numerics.on_spike=rollback",
@@ -142,6 +144,13 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2,
                  [{"kind": "slow", "rank": rank, "step": step, "seconds": OUTAGE_STEP_S}],
                  in_process + SLOW_STEP_BUDGETS, nodes=2, node_fault="rendezvous-outage",
                  rendezvous_host=True, expect_restart=False),
+        # Only the killed process starts again; the others wait in theirs and
+        # it takes its state from a data-parallel peer: no step lost.
+        Scenario("kill-rank-replace", [{"kind": "kill", "rank": rank, "step": step}], replace),
+        # The replacement is killed too, before it joined: its agent starts
+        # another, which the others wait for as well.
+        Scenario("kill-during-replacement", [{"kind": "kill", "rank": rank, "step": step}],
+                 replace, kill_replacement=True),
         Scenario("kill-rank-local", [{"kind": "kill", "rank": rank, "step": step}],
                  relaunch + local),
         Scenario("node-loss-local", [], relaunch + local, lose_simulated_node=True),

@@ -152,7 +152,8 @@ def replacement_policy(cfg: RecipeConfig, run_dir: Path) -> Optional[Replacement
     replacement = cfg.resilience.replacement
     if not replacement.enabled:
         return None
-    return ReplacementPolicy(replacement.max_replacements, run_dir)
+    return ReplacementPolicy(replacement.max_replacements, run_dir, replacement.standby,
+                             cfg.resilience.preemption_grace_s)
 
 
 def relaunches_since(run_dir: Path, events_before: int) -> str:

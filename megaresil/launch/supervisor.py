@@ -4,17 +4,19 @@ process is started again alone, in place, while the others stay in theirs.
 TorchElastic's LocalElasticAgent starts its workers in one process context
 that terminates them all when any one fails, and answers any failure by
 restarting the whole group after a new rendezvous. The agent here keeps
-TorchElastic's rendezvous, environment and process contexts, but watches
+TorchElastic's rendezvous, environment and process context, but watches
 each worker process by itself: a process that died (a signal, or the
-watchdog's hang exit) is replaced by a new one with the same environment
-(same rank, same launch attempt), started in a context of its own, and
-recorded in the launch store so the waiting ranks know it is coming
-(resilience/replacement.py). A failure it may not replace (the process
+watchdog's hang exit) is replaced by one with the same environment (same
+rank, same launch attempt), the standby when there is one
+(launch/standby.py), and that is recorded in the launch store so the
+waiting ranks know it is coming (resilience/replacement.py). A failure it may not replace (the process
 exited with an error of its own, or the budget is spent) goes to
 TorchElastic's relaunch of the whole group, as before."""
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,11 +25,11 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from megaresil.compat import context_process
 from megaresil.events import EventLog
+from megaresil.launch.standby import STANDBY_ENV, assignment
 from megaresil.resilience.records import next_generation
 from megaresil.resilience.replacement import REPLACEMENT_ENV, announce_replacement, attempt_prefix
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE
@@ -37,6 +39,8 @@ from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE
 class ReplacementPolicy:
     max_replacements: int  # per launch attempt
     run_dir: Path
+    standby: bool  # keep a warm process ready to take a lost worker's place
+    shutdown_timeout_s: float = 30.0
 
 
 def replaceable(exitcode: int) -> bool:
@@ -50,38 +54,54 @@ def how_it_ended(exitcode: int) -> str:
     return f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s` (as TorchElastic stops a worker)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class ReplacingAgent(LocalElasticAgent):
     def __init__(self, *args: Any, policy: ReplacementPolicy, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.policy = policy
         self.events = EventLog(policy.run_dir)
-        self.replacements: dict[int, Any] = {}  # local rank -> its replacement's context
+        self.replacements: dict[int, subprocess.Popen] = {}  # local rank -> its replacement
+        self.standby: Optional[subprocess.Popen] = None
         self.spent = 0  # replacements in this launch attempt
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        self._close_replacements()
+        self._stop_extra_processes()
         self.spent = 0
-        return super()._start_workers(worker_group)
+        pids = super()._start_workers(worker_group)
+        self._start_standby(worker_group)
+        return pids
 
     def _shutdown(self, *args: Any, **kwargs: Any) -> None:
-        self._close_replacements()
+        self._stop_extra_processes()
         super()._shutdown(*args, **kwargs)
 
-    def _close_replacements(self) -> None:
-        for context in self.replacements.values():
-            context.close()
+    def _stop_extra_processes(self) -> None:
+        for proc in [*self.replacements.values(), *filter(None, [self.standby])]:
+            stop_process(proc, self.policy.shutdown_timeout_s)
         self.replacements.clear()
+        self.standby = None
+
+    def _start_standby(self, worker_group: WorkerGroup) -> None:
+        if self.policy.standby and self.spent < self.policy.max_replacements:
+            spec = worker_group.spec
+            self.standby = subprocess.Popen([spec.entrypoint, *spec.args], stdin=subprocess.PIPE,
+                                            env={**os.environ, STANDBY_ENV: "1"})
 
     def _process(self, local_rank: int):
         """The live process of `local_rank`: its replacement's, once it has one."""
         if local_rank in self.replacements:
-            return context_process(self.replacements[local_rank], 0)
+            return self.replacements[local_rank]
         return context_process(self._pcontext, local_rank)
-
-    def _error_file(self, local_rank: int) -> str:
-        if local_rank in self.replacements:
-            return self.replacements[local_rank].error_files[0]
-        return self._pcontext.error_files[local_rank]
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         codes = {w.local_rank: self._process(w.local_rank).poll() for w in worker_group.workers}
@@ -93,7 +113,8 @@ class ReplacingAgent(LocalElasticAgent):
         if lost:
             failures = {worker_group.workers[lr].global_rank: ProcessFailure(
                 local_rank=lr, pid=self._process(lr).pid, exitcode=code,
-                error_file=self._error_file(lr)) for lr, code in lost.items()}
+                error_file=self._pcontext.envs[lr]["TORCHELASTIC_ERROR_FILE"])
+                for lr, code in lost.items()}
             return RunResult(state=WorkerState.FAILED, failures=failures)
         if all(code == 0 for code in codes.values()):
             return RunResult(state=WorkerState.SUCCEEDED, return_values={
@@ -105,32 +126,40 @@ class ReplacingAgent(LocalElasticAgent):
                 and self.spent + len(lost) <= self.policy.max_replacements)
 
     def _replace(self, worker_group: WorkerGroup, local_rank: int, exitcode: int) -> None:
-        """Start `local_rank` again in a context of its own, with its first
-        environment (rank, launch attempt) and the replacement's mark."""
+        """Put a process in `local_rank`'s place, with its first environment
+        (rank, launch attempt) and the replacement's mark: the standby, or a
+        new process."""
         worker = worker_group.workers[local_rank]
         lost_pid = self._process(local_rank).pid
         self.spent += 1
-        how = how_it_ended(exitcode)
-        # Recorded before the new process starts: the ranks count restarts
-        # from the events once it has joined, so they all see this one (and
-        # every node's console prints it).
+        env = {**self._pcontext.envs[local_rank], REPLACEMENT_ENV: "1"}
+        standby, self.standby = self.standby, None
+        if standby is not None and standby.poll() is not None:
+            standby = None
+        # A new process imports for seconds before it can join; the standby
+        # joins at once, so it is told only once the restart is recorded.
+        proc = standby or subprocess.Popen(
+            [self._pcontext.entrypoint, *self._pcontext.args[local_rank]], env={**os.environ, **env})
+        # The ranks count restarts from the events once the replacement has
+        # joined, so they all see this one (and every node's console prints it).
         self.events.emit("restart", kind="replace", generation=next_generation(self.policy.run_dir),
-                         reason=f"rank {worker.global_rank} (pid {lost_pid}) ended with {how}",
-                         rank=worker.global_rank, lost_pid=lost_pid, from_tier="live",
-                         attempt=self.spent, max_attempts=self.policy.max_replacements)
-        first = self._pcontext
+                         reason=f"rank {worker.global_rank} (pid {lost_pid}) ended with "
+                                f"{how_it_ended(exitcode)}",
+                         rank=worker.global_rank, lost_pid=lost_pid, pid=proc.pid,
+                         from_tier="live", standby=standby is not None, attempt=self.spent,
+                         max_attempts=self.policy.max_replacements)
+        if standby is not None:
+            try:
+                standby.stdin.write(assignment(env))
+                standby.stdin.close()
+            except BrokenPipeError:  # it died since the poll: the next poll replaces it in turn
+                pass
         if local_rank in self.replacements:  # a replacement lost in turn
-            self.replacements.pop(local_rank).close()
-        env = {**first.envs[local_rank], REPLACEMENT_ENV: "1"}
-        context = start_processes(
-            name=worker_group.spec.role, entrypoint=first.entrypoint,
-            args={0: first.args[local_rank]}, envs={0: env},
-            logs_specs=DefaultLogsSpecs(log_dir=str(self.policy.run_dir / "elastic" /
-                                                    f"replacement_{lost_pid}")))
-        self.replacements[local_rank] = context
-        pid = context_process(context, 0).pid
-        worker.id = pid
-        announce_replacement(self._launch_store(worker_group, env), lost_pid, pid)
+            stop_process(self.replacements[local_rank], self.policy.shutdown_timeout_s)
+        self.replacements[local_rank] = proc
+        worker.id = proc.pid
+        announce_replacement(self._launch_store(worker_group, env), lost_pid, proc.pid)
+        self._start_standby(worker_group)
 
     @staticmethod
     def _launch_store(worker_group: WorkerGroup, env: dict) -> dist.Store:

@@ -367,7 +367,7 @@ class WorkerLife:
         cause = self.board.announce(self.generation, err, "lost_peer" if peer_gone else "error")
         traceback.clear_frames(err.__traceback__)
         if self.board.first_reason(self.generation) == "lost_peer":
-            self._await_replacement(job)
+            self._await_replacement(job, supervision)
             return
         self.generation += 1
         if self.rank == 0:
@@ -376,11 +376,13 @@ class WorkerLife:
                                 self.policy.max_consecutive)
         self.policy.wait()
 
-    def _await_replacement(self, job: Optional[Job]) -> None:
+    def _await_replacement(self, job: Optional[Job], supervision: Supervision) -> None:
         """A process of the job was lost: this rank keeps its state for the
         next generation, which waits for the replacement the lost process's
-        agent starts (and records as the restart)."""
-        self.carried = job.hand_over() if job is not None else None
+        agent starts (and records as the restart). A generation lost before
+        its job took the state it was handed (a replacement lost in turn)
+        hands that on."""
+        self.carried = job.hand_over() if job is not None else supervision.carried
         self.generation += 1
         self.awaiting = True
 
