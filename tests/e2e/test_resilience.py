@@ -25,7 +25,7 @@ from megaresil.events import read_metrics
 class Expected:
     """What one chaos scenario must show besides recovering to the
     reference's final loss (which every scenario must)."""
-    restart_kind: str  # the report's: in_process, relaunch, requeue or none
+    restart_kind: str  # the report's: in_process, replace, relaunch, requeue or none
     args: tuple[str, ...] = ()  # extra `megaresil chaos` arguments
     overrides: tuple[str, ...] = ()  # recipe overrides, for the scenario's own reference too
     injects: bool = True  # a fault_injected event (node loss kills from outside)
@@ -37,6 +37,7 @@ class Expected:
     goodput_counts_the_restart: bool = False
     skips_checkpoint: bool = False
     dp_shrinks: bool = False  # resumed at dp=1 from a dp=2 checkpoint
+    live: bool = False  # state from memory: no step lost, rank 0's process kept
 
 
 EXPECTED = {
@@ -64,6 +65,10 @@ EXPECTED = {
     "sigterm": Expected("requeue"),
     "corrupt-latest-checkpoint": Expected("relaunch", skips_checkpoint=True),
     "kill-during-checkpoint-save": Expected("relaunch"),
+    # Only the lost process starts again (the standby), its state from its peer.
+    "kill-rank-replace": Expected("replace", live=True),
+    # The replacement is killed as it is recorded: another takes its place.
+    "kill-during-replacement": Expected("replace", restarts=("replace", "replace"), live=True),
     # One of two nodes lost after step 3, leaving the shrunk job most of the run.
     "node-loss": Expected("relaunch", args=("--step", "3"), injects=False, dp_shrinks=True),
 }
@@ -119,6 +124,20 @@ def test_chaos_scenario_recovers_exactly(cli_main, chaos_root, chaos_reference, 
     if expected.dp_shrinks:
         loaded = next(e for e in events if e["event"] == "checkpoint_loaded")
         assert loaded["saved_layout"]["dp"] == 2 and loaded["layout"]["dp"] == 1
+    if expected.live:
+        assert_replaced_live(report, events)
+
+
+def assert_replaced_live(report: dict, events: list[dict]) -> None:
+    """The killed rank (1, killed as step 5 began) took step 4's state from
+    rank 0's memory; no step was trained twice and rank 0 kept its process."""
+    assert report["steps_lost"] == 0 and report["relaunches"] == 0, report
+    loads = [(e["tier"], e["step"], e["from_peers"]) for e in events
+             if e["event"] == "checkpoint_loaded"]
+    assert loads == [("live", 4, {"1": 0})], loads
+    assert [r["step"] for r in read_metrics(report["faulted"]) if "loss" in r] == list(range(1, 9))
+    started = {e["process_started"] for e in events if e["event"] == "generation_started"}
+    assert len(started) == 1, started
 
 
 @pytest.mark.slow

@@ -1,0 +1,110 @@
+"""Live replacement's meeting protocol (resilience/replacement.py) and the
+choice of where every rank's state comes from (train/handover.live_plan),
+on a store in memory and a fake clock."""
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from megaresil.resilience.replacement import (NOTICE_S, ReplacementFailed, announce_replacement,
+                                              await_members, enter, generation_to_join)
+from megaresil.train.handover import live_plan
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def set_pid(store, generation: int, rank: int, pid: int) -> None:
+    store.set(f"gen{generation}/pid/{rank}", str(pid))
+
+
+def test_the_wait_ends_when_every_rank_entered():
+    store, clock = dist.HashStore(), FakeClock()
+    for rank in range(2):
+        enter(store, 1, rank)
+    await_members(store, 1, 2, 60.0, clock=clock, sleep=clock.sleep)
+    assert clock.now == 0.0
+
+
+def test_a_lost_rank_nobody_replaces_ends_the_wait_after_the_notice():
+    store, clock = dist.HashStore(), FakeClock()
+    set_pid(store, 0, 1, 4242)  # rank 1's process of generation 0, lost
+    enter(store, 1, 0)
+    with pytest.raises(ReplacementFailed, match=r"no replacement was started for rank\(s\) \[1\]"):
+        await_members(store, 1, 2, 120.0, clock=clock, sleep=clock.sleep)
+    assert NOTICE_S < clock.now < NOTICE_S + 1
+
+
+def test_a_replacement_on_its_way_is_waited_for_up_to_the_join_timeout():
+    store, clock = dist.HashStore(), FakeClock()
+    set_pid(store, 0, 1, 4242)
+    announce_replacement(store, 4242, 4343)
+    enter(store, 1, 0)
+    with pytest.raises(ReplacementFailed, match="did not join within 30s"):
+        await_members(store, 1, 2, 30.0, clock=clock, sleep=clock.sleep)
+    assert 30.0 < clock.now < 31.0
+
+
+def test_a_replacement_lost_in_turn_is_looked_up_by_its_own_pid():
+    """Rank 1's first replacement (pid 2) entered generation 1 and died;
+    the agent replaced pid 2: the others wait for the second one in
+    generation 2."""
+    store, clock = dist.HashStore(), FakeClock()
+    set_pid(store, 0, 1, 1)
+    announce_replacement(store, 1, 2)
+    set_pid(store, 1, 1, 2)
+    announce_replacement(store, 2, 3)
+    enter(store, 2, 0)
+    with pytest.raises(ReplacementFailed, match="did not join"):
+        await_members(store, 2, 2, 20.0, clock=clock, sleep=clock.sleep)
+
+
+def test_a_replacement_joins_the_generation_after_the_one_its_predecessor_was_in():
+    store = dist.HashStore()
+    for rank in range(2):
+        enter(store, 3, rank)  # rank 1's lost process was in 3: the others form 4 once they see it
+    assert generation_to_join(store, 1, 1.0) == 4
+    store.set("generation", "4")  # they formed it already
+    assert generation_to_join(store, 1, 1.0) == 4
+
+
+# --- where each rank's state comes from --------------------------------------------------
+
+GROUPS = [[0, 2], [1, 3]]  # pp=2 dp=2: the data-parallel groups
+
+
+def test_a_replacement_takes_its_state_from_a_peer_of_its_group():
+    plan = live_plan([4, 4, 4, None], GROUPS, replicated=True)
+    assert plan.step == 4 and plan.sources == {0: 0, 1: 1, 2: 2, 3: 1}
+
+
+def test_ranks_one_step_behind_catch_up_from_a_peer_at_the_newest_step():
+    """A peer died after a step's last collective: some ranks applied the
+    update, others had not; every rank goes on from the newest step."""
+    plan = live_plan([5, 4, 5, 5], GROUPS, replicated=True)
+    assert plan.step == 5 and plan.sources == {0: 0, 2: 2, 1: 3, 3: 3}
+
+
+def test_a_group_with_no_rank_at_the_newest_step_sends_the_job_to_the_checkpoints():
+    plan = live_plan([5, 4, 5, None], GROUPS, replicated=True)
+    assert plan.step is None
+    assert plan.why_not.startswith("no live rank holds rank(s) [1, 3]'s state at step 5")
+
+
+def test_no_peer_at_dp_1_or_unreplicated_optimizer_state_says_why():
+    assert "dp = 1" in live_plan([4, None], [[0], [1]], replicated=True).why_not
+    plan = live_plan([4, None], [[0, 1]], replicated=False, why_unreplicated="sharded here")
+    assert plan.step is None and plan.why_not.endswith("sharded here")
+
+
+def test_no_rank_carrying_state_is_an_ordinary_start():
+    plan = live_plan([None, None], [[0, 1]], replicated=True)
+    assert plan.step is None and plan.why_not == ""
