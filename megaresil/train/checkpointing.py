@@ -198,8 +198,9 @@ class TrainCheckpointing:
         generation after a lost process), else restart-from-latest."""
         if not self.cfg.resilience.replacement.enabled:
             return self.resume()
-        steps = [None] * layout.world_size
-        dist.all_gather_object(steps, carried.step if carried is not None else None)
+        held = [None] * layout.world_size  # each rank's (step, bytes) carried, or None
+        dist.all_gather_object(held, (carried.step, carried.data.numel()) if carried else None)
+        steps = [h[0] if h else None for h in held]
         plan = live_plan(steps, replica_groups(layout), replicated=not self.state.optimizer.sharded,
                          why_unreplicated="optimizer.distributed keeps each rank's optimizer "
                          "shard in its own memory only")
@@ -209,7 +210,8 @@ class TrainCheckpointing:
         saved = recover_live(self.state, carried, plan, self.rank, layout.device)
         self._loaded(saved, None, "live", {"checkpoints": f"the ranks' memory holds step "
                                            f"{saved.step}; no checkpoint is newer"},
-                     from_peers={o: h for o, h in plan.sources.items() if o != h})
+                     from_peers={o: h for o, h in plan.sources.items() if o != h},
+                     bytes_moved=sum(held[h][1] for o, h in plan.sources.items() if o != h))
         if self.local is not None:
             self.local.discard_after(saved.step)
             self.local.check_space(self.state)
