@@ -42,7 +42,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         membership = Membership.parse(args.nnodes, args.nproc_per_node, args.rdzv_endpoint,
                                       args.rdzv_id, args.rdzv_conf or "", args.rdzv_backend,
-                                      args.local_addr)
+                                      args.local_addr, args.spares)
     return launch(args.recipe, overrides, cfg, membership)
 
 
@@ -58,6 +58,11 @@ def add_train_parser(sub) -> None:
     train.add_argument("--nnodes", metavar="MIN:MAX",
                        help="elastic membership: agents (nodes) that form the job; when one "
                             "is lost the rest re-form with dp shrunk (tp and pp kept)")
+    train.add_argument("--spares", type=int, default=0, metavar="N",
+                       help="hot spares (with --nnodes): N more agents may join and wait, "
+                            "starting no workers; when a node is lost one takes its place and "
+                            "dp does not shrink. A MAX above the nodes the layout trains on "
+                            "makes spares of the extra nodes too")
     train.add_argument("--nproc-per-node", type=int,
                        help="workers per agent (default: tp*pp*dp on one node)")
     train.add_argument("--rdzv-backend", default="c10d", choices=("c10d", "etcd", "etcd-v2"),

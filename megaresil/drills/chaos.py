@@ -63,14 +63,16 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     fault_time = None
     if scenario.nodes > 1:
         own_etcd = hosts == "netns" and needs_etcd(scenario, rendezvous)
-        with open_hosts(hosts, scenario.nodes + own_etcd) as nodes:
+        agents = scenario.nodes + scenario.spares
+        with open_hosts(hosts, agents + own_etcd) as nodes:
             if own_etcd:
-                rendezvous = serve_rendezvous(nodes, scenario.nodes, rendezvous.backend)
+                rendezvous = serve_rendezvous(nodes, agents, rendezvous.backend)
             code, fault_time = run_node_fault(recipe, overrides + fault_overrides(scenario),
                                               faulted, world, fault_step, nodes,
                                               fault=scenario.node_fault,
                                               first=scenario.lose_first,
-                                              rendezvous=rendezvous, timeout_s=timeout_s)
+                                              rendezvous=rendezvous, spares=scenario.spares,
+                                              timeout_s=timeout_s)
     elif scenario.kill_replacement:
         code, _ = run_killing_replacement(recipe, overrides + fault_overrides(scenario), faulted,
                                           deadline=time.time() + timeout_s)

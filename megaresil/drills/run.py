@@ -111,21 +111,25 @@ class Rendezvous:
 
 def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
                    fault_after_step: int, hosts, *, fault: str = "lose", first: bool = False,
-                   rendezvous: Rendezvous = Rendezvous(),
+                   rendezvous: Rendezvous = Rendezvous(), spares: int = 0,
                    timeout_s: Optional[float] = None) -> tuple[int, float]:
     """Two agents ("nodes") form one elastic job on `hosts` (drills/hosts.py);
     once `fault_after_step` is done, `fault` (scenarios.NODE_FAULTS) befalls
     one node: the second, or with `first` the first (with c10d it hosts the
     rendezvous store; as the lower pid or address it is also rank 0, whose
     agent hosts the workers' store). Returns (the other node's exit code,
-    fault time); TIMED_OUT when it has not ended within `timeout_s`."""
+    fault time); TIMED_OUT when it has not ended within `timeout_s`. With
+    `spares`, that many more agents start and wait as hot spares; the node
+    struck is one that trains (which agents the round took is theirs to race)."""
     deadline = None if timeout_s is None else time.time() + timeout_s
-    agents = start_agents(recipe, overrides, run_dir, world, hosts, rendezvous)
-    # The rendezvous host is the node after the two training ones.
-    struck = 2 if fault == "rendezvous-outage" else 0 if first else 1
+    agents = start_agents(recipe, overrides, run_dir, world, hosts, rendezvous, spares)
+    # The rendezvous host is the node after the training ones and the spares.
+    struck = len(agents) if fault == "rendezvous-outage" else 0 if first else 1
     other = agents[0 if struck else 1]
     struck_at = (wait_for_save(run_dir, fault_after_step, other) if fault == "partition-heal"
                  else wait_for_step(run_dir, fault_after_step, other))
+    if spares and struck == 1:
+        struck = next(i for i in range(1, len(agents)) if runs_workers(agents[i]))
     strike_node(hosts, struck, fault, run_dir, other)
     return wait_until(other, deadline), struck_at
 
@@ -158,16 +162,26 @@ def wait_for_reform(run_dir: Path, proc: subprocess.Popen) -> None:
 
 
 def start_agents(recipe: str, overrides: list[str], run_dir: Path, world: int, hosts,
-                 rendezvous: Rendezvous) -> list[subprocess.Popen]:
-    """One agent on each of the two nodes, meeting under a new job id; the
-    job may shrink to one."""
+                 rendezvous: Rendezvous, spares: int = 0) -> list[subprocess.Popen]:
+    """One agent on each of the two nodes, and one on each spare node,
+    meeting under a new job id; the job may shrink to one."""
     endpoint = rendezvous.endpoint or hosts.rendezvous_endpoint()
     membership = ["--nnodes", "1:2", "--nproc-per-node", str(world // 2),
                   "--rdzv-backend", rendezvous.backend, "--rdzv-endpoint", endpoint,
                   "--rdzv-id", f"chaos-{os.getpid()}-{time.time_ns()}"]
+    membership += ["--spares", str(spares)] if spares else []
     command = train_command(recipe, overrides, run_dir) + membership
     return [hosts.start(node, command + hosts.node_options(node)
-                        + rendezvous.options(first=node == 0)) for node in (0, 1)]
+                        + rendezvous.options(first=node == 0)) for node in range(2 + spares)]
+
+
+def runs_workers(agent: subprocess.Popen) -> bool:
+    """Whether an agent's node trains (a spare's agent has no workers)."""
+    try:
+        return any("RANK" in proc.environ() for proc in
+                   psutil.Process(agent.pid).children(recursive=True))
+    except psutil.NoSuchProcess:
+        return False
 
 
 def wait_until(proc: subprocess.Popen, deadline: Optional[float]) -> int:

@@ -26,6 +26,7 @@ class Scenario:
     min_dp: int = 1  # replicas to compare (the bit flips)
     spike_window: int = 0  # > 0: the fault step must come after warmup and this many steps
     kill_replacement: bool = False  # the first replacement started is killed as it appears
+    spares: int = 0  # node scenarios: agents that wait as hot spares beside the two nodes
 
 
 # Where the node scenarios' nodes run (drills/hosts.py): named here, with the
@@ -125,6 +126,8 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2,
                  relaunch),
         Scenario("node-loss", [], relaunch, nodes=2),
         Scenario("node-loss-first", [], relaunch, nodes=2, lose_first=True),
+        # A spare waits; the node lost, it takes its place: dp stays 2.
+        Scenario("node-loss-spare", [], relaunch, nodes=2, spares=1),
         # The node's processes live on, cut off: the others re-form without it.
         Scenario("partition-node", [], relaunch, nodes=2, node_fault="partition"),
         # Cut as a save begins (--step a save step); the link comes back once

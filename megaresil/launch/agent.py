@@ -28,7 +28,8 @@ from megaresil.launch.checks import check_backend, check_data, check_links, chec
 from megaresil.launch.health import admission_refusal
 from megaresil.launch.membership import Membership
 from megaresil.launch.rendezvous import launch_backend, register_outage_tolerant
-from megaresil.launch.supervisor import ReplacementPolicy, replacing_agent
+from megaresil.launch.spares import NodeCounts, node_counts, spare_line
+from megaresil.launch.supervisor import AgentPolicy, supervising_agent
 from megaresil.launch.worker import worker_threads
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import visible_gpus
@@ -98,8 +99,12 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         from torch.distributed.elastic.rendezvous import etcd_rendezvous
         etcd_rendezvous.logger.setLevel(logging.WARNING)
     register_outage_tolerant()
+    nodes = node_counts(membership.min_nodes, membership.max_nodes, membership.spares, world,
+                        nproc, membership.backend)
+    if line := spare_line(nodes):
+        print(line, file=sys.stderr)
     config = LaunchConfig(
-        min_nodes=membership.min_nodes, max_nodes=membership.max_nodes, nproc_per_node=nproc,
+        min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, nproc_per_node=nproc,
         rdzv_backend=launch_backend(membership.backend),
         rdzv_endpoint=membership.rendezvous_endpoint,
         local_addr=membership.local_addr,
@@ -122,7 +127,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg)),
               IncidentPrinter(run_dir), second_interrupt_kills_workers(),
               elastic_stores_listening_on(config.local_addr),
-              elastic_agent_class(replacing_agent(replacement_policy(cfg, run_dir)))):
+              elastic_agent_class(supervising_agent(agent_policy(cfg, run_dir, nodes)))):
             elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except ChildFailedError as err:
         print(f"megaresil: giving up after {relaunches_since(run_dir, events_before)}: "
@@ -147,13 +152,15 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     return PREEMPTED_EXIT if ending and ending["event"] == "preempted" else 0
 
 
-def replacement_policy(cfg: RecipeConfig, run_dir: Path) -> Optional[ReplacementPolicy]:
-    """Live replacement's, when resilience.replacement is on."""
+def agent_policy(cfg: RecipeConfig, run_dir: Path, nodes: NodeCounts) -> Optional[AgentPolicy]:
+    """What the agent supervises beyond TorchElastic's own: live replacement
+    (resilience.replacement) and the end of a spare's wait; None for neither."""
     replacement = cfg.resilience.replacement
-    if not replacement.enabled:
+    if not replacement.enabled and not nodes.spares:
         return None
-    return ReplacementPolicy(replacement.max_replacements, run_dir, replacement.standby,
-                             cfg.resilience.preemption_grace_s)
+    return AgentPolicy(run_dir, replacement.max_replacements if replacement.enabled else 0,
+                       replacement.enabled and replacement.standby,
+                       cfg.resilience.preemption_grace_s, bool(nodes.spares))
 
 
 def relaunches_since(run_dir: Path, events_before: int) -> str:

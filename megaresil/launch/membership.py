@@ -30,12 +30,16 @@ class Membership:
     # from the training nodes, so any node may be lost.
     backend: str = "c10d"
     node_address: Optional[str] = None  # --local-addr: where this node's stores listen
+    spares: int = 0  # --spares: agents that may join beyond MAX and wait, hot spares
 
     @classmethod
     def parse(cls, nnodes: Optional[str], nproc_per_node: Optional[int], endpoint: Optional[str],
               run_id: Optional[str], rdzv_conf: str = "", backend: str = "c10d",
-              local_addr: Optional[str] = None) -> "Membership":
+              local_addr: Optional[str] = None, spares: int = 0) -> "Membership":
         if not nnodes:
+            if spares:
+                raise ConfigError("--spares", "spare nodes join a job of several nodes.",
+                                  "add --nnodes MIN:MAX, --rdzv-endpoint and --rdzv-id.")
             return cls(nproc_per_node=nproc_per_node, node_address=local_addr)
         conf = dict(item.split("=", 1) for item in rdzv_conf.split(",") if item)
         low, _, high = nnodes.partition(":")
@@ -43,13 +47,13 @@ class Membership:
             where = "HOST:PORT" if backend == "c10d" else "ETCD_HOST:PORT"
             raise ConfigError("--rdzv-endpoint", "several nodes need a rendezvous endpoint.",
                               f"add --rdzv-endpoint {where} (the same on every node).")
-        if not run_id and int(high or low) > 1:
+        if not run_id and int(high or low) + spares > 1:
             # Without one each agent would name its job after its own pid:
             # the nodes would never meet, each waiting for the others.
             raise ConfigError("--rdzv-id", "several nodes need one job id to meet under.",
                               "add --rdzv-id ID (the same on every node, e.g. the job's name).")
-        return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf, backend,
-                   local_addr)
+        return cls(int(low), int(high or low), nproc_per_node, endpoint, run_id, conf,
+                   backend, local_addr, spares)
 
     @property
     def host_can_be_lost(self) -> bool:

@@ -1,5 +1,6 @@
 """Per-worker supervision under the TorchElastic agent: a lost worker
-process is started again alone, in place, while the others stay in theirs.
+process is started again alone, in place, while the others stay in theirs;
+and the end of a spare node's wait.
 
 TorchElastic's LocalElasticAgent starts its workers in one process context
 that terminates them all when any one fails, and answers any failure by
@@ -9,14 +10,18 @@ each worker process by itself: a process that died (a signal, or the
 watchdog's hang exit) is replaced by one with the same environment (same
 rank, same launch attempt), the standby when there is one
 (launch/standby.py), and that is recorded in the launch store so the
-waiting ranks know it is coming (resilience/replacement.py). A failure it may not replace (the process
-exited with an error of its own, or the budget is spent) goes to
-TorchElastic's relaunch of the whole group, as before."""
+waiting ranks know it is coming (resilience/replacement.py). A failure it
+may not replace (the process exited with an error of its own, or the budget
+is spent) goes to TorchElastic's relaunch of the whole group, as before.
+A spare node (launch/spares.py) that the job never needed ends when the
+rendezvous closes, as a success."""
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -36,11 +41,12 @@ from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE
 
 
 @dataclass(frozen=True)
-class ReplacementPolicy:
-    max_replacements: int  # per launch attempt
+class AgentPolicy:
     run_dir: Path
-    standby: bool  # keep a warm process ready to take a lost worker's place
+    max_replacements: int = 0  # per launch attempt; 0: a lost process relaunches all
+    standby: bool = False  # keep a warm process ready to take a lost worker's place
     shutdown_timeout_s: float = 30.0
+    spares: bool = False  # agents beyond the rendezvous's nodes may wait as spares
 
 
 def replaceable(exitcode: int) -> bool:
@@ -65,14 +71,25 @@ def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
             proc.wait()
 
 
-class ReplacingAgent(LocalElasticAgent):
-    def __init__(self, *args: Any, policy: ReplacementPolicy, **kwargs: Any):
+class SupervisingAgent(LocalElasticAgent):
+    def __init__(self, *args: Any, policy: AgentPolicy, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.policy = policy
         self.events = EventLog(policy.run_dir)
         self.replacements: dict[int, subprocess.Popen] = {}  # local rank -> its replacement
         self.standby: Optional[subprocess.Popen] = None
         self.spent = 0  # replacements in this launch attempt
+
+    def run(self, *args: Any, **kwargs: Any) -> RunResult:
+        """TorchElastic's run, which returns nothing when the rendezvous
+        closed on a spare still waiting (the job ended without needing it):
+        a success, said once."""
+        result = super().run(*args, **kwargs)
+        if result is None:
+            print(f"megaresil: the job ended; this node ({socket.gethostname()}) waited as a "
+                  "hot spare and was not needed", file=sys.stderr, flush=True)
+            return RunResult(state=WorkerState.SUCCEEDED, return_values={})
+        return result
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._stop_extra_processes()
@@ -169,9 +186,9 @@ class ReplacingAgent(LocalElasticAgent):
         return dist.PrefixStore(attempt_prefix(int(env["TORCHELASTIC_RESTART_COUNT"])), store)
 
 
-def replacing_agent(policy: Optional[ReplacementPolicy]):
+def supervising_agent(policy: Optional[AgentPolicy]):
     """What builds the launch's agent: LocalElasticAgent, or with a policy
-    the replacing agent."""
+    (replacement or spares) the supervising agent."""
     if policy is None:
         return LocalElasticAgent
-    return lambda *args, **kwargs: ReplacingAgent(*args, policy=policy, **kwargs)
+    return lambda *args, **kwargs: SupervisingAgent(*args, policy=policy, **kwargs)
