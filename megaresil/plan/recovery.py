@@ -1,20 +1,12 @@
 """The recovery policies `megaresil plan` projects, each failure recovered by
 what it took out (its scope: process, node or job; profiles/llama3_405b.yaml):
-
-- relaunch (today): a lost process relaunches every worker from the newest
-  save; a lost node waits for a host first (path node_replacement);
-- live replacement (resilience.replacement.enabled): a lost process is
-  replaced alone and its state comes from a data-parallel peer's memory, so
-  no completed step is lost; a lost node still relaunches as today;
-- live replacement + hot spares: a spare node's agent, already waiting, takes
-  a lost node's place, so dp never shrinks and nobody waits for a host: a
-  relaunch from the newest save. The spares are idle GPUs, so goodput per
-  GPU counts them.
-
-Job-scope failures (the fabric, an outside dependency) take their own path
-under every policy. A process-scope failure is taken to end its process (a
-crash, an OOM kill, a CUDA error): errors a process survives are the
-in-process restart of the save-policy table (report.py)."""
+relaunch (today: every worker, from the newest save; a lost node waits for a
+host first), live replacement (a lost process alone, its state from a
+data-parallel peer's memory: no completed step lost; a lost node as today),
+and live replacement + hot spares (a waiting spare node takes a lost node's
+place: a relaunch without the wait; the spares are idle GPUs, which goodput
+per GPU counts). Job-scope failures take their own path under every policy.
+docs/clusters.md ("The goodput planner") says it for users."""
 from __future__ import annotations
 
 import math
