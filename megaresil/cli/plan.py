@@ -18,17 +18,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kinds, reference_kinds = ((trace_kinds(Path(args.failure_trace)), None) if args.failure_trace
                               else (failure_kinds(profile, args.gpus, args.mtbf_hours),
                                     failure_kinds(profile, REFERENCE_GPUS, args.mtbf_hours)))
-    spares = Spares(args.spare_every, args.gpus_per_node or
-                    profile["observed"].get("gpus_per_node", DEFAULT_GPUS_PER_NODE))
     scale = (Scale(args.state_bytes, args.gpus, args.storage_gbps * 1e9)
              if args.state_bytes else None)
     try:
+        spares = Spares(args.spare_every, args.gpus_per_node or
+                        profile["observed"].get("gpus_per_node", DEFAULT_GPUS_PER_NODE))
         costs = read_run_costs(Path(args.run_dir))
         report = plan(costs, kinds, gpus=args.gpus,
                       replacement_s=(args.replacement_s if args.replacement_s is not None else
                                      profile.get("node_replacement_extra_s", 0.0)),
                       reference_kinds=reference_kinds, spares=spares, scale=scale,
-                      step_s=args.step_s, simulate_days=args.days if args.simulate else None, seed=args.seed)
+                      step_s=args.step_s, simulate_days=args.days if args.simulate else None,
+                      seed=args.seed)
     except ValueError as err:  # a run that cannot be planned from: say why, no traceback
         print(f"megaresil: error: {err}", file=sys.stderr)
         return 2

@@ -48,6 +48,11 @@ class Spares:
     every_nodes: int  # one spare node per this many nodes of the job
     gpus_per_node: int
 
+    def __post_init__(self):
+        if self.every_nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"spares: one per {self.every_nodes} nodes of {self.gpus_per_node} "
+                             "GPUs: give --spare-every and --gpus-per-node of 1 or more")
+
     def nodes(self, gpus: int) -> int:
         return math.ceil(gpus / self.gpus_per_node / self.every_nodes)
 
@@ -56,6 +61,7 @@ class Spares:
 
 
 DEFAULT_SPARES = Spares(DEFAULT_SPARE_EVERY, DEFAULT_GPUS_PER_NODE)
+
 
 def mean_downtime(kinds: list[Kind], restart_s: dict[str, float]) -> float:
     """The expected downtime of one failure, over the kinds' rates and paths."""
