@@ -7,28 +7,29 @@ import sys
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
-    from dataclasses import replace
     from pathlib import Path
 
-    from megaresil.plan.profile import job_kinds, load_profile
+    from megaresil.plan.profile import failure_kinds, load_profile
+    from megaresil.plan.recovery import DEFAULT_GPUS_PER_NODE, REFERENCE_GPUS, Spares
     from megaresil.plan.report import Scale, format_plan, plan, read_run_costs, trace_kinds
 
     profile = load_profile(args.profile) if args.profile else load_profile()
-    kinds = job_kinds(profile, args.gpus)
-    if args.failure_trace:
-        kinds = trace_kinds(Path(args.failure_trace))
-    elif args.mtbf_hours:  # the profile's mix of kinds, at this MTBF per GPU
-        factor = args.gpus / (args.mtbf_hours * 3600) / sum(k.per_s for k in kinds)
-        kinds = [replace(k, per_s=k.per_s * factor) for k in kinds]
+    # A trace is one job's failures: it has no rates at another size.
+    kinds, reference_kinds = ((trace_kinds(Path(args.failure_trace)), None) if args.failure_trace
+                              else (failure_kinds(profile, args.gpus, args.mtbf_hours),
+                                    failure_kinds(profile, REFERENCE_GPUS, args.mtbf_hours)))
     scale = (Scale(args.state_bytes, args.gpus, args.storage_gbps * 1e9)
              if args.state_bytes else None)
     try:
+        spares = Spares(args.spare_every, args.gpus_per_node or
+                        profile["observed"].get("gpus_per_node", DEFAULT_GPUS_PER_NODE))
         costs = read_run_costs(Path(args.run_dir))
-        report = plan(costs, kinds, replacement_s=(args.replacement_s if args.replacement_s
-                                                   is not None else
-                                                   profile.get("node_replacement_extra_s", 0.0)),
-                      scale=scale, step_s=args.step_s,
-                      simulate_days=args.days if args.simulate else None, seed=args.seed)
+        report = plan(costs, kinds, gpus=args.gpus,
+                      replacement_s=(args.replacement_s if args.replacement_s is not None else
+                                     profile.get("node_replacement_extra_s", 0.0)),
+                      reference_kinds=reference_kinds, spares=spares, scale=scale,
+                      step_s=args.step_s, simulate_days=args.days if args.simulate else None,
+                      seed=args.seed)
     except ValueError as err:  # a run that cannot be planned from: say why, no traceback
         print(f"megaresil: error: {err}", file=sys.stderr)
         return 2
@@ -38,20 +39,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def add_plan_parser(sub) -> None:
+    from megaresil.plan.recovery import DEFAULT_SPARE_EVERY, REFERENCE_GPUS
+
     p = sub.add_parser("plan", help="the checkpoint interval and goodput to expect at scale, "
                        "from a run's measured costs (and --simulate: a simulated long run)",
                        description="Failures: --mtbf-hours (per GPU, with the profile's mix of "
                        "kinds), or --failure-trace, else the profile's own rates (default: "
-                       "Llama 3 405B's, megaresil/plan/profiles/llama3_405b.yaml).")
+                       "Llama 3 405B's, megaresil/plan/profiles/llama3_405b.yaml). The "
+                       "recovery policies (relaunch, live replacement, hot spares) are "
+                       f"projected at --gpus and at {REFERENCE_GPUS:,} GPUs.")
     p.add_argument("run_dir", help="a run directory (or a JSON written by plan --json)")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--mtbf-hours", type=float, help="mean time between failures of one GPU")
     p.add_argument("--failure-trace", help='JSON lines {"hours": T, "path": in_process|'
-                   'relaunch|node_replacement}')
+                   'relaunch|node_replacement, "scope": process|node|job (optional)}')
     p.add_argument("--profile", help="failure profile YAML")
     p.add_argument("--replacement-s", type=float,
                    help="seconds a spare host takes to replace a failed one (default: the "
                         "profile's)")
+    p.add_argument("--spare-every", type=int, default=DEFAULT_SPARE_EVERY, metavar="NODES",
+                   help="hot spares: one spare node per NODES nodes (default "
+                        f"{DEFAULT_SPARE_EVERY}), idle GPUs that count against goodput per GPU")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node, for the spares (default: "
+                   "the profile's)")
     p.add_argument("--state-bytes", type=float, help="scale save and load costs to this "
                    "checkpoint size, spread over --gpus ranks")
     p.add_argument("--storage-gbps", type=float, default=2000.0,

@@ -11,8 +11,9 @@ from typing import Optional
 from megaresil.events import read_events, read_metrics
 
 # An outage's kind is its costliest recovery: a preemption requeues the whole
-# job, a relaunch restarts every worker, an in-process restart keeps them.
-SEVERITY = ("in_process", "relaunch", "requeue")
+# job, a relaunch restarts every worker, a live replacement starts one process
+# (the others restart in theirs), an in-process restart keeps them all.
+SEVERITY = ("in_process", "replace", "relaunch", "requeue")
 
 
 @dataclass
@@ -27,9 +28,18 @@ class SaveCost:
 
 @dataclass
 class Outage:
-    kind: str  # in_process | relaunch | requeue
+    kind: str  # in_process | replace | relaunch | requeue
     downtime_s: float  # end of the last step before it to the start of the first step after
     steps_lost: int  # steps done before it and computed again after
+
+
+@dataclass
+class Recovery:
+    """The outages of one kind a run measured, averaged."""
+    kind: str
+    count: int
+    downtime_s: float  # mean, as Outage.downtime_s
+    steps_lost: float  # mean steps computed again
 
 
 @dataclass
@@ -43,11 +53,20 @@ class RunCosts:
     # at least (new processes, imports, rendezvous, build), measured on every run.
     startup_s: Optional[float] = None
 
+    def recoveries(self) -> dict[str, Recovery]:
+        """The measured outages by kind, in SEVERITY order."""
+        found = {}
+        for kind in SEVERITY:
+            seen = [o for o in self.outages if o.kind == kind]
+            if seen:
+                found[kind] = Recovery(kind, len(seen),
+                                       statistics.fmean(o.downtime_s for o in seen),
+                                       statistics.fmean(o.steps_lost for o in seen))
+        return found
+
     def restart_s(self) -> dict[str, float]:
         """Mean downtime per outage kind: the expected cost the planner needs."""
-        kinds = {o.kind for o in self.outages}
-        return {k: statistics.fmean(o.downtime_s for o in self.outages if o.kind == k)
-                for k in SEVERITY if k in kinds}
+        return {k: r.downtime_s for k, r in self.recoveries().items()}
 
     def to_dict(self) -> dict:
         return {**asdict(self), "restart_s": self.restart_s()}

@@ -8,7 +8,9 @@ the newest durable save. Per unit of wall time (first order in 1/M):
     goodput(tau) = tau / (tau + b) * (1 - (R + (tau + b) / 2 + lag) / M)
 
 where lag = total - blocking for an asynchronous save (the newest save is not
-yet durable for that long) and 0 for a synchronous one (b = total).
+yet durable for that long) and 0 for a synchronous one (b = total). A failure
+that a live replacement recovers resumes at the step reached: only the share
+`rollback` of the failures pays the (tau + b) / 2 + lag.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class Policy:
     total_s: float  # seconds from a save's start until it is durable
     restart_s: float  # mean downtime per failure (the mix of recovery paths)
     extra_blocking_per_s: float = 0.0  # other saves' stall per second (a slower global tier)
+    rollback: float = 1.0  # the share of failures that go back to the newest durable save
 
     @property
     def lag_s(self) -> float:
@@ -50,7 +53,7 @@ class Policy:
 
     def goodput(self, tau_s: float, mtbf_s: float) -> float:
         b = self.blocking_s
-        lost = self.restart_s + (tau_s + b) / 2 + self.lag_s
+        lost = self.restart_s + self.rollback * ((tau_s + b) / 2 + self.lag_s)
         return max(0.0, tau_s / (tau_s + b) * (1 - self.extra_blocking_per_s)
                    * (1 - lost / mtbf_s))
 

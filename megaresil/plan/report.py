@@ -1,6 +1,7 @@
 """`megaresil plan`: policies from a run's measured costs, their best
 checkpoint interval and expected goodput (model.py), and the simulated run
-(simulate.py) on a failure profile."""
+(simulate.py) on a failure profile; then the recovery policies (live
+replacement, hot spares) at the reference size and the job's (recovery.py)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,9 @@ from typing import Optional
 
 from megaresil.plan.costs import RunCosts, SaveCost
 from megaresil.plan.model import Policy, daly_interval, young_interval
+from megaresil.plan.profile import scope_of
+from megaresil.plan.recovery import (DEFAULT_SPARES, REFERENCE_GPUS, Projection, Spares,
+                                     format_recovery, mean_downtime, replacement_cost)
 from megaresil.plan.simulate import Kind, Setup, simulate
 
 
@@ -35,7 +39,8 @@ class Scale:
 
 def restart_costs(costs: RunCosts, replacement_s: float, scale: Optional[Scale]) -> dict:
     """Downtime per recovery path; a run that never relaunched gets its
-    relaunch estimated from its own start-up (relaunch_is_estimated)."""
+    relaunch estimated from its own start-up (relaunch_is_estimated), one
+    that had no live replacement the relaunch's downtime in its place."""
     measured = costs.restart_s()
     if "relaunch" not in measured:
         if costs.startup_s is None:
@@ -44,34 +49,32 @@ def restart_costs(costs: RunCosts, replacement_s: float, scale: Optional[Scale])
                              "run with a relaunch (megaresil chaos RECIPE --scenario kill-rank)")
         measured = {**measured, "relaunch": costs.startup_s}
     load = scale.load_s() if scale else 0.0
-    paths = {p: s + load for p, s in measured.items()}
+    # A live replacement takes the state from a peer's memory, not from storage.
+    paths = {p: s + (0.0 if p == "replace" else load) for p, s in measured.items()}
     paths["node_replacement"] = paths["relaunch"] + replacement_s
+    paths.setdefault("replace", paths["relaunch"])
     return paths
 
 
 def policies(costs: RunCosts, kinds: list[Kind], restart_s: dict) -> list[tuple[Policy, dict]]:
     """(policy, downtime per path it uses) for global-only saves, the local
     tier, and in-process restart; a policy the run measured nothing for is left out."""
-    def mean_restart(paths: dict) -> float:
-        total = sum(k.per_s for k in kinds)
-        return sum(k.per_s * paths[k.path] for k in kinds) / total
-
     no_in_process = {**restart_s, "in_process": restart_s["relaunch"]}
     if "global" not in costs.saves:
         raise ValueError("the run saved no checkpoint (no checkpoint_saved event), so its save "
                          "cost is unknown. Fix: train it with checkpoint.interval=N (a few "
                          "saves), then plan")
     g = costs.saves["global"]
-    found = [(Policy("global only", g.blocking_s, g.total_s, mean_restart(no_in_process)),
+    found = [(Policy("global only", g.blocking_s, g.total_s, mean_downtime(kinds, no_in_process)),
               no_in_process)]
     if "local" in costs.saves:
         loc = costs.saves["local"]
         found.append((Policy("with the local tier", loc.blocking_s, loc.total_s,
-                             mean_restart(no_in_process)), no_in_process))
+                             mean_downtime(kinds, no_in_process)), no_in_process))
     if "in_process" in restart_s:
         best = found[-1][0]
         found.append((Policy(f"{best.name} + in-process restart", best.blocking_s,
-                             best.total_s, mean_restart(restart_s)), restart_s))
+                             best.total_s, mean_downtime(kinds, restart_s)), restart_s))
     return found
 
 
@@ -79,9 +82,13 @@ def relaunch_is_estimated(costs: RunCosts) -> bool:
     return "relaunch" not in costs.restart_s()
 
 
-def plan(costs: RunCosts, kinds: list[Kind], *, replacement_s: float,
+def plan(costs: RunCosts, kinds: list[Kind], *, gpus: int, replacement_s: float,
+         reference_kinds: Optional[list[Kind]] = None, spares: Spares = DEFAULT_SPARES,
          scale: Optional[Scale] = None, step_s: Optional[float] = None,
          simulate_days: Optional[float] = None, seed: int = 0) -> dict:
+    """The plan on `gpus` GPUs failing as `kinds`; `reference_kinds`: the
+    failures at REFERENCE_GPUS, to project the recovery policies there too."""
+    measured = costs
     if scale:
         # replace, not a new RunCosts: the measured start-up (a relaunch's
         # floor) must survive the scaling of the saves.
@@ -104,23 +111,35 @@ def plan(costs: RunCosts, kinds: list[Kind], *, replacement_s: float,
                           total_s=policy.total_s, restart_s=paths)
             row["simulated"] = simulate(setup, kinds, seed=seed).to_dict()
         rows.append(row)
+    tier = "local" if "local" in costs.saves else "global"
+    sizes = [(gpus, kinds, costs.saves[tier])]
+    if reference_kinds and gpus != REFERENCE_GPUS:
+        at_reference = replace(scale, gpus=REFERENCE_GPUS) if scale else None
+        save = at_reference.save(measured.saves[tier]) if at_reference else costs.saves[tier]
+        sizes.insert(0, (REFERENCE_GPUS, reference_kinds, save))
+    projection = Projection(restart_s, step, spares, simulate_days, seed)
     return {"step_s": step, "job_mtbf_h": mtbf / 3600, "restart_s": restart_s,
             "saves": {t: vars(s) for t, s in costs.saves.items()},
             "relaunch_estimated": relaunch_is_estimated(costs),
             "local_tier_measured": "local" in costs.saves,
-            "in_process_measured": "in_process" in costs.restart_s(), "policies": rows}
+            "in_process_measured": "in_process" in costs.restart_s(), "policies": rows,
+            "recovery": {"costs": replacement_cost(costs, restart_s), "save_tier": tier,
+                         "spares": vars(spares),
+                         "projections": [projection.at(*size) for size in sizes]}}
 
 
 def trace_kinds(path: Path) -> list[Kind]:
-    """A failure trace (JSON lines {"hours": when, "path": recovery path}) as
-    one rate per path: count over the trace's span."""
+    """A failure trace (JSON lines {"hours": when, "path": recovery path,
+    "scope": optional, process|node|job}) as one rate per path and scope:
+    count over the trace's span."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows:
         raise ValueError(f"failure trace {path} is empty: one JSON line per failure, "
                          '{"hours": 3.2, "path": "relaunch"}')
     span_s = max(r["hours"] for r in rows) * 3600
-    paths = sorted({r["path"] for r in rows})
-    return [Kind(p, sum(r["path"] == p for r in rows) / span_s, p) for p in paths]
+    kinds = sorted({(r["path"], scope_of(r)) for r in rows})
+    return [Kind(f"{path} ({scope})", sum((r["path"], scope_of(r)) == (path, scope) for r in rows)
+                 / span_s, path, scope) for path, scope in kinds]
 
 
 def readable_hours(hours: float) -> str:
@@ -155,6 +174,7 @@ def format_plan(report: dict) -> str:
                      f"{r['mean_restart_s']:>9.1f} {r['young_s']:>8.1f} {r['daly_s']:>8.1f} "
                      f"{interval:>18} {r['expected_goodput']:>8.1%} "
                      f"{format(sim['goodput'], '.1%') if sim else '-':>9}")
+    lines += format_recovery(report["recovery"])
     best = max(report["policies"], key=lambda r: r["expected_goodput"])
     lines.append(f"# best: {best['policy']}; to use its interval, add:")
     lines.append(f"checkpoint.interval={max(1, best['best_interval_steps'])}")

@@ -26,6 +26,9 @@ class Setup:
     startup_s: float = 0.0
     # Paths that begin with a synchronous save: a preemption saves, then exits.
     saving_paths: set[str] = field(default_factory=set)
+    # Paths that resume at the step reached (a live replacement takes the
+    # state from a peer's memory), not at the newest durable save.
+    live_paths: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Kind:
     name: str
     per_s: float  # the job's rate of this kind of failure
     path: str  # its recovery path, a key of Setup.restart_s
+    scope: str = "job"  # what it takes out: process | node | job (recovery.py)
 
 
 @dataclass
@@ -94,7 +98,9 @@ class Run:
     def fail(self, path: str, failed_at: float) -> None:
         """Recover from a failure at `failed_at` (= self.t): downtime, failures
         during it starting the recovery over, then back to the newest save
-        that was durable when it struck."""
+        that was durable when it struck (unless every failure of the chain
+        was recovered live: then at the step reached)."""
+        live = path in self.s.live_paths
         if path in self.s.saving_paths:
             self.t += self.s.total_s
             self.lost["checkpoint"] += self.s.total_s
@@ -111,11 +117,15 @@ class Run:
             kind = self.draw_kind()
             self.failures[kind.name] += 1
             path = kind.path
+            live = live and path in self.s.live_paths
             self.next_failure = self.draw_after(self.t)
+        self.slow = 0.0
+        if live:
+            return
         durable = [s for s in self.saves if s[1] <= failed_at]
         if self.corrupt and durable:
             durable.pop()
-        self.corrupt, self.slow = False, 0.0
+        self.corrupt = False
         self.saves = durable
         self.done = durable[-1][0] if durable else 0
 

@@ -117,6 +117,137 @@ def test_scaling_a_run_without_a_relaunch_keeps_its_start_up():
     costs = RunCosts(step_s=0.2, steps=10, interval=2, startup_s=6.0,
                      saves={"global": SaveCost("global", 5, 0.01, 0.1, 30_000_000)})
     kinds = job_kinds(load_profile(), 16384)
-    report = plan(costs, kinds, replacement_s=600,
+    report = plan(costs, kinds, gpus=16384, replacement_s=600,
                   scale=Scale(state_bytes=4.86e12, gpus=16384, storage_bytes_per_s=1e12))
     assert report["policies"] and 0 < report["policies"][0]["expected_goodput"] < 1
+
+
+def write_run_with_a_replacement(run_dir, *, downtime_s: float, step_s: float = 0.5):
+    """A run's records as a live replacement writes them (dp = 2, saves every
+    2 steps): rank 1 killed in step 5; the agent's `restart` kind replace,
+    rank 0's `checkpoint_loaded` from the live tier at step 4, then step 5
+    (marked with its generation) `downtime_s` after the end of step 4."""
+    run_dir.mkdir()
+    t, records = 1000.0, []
+    for step in range(1, 9):
+        t += step_s + (downtime_s if step == 5 else 0.0)
+        records.append({"step": step, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0,
+                        "tokens": step * 512, "tokens_per_s": 512 / step_s, "elapsed_s": t - 990,
+                        "time": t, **({"restart": 1} if step >= 5 else {})})
+    step4_end = records[3]["time"]
+    events = [{"time": 990.0, "event": "generation_started", "rank": 0, "generation": 0,
+               "launched_at": 985.0},
+              {"time": step4_end + 1.0, "event": "restart", "kind": "replace", "generation": 1,
+               "rank": 1, "lost_pid": 11, "pid": 12, "from_tier": "live", "standby": True},
+              {"time": step4_end + downtime_s - 0.5, "event": "checkpoint_loaded", "rank": 0,
+               "step": 4, "path": None, "tier": "live", "from_peers": {"1": 0}}]
+    events += [{"time": r["time"] + 0.01, "event": "checkpoint_saved", "rank": 0,
+                "step": r["step"], "path": f"step_{r['step']:07d}", "bytes": 4_000_000,
+                "seconds": 0.4, "blocking_seconds": 0.2} for r in records if r["step"] % 2 == 0]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_a_live_replacement_is_measured_from_its_restart_event(cli_main, tmp_path):
+    """Its outage was a `tuple.index` error before `replace` had a severity."""
+    write_run_with_a_replacement(tmp_path / "run", downtime_s=3.0)
+    costs = read_costs(tmp_path / "run")
+    [replaced] = costs.recoveries().values()
+    assert (replaced.kind, replaced.count, replaced.steps_lost) == ("replace", 1, 0.0)
+    assert replaced.downtime_s == pytest.approx(3.0)
+    report = json.loads(cli_main("plan", str(tmp_path / "run"), "--gpus", "1024",
+                                 "--json").stdout)
+    measured = report["recovery"]["costs"]
+    assert measured["replace"]["measured"] and measured["replace"]["downtime_s"] == \
+        pytest.approx(3.0)
+    assert not measured["relaunch"]["measured"]  # this run never relaunched: estimated
+    assert [p["gpus"] for p in report["recovery"]["projections"]] == [16384, 1024]
+    text = cli_main("plan", str(tmp_path / "run"), "--gpus", "1024").stdout
+    assert "downtime 3.0 s, 0.0 steps lost (measured, 1 in the run)" in text
+    assert text.strip().splitlines()[-1].startswith("checkpoint.interval=")
+
+
+def test_a_run_without_a_replacement_says_how_to_measure_one():
+    from megaresil.plan.costs import SaveCost
+    from megaresil.plan.report import format_plan, plan
+
+    costs = RunCosts(step_s=0.5, steps=10, interval=2, startup_s=12.0,
+                     saves={"global": SaveCost("global", 5, 0.2, 0.4, 4_000_000)})
+    report = plan(costs, job_kinds(load_profile(), 1024), gpus=1024, replacement_s=600)
+    replaced = report["recovery"]["costs"]["replace"]
+    assert not replaced["measured"] and replaced["downtime_s"] == report["restart_s"]["relaunch"]
+    assert "kill-rank-replace" in replaced["measure"]
+    assert "no live replacement: its downtime is unmeasured" in format_plan(report)
+
+
+def recovery_rows(report: dict) -> dict[int, dict[str, dict]]:
+    return {at["gpus"]: {r["policy"]: r for r in at["policies"]}
+            for at in report["recovery"]["projections"]}
+
+
+def planned_with_a_replacement(**kwargs) -> dict:
+    """The plan of a run that measured a relaunch (20 s, 3 steps lost) and a
+    live replacement (5 s, none lost), at 1,024 GPUs and 16,384."""
+    from megaresil.plan.costs import Outage, SaveCost
+    from megaresil.plan.report import plan
+
+    costs = RunCosts(step_s=2.0, steps=100, interval=10,
+                     saves={"global": SaveCost("global", 10, 1.0, 1.0, 4_000_000)},
+                     outages=[Outage("relaunch", 20.0, 3), Outage("replace", 5.0, 0)])
+    profile = load_profile()
+    return plan(costs, job_kinds(profile, 1024), gpus=1024, replacement_s=600,
+                reference_kinds=job_kinds(profile, 16384), **kwargs)
+
+
+def test_live_replacement_projects_no_less_goodput_than_relaunch():
+    for gpus, rows in recovery_rows(planned_with_a_replacement(simulate_days=5)).items():
+        today, live = rows["relaunch (today)"], rows["live replacement"]
+        # The profile's process-level failures (software bugs, NCCL
+        # timeouts) no longer go back to the newest save.
+        assert today["rollback_share"] == 1.0 and live["rollback_share"] < 1.0
+        assert live["mean_restart_s"] < today["mean_restart_s"]
+        assert live["expected_goodput"] >= today["expected_goodput"], gpus
+        assert live["simulated"]["goodput"] >= today["simulated"]["goodput"] - 0.002, gpus
+        spares = rows["live replacement + hot spares"]
+        assert spares["expected_goodput"] > live["expected_goodput"]  # no wait for a host
+
+
+def test_hot_spares_cost_idle_gpus():
+    from megaresil.plan.recovery import Spares
+
+    rows = recovery_rows(planned_with_a_replacement())
+    spares = rows[16384]["live replacement + hot spares"]
+    assert spares["spare_gpus"] == 16 * 8  # 2,048 nodes, one spare per 128
+    assert spares["goodput_per_gpu"] == pytest.approx(spares["expected_goodput"] * 16384 / 16512)
+    assert rows[1024]["live replacement + hot spares"]["spare_gpus"] == 8  # one at least
+    assert all(rows[16384][p]["spare_gpus"] == 0 for p in ("relaunch (today)", "live replacement"))
+    more = recovery_rows(planned_with_a_replacement(spares=Spares(every_nodes=16, gpus_per_node=8)))
+    dense = more[16384]["live replacement + hot spares"]
+    assert dense["spare_gpus"] == 128 * 8
+    assert dense["expected_goodput"] == pytest.approx(spares["expected_goodput"])
+    assert dense["goodput_per_gpu"] < spares["goodput_per_gpu"]
+
+
+def test_a_live_path_resumes_at_the_step_reached():
+    """The same fault at step 55 with saves every 10: a relaunch computes
+    steps 51-54 again, a live replacement none."""
+    from megaresil.plan.simulate import TraceFault
+
+    setup = Setup(steps=100, step_s=1.0, interval=10, blocking_s=0.0, total_s=0.0,
+                  restart_s={"relaunch": 30.0, "replace": 5.0})
+    relaunched = simulate(setup, trace=[TraceFault(55, "relaunch")])
+    live = simulate(Setup(**{**vars(setup), "live_paths": {"replace"}}),
+                    trace=[TraceFault(55, "replace")])
+    assert relaunched.lost_s["recompute"] == pytest.approx(4.0)
+    assert live.lost_s.get("recompute", 0.0) == 0.0
+    assert live.wall_s == pytest.approx(100 + 5.0)
+
+
+def test_llama3_profile_splits_failures_by_scope():
+    """What a failure takes out, by Table 5's categories: the node-level
+    ones are about the paper's 78% hardware share."""
+    counts = {}
+    for kind in load_profile()["kinds"]:
+        counts[kind["scope"]] = counts.get(kind["scope"], 0) + kind["count"]
+    assert counts == {"node": 321, "process": 61, "job": 37}
+    assert 0.76 < counts["node"] / 419 < 0.80
