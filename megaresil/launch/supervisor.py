@@ -157,8 +157,11 @@ class SupervisingAgent(LocalElasticAgent):
         # joins at once, so it is told only once the restart is recorded.
         proc = standby or subprocess.Popen(
             [self._pcontext.entrypoint, *self._pcontext.args[local_rank]], env={**os.environ, **env})
-        # The ranks count restarts from the events once the replacement has
-        # joined, so they all see this one (and every node's console prints it).
+        # The waiting ranks read the store (a lost rank nobody replaces ends
+        # their wait); they count restarts from the events once the
+        # replacement has joined, so they all see this one (and every
+        # node's console prints it).
+        announce_replacement(self._launch_store(worker_group, env), lost_pid, proc.pid)
         self.events.emit("restart", kind="replace", generation=next_generation(self.policy.run_dir),
                          reason=f"rank {worker.global_rank} (pid {lost_pid}) ended with "
                                 f"{how_it_ended(exitcode)}",
@@ -175,7 +178,6 @@ class SupervisingAgent(LocalElasticAgent):
             stop_process(self.replacements[local_rank], self.policy.shutdown_timeout_s)
         self.replacements[local_rank] = proc
         worker.id = proc.pid
-        announce_replacement(self._launch_store(worker_group, env), lost_pid, proc.pid)
         self._start_standby(worker_group)
 
     @staticmethod

@@ -20,11 +20,12 @@ import torch.distributed as dist
 
 # Set by the agent in a replacement's environment.
 REPLACEMENT_ENV = "MEGARESIL_REPLACEMENT"
-# The agent polls its workers every 0.1 s and records a replacement as it
-# starts it: a lost rank without that record after this long has no agent
-# starting one, and waiting the whole join timeout would only delay the
-# relaunch that recovers the job.
-NOTICE_S = 10.0
+# The agent polls its workers every 0.1 s and records a replacement in the
+# store as it starts it: a lost rank without that record after this long
+# (50 polls, on a loaded machine) has no agent starting one (its node is
+# lost), and waiting the whole join timeout would only delay the relaunch
+# that recovers the job.
+NOTICE_S = 5.0
 POLL_S = 0.1
 
 
