@@ -199,6 +199,32 @@ def elastic_stores_listening_on(address: Optional[str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def workers_store_per_round() -> Iterator[None]:
+    """While an elastic launch runs in this process, each rendezvous round
+    sets up its workers' store anew, hosted by that round's rank 0.
+    DynamicRendezvousHandler keeps a node's first round's (its private
+    _bootstrap_store_info and _shared_tcp_store_server) and publishes the
+    store's address only in a node's first round, so a node new to a later
+    round (a hot spare, a node that returns) waited for an address its rank
+    0 never published (torch 2.13: 60 s, then DistStoreError), and a
+    survivor kept the address of a lost rank 0's store."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    original = DynamicRendezvousHandler.next_rendezvous
+
+    def next_rendezvous(handler: Any) -> Any:
+        handler._bootstrap_store_info = None
+        handler._shared_tcp_store_server = None
+        return original(handler)
+
+    DynamicRendezvousHandler.next_rendezvous = next_rendezvous
+    try:
+        yield
+    finally:
+        DynamicRendezvousHandler.next_rendezvous = original
+
+
+@contextlib.contextmanager
 def elastic_agent_class(factory: Callable[..., Any]) -> Iterator[None]:
     """While an elastic launch runs in this process, `elastic_launch` builds
     its agent with `factory` (called as LocalElasticAgent is) instead of

@@ -21,14 +21,15 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.checkpoint.recipe_check import check_resume_recipe
-from megaresil.compat import elastic_agent_class, elastic_stores_listening_on
+from megaresil.compat import (elastic_agent_class, elastic_stores_listening_on,
+                              workers_store_per_round)
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
 from megaresil.launch.checks import check_backend, check_data, check_links, check_local_gpus
 from megaresil.launch.health import admission_refusal
 from megaresil.launch.membership import Membership
 from megaresil.launch.rendezvous import launch_backend, register_outage_tolerant
-from megaresil.launch.spares import NodeCounts, node_counts, spare_line
+from megaresil.launch.spares import NodeCounts, node_counts, spare_keep_alive, spare_line
 from megaresil.launch.supervisor import AgentPolicy, supervising_agent
 from megaresil.launch.worker import worker_threads
 from megaresil.observe.startup import StartupPhases
@@ -112,7 +113,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         # a node gone after ~2 s without keep-alives (not 15): a job that lost
         # a node re-forms in seconds.
         rdzv_configs={"last_call_timeout": 5, "join_timeout": 120, "keep_alive_interval": 1,
-                      "keep_alive_max_attempt": 2, **membership.rdzv_conf},
+                      "keep_alive_max_attempt": 2, **spare_keep_alive(nodes),
+                      **membership.rdzv_conf},
         run_id=membership.run_id or f"megaresil-{os.getpid()}",
         max_restarts=cfg.resilience.max_restarts, monitor_interval=0.1,
         shutdown_timeout=int(cfg.resilience.preemption_grace_s),
@@ -126,7 +128,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     try:
         with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg)),
               IncidentPrinter(run_dir), second_interrupt_kills_workers(),
-              elastic_stores_listening_on(config.local_addr),
+              elastic_stores_listening_on(config.local_addr), workers_store_per_round(),
               elastic_agent_class(supervising_agent(agent_policy(cfg, run_dir, nodes)))):
             elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except ChildFailedError as err:

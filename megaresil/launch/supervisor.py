@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -60,12 +61,16 @@ def how_it_ended(exitcode: int) -> str:
     return f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
 
 
-def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
-    """SIGTERM, then SIGKILL after `timeout_s` (as TorchElastic stops a worker)."""
-    if proc.poll() is None:
-        proc.terminate()
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM to all, then SIGKILL to those still running after `timeout_s`
+    (as TorchElastic stops its workers: all at once, one deadline)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
         try:
-            proc.wait(timeout_s)
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -99,12 +104,18 @@ class SupervisingAgent(LocalElasticAgent):
         return pids
 
     def _shutdown(self, *args: Any, **kwargs: Any) -> None:
-        self._stop_extra_processes()
+        """The workers, the replacements and the standby stop together."""
+        for proc in self._extra_processes():
+            if proc.poll() is None:
+                proc.terminate()
         super()._shutdown(*args, **kwargs)
+        self._stop_extra_processes()
+
+    def _extra_processes(self) -> list[subprocess.Popen]:
+        return [*self.replacements.values(), *filter(None, [self.standby])]
 
     def _stop_extra_processes(self) -> None:
-        for proc in [*self.replacements.values(), *filter(None, [self.standby])]:
-            stop_process(proc, self.policy.shutdown_timeout_s)
+        stop_processes(self._extra_processes(), self.policy.shutdown_timeout_s)
         self.replacements.clear()
         self.standby = None
 
@@ -175,7 +186,7 @@ class SupervisingAgent(LocalElasticAgent):
             except BrokenPipeError:  # it died since the poll: the next poll replaces it in turn
                 pass
         if local_rank in self.replacements:  # a replacement lost in turn
-            stop_process(self.replacements[local_rank], self.policy.shutdown_timeout_s)
+            stop_processes([self.replacements[local_rank]], self.policy.shutdown_timeout_s)
         self.replacements[local_rank] = proc
         worker.id = proc.pid
         self._start_standby(worker_group)
@@ -185,7 +196,7 @@ class SupervisingAgent(LocalElasticAgent):
         """The store the workers coordinate through, under their attempt's prefix."""
         store = dist.TCPStore(worker_group.master_addr, worker_group.master_port,
                               is_master=False, timeout=timedelta(seconds=30))
-        return dist.PrefixStore(attempt_prefix(int(env["TORCHELASTIC_RESTART_COUNT"])), store)
+        return dist.PrefixStore(attempt_prefix({**os.environ, **env}), store)
 
 
 def supervising_agent(policy: Optional[AgentPolicy]):

@@ -10,12 +10,15 @@ agent's budget is spent) ends the wait at once: the job is relaunched.
 docs/fault-tolerance.md ("Live replacement") says it for users."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Mapping, Optional
 
 import torch.distributed as dist
+
+from megaresil.run_lock import HELD_ENV
 
 
 # Set by the agent in a replacement's environment.
@@ -33,9 +36,17 @@ class ReplacementFailed(Exception):
     """A lost rank was not replaced in time: the job relaunches."""
 
 
-def attempt_prefix(attempt: int) -> str:
-    """The store prefix of one launch attempt's coordination."""
-    return f"megaresil/attempt_{attempt}"
+def attempt_prefix(env: Mapping[str, str]) -> str:
+    """The store prefix of one launch attempt's coordination, the same on
+    every node of it: under megaresil's launcher each rendezvous round hosts
+    its workers' store anew, at a port of its own
+    (compat.workers_store_per_round), while the agents' restart counts
+    differ (a hot spare's first round is the others' second); under a
+    torchrun of the user's own, the store may be the same for every
+    attempt, and the restart count tells them apart."""
+    if HELD_ENV in env:
+        return f"megaresil/round_{env['MASTER_PORT']}"
+    return f"megaresil/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def member_key(generation: int, rank: int) -> str:
@@ -77,25 +88,54 @@ def replacement_started(store: dist.Store, generation: int, rank: int) -> bool:
 
 
 def await_members(store: dist.Store, generation: int, world: int, join_timeout_s: float, *,
+                  stopping: Callable[[], bool] = lambda: False,
                   clock: Callable[[], float] = time.monotonic,
                   sleep: Callable[[float], None] = time.sleep) -> None:
     """Wait until every rank entered `generation`; raises ReplacementFailed
-    once a missing rank has no replacement started after NOTICE_S, or any is
-    still missing after `join_timeout_s`."""
+    once a missing rank has no replacement started and has been silent (no
+    heartbeat of the generation before) for NOTICE_S, once any is still
+    missing after `join_timeout_s`, or once this rank is told to stop (the
+    agent is stopping the workers)."""
     started = clock()
+    beats = Liveness(store, generation - 1, clock)
     while True:
         missing = [r for r in range(world) if not store.check([member_key(generation, r)])]
         if not missing:
             return
-        waited = clock() - started
-        if waited > NOTICE_S:
-            orphaned = [r for r in missing if not replacement_started(store, generation, r)]
-            if orphaned:
-                raise ReplacementFailed(f"no replacement was started for rank(s) {orphaned} "
-                                        f"within {NOTICE_S:.0f}s (its node is lost, or the "
-                                        "replacement budget is spent): relaunching the job")
-        if waited > join_timeout_s:
+        if stopping():
+            raise ReplacementFailed("told to stop while waiting for the replacement")
+        now = clock()
+        orphaned = [r for r in missing if beats.silent_s(r, now) > NOTICE_S
+                    and not replacement_started(store, generation, r)]
+        if orphaned:
+            raise ReplacementFailed(f"no replacement was started for rank(s) {orphaned} "
+                                    f"within {NOTICE_S:.0f}s (its node is lost, or the "
+                                    "replacement budget is spent): relaunching the job")
+        if now - started > join_timeout_s:
             raise ReplacementFailed(f"the replacement of rank(s) {missing} did not join within "
                                     f"{join_timeout_s:.0f}s "
                                     "(resilience.replacement.join_timeout_s): relaunching the job")
         sleep(POLL_S)
+
+
+class Liveness:
+    """How long each rank has been silent in a generation: its watchdog
+    heartbeat there (resilience/watchdog/monitor.py, `hb/GEN/RANK`) not
+    changed since. A rank still stuck in a collective of that generation
+    (its peers left it; the collective ends at its time limit) beats on and
+    is waited for; a lost one is silent. Without a watchdog every rank is
+    silent from the start."""
+
+    def __init__(self, store: dist.Store, generation: int, clock: Callable[[], float]):
+        self.store, self.generation = store, generation
+        self.seen: dict[int, tuple[Optional[int], float]] = {}  # rank -> (beat, since)
+        self.started = clock()
+
+    def silent_s(self, rank: int, now: float) -> float:
+        key = f"hb/{self.generation}/{rank}"
+        beat = json.loads(self.store.get(key))["beat"] if self.store.check([key]) else None
+        last, since = self.seen.get(rank, (beat, self.started))
+        if beat != last:
+            since = now
+        self.seen[rank] = (beat, since)
+        return now - since

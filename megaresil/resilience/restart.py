@@ -178,13 +178,13 @@ class WorkerLife:
         # One prefix per launch attempt and one per generation inside it: a
         # stale address of an earlier attempt can never be read.
         store = store if store is not None else launch_store(rank, world)
-        self.store = dist.PrefixStore(attempt_prefix(attempt()), store)
+        self.store = dist.PrefixStore(attempt_prefix(os.environ), store)
         self.board = AbortBoard(self.store, rank)
         res = cfg.resilience
         self.policy = RestartPolicy(res.max_in_process_restarts, res.restart_backoff_s)
         self.preemption = PreemptionFlag().install()
         wd = res.watchdog
-        monitor_store = dist.PrefixStore(attempt_prefix(attempt()), own_connection(store))
+        monitor_store = dist.PrefixStore(attempt_prefix(os.environ), own_connection(store))
         port = launch_store_port()
         self.traffic = NodeTraffic(peer_bytes_counter(port), node_traffic_path(port, node_rank()),
                                    int(os.environ.get("LOCAL_RANK", rank)))
@@ -276,7 +276,8 @@ class WorkerLife:
         if self.awaiting:
             with self.phases.phase("waiting for the replacement"):
                 await_members(self.store, self.generation, self.world,
-                              self.cfg.resilience.replacement.join_timeout_s)
+                              self.cfg.resilience.replacement.join_timeout_s,
+                              stopping=lambda: self.preemption.signalled_at is not None)
             self.awaiting = False
         with self.phases.phase("rendezvous"):
             dist.init_process_group(backend_for(self.device), rank=self.rank,

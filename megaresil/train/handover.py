@@ -83,23 +83,34 @@ def recover_live(state: TrainingState, carried: Optional[Shard], plan: LivePlan,
     its state at the plan's step."""
     moves = transfers(plan.sources)
     shard = carried if plan.sources[rank] == rank else None
-    if moves:
-        group = dist.new_group()
-        # A thread that owns the group (checkpoint/collectives.py): the
-        # training thread only waits, in slices a hang abort can reach.
-        owner = ThreadPoolExecutor(1, initializer=own_group, initargs=(group, device))
-        try:
-            received = move_shards(Collectives(group, owner), moves,
-                                   {receiver: carried for holder, receiver in moves
-                                    if holder == rank},
-                                   f"rank {rank}'s state of step {plan.step}")
-        except fmt.CheckpointError as err:  # the wire, not the checkpoints: a restart cures it
-            raise LiveStateDamaged(f"{err}; restarting from the checkpoints") from None
-        finally:
-            owner.shutdown()
-            dist.destroy_process_group(group)
-        shard = received or shard
+    members = sorted({r for move in moves for r in move})
+    if rank in members:
+        shard = receive_or_send(carried, moves, members, rank, plan.step, device) or shard
     unpack_into(shard, shard_rects(state))
     saved = saved_run_record(shard)
     state.restore(saved)
     return saved
+
+
+def receive_or_send(carried: Optional[Shard], moves: list[tuple[int, int]], members: list[int],
+                    rank: int, step: int, device: torch.device) -> Optional[Shard]:
+    """The moves, on a group of the ranks in them only (the others go on
+    at once: a group of all ranks saw those leave and tear it down while
+    the rest still connected) and a thread that owns it (the training
+    thread only waits, in slices a hang abort can reach); what this rank
+    received, if anything. A barrier ends it, so no member tears the group
+    down under another still receiving."""
+    group = dist.new_group(members, use_local_synchronization=True)
+    owner = ThreadPoolExecutor(1, initializer=own_group, initargs=(group, device))
+    coll = Collectives(group, owner)
+    try:
+        received = move_shards(coll, moves, {receiver: carried for holder, receiver in moves
+                                             if holder == rank},
+                               f"rank {rank}'s state of step {step}")
+        coll.barrier()
+        return received
+    except fmt.CheckpointError as err:  # the wire, not the checkpoints: a restart cures it
+        raise LiveStateDamaged(f"{err}; restarting from the checkpoints") from None
+    finally:
+        owner.shutdown()
+        dist.destroy_process_group(group)

@@ -3,6 +3,8 @@ choice of where every rank's state comes from (train/handover.live_plan),
 on a store in memory and a fake clock."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch.distributed as dist
 
@@ -108,3 +110,30 @@ def test_no_peer_at_dp_1_or_unreplicated_optimizer_state_says_why():
 def test_no_rank_carrying_state_is_an_ordinary_start():
     plan = live_plan([None, None], [[0, 1]], replicated=True)
     assert plan.step is None and plan.why_not == ""
+
+
+def test_a_survivor_still_stuck_in_the_old_generation_is_waited_for():
+    """Rank 1 lost no process: it is stuck in a collective of generation 0
+    whose peers left (freed at its time limit), its heartbeat still beating.
+    Without a replacement on the way it is waited for, not given up on."""
+    store, clock = dist.HashStore(), FakeClock()
+    set_pid(store, 0, 1, 4242)
+    enter(store, 1, 0)
+    beats = iter(range(10_000))
+
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        store.set("hb/0/1", json.dumps({"beat": next(beats)}))
+        if clock.now > 12.0:  # its collective timed out: it enters
+            enter(store, 1, 1)
+
+    await_members(store, 1, 2, 120.0, clock=clock, sleep=sleep)
+    assert 12.0 < clock.now < 13.0
+
+
+def test_a_rank_told_to_stop_stops_waiting():
+    store, clock = dist.HashStore(), FakeClock()
+    enter(store, 1, 0)
+    with pytest.raises(ReplacementFailed, match="told to stop"):
+        await_members(store, 1, 2, 120.0, stopping=lambda: clock.now > 1.0, clock=clock,
+                      sleep=clock.sleep)
