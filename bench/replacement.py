@@ -105,11 +105,16 @@ def recovery(events: list[dict], rows: list[dict], fault: dict) -> dict:
     redone = [r["step"] for r in rows if t < r["time"] < until and r["step"] <= done]
     window = [e for e in events if t <= e["time"] <= until]
     restarts = [e for e in window if e["event"] == "restart"]
-    load = next((e for e in window if e["event"] == "checkpoint_loaded"), None)
-    load_phase = next((p for p in phases_between(events, t, until) if "bytes" in p), None)
-    started = [e["process_started"] for e in events if e["event"] == "generation_started"
-               and e["time"] < until]
     end = first["time"] if first else until
+    # The load the training went on from: the last before its first step.
+    load = next((e for e in reversed(window) if e["event"] == "checkpoint_loaded"
+                 and e["time"] <= end), None)
+    load_phase = next((p for p in reversed(phases_between(events, t, end)) if "bytes" in p), None)
+    # The logging rank's process in the generation before the fault and in
+    # those up to the first step after it (that rank is never the one killed).
+    starts = [e for e in events if e["event"] == "generation_started"]
+    before = [e for e in starts if e["time"] < t][-1:]
+    started = [e["process_started"] for e in before + [e for e in starts if t < e["time"] <= end]]
     return {
         "fault_step": fault["step"], "fault_time": t,
         "fault_to_first_step_s": first["time"] - t if first else None,
