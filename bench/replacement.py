@@ -239,6 +239,48 @@ def summarise(runs: list[dict]) -> dict:
     return out
 
 
+def clean(fault: dict) -> bool:
+    """A recovery in one go: one restart, one load, a first step after it."""
+    return (len(fault["restart_kinds"]) == 1 and fault["loads_before_first_step"] == 1
+            and fault["fault_to_first_step_s"] is not None)
+
+
+def stretches(fault: dict) -> dict:
+    """Fault -> first step cut into what rank 0 went through: until its first
+    start-up phase began (detection and teardown; a relaunch's new processes
+    starting and importing), each phase, and from the last phase to the end
+    of the first step."""
+    phases = fault["phases"]
+    cut = {"before the first phase": phases[0]["ended_after_fault_s"] - phases[0]["seconds"]}
+    for p in phases:
+        cut[p["phase"]] = p["seconds"]
+    cut["first step"] = fault["fault_to_first_step_s"] - phases[-1]["ended_after_fault_s"]
+    return cut
+
+
+def breakdown(runs: list[dict]) -> dict:
+    """Per workload and arm, the median of each stretch over clean recoveries."""
+    out: dict = {}
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        for arm in ARMS:
+            cuts = [stretches(f) for r in runs if r["workload"] == workload and r["arm"] == arm
+                    for f in r["faults"] if clean(f) and f["phases"]]
+            names = list(dict.fromkeys(n for c in cuts for n in c))
+            out.setdefault(workload, {})[arm] = {
+                "recoveries": len(cuts),
+                **{n: statistics.median(c[n] for c in cuts if n in c) for n in names}}
+    return out
+
+
+def breakdown_table(cut: dict) -> str:
+    lines = ["| workload | arm | recoveries | stretch: median s |", "| --- | --- | --- | --- |"]
+    for workload, arms in cut.items():
+        for arm, row in arms.items():
+            parts = "; ".join(f"{n} {v:.2f}" for n, v in row.items() if n != "recoveries")
+            lines.append(f"| {workload} | {arm} | {row['recoveries']} | {parts} |")
+    return "\n".join(lines)
+
+
 def number(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -297,7 +339,7 @@ def main() -> None:
     for w in args.workloads:
         bench_workload(w, args, work, lambda done, w=w: save(w, done))
     result = write_results(args, workloads, started, load_before)
-    print(table(result["summary"]))
+    print(table(result["summary"]), breakdown_table(result["breakdown"]), sep="\n\n")
     print(f"load average (1 min) {load_before[0]:.1f} -> {result['load_after'][0]:.1f} on "
           f"{os.cpu_count()} cores; {result['elapsed_s']:.0f} s")
 
@@ -310,14 +352,16 @@ def analyse_again(path: Path, work: Path) -> None:
         final = done["reference"]["final"]
         for row in done["runs"]:
             row.update(analyse_run(work / workload / f"{row['arm']}-{row['rep']}", final))
-    result["summary"] = summarise([r for w in result["workloads"].values() for r in w["runs"]])
-    result["analysed_again_at"] = git_commit()
+    runs = [r for w in result["workloads"].values() for r in w["runs"]]
+    result.update(summary=summarise(runs), breakdown=breakdown(runs),
+                  analysed_again_at=git_commit())
     path.write_text(json.dumps(result, indent=1))
-    print(table(result["summary"]))
+    print(table(result["summary"]), breakdown_table(result["breakdown"]), sep="\n\n")
 
 
 def write_results(args, workloads: dict, started: float, load_before: tuple) -> dict:
-    summary = summarise([r for w in workloads.values() for r in w["runs"]])
+    runs = [r for w in workloads.values() for r in w["runs"]]
+    summary = summarise(runs)
     example = train_command(RECIPE, [*base_overrides(args.workloads[0], args),
                                      *ARMS["replace_standby"], kill_faults(args.fault_steps)],
                             Path(args.work) / "RUN")
@@ -327,7 +371,8 @@ def write_results(args, workloads: dict, started: float, load_before: tuple) -> 
               "steps": args.steps, "checkpoint_interval": args.interval, "reps": args.reps,
               "goal_ratio": GOAL_RATIO, "cpus": os.cpu_count(),
               "load_before": load_before, "load_after": os.getloadavg(),
-              "elapsed_s": time.time() - started, "summary": summary, "workloads": workloads}
+              "elapsed_s": time.time() - started, "summary": summary,
+              "breakdown": breakdown(runs), "workloads": workloads}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "replacement.json").write_text(json.dumps(result, indent=1))
