@@ -330,15 +330,15 @@ def main() -> None:
         return
     # Every start-up phase gets its event (not only those over 2 s): the breakdown.
     os.environ[THRESHOLD_ENV] = "0"
-    started, load_before = time.time(), os.getloadavg()
+    started, load_before, commit = time.time(), os.getloadavg(), git_commit()
     work, workloads = Path(args.work), {}
 
     def save(workload: str, done: dict) -> dict:
         workloads[workload] = done
-        return write_results(args, workloads, started, load_before)
+        return write_results(args, workloads, started, load_before, commit)
     for w in args.workloads:
         bench_workload(w, args, work, lambda done, w=w: save(w, done))
-    result = write_results(args, workloads, started, load_before)
+    result = write_results(args, workloads, started, load_before, commit)
     print(table(result["summary"]), breakdown_table(result["breakdown"]), sep="\n\n")
     print(f"load average (1 min) {load_before[0]:.1f} -> {result['load_after'][0]:.1f} on "
           f"{os.cpu_count()} cores; {result['elapsed_s']:.0f} s")
@@ -359,14 +359,15 @@ def analyse_again(path: Path, work: Path) -> None:
     print(table(result["summary"]), breakdown_table(result["breakdown"]), sep="\n\n")
 
 
-def write_results(args, workloads: dict, started: float, load_before: tuple) -> dict:
+def write_results(args, workloads: dict, started: float, load_before: tuple,
+                  commit: str) -> dict:
     runs = [r for w in workloads.values() for r in w["runs"]]
     summary = summarise(runs)
     example = train_command(RECIPE, [*base_overrides(args.workloads[0], args),
                                      *ARMS["replace_standby"], kill_faults(args.fault_steps)],
                             Path(args.work) / "RUN")
     result = {"command": " ".join(["python", "bench/replacement.py", *sys.argv[1:]]),
-              "train_command_example": example, "git_commit": git_commit(),
+              "train_command_example": example, "git_commit": commit,
               "arms": ARMS, "killed_rank": KILLED_RANK, "fault_steps": args.fault_steps,
               "steps": args.steps, "checkpoint_interval": args.interval, "reps": args.reps,
               "goal_ratio": GOAL_RATIO, "cpus": os.cpu_count(),
