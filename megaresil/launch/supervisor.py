@@ -1,20 +1,16 @@
 """Per-worker supervision under the TorchElastic agent: a lost worker
-process is started again alone, in place, while the others stay in theirs;
-and the end of a spare node's wait.
+process is started again alone while the others stay in theirs.
 
-TorchElastic's LocalElasticAgent starts its workers in one process context
-that terminates them all when any one fails, and answers any failure by
-restarting the whole group after a new rendezvous. The agent here keeps
-TorchElastic's rendezvous, environment and process context, but watches
-each worker process by itself: a process that died (a signal, or the
-watchdog's hang exit) is replaced by one with the same environment (same
-rank, same launch attempt), the standby when there is one
-(launch/standby.py), and that is recorded in the launch store so the
-waiting ranks know it is coming (resilience/replacement.py). A failure it
-may not replace (the process exited with an error of its own, or the budget
-is spent) goes to TorchElastic's relaunch of the whole group, as before.
-A spare node (launch/spares.py) that the job never needed ends when the
-rendezvous closes, as a success."""
+TorchElastic's agent starts its workers in one process context that
+terminates them all when one fails, and restarts the whole group on any
+failure. This agent keeps TorchElastic's rendezvous, environment and
+process context but watches each worker process: one that died (a signal,
+or the watchdog's hang exit) is replaced with the same environment, by the
+standby (launch/standby.py) or a new process, recorded in the launch store
+for the waiting ranks (resilience/replacement.py). A failure it may not
+replace goes to TorchElastic's relaunch of the group. A hot spare
+(launch/spares.py) never needed ends as a success when the rendezvous
+closes. docs/fault-tolerance.md ("Live replacement")."""
 from __future__ import annotations
 
 import os

@@ -71,6 +71,8 @@ EXPECTED = {
     "kill-during-replacement": Expected("replace", restarts=("replace", "replace"), live=True),
     # One of two nodes lost after step 3, leaving the shrunk job most of the run.
     "node-loss": Expected("relaunch", args=("--step", "3"), injects=False, dp_shrinks=True),
+    # A third agent waits as a hot spare and takes the lost node's place: dp stays 2.
+    "node-loss-spare": Expected("relaunch", args=("--step", "3"), injects=False),
 }
 SCENARIOS = list(EXPECTED)
 
