@@ -46,7 +46,7 @@ def write_ordinary_run(run_dir, *, steps: int = 10, step_s: float = 0.5,
                        startup_s: float = 12.0, launched: float = 1000.0):
     """A run's metrics.jsonl and events.jsonl as training writes them: one
     launch, saves every 2 steps, no failure (so no measured relaunch)."""
-    import json
+    from tests.harness.run_records import write_run_records
 
     run_dir.mkdir(parents=True)
     tokens_per_step = 1024
@@ -56,11 +56,7 @@ def write_ordinary_run(run_dir, *, steps: int = 10, step_s: float = 0.5,
                for s in range(1, steps + 1)]
     events = [{"time": launched + 1.0, "event": "generation_started", "rank": 0,
                "generation": 0, "launched_at": launched}]
-    events += [{"time": r["time"] + 0.01, "event": "checkpoint_saved", "rank": 0,
-                "step": r["step"], "path": f"checkpoints/step_{r['step']:07d}", "bytes": 4_000_000,
-                "seconds": 0.4, "blocking_seconds": 0.2} for r in records if r["step"] % 2 == 0]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    write_run_records(run_dir, records, events)
 
 
 def test_plan_on_an_ordinary_run_estimates_the_relaunch(cli_main, tmp_path):

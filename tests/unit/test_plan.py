@@ -13,6 +13,7 @@ from megaresil.plan.model import Policy, daly_goodput, daly_interval, young_inte
 from megaresil.plan.profile import job_kinds, load_profile, mtbf_hours
 from megaresil.plan.simulate import Kind, Setup, simulate
 from megaresil.drills.replay import replay_soak
+from tests.harness.run_records import write_run_records
 from tests.harness.cli import ROOT
 from tests.harness.dist import TINY
 
@@ -141,11 +142,7 @@ def write_run_with_a_replacement(run_dir, *, downtime_s: float, step_s: float = 
                "rank": 1, "lost_pid": 11, "pid": 12, "from_tier": "live", "standby": True},
               {"time": step4_end + downtime_s - 0.5, "event": "checkpoint_loaded", "rank": 0,
                "step": 4, "path": None, "tier": "live", "from_peers": {"1": 0}}]
-    events += [{"time": r["time"] + 0.01, "event": "checkpoint_saved", "rank": 0,
-                "step": r["step"], "path": f"step_{r['step']:07d}", "bytes": 4_000_000,
-                "seconds": 0.4, "blocking_seconds": 0.2} for r in records if r["step"] % 2 == 0]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    write_run_records(run_dir, records, events, checkpoints="")
 
 
 def test_a_live_replacement_is_measured_from_its_restart_event(cli_main, tmp_path):
