@@ -120,6 +120,14 @@ def _during_restart(rng, lo, hi, plan, restarts_before):
     return [trigger, second]
 
 
+def _kill_during_replacement(rng, lo, hi, plan, restarts_before):
+    """A kill, then a kill of the process that takes its place (live
+    replacement), in its setup: the restart it is counts as one."""
+    first = _fault(rng, plan, "kill", rng.randint(lo, hi))
+    return [first, {"kind": "kill", "rank": first["rank"], "step": 0, "section": "setup",
+                    "generation": restarts_before + 1}]
+
+
 def _during_preemption_save(rng, lo, hi, plan, restarts_before):
     step = rng.randint(lo, hi)
     return [_fault(rng, plan, "sigterm", step, HANG_SECTIONS),
@@ -133,10 +141,14 @@ def _adjacent(rng, lo, hi, plan, restarts_before):
             for kind, s in ((first, step), (second, step + 1))]
 
 
-def episodes(local: bool = False, replicas: bool = True) -> list[Episode]:
+def episodes(local: bool = False, replicas: bool = True,
+             replacement: bool = False) -> list[Episode]:
     """One of each, roughly cheapest first; with `local`, the local tier's
     own are the first that relaunch, so a soak of a few minutes damages it;
-    a bit flip only where `replicas` are compared (dp > 1, the check on)."""
+    a bit flip only where `replicas` are compared (dp > 1, the check on); a
+    replacement lost in turn only with live `replacement` (where a kill
+    costs an in-process restart's time)."""
+    kill_cost = (lambda c: c.in_process) if replacement else (lambda c: c.relaunch + c.recompute)
     return [
         Episode("slow", 0, lambda c: c.slow, _single("slow", seconds=SLOW_S)),
         Episode("raise", 1, lambda c: c.in_process + c.recompute, _single("raise")),
@@ -158,7 +170,11 @@ def episodes(local: bool = False, replicas: bool = True) -> list[Episode]:
         Episode("corrupt-local-then-kill", 1, lambda c: c.relaunch + c.recompute,
                 _corrupt_local_then_kill),
     ] if local else []) + [
-        Episode("kill", 1, lambda c: c.relaunch + c.recompute, _single("kill")),
+        Episode("kill", 1, kill_cost, _single("kill")),
+    ] + ([
+        Episode("kill-during-replacement", 2, lambda c: 2 * c.in_process,
+                _kill_during_replacement),
+    ] if replacement else []) + [
         Episode("sigterm", 0, lambda c: c.relaunch, _single("sigterm")),
         Episode("adjacent-faults", 2, lambda c: 2 * (c.detect_hang + c.in_process + c.recompute),
                 _adjacent),
@@ -196,7 +212,8 @@ def estimate_costs(cal: Calibration, cfg: RecipeConfig) -> Costs:
 def catalogue(cfg: RecipeConfig) -> list[Episode]:
     """The episodes a soak of this recipe can run."""
     return episodes(cfg.checkpoint.local.enabled,
-                    cfg.parallel.dp > 1 and cfg.resilience.numerics.check_interval > 0)
+                    cfg.parallel.dp > 1 and cfg.resilience.numerics.check_interval > 0,
+                    cfg.resilience.replacement.enabled)
 
 
 def episode_order(rng: random.Random, count: int, cfg: RecipeConfig) -> list[Episode]:

@@ -137,6 +137,17 @@ def test_alarms_behind_a_fault_are_not_false_alarms():
 # of the cheapest ones) in ~2 min all told, calibration and reference included.
 # The count still follows the machine's speed (3 episodes need a start-up under
 # ~28 s at 0.5 s a step): a soak option fixing the episodes would make it exact.
+def test_with_live_replacement_a_replacement_is_lost_in_turn():
+    cfg = load_recipe(DEMO, ["resilience.replacement.enabled=true"])
+    placed = {p["episode"]: p["faults"] for p in
+              schedule(cfg, 3, 200, len(episodes(replacement=True)))}
+    kill, again = placed["kill-during-replacement"]
+    assert (kill["kind"], again["kind"], again["section"]) == ("kill", "kill", "setup")
+    assert again["rank"] == kill["rank"] and again["generation"] >= 1
+    assert "kill-during-replacement" not in {p["episode"] for p in
+                                             schedule(demo_cfg(), 3, 200, len(episodes()))}
+
+
 SOAK_JOB = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=2", "data.seq_len=64",
             "train.micro_batch_size=4", "train.global_batch_size=8"]
 

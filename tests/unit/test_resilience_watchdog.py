@@ -69,6 +69,26 @@ def test_a_stuck_rank_is_aborted_soon_after_its_budget(tmp_path):
     assert detected[0]["why"] == "stuck"
 
 
+def test_a_rank_the_abort_has_not_freed_yet_still_beats(tmp_path):
+    """Aborted while blocked in C code (a collective until its time limit),
+    the rank is alive: its heartbeat goes on, marked aborting, so ranks
+    waiting for a replacement do not take it for lost
+    (resilience/replacement.Liveness)."""
+    clock, cpu, store = FakeClock(), FakeCpu(), dist.HashStore()
+    wd = watchdog(tmp_path, store, clock, cpu)
+    try:
+        with pytest.raises(HangAbort), wd.section("data", 5):
+            run_monitor(wd, clock, cpu, seconds=10, cpu_share=0.0)
+        before = json.loads(store.get("hb/0/0"))["beat"]
+        for _ in range(20):  # the abort landed here; a thread blocked in C would still be
+            clock.advance(wd.cfg.poll_s)
+            wd.poll()
+        beat = json.loads(store.get("hb/0/0"))
+    finally:
+        wd.close()
+    assert beat["beat"] > before and beat["state"] == "aborting"
+
+
 def test_a_rank_waiting_on_a_slow_link_is_suspected_and_caught_only_at_the_hard_limit(tmp_path):
     # Blocked in a collective (no CPU) while its peer connections move bytes,
     # a second apart as on a congested link: a slow link, not a hang. The

@@ -179,6 +179,11 @@ class Watchdog:
         if generation is None:
             return
         if self.aborted:  # the exit timer decides whether the abort freed the thread
+            if now >= self.next_heartbeat:
+                # Still beating: a rank the abort has not freed yet (blocked in
+                # a collective until its time limit) is alive, and ranks waiting
+                # for a replacement must not take it for lost.
+                self._publish(generation, state="aborting")
             return
         try:
             self._check(generation, now)
@@ -211,7 +216,7 @@ class Watchdog:
     def _publish(self, generation: int, state: str = "running") -> None:
         now = self.clock.monotonic()
         with self.lock:
-            if state == "running" and self.generation != generation:
+            if state != "left" and self.generation != generation:
                 return  # the rank left this generation meanwhile: keep its "left"
             self.next_heartbeat = now + self.heartbeat_every
             self.beats += 1
