@@ -169,8 +169,11 @@ def fault_row(fault: dict, episode: str, events: list[dict], records: list[dict]
     load = next((e for e in events if e["event"] == "checkpoint_loaded" and e["time"] > t), None)
     if fault["kind"] == "corrupt_local_checkpoint" and local_repair(load, fault["rank"]):
         detected_at = load["time"]
-    if fault["kind"] == "lose_local_node" and not local_repair(load, fault["rank"]):
-        detected_at = None  # the restart must also have found the node's shards gone
+    if fault["kind"] == "lose_local_node" and not (local_repair(load, fault["rank"])
+                                                   or (load and load.get("tier") == "live")):
+        # The restart must also have found the node's shards gone, or not
+        # needed them: live replacement took the state from a peer's memory.
+        detected_at = None
     # A newer local step served: the damaged global checkpoint was never read.
     not_read = (fault["kind"] == "corrupt_checkpoint" and detected_at is None
                 and load is not None and load.get("tier") == "local")
