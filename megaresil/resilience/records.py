@@ -44,11 +44,16 @@ def newest_step(cfg: RecipeConfig, world: int) -> tuple[Optional[int], Optional[
     return max(found, key=lambda f: (f[0], f[1] == "local"), default=(None, None))
 
 
+def current_generation(run_dir: Path) -> int:
+    """The generation the run directory is in: its restarts recorded, or
+    the fence where it is ahead of the events (events.jsonl lost or cut
+    short): a generation never starts behind its own fence."""
+    return max(restarts_recorded(run_dir), fence_of(run_dir))
+
+
 def next_generation(run_dir: Path) -> int:
-    """The number the next restart of the run directory gets: one past the
-    restarts recorded, or past the fence where it is ahead of the events
-    (events.jsonl lost or cut short)."""
-    return max(restarts_recorded(run_dir), fence_of(run_dir)) + 1
+    """The number the next restart of the run directory gets."""
+    return current_generation(run_dir) + 1
 
 
 def last_failure(run_dir: Path) -> str:

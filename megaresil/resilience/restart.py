@@ -31,15 +31,15 @@ from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.compat import abort_process_groups, has_nccl_groups, tcp_store_listening_on
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import EventLog, read_metrics
-from megaresil.fencing import Fence, Fenced, fence_of, new_token, set_fence
+from megaresil.fencing import Fence, Fenced, new_token, set_fence
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import backend_for, use_device
 from megaresil.resilience.abort_board import AbortBoard
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.numerics import PersistentNumericalFault
 from megaresil.resilience.preemption import PreemptionFlag
-from megaresil.resilience.records import (last_failure, newest_step, next_generation,
-                                          relaunches_without_progress, restarts_recorded)
+from megaresil.resilience.records import (current_generation, last_failure, newest_step,
+                                          next_generation, relaunches_without_progress)
 from megaresil.resilience.replacement import (attempt_prefix, await_members, enter,
                                               generation_to_join, is_replacement)
 from megaresil.resilience.stragglers import StragglerDetector
@@ -324,9 +324,7 @@ class WorkerLife:
         return store.get("fence_token").decode()
 
     def _supervision(self, token: str) -> Supervision:
-        # The fence, where it is ahead of the events (events.jsonl lost or
-        # cut short): a generation never starts behind its own fence.
-        generation = max(restarts_recorded(self.run_dir), fence_of(self.run_dir))
+        generation = current_generation(self.run_dir)
         if self.rank == 0:
             # Now, not when the restart was recorded: every rank of the job has
             # left the old generation (they all joined this one), so none of
