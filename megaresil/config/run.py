@@ -234,6 +234,12 @@ class HealthConfig:
                                    bounds=POSITIVE)
     timeout_s: float = doc(120.0, "The command's time limit; past it the check fails.",
                            bounds=POSITIVE)
+    interval_s: float = doc(60.0, "With hot spares or live replacement: a node waiting in the "
+                            "rendezvous (a spare, or a node waiting for the job to re-form) "
+                            "runs its checks again this often, and once more when admitted "
+                            "after a longer wait; failing, it is excluded and leaves before "
+                            "its workers start (docs/clusters.md#health-checks).",
+                            bounds=POSITIVE)
 
 
 @dataclass

@@ -95,6 +95,7 @@ def analyse_scenario(reference: Path, faulted: Path, scenario: Scenario,
         "stragglers": sorted({e["rank"] for e in events if e["event"] == "straggler_detected"}),
         "stale_writes": stale_writes(events, metrics),
         "fenced": sum(e["event"] == "fenced" for e in events),
+        "excluded_nodes": [e["host"] for e in events if e["event"] == "node_excluded"],
         # Processes replaced one by one, and relaunches of all (a run with
         # replacements and no relaunch kept every other rank's process).
         "replacements": sum(e["event"] == "restart" and e.get("kind") == "replace"

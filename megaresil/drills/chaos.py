@@ -22,7 +22,8 @@ from megaresil.drills.etcd import CLIENT_PORT, PEER_PORT, EtcdServer, etcd_missi
 from megaresil.drills.hosts import netns_missing_reason, open_hosts
 from megaresil.drills.run import (Rendezvous, run_killing_replacement, run_node_fault,
                                   run_simulated_node_loss, run_training, run_with_requeue)
-from megaresil.drills.scenarios import RENDEZVOUS_READ_TIMEOUT_S, fault_overrides, scenarios
+from megaresil.drills.scenarios import (RENDEZVOUS_READ_TIMEOUT_S, fault_overrides, scenarios,
+                                       sick_node_check)
 from megaresil.observe.report import write_report
 from megaresil.parallel.layout import visible_gpus
 from megaresil.resilience.faults import check_device_faults
@@ -67,11 +68,13 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
         with open_hosts(hosts, agents + own_etcd) as nodes:
             if own_etcd:
                 rendezvous = serve_rendezvous(nodes, agents, rendezvous.backend)
-            code, fault_time = run_node_fault(recipe, overrides + fault_overrides(scenario),
+            sick = sick_node_check(str(faulted)) if scenario.sick_spare else []
+            code, fault_time = run_node_fault(recipe, overrides + fault_overrides(scenario) + sick,
                                               faulted, world, fault_step, nodes,
                                               fault=scenario.node_fault,
                                               first=scenario.lose_first,
                                               rendezvous=rendezvous, spares=scenario.spares,
+                                              sick_spare=scenario.sick_spare,
                                               timeout_s=timeout_s)
     elif scenario.kill_replacement:
         code, _ = run_killing_replacement(recipe, overrides + fault_overrides(scenario), faulted,
@@ -139,6 +142,10 @@ def check_hosts(scenario, hosts: str, rendezvous: Rendezvous) -> None:
         if scenario.node_fault != "lose":
             raise ConfigError("--hosts", f"--scenario {scenario.name} strikes a node's link, "
                               "which only nodes in namespaces have.", "add --hosts netns")
+        if scenario.sick_spare:
+            raise ConfigError("--hosts", f"--scenario {scenario.name} excludes a node by its "
+                              "hostname, and the nodes on this machine share one.",
+                              "add --hosts netns")
         return
     if scenario.nodes == 1:
         # node-loss-local's nodes are simulated inside one agent: not yet real ones.
@@ -171,6 +178,7 @@ def format_result(r: dict) -> str:
         f"hangs detected    {r['hang_detected']} (culprits {r['culprit_ranks']})",
         f"stragglers        {r['stragglers'] or 'none'}",
         f"stale writes      {r['stale_writes']} (fenced {r['fenced']})",
+        f"excluded nodes    {', '.join(r['excluded_nodes']) or 'none'}",
         f"final loss        {r['final_loss']!r} vs reference {r['reference_final_loss']!r}: "
         f"{'equal' if r['final_loss_equal'] else 'DIFFERENT'}",
         f"report            {r['report']}"])

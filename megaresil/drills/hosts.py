@@ -133,6 +133,9 @@ class NetnsHosts:
     def address(self, node: int) -> str:
         return self.nodes[node].address
 
+    def hostname(self, node: int) -> str:
+        return self.nodes[node].hostname
+
     def rendezvous_endpoint(self) -> str:
         return f"{self.address(0)}:{RENDEZVOUS_PORT}"
 

@@ -19,7 +19,8 @@ import psutil
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local.store import local_root, node_dir
 from megaresil.config import load_recipe
-from megaresil.drills.scenarios import FLAP_S, RENDEZVOUS_OUTAGE_S, SLOW_LINK_RATE
+from megaresil.drills.scenarios import (FLAP_S, RENDEZVOUS_OUTAGE_S, SICK_NODES_FILE,
+                                       SLOW_LINK_RATE)
 from megaresil.events import read_events, read_metrics
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 
@@ -112,6 +113,7 @@ class Rendezvous:
 def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
                    fault_after_step: int, hosts, *, fault: str = "lose", first: bool = False,
                    rendezvous: Rendezvous = Rendezvous(), spares: int = 0,
+                   sick_spare: bool = False,
                    timeout_s: Optional[float] = None) -> tuple[int, float]:
     """Two agents ("nodes") form one elastic job on `hosts` (drills/hosts.py);
     once `fault_after_step` is done, `fault` (scenarios.NODE_FAULTS) befalls
@@ -120,7 +122,9 @@ def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
     agent hosts the workers' store). Returns (the other node's exit code,
     fault time); TIMED_OUT when it has not ended within `timeout_s`. With
     `spares`, that many more agents start and wait as hot spares; the node
-    struck is one that trains (which agents the round took is theirs to race)."""
+    struck is one that trains (which agents the round took is theirs to race).
+    With `sick_spare`, a waiting spare's health check fails first (the
+    nodes' check reads scenarios.SICK_NODES_FILE) and it leaves."""
     deadline = None if timeout_s is None else time.time() + timeout_s
     agents = start_agents(recipe, overrides, run_dir, world, hosts, rendezvous, spares)
     # The rendezvous host is the node after the training ones and the spares.
@@ -128,10 +132,23 @@ def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
     other = agents[0 if struck else 1]
     struck_at = (wait_for_save(run_dir, fault_after_step, other) if fault == "partition-heal"
                  else wait_for_step(run_dir, fault_after_step, other))
+    if sick_spare:
+        sicken_a_spare(hosts, agents, run_dir, other)
     if spares and struck == 1:
         struck = next(i for i in range(1, len(agents)) if runs_workers(agents[i]))
     strike_node(hosts, struck, fault, run_dir, other)
     return wait_until(other, deadline), struck_at
+
+
+def sicken_a_spare(hosts, agents: list[subprocess.Popen], run_dir: Path,
+                   other: subprocess.Popen) -> None:
+    """List a waiting spare's node as sick and wait until its agent, finding
+    so in its next check, has left (or the job has ended)."""
+    # Not the first node, even waiting as a spare: it hosts the c10d rendezvous.
+    spare = next(i for i in range(1, len(agents)) if not runs_workers(agents[i]))
+    with open(run_dir / SICK_NODES_FILE, "a") as f:
+        f.write(hosts.hostname(spare) + "\n")
+    poll_until(other, lambda: agents[spare].poll() is not None)
 
 
 def strike_node(hosts, node: int, fault: str, run_dir: Path, other: subprocess.Popen) -> None:

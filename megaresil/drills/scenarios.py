@@ -4,6 +4,7 @@ resilience settings (`megaresil chaos --scenario NAME`). Light on purpose:
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 
 
@@ -27,6 +28,7 @@ class Scenario:
     spike_window: int = 0  # > 0: the fault step must come after warmup and this many steps
     kill_replacement: bool = False  # the first replacement started is killed as it appears
     spares: int = 0  # node scenarios: agents that wait as hot spares beside the two nodes
+    sick_spare: bool = False  # a waiting spare fails its health check before the fault
 
 
 # Where the node scenarios' nodes run (drills/hosts.py): named here, with the
@@ -54,6 +56,21 @@ SLOW_LINK_RATE = "20mbit"
 SLOW_STEP_BUDGETS = ["resilience.watchdog.factor=1", "resilience.watchdog.floor_s=2",
                      "resilience.watchdog.slow_limit_factor=10"]
 SPIKE_WINDOW = 5  # loss-spike: a short window, so a short drill has the detector on
+# node-loss-unhealthy: the hostnames listed in this file (in the faulted run's
+# directory) fail the drill's health check, which the nodes run every
+# SICK_CHECK_S seconds while they wait.
+SICK_NODES_FILE = "sick_nodes"
+SICK_CHECK_S = 1.0
+
+
+def sick_node_check(run_dir: str) -> list[str]:
+    """The settings of a health check that fails on the nodes the drill
+    lists as sick (a JSON string: YAML would read `!` as a tag)."""
+    sick = shlex.quote(f"{run_dir}/{SICK_NODES_FILE}")
+    command = (f"if grep -qsx \"$(hostname)\" {sick}; then "
+               "echo 'listed as sick by the drill'; exit 1; fi")
+    return [f"resilience.health.command={json.dumps(command)}",
+            f"resilience.health.interval_s={SICK_CHECK_S}"]
 
 
 def local_tier_settings(world: int) -> list[str]:
@@ -128,6 +145,9 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2,
         Scenario("node-loss-first", [], relaunch, nodes=2, lose_first=True),
         # A spare waits; the node lost, it takes its place: dp stays 2.
         Scenario("node-loss-spare", [], relaunch, nodes=2, spares=1),
+        # Two spares wait; one fails its health check while it waits and
+        # leaves, excluded; then a node is lost: the other spare takes its place.
+        Scenario("node-loss-unhealthy", [], relaunch, nodes=2, spares=2, sick_spare=True),
         # The node's processes live on, cut off: the others re-form without it.
         Scenario("partition-node", [], relaunch, nodes=2, node_fault="partition"),
         # Cut as a save begins (--step a save step); the link comes back once

@@ -26,7 +26,8 @@ from megaresil.compat import (elastic_agent_class, elastic_stores_listening_on,
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
 from megaresil.launch.checks import check_backend, check_data, check_links, check_local_gpus
-from megaresil.launch.health import admission_refusal
+from megaresil.launch.admission import NodeExcluded
+from megaresil.launch.health import admission_refusal, exclusion_after_check, has_checks
 from megaresil.launch.membership import Membership
 from megaresil.launch.rendezvous import launch_backend, register_outage_tolerant
 from megaresil.launch.spares import NodeCounts, node_counts, spare_keep_alive, spare_line
@@ -78,7 +79,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     check_data(cfg)
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    refusal = admission_refusal(cfg.resilience.health, run_dir, gpus, nproc if gpus else 0,
+    gpus_needed = nproc if gpus else 0
+    refusal = admission_refusal(cfg.resilience.health, run_dir, gpus, gpus_needed,
                                 EventLog(run_dir))
     if refusal:
         print(f"megaresil: {refusal}", file=sys.stderr)
@@ -129,8 +131,12 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg)),
               IncidentPrinter(run_dir), second_interrupt_kills_workers(),
               elastic_stores_listening_on(config.local_addr), workers_store_per_round(),
-              elastic_agent_class(supervising_agent(agent_policy(cfg, run_dir, nodes)))):
+              elastic_agent_class(supervising_agent(agent_policy(cfg, run_dir, nodes, gpus,
+                                                                 gpus_needed)))):
             elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
+    except NodeExcluded as err:  # while it waited: the job goes on without it
+        print(f"megaresil: {err.line}", file=sys.stderr)
+        return 1
     except ChildFailedError as err:
         print(f"megaresil: giving up after {relaunches_since(run_dir, events_before)}: "
               f"{failure_summary(err)}; the run directory keeps the newest checkpoint (rerun "
@@ -154,15 +160,21 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     return PREEMPTED_EXIT if ending and ending["event"] == "preempted" else 0
 
 
-def agent_policy(cfg: RecipeConfig, run_dir: Path, nodes: NodeCounts) -> Optional[AgentPolicy]:
+def agent_policy(cfg: RecipeConfig, run_dir: Path, nodes: NodeCounts, gpus: int,
+                 gpus_needed: int) -> Optional[AgentPolicy]:
     """What the agent supervises beyond TorchElastic's own: live replacement
-    (resilience.replacement) and the end of a spare's wait; None for neither."""
+    (resilience.replacement), the end of a spare's wait and the node's
+    health checks while it waits; None for neither."""
     replacement = cfg.resilience.replacement
     if not replacement.enabled and not nodes.spares:
         return None
+    health = cfg.resilience.health
+    check = (lambda: exclusion_after_check(health, run_dir, gpus, gpus_needed,
+                                           EventLog(run_dir))) if has_checks(health, gpus) else None
     return AgentPolicy(run_dir, replacement.max_replacements if replacement.enabled else 0,
                        replacement.enabled and replacement.standby,
-                       cfg.resilience.preemption_grace_s, bool(nodes.spares))
+                       cfg.resilience.preemption_grace_s, bool(nodes.spares), check,
+                       health.interval_s)
 
 
 def relaunches_since(run_dir: Path, events_before: int) -> str:

@@ -134,21 +134,40 @@ class Exclusions:
 def admission_refusal(cfg: HealthConfig, run_dir: Path, gpus: int, gpus_needed: int,
                       events, host: Optional[str] = None) -> Optional[str]:
     """None when this node may join the run; else the line that says why
-    not: excluded before, or failing its check now (then excluded, with a
-    `node_excluded` event)."""
+    not: excluded before, or failing its check now (then excluded)."""
     host = host or socket.gethostname()
+    return (excluded_before(run_dir, host)
+            or exclusion_after_check(cfg, run_dir, gpus, gpus_needed, events, host))
+
+
+def excluded_before(run_dir: Path, host: str) -> Optional[str]:
+    """The line that says `host` was excluded from this run, or None."""
     exclusions = Exclusions(run_dir)
     before = exclusions.of(host)
-    if before is not None:
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(before["time"]))
-        return (f"node {host} was excluded from this run at {since} ({before['check']} check: "
-                f"{before['reason']}); after repairing it, delete {exclusions.path(host)} to "
-                "admit it again")
+    if before is None:
+        return None
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(before["time"]))
+    return (f"node {host} was excluded from this run at {since} ({before['check']} check: "
+            f"{before['reason']}); after repairing it, delete {exclusions.path(host)} to "
+            "admit it again")
+
+
+def exclusion_after_check(cfg: HealthConfig, run_dir: Path, gpus: int, gpus_needed: int,
+                          events, host: Optional[str] = None) -> Optional[str]:
+    """Check this node now: None when it is fit; else it is excluded (a
+    file of its own, a `node_excluded` event) and the line says why."""
+    host = host or socket.gethostname()
     failure = check_node(cfg, gpus, gpus_needed)
     if failure is None:
         return None
+    exclusions = Exclusions(run_dir)
     exclusions.record(host, failure)
     events.emit("node_excluded", host=host, check=failure.check, reason=failure.reason)
     return (f"node {host} failed its health check ({failure.check}: {failure.reason}) and is "
             f"excluded from this run: it will not rejoin until {exclusions.path(host)} is "
             "deleted")
+
+
+def has_checks(cfg: HealthConfig, gpus: int) -> bool:
+    """Whether a check would ask anything on this node."""
+    return bool(cfg.command) or (cfg.gpu and gpus > 0)

@@ -10,7 +10,8 @@ standby (launch/standby.py) or a new process, recorded in the launch store
 for the waiting ranks (resilience/replacement.py). A failure it may not
 replace goes to TorchElastic's relaunch of the group. A hot spare
 (launch/spares.py) never needed ends as a success when the rendezvous
-closes. docs/fault-tolerance.md ("Live replacement")."""
+closes; one that fails its health checks while it waits leaves
+(launch/admission.py). docs/fault-tolerance.md ("Live replacement")."""
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -31,6 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from megaresil.compat import context_process
 from megaresil.events import EventLog
+from megaresil.launch.admission import WaitingChecks
 from megaresil.launch.standby import STANDBY_ENV, assignment
 from megaresil.resilience.records import next_generation
 from megaresil.resilience.replacement import REPLACEMENT_ENV, announce_replacement, attempt_prefix
@@ -44,6 +46,10 @@ class AgentPolicy:
     standby: bool = False  # keep a warm process ready to take a lost worker's place
     shutdown_timeout_s: float = 30.0
     spares: bool = False  # agents beyond the rendezvous's nodes may wait as spares
+    # The node's health checks (launch/health.py) while it waits in the
+    # rendezvous: None when it is fit, else why not (it is then excluded).
+    health: Optional[Callable[[], Optional[str]]] = None
+    health_interval_s: float = 60.0
 
 
 def replaceable(exitcode: int) -> bool:
@@ -91,6 +97,14 @@ class SupervisingAgent(LocalElasticAgent):
                   "hot spare and was not needed", file=sys.stderr, flush=True)
             return RunResult(state=WorkerState.SUCCEEDED, return_values={})
         return result
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """TorchElastic's rendezvous, the node's checks running while it
+        waits (launch/admission.py)."""
+        if self.policy.health is None:
+            return super()._rendezvous(worker_group)
+        with WaitingChecks(self.policy.health, self.policy.health_interval_s):
+            super()._rendezvous(worker_group)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self._stop_extra_processes()

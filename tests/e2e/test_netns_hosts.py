@@ -193,6 +193,32 @@ def test_a_hot_spare_in_namespaces_takes_the_lost_nodes_place(cli_main, chaos_re
 
 @needs_netns
 @pytest.mark.slow
+def test_a_spare_that_fails_its_health_check_while_it_waits_is_passed_over(cli_main,
+                                                                             chaos_reference,
+                                                                             tmp_path):
+    """Two spares wait; the drill lists one's node as sick, so its check
+    (run every second while it waits) fails: excluded, it leaves. Then a
+    training node is lost and the other spare takes its place: dp stays 2,
+    bit-equal to the reference."""
+    result = cli_main("chaos", *SMALL, f"run.dir={tmp_path}", "--scenario",
+                      "node-loss-unhealthy", "--step", "3", "--reference", str(chaos_reference),
+                      "--timeout", "300", "--hosts", "netns")
+    report = json.loads((tmp_path / "chaos-node-loss-unhealthy.json").read_text())
+    assert report["recovered"] and report["final_loss"] == report["reference_final_loss"], report
+    events = read_events(report["faulted"])
+    excluded = [e for e in events if e["event"] == "node_excluded"]
+    assert len(excluded) == 1 and excluded[0]["reason"].endswith("listed as sick by the drill")
+    assert report["excluded_nodes"] == [excluded[0]["host"]]
+    assert f"excluded nodes    {excluded[0]['host']}" in result.stdout
+    # The excluded node took no part after it left: the job re-formed at dp=2
+    # with the healthy spare, and the sick one stays excluded for this run.
+    loads = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert [(e["saved_layout"]["dp"], e["layout"]["dp"]) for e in loads] == [(2, 2)], loads
+    assert (Path(report["faulted"]) / "excluded_nodes" / f"{excluded[0]['host']}.json").exists()
+
+
+@needs_netns
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario,step", [("partition-node", 3), ("partition-heal", 4),
                                            ("flap-link", 3), ("slow-link", 6),
                                            ("rendezvous-outage", 3)])
