@@ -8,7 +8,9 @@ process context but watches each worker process: one that died (a signal,
 or the watchdog's hang exit) is replaced with the same environment, by the
 standby (launch/standby.py) or a new process, recorded in the launch store
 for the waiting ranks (resilience/replacement.py). A failure it may not
-replace goes to TorchElastic's relaunch of the group. A hot spare
+replace (an error of the process's own, the budget spent, or a loss in a
+generation's setup, where the others may wait on it in a group's formation)
+goes to TorchElastic's relaunch of the group. A hot spare
 (launch/spares.py) never needed ends as a success when the rendezvous
 closes; one that fails its health checks while it waits leaves
 (launch/admission.py). docs/fault-tolerance.md ("Live replacement")."""
@@ -35,7 +37,8 @@ from megaresil.events import EventLog
 from megaresil.launch.admission import WaitingChecks
 from megaresil.launch.standby import STANDBY_ENV, assignment
 from megaresil.resilience.records import next_generation
-from megaresil.resilience.replacement import REPLACEMENT_ENV, announce_replacement, attempt_prefix
+from megaresil.resilience.replacement import (REPLACEMENT_ENV, announce_replacement,
+                                              attempt_prefix, lost_in_setup)
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE
 
 
@@ -144,7 +147,7 @@ class SupervisingAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         codes = {w.local_rank: self._process(w.local_rank).poll() for w in worker_group.workers}
         lost = {lr: code for lr, code in codes.items() if code not in (None, 0)}
-        if lost and self._may_replace(lost):
+        if lost and self._may_replace(worker_group, lost):
             for local_rank, code in sorted(lost.items()):
                 self._replace(worker_group, local_rank, code)
             return RunResult(state=WorkerState.HEALTHY)
@@ -159,9 +162,16 @@ class SupervisingAgent(LocalElasticAgent):
                 w.global_rank: None for w in worker_group.workers})
         return RunResult(state=WorkerState.HEALTHY)
 
-    def _may_replace(self, lost: dict[int, int]) -> bool:
-        return (all(replaceable(code) for code in lost.values())
-                and self.spent + len(lost) <= self.policy.max_replacements)
+    def _may_replace(self, worker_group: WorkerGroup, lost: dict[int, int]) -> bool:
+        if not (all(replaceable(code) for code in lost.values())
+                and self.spent + len(lost) <= self.policy.max_replacements):
+            return False
+        try:
+            store = self._launch_store(worker_group, self._pcontext.envs[next(iter(lost))])
+            return not any(lost_in_setup(store, worker_group.workers[lr].global_rank,
+                                         self._process(lr).pid) for lr in lost)
+        except dist.DistError:  # the store went with its host: only a relaunch re-forms
+            return False
 
     def _replace(self, worker_group: WorkerGroup, local_rank: int, exitcode: int) -> None:
         """Put a process in `local_rank`'s place, with its first environment

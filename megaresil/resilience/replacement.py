@@ -72,6 +72,32 @@ def generation_to_join(store: dist.Store, rank: int, timeout_s: float) -> int:
     return newest + 1 if store.check([member_key(newest, rank)]) else newest
 
 
+def ready_key(generation: int, rank: int) -> str:
+    return f"gen{generation}/ready/{rank}"
+
+
+def set_up(store: dist.Store, generation: int, rank: int) -> None:
+    """Record that this rank finished the setup of `generation`: every
+    process group it takes part in is formed."""
+    store.set(ready_key(generation, rank), "1")
+
+
+def lost_in_setup(store: dist.Store, rank: int, lost_pid: int) -> bool:
+    """Whether the lost process `lost_pid` of `rank` died in the setup of
+    the newest generation it entered. Its peers may then wait in a process
+    group's formation for it (a wait in the store that no abort can end
+    before its timeout), and only a relaunch frees them; a process lost
+    before it entered any generation, or after its setup, is replaceable."""
+    if not store.check(["generation"]):
+        return False
+    for generation in range(int(store.get("generation")), -1, -1):
+        if store.check([member_key(generation, rank)]):
+            if int(store.get(member_key(generation, rank))) != lost_pid:
+                return False  # it never entered one: its predecessor's record
+            return not store.check([ready_key(generation, rank)])
+    return False
+
+
 def announce_replacement(store: dist.Store, lost_pid: int, pid: int) -> None:
     """The agent's record: process `pid` replaces `lost_pid`."""
     store.set(f"replaced/{lost_pid}", str(pid))

@@ -41,7 +41,7 @@ from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.records import (current_generation, last_failure, newest_step,
                                           next_generation, relaunches_without_progress)
 from megaresil.resilience.replacement import (attempt_prefix, await_members, enter,
-                                              generation_to_join, is_replacement)
+                                              generation_to_join, is_replacement, set_up)
 from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, HangAbort, raise_in_thread
@@ -288,6 +288,7 @@ class WorkerLife:
         try:
             with supervision.section("setup", 0):
                 job = self.make_job(supervision)
+            set_up(self.store, self.generation, self.rank)
             self.preemption.saving_possible = True
             return job.run()
         except BaseException as err:  # noqa: B902  (HangAbort and DCP's errors are BaseExceptions)

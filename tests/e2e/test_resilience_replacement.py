@@ -48,3 +48,27 @@ def test_with_the_budget_spent_a_lost_process_relaunches_the_workers(cli, chaos_
     restarts = [e["kind"] for e in read_events(tmp_path) if e["event"] == "restart"]
     assert restarts == ["relaunch"]
     assert losses(tmp_path)[-1] == losses(chaos_reference)[-1]
+
+
+@pytest.mark.slow
+def test_a_process_lost_in_a_restarts_setup_relaunches_at_once(cli, chaos_reference, tmp_path):
+    """A raise restarts in place; rank 1 is killed in that generation's
+    setup, where the other rank may wait for it in a process group's
+    formation that no abort ends (seen in a soak: 142 s until the
+    replacement's join timeout). The launcher relaunches instead of
+    replacing it, and the run ends bit-equal."""
+    faults = [{"kind": "raise", "rank": 0, "step": 3},
+              {"kind": "kill", "rank": 1, "step": 0, "section": "setup", "generation": 1}]
+    cli("train", *SMALL, f"run.dir={tmp_path}", "logging.progress=false",
+        "checkpoint.interval=2", "resilience.in_process=true",
+        "resilience.replacement.enabled=true", f"faults={json.dumps(faults)}")
+    events = read_events(tmp_path)
+    restarts = [e["kind"] for e in events if e["event"] == "restart"]
+    assert restarts == ["in_process", "relaunch"], restarts
+    killed = next(e["time"] for e in events if e["event"] == "fault_injected"
+                  and e["kind"] == "kill")
+    relaunched = next(e for e in events if e["event"] == "generation_started"
+                      and e["time"] > killed)
+    # The launcher's relaunch, not a join timeout (120 s): seconds on this machine.
+    assert relaunched["time"] - killed < 60
+    assert losses(tmp_path)[-1] == losses(chaos_reference)[-1]

@@ -9,7 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from megaresil.resilience.replacement import (NOTICE_S, ReplacementFailed, announce_replacement,
-                                              await_members, enter, generation_to_join)
+                                              await_members, enter, generation_to_join,
+                                              lost_in_setup, set_up)
 from megaresil.train.handover import live_plan
 
 
@@ -81,6 +82,24 @@ def test_a_replacement_joins_the_generation_after_the_one_its_predecessor_was_in
 # --- where each rank's state comes from --------------------------------------------------
 
 GROUPS = [[0, 2], [1, 3]]  # pp=2 dp=2: the data-parallel groups
+
+
+def test_a_process_lost_in_its_generations_setup_is_not_replaced():
+    """Its peers may wait for it in a process group's formation, which no
+    abort can end: a relaunch frees them. Lost after its setup, or before
+    it entered any generation (its predecessor's record is the newest), it
+    is replaced."""
+    store = dist.HashStore()
+    assert not lost_in_setup(store, 1, 111)  # nothing entered yet: the first start
+    set_pid(store, 0, 1, 111)
+    store.set("generation", "0")
+    assert lost_in_setup(store, 1, 111)
+    set_up(store, 0, 1)
+    assert not lost_in_setup(store, 1, 111)
+    set_pid(store, 1, 1, 111)  # the next generation, entered, not set up
+    store.set("generation", "1")
+    assert lost_in_setup(store, 1, 111)
+    assert not lost_in_setup(store, 1, 222)  # a replacement that never entered one
 
 
 def test_a_replacement_takes_its_state_from_a_peer_of_its_group():
