@@ -72,3 +72,27 @@ def test_a_process_lost_in_a_restarts_setup_relaunches_at_once(cli, chaos_refere
     # The launcher's relaunch, not a join timeout (120 s): seconds on this machine.
     assert relaunched["time"] - killed < 60
     assert losses(tmp_path)[-1] == losses(chaos_reference)[-1]
+
+
+@pytest.mark.slow
+def test_sharded_optimizer_state_comes_from_the_local_tier_at_the_current_step(cli,
+                                                                               tmp_path):
+    """Under optimizer.distributed no live peer holds a lost rank's
+    optimizer shard; with the local tier saving every step, the shard its
+    process committed before it died (or the replica a peer node holds)
+    is at the newest step: the job loads it, no completed step lost, and the
+    survivor keeps its process."""
+    cli("train", *SMALL, f"run.dir={tmp_path}", "logging.progress=false",
+        "optimizer.distributed=true", "checkpoint.interval=3",
+        "checkpoint.local.enabled=true", "checkpoint.local.interval=1",
+        "checkpoint.local.replicas=1", "checkpoint.local.ranks_per_node=1",
+        "resilience.replacement.enabled=true", f"faults={KILL}")
+    events = read_events(tmp_path)
+    restarts = [e["kind"] for e in events if e["event"] == "restart"]
+    assert restarts == ["replace"], restarts
+    loads = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert [(e["tier"], e["step"]) for e in loads] == [("local", 4)], loads
+    assert "optimizer.distributed" in loads[0]["skipped"]["live"]
+    assert [s for s, _ in losses(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8]
+    started = {e["process_started"] for e in events if e["event"] == "generation_started"}
+    assert len(started) == 1, started
