@@ -10,6 +10,7 @@ and the restart kind.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -22,8 +23,8 @@ from megaresil.drills.etcd import CLIENT_PORT, PEER_PORT, EtcdServer, etcd_missi
 from megaresil.drills.hosts import netns_missing_reason, open_hosts
 from megaresil.drills.run import (Rendezvous, run_killing_replacement, run_node_fault,
                                   run_simulated_node_loss, run_training, run_with_requeue)
-from megaresil.drills.scenarios import (RENDEZVOUS_READ_TIMEOUT_S, fault_overrides, scenarios,
-                                       sick_node_check)
+from megaresil.drills.scenarios import (RENDEZVOUS_READ_TIMEOUT_S, Scenario, fault_overrides,
+                                       scenarios, sick_node_check)
 from megaresil.observe.report import write_report
 from megaresil.parallel.layout import visible_gpus
 from megaresil.resilience.faults import check_device_faults
@@ -49,6 +50,8 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     if name not in table:
         raise ValueError(f"--scenario: unknown scenario {name!r}; one of {sorted(table)}")
     scenario = table[name]
+    if hosts == "netns" and scenario.lose_simulated_node:
+        scenario = on_real_nodes(scenario)
     check_fits(scenario, cfg, fault_step)
     check_hosts(scenario, hosts, rendezvous)
     check_reference(reference)
@@ -93,6 +96,15 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     write_atomic(root / f"chaos-{name}.json", json.dumps(result, indent=1))
     write_atomic(root / "chaos.json", json.dumps(result, indent=1))
     return result
+
+
+def on_real_nodes(scenario: Scenario) -> Scenario:
+    """A scenario of simulated nodes (one agent, the local tier's nodes a
+    split of its ranks) as nodes in namespaces: an agent on each, each
+    node's shards in its own /dev/shm and their replicas across the link,
+    and a spare that takes the lost node's place (the layout kept), its
+    shards from the replicas on the node that survived."""
+    return dataclasses.replace(scenario, nodes=2, spares=1, lose_simulated_node=False)
 
 
 def serve_rendezvous(nodes, node: int, backend: str) -> Rendezvous:
@@ -148,9 +160,8 @@ def check_hosts(scenario, hosts: str, rendezvous: Rendezvous) -> None:
                               "add --hosts netns")
         return
     if scenario.nodes == 1:
-        # node-loss-local's nodes are simulated inside one agent: not yet real ones.
         raise ConfigError("--hosts", f"--scenario {scenario.name} runs no nodes to put in "
-                          "namespaces", "use --hosts netns with node-loss or node-loss-first, "
+                          "namespaces", "use --hosts netns with a node-loss or link scenario, "
                           "or leave --hosts out")
     if rendezvous.endpoint and rendezvous.backend != "c10d":
         raise ConfigError("--rdzv-endpoint", f"the nodes in namespaces reach only their "

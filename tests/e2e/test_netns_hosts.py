@@ -175,19 +175,25 @@ def test_node_loss_in_namespaces_recovers_at_dp1(cli_main, chaos_reference, tmp_
 
 @needs_netns
 @pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["node-loss-spare", "node-loss-local"])
 def test_a_hot_spare_in_namespaces_takes_the_lost_nodes_place(cli_main, chaos_reference,
-                                                              tmp_path):
+                                                              tmp_path, scenario):
     """Two nodes train and a third waits as a spare; the second training
     node lost, the spare takes its place: the job goes on at dp=2, bit-equal
-    to the reference, and no agent is left behind."""
-    result = cli_main("chaos", *SMALL, f"run.dir={tmp_path}", "--scenario", "node-loss-spare",
+    to the reference, and no agent is left behind. node-loss-local runs its
+    simulated nodes as these real ones, the local tier on: the lost node's
+    /dev/shm goes with it, and its rank's shard comes from the replica that
+    crossed the link to the node that survived."""
+    result = cli_main("chaos", *SMALL, f"run.dir={tmp_path}", "--scenario", scenario,
                       "--step", "3", "--reference", str(chaos_reference), "--timeout", "300",
                       "--hosts", "netns")
-    report = json.loads((tmp_path / "chaos-node-loss-spare.json").read_text())
+    report = json.loads((tmp_path / f"chaos-{scenario}.json").read_text())
     assert report["recovered"] and report["final_loss"] == report["reference_final_loss"], report
     assert report["hosts"] == "netns" and report["restart_kind"] == "relaunch"
     loads = [e for e in read_events(report["faulted"]) if e["event"] == "checkpoint_loaded"]
     assert [(e["saved_layout"]["dp"], e["layout"]["dp"]) for e in loads] == [(2, 2)], loads
+    if scenario == "node-loss-local":
+        assert loads[0]["tier"] == "local" and loads[0]["from_replicas"] == [1], loads
     assert "hosts             netns" in result.stdout
 
 
