@@ -82,6 +82,8 @@ class FaultSpec:
     target: Optional[FlipTarget] = None  # bitflip: None is param
     seed: Optional[int] = None  # bitflip: picks the element (and the bit); None: the step
     bit: Optional[int] = None  # bitflip: 0 is the lowest mantissa bit; None: chosen by seed
+    # Fires only in a process started in place of a lost one (live replacement).
+    replacement: Optional[bool] = None
 
     @property
     def fires_in(self) -> str:
@@ -176,8 +178,9 @@ def check_fault(fault: Any, key: str) -> None:
             "write generation: 1 for the first restart, or leave it out.")
     require(fault.get("section", "data") in SECTIONS, f"{key}.section",
             f"{fault.get('section')!r} is not a section.", f"use one of {list(SECTIONS)}.")
-    require(fault.get("persistent") in (None, True, False), f"{key}.persistent",
-            f"must be true or false, got {fault.get('persistent')!r}.", "write persistent: true.")
+    for flag in ("persistent", "replacement"):
+        require(fault.get(flag) in (None, True, False), f"{key}.{flag}",
+                f"must be true or false, got {fault.get(flag)!r}.", f"write {flag}: true.")
     for name, kind in KIND_FIELDS.items():
         require(name not in fault or fault.get("kind") == kind.value, f"{key}.{name}",
                 f"applies to kind {kind.value} only.", f"drop it, or use kind: {kind.value}.")

@@ -122,10 +122,11 @@ def _during_restart(rng, lo, hi, plan, restarts_before):
 
 def _kill_during_replacement(rng, lo, hi, plan, restarts_before):
     """A kill, then a kill of the process that takes its place (live
-    replacement), in its setup: the restart it is counts as one."""
+    replacement) in its setup, whichever restart that is (a lost node's
+    ranks may have made more than one): the workers are relaunched."""
     first = _fault(rng, plan, "kill", rng.randint(lo, hi))
     return [first, {"kind": "kill", "rank": first["rank"], "step": 0, "section": "setup",
-                    "generation": restarts_before + 1}]
+                    "replacement": True}]
 
 
 def _during_preemption_save(rng, lo, hi, plan, restarts_before):
@@ -172,7 +173,7 @@ def episodes(local: bool = False, replicas: bool = True,
     ] if local else []) + [
         Episode("kill", 1, kill_cost, _single("kill")),
     ] + ([
-        Episode("kill-during-replacement", 2, lambda c: 2 * c.in_process,
+        Episode("kill-during-replacement", 2, lambda c: c.in_process + c.relaunch,
                 _kill_during_replacement),
     ] if replacement else []) + [
         Episode("sigterm", 0, lambda c: c.relaunch, _single("sigterm")),

@@ -1,9 +1,10 @@
 """Fault injection for tests, chaos runs and users' own drills.
 
 A fault (config's `FaultSpec`: kind, rank, step, section, seconds, mode,
-generation) fires on its rank as the training loop enters its section of its
-step. A `fault_injected` event is written before it acts, and each fires once
-per run directory; `generation` holds it back until that many restarts.
+generation, replacement) fires on its rank as the training loop enters its
+section of its step. A `fault_injected` event is written before it acts, and
+each fires once per run directory; `generation` holds it back until that many
+restarts, `replacement` until a live replacement's process runs the rank.
 docs/fault-tolerance.md ("Injected faults", "How a fault fires") lists the
 kinds and what each does."""
 from __future__ import annotations
@@ -27,6 +28,7 @@ from megaresil.compat import spin_cuda_kernel
 from megaresil.config import (STEP_FAULT_KINDS, ConfigError, FaultKind, FaultSpec, HangMode,
                               parse_fault, parse_faults)
 from megaresil.events import EventLog, read_events
+from megaresil.resilience.replacement import is_replacement
 from megaresil.resilience.step_faults import StepFaults
 
 # A fault as the recipe writes it (drills build these) or as the schema types it.
@@ -58,7 +60,8 @@ def fault_id(fault: FaultLike) -> str:
     """The name a `fault_injected` event records, which keeps it from firing twice."""
     spec = parse_fault(fault, "faults")
     name = f"{spec.kind.value}@rank{spec.rank}/step{spec.step}/{spec.fires_in}"
-    return name if spec.generation is None else f"{name}/gen{spec.generation}"
+    name += "" if spec.generation is None else f"/gen{spec.generation}"
+    return name + ("/replacement" if spec.replacement else "")
 
 
 class FaultInjector:
@@ -74,7 +77,7 @@ class FaultInjector:
         restarts = sum(e["event"] == "restart" for e in history)
         specs = parse_faults(faults)
         mine = [f for f in specs if f.rank == rank and fault_id(f) not in fired
-                and f.restarts_needed <= restarts]
+                and f.restarts_needed <= restarts and (is_replacement() or not f.replacement)]
         # The faults on a step's numbers fire where the trainer asks
         # (`step_faults`), not at a section's start.
         self.pending = [f for f in mine if f.kind not in STEP_FAULT_KINDS]
