@@ -8,12 +8,11 @@ process context but watches each worker process: one that died (a signal,
 or the watchdog's hang exit) is replaced with the same environment, by the
 standby (launch/standby.py) or a new process, recorded in the launch store
 for the waiting ranks (resilience/replacement.py). A failure it may not
-replace (an error of the process's own, the budget spent, or a loss in a
-generation's setup, where the others may wait on it in a group's formation)
-goes to TorchElastic's relaunch of the group. A hot spare
-(launch/spares.py) never needed ends as a success when the rendezvous
-closes; one that fails its health checks while it waits leaves
-(launch/admission.py). docs/fault-tolerance.md ("Live replacement")."""
+replace (an error of the process's own, the budget spent, a loss in a
+generation's setup) goes to TorchElastic's relaunch of the group. A hot
+spare (launch/spares.py) never needed ends as a success when the rendezvous
+closes; one failing its health checks as it waits leaves (launch/admission.py).
+docs/fault-tolerance.md ("Live replacement")."""
 from __future__ import annotations
 
 import os
