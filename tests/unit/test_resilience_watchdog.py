@@ -89,6 +89,27 @@ def test_a_rank_the_abort_has_not_freed_yet_still_beats(tmp_path):
     assert beat["beat"] > before and beat["state"] == "aborting"
 
 
+@pytest.mark.parametrize("section,limit", [("setup", 30.0 + 5.0), ("data", 4 * 0.5 + 5.0)])
+def test_an_aborted_rank_not_freed_from_setup_exits_within_half_a_minute(tmp_path, section,
+                                                                          limit):
+    """Another rank's failure aborts this one. In setup (a 600 s budget) a
+    rank the abort has not freed after 30 s waits in a process group's
+    formation for a peer that left, which no abort ends: it exits for a
+    relaunch then, not at the setup budget's hard limit (an hour). Other
+    sections keep their hard limit, the collective timeout."""
+    clock, cpu, store = FakeClock(), FakeCpu(), dist.HashStore()
+    wd = watchdog(tmp_path, store, clock, cpu, slow_limit_factor=4.0)
+    armed = []
+    wd.exit_timer.arm = lambda seconds, on_expiry: armed.append(seconds)
+    try:
+        with pytest.raises(HangAbort), wd.section(section, 0):
+            store.set("abort/0", json.dumps({"reason": "error", "rank": 1, "error": "x"}))
+            run_monitor(wd, clock, cpu, seconds=2, cpu_share=0.0)
+    finally:
+        wd.close()
+    assert armed == [limit]
+
+
 def test_a_rank_waiting_on_a_slow_link_is_suspected_and_caught_only_at_the_hard_limit(tmp_path):
     # Blocked in a collective (no CPU) while its peer connections move bytes,
     # a second apart as on a congested link: a slow link, not a hang. The

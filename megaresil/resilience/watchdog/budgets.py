@@ -6,11 +6,19 @@ under `floor_s`; step 1's one-off warm-up costs are not observed), once
 `calibration_steps` steps were seen; before that, `initial_timeout_s`. Setup
 and checkpoint have budgets of their own; the checkpoint section is also
 watched for silent peers from its calibrated budget (`silence_budget`). The hard limit, past which even a
-computing rank is hung, is `slow_limit_factor` x the budget. A calibration
-holds only on what it was measured on (world, workload, machine kind)."""
+computing rank is hung, is `slow_limit_factor` x the budget (an aborted rank
+gets it to leave, setup's cut to SETUP_ABORT_S). A calibration holds only on
+what it was measured on (world, workload, machine kind)."""
 from __future__ import annotations
 
 from megaresil.config import WatchdogConfig
+
+# In setup, the hard limit is the setup budget (minutes: a first build, a
+# large checkpoint's load), but the abort frees a rank loading for seconds at
+# its next bytecode; one still there after this long waits in a process
+# group's formation for a peer that left it (a store wait no abort ends: 300 s
+# at the group's timeout, seen in a soak on nodes in namespaces).
+SETUP_ABORT_S = 30.0
 
 
 class Budgets:
@@ -52,6 +60,12 @@ class Budgets:
     def slow_limit(self, section: str) -> float:
         """Past this even a computing culprit is hung; the collective timeout."""
         return self.cfg.slow_limit_factor * self.budget(section)
+
+    def abort_limit(self, section: str) -> float:
+        """How long an aborted rank may take to leave `section` before it
+        exits for a relaunch (SETUP_ABORT_S says why setup's is short)."""
+        limit = self.slow_limit(section)
+        return min(limit, SETUP_ABORT_S) if section == "setup" else limit
 
     def calibration(self) -> dict:
         """What a checkpoint keeps, so a restart does not calibrate from zero."""

@@ -349,7 +349,7 @@ class Watchdog:
         dump_stacks(self._dump_path(generation), f"abort: {json.dumps(reason)}", "w")
         if self.exit_on_hang is not None:  # no in-process restart: the launcher restarts us
             os._exit(self.exit_on_hang)
-        self.exit_timer.arm(self.slow_limit(self.current[0]) + ABORT_GRACE_S,
+        self.exit_timer.arm(self.budgets.abort_limit(self.current[0]) + ABORT_GRACE_S,
                             lambda: self._exit_if_not_freed(generation))
         abort_nccl_groups()
         with self.lock:
