@@ -51,7 +51,6 @@ def is_node_fault(fault: dict) -> bool:
 
 class LocalJobs:
     """Each run one `megaresil train` on this machine (today's soak)."""
-    hosts = "local"
 
     def __enter__(self) -> "LocalJobs":
         return self
@@ -79,7 +78,6 @@ class NodeJobs:
     """Each run two agents on two nodes in namespaces (see the module
     docstring); the nodes live for the whole soak, so a requeued job finds
     its local tier where it left it."""
-    hosts = "netns"
 
     def __init__(self, world: int):
         self.world = world
@@ -108,6 +106,7 @@ class NodeJobs:
             agents = start_agents(recipe, overrides, run_dir, self.world, self.nodes,
                                   Rendezvous("c10d", endpoint), nnodes=f"{NODES}:{NODES}",
                                   stdout=out, stderr=subprocess.STDOUT)
+
         def late() -> bool:
             return deadline is not None and time.time() > deadline
         results, taken = [], 0

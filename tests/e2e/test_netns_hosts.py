@@ -140,6 +140,16 @@ def test_a_reference_that_holds_no_run_is_refused_before_anything_runs(cli_main,
     assert not list(tmp_path.iterdir())
 
 
+@needs_netns
+def test_a_soak_on_nodes_is_refused_for_a_world_that_does_not_split(cli_main, tmp_path):
+    result = cli_main("soak", *SMALL, "parallel.dp=1", f"run.dir={tmp_path}", "--minutes", "1",
+                      "--hosts", "netns", check=False)
+    assert result.returncode == 2
+    assert ("--hosts: netns runs the job on 2 nodes with the same number of ranks each; the "
+            "world of 1 ranks does not split") in result.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_an_etcd_endpoint_the_nodes_cannot_reach_is_refused(cli_main, tmp_path):
     result = cli_main("chaos", *SMALL, f"run.dir={tmp_path}", "--scenario", "node-loss",
                       "--hosts", "netns", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint",
