@@ -213,13 +213,14 @@ def node_row(fault: dict, episode: str, strikes: tuple[dict, ...], events: list[
     alarm = min((e["time"] for e in events if t <= e["time"] <= resumed
                  and e["event"] in ("hang_detected", "restart")), default=None)
     flap = fault["kind"] == "flap-link"
-    rec = measure_recovery(events, records, t, ("hang_detected",))
+    # With no alarm, a later restart (another episode's) is not this one's.
+    rec = measure_recovery(events if alarm else [], records, t, ("hang_detected",))
     row.update(injected=True, time=t, healed=healed, detected=flap and alarm is not None,
                ridden_out=flap and alarm is None,
                detection_latency_s=None if alarm is None else alarm - t,
                recovered=any(r["time"] > healed and r["step"] > fault["step"] for r in records),
-               steps_lost=rec["steps_lost"] if alarm is not None else 0,
-               time_lost_s=(extra_step_time(t, resumed, records, step_s) if alarm is None
+               steps_lost=rec["steps_lost"],
+               time_lost_s=(extra_step_time(t, resumed, records, step_s) if not flap
                             else time_lost(fault, t, rec, events, records, step_s)))
     return row
 

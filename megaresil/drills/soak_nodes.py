@@ -19,14 +19,11 @@ from megaresil.config import ConfigError, RecipeConfig
 from megaresil.drills.hosts import RENDEZVOUS_PORT, NetnsHosts, netns_missing_reason
 from megaresil.drills.run import (Launch, Rendezvous, poll_until, run_training,
                                   run_with_requeue, start_agents, step_records, wait_until)
-from megaresil.drills.schedule import NODE_KINDS, SLOW_LINK_S, Calibration, flap_seconds
+from megaresil.drills.schedule import (NODE_KINDS, SLOW_LINK_FACTOR, SLOW_LINK_S, Calibration,
+                                       flap_seconds)
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 
 NODES = 2
-# A slow link carries a third of what the job sent through it at full speed:
-# its steps take about three times as long, far inside the watchdog's hard
-# limit (slow_limit_factor x a budget of factor x the slowest section).
-SLOW_LINK_FACTOR = 3
 MIN_RATE_BIT_S = 1_000_000
 PROBE_FROM_STEP = 2  # the calibration measures the link from this step (step 1 warms up)
 
