@@ -249,6 +249,17 @@ def flap_seconds(cal: Calibration, cfg: RecipeConfig) -> float:
     return max(FLAP_S, max(w.floor_s, w.factor * SLOW_LINK_FACTOR * cal.step_s) + 2.0)
 
 
+def gil_timeout(cal: Calibration, cfg: RecipeConfig, nodes: bool) -> float:
+    """The guardian's wait in the soak: GIL_TIMEOUT_S, or on nodes long
+    enough to outlast a flap. A rank cut off blocks its monitor thread in a
+    store call (the guardian cannot tell that from a hang holding the GIL)
+    until the link is back and the next TCP retransmission comes, up to
+    about twice the outage. Killed then, its rank had to be relaunched into
+    a job its peer was restarting in place: in a soak run (a 7 s flap, 5 s
+    here) the cut node's agent timed out at the rendezvous and the job hung."""
+    return max(GIL_TIMEOUT_S, 2 * flap_seconds(cal, cfg) + 2) if nodes else GIL_TIMEOUT_S
+
+
 def estimate_costs(cal: Calibration, cfg: RecipeConfig) -> Costs:
     # A relaunch is a fresh start of every worker (and the survivors' stop).
     return Costs(relaunch=2 * cal.startup_s, in_process=max(3.0, cal.startup_s / 4),

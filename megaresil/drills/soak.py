@@ -24,14 +24,14 @@ from megaresil.drills.run import Launch, start_hogs, step_records
 from megaresil.drills.scenarios import local_tier_settings
 from megaresil.drills.soak_nodes import check_nodes, is_node_fault, open_jobs
 from megaresil.drills.schedule import (GIL_TIMEOUT_S, KEEP, SAVE_INTERVAL, Calibration,
-                                       catalogue, fit, schedule)
+                                       catalogue, fit, gil_timeout, schedule)
 from megaresil.observe.report import write_report
 from megaresil.safe_files import write_atomic
 
 CALIBRATION_STEPS = 6
 
 
-def soak_settings(world_faults: int) -> list[str]:
+def soak_settings(world_faults: int, gil_timeout_s: float = GIL_TIMEOUT_S) -> list[str]:
     """Restarts on (whatever the defaults), sized to the faults; async saves
     (the local tier's settings are added by run_soak)."""
     restarts = 2 * world_faults + 2
@@ -39,7 +39,7 @@ def soak_settings(world_faults: int) -> list[str]:
             f"checkpoint.keep={KEEP}", "resilience.in_process=true",
             f"resilience.max_in_process_restarts={restarts}",
             f"resilience.max_restarts={restarts}",
-            f"resilience.watchdog.gil_timeout_s={GIL_TIMEOUT_S}", "logging.tensorboard=false"]
+            f"resilience.watchdog.gil_timeout_s={gil_timeout_s}", "logging.tensorboard=false"]
 
 
 def run_dir_overrides(run_dir: Path) -> list[str]:
@@ -89,7 +89,8 @@ def run_soak(recipe: str, overrides: list[str], *, minutes: float, seed: int,
             placed = schedule(cfg, seed, steps, count, nodes)
             faults = [f for p in placed for f in p["faults"] if not is_node_fault(f)]
             node_faults = [f for p in placed for f in p["faults"] if is_node_fault(f)]
-            run_overrides = [*overrides, *soak_settings(len(faults) + len(node_faults)),
+            run_overrides = [*overrides, *soak_settings(len(faults) + len(node_faults),
+                                                        gil_timeout(cal, cfg, nodes)),
                              f"train.steps={steps}"]
             print(f"soak: {count} episodes, {len(faults) + len(node_faults)} faults "
                   f"({len(node_faults)} of a node's link) over {steps} steps (step "

@@ -216,8 +216,8 @@ def test_on_nodes_the_schedule_strikes_a_links_seeded_and_keeps_the_rank_faults(
     """--hosts netns: the node episodes come first in the first round (a
     short soak has them), name the second node and a step, no rank, and are
     placed from the seed like the rest; without nodes there are none."""
-    from megaresil.drills.schedule import (NODE_KINDS, SLOW_LINK_FACTOR, flap_seconds,
-                                           node_episodes)
+    from megaresil.drills.schedule import (GIL_TIMEOUT_S, NODE_KINDS, SLOW_LINK_FACTOR,
+                                           flap_seconds, gil_timeout, node_episodes)
 
     cfg, cal = demo_cfg(), Calibration(startup_s=15.0, step_s=0.2)
     count, steps = fit(cal, cfg, 1, seed=0, nodes=True)
@@ -237,6 +237,9 @@ def test_on_nodes_the_schedule_strikes_a_links_seeded_and_keeps_the_rank_faults(
     w = cfg.resilience.watchdog
     assert flap_seconds(cal, cfg) >= max(w.floor_s, w.factor * SLOW_LINK_FACTOR * cal.step_s) + 2
     assert [e.restarts for e in node_episodes()] == [0, 0]  # a flap may be ridden out
+    # The guardian outwaits a cut-off rank's monitor, stalled for up to twice the cut.
+    assert gil_timeout(cal, cfg, nodes=True) >= 2 * flap_seconds(cal, cfg)
+    assert gil_timeout(cal, cfg, nodes=False) == GIL_TIMEOUT_S
 
 
 def test_a_node_episode_is_told_from_the_runs_records():
