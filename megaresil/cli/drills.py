@@ -53,7 +53,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from megaresil.drills.soak import format_report, run_soak
 
     report = run_soak(args.recipe, args.overrides, minutes=args.minutes, seed=args.seed,
-                      hogs=args.hogs, local=args.local_tier)
+                      hogs=args.hogs, local=args.local_tier, hosts=args.hosts)
     print(format_report(report))
     return 0 if report["ok"] else 1
 
@@ -105,4 +105,10 @@ def add_soak_parser(sub) -> None:
     soak.add_argument("--no-local-tier", dest="local_tier", action="store_false",
                       help="global checkpoints only (by default the soak saves to the local "
                            "tier every step on two simulated nodes and damages it too)")
+    soak.add_argument("--hosts", default="local", choices=HOSTS_MODES,
+                      help="where the runs go: local (default), one job on this machine; "
+                           "netns, two agents on two nodes in namespaces of their own (own "
+                           "address, hostname and /dev/shm; needs root and an even world "
+                           "size), each run at the same layout, with a node's link flapping "
+                           "and slowed among the episodes")
     soak.set_defaults(func=cmd_soak, overrides_anywhere=True)

@@ -33,6 +33,7 @@ DETECTED_BY = {"kill": DETECTIONS, "raise": ("worker_error",), "hang": ("hang_de
                "nan": ("nonfinite_detected",), "spike": ("loss_spike",),
                "bitflip": ("silent_corruption_detected", "nonfinite_detected", "loss_spike")}
 CORRUPTIONS = ("corrupt_checkpoint", "corrupt_local_checkpoint")  # no restart of their own
+NO_ALARM_KINDS = ("slow", "slow-link")  # slow, not hung: any alarm is a false one
 
 
 def measure_recovery(events: list[dict], steps: list[dict], fault_time: float,
@@ -121,11 +122,14 @@ def stale_writes(events: list[dict], metrics: list[dict]) -> int:
 # --- a soak -------------------------------------------------------------------------
 
 def analyse_soak(faulted: Path, reference: Path, placed: list[dict], launches: list[Launch],
-                 cfg: RecipeConfig, steps: int) -> dict:
+                 cfg: RecipeConfig, steps: int, strikes: tuple[dict, ...] = ()) -> dict:
+    """The soak's report; `strikes`: the node episodes the driver struck
+    (soak_nodes.py), each with the time its link was struck and healed."""
     events, records = read_events(faulted), step_records(faulted)
     ref_records = step_records(reference)
     step_s = statistics.median(_durations(ref_records, cfg).values()) if ref_records else 0.0
-    rows = [fault_row(f, p["episode"], events, records, step_s)
+    rows = [node_row(f, p["episode"], strikes, events, records, step_s) if "node" in f
+            else fault_row(f, p["episode"], events, records, step_s)
             for p in placed for f in p["faults"]]
     # The reference has no fault: every alarm there is a false one too.
     alarms = (false_alarms(rows, events, records)
@@ -188,6 +192,46 @@ def fault_row(fault: dict, episode: str, events: list[dict], records: list[dict]
     return row
 
 
+def node_row(fault: dict, episode: str, strikes: tuple[dict, ...], events: list[dict],
+             records: list[dict], step_s: float) -> dict:
+    """A node episode: struck by the driver or not; then a flapping link
+    seen as a hang and restarted in place (or ridden out: no alarm, no
+    restart), a slow link raising no alarm (none is expected: `detected`
+    stays False). Recovered: a later step done after the link was healed."""
+    row = {"fault": f"{fault['kind']}@node{fault['node']}/step{fault['step']}",
+           "episode": episode, "kind": fault["kind"], "mode": None, "rank": None,
+           "node": fault["node"], "step": fault["step"], "section": "-", "injected": False,
+           "detected": False, "not_read": False, "ridden_out": False, "recovered": False,
+           "detection_latency_s": None, "steps_lost": 0, "time_lost_s": None,
+           "loaded_tier": None, "from_replicas": None}
+    strike = next((x for x in strikes if (x["kind"], x["node"], x["step"])
+                   == (fault["kind"], fault["node"], fault["step"])), None)
+    if strike is None:
+        return row
+    t, healed = strike["time"], strike["healed"]
+    resumed = next((r["time"] for r in records if r["time"] > healed), float("inf"))
+    alarm = min((e["time"] for e in events if t <= e["time"] <= resumed
+                 and e["event"] in ("hang_detected", "restart")), default=None)
+    flap = fault["kind"] == "flap-link"
+    # With no alarm, a later restart (another episode's) is not this one's.
+    rec = measure_recovery(events if alarm else [], records, t, ("hang_detected",))
+    row.update(injected=True, time=t, healed=healed, detected=flap and alarm is not None,
+               ridden_out=flap and alarm is None,
+               detection_latency_s=None if alarm is None else alarm - t,
+               recovered=any(r["time"] > healed and r["step"] > fault["step"] for r in records),
+               steps_lost=rec["steps_lost"],
+               time_lost_s=(extra_step_time(t, resumed, records, step_s) if not flap
+                            else time_lost(fault, t, rec, events, records, step_s)))
+    return row
+
+
+def extra_step_time(start: float, end: float, records: list[dict], step_s: float) -> float:
+    """Seconds the steps done between `start` and `end` took beyond `step_s`
+    each (consecutive steps only: a restart's gap is not a step)."""
+    return sum(max(0.0, b["time"] - a["time"] - step_s) for a, b in zip(records, records[1:])
+               if start <= a["time"] and b["time"] <= end and b["step"] == a["step"] + 1)
+
+
 def local_repair(load: Optional[dict], rank: int) -> bool:
     """Whether a load went round `rank`'s own local shards: it took them from
     a replica, or left the local tier for the global one."""
@@ -203,9 +247,7 @@ def time_lost(fault: dict, t: float, rec: dict, events: list[dict], records: lis
     if fault["kind"] == "slow":
         end = min((e["time"] for e in events if e["event"] == "restart" and e["time"] > t),
                   default=float("inf"))
-        slow = [b["time"] - a["time"] for a, b in zip(records, records[1:])
-                if t <= a["time"] and b["time"] < end and b["step"] == a["step"] + 1]
-        return sum(max(0.0, d - step_s) for d in slow)
+        return extra_step_time(t, end, records, step_s)
     since = max(t, rec["first_step_after_at"] or t)
     back = next((r["time"] for r in records
                  if r["time"] >= since and r["step"] > rec["last_step_before"]), None)
@@ -215,10 +257,10 @@ def time_lost(fault: dict, t: float, rec: dict, events: list[dict], records: lis
 def false_alarms(rows: list[dict], events: list[dict], records: list[dict]) -> list[dict]:
     """Alarms with no fault behind them, as incidents (alarms not separated by
     a completed step). A fault covers alarms from its injection until the run
-    completes a step after the next checkpoint load; a slow fault covers none."""
-    windows = [(r["time"], passed(r, records) if r["kind"] in NUMERIC_KINDS
-                else recovered_by(r["time"], events, records))
-               for r in rows if r["injected"] and r["kind"] != "slow"]
+    completes a step after the next checkpoint load (a flapping link ridden
+    out: a step after it healed); a slow rank or link covers none."""
+    windows = [(r["time"], covered_until(r, events, records))
+               for r in rows if r["injected"] and r["kind"] not in NO_ALARM_KINDS]
     unexplained = [e for e in events if e["event"] in ALARMS
                    and not any(start <= e["time"] <= end for start, end in windows)]
     incidents: list[list[dict]] = []
@@ -229,6 +271,14 @@ def false_alarms(rows: list[dict], events: list[dict], records: list[dict]) -> l
         else:
             incidents.append([alarm])
     return [describe_incident(i) for i in incidents]
+
+
+def covered_until(row: dict, events: list[dict], records: list[dict]) -> float:
+    if row["kind"] in NUMERIC_KINDS:
+        return passed(row, records)
+    if row.get("ridden_out"):
+        return next((r["time"] for r in records if r["time"] > row["healed"]), float("inf"))
+    return recovered_by(row["time"], events, records)
 
 
 def passed(row: dict, records: list[dict]) -> float:

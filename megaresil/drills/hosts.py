@@ -64,8 +64,8 @@ class LocalHosts:
     def node_options(self, node: int) -> list[str]:
         return []  # each agent finds its address towards the endpoint: loopback
 
-    def start(self, node: int, command: list[str]) -> subprocess.Popen:
-        self.procs[node] = subprocess.Popen(command)
+    def start(self, node: int, command: list[str], **popen) -> subprocess.Popen:
+        self.procs[node] = subprocess.Popen(command, **popen)
         return self.procs[node]
 
     def lose(self, node: int) -> None:
@@ -213,6 +213,12 @@ class NetnsHosts:
         shape = ["root", "tbf", "rate", rate, "burst", "32kb", "latency", "400ms"]
         tc("qdisc", "add", "dev", self.nodes[node].host_link, *shape)
         tc("qdisc", "add", "dev", "eth0", *shape, netns=self.nodes[node].namespace)
+
+    def link_bytes(self, node: int) -> tuple[int, int]:
+        """Bytes the node has sent and received over its link so far (read
+        on the bridge's end: what the node receives, it transmits)."""
+        stats = Path("/sys/class/net", self.nodes[node].host_link, "statistics")
+        return (int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text()))
 
     def pids(self, node: int) -> list[int]:
         """The processes running on the node."""

@@ -179,17 +179,20 @@ def wait_for_reform(run_dir: Path, proc: subprocess.Popen) -> None:
 
 
 def start_agents(recipe: str, overrides: list[str], run_dir: Path, world: int, hosts,
-                 rendezvous: Rendezvous, spares: int = 0) -> list[subprocess.Popen]:
+                 rendezvous: Rendezvous, spares: int = 0, nnodes: str = "1:2",
+                 **popen) -> list[subprocess.Popen]:
     """One agent on each of the two nodes, and one on each spare node,
-    meeting under a new job id; the job may shrink to one."""
+    meeting under a new job id; the job may shrink to one (unless `nnodes`
+    says otherwise). `popen`: where their output goes."""
     endpoint = rendezvous.endpoint or hosts.rendezvous_endpoint()
-    membership = ["--nnodes", "1:2", "--nproc-per-node", str(world // 2),
+    membership = ["--nnodes", nnodes, "--nproc-per-node", str(world // 2),
                   "--rdzv-backend", rendezvous.backend, "--rdzv-endpoint", endpoint,
                   "--rdzv-id", f"chaos-{os.getpid()}-{time.time_ns()}"]
     membership += ["--spares", str(spares)] if spares else []
     command = train_command(recipe, overrides, run_dir) + membership
     return [hosts.start(node, command + hosts.node_options(node)
-                        + rendezvous.options(first=node == 0)) for node in range(2 + spares)]
+                        + rendezvous.options(first=node == 0), **popen)
+            for node in range(2 + spares)]
 
 
 def runs_workers(agent: subprocess.Popen) -> bool:

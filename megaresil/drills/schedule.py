@@ -1,8 +1,9 @@
 """The soak's fault schedule: episodes (one fault of each kind, a fault
 during a save, during a restart, during the preemption save, two on adjacent
-steps, the local tier's own), their estimated recovery costs, how many fit a
-budget of minutes, and where each lands: seeded, so the same seed, steps and
-episodes always give the same schedule (see soak.py)."""
+steps, the local tier's own, and with nodes in namespaces a node's link's),
+their estimated recovery costs, how many fit a budget of minutes, and where
+each lands: seeded, so the same seed, steps and episodes always give the same
+schedule (see soak.py)."""
 from __future__ import annotations
 
 import random
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megaresil.config import RecipeConfig
+from megaresil.drills.scenarios import FLAP_S
 from megaresil.resilience.watchdog.abort import ABORT_GRACE_S
 
 SAVE_INTERVAL = 5  # a save every 5 steps: a fault costs at most 5 recomputed steps
@@ -28,6 +30,7 @@ HANG_SECTIONS = ("data", "forward_backward", "optimizer")
 class Calibration:
     startup_s: float  # launch to the first step's start
     step_s: float  # median step time once warm
+    link_bytes_per_s: float = 0.0  # on nodes: what the second node's link carried (soak_nodes)
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Costs:
     detect_hang: float
     recompute: float
     slow: float
+    flap: float  # how long a flapping link stays down (soak_nodes.flap_seconds)
 
 
 # --- episodes -----------------------------------------------------------------------
@@ -142,6 +146,38 @@ def _adjacent(rng, lo, hi, plan, restarts_before):
             for kind, s in ((first, step), (second, step + 1))]
 
 
+# Node episodes (`soak --hosts netns`): faults of a node's link, struck by the
+# soak's driver, not by a rank (soak_nodes.py), once the job has completed
+# their step. Kinds named as the chaos scenarios of the same fault.
+NODE_KINDS = ("flap-link", "slow-link")
+SLOW_LINK_S = 10.0  # how long a slow link stays capped
+# A slow link carries a third of what the job sent through it at full speed:
+# its steps take about three times as long, far inside the watchdog's hard
+# limit (slow_limit_factor x a budget of factor x the slowest section).
+SLOW_LINK_FACTOR = 3
+
+
+def _node(kind: str) -> Callable:
+    # Always the second node: the first hosts the c10d rendezvous, whose loss
+    # (even for seconds) is the rendezvous-outage scenario's subject, not this.
+    def build(rng, lo, hi, plan, restarts_before):
+        return [{"kind": kind, "node": 1, "step": rng.randint(lo, hi)}]
+    return build
+
+
+def node_episodes() -> list[Episode]:
+    """A link capped for SLOW_LINK_S seconds, then freed: slower steps and no
+    alarm; and a link down for longer than a section's budget should be
+    (flap_seconds), then up: a hang, restarted in place. Budgets grow with
+    the slowest steps seen, so a flap may still be ridden out: it counts no
+    restart, so that a fault held back to a later restart (`generation`)
+    fires no later than meant (at worst at the flap's restart, still in a
+    restart's setup) and never waits for one that does not come."""
+    return [Episode("slow-link", 0, lambda c: SLOW_LINK_S, _node("slow-link")),
+            Episode("flap-link", 0, lambda c: c.flap + c.in_process + c.recompute,
+                    _node("flap-link"))]
+
+
 def episodes(local: bool = False, replicas: bool = True,
              replacement: bool = False) -> list[Episode]:
     """One of each, roughly cheapest first; with `local`, the local tier's
@@ -203,23 +239,49 @@ def first_fault_step(cfg: RecipeConfig) -> int:
     return max(cfg.resilience.watchdog.calibration_steps, SAVE_INTERVAL) + 2
 
 
+def flap_seconds(cal: Calibration, cfg: RecipeConfig) -> float:
+    """How long a flapping link stays down: two seconds past the budget of
+    any section (at most factor x a whole step, never under the floor), a
+    step slowed by a slow link included, so the watchdog sees the hang
+    whatever the section the cut meets (steps slower still, under CPU hogs,
+    grow the budgets beyond it); at least the chaos drill's FLAP_S."""
+    w = cfg.resilience.watchdog
+    return max(FLAP_S, max(w.floor_s, w.factor * SLOW_LINK_FACTOR * cal.step_s) + 2.0)
+
+
+def gil_timeout(cal: Calibration, cfg: RecipeConfig, nodes: bool) -> float:
+    """The guardian's wait in the soak: GIL_TIMEOUT_S, or on nodes long
+    enough to outlast a flap. A rank cut off blocks its monitor thread in a
+    store call (the guardian cannot tell that from a hang holding the GIL)
+    until the link is back and the next TCP retransmission comes, up to
+    about twice the outage. Killed then, its rank had to be relaunched into
+    a job its peer was restarting in place: in a soak run (a 7 s flap, 5 s
+    here) the cut node's agent timed out at the rendezvous and the job hung."""
+    return max(GIL_TIMEOUT_S, 2 * flap_seconds(cal, cfg) + 2) if nodes else GIL_TIMEOUT_S
+
+
 def estimate_costs(cal: Calibration, cfg: RecipeConfig) -> Costs:
     # A relaunch is a fresh start of every worker (and the survivors' stop).
     return Costs(relaunch=2 * cal.startup_s, in_process=max(3.0, cal.startup_s / 4),
                  detect_hang=cfg.resilience.watchdog.floor_s + 1.0,
-                 recompute=SAVE_INTERVAL * cal.step_s, slow=SPACING * SLOW_S)
+                 recompute=SAVE_INTERVAL * cal.step_s, slow=SPACING * SLOW_S,
+                 flap=flap_seconds(cal, cfg))
 
 
-def catalogue(cfg: RecipeConfig) -> list[Episode]:
-    """The episodes a soak of this recipe can run."""
-    return episodes(cfg.checkpoint.local.enabled,
-                    cfg.parallel.dp > 1 and cfg.resilience.numerics.check_interval > 0,
-                    cfg.resilience.replacement.enabled)
+def catalogue(cfg: RecipeConfig, nodes: bool = False) -> list[Episode]:
+    """The episodes a soak of this recipe can run; with `nodes` (nodes in
+    namespaces) the node episodes too, first (cheap, and the point of such
+    a soak)."""
+    rank_level = episodes(cfg.checkpoint.local.enabled,
+                          cfg.parallel.dp > 1 and cfg.resilience.numerics.check_interval > 0,
+                          cfg.resilience.replacement.enabled)
+    return (node_episodes() if nodes else []) + rank_level
 
 
-def episode_order(rng: random.Random, count: int, cfg: RecipeConfig) -> list[Episode]:
+def episode_order(rng: random.Random, count: int, cfg: RecipeConfig,
+                  nodes: bool = False) -> list[Episode]:
     """Every kind once, cheapest first, then seeded random rounds."""
-    kinds = catalogue(cfg)
+    kinds = catalogue(cfg, nodes)
     order = list(kinds)
     while len(order) < count:
         round_ = list(kinds)
@@ -228,13 +290,14 @@ def episode_order(rng: random.Random, count: int, cfg: RecipeConfig) -> list[Epi
     return order[:count]
 
 
-def fit(cal: Calibration, cfg: RecipeConfig, minutes: float, seed: int) -> tuple[int, int]:
+def fit(cal: Calibration, cfg: RecipeConfig, minutes: float, seed: int,
+        nodes: bool = False) -> tuple[int, int]:
     """(episodes, steps) that fit the budget: the first start, then steps and
     episodes' recoveries, each episode with SPACING steps of room."""
     budget = minutes * 60 - cal.startup_s
     costs = estimate_costs(cal, cfg)
     chosen, spent = 0, 0.0
-    for episode in episode_order(random.Random(seed), 1000, cfg):
+    for episode in episode_order(random.Random(seed), 1000, cfg, nodes):
         steps_needed = first_fault_step(cfg) + (chosen + 1) * SPACING + 1
         if chosen and spent + episode.cost(costs) + steps_needed * cal.step_s > budget:
             break
@@ -243,12 +306,14 @@ def fit(cal: Calibration, cfg: RecipeConfig, minutes: float, seed: int) -> tuple
     return chosen, max(floor, int((budget - spent) / cal.step_s))
 
 
-def schedule(cfg: RecipeConfig, seed: int, steps: int, count: int) -> list[dict]:
+def schedule(cfg: RecipeConfig, seed: int, steps: int, count: int,
+             nodes: bool = False) -> list[dict]:
     """The faults of `count` episodes over `steps` steps: one slot of steps per
     episode, the episodes in seeded random order, each placed at random in its
-    slot. Returns [{episode, faults}] in step order."""
+    slot. Returns [{episode, faults}] in step order; a node episode's faults
+    name a `node`, not a rank (NODE_KINDS)."""
     rng = random.Random(seed)
-    chosen = episode_order(rng, count, cfg)
+    chosen = episode_order(rng, count, cfg, nodes)
     rng.shuffle(chosen)
     first, last = first_fault_step(cfg), steps - 1
     width = max(SPACING, (last - first + 1) // max(count, 1))

@@ -210,3 +210,62 @@ def test_faults_meant_for_a_save_meet_one():
                         preempted = any(g["kind"] == "sigterm" and g["step"] == f["step"]
                                         for g in episode["faults"])
                         assert saves or preempted, (steps, seed, episode)
+
+
+def test_on_nodes_the_schedule_strikes_a_links_seeded_and_keeps_the_rank_faults():
+    """--hosts netns: the node episodes come first in the first round (a
+    short soak has them), name the second node and a step, no rank, and are
+    placed from the seed like the rest; without nodes there are none."""
+    from megaresil.drills.schedule import (GIL_TIMEOUT_S, NODE_KINDS, SLOW_LINK_FACTOR,
+                                           flap_seconds, gil_timeout, node_episodes)
+
+    cfg, cal = demo_cfg(), Calibration(startup_s=15.0, step_s=0.2)
+    count, steps = fit(cal, cfg, 1, seed=0, nodes=True)
+    assert count >= 2
+    placed = schedule(cfg, 0, steps, count, nodes=True)
+    assert placed == schedule(cfg, 0, steps, count, nodes=True)
+    assert placed != schedule(cfg, 1, steps, count, nodes=True)
+    node = [f for p in placed for f in p["faults"] if f["kind"] in NODE_KINDS]
+    assert sorted(f["kind"] for f in node) == ["flap-link", "slow-link"]
+    assert all(f["node"] == 1 and "rank" not in f and first_fault_step(cfg) <= f["step"] < steps
+               for f in node), node
+    assert len({f["step"] for f in node}) == 2
+    assert {p["episode"] for p in placed} - {"flap-link", "slow-link"}  # rank faults too
+    assert not any(f["kind"] in NODE_KINDS for p in schedule(cfg, 0, steps, count)
+                   for f in p["faults"])
+    # A flap outlasts any section's budget (factor x a step slowed by a slow link).
+    w = cfg.resilience.watchdog
+    assert flap_seconds(cal, cfg) >= max(w.floor_s, w.factor * SLOW_LINK_FACTOR * cal.step_s) + 2
+    assert [e.restarts for e in node_episodes()] == [0, 0]  # a flap may be ridden out
+    # The guardian outwaits a cut-off rank's monitor, stalled for up to twice the cut.
+    assert gil_timeout(cal, cfg, nodes=True) >= 2 * flap_seconds(cal, cfg)
+    assert gil_timeout(cal, cfg, nodes=False) == GIL_TIMEOUT_S
+
+
+def test_a_node_episode_is_told_from_the_runs_records():
+    """A flap seen as a hang and restarted; a flap ridden out (no alarm,
+    steps resumed once healed); a slow link with no alarm; one never struck.
+    Alarms under a slow link are false ones."""
+    from megaresil.drills.analyse import node_row
+
+    records = [{"step": s, "time": float(t), "loss": 1.0}
+               for s, t in [(9, 1), (10, 2), (11, 3), (9, 20), (10, 21), (11, 22), (12, 23)]]
+    flap = {"kind": "flap-link", "node": 1, "step": 10}
+    struck = [{**flap, "time": 2.5, "healed": 8.0}]
+    events = [{"time": 5.0, "event": "hang_detected", "rank": 0},
+              {"time": 9.0, "event": "restart", "kind": "in_process"},
+              {"time": 10.0, "event": "checkpoint_loaded", "step": 8}]
+    row = node_row(flap, "flap-link", struck, events, records, 1.0)
+    assert row["injected"] and row["detected"] and row["recovered"] and not row["ridden_out"]
+    assert row["detection_latency_s"] == 2.5 and row["steps_lost"] == 2  # 10 done, 8 loaded
+    assert false_alarms([row], events, records) == []
+    stalled = [{"step": s, "time": float(t), "loss": 1.0} for s, t in [(9, 1), (10, 2), (11, 9)]]
+    ridden = node_row(flap, "flap-link", struck, [], stalled, 1.0)
+    assert ridden["ridden_out"] and not ridden["detected"] and ridden["steps_lost"] == 0
+    assert ridden["recovered"] and ridden["time_lost_s"] == 9 - 2.5 - 1.0  # one step's work
+    slow = {"kind": "slow-link", "node": 1, "step": 10}
+    row = node_row(slow, "slow-link", [{**slow, "time": 2.5, "healed": 8.0}], events, records,
+                   1.0)
+    assert row["injected"] and row["recovered"] and not row["detected"]
+    assert len(false_alarms([row], events, records)) == 1
+    assert not node_row(flap, "flap-link", [], events, records, 1.0)["injected"]
