@@ -130,10 +130,11 @@ def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
     # The rendezvous host is the node after the training ones and the spares.
     struck = len(agents) if fault == "rendezvous-outage" else 0 if first else 1
     other = agents[0 if struck else 1]
+    if sick_spare:  # first, while the job trains its first steps
+        wait_for_step(run_dir, 1, other)
+        sicken_a_spare(hosts, agents, run_dir, other)
     struck_at = (wait_for_save(run_dir, fault_after_step, other) if fault == "partition-heal"
                  else wait_for_step(run_dir, fault_after_step, other))
-    if sick_spare:
-        sicken_a_spare(hosts, agents, run_dir, other)
     if spares and struck == 1:
         struck = next(i for i in range(1, len(agents)) if runs_workers(agents[i]))
     strike_node(hosts, struck, fault, run_dir, other)

@@ -61,6 +61,7 @@ SPIKE_WINDOW = 5  # loss-spike: a short window, so a short drill has the detecto
 # SICK_CHECK_S seconds while they wait.
 SICK_NODES_FILE = "sick_nodes"
 SICK_CHECK_S = 1.0
+SICK_STEP_S = 1.0  # a step's extra seconds while the sick spare leaves (~2 s)
 
 
 def sick_node_check(run_dir: str) -> list[str]:
@@ -147,7 +148,11 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2,
         Scenario("node-loss-spare", [], relaunch, nodes=2, spares=1),
         # Two spares wait; one fails its health check while it waits and
         # leaves, excluded; then a node is lost: the other spare takes its place.
-        Scenario("node-loss-unhealthy", [], relaunch, nodes=2, spares=2, sick_spare=True),
+        # Steps slowed from step 1 (computing: the losses stay the reference's),
+        # so the job still trains when the node is lost after the spare left.
+        Scenario("node-loss-unhealthy",
+                 [{"kind": "slow", "rank": rank, "step": 1, "seconds": SICK_STEP_S}], relaunch,
+                 nodes=2, spares=2, sick_spare=True),
         # The node's processes live on, cut off: the others re-form without it.
         Scenario("partition-node", [], relaunch, nodes=2, node_fault="partition"),
         # Cut as a save begins (--step a save step); the link comes back once
