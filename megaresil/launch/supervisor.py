@@ -146,9 +146,10 @@ class SupervisingAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         codes = {w.local_rank: self._process(w.local_rank).poll() for w in worker_group.workers}
         lost = {lr: code for lr, code in codes.items() if code not in (None, 0)}
-        if lost and self._may_replace(worker_group, lost):
+        store = self._replacement_store(worker_group, lost) if lost else None
+        if store is not None:
             for local_rank, code in sorted(lost.items()):
-                self._replace(worker_group, local_rank, code)
+                self._replace(worker_group, local_rank, code, store)
             return RunResult(state=WorkerState.HEALTHY)
         if lost:
             failures = {worker_group.workers[lr].global_rank: ProcessFailure(
@@ -161,18 +162,24 @@ class SupervisingAgent(LocalElasticAgent):
                 w.global_rank: None for w in worker_group.workers})
         return RunResult(state=WorkerState.HEALTHY)
 
-    def _may_replace(self, worker_group: WorkerGroup, lost: dict[int, int]) -> bool:
+    def _replacement_store(self, worker_group: WorkerGroup,
+                           lost: dict[int, int]) -> Optional[dist.Store]:
+        """The launch store the replacements of the `lost` processes are
+        recorded in; None when they may not be replaced (then relaunched)."""
         if not (all(replaceable(code) for code in lost.values())
                 and self.spent + len(lost) <= self.policy.max_replacements):
-            return False
+            return None
         try:
             store = self._launch_store(worker_group, self._pcontext.envs[next(iter(lost))])
-            return not any(lost_in_setup(store, worker_group.workers[lr].global_rank,
-                                         self._process(lr).pid) for lr in lost)
+            if any(lost_in_setup(store, worker_group.workers[lr].global_rank,
+                                 self._process(lr).pid) for lr in lost):
+                return None
+            return store
         except dist.DistError:  # the store went with its host: only a relaunch re-forms
-            return False
+            return None
 
-    def _replace(self, worker_group: WorkerGroup, local_rank: int, exitcode: int) -> None:
+    def _replace(self, worker_group: WorkerGroup, local_rank: int, exitcode: int,
+                 store: dist.Store) -> None:
         """Put a process in `local_rank`'s place, with its first environment
         (rank, launch attempt) and the replacement's mark: the standby, or a
         new process."""
@@ -191,7 +198,7 @@ class SupervisingAgent(LocalElasticAgent):
         # their wait); they count restarts from the events once the
         # replacement has joined, so they all see this one (and every
         # node's console prints it).
-        announce_replacement(self._launch_store(worker_group, env), lost_pid, proc.pid)
+        announce_replacement(store, lost_pid, proc.pid)
         self.events.emit("restart", kind="replace", generation=next_generation(self.policy.run_dir),
                          reason=f"rank {worker.global_rank} (pid {lost_pid}) ended with "
                                 f"{how_it_ended(exitcode)}",
@@ -212,7 +219,8 @@ class SupervisingAgent(LocalElasticAgent):
 
     @staticmethod
     def _launch_store(worker_group: WorkerGroup, env: dict) -> dist.Store:
-        """The store the workers coordinate through, under their attempt's prefix."""
+        """The store the workers coordinate through, under their attempt's
+        prefix (the same for every local rank of the attempt)."""
         store = dist.TCPStore(worker_group.master_addr, worker_group.master_port,
                               is_master=False, timeout=timedelta(seconds=30))
         return dist.PrefixStore(attempt_prefix({**os.environ, **env}), store)
