@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from megaresil.events import EventLog
 from megaresil.safe_files import write_atomic
@@ -77,15 +77,19 @@ class Fence:
     def name(self) -> str:
         return f"{self.generation}-{self.token}"
 
-    def check(self, write: str) -> None:
+    def check(self, write: str, abandoned: Callable[[], bool] = lambda: False) -> None:
         """Raise Fenced, recording `fenced` once, when another formation of
-        the job holds the fence; `write` names what was about to be written."""
+        the job holds the fence; `write` names what was about to be written.
+        A save its rank abandoned is refused unrecorded (`abandoned()`, asked
+        once refused: the rank abandons its saves before it joins the next
+        formation, which sets the fence): the rank went on with the job, only
+        its old save thread was left behind."""
         current, token = read_fence(self.run_dir)
         if (current, token) == (self.generation, self.token) or current < self.generation:
             return  # ours, or an older formation's (none yet: a run directory of an older version)
         reason = (f"the job formed again as generation {current} without this rank "
                   f"(generation {self.generation}): {write} refused")
-        if self.events is not None and not self.reported:
+        if self.events is not None and not self.reported and not abandoned():
             self.reported = True
             self.events.emit("fenced", generation=self.generation, current_generation=current,
                              refused=write, reason=reason)

@@ -236,7 +236,7 @@ class Checkpointer(BackgroundSaves):
         if self.fence is None:
             return
         try:
-            self.fence.check(write)
+            self.fence.check(write, abandoned=lambda: self.abandoned)
         except Fenced:
             shutil.rmtree(partial, ignore_errors=True)
             raise

@@ -157,3 +157,45 @@ def test_a_local_commit_of_a_generation_the_job_left_behind_replaces_nothing(tmp
     assert data.read_bytes() == committed and (data.parent / fmt.MARKER).exists()
     assert not list(node.rglob("*.partial"))
     assert [e["refused"] for e in fenced_events(run_dir)] == ["the local commit of rank 0's step 3"]
+
+
+def test_a_save_its_rank_abandoned_is_refused_without_recording_the_rank_fenced(
+        tmp_path, monkeypatch):
+    # The rank's local save is writing when the job fails: the rank abandons
+    # it, joins the next formation, and that formation sets the fence before
+    # the old save thread reaches its commit. The commit is refused, but the
+    # rank is in the job: no `fenced` (CI met this as a flaky test).
+    from megaresil.checkpoint.local.replication import Topology
+    from megaresil.checkpoint.local.tier import LocalTier
+    from tests.unit.test_checkpoint_local_tier import FakeState, rects
+
+    monkeypatch.setattr("megaresil.checkpoint.local.shard.training_rects",
+                        lambda state, include_copies: rects(float(state.step)))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    set_fence(run_dir, 1, "ours")
+    events = EventLog(run_dir, 0)
+    tier = LocalTier(tmp_path / "shm", Topology(1, 1, 1), group=None, interval=1, keep=2,
+                     events=events, device=torch.device("cpu"),
+                     fence=Fence(run_dir, 1, "ours", events))
+    write_data = tier.store.write_data
+
+    def write_as_the_job_reforms(path, data):
+        write_data(path, data)
+        # Step 3: the rank failed, abandoned its save (abandon() sets this
+        # first) and joined the next formation. Step 4: the rank was cut off.
+        tier.abandoned = state.step == 3
+        set_fence(run_dir, 2, "next")
+
+    monkeypatch.setattr(tier.store, "write_data", write_as_the_job_reforms)
+    state = FakeState()
+    state.step = 3
+    tier.save(state, 3)
+    assert isinstance(tier.pending.exception(timeout=60), Fenced)
+    tier.pending = None
+    state.step = 4
+    tier.save(state, 4)
+    assert isinstance(tier.pending.exception(timeout=60), Fenced)
+    tier.executor.shutdown()
+    assert not list((tmp_path / "shm").rglob("data.bin"))
+    assert [e["refused"] for e in fenced_events(run_dir)] == ["the local commit of rank 0's step 4"]
