@@ -203,7 +203,11 @@ def test_a_hot_spare_in_namespaces_takes_the_lost_nodes_place(cli_main, chaos_re
     loads = [e for e in read_events(report["faulted"]) if e["event"] == "checkpoint_loaded"]
     assert [(e["saved_layout"]["dp"], e["layout"]["dp"]) for e in loads] == [(2, 2)], loads
     if scenario == "node-loss-local":
-        assert loads[0]["tier"] == "local" and loads[0]["from_replicas"] == [1], loads
+        # One of the two shards was read on another node than its owner's:
+        # rank 1's, or, when node 0 waited as the spare (the first round
+        # takes whichever agents join first) and took rank 0 at the re-form
+        # (ranks follow addresses), rank 0's (CI met both).
+        assert loads[0]["tier"] == "local" and len(loads[0]["from_replicas"]) == 1, loads
     assert "hosts             netns" in result.stdout
 
 
