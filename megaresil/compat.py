@@ -246,6 +246,18 @@ def context_process(context: Any, index: int) -> Any:
     return context.subprocess_handlers[index].proc
 
 
+def rendezvous_round(handler: Any) -> Optional[tuple[int, int]]:
+    """(the round, how many nodes take part in it) of a TorchElastic
+    DynamicRendezvousHandler (c10d, etcd-v2) as last synced: its
+    `_state_holder.state`; None for another handler (the legacy etcd one
+    keeps no such state)."""
+    holder = getattr(handler, "_state_holder", None)
+    if holder is None:
+        return None
+    state = holder.state
+    return state.round, len(state.participants)
+
+
 # --- tensor ops ------------------------------------------------------------------
 
 

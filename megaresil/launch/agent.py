@@ -29,7 +29,7 @@ from megaresil.launch.checks import check_backend, check_data, check_links, chec
 from megaresil.launch.admission import NodeExcluded
 from megaresil.launch.health import admission_refusal, exclusion_after_check, has_checks
 from megaresil.launch.membership import Membership
-from megaresil.launch.rendezvous import launch_backend, register_outage_tolerant
+from megaresil.launch.rendezvous import launch_backend, register_wrapped
 from megaresil.launch.spares import NodeCounts, node_counts, spare_keep_alive, spare_line
 from megaresil.launch.supervisor import AgentPolicy, supervising_agent
 from megaresil.launch.worker import worker_threads
@@ -101,7 +101,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     if membership.backend == "etcd":  # it logs every step of every round, on its own handler
         from torch.distributed.elastic.rendezvous import etcd_rendezvous
         etcd_rendezvous.logger.setLevel(logging.WARNING)
-    register_outage_tolerant()
+    register_wrapped()
     nodes = node_counts(membership.min_nodes, membership.max_nodes, membership.spares, world,
                         nproc, membership.backend)
     if line := spare_line(nodes):

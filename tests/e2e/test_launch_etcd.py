@@ -124,14 +124,14 @@ def test_etcd_an_agents_rendezvous_rides_out_the_servers_outage(tmp_path, capsys
     # (a second launch) is no error.
     from torch.distributed.elastic.rendezvous import (RendezvousParameters,
                                                       rendezvous_handler_registry)
-    from megaresil.launch.rendezvous import launch_backend, register_outage_tolerant
+    from megaresil.launch.rendezvous import launch_backend, register_wrapped
 
     def said() -> list[str]:
         return [line for line in capsys.readouterr().err.splitlines() if "rendezvous at" in line]
 
     server = EtcdServer(tmp_path).start()
-    register_outage_tolerant()
-    register_outage_tolerant()
+    register_wrapped()
+    register_wrapped()
     handler = rendezvous_handler_registry.create_handler(RendezvousParameters(
         launch_backend("etcd-v2"), server.endpoint, f"outage-{time.time_ns()}", 1, 2,
         read_timeout=5))
