@@ -2,15 +2,13 @@
 starts in milliseconds) that catches hangs the in-process monitor cannot:
 a training thread holding the GIL in C code starves the monitor thread.
 
-The monitor writes a timestamp into a memory-mapped tick file at every poll
-(CLOCK_MONOTONIC, which all processes of a host share, so a wall-clock
-step cannot fake or hide a stall).
-When the tick is older than the timeout, the guardian asks the rank for a
-stack dump (SIGUSR2, handled in C by faulthandler, which needs no GIL),
-then kills it; the launcher restarts the worker group.
-
-The guardian never outlives its rank: the kernel kills it when the rank
-ends (`die_with_parent`), as it kills a worker whose launcher ended.
+The monitor writes a timestamp (CLOCK_MONOTONIC, which all processes of a
+host share) into a memory-mapped tick file at every poll. When the tick is
+older than the timeout, the guardian asks the rank for a stack dump
+(SIGUSR2, handled in C by faulthandler, which needs no GIL), then kills it
+unless the tick moved meanwhile (the signal ended the C call: the rank's own
+watchdog handles the rest); the launcher restarts the worker group.
+The kernel kills the guardian when its rank ends (`die_with_parent`).
 
 Usage: python -m megaresil.resilience.guardian PID TICK_FILE TIMEOUT_S
 """
@@ -22,6 +20,7 @@ import sys
 import time
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+DUMP_S = 1.0  # the rank's time to write its stacks (and to show it runs again)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -61,17 +60,29 @@ def why_no_progress(pid: int) -> str:
     return "its monitor thread starved (GIL held by C code?)"
 
 
+def read_tick(tick_file: str) -> float:
+    with open(tick_file, "rb") as f:
+        return struct.unpack("d", f.read(8))[0]
+
+
 def watch(pid: int, tick_file: str, timeout: float) -> None:
     while alive(pid) and os.getppid() == pid:
         time.sleep(min(0.5, timeout / 4))
-        with open(tick_file, "rb") as f:
-            (tick,) = struct.unpack("d", f.read(8))
+        tick = read_tick(tick_file)
         if time.monotonic() - tick > timeout and alive(pid):
             print(f"megaresil guardian: rank process {pid} made no progress for "
                   f"{time.monotonic() - tick:.1f}s, {why_no_progress(pid)}; "
-                  "dumping stacks and killing it", file=sys.stderr, flush=True)
+                  "dumping stacks, then killing it unless it runs again", file=sys.stderr,
+                  flush=True)
             os.kill(pid, signal.SIGUSR2)
-            time.sleep(1.0)
+            time.sleep(DUMP_S)
+            if read_tick(tick_file) > tick:
+                # Killed now, it would relaunch a job whose ranks are already
+                # restarting in place (a soak met it).
+                print(f"megaresil guardian: rank process {pid} runs again after the stack "
+                      "dump (the call that held it returned): not killed",
+                      file=sys.stderr, flush=True)
+                continue
             os.kill(pid, signal.SIGKILL)
             return
 
