@@ -271,8 +271,10 @@ def test_link_faults_in_namespaces_end_as_written_down(cli_main, chaos_reference
         # Cut as step 4's save began, healed once node 0 trained alone: a
         # silent rank during a save is seen long before the save's budget;
         # the cut-off rank's late failure, if it has one, is fenced, not
-        # recorded as the job's, and its generation's save never lands.
-        assert layouts == [1]
+        # recorded as the job's, and its generation's save never lands. Its
+        # agent then gives up, or finds the job went on without its node and
+        # joins again (the job grows back to dp=2; CI met both).
+        assert layouts in ([1], [1, 2]), layouts
         hang = next(e for e in events if e["event"] == "hang_detected")
         assert hang["waited_s"] < 30, hang
         fenced = [e for e in events if e["event"] == "fenced"]
