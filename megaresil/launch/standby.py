@@ -20,8 +20,11 @@ def is_standby() -> bool:
 
 def warm_up() -> None:
     """Import what a worker imports before its first step: torch, its
-    distributed and elastic parts, the model, data, checkpoint and parallel code."""
-    for module in ("megaresil.launch.worker", "megaresil.train.loop"):
+    distributed and elastic parts, the model, data, checkpoint and parallel
+    code, and what torch imports on the first call of
+    torch.use_deterministic_algorithms (every build makes it: its inductor
+    config, half a second of a replacement's build on 2 cores)."""
+    for module in ("megaresil.launch.worker", "megaresil.train.loop", "torch._inductor.config"):
         importlib.import_module(module)
 
 

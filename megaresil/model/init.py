@@ -113,9 +113,11 @@ def initialize(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
         initialize_parameter(param, key, cfg, seed)
 
 
-def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> nn.Module:
+def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device,
+                draw: bool = True) -> nn.Module:
     """Give a model built under `torch.device("meta")` storage on `device` for
-    this rank's slices only, and initialise them there.
+    this rank's slices only, and initialise them there (with `draw`; without,
+    they stay uninitialised, for a load to fill).
 
     Parameters are replaced by new ones that keep their marks (tp_dim, ...);
     buffers are built for real even under a meta build (they are small and
@@ -127,7 +129,8 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
                             requires_grad=param.requires_grad)
         real.__dict__.update(vars(param))
         setattr(owner, name, real)
-        initialize_parameter(real, key, cfg, seed)
+        if draw:
+            initialize_parameter(real, key, cfg, seed)
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):
             if buffer.is_meta:

@@ -28,8 +28,7 @@ from megaresil.checkpoint.validation import read_manifest
 from megaresil.config import ConfigError, ModelConfig, RecipeConfig, model_from_dict
 from megaresil.fencing import Fence
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.train.handover import live_plan, recover_live
-from megaresil.train.replicas import replica_groups
+from megaresil.train.handover import LivePlan, recover_live
 
 
 def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
@@ -192,26 +191,22 @@ class TrainCheckpointing:
             return None, "; ".join(choice.skipped) or "no local step is held"
         return choice, ""
 
-    def start(self, carried: Optional[Shard], layout: ParallelLayout) -> Optional[Loaded]:
-        """A generation's state: with live replacement on, from the ranks'
-        memory when it holds the newest step the job completed (the
-        generation after a lost process), else restart-from-latest."""
-        if not self.cfg.resilience.replacement.enabled:
+    def start(self, carried: Optional[Shard], live: Optional[LivePlan],
+              layout: ParallelLayout) -> Optional[Loaded]:
+        """A generation's state: with live replacement on (`live`: the plan
+        the ranks gathered), from the ranks' memory when it holds the newest
+        step the job completed (the generation after a lost process), else
+        restart-from-latest."""
+        if live is None:
             return self.resume()
-        held = [None] * layout.world_size  # each rank's (step, bytes) carried, or None
-        dist.all_gather_object(held, (carried.step, carried.data.numel()) if carried else None)
-        steps = [h[0] if h else None for h in held]
-        plan = live_plan(steps, replica_groups(layout), replicated=not self.state.optimizer.sharded,
-                         why_unreplicated="optimizer.distributed keeps each rank's optimizer "
-                         "shard in its own memory only")
-        if plan.step is None:
-            return self.resume(why_not_live=plan.why_not)
+        if not live.serves:
+            return self.resume(why_not_live=live.why_not)
         self.clean_partials()
-        saved = recover_live(self.state, carried, plan, self.rank, layout.device)
+        saved = recover_live(self.state, carried, live, self.rank, layout.device)
         self._loaded(saved, None, "live", {"checkpoints": f"the ranks' memory holds step "
                                            f"{saved.step}; no checkpoint is newer"},
-                     from_peers={o: h for o, h in plan.sources.items() if o != h},
-                     bytes_moved=sum(held[h][1] for o, h in plan.sources.items() if o != h))
+                     from_peers={o: h for o, h in live.sources.items() if o != h},
+                     bytes_moved=live.bytes_moved)
         if self.local is not None:
             self.local.discard_after(saved.step)
             self.local.check_space(self.state)

@@ -22,6 +22,8 @@ from megaresil.checkpoint.local.replication import transfers
 from megaresil.checkpoint.local.shard import (Shard, add_checksums, saved_run_record, shard_meta,
                                               shard_rects, stage, unpack_into)
 from megaresil.checkpoint.state import RunRecord, TrainingState
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.train.replicas import replica_groups
 
 
 class LiveStateDamaged(RuntimeError):
@@ -44,6 +46,11 @@ class LivePlan:
     step: Optional[int]
     sources: dict[int, int] = field(default_factory=dict)
     why_not: str = ""
+    bytes_moved: int = 0  # what crosses between ranks (gather_live_plan)
+
+    @property
+    def serves(self) -> bool:
+        return self.step is not None
 
 
 def live_plan(steps: list[Optional[int]], groups: list[list[int]], replicated: bool,
@@ -74,6 +81,20 @@ def live_plan(steps: list[Optional[int]], groups: list[list[int]], replicated: b
         return LivePlan(None, why_not=f"no live rank holds rank(s) {sorted(missing)}'s state at "
                                       f"step {target}: {why}")
     return LivePlan(target, sources)
+
+
+def gather_live_plan(carried: Optional[Shard], layout: ParallelLayout, replicated: bool,
+                     why_unreplicated: str) -> LivePlan:
+    """Collective: every rank's carried step and size, and the plan made of
+    them (the same on every rank). Made before the ranks build their models,
+    so a model whose state comes from memory is not drawn only to be
+    overwritten (train/model_build)."""
+    held = [None] * layout.world_size  # each rank's (step, bytes) carried, or None
+    dist.all_gather_object(held, (carried.step, carried.data.numel()) if carried else None)
+    plan = live_plan([h[0] if h else None for h in held], replica_groups(layout), replicated,
+                     why_unreplicated)
+    plan.bytes_moved = sum(held[h][1] for o, h in plan.sources.items() if o != h)
+    return plan
 
 
 def recover_live(state: TrainingState, carried: Optional[Shard], plan: LivePlan,

@@ -40,7 +40,7 @@ from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
 from megaresil.train.progress import Progress
 from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.state import LiveTrainingState, configured_skips
-from megaresil.train.handover import carried_state
+from megaresil.train.handover import LivePlan, carried_state, gather_live_plan
 from megaresil.train.model_build import build_model, checkpoint_key_map, make_deterministic
 from megaresil.checkpoint.local.shard import Shard
 
@@ -62,13 +62,15 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.events = EventLog(self.run_dir, layout.rank)
         phases = StartupPhases(self.events, layout.rank)
+        live = self.live_plan(cfg, layout)
         with phases.phase("data, model and optimizer build"):
-            self.build(cfg, layout)
+            # A state taken from the ranks' memory overwrites every value drawn.
+            self.build(cfg, layout, draw=not (live and live.serves))
         started = phases.clock()
         self.checkpointing = checkpointing.TrainCheckpointing(
             cfg, self.checkpointer, self.checkpoint_state, self.events, layout.rank,
             job_started=process_times()["launched_at"])
-        loaded = self.checkpointing.start(self.supervision.carried, layout)
+        loaded = self.checkpointing.start(self.supervision.carried, live, layout)
         self.supervision.carried = None  # loaded: its memory goes back
         if loaded is not None:
             phases.finished(loaded.phase, phases.clock() - started, loaded.nbytes)
@@ -80,12 +82,24 @@ class Trainer:
                                      lambda step, reason: self.numerics.rollback(step, reason, []),
                                      self.supervision.section)
 
-    def build(self, cfg: RecipeConfig, layout: ParallelLayout) -> None:
-        """Data, model chunks, optimizer, grad buffers and checkpointer."""
+    def live_plan(self, cfg: RecipeConfig, layout: ParallelLayout) -> Optional[LivePlan]:
+        """With live replacement on, where each rank's state comes from in
+        this generation (a collective); None when it is off."""
+        if not cfg.resilience.replacement.enabled:
+            return None
+        return gather_live_plan(self.supervision.carried, layout,
+                                replicated=not shards_over_dp(cfg.optimizer, layout),
+                                why_unreplicated="optimizer.distributed keeps each rank's "
+                                "optimizer shard in its own memory only")
+
+    def build(self, cfg: RecipeConfig, layout: ParallelLayout, draw: bool = True) -> None:
+        """Data, model chunks, optimizer, grad buffers and checkpointer; the
+        model's initial values are drawn unless `draw` is False (a load
+        certain to overwrite them follows)."""
         make_deterministic(cfg, layout.device)
         self.train_data, self.valid_data, _ = build_datasets(
             cfg.data, cfg.model.vocab_size, cfg.train.seed, need_valid=cfg.train.eval_batches > 0)
-        self.chunks = build_model(cfg, layout)
+        self.chunks = build_model(cfg, layout, draw=draw)
         self.checkpoint_key = checkpoint_key_map(cfg)
         self.model = torch.nn.ModuleList(self.chunks)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -23,13 +23,17 @@ def make_deterministic(cfg: RecipeConfig, device: torch.device) -> None:
     set_kernel_determinism(cfg.train.deterministic, device)
 
 
-def build_model(cfg: RecipeConfig, layout: ParallelLayout) -> list[GPT]:
+def build_model(cfg: RecipeConfig, layout: ParallelLayout, draw: bool = True) -> list[GPT]:
     """This rank's model chunks, initialised: the whole model when pp=1.
-    Built on the meta device, then only this rank's slices are allocated and
-    drawn, on the rank's device (no global tensor, no host copy of the model)."""
+    Built on the meta device, then only this rank's slices are allocated and,
+    with `draw`, drawn, on the rank's device (no global tensor, no host copy
+    of the model). Without it the values are whatever the memory held: for a
+    state about to be loaded over them (drawing is a third of a 1 GB state's
+    build on the CPU)."""
     with torch.device("meta"):
         chunks = build_chunks(cfg.model, layout, cfg.train.seed)
-    chunks = [materialize(chunk, cfg.model, cfg.train.seed, layout.device) for chunk in chunks]
+    chunks = [materialize(chunk, cfg.model, cfg.train.seed, layout.device, draw=draw)
+              for chunk in chunks]
     if cfg.model.backend == Backend.te:
         from megaresil.model import te  # imports only where TE is wanted
         chunks = [te.convert(chunk, layout.device) for chunk in chunks]

@@ -76,6 +76,23 @@ def test_a_rank_draws_only_the_blocks_its_slice_touches(small_draws, monkeypatch
         assert drawn.get(key, set()) <= touched, key
 
 
+def test_a_model_built_for_a_load_gets_its_storage_and_marks_but_draws_nothing(monkeypatch):
+    """The build before a load from live peers: every value drawn would be overwritten."""
+    cfg = config("llama")
+    drawn = sharded_model(cfg, 2, 1)
+    monkeypatch.setattr(init, "initialize_parameter",
+                        lambda *args: pytest.fail("a parameter was drawn"))
+    with torch.device("meta"):
+        model = GPT(cfg, tp=TPGroup(size=2, rank=1), seed=5)
+    undrawn = dict(init.materialize(model, cfg, seed=5, device=torch.device("cpu"),
+                                    draw=False).named_parameters())
+    assert undrawn.keys() == dict(drawn.named_parameters()).keys()
+    for key, param in drawn.named_parameters():
+        assert not undrawn[key].is_meta and undrawn[key].requires_grad, key
+        assert undrawn[key].shape == param.shape and undrawn[key].dtype == param.dtype, key
+        assert getattr(undrawn[key], "tp_dim", None) == getattr(param, "tp_dim", None), key
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_materialized_on_the_gpu_holds_the_cpu_values():
