@@ -95,6 +95,20 @@ def detach_process_group(group: dist.ProcessGroup) -> None:
     dist.distributed_c10d._world.pg_names.pop(group, None)
 
 
+def release_failed_backward(device: torch.device) -> None:
+    """Make autograd's engine let go of a backward an exception left from
+    inside a post-accumulate-grad hook. Torch keeps that backward's graph
+    (its nodes, the parameters, and the process groups its custom functions
+    hold in their contexts) until the thread runs another backward (checked
+    on 2.13): a rank leaving a failed generation so kept its gloo groups'
+    connections open, and a peer blocked in one of them waited for its
+    timeout (12-42 s) instead of failing at once. A backward of one element
+    on the same thread and device releases it (on CUDA the hooks run on
+    autograd's device thread: untested on GPU)."""
+    with torch.enable_grad():
+        torch.ones(1, device=device, requires_grad=True).sum().backward()
+
+
 def abort_process_groups() -> None:
     """Abort every process group's communicators (NCCL frees blocked
     collectives this way; gloo ignores it, see design.md §4)."""

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from megaresil.compat import release_failed_backward
+
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
@@ -111,10 +113,16 @@ class GradBuffers:
         """Remove the grad hooks. A hook and its parameter reference each other
         partly through autograd's C++ side, a cycle Python's collector cannot
         break: without this a dropped trainer (an in-process restart) would
-        keep its whole model alive."""
+        keep its whole model alive. Called on the thread that ran the
+        backwards, it also releases a backward an exception left from inside
+        the hook (compat.release_failed_backward): a lost peer's error in a
+        launch, or a hang abort, which lands at any bytecode, the hook's first
+        included, so whether one did is not known here."""
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        if self.buckets:
+            release_failed_backward(self.buckets[0].buffer.device)
 
     def arm(self) -> None:
         """The next backward is the step's last micro-batch: reduce as grads land."""

@@ -7,6 +7,9 @@ distributed optimizer issues one collective per bucket, not per parameter.
 """
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -57,6 +60,56 @@ def test_grads_accumulate_in_place_in_their_bucket_buffer():
         grads.zero()
         reference.zero_grad()
     grads.close()
+
+
+class Holding(torch.autograd.Function):
+    """Identity that keeps an object in its context, as the TP functions keep
+    their process group."""
+
+    @staticmethod
+    def forward(ctx, x, held):
+        ctx.held = held
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Held:
+    pass
+
+
+def test_a_backward_that_failed_inside_the_hook_is_let_go_at_close(monkeypatch):
+    """Torch keeps the graph of a backward an exception left from inside a
+    post-accumulate-grad hook (a hang abort landing there, a lost peer's
+    error in a launch): with it a TP function's process group, whose open
+    connections kept a peer waiting for its timeout. close() lets it go."""
+    model = tiny_model()
+    params = list(model.parameters())
+    grads = GradBuffers(params, params, reducer=None)
+    held = Held()
+    kept = weakref.ref(held)
+
+    def fail(param):
+        raise KeyboardInterrupt("an abort landing in the hook")
+
+    monkeypatch.setattr(grads, "_fold", fail)
+    # The last layer's hooks fail while the held context's node still waits.
+    hidden = Holding.apply(model[0](torch.randn(3, 8)), held)
+    loss = model[2](model[1](hidden)).square().mean()
+    try:
+        loss.backward()
+    except KeyboardInterrupt:
+        pass
+    else:
+        pytest.fail("the hook's exception did not reach the caller")
+    del held, hidden, loss
+    gc.collect()
+    assert kept() is not None  # what torch does: the failed backward's graph lives on
+    grads.close()
+    gc.collect()
+    assert kept() is None
 
 
 def micro_batch_grads(model: nn.Module, seed: int) -> list[torch.Tensor]:
