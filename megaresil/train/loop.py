@@ -62,7 +62,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.events = EventLog(self.run_dir, layout.rank)
         phases = StartupPhases(self.events, layout.rank)
-        live = self.live_plan(cfg, layout)
+        live = self.plan_live_start(cfg, layout)
         with phases.phase("data, model and optimizer build"):
             # A state taken from the ranks' memory overwrites every value drawn.
             self.build(cfg, layout, draw=not (live and live.serves))
@@ -82,7 +82,7 @@ class Trainer:
                                      lambda step, reason: self.numerics.rollback(step, reason, []),
                                      self.supervision.section)
 
-    def live_plan(self, cfg: RecipeConfig, layout: ParallelLayout) -> Optional[LivePlan]:
+    def plan_live_start(self, cfg: RecipeConfig, layout: ParallelLayout) -> Optional[LivePlan]:
         """With live replacement on, where each rank's state comes from in
         this generation (a collective); None when it is off."""
         if not cfg.resilience.replacement.enabled:

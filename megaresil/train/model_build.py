@@ -28,8 +28,8 @@ def build_model(cfg: RecipeConfig, layout: ParallelLayout, draw: bool = True) ->
     Built on the meta device, then only this rank's slices are allocated and,
     with `draw`, drawn, on the rank's device (no global tensor, no host copy
     of the model). Without it the values are whatever the memory held: for a
-    state about to be loaded over them (drawing is a third of a 1 GB state's
-    build on the CPU)."""
+    state about to be loaded over them (drawing, with its first touch of the
+    memory, is most of a 1 GB state's build on the CPU)."""
     with torch.device("meta"):
         chunks = build_chunks(cfg.model, layout, cfg.train.seed)
     chunks = [materialize(chunk, cfg.model, cfg.train.seed, layout.device, draw=draw)
