@@ -77,8 +77,13 @@ def moment_rects(key: str, param: nn.Parameter, moments: Mapping[str, torch.Tens
         found = (param_rect(key, param, moments[moment], cfg) if shard is None
                  else _moment_block(key, shard, moments[moment], cfg))
         if found is not None:
-            rects.append(Rect(f"optim/{moment}/{key}", *found))
+            rects.append(Rect(moment_key(moment, key), *found))
     return rects
+
+
+def moment_key(moment: str, key: str) -> str:
+    """The key of a parameter's AdamW moment (`key`: the parameter's)."""
+    return f"optim/{moment}/{key}"
 
 
 def _moment_block(key: str, shard: RowShard, moment: torch.Tensor, cfg: ModelConfig):

@@ -14,8 +14,9 @@ implements it; checkpoint/ knows no trainer attribute and no optimizer class.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Protocol
+from typing import Iterable, Mapping, Optional, Protocol
 
+import torch
 import torch.nn as nn
 
 from megaresil.checkpoint.keys import MomentsOf, state_rects
@@ -115,6 +116,10 @@ class TrainingState(Protocol):
     def run_record(self) -> RunRecord:
         """The non-tensor state to save now (rank_states empty: the
         checkpointer gathers each rank's `rng_state`)."""
+
+    def adopt(self, whole: Mapping[str, torch.Tensor]) -> None:
+        """Take tensors this rank held before (by key, whole) as the state's
+        own storage where they fit, instead of loading them."""
 
     def rng_state(self) -> dict:
         """This rank's RNG state, JSON-safe."""

@@ -17,7 +17,6 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.hf.io import hf_model_keys, hf_source, is_hf_directory
 from megaresil.checkpoint.hf.mapping import model_differences
 from megaresil.checkpoint.local.replication import Choice, Topology, ranks_per_node
-from megaresil.checkpoint.local.shard import Shard
 from megaresil.checkpoint.local.store import local_root as local_dir_of
 from megaresil.checkpoint.local.tier import LocalTier
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
@@ -28,7 +27,7 @@ from megaresil.checkpoint.validation import read_manifest
 from megaresil.config import ConfigError, ModelConfig, RecipeConfig, model_from_dict
 from megaresil.fencing import Fence
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.train.handover import LivePlan, recover_live
+from megaresil.train.handover import Carried, LivePlan, recover_live
 
 
 def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
@@ -191,7 +190,7 @@ class TrainCheckpointing:
             return None, "; ".join(choice.skipped) or "no local step is held"
         return choice, ""
 
-    def start(self, carried: Optional[Shard], live: Optional[LivePlan],
+    def start(self, carried: Optional[Carried], live: Optional[LivePlan],
               layout: ParallelLayout) -> Optional[Loaded]:
         """A generation's state: with live replacement on (`live`: the plan
         the ranks gathered), from the ranks' memory when it holds the newest

@@ -40,9 +40,8 @@ from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
 from megaresil.train.progress import Progress
 from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.state import LiveTrainingState, configured_skips
-from megaresil.train.handover import LivePlan, carried_state, gather_live_plan
+from megaresil.train.handover import Carried, LivePlan, carried_state, gather_live_plan
 from megaresil.train.model_build import build_model, checkpoint_key_map, make_deterministic
-from megaresil.checkpoint.local.shard import Shard
 
 
 def dp_mean(value: torch.Tensor, layout: ParallelLayout) -> float:
@@ -382,7 +381,7 @@ class Trainer:
                 log.close()
         return self.stop("finished", last_record)
 
-    def hand_over(self) -> Optional[Shard]:
+    def hand_over(self) -> Optional[Carried]:
         """This rank's state for the next generation (live replacement), or
         None when a failure caught it mid-change (an update, a load)."""
         if not self.state.settled:

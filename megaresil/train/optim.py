@@ -79,6 +79,13 @@ def keeps_step_in_groups(optimizer: torch.optim.Optimizer) -> bool:
                     "train/optim.keeps_step_in_groups about it")
 
 
+def like(tensor: Optional[torch.Tensor], param: torch.Tensor) -> bool:
+    """Whether `tensor` can stand in for `param`'s storage: same shape,
+    dtype and device, contiguous."""
+    return (tensor is not None and tensor.shape == param.shape and tensor.dtype == param.dtype
+            and tensor.device == param.device and tensor.is_contiguous())
+
+
 class AdamState:
     """The checkpoint's view of this run's AdamW (checkpoint.state.OptimizerState),
     whichever implementation steps and wherever it counts steps: the moments
@@ -90,6 +97,7 @@ class AdamState:
         self.inner: torch.optim.Optimizer = optimizer.inner if self.sharded else optimizer
         self.shards = {id(s.param): s for s in optimizer.shards} if self.sharded else {}
         self.step_in_groups = keeps_step_in_groups(self.inner)
+        self.stepped = {id(p) for group in self.inner.param_groups for p in group["params"]}
 
     def moments(self) -> MomentsOf:
         self._ensure_state()
@@ -109,12 +117,25 @@ class AdamState:
         checkpoint can be loaded into it."""
         for group in self.inner.param_groups:
             for p in group["params"]:
-                state = self.inner.state[p]
-                if state:
-                    continue
-                state.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                if not self.step_in_groups:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                if not self.inner.state[p]:
+                    self._start_state(p, torch.zeros_like(p), torch.zeros_like(p))
+
+    def _start_state(self, param: nn.Parameter, exp_avg: torch.Tensor,
+                     exp_avg_sq: torch.Tensor) -> None:
+        state = self.inner.state[param]
+        state.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
+        if not self.step_in_groups:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+
+    def adopt(self, param: nn.Parameter, moments: dict[str, Optional[torch.Tensor]]) -> None:
+        """Take `moments` (by name, whole tensors shaped like `param`) as the
+        state of a parameter that has none yet, instead of zeros a load then
+        overwrites; nothing where they do not fit (live replacement keeps a
+        rank's own moments this way: handover.py)."""
+        if self.sharded or id(param) not in self.stepped or self.inner.state[param]:
+            return
+        if all(like(m, param) for m in moments.values()):
+            self._start_state(param, moments["exp_avg"], moments["exp_avg_sq"])
 
     def step_count(self) -> int:
         if self.step_in_groups:

@@ -7,15 +7,17 @@ rank's RNG and the watchdog's calibration, and nothing else of the trainer.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional
 
+import torch
 import torch.nn as nn
 
+from megaresil.checkpoint.keys import MOMENTS, WEIGHTS, moment_key
 from megaresil.checkpoint.state import RunRecord, layout_record
 from megaresil.config import RecipeConfig, to_dict
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.random import capture_rng_state, restore_rng_state
-from megaresil.train.optim import AdamState
+from megaresil.train.optim import AdamState, like
 from megaresil.train.progress import Progress
 
 if TYPE_CHECKING:
@@ -70,6 +72,20 @@ class LiveTrainingState:
         return RunRecord(step=self.position.step, layout=self.layout_record(),
                         recipe=self.recipe, consumed_samples=self.position.consumed_samples,
                         optimizer_steps=self.optimizer.step_count(), extra=extra)
+
+    def adopt(self, whole: Mapping[str, torch.Tensor]) -> None:
+        """Take a previous generation's tensors of this rank (`whole`, by
+        key: weights and moments, each whole) as this state's storage
+        where they fit, instead of a load copying them in; what it does not
+        take is loaded as ever. Not under the distributed optimizer: its
+        row shards are views of the storage the parameters had at build."""
+        if self.optimizer.sharded:
+            return
+        for key, param in self.named_params:
+            self.optimizer.adopt(param, {m: whole.get(moment_key(m, key)) for m in MOMENTS})
+            weight = whole.get(f"{WEIGHTS}{key}")
+            if like(weight, param):
+                param.data = weight
 
     def rng_state(self) -> dict:
         return capture_rng_state()

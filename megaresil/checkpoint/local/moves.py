@@ -2,8 +2,8 @@
 shard to the ranks that need it, point to point on a tier's own group
 (`Collectives`, on its owning thread): sizes first, then the payloads, and
 what arrives is checked against its checksums before anything uses it. The
-local tier moves its replicas this way; live replacement moves a peer's
-state from memory (train/handover.py)."""
+local tier moves its replicas this way (live replacement moves a peer's
+state from memory straight into the receiver's tensors: train/handover.py)."""
 from __future__ import annotations
 
 from typing import Optional

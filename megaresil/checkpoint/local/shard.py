@@ -5,6 +5,7 @@ resume copies the bytes back with no resharding, so it is bit-exact."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
@@ -90,25 +91,37 @@ def add_checksums(data: torch.Tensor, records: list[dict]) -> None:
         rec["checksum"] = fmt.checksum(data[rec["start"]: rec["start"] + rec["nbytes"]])
 
 
+def matched(meta: dict, targets: list[Rect], fix: str = "") -> list[tuple[dict, Rect]]:
+    """Each of a shard's records with this rank's target of the same
+    identity and dtype, in the records' order; CheckpointError (with `fix`)
+    unless the two hold the same tensors."""
+    identities = [(rec["key"], tuple(rec["offset"]), tuple(rec["shape"])) for rec in meta["rects"]]
+    saved = dict(zip(identities, meta["rects"]))
+    by_identity = {t.identity(): t for t in targets}
+    differ = list(by_identity.keys() ^ saved.keys())
+    differ += [i for i, n in Counter(identities).items() if n > 1]
+    differ += [i for i in by_identity.keys() & saved.keys()
+               if saved[i]["dtype"] != fmt.dtype_name(by_identity[i].tensor)]
+    if differ:
+        names = sorted(str(i[0]) for i in differ)
+        raise fmt.CheckpointError(f"the shard of rank {meta['owner']} at step {meta['step']} "
+                                  f"does not hold this rank's tensors ({', '.join(names[:4])})"
+                                  + (f"; Fix: {fix}" if fix else ""))
+    return [(rec, by_identity[identity]) for identity, rec in saved.items()]
+
+
 def unpack_into(shard: Shard, targets: list[Rect]) -> None:
     """Fill this rank's `targets` from its own shard, matched by identity."""
-    saved = {(rec["key"], tuple(rec["offset"]), tuple(rec["shape"])): rec
-             for rec in shard.meta["rects"]}
-    wanted = {t.identity() for t in targets}
-    if wanted != set(saved):
-        differ = sorted(str(i[0]) for i in wanted ^ set(saved))
-        raise fmt.CheckpointError(f"the local shard of rank {shard.owner} at step {shard.step} "
-                                  f"does not hold this rank's tensors ({', '.join(differ[:4])}); "
-                                  "Fix: set checkpoint.local.enabled=false for this restart")
     with torch.no_grad():
-        for t in targets:
-            t.tensor.copy_(view_of(shard.data, saved[t.identity()]))
+        for rec, target in matched(shard.meta, targets,
+                                   fix="set checkpoint.local.enabled=false for this restart"):
+            target.tensor.copy_(view_of(shard.data, rec))
 
 
-def saved_run_record(shard: Shard) -> RunRecord:
-    """The shard's run state, its owner's RNG state placed at the owner's
-    rank (the only one a rank restores)."""
-    saved = RunRecord.from_manifest(shard.meta["run"])
-    saved.rank_states = [None] * shard.meta["world"]
-    saved.rank_states[shard.owner] = shard.meta["rank_state"]
+def saved_run_record(meta: dict) -> RunRecord:
+    """A shard's run state (`meta`: its meta record), its owner's RNG state
+    placed at the owner's rank (the only one a rank restores)."""
+    saved = RunRecord.from_manifest(meta["run"])
+    saved.rank_states = [None] * meta["world"]
+    saved.rank_states[meta["owner"]] = meta["rank_state"]
     return saved

@@ -267,7 +267,7 @@ class LocalTier(BackgroundSaves):
             self.store.write(received)  # this node holds its own shard again
         shard = received or self.loaded[self.rank]
         unpack_into(shard, shard_rects(state))
-        saved = saved_run_record(shard)
+        saved = saved_run_record(shard.meta)
         state.restore(saved)
         self.loaded.clear()
         return saved
