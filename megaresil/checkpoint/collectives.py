@@ -91,12 +91,21 @@ class Collectives:
                  recvs: list[tuple[int, int, torch.Tensor]]) -> None:
         """Point-to-point: send each (peer, tag, tensor), and fill each
         (peer, tag, tensor) from the send of that peer with that tag."""
-        if self.group is None:
-            return
+        if self.group is not None:
+            self._on_owner(lambda: [work.wait() for work in self._posted(sends, recvs)])
 
-        def run():
-            works = [dist.isend(t, dst=peer, group=self.group, tag=tag) for peer, tag, t in sends]
-            works += [dist.irecv(t, src=peer, group=self.group, tag=tag) for peer, tag, t in recvs]
-            for work in works:
-                work.wait()
-        self._on_owner(run)
+    def post(self, sends: list[tuple[int, int, torch.Tensor]],
+             recvs: list[tuple[int, int, torch.Tensor]]) -> list[dist.Work]:
+        """`exchange` started: its sends' and receives' works, in that order,
+        each to be waited for with `finish`; the caller works meanwhile."""
+        return [] if self.group is None else self._on_owner(self._posted, sends, recvs)
+
+    def finish(self, work: dist.Work) -> None:
+        """Wait for a posted work, once: a gloo receive waited for again
+        waits for another message (checked on torch 2.13)."""
+        self._on_owner(work.wait)
+
+    def _posted(self, sends, recvs) -> list[dist.Work]:
+        works = [dist.isend(t, dst=peer, group=self.group, tag=tag) for peer, tag, t in sends]
+        return works + [dist.irecv(t, src=peer, group=self.group, tag=tag)
+                        for peer, tag, t in recvs]

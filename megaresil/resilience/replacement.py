@@ -29,7 +29,12 @@ REPLACEMENT_ENV = "MEGARESIL_REPLACEMENT"
 # lost), and waiting the whole join timeout would only delay the relaunch
 # that recovers the job.
 NOTICE_S = 5.0
-POLL_S = 0.1
+POLL_S = 0.1  # how often a waiting rank looks at who is missing (a store read per rank)
+# How often a waiting rank reads the count of ranks entered (one store read),
+# so the wait ends within this of the last one entering; at most this many
+# reads a second from all ranks together.
+ENTERED_POLL_S = 0.01
+ENTERED_READS_PER_S = 20_000
 
 
 class ReplacementFailed(Exception):
@@ -53,10 +58,15 @@ def member_key(generation: int, rank: int) -> str:
     return f"gen{generation}/pid/{rank}"
 
 
+def entered_key(generation: int) -> str:
+    return f"gen{generation}/entered"
+
+
 def enter(store: dist.Store, generation: int, rank: int) -> None:
     """Record that this process is `rank` in `generation`."""
     store.set("generation", str(generation))
     store.set(member_key(generation, rank), str(os.getpid()))
+    store.add(entered_key(generation), 1)
 
 
 def is_replacement() -> bool:
@@ -123,25 +133,39 @@ def await_members(store: dist.Store, generation: int, world: int, join_timeout_s
     missing after `join_timeout_s`, or once this rank is told to stop (the
     agent is stopping the workers)."""
     started = clock()
+    looked = started - POLL_S  # look at once
     beats = Liveness(store, generation - 1, clock)
     while True:
-        missing = [r for r in range(world) if not store.check([member_key(generation, r)])]
-        if not missing:
-            return
+        now = clock()
+        due = now - looked >= POLL_S
+        # The count only says when to look: a rank that entered twice (a
+        # replacement lost in turn) must not stand in for a missing one.
+        if due or store.add(entered_key(generation), 0) >= world:
+            missing = [r for r in range(world) if not store.check([member_key(generation, r)])]
+            if not missing:
+                return
         if stopping():
             raise ReplacementFailed("told to stop while waiting for the replacement")
-        now = clock()
-        orphaned = [r for r in missing if beats.silent_s(r, now) > NOTICE_S
-                    and not replacement_started(store, generation, r)]
-        if orphaned:
-            raise ReplacementFailed(f"no replacement was started for rank(s) {orphaned} "
-                                    f"within {NOTICE_S:.0f}s (its node is lost, or the "
-                                    "replacement budget is spent): relaunching the job")
-        if now - started > join_timeout_s:
-            raise ReplacementFailed(f"the replacement of rank(s) {missing} did not join within "
-                                    f"{join_timeout_s:.0f}s "
-                                    "(resilience.replacement.join_timeout_s): relaunching the job")
-        sleep(POLL_S)
+        if due:
+            looked = now
+            give_up_on(missing, store, generation, beats, now, now - started, join_timeout_s)
+        sleep(max(ENTERED_POLL_S, world / ENTERED_READS_PER_S))
+
+
+def give_up_on(missing: list[int], store: dist.Store, generation: int, beats: Liveness,
+               now: float, waited_s: float, join_timeout_s: float) -> None:
+    """Raise ReplacementFailed when a missing rank has no replacement started
+    and has been silent for NOTICE_S, or after the join timeout."""
+    orphaned = [r for r in missing if beats.silent_s(r, now) > NOTICE_S
+                and not replacement_started(store, generation, r)]
+    if orphaned:
+        raise ReplacementFailed(f"no replacement was started for rank(s) {orphaned} "
+                                f"within {NOTICE_S:.0f}s (its node is lost, or the "
+                                "replacement budget is spent): relaunching the job")
+    if waited_s > join_timeout_s:
+        raise ReplacementFailed(f"the replacement of rank(s) {missing} did not join within "
+                                f"{join_timeout_s:.0f}s "
+                                "(resilience.replacement.join_timeout_s): relaunching the job")
 
 
 class Liveness:

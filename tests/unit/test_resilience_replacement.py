@@ -8,9 +8,9 @@ import json
 import pytest
 import torch.distributed as dist
 
-from megaresil.resilience.replacement import (NOTICE_S, ReplacementFailed, announce_replacement,
-                                              await_members, enter, generation_to_join,
-                                              lost_in_setup, set_up)
+from megaresil.resilience.replacement import (ENTERED_POLL_S, NOTICE_S, ReplacementFailed,
+                                              announce_replacement, await_members, enter,
+                                              generation_to_join, lost_in_setup, set_up)
 from megaresil.train.handover import live_plan
 
 
@@ -156,3 +156,34 @@ def test_a_rank_told_to_stop_stops_waiting():
     with pytest.raises(ReplacementFailed, match="told to stop"):
         await_members(store, 1, 2, 120.0, stopping=lambda: clock.now > 1.0, clock=clock,
                       sleep=clock.sleep)
+
+
+def test_the_wait_ends_within_a_count_poll_of_the_last_rank_entering():
+    """The ranks entered are counted: the wait ends ENTERED_POLL_S after the
+    last one enters, not at the next look at who is missing (POLL_S)."""
+    store, clock = dist.HashStore(), FakeClock()
+    enter(store, 1, 0)
+
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        if 0.13 < clock.now < 0.14:
+            enter(store, 1, 1)
+
+    await_members(store, 1, 2, 60.0, clock=clock, sleep=sleep)
+    assert 0.13 < clock.now <= 0.14 + ENTERED_POLL_S
+
+
+def test_a_rank_entered_twice_does_not_stand_in_for_a_missing_one():
+    store, clock = dist.HashStore(), FakeClock()
+    set_pid(store, 0, 1, 4242)
+    announce_replacement(store, 4242, 4343)
+    enter(store, 1, 0)
+    enter(store, 1, 0)  # the count is 2 of 2, rank 1 is still missing
+
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        if clock.now > 3.0:
+            enter(store, 1, 1)
+
+    await_members(store, 1, 2, 60.0, clock=clock, sleep=sleep)
+    assert 3.0 < clock.now < 3.0 + 2 * ENTERED_POLL_S
