@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megaresil.checkpoint.collectives import Collectives, own_group, wait_for
 from megaresil.checkpoint.staging import StagingCopy
+from megaresil.fencing import Fence
 
 
 class SaveReport:
@@ -146,6 +147,11 @@ class BackgroundSaves:
         if not self.abandoned:
             self.wait()
         self.executor.shutdown(wait=not self.abandoned)
+
+    def check_fence(self, fence: Fence, write: str) -> None:
+        """The fence's check before a commit (Fence.check), which records no
+        `fenced` for a save this tier abandoned."""
+        fence.check(write, abandoned=lambda: self.abandoned)
 
     def abandon(self) -> None:
         """The job failed: do not wait for the save in flight (its peers may

@@ -236,7 +236,7 @@ class Checkpointer(BackgroundSaves):
         if self.fence is None:
             return
         try:
-            self.fence.check(write, abandoned=lambda: self.abandoned)
+            self.check_fence(self.fence, write)
         except Fenced:
             shutil.rmtree(partial, ignore_errors=True)
             raise

@@ -12,10 +12,11 @@ which reshards.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -65,18 +66,13 @@ class LocalTier(BackgroundSaves):
         # rank the job re-formed without: they could replace the re-formed
         # job's shards of the same step on this node.
         self.store = NodeStore(node_dir(root, topology.node_of(self.rank)),
-                               admit=self._fenced_admission(fence) if fence else None)
+                               admit=functools.partial(self.check_fence, fence) if fence else None)
         self.mine = [self.rank, *topology.sources(self.rank)]  # the shards this rank writes
         self.cadence = Cadence(interval)
         self.buffer: Optional[torch.Tensor] = None  # staging, reused by every save
         self.recv_buffers: dict[int, torch.Tensor] = {}
         self.loaded: dict[int, Shard] = {}  # start-up: shards of the chosen step, by owner
         self.pause: Optional[Pause] = None  # set and cleared by saves' agreement (and start-up)
-
-    def _fenced_admission(self, fence: Fence) -> Callable[[str], None]:
-        """The store's check before a commit: the fence's, which records no
-        `fenced` for a save this rank abandoned (see Fence.check)."""
-        return lambda write: fence.check(write, abandoned=lambda: self.abandoned)
 
     # --- saving --------------------------------------------------------------------
 
