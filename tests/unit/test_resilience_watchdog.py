@@ -222,6 +222,47 @@ def test_a_rank_that_leaves_the_generation_while_an_abort_is_on_its_way_is_not_h
     assert json.loads(store.get("hb/0/0"))["state"] == "left"
 
 
+class LeavingStore:
+    """A store on which the training thread leaves the generation (pause)
+    just after the monitor found an abort announced, before it reads it."""
+
+    def __init__(self, store):
+        self.store, self.read, self.watchdog = store, [], None
+
+    def check(self, keys):
+        found = self.store.check(keys)
+        if found and keys == ["abort/0"]:
+            self.watchdog.pause()
+        return found
+
+    def get(self, key):
+        self.read.append(key)
+        return self.store.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_the_monitor_reads_the_abort_of_the_generation_it_judges_though_the_rank_left_it(
+        tmp_path, capsys):
+    # It read `abort/None` instead: a key nobody sets, so the read waited for
+    # the store's timeout while holding the store's client, and the rank's
+    # own "left" heartbeat waited behind it (a 43 s stall, then a relaunch).
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=1))
+    leaving = LeavingStore(store)
+    wd = watchdog(tmp_path, leaving, FakeClock(), FakeCpu())
+    leaving.watchdog = wd
+    store.set("abort/0", json.dumps({"reason": "error", "rank": 1}))
+    try:
+        wd.poll()
+    finally:
+        wd.close()
+    assert leaving.read == ["abort/0"]
+    assert "megaresil watchdog" not in capsys.readouterr().err
+    assert json.loads(store.get("hb/0/0"))["state"] == "left"
+
+
 def save_section_with_a_peer(tmp_path, clock: FakeClock, peer_beats_until: float):
     """Rank 0 of two (node n0) blocked in a save's checkpoint section (budget
     300 s), its peer (node n1) blocked too, beating until `peer_beats_until`."""

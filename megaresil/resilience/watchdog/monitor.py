@@ -191,9 +191,14 @@ class Watchdog:
             if not self.stop.is_set() and self.generation is not None:
                 print(f"megaresil watchdog (rank {self.rank}): {err}", file=sys.stderr)
 
-    def _key(self, what: str, rank: int | None = None,
-             generation: int | None = None) -> str:
-        generation = self.generation if generation is None else generation
+    @staticmethod
+    def _key(what: str, generation: int, rank: int | None = None) -> str:
+        """A store key of the generation the caller judges, passed in: the
+        training thread may leave it meanwhile (pause), and a key read off
+        `self.generation` then named generation None. A `get` of such a key
+        waited for the store's timeout, holding the store's client, so the
+        leaving rank's own "left" heartbeat waited behind it: it neither
+        failed nor answered SIGTERM, and its peers relaunched the job."""
         return f"{what}/{generation}" + (f"/{rank}" if rank is not None else "")
 
     def _check(self, generation: int, now: float) -> None:
@@ -201,8 +206,8 @@ class Watchdog:
             self._publish(generation)
         if now >= self.next_abort_poll:
             self.next_abort_poll = now + self.abort_poll_every
-            if self.store.check([self._key("abort")]):
-                self._abort(generation, json.loads(self.store.get(self._key("abort"))))
+            if self.store.check([self._key("abort", generation)]):
+                self._abort(generation, json.loads(self.store.get(self._key("abort", generation))))
                 return
         section, step, started = self.current
         waited = now - started
@@ -220,7 +225,7 @@ class Watchdog:
                 return  # the rank left this generation meanwhile: keep its "left"
             self.next_heartbeat = now + self.heartbeat_every
             self.beats += 1
-            self.store.set(self._key("hb", self.rank, generation),
+            self.store.set(self._key("hb", generation, self.rank),
                            json.dumps(self._record(state, now)))
 
     def _record(self, state: str, now: float) -> dict:
@@ -244,7 +249,7 @@ class Watchdog:
             return
         if now >= alarm.next_read:
             alarm.next_read = now + self.heartbeat_every
-            self._read_culprits(alarm, now)
+            self._read_culprits(generation, alarm, now)
         states = [self._culprit_state(r, now, self.budget(alarm.section))
                   for r in alarm.culprits]
         found = verdict(states, waited, self.slow_limit(alarm.section), alarm.suspected)
@@ -252,7 +257,7 @@ class Watchdog:
             self._declare(generation, alarm, waited, found, now)
         elif found == "suspect":
             alarm.suspected = True
-            self._suspect(alarm, waited)
+            self._suspect(generation, alarm, waited)
 
     def _watch_for_silence(self, generation: int, alarm: Alarm, waited: float,
                            now: float) -> None:
@@ -261,24 +266,25 @@ class Watchdog:
         Every rank's heartbeat is read: whoever is furthest behind is no sign."""
         if now >= alarm.next_read:
             alarm.next_read = now + self.heartbeat_every
-            self._heartbeats(range(self.world), now)
+            self._heartbeats(generation, range(self.world), now)
         silent = self.peers.gone(now)
         if silent:
             alarm.culprits = sorted(silent)
             self._declare(generation, alarm, waited, "silent", now)
 
-    def _read_culprits(self, alarm: Alarm, now: float) -> None:
+    def _read_culprits(self, generation: int, alarm: Alarm, now: float) -> None:
         """Refresh the culprits' heartbeats; every rank's on the first read,
         or when a culprit has moved on (someone else holds the job now)."""
-        if alarm.culprits and alarm.culprits_stayed(self._heartbeats(alarm.culprits, now)):
+        if alarm.culprits and alarm.culprits_stayed(self._heartbeats(generation, alarm.culprits,
+                                                                     now)):
             return
-        alarm.name_culprits(self._heartbeats(range(self.world), now),
+        alarm.name_culprits(self._heartbeats(generation, range(self.world), now),
                             frozenset(self.peers.gone(now)))
 
-    def _heartbeats(self, ranks, now: float) -> dict[int, dict | None]:
+    def _heartbeats(self, generation: int, ranks, now: float) -> dict[int, dict | None]:
         """The ranks' latest heartbeats (this rank's as it is now); notes
         which peers wrote a new one since the last read."""
-        keys = {r: self._key("hb", r) for r in ranks if r != self.rank}
+        keys = {r: self._key("hb", generation, r) for r in ranks if r != self.rank}
         if self.store.check(list(keys.values())):
             values = self.store.multi_get(list(keys.values()))
             beats = {r: json.loads(v) for r, v in zip(keys, values)}
@@ -307,10 +313,10 @@ class Watchdog:
                 "waited_s": round(waited, 3), "budget_s": round(budget, 3),
                 "culprit_ranks": alarm.culprits}
 
-    def _suspect(self, alarm: Alarm, waited: float) -> None:
+    def _suspect(self, generation: int, alarm: Alarm, waited: float) -> None:
         """One warning per section and step for the whole job."""
         report = self._report(alarm, waited)
-        key = self._key(f"suspect/{alarm.section}/{alarm.step}")
+        key = self._key(f"suspect/{alarm.section}/{alarm.step}", generation)
         if self.store.compare_set(key, "", str(self.rank)) == str(self.rank).encode():
             self.events.emit("hang_suspected", **{k: v for k, v in report.items() if k != "rank"})
 
@@ -319,21 +325,21 @@ class Watchdog:
         budget = self.budgets.silence_budget(alarm.section) if why == "silent" else None
         report = {**self._report(alarm, waited, budget), "why": why,
                   "stack_dump": str(self.hang_dir / f"generation_{generation}")}
-        unreachable = self._unreachable(now)
+        unreachable = self._unreachable(generation, now)
         if unreachable:
             report["unreachable"] = unreachable
         mine = json.dumps(report)
-        if self.store.compare_set(self._key("hang"), "", mine) == mine.encode():
+        if self.store.compare_set(self._key("hang", generation), "", mine) == mine.encode():
             self.events.emit("hang_detected", **{k: v for k, v in report.items() if k != "rank"})
-            self.store.set(self._key("abort"), json.dumps({"reason": "hang", **report}))
+            self.store.set(self._key("abort", generation), json.dumps({"reason": "hang", **report}))
         self._abort(generation, {"reason": "hang", **report})
 
-    def _unreachable(self, now: float) -> list[dict]:
+    def _unreachable(self, generation: int, now: float) -> list[dict]:
         """Nodes whose ranks all went silent, from every rank's heartbeat
         read afresh (the alarm re-read only its culprits')."""
         if self.node is None:
             return []
-        self._heartbeats(range(self.world), now)
+        self._heartbeats(generation, range(self.world), now)
         return unreachable_nodes(self.peers, now, self.node)
 
     # --- aborting -------------------------------------------------------------------
