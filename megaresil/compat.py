@@ -109,6 +109,11 @@ def release_failed_backward(device: torch.device) -> None:
         torch.ones(1, device=device, requires_grad=True).sum().backward()
 
 
+def viewed(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor `tensor` is a view of (its `_base`), or itself."""
+    return tensor if tensor._base is None else tensor._base
+
+
 def abort_process_groups() -> None:
     """Abort every process group's communicators (NCCL frees blocked
     collectives this way; gloo ignores it, see design.md §4)."""

@@ -1,6 +1,6 @@
 """Live replacement, the trainer's side: a rank that lost a peer keeps its
-state in memory for the next generation (as one local-tier shard, checksummed),
-and the next generation takes every rank's state from memory, its own or a
+state in host memory for the next generation (its tensors, described as a
+local-tier shard), and the next generation takes every rank's state from memory, its own or a
 data-parallel peer's, at the newest step the job completed: no completed
 step is lost. Where no live rank holds a rank's state at that step (dp = 1,
 all its replicas lost, or optimizer.distributed, whose optimizer shards live
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.collectives import Collectives, own_group
+from megaresil.compat import viewed
 from megaresil.checkpoint.local.replication import decode_meta, encode_meta, transfers
 from megaresil.checkpoint.local.shard import (matched, rect_records, saved_run_record, shard_meta,
                                               shard_rects, stage, view_of)
@@ -61,8 +62,7 @@ def carried_state(state: TrainingState, rank: int, world: int) -> Carried:
     if all(r.tensor.device.type == "cpu" for r in rects):
         records, _ = rect_records(rects)
         tensors = [r.tensor.detach().contiguous() for r in rects]
-        # A rect of the vocabulary's rows is a view of its whole tensor.
-        whole = {r.key: r.tensor if r.tensor._base is None else r.tensor._base for r in rects}
+        whole = {r.key: viewed(r.tensor) for r in rects}  # a rect of vocabulary rows is a view
     else:
         buffer, records = stage(rects, None)
         tensors, whole = [view_of(buffer, rec) for rec in records], {}
