@@ -83,6 +83,9 @@ def _loaded(e: dict) -> str:
     if saved and saved != now:
         dims = lambda d: f"tp{d.get('tp')}xpp{d.get('pp')}xdp{d.get('dp')}"
         line += f", resharded from {dims(saved)} to {dims(now)}"
+    not_live = (e.get("skipped") or {}).get("live")
+    if not_live:  # live replacement was on and lost steps: say why
+        line += f"; the ranks' memory could not serve: {not_live}"
     return line
 
 

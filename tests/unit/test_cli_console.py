@@ -258,6 +258,17 @@ def test_a_hang_on_a_silent_rank_says_it_stopped_beating():
                     "stacks in runs/a/hangs/generation_0")
 
 
+def test_a_resume_live_replacement_could_not_serve_says_why_in_its_line():
+    line = incident_line({"event": "checkpoint_loaded", "tier": "global", "step": 4,
+                          "path": "runs/a/checkpoints/step_0000004",
+                          "skipped": {"local": "the local tier is off",
+                                      "live": "no live rank holds rank(s) [1]'s state at step "
+                                              "39: no live data-parallel peer holds it"}})
+    assert line == ("megaresil: resumed from runs/a/checkpoints/step_0000004 (step 4); the ranks' "
+                    "memory could not serve: no live rank holds rank(s) [1]'s state at step 39: "
+                    "no live data-parallel peer holds it")
+
+
 def test_a_hang_that_names_an_unreachable_node_says_so_in_one_line():
     line = incident_line({"event": "hang_detected", "section": "optimizer", "step": 8,
                           "waited_s": 3.3, "budget_s": 2.0, "culprit_ranks": [6], "why": "stuck",
