@@ -15,7 +15,8 @@ parallel/layout.py `use_device`); `order_before_update` runs on the training thr
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import time
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -76,6 +77,19 @@ class StagingCopy:
         """Save thread, before reading the copies: they have landed."""
         if self.done is not None:
             self.done.synchronize()
+
+    def landed_within(self, seconds: float, clock: Callable[[], float] = time.monotonic,
+                      sleep: Callable[[float], None] = time.sleep) -> bool:
+        """Whether the copies have landed, waiting `seconds` at most: after a
+        failure a copy may be queued behind a kernel that never ends (a
+        collective a lost peer left), and a caller that must not hang gives
+        up on it."""
+        deadline = clock() + seconds
+        while self.done is not None and not self.done.query():
+            if clock() > deadline:
+                return False
+            sleep(0.01)
+        return True
 
     def order_before_update(self) -> None:
         """Training thread, before the optimizer changes the saved tensors (and

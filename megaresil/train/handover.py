@@ -23,6 +23,7 @@ from megaresil.checkpoint.local.shard import (matched, rect_records, saved_run_r
                                               shard_rects, stage, view_of)
 from megaresil.checkpoint.keys import MOMENTS, moment_key
 from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.train.replicas import replica_groups
@@ -56,15 +57,24 @@ class Carried:
         return sum(rec["nbytes"] for rec in self.meta["rects"])
 
 
-def carried_state(state: TrainingState, rank: int, world: int) -> Carried:
-    """This rank's state, kept in host memory for the next generation."""
+# How long a GPU rank waits for its state to land on the host after a failure.
+LANDING_S = 10.0
+
+
+def carried_state(state: TrainingState, rank: int, world: int) -> Optional[Carried]:
+    """This rank's state, kept in host memory for the next generation; None
+    when a GPU's copy did not land within LANDING_S (queued behind a hung
+    kernel): the rank carries nothing and the job resumes from the checkpoints."""
     rects = shard_rects(state)
     if all(r.tensor.device.type == "cpu" for r in rects):
         records, _ = rect_records(rects)
         tensors = [r.tensor.detach().contiguous() for r in rects]
         whole = {r.key: viewed(r.tensor) for r in rects}  # a rect of vocabulary rows is a view
     else:
-        buffer, records = stage(rects, None)
+        copy = StagingCopy.of([r.tensor for r in rects])
+        buffer, records = stage(rects, None, copy)
+        if not copy.landed_within(LANDING_S):  # enqueued on a side stream
+            return None
         tensors, whole = [view_of(buffer, rec) for rec in records], {}
     meta = shard_meta(state.run_record(), rank, world, state.rng_state(), records)
     return Carried(meta, tensors, whole)

@@ -383,7 +383,8 @@ class Trainer:
 
     def hand_over(self) -> Optional[Carried]:
         """This rank's state for the next generation (live replacement), or
-        None when a failure caught it mid-change (an update, a load)."""
+        None when a failure caught it mid-change (an update, a load) or, on a
+        GPU, its copy to the host did not land (handover.carried_state)."""
         if not self.state.settled:
             return None
         return carried_state(self.checkpoint_state, self.layout.rank, self.layout.world_size)

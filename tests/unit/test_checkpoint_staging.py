@@ -87,6 +87,23 @@ def test_staging_host_memory_is_pinned_only_for_gpu_sources():
     torch.testing.assert_close(copy, source, rtol=0, atol=0)
 
 
+class NeverDone:
+    """A CUDA event recorded behind a kernel that never ends."""
+
+    def query(self) -> bool:
+        return False
+
+
+def test_a_copy_that_never_lands_is_given_up_on_after_its_bound():
+    clock = [0.0]
+    copy = StagingCopy(torch.device("cpu"))
+    assert copy.landed_within(10.0, clock=lambda: clock[0])  # nothing enqueued: landed
+    copy.done = NeverDone()
+    assert not copy.landed_within(10.0, clock=lambda: clock[0],
+                                  sleep=lambda s: clock.__setitem__(0, clock[0] + s))
+    assert 10.0 < clock[0] < 10.1
+
+
 def test_watchdog_thread_works_on_the_trainers_device(tmp_path, monkeypatch):
     """The monitor thread (which aborts NCCL groups) makes the trainer's
     device current first; it would start on GPU 0."""
