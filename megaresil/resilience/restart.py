@@ -419,4 +419,9 @@ def run_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device,
     """Run `make_job`'s jobs as this rank until one finishes, exits at
     train.exit_at_step or is preempted; failures the launcher must handle
     propagate."""
+    # What is loaded by now (torch, the trainer's modules) lives as long as the
+    # process: left out of the collection each teardown makes, which otherwise
+    # scans all of it (per rank at 1 GB: 0.13-0.33 s -> 0.05-0.09 s, on the
+    # path from a lost process to the next generation).
+    gc.freeze()
     return WorkerLife(cfg, rank, world, device, make_job).run()
