@@ -25,7 +25,7 @@ from megaresil.checkpoint.keys import MOMENTS, moment_key
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
-from megaresil.parallel.layout import ParallelLayout
+from megaresil.parallel.layout import ParallelLayout, use_device
 from megaresil.train.replicas import replica_groups
 
 
@@ -143,14 +143,15 @@ def recover_live(state: TrainingState, carried: Optional[Carried], plan: LivePla
                  rank: int, device: torch.device) -> RunRecord:
     """Collective: the ranks whose state is behind or lost receive a peer's
     (point to point, on a group and thread of their own); every rank loads
-    its state at the plan's step. A rank that sends copies its own state
-    meanwhile: both only read what it carries, and a receiver waits for the
-    sending, not for the copy."""
+    its state at the plan's step. A rank whose own state serves adopts the
+    tensors it carried (on the CPU) and copies in the rest (on a GPU, all of
+    it) on a thread of its own, while it sends: both only read what it
+    carries, and a receiver waits for the sending, not for the copy."""
     moves = transfers(plan.sources)
     state.adopt(carried.whole if plan.sources[rank] == rank else blank_moments(state))
     targets = shard_rects(state)
     members = sorted({r for move in moves for r in move})
-    with ThreadPoolExecutor(1) as copier:
+    with ThreadPoolExecutor(1, initializer=use_device, initargs=(device,)) as copier:
         own = copier.submit(fill_from, carried, targets) if plan.sources[rank] == rank else None
         received = None
         if rank in members:
