@@ -126,6 +126,11 @@ _GLOO_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Bro
                    "connectFullMesh failed")
 
 
+def lost_peer_message(text: str) -> bool:
+    """Whether an error's text is gloo's report of a lost peer."""
+    return any(m in text for m in _GLOO_LOST_PEER)
+
+
 def lost_peer_error(err: BaseException) -> bool:
     """Whether a collective failed because a peer process is gone, also when
     the failure arrives wrapped (torch.distributed.pipelining re-raises a
@@ -134,7 +139,7 @@ def lost_peer_error(err: BaseException) -> bool:
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, dist.DistNetworkError) or (
-                type(err) is RuntimeError and any(m in str(err) for m in _GLOO_LOST_PEER)):
+                type(err) is RuntimeError and lost_peer_message(str(err))):
             return True
         err = err.__cause__ or err.__context__
     return False

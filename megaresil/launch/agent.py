@@ -14,14 +14,14 @@ from typing import Optional
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousConnectionError, RendezvousError)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.checkpoint.recipe_check import check_resume_recipe
-from megaresil.compat import (elastic_agent_class, elastic_stores_listening_on,
+from megaresil.compat import (elastic_agent_class, elastic_stores_listening_on, lost_peer_message,
                               workers_store_per_round)
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
@@ -200,16 +200,31 @@ def interrupted(ending: Optional[dict]) -> int:
 def failure_summary(err: ChildFailedError) -> str:
     """One line for the failure that ended the job: rank, exit, and the
     exception's own first line (not TorchElastic's traceback dump)."""
-    rank, failure = err.get_first_failure()
-    message = failure.message
-    if isinstance(message, dict):  # an error file written by @record
-        message = message.get("message", "")
-    first_line = next(iter(str(message).strip().splitlines()), "")
+    rank, failure = root_failure(err)
+    first_line = first_line_of(failure)
     if failure.exitcode == HANG_EXIT_CODE:
         first_line = "a hang (see the hang line above and run.dir/hangs/)"
     elif not first_line or first_line.startswith("To enable traceback"):
         first_line = "the process exited without a report"
     return f"rank {rank} ended with exit code {failure.exitcode}: {first_line[:300]}"
+
+
+def root_failure(err: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The earliest failure that is not a lost peer, else the earliest. A
+    rank whose peer failed sees only gloo's "Connection closed by peer", and
+    may record it in the same second as the peer records its own cause, or
+    before (TorchElastic's get_first_failure takes the earliest, in whole
+    seconds)."""
+    failures = sorted(err.failures.items(), key=lambda item: item[1].timestamp)
+    own = [item for item in failures if not lost_peer_message(first_line_of(item[1]))]
+    return (own or failures)[0]
+
+
+def first_line_of(failure: ProcessFailure) -> str:
+    message = failure.message
+    if isinstance(message, dict):  # an error file written by @record
+        message = message.get("message", "")
+    return next(iter(str(message).strip().splitlines()), "")
 
 
 def rendezvous_lost(membership: Membership, err: RendezvousError) -> str:

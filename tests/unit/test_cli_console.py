@@ -296,3 +296,31 @@ def test_ctrl_c_ends_a_drill_with_one_line_not_a_traceback(monkeypatch, capsys, 
     err = capsys.readouterr().err
     assert err == (f"megaresil: {command} stopped by Ctrl-C: nothing was reported; its runs "
                    "stopped, their directories stay under run.dir\n")
+
+
+def failed_process(local_rank: int, message: str, timestamp: int):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failure = ProcessFailure(local_rank=local_rank, pid=100 + local_rank, exitcode=1,
+                             error_file="/nonexistent")
+    failure.message, failure.timestamp = {"message": message}, timestamp
+    return failure
+
+
+def test_the_give_up_line_names_the_rank_whose_own_error_ended_the_job():
+    """A rank whose peer failed sees only a closed connection, and may record
+    it first (the worker that failed tears its groups down before its error
+    file is written): the line names the cause, not the echo."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from megaresil.launch.agent import failure_summary
+
+    echo = ("RuntimeError: [/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:37780. This is typically caused by a remote worker crashing.")
+    cause = "InjectedFault: injected exception (raise@rank1/step2/data)"
+    err = ChildFailedError("megaresil", {0: failed_process(0, echo, 10),
+                                         1: failed_process(1, cause, 11)})
+    assert failure_summary(err) == f"rank 1 ended with exit code 1: {cause}"
+    only_echoes = ChildFailedError("megaresil", {0: failed_process(0, echo, 10),
+                                                 1: failed_process(1, echo, 11)})
+    assert failure_summary(only_echoes).startswith("rank 0 ended with exit code 1: RuntimeError")
