@@ -20,7 +20,8 @@ from megaresil.config import ConfigError
 # checkpoint root): each must be a file or directory of its own, never a link.
 RUN_DIR_ENTRIES = ("metrics.jsonl", "events.jsonl", "recipe.yaml", "goodput.json",
                    "stragglers.jsonl", "run.lock", "checkpoints", "report", "hangs", "elastic",
-                   "profile", "tb", "wandb_run_id", "mlflow_run_id", "generation")
+                   "profile", "tb", "wandb_run_id", "mlflow_run_id", "generation",
+                   "excluded_nodes")
 # What a run writes in its checkpoint root, wherever that lies.
 CHECKPOINT_ROOT_ENTRIES = ("latest", "run.lock")
 

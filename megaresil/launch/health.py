@@ -14,6 +14,7 @@ what is read here."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import subprocess
 import time
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from megaresil.config import HealthConfig
-from megaresil.safe_files import write_atomic
+from megaresil.config import ConfigError, HealthConfig
+from megaresil.safe_files import own_dir, write_atomic
 
 EXCLUDED_DIR = "excluded_nodes"
 
@@ -109,7 +110,8 @@ def check_node(cfg: HealthConfig, gpus: int, gpus_needed: int) -> Optional[Failu
 
 
 class Exclusions:
-    """The nodes excluded from a run, one file each under RUN_DIR/excluded_nodes/."""
+    """The nodes excluded from a run, one file each under RUN_DIR/excluded_nodes/.
+    The file is what excludes its node: one that cannot be read still does."""
 
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir) / EXCLUDED_DIR
@@ -118,17 +120,44 @@ class Exclusions:
         return self.dir / f"{host}.json"
 
     def record(self, host: str, failure: Failure) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        own_dir(self.dir)  # a planted link there would take the record anywhere
         write_atomic(self.path(host), json.dumps({"host": host, "check": failure.check,
                                                   "reason": failure.reason,
                                                   "time": time.time()}))
 
-    def of(self, host: str) -> Optional[dict]:
-        """Why `host` was excluded, or None when it was not."""
+    def of(self, host: str) -> Optional[str]:
+        """Why `host` is excluded ("at TIME (CHECK check: REASON)", or why
+        its record cannot be read), or None when it is not."""
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ConfigError("run.dir", f"{self.dir} is not a directory: megaresil keeps a "
+                              "file per excluded node there.", f"remove {self.dir}.")
         try:
-            return json.loads(self.path(host).read_text())
+            raw = self.path(host).read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as err:  # a directory in its place, no permission
+            return f"(its record cannot be read: {err.strerror})"
+        return said_by(raw)
+
+
+def said_by(raw: bytes) -> str:
+    """What an exclusion record says, or that it cannot be read and why."""
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return "(its record cannot be read: not JSON)"
+    if not isinstance(record, dict):
+        return "(its record cannot be read: not a JSON object)"
+    check, reason, when = record.get("check"), record.get("reason"), record.get("time")
+    if not (isinstance(check, str) and isinstance(reason, str)):
+        return "(its record cannot be read: no check and reason)"
+    try:
+        if isinstance(when, bool) or not math.isfinite(when):
+            raise TypeError
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
+    except (TypeError, ValueError, OverflowError, OSError):  # not a time this host can show
+        return f"at an unreadable time ({check} check: {reason[:300]})"
+    return f"at {since} ({check} check: {reason[:300]})"
 
 
 def admission_refusal(cfg: HealthConfig, run_dir: Path, gpus: int, gpus_needed: int,
@@ -143,13 +172,11 @@ def admission_refusal(cfg: HealthConfig, run_dir: Path, gpus: int, gpus_needed: 
 def excluded_before(run_dir: Path, host: str) -> Optional[str]:
     """The line that says `host` was excluded from this run, or None."""
     exclusions = Exclusions(run_dir)
-    before = exclusions.of(host)
-    if before is None:
+    why = exclusions.of(host)
+    if why is None:
         return None
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(before["time"]))
-    return (f"node {host} was excluded from this run at {since} ({before['check']} check: "
-            f"{before['reason']}); after repairing it, delete {exclusions.path(host)} to "
-            "admit it again")
+    return (f"node {host} was excluded from this run {why}; after repairing it, delete "
+            f"{exclusions.path(host)} to admit it again")
 
 
 def exclusion_after_check(cfg: HealthConfig, run_dir: Path, gpus: int, gpus_needed: int,
