@@ -13,8 +13,11 @@ behind, uncorrectable ECC errors, retired pages and failed row remaps, is
 what is read here."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -77,17 +80,24 @@ def optional(nvml: Any, read):
 
 def command_problem(command: str, timeout_s: float) -> Optional[str]:
     """The command's verdict: None when it exits 0, else its last line of
-    output (or its exit code) as the reason."""
-    try:
-        result = subprocess.run(command, shell=True, capture_output=True, text=True,
-                                timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return f"`{command}` did not finish within resilience.health.timeout_s={timeout_s:g}"
-    if result.returncode == 0:
+    output (or its exit code) as the reason. It runs in a process group of
+    its own, killed whole when it returns or runs out of time: nothing it
+    started outlives the check (a spare checks every interval)."""
+    with subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"`{command}` did not finish within resilience.health.timeout_s={timeout_s:g}"
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # none of the group is left
+                os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode == 0:
         return None
-    lines = (result.stdout + result.stderr).strip().splitlines()
+    # Whatever bytes it printed (a locale's, a binary's): the reason is for a person.
+    lines = (out + err).decode(errors="replace").strip().splitlines()
     said = f": {lines[-1][:300]}" if lines else ""
-    return f"`{command}` exited with {result.returncode}{said}"
+    return f"`{command}` exited with {proc.returncode}{said}"
 
 
 def check_node(cfg: HealthConfig, gpus: int, gpus_needed: int) -> Optional[Failure]:

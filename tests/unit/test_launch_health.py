@@ -3,10 +3,15 @@ no GPU on this machine), the recipe's command, and the exclusion a failure
 leaves in the run directory."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
 import sys
+import time
 
+import psutil
 import pytest
 
 from megaresil.config import ConfigError, HealthConfig
@@ -105,6 +110,54 @@ def test_without_gpus_nvml_is_not_asked(tmp_path, monkeypatch):
                           host="gpu0")
 
 
+# --- the command's processes and output ---------------------------------------------------------
+
+def gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether `pid` has ended (a zombie no reaper collected counts), polled
+    briefly: a SIGKILL is delivered, not executed, by the kill() call."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def started(tmp_path):
+    """Pid files a command writes for the processes it starts; whatever of
+    them is left is killed at the end, whatever the test found."""
+    files = [tmp_path / f"pid{i}" for i in range(2)]
+    yield files
+    for file in files:
+        if file.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(file.read_text()), signal.SIGKILL)
+
+
+def test_a_command_out_of_time_leaves_none_of_its_processes_running(started):
+    """Only the shell was killed: its children ran on (one per interval on a spare)."""
+    a, b = started
+    command = f"sleep 300 & echo $! > {a}; sleep 300 & echo $! > {b}; wait"
+    assert "did not finish within resilience.health.timeout_s=1" in command_problem(command, 1)
+    assert gone(int(a.read_text())) and gone(int(b.read_text()))
+
+
+def test_a_command_that_ends_leaves_nothing_it_started_behind(started):
+    a, _ = started
+    assert command_problem(f"sleep 300 >/dev/null 2>&1 & echo $! > {a}; exit 0", 30) is None
+    assert gone(int(a.read_text()))
+
+
+def test_output_that_is_not_utf8_is_a_reason_not_a_crash():
+    assert command_problem(r"printf 'latin-1 \351t\351\n'; exit 0", 30) is None
+    failing = r"printf 'GPU \377 lost\n' >&2; exit 2"
+    assert command_problem(failing, 30) == f"`{failing}` exited with 2: GPU \ufffd lost"
+
+
 # --- the exclusion record ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("content", [b"garbage", b"{}", b"[]", b"null",
@@ -187,3 +240,14 @@ def test_train_refuses_a_planted_excluded_nodes_link(home):
                                                "files of its own, but these are links: "
                                                f"run/excluded_nodes -> {home / 'elsewhere'}.")
     assert list((home / "elsewhere").iterdir()) == []
+
+
+@pytest.mark.journey
+def test_a_health_command_that_prints_no_utf8_gets_its_line(home):
+    result = megaresil("train", "gpt-tiny", *SMALL, "run.dir=run",
+                       r"resilience.health.command=printf 'ib0 \377 down'; exit 1", cwd=home,
+                       check=False)
+    assert result.returncode == 1
+    assert launch_lines(result)[-1].startswith(
+        f"megaresil: node {socket.gethostname()} failed its health check (command: `printf "
+        r"'ib0 \377 down'; exit 1` exited with 1: ib0 " "\ufffd down) and is excluded")
