@@ -3,13 +3,17 @@
 Appended files are opened with `O_NOFOLLOW`; replaced files go through a
 fresh `O_EXCL` temporary file renamed over the name; the run's directories
 are refused when they are links (`own_dir`); `refuse_links` is the
-launcher's check before any worker starts. Paths a user names (`run.dir`,
+launcher's check before any worker starts. Files under predictable names in
+a directory every user may write (/dev/shm) lie in a directory of this
+user's own (`private_dir`). Paths a user names (`run.dir`,
 `checkpoint.dir`, `report --out`) are trusted as named, links included.
 docs/security.md ("Links in run directories") gives the rules."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO, Iterable
@@ -104,6 +108,25 @@ def own_dir(path: Path) -> Path:
     if path.is_symlink():
         raise LinkRefused(path)
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only this user may write in (made 0700 when
+    missing): the place for files under predictable names in a directory
+    every user may write, where another user could plant a link or a file
+    under a name before this user creates it. PermissionError (LinkRefused
+    for a link) when what is there is not such a directory."""
+    path = Path(path)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    found = os.lstat(path)
+    if stat.S_ISLNK(found.st_mode):
+        raise LinkRefused(path)
+    if (not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid()
+            or found.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+        raise PermissionError(errno.EACCES, f"{path} is not a directory of this user's own that "
+                              "only it may write in (another user may have made it)", str(path))
     return path
 
 

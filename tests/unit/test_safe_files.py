@@ -22,7 +22,7 @@ from megaresil.observe.goodput import write_goodput
 from megaresil.observe.loggers import kept_run_id
 from megaresil.observe.report import write_report
 from megaresil.resilience.stragglers import StragglerDetector
-from megaresil.safe_files import (LinkRefused, open_nofollow, own_dir, refuse_links,
+from megaresil.safe_files import (LinkRefused, open_nofollow, own_dir, private_dir, refuse_links,
                                   write_atomic)
 from megaresil.train.metrics import MetricsLog, StepFigures
 
@@ -79,6 +79,28 @@ def test_a_directory_of_the_run_that_is_a_link_is_refused(tmp_path, target):
     with pytest.raises(LinkRefused, match="report is a link"):
         own_dir(plant(tmp_path / "report", target.parent))
     assert own_dir(tmp_path / "a" / "b").is_dir()
+
+
+def test_a_private_directory_is_this_users_alone(tmp_path, target):
+    """For predictable names in /dev/shm: what another user made first is refused."""
+    made = private_dir(tmp_path / "mine")
+    assert stat.S_IMODE(made.stat().st_mode) & 0o077 == 0 and private_dir(made) == made
+    with pytest.raises(LinkRefused):
+        private_dir(plant(tmp_path / "planted", target.parent))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="not a directory of this user's own"):
+        private_dir(shared)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PermissionError):
+        private_dir(tmp_path / "file")
+    if os.getuid() == 0:  # only root can give a directory away
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 4321, 4321)
+        with pytest.raises(PermissionError):
+            private_dir(theirs)
 
 
 def test_the_launch_check_names_every_link_of_the_run(tmp_path, target):
