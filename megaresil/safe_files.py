@@ -16,7 +16,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO, Iterable, Iterator
 
 from megaresil.config import ConfigError
 
@@ -72,24 +72,41 @@ def open_nofollow(path: Path, mode: str = "a") -> IO[str]:
 
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Replace `path` by `data` in one step (a crash leaves the old or the
-    new file): a fresh temporary file beside it, fsynced, renamed over it.
-    A link at `path` is replaced, never written through; a directory that
-    is itself a link (other than one the user named) is the caller's to
-    refuse with own_dir."""
+    new file): `replacing`. A link at `path` is replaced, never written
+    through; a directory that is itself a link (other than one the user
+    named) is the caller's to refuse with own_dir."""
+    with replacing(path) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[IO[bytes]]:
+    """A binary file whose content replaces `path` when the block ends:
+    written to a fresh temporary file beside it, fsynced, renamed over it;
+    nothing changes when the block raises."""
     path = Path(path)
-    raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    f, tmp = fresh_file_beside(path)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
+        with f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the run's files are readable like the rest
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
+
+
+def fresh_file_beside(path: Path) -> tuple[IO[bytes], Path]:
+    """A new file beside `path` (open to write bytes, and its name), for
+    what will be renamed over `path`: made under a random name with O_EXCL,
+    so never a link planted under a predictable name; 0644, as the run's
+    files are (mkstemp makes 0600)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o644)
+    return os.fdopen(fd, "wb"), Path(tmp)
 
 
 def fsync_path(path: Path) -> None:

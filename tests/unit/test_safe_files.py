@@ -129,6 +129,48 @@ def test_a_planted_local_root_is_refused(tmp_path, target):
         refuse_links(tmp_path / "run", tmp_path / "run" / "checkpoints", [local.parent, local])
 
 
+# --- the data caches (data.cache_dir, data.index_cache, data prepare --output) -----------------
+
+def test_a_cache_lock_is_not_opened_through_a_link(tmp_path, target):
+    """Opened for appending through a link, a lock created a missing target."""
+    from megaresil.data.filelock import exclusive_lock
+
+    missing = target.with_name("created")
+    for planted_at in (target, missing):
+        plant(tmp_path / "cache" / "entry.lock", planted_at)
+        with pytest.raises(ConfigError, match=r"^data.cache_dir: .*entry.lock is a link"):
+            with exclusive_lock(tmp_path / "cache" / "entry.lock", "data.cache_dir"):
+                pass
+        (tmp_path / "cache" / "entry.lock").unlink()
+    assert untouched(target) and not missing.exists()
+
+
+def test_cached_files_are_written_under_names_no_one_could_plant(tmp_path, target):
+    """Shuffle indices, trained tokenizers and prepared datasets were written
+    to NAME.tmpPID, opened through whatever link was planted there."""
+    from megaresil.data.index_cache import ShuffleIndex
+    from megaresil.data.indexed import IndexedDatasetWriter, bin_path, idx_path
+    from megaresil.data.tokenizer import build_tokenizer
+
+    pid = os.getpid()
+    index = ShuffleIndex(tmp_path / "index", samples=10, seed=1)
+    plant(index.path(0).with_name(f".{index.path(0).name}.tmp{pid}"), target)
+    assert sorted(index.epoch(0)) == list(range(10))
+    tokenizer = tmp_path / "cache" / "tokenizer.json"
+    plant(tokenizer.with_name(f"tokenizer.json.tmp{pid}"), target)
+    build_tokenizer("bpe", corpus_text=["to be or not to be"] * 20, vocab_size=300,
+                    cache_path=tokenizer)
+    assert build_tokenizer("bpe", cache_path=tokenizer).vocab_size > 256
+    prefix = tmp_path / "prepared" / "corpus"
+    for name in (bin_path(str(prefix)), idx_path(str(prefix))):
+        plant(Path(f"{name}.tmp{pid}"), target)
+    with IndexedDatasetWriter(prefix) as writer:
+        writer.add_document([1, 2, 3])
+        writer.finalize()
+    assert Path(bin_path(str(prefix))).stat().st_size == 12
+    assert untouched(target)
+
+
 # --- each writer -----------------------------------------------------------------------------
 
 def test_events_are_not_appended_through_a_link(tmp_path, target):
