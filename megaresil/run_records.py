@@ -37,7 +37,7 @@ NON_NEGATIVE = Kind("a finite number >= 0", lambda v: FINITE.admits(v) and v >= 
 POSITIVE = Kind("a finite number > 0", lambda v: FINITE.admits(v) and v > 0)
 STEP = Kind("a whole number >= 1", lambda v: _whole(v) and v >= 1)
 COUNT = Kind("a whole number >= 0", lambda v: _whole(v) and v >= 0)
-STEP_OR_NULL = Kind("a whole number >= 0 or null", lambda v: v is None or COUNT.admits(v))
+COUNT_OR_NULL = Kind("a whole number >= 0 or null", lambda v: v is None or COUNT.admits(v))
 TEXT = Kind("a string", lambda v: isinstance(v, str))
 LIST = Kind("a list", lambda v: isinstance(v, list))
 WINDOW = Kind("[first step, last step]",
@@ -129,7 +129,7 @@ EVAL_RECORD = Shape({"step": COUNT, "eval_loss": NUMBER},
 # --- events.jsonl -----------------------------------------------------------------------------
 
 EVENT = {"event": TEXT, "time": FINITE}
-ANY_EVENT = {"step": STEP_OR_NULL, "window": WINDOW}
+ANY_EVENT = {"step": COUNT_OR_NULL, "window": WINDOW}
 SAVE = {"seconds": NON_NEGATIVE, "blocking_seconds": NON_NEGATIVE, "bytes": NON_NEGATIVE}
 EVENT_SHAPES = {
     "generation_started": Shape({**EVENT, "launched_at": FINITE}, ANY_EVENT),

@@ -8,8 +8,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megaresil.run_records import (COUNT, FINITE, LIST, NON_NEGATIVE, POSITIVE, STEP, STEP_OR_NULL,
-                                    STEP_RECORD, Kind, Shape, events_of, metrics_of, one_of)
+from megaresil.run_records import (COUNT, COUNT_OR_NULL, FINITE, LIST, NON_NEGATIVE, POSITIVE,
+                                    STEP, STEP_RECORD, Kind, Shape, events_of, metrics_of,
+                                    one_of)
 
 # An outage's kind is its costliest recovery: a preemption requeues the whole
 # job, a relaunch restarts every worker, a live replacement starts one process
@@ -85,7 +86,7 @@ class RunCosts:
 
 
 # The costs as to_dict writes them (`megaresil plan --json` keeps them).
-COSTS = Shape({"step_s": POSITIVE, "steps": COUNT, "interval": STEP_OR_NULL,
+COSTS = Shape({"step_s": POSITIVE, "steps": COUNT, "interval": COUNT_OR_NULL,
                "saves": Kind("a map", lambda v: isinstance(v, dict)), "outages": LIST},
               {"startup_s": Kind("a finite number >= 0 or null",
                                  lambda v: v is None or NON_NEGATIVE.admits(v)),
