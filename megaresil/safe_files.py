@@ -3,16 +3,20 @@
 Appended files are opened with `O_NOFOLLOW`; replaced files go through a
 fresh `O_EXCL` temporary file renamed over the name; the run's directories
 are refused when they are links (`own_dir`); `refuse_links` is the
-launcher's check before any worker starts. Paths a user names (`run.dir`,
+launcher's check before any worker starts. Files under predictable names in
+a directory every user may write (/dev/shm) lie in a directory of this
+user's own (`private_dir`). Paths a user names (`run.dir`,
 `checkpoint.dir`, `report --out`) are trusted as named, links included.
 docs/security.md ("Links in run directories") gives the rules."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO, Iterable, Iterator
 
 from megaresil.config import ConfigError
 
@@ -20,7 +24,8 @@ from megaresil.config import ConfigError
 # checkpoint root): each must be a file or directory of its own, never a link.
 RUN_DIR_ENTRIES = ("metrics.jsonl", "events.jsonl", "recipe.yaml", "goodput.json",
                    "stragglers.jsonl", "run.lock", "checkpoints", "report", "hangs", "elastic",
-                   "profile", "tb", "wandb_run_id", "mlflow_run_id", "generation")
+                   "profile", "tb", "wandb_run_id", "mlflow_run_id", "generation",
+                   "excluded_nodes")
 # What a run writes in its checkpoint root, wherever that lies.
 CHECKPOINT_ROOT_ENTRIES = ("latest", "run.lock")
 
@@ -67,24 +72,41 @@ def open_nofollow(path: Path, mode: str = "a") -> IO[str]:
 
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Replace `path` by `data` in one step (a crash leaves the old or the
-    new file): a fresh temporary file beside it, fsynced, renamed over it.
-    A link at `path` is replaced, never written through; a directory that
-    is itself a link (other than one the user named) is the caller's to
-    refuse with own_dir."""
+    new file): `replacing`. A link at `path` is replaced, never written
+    through; a directory that is itself a link (other than one the user
+    named) is the caller's to refuse with own_dir."""
+    with replacing(path) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[IO[bytes]]:
+    """A binary file whose content replaces `path` when the block ends:
+    written to a fresh temporary file beside it, fsynced, renamed over it;
+    nothing changes when the block raises."""
     path = Path(path)
-    raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    f, tmp = fresh_file_beside(path)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
+        with f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the run's files are readable like the rest
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
+
+
+def fresh_file_beside(path: Path) -> tuple[IO[bytes], Path]:
+    """A new file beside `path` (open to write bytes, and its name), for
+    what will be renamed over `path`: made under a random name with O_EXCL,
+    so never a link planted under a predictable name; 0644, as the run's
+    files are (mkstemp makes 0600)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o644)
+    return os.fdopen(fd, "wb"), Path(tmp)
 
 
 def fsync_path(path: Path) -> None:
@@ -103,6 +125,25 @@ def own_dir(path: Path) -> Path:
     if path.is_symlink():
         raise LinkRefused(path)
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only this user may write in (made 0700 when
+    missing): the place for files under predictable names in a directory
+    every user may write, where another user could plant a link or a file
+    under a name before this user creates it. PermissionError (LinkRefused
+    for a link) when what is there is not such a directory."""
+    path = Path(path)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    found = os.lstat(path)
+    if stat.S_ISLNK(found.st_mode):
+        raise LinkRefused(path)
+    if (not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid()
+            or found.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+        raise PermissionError(errno.EACCES, f"{path} is not a directory of this user's own that "
+                              "only it may write in (another user may have made it)", str(path))
     return path
 
 

@@ -4,6 +4,25 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megaresil.config import NON_NEGATIVE, POSITIVE, ConfigError
+
+
+# The values each number `plan` takes admits (config.Bounds; None: not given).
+PLAN_NUMBERS = {"--gpus": POSITIVE, "--mtbf-hours": POSITIVE, "--replacement-s": NON_NEGATIVE,
+                "--spare-every": POSITIVE, "--gpus-per-node": POSITIVE,
+                "--state-bytes": POSITIVE, "--storage-gbps": POSITIVE, "--step-s": POSITIVE,
+                "--days": POSITIVE}
+
+
+def check_plan_numbers(args: argparse.Namespace) -> None:
+    """ConfigError (exit 2) naming the first option whose value no plan can
+    use (a negative size, a NaN, an infinite MTBF), before any arithmetic."""
+    for option, bounds in PLAN_NUMBERS.items():
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value is not None and not bounds.admits(value):
+            raise ConfigError(option, f"must be a finite number {bounds}, got {value}.",
+                              f"give {option} a value {bounds}.")
+
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
@@ -13,14 +32,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megaresil.plan.recovery import DEFAULT_GPUS_PER_NODE, REFERENCE_GPUS, Spares
     from megaresil.plan.report import Scale, format_plan, plan, read_run_costs, trace_kinds
 
+    check_plan_numbers(args)
     profile = load_profile(args.profile) if args.profile else load_profile()
-    # A trace is one job's failures: it has no rates at another size.
-    kinds, reference_kinds = ((trace_kinds(Path(args.failure_trace)), None) if args.failure_trace
-                              else (failure_kinds(profile, args.gpus, args.mtbf_hours),
-                                    failure_kinds(profile, REFERENCE_GPUS, args.mtbf_hours)))
     scale = (Scale(args.state_bytes, args.gpus, args.storage_gbps * 1e9)
              if args.state_bytes else None)
     try:
+        # A trace is one job's failures: it has no rates at another size.
+        kinds, reference_kinds = (
+            (trace_kinds(Path(args.failure_trace)), None) if args.failure_trace
+            else (failure_kinds(profile, args.gpus, args.mtbf_hours),
+                  failure_kinds(profile, REFERENCE_GPUS, args.mtbf_hours)))
         spares = Spares(args.spare_every, args.gpus_per_node or
                         profile["observed"].get("gpus_per_node", DEFAULT_GPUS_PER_NODE))
         costs = read_run_costs(Path(args.run_dir))
@@ -78,12 +99,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from megaresil.observe.report import write_report
+    from megaresil.run_records import MalformedRecord
     from megaresil.safe_files import LinkRefused
 
     try:
         page = write_report(Path(args.run_dir), [Path(p) for p in args.compare],
                             Path(args.out) if args.out else None)
-    except LinkRefused as err:  # a planted report/ link: refused, not followed
+    except (LinkRefused, MalformedRecord) as err:  # a planted report/ link, a record of no use
         print(f"megaresil: error: {err}", file=sys.stderr)
         return 2
     except FileNotFoundError as err:

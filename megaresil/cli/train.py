@@ -10,12 +10,15 @@ from megaresil.config import load_recipe
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from megaresil.launch.standby import is_standby, wait_for_assignment
+
+    if is_standby():  # a replacing agent's warm process: it becomes a worker, or ends
+        wait_for_assignment()  # first: bound to its agent before the imports below
     from pathlib import Path
 
     from megaresil.launch.agent import launch
     from megaresil.launch.from_hf import check_hf_init, is_new_run, resolve_from_hf
     from megaresil.launch.membership import Membership
-    from megaresil.launch.standby import is_standby, wait_for_assignment
     from megaresil.launch.worker import inside_torchrun, slurm_task, worker
     from megaresil.slurm import SlurmStep
 
@@ -23,8 +26,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.from_hf:
         from_hf = resolve_from_hf(Path(args.from_hf), args.recipe, overrides)
         overrides = from_hf.overrides
-    if is_standby():  # a replacing agent's warm process: it becomes a worker, or ends
-        wait_for_assignment()
     if inside_torchrun():
         worker(args.recipe, overrides)
         return 0

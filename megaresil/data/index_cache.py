@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
 from megaresil.data.filelock import exclusive_lock
+from megaresil.safe_files import replacing
 
 FORMAT = 1
 _MAPPED_EPOCHS = 2  # a global batch straddles at most one epoch boundary
@@ -57,10 +57,8 @@ class ShuffleIndex:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.samples)
         if self.samples < 2**31:
             order = order.astype(np.int32)  # same values, half the bytes
-        temp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        with open(temp, "wb") as handle:
+        with replacing(path) as handle:
             np.save(handle, order)
-        os.replace(temp, path)
 
     # Pickle by description: the maps reopen on first use.
     def __getstate__(self) -> dict:

@@ -15,6 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
+from megaresil.safe_files import fresh_file_beside, write_atomic
+
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES: dict[type, int] = {
@@ -51,8 +53,7 @@ class IndexedDatasetWriter:
             raise ValueError(f"dtype {dtype} has no Megatron code; use one of "
                              f"{[d.__name__ for d in DTYPE_CODES]}.")
         self.prefix = str(prefix)
-        self._suffix = f".tmp{os.getpid()}"
-        self._bin = open(bin_path(self.prefix) + self._suffix, "wb")
+        self._bin, self._bin_temp = fresh_file_beside(Path(bin_path(self.prefix)))
         self._lengths = array.array("q")  # 8 bytes a document, not a Python int each
 
     def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
@@ -72,10 +73,8 @@ class IndexedDatasetWriter:
 
     def finalize(self) -> None:
         self._bin.close()
-        with open(idx_path(self.prefix) + self._suffix, "wb") as idx:
-            idx.write(self._index_bytes())
-        os.replace(bin_path(self.prefix) + self._suffix, bin_path(self.prefix))
-        os.replace(idx_path(self.prefix) + self._suffix, idx_path(self.prefix))
+        os.replace(self._bin_temp, bin_path(self.prefix))
+        write_atomic(Path(idx_path(self.prefix)), self._index_bytes())
 
     def _index_bytes(self) -> bytes:
         lengths = np.frombuffer(self._lengths, dtype=np.int64).astype(np.int32)
@@ -88,9 +87,7 @@ class IndexedDatasetWriter:
 
     def discard(self) -> None:
         self._bin.close()
-        for path in (bin_path(self.prefix), idx_path(self.prefix)):
-            if os.path.exists(path + self._suffix):
-                os.remove(path + self._suffix)
+        self._bin_temp.unlink(missing_ok=True)
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self

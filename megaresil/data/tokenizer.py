@@ -22,6 +22,7 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from megaresil.config import ConfigError
+from megaresil.safe_files import write_atomic
 
 ENDOFTEXT = "<|endoftext|>"
 # End-of-document tokens of common families, tried in order when a tokenizer.json
@@ -272,9 +273,7 @@ def _train_byte_level_bpe(documents: Sequence[str] | object, vocab_size: int
 
 def _save_atomically(model: tokenizers.Tokenizer, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    model.save(str(temp))
-    os.replace(temp, path)
+    write_atomic(path, model.to_str(pretty=True))  # what model.save writes
 
 
 def _gpt2_tokenizer() -> TiktokenTokenizer:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _thread
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -68,12 +69,22 @@ class WaitingChecks:
 
     def _watch(self) -> None:
         while not self.stopped.wait(self.interval_s):
-            refusal = self.check()
+            refusal = self._checked()
             with self.lock:
                 if refusal and not self.stopped.is_set():
                     self.refusal = refusal
                     _thread.interrupt_main(WAKE_SIGNAL)
                     return
+
+    def _checked(self) -> Optional[str]:
+        """The check's verdict; one that cannot run says why and ends the
+        wait as a failure would: a thread that died of it would leave a
+        spare waiting unchecked, for hours."""
+        try:
+            return self.check()
+        except Exception as err:
+            return (f"node {socket.gethostname()}'s health check could not run "
+                    f"({type(err).__name__}: {err}); it stops waiting to join")
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
@@ -87,6 +98,6 @@ class WaitingChecks:
         if self.refusal:
             raise NodeExcluded(self.refusal) from None
         if exc_type is None and self.clock() - self.started >= self.interval_s:
-            refusal = self.check()
+            refusal = self._checked()
             if refusal:
                 raise NodeExcluded(refusal)

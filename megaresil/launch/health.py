@@ -13,7 +13,11 @@ behind, uncorrectable ECC errors, retired pages and failed row remaps, is
 what is read here."""
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -21,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from megaresil.config import HealthConfig
-from megaresil.safe_files import write_atomic
+from megaresil.config import ConfigError, HealthConfig
+from megaresil.safe_files import own_dir, write_atomic
 
 EXCLUDED_DIR = "excluded_nodes"
 
@@ -76,17 +80,24 @@ def optional(nvml: Any, read):
 
 def command_problem(command: str, timeout_s: float) -> Optional[str]:
     """The command's verdict: None when it exits 0, else its last line of
-    output (or its exit code) as the reason."""
-    try:
-        result = subprocess.run(command, shell=True, capture_output=True, text=True,
-                                timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return f"`{command}` did not finish within resilience.health.timeout_s={timeout_s:g}"
-    if result.returncode == 0:
+    output (or its exit code) as the reason. It runs in a process group of
+    its own, killed whole when it returns or runs out of time: nothing it
+    started outlives the check (a spare checks every interval)."""
+    with subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"`{command}` did not finish within resilience.health.timeout_s={timeout_s:g}"
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # none of the group is left
+                os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode == 0:
         return None
-    lines = (result.stdout + result.stderr).strip().splitlines()
+    # Whatever bytes it printed (a locale's, a binary's): the reason is for a person.
+    lines = (out + err).decode(errors="replace").strip().splitlines()
     said = f": {lines[-1][:300]}" if lines else ""
-    return f"`{command}` exited with {result.returncode}{said}"
+    return f"`{command}` exited with {proc.returncode}{said}"
 
 
 def check_node(cfg: HealthConfig, gpus: int, gpus_needed: int) -> Optional[Failure]:
@@ -109,7 +120,8 @@ def check_node(cfg: HealthConfig, gpus: int, gpus_needed: int) -> Optional[Failu
 
 
 class Exclusions:
-    """The nodes excluded from a run, one file each under RUN_DIR/excluded_nodes/."""
+    """The nodes excluded from a run, one file each under RUN_DIR/excluded_nodes/.
+    The file is what excludes its node: one that cannot be read still does."""
 
     def __init__(self, run_dir: Path):
         self.dir = Path(run_dir) / EXCLUDED_DIR
@@ -118,17 +130,44 @@ class Exclusions:
         return self.dir / f"{host}.json"
 
     def record(self, host: str, failure: Failure) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        own_dir(self.dir)  # a planted link there would take the record anywhere
         write_atomic(self.path(host), json.dumps({"host": host, "check": failure.check,
                                                   "reason": failure.reason,
                                                   "time": time.time()}))
 
-    def of(self, host: str) -> Optional[dict]:
-        """Why `host` was excluded, or None when it was not."""
+    def of(self, host: str) -> Optional[str]:
+        """Why `host` is excluded ("at TIME (CHECK check: REASON)", or why
+        its record cannot be read), or None when it is not."""
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ConfigError("run.dir", f"{self.dir} is not a directory: megaresil keeps a "
+                              "file per excluded node there.", f"remove {self.dir}.")
         try:
-            return json.loads(self.path(host).read_text())
+            raw = self.path(host).read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as err:  # a directory in its place, no permission
+            return f"(its record cannot be read: {err.strerror})"
+        return said_by(raw)
+
+
+def said_by(raw: bytes) -> str:
+    """What an exclusion record says, or that it cannot be read and why."""
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return "(its record cannot be read: not JSON)"
+    if not isinstance(record, dict):
+        return "(its record cannot be read: not a JSON object)"
+    check, reason, when = record.get("check"), record.get("reason"), record.get("time")
+    if not (isinstance(check, str) and isinstance(reason, str)):
+        return "(its record cannot be read: no check and reason)"
+    try:
+        if isinstance(when, bool) or not math.isfinite(when):
+            raise TypeError
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
+    except (TypeError, ValueError, OverflowError, OSError):  # not a time this host can show
+        return f"at an unreadable time ({check} check: {reason[:300]})"
+    return f"at {since} ({check} check: {reason[:300]})"
 
 
 def admission_refusal(cfg: HealthConfig, run_dir: Path, gpus: int, gpus_needed: int,
@@ -143,13 +182,11 @@ def admission_refusal(cfg: HealthConfig, run_dir: Path, gpus: int, gpus_needed: 
 def excluded_before(run_dir: Path, host: str) -> Optional[str]:
     """The line that says `host` was excluded from this run, or None."""
     exclusions = Exclusions(run_dir)
-    before = exclusions.of(host)
-    if before is None:
+    why = exclusions.of(host)
+    if why is None:
         return None
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(before["time"]))
-    return (f"node {host} was excluded from this run at {since} ({before['check']} check: "
-            f"{before['reason']}); after repairing it, delete {exclusions.path(host)} to "
-            "admit it again")
+    return (f"node {host} was excluded from this run {why}; after repairing it, delete "
+            f"{exclusions.path(host)} to admit it again")
 
 
 def exclusion_after_check(cfg: HealthConfig, run_dir: Path, gpus: int, gpus_needed: int,

@@ -34,7 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from megaresil.compat import context_process
 from megaresil.events import EventLog
 from megaresil.launch.admission import WaitingChecks
-from megaresil.launch.standby import STANDBY_ENV, assignment
+from megaresil.launch.standby import assignment, start_standby
 from megaresil.resilience.records import next_generation
 from megaresil.resilience.replacement import (REPLACEMENT_ENV, announce_replacement,
                                               attempt_prefix, lost_in_setup)
@@ -134,8 +134,7 @@ class SupervisingAgent(LocalElasticAgent):
     def _start_standby(self, worker_group: WorkerGroup) -> None:
         if self.policy.standby and self.spent < self.policy.max_replacements:
             spec = worker_group.spec
-            self.standby = subprocess.Popen([spec.entrypoint, *spec.args], stdin=subprocess.PIPE,
-                                            env={**os.environ, STANDBY_ENV: "1"})
+            self.standby = start_standby([spec.entrypoint, *spec.args])
 
     def _process(self, local_rank: int):
         """The live process of `local_rank`: its replacement's, once it has one."""

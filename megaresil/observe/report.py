@@ -22,8 +22,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-from megaresil.events import read_events, read_jsonl  # noqa: E402
 from megaresil.observe.goodput import BUCKETS, compute_goodput, launched_at  # noqa: E402
+from megaresil.run_records import events_of, metrics_of, windows_of  # noqa: E402
 from megaresil.safe_files import own_dir, write_atomic  # noqa: E402
 
 PANELS = ("loss", "throughput", "timeline", "stragglers", "goodput")
@@ -50,13 +50,12 @@ class Run:
 
     @classmethod
     def read(cls, path: Path) -> "Run":
-        def jsonl(name: str) -> list[dict]:
-            return read_jsonl(path / name) if (path / name).exists() else []
+        """The run's records, each of the kind the panels compute with
+        (run_records: MalformedRecord otherwise)."""
         if not (path / "metrics.jsonl").exists():
             raise FileNotFoundError(f"{path}: no metrics.jsonl here. Fix: give a run directory "
                                     "(run.dir of a `megaresil train`).")
-        return cls(path, path.name, jsonl("metrics.jsonl"), read_events(path),
-                   jsonl("stragglers.jsonl"))
+        return cls(path, path.name, metrics_of(path), events_of(path), windows_of(path))
 
     @property
     def steps(self) -> list[dict]:

@@ -8,7 +8,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megaresil.events import read_events, read_metrics
+from megaresil.run_records import (COUNT, COUNT_OR_NULL, FINITE, LIST, NON_NEGATIVE, POSITIVE,
+                                    STEP, STEP_RECORD, Kind, Shape, events_of, metrics_of,
+                                    one_of)
 
 # An outage's kind is its costliest recovery: a preemption requeues the whole
 # job, a relaunch restarts every worker, a live replacement starts one process
@@ -73,10 +75,40 @@ class RunCosts:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunCosts":
+        """The costs `to_dict` wrote; ValueError naming what is malformed."""
+        problem = costs_problem(d)
+        if problem:
+            raise ValueError(f"its costs {problem}")
         return cls(step_s=d["step_s"], steps=d["steps"], interval=d["interval"],
                    saves={t: SaveCost(**s) for t, s in d["saves"].items()},
                    outages=[Outage(**o) for o in d["outages"]],
                    startup_s=d.get("startup_s"))
+
+
+# The costs as to_dict writes them (`megaresil plan --json` keeps them).
+COSTS = Shape({"step_s": POSITIVE, "steps": COUNT, "interval": COUNT_OR_NULL,
+               "saves": Kind("a map", lambda v: isinstance(v, dict)), "outages": LIST},
+              {"startup_s": Kind("a finite number >= 0 or null",
+                                 lambda v: v is None or NON_NEGATIVE.admits(v)),
+               "restart_s": Kind("a map", lambda v: isinstance(v, dict))})
+SAVE_COST = Shape({"tier": one_of("global", "local"), "saves": COUNT,
+                   "blocking_s": NON_NEGATIVE, "total_s": NON_NEGATIVE, "bytes": NON_NEGATIVE},
+                  {"ranks": STEP})
+OUTAGE = Shape({"kind": one_of(*SEVERITY), "downtime_s": FINITE, "steps_lost": COUNT})
+
+
+def costs_problem(d) -> Optional[str]:
+    """What makes `d` other than the costs to_dict writes, or None."""
+    parts = [("", d, COSTS)]
+    if isinstance(d, dict) and COSTS.problem(d) is None:
+        parts += [(f"saves[{tier!r}] ", save, SAVE_COST) for tier, save in d["saves"].items()]
+        parts += [(f"outages[{i}] ", outage, OUTAGE) for i, outage in enumerate(d["outages"])]
+    for where, part, shape in parts:
+        problem = (shape.problem(part) or shape.unknown(part) if isinstance(part, dict)
+                   else "is not a JSON object")
+        if problem:
+            return where + problem
+    return None
 
 
 def step_seconds(record: dict) -> float:
@@ -86,11 +118,11 @@ def step_seconds(record: dict) -> float:
 
 def read_costs(run_dir: str | Path) -> RunCosts:
     run_dir = Path(run_dir)
-    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    records = [r for r in metrics_of(run_dir, STEP_RECORD.needing("tokens")) if "loss" in r]
     if not records:
         raise ValueError(f"{run_dir}/metrics.jsonl has no step: run some steps first "
                          "(megaresil train ... run.dir={run_dir})")
-    events = read_events(run_dir)
+    events = events_of(run_dir)
     saves = {tier: save_cost(tier, events, name) for tier, name in
              (("global", "checkpoint_saved"), ("local", "local_checkpoint_saved"))}
     global_steps = sorted({e["step"] for e in events if e["event"] == "checkpoint_saved"})

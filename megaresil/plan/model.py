@@ -61,17 +61,20 @@ class Policy:
         """The compute seconds between saves that maximise goodput: a whole
         number of steps, never less than one, and never less than a save's
         total time (an async save cannot start before the last one is durable).
-        Goodput is unimodal in tau: a golden-section search, then the better
-        whole step count beside it."""
+        Goodput is unimodal in tau, so in log tau too: a golden-section search
+        over log tau (a fixed number of halvings of a range of any width
+        finds the optimum of a 1e9-hour MTBF too), then the better whole
+        step count beside it."""
         floor = max(step_s, self.total_s if self.lag_s else 0.0)
-        lo, hi = floor, max(floor, 4 * mtbf_s)
+        lo, hi = math.log(floor), math.log(max(floor, 4 * mtbf_s))
         ratio = (math.sqrt(5) - 1) / 2
         for _ in range(100):
             a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-            if self.goodput(a, mtbf_s) >= self.goodput(b, mtbf_s):
+            if self.goodput(math.exp(a), mtbf_s) >= self.goodput(math.exp(b), mtbf_s):
                 hi = b
             else:
                 lo = a
+        lo = math.exp(lo)
         least = math.ceil(floor / step_s - 1e-9)
         steps = [max(least, math.floor(lo / step_s)), max(least, math.ceil(lo / step_s))]
         return max(steps, key=lambda n: self.goodput(n * step_s, mtbf_s)) * step_s

@@ -15,6 +15,12 @@ from megaresil.plan.profile import scope_of
 from megaresil.plan.recovery import (DEFAULT_SPARES, REFERENCE_GPUS, Projection, Spares,
                                      format_recovery, mean_downtime, replacement_cost)
 from megaresil.plan.simulate import Kind, Setup, simulate
+from megaresil.run_records import NON_NEGATIVE, Shape, checked, one_of
+
+# A failure trace's line (--failure-trace).
+TRACE_ROW = Shape({"hours": NON_NEGATIVE, "path": one_of("in_process", "relaunch",
+                                                         "node_replacement")},
+                  {"scope": one_of("process", "node", "job")})
 
 
 @dataclass
@@ -94,6 +100,9 @@ def plan(costs: RunCosts, kinds: list[Kind], *, gpus: int, replacement_s: float,
         # floor) must survive the scaling of the saves.
         costs = replace(costs, saves={t: scale.save(s) for t, s in costs.saves.items()})
     step = step_s or costs.step_s
+    if simulate_days and simulate_days * 86400 < step:
+        raise ValueError(f"--days {simulate_days:g} holds no step of {step:.3g} s: simulate "
+                         "at least one step")
     mtbf = 1 / sum(k.per_s for k in kinds)
     restart_s = restart_costs(costs, replacement_s, scale)
     rows = []
@@ -132,14 +141,29 @@ def trace_kinds(path: Path) -> list[Kind]:
     """A failure trace (JSON lines {"hours": when, "path": recovery path,
     "scope": optional, process|node|job}) as one rate per path and scope:
     count over the trace's span."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = checked(json_lines(path), path, lambda _: TRACE_ROW)
     if not rows:
         raise ValueError(f"failure trace {path} is empty: one JSON line per failure, "
                          '{"hours": 3.2, "path": "relaunch"}')
     span_s = max(r["hours"] for r in rows) * 3600
+    if not span_s:
+        raise ValueError(f"failure trace {path} spans no time (every failure at hours 0), so "
+                         "it has no rate: give each failure its time since the job started")
     kinds = sorted({(r["path"], scope_of(r)) for r in rows})
     return [Kind(f"{path} ({scope})", sum((r["path"], scope_of(r)) == (path, scope) for r in rows)
                  / span_s, path, scope) for path, scope in kinds]
+
+
+def json_lines(path: Path) -> list:
+    """The lines of a JSON Lines file a person wrote; ValueError naming a bad one."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as err:
+                raise ValueError(f"{path}: line {number} is not JSON ({err})") from None
+    return rows
 
 
 def readable_hours(hours: float) -> str:
@@ -186,6 +210,10 @@ def read_run_costs(source: Path) -> RunCosts:
     from megaresil.plan.costs import read_costs
 
     if source.is_file():
-        data = json.loads(source.read_text())
-        return RunCosts.from_dict(data.get("costs", data))
+        try:
+            data = json.loads(source.read_text())
+            return RunCosts.from_dict(data.get("costs", data) if isinstance(data, dict) else data)
+        except ValueError as err:
+            raise ValueError(f"{source} is not what `megaresil plan --json` writes: {err}. "
+                             "Fix: give a run directory, or such a file") from None
     return read_costs(source)

@@ -5,6 +5,7 @@ nodes); a node admitted after a long wait is checked once more."""
 from __future__ import annotations
 
 import signal
+import socket
 import time
 
 import pytest
@@ -58,3 +59,17 @@ def test_an_error_in_the_rendezvous_is_not_hidden_by_the_checks():
     with pytest.raises(RuntimeError, match="rendezvous closed"):
         with WaitingChecks(Checks(fit_for=0), interval_s=60.0, clock=iter([0.0, 99.0]).__next__):
             raise RuntimeError("rendezvous closed")
+
+
+def test_a_check_that_cannot_run_ends_the_wait_with_its_error():
+    """It ended the checking thread, silently: the spare waited on unchecked."""
+    def undecodable():
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    with pytest.raises(NodeExcluded) as raised:
+        with WaitingChecks(undecodable, interval_s=0.01):
+            for _ in range(10_000):  # a rendezvous that would wait 10 s
+                time.sleep(0.001)
+    assert raised.value.line.startswith(f"node {socket.gethostname()}'s health check could not "
+                                        "run (UnicodeDecodeError: 'utf-8' codec can't decode")
+    assert raised.value.line.endswith("it stops waiting to join")

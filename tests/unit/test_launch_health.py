@@ -3,15 +3,24 @@ no GPU on this machine), the recipe's command, and the exclusion a failure
 leaves in the run directory."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import socket
 import sys
+import time
 
+import psutil
 import pytest
 
-from megaresil.config import HealthConfig
+from megaresil.config import ConfigError, HealthConfig
 from megaresil.events import EventLog, read_events
-from megaresil.launch.health import (Exclusions, admission_refusal, command_problem,
+from megaresil.launch.health import (Exclusions, Failure, admission_refusal, command_problem,
                                      nvml_problems)
+from megaresil.safe_files import LinkRefused, refuse_links
+from tests.harness.journey import home, megaresil  # noqa: F401  (home: a fixture)
+from tests.unit.test_safe_files import SMALL
 
 
 class FakeNvml:
@@ -99,3 +108,146 @@ def test_without_gpus_nvml_is_not_asked(tmp_path, monkeypatch):
     with pytest.raises(ImportError):
         admission_refusal(HealthConfig(gpu=True), tmp_path, 1, 1, EventLog(tmp_path),
                           host="gpu0")
+
+
+# --- the command's processes and output ---------------------------------------------------------
+
+def gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether `pid` has ended (a zombie no reaper collected counts), polled
+    briefly: a SIGKILL is delivered, not executed, by the kill() call."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def started(tmp_path):
+    """Pid files a command writes for the processes it starts; whatever of
+    them is left is killed at the end, whatever the test found."""
+    files = [tmp_path / f"pid{i}" for i in range(2)]
+    yield files
+    for file in files:
+        if file.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(file.read_text()), signal.SIGKILL)
+
+
+def test_a_command_out_of_time_leaves_none_of_its_processes_running(started):
+    """Only the shell was killed: its children ran on (one per interval on a spare)."""
+    a, b = started
+    command = f"sleep 300 & echo $! > {a}; sleep 300 & echo $! > {b}; wait"
+    assert "did not finish within resilience.health.timeout_s=1" in command_problem(command, 1)
+    assert gone(int(a.read_text())) and gone(int(b.read_text()))
+
+
+def test_a_command_that_ends_leaves_nothing_it_started_behind(started):
+    a, _ = started
+    assert command_problem(f"sleep 300 >/dev/null 2>&1 & echo $! > {a}; exit 0", 30) is None
+    assert gone(int(a.read_text()))
+
+
+def test_output_that_is_not_utf8_is_a_reason_not_a_crash():
+    assert command_problem(r"printf 'latin-1 \351t\351\n'; exit 0", 30) is None
+    failing = r"printf 'GPU \377 lost\n' >&2; exit 2"
+    assert command_problem(failing, 30) == f"`{failing}` exited with 2: GPU \ufffd lost"
+
+
+# --- the exclusion record ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", [b"garbage", b"{}", b"[]", b"null",
+                                     b'{"check": 1, "reason": ["x"], "time": "noon"}',
+                                     b'{"check": "command", "reason": "ib0", "time": 1e400}',
+                                     b'{"check": "command", "reason": "ib0", "time": 1' + b"0" * 400
+                                     + b"}",
+                                     b'{"check": "command", "reason": "ib0", "time": 1e300}',
+                                     b'{"check": "command", "reason": "ib0", "time": true}',
+                                     b'\xff\xfe'])
+def test_a_record_that_cannot_be_read_still_excludes_its_node_and_says_so(tmp_path, content):
+    """The file is what excludes (docs/clusters.md): its content only says why."""
+    path = Exclusions(tmp_path).path("node7")
+    path.parent.mkdir()
+    path.write_bytes(content)
+    refusal = admission_refusal(HealthConfig(), tmp_path, 0, 0, EventLog(tmp_path), host="node7")
+    assert refusal.startswith("node node7 was excluded from this run ")
+    assert refusal.endswith(f"; after repairing it, delete {path} to admit it again")
+    assert "cannot be read" in refusal or "at an unreadable time (command check: ib0)" in refusal
+    assert "\n" not in refusal
+
+
+def test_a_directory_in_place_of_the_record_excludes_its_node(tmp_path):
+    path = Exclusions(tmp_path).path("node7")
+    path.mkdir(parents=True)
+    refusal = admission_refusal(HealthConfig(), tmp_path, 0, 0, EventLog(tmp_path), host="node7")
+    assert refusal == (f"node node7 was excluded from this run (its record cannot be read: Is a "
+                       f"directory); after repairing it, delete {path} to admit it again")
+
+
+def test_an_excluded_nodes_file_is_a_run_dir_error(tmp_path):
+    (tmp_path / "excluded_nodes").write_text("")
+    with pytest.raises(ConfigError, match=r"^run.dir: .*excluded_nodes is not a directory"):
+        admission_refusal(HealthConfig(), tmp_path, 0, 0, EventLog(tmp_path), host="node7")
+
+
+def test_the_record_is_not_written_through_a_planted_directory_link(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "excluded_nodes").symlink_to(elsewhere)
+    with pytest.raises(LinkRefused, match="excluded_nodes is a link"):
+        Exclusions(tmp_path / "run").record("node7", Failure("command", "ib0 down"))
+    assert list(elsewhere.iterdir()) == []
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'run' / 'excluded_nodes'} -> {elsewhere}"):
+        refuse_links(tmp_path / "run", tmp_path / "run" / "checkpoints")
+
+
+# --- through the installed command --------------------------------------------------------------
+
+def launch_lines(result) -> list[str]:
+    """The launcher's lines, none of them a traceback's."""
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result.stderr.strip().splitlines()
+
+
+@pytest.mark.journey
+def test_train_refuses_a_node_whose_record_cannot_be_read_before_any_worker(home):
+    """A garbage record broke every later start with a traceback."""
+    host = socket.gethostname()
+    (home / "run" / "excluded_nodes").mkdir(parents=True)
+    (home / "run" / "excluded_nodes" / f"{host}.json").write_text("{garbage")
+    result = megaresil("train", "gpt-tiny", *SMALL, "run.dir=run", cwd=home, check=False)
+    assert result.returncode == 1
+    assert launch_lines(result)[-1] == (
+        f"megaresil: node {host} was excluded from this run (its record cannot be read: not "
+        f"JSON); after repairing it, delete run/excluded_nodes/{host}.json to admit it again")
+    assert not (home / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.journey
+def test_train_refuses_a_planted_excluded_nodes_link(home):
+    (home / "elsewhere").mkdir()
+    (home / "run").mkdir()
+    (home / "run" / "excluded_nodes").symlink_to(home / "elsewhere")
+    result = megaresil("train", "gpt-tiny", *SMALL, "run.dir=run", "resilience.health.command=false",
+                       cwd=home, check=False)
+    assert result.returncode == 2
+    assert launch_lines(result)[-1].startswith("megaresil: error: run.dir: a run writes only "
+                                               "files of its own, but these are links: "
+                                               f"run/excluded_nodes -> {home / 'elsewhere'}.")
+    assert list((home / "elsewhere").iterdir()) == []
+
+
+@pytest.mark.journey
+def test_a_health_command_that_prints_no_utf8_gets_its_line(home):
+    result = megaresil("train", "gpt-tiny", *SMALL, "run.dir=run",
+                       r"resilience.health.command=printf 'ib0 \377 down'; exit 1", cwd=home,
+                       check=False)
+    assert result.returncode == 1
+    assert launch_lines(result)[-1].startswith(
+        f"megaresil: node {socket.gethostname()} failed its health check (command: `printf "
+        r"'ib0 \377 down'; exit 1` exited with 1: ib0 " "\ufffd down) and is excluded")

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,6 +181,63 @@ def test_a_nodes_ranks_share_their_byte_counts_and_the_last_one_out_removes_the_
     ranks[1].close()
     assert not path.exists()
     assert NodeTraffic(lambda: 7, None, local_rank=3)() == 7  # no node-local directory
+
+
+def test_the_node_traffic_file_is_never_written_through_a_planted_link(tmp_path, capsys):
+    """Its name is predictable: in /dev/shm itself (any user's) a link
+    planted there had a run as root overwrite its target's first bytes. A
+    port no TCP store has, so that no job of this machine shares the name."""
+    from megaresil.resilience.watchdog.probes import NodeTraffic, node_traffic_path
+
+    path = node_traffic_path(100_000 + os.getpid(), 0)
+    target = tmp_path / "precious"
+    target.write_bytes(b"precious" * 4)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    path.symlink_to(target)
+    try:
+        traffic = NodeTraffic(lambda: 7, path, local_rank=0)
+        assert traffic() == 7  # its own count: no file to share
+        traffic.close()
+    finally:
+        path.unlink()
+    assert target.read_bytes() == b"precious" * 4
+    assert "counts each rank's own traffic, not its node's" in capsys.readouterr().err
+
+
+def test_the_node_traffic_file_lies_in_a_directory_of_the_users_own(tmp_path):
+    from megaresil.resilience.watchdog.probes import NodeTraffic, node_traffic_path
+
+    assert node_traffic_path(29500, 3) == Path(f"/dev/shm/megaresil-{os.getuid()}/traffic-29500-3")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "megaresil-0").symlink_to(elsewhere)  # planted in place of the directory
+    assert NodeTraffic(lambda: 7, tmp_path / "megaresil-0" / "traffic-1-0", 0)() == 7
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_killed_jobs_traffic_file_is_removed_by_the_next_job_on_the_node(tmp_path):
+    """A rank killed never runs its close(): 40-odd files were seen left."""
+    from megaresil.resilience.watchdog.probes import NodeTraffic
+
+    directory = tmp_path / "megaresil-0"
+    directory.mkdir(mode=0o700)
+    killed = subprocess.Popen(
+        [sys.executable, "-c", "import pathlib, sys, time\n"
+         "from megaresil.resilience.watchdog.probes import NodeTraffic\n"
+         "NodeTraffic(lambda: 5, pathlib.Path(sys.argv[1]), 0)()\n"
+         "print('counting', flush=True)\ntime.sleep(300)", str(directory / "traffic-1-0")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert killed.stdout.readline() == "counting\n"
+        alive = NodeTraffic(lambda: 1, directory / "traffic-2-0", 0)  # another job's, running
+    finally:
+        killed.kill()
+        killed.wait()
+    assert (directory / "traffic-1-0").exists()
+    NodeTraffic(lambda: 3, directory / "traffic-3-0", 0).close()  # the next job, start to end
+    assert sorted(p.name for p in directory.iterdir()) == ["traffic-2-0"]
+    alive.close()
+    assert list(directory.iterdir()) == []
 
 
 def test_an_endless_computation_is_caught_at_the_hard_limit(tmp_path):

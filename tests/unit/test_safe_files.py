@@ -22,7 +22,7 @@ from megaresil.observe.goodput import write_goodput
 from megaresil.observe.loggers import kept_run_id
 from megaresil.observe.report import write_report
 from megaresil.resilience.stragglers import StragglerDetector
-from megaresil.safe_files import (LinkRefused, open_nofollow, own_dir, refuse_links,
+from megaresil.safe_files import (LinkRefused, open_nofollow, own_dir, private_dir, refuse_links,
                                   write_atomic)
 from megaresil.train.metrics import MetricsLog, StepFigures
 
@@ -81,6 +81,28 @@ def test_a_directory_of_the_run_that_is_a_link_is_refused(tmp_path, target):
     assert own_dir(tmp_path / "a" / "b").is_dir()
 
 
+def test_a_private_directory_is_this_users_alone(tmp_path, target):
+    """For predictable names in /dev/shm: what another user made first is refused."""
+    made = private_dir(tmp_path / "mine")
+    assert stat.S_IMODE(made.stat().st_mode) & 0o077 == 0 and private_dir(made) == made
+    with pytest.raises(LinkRefused):
+        private_dir(plant(tmp_path / "planted", target.parent))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="not a directory of this user's own"):
+        private_dir(shared)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PermissionError):
+        private_dir(tmp_path / "file")
+    if os.getuid() == 0:  # only root can give a directory away
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 4321, 4321)
+        with pytest.raises(PermissionError):
+            private_dir(theirs)
+
+
 def test_the_launch_check_names_every_link_of_the_run(tmp_path, target):
     run, local = tmp_path / "run", tmp_path / "shm" / "run-1234"
     for name in ("metrics.jsonl", "events.jsonl", "recipe.yaml", "goodput.json"):
@@ -105,6 +127,48 @@ def test_a_planted_local_root_is_refused(tmp_path, target):
     local = plant(tmp_path / "shm" / "run-1234", target.parent)
     with pytest.raises(ConfigError, match="run-1234 ->"):
         refuse_links(tmp_path / "run", tmp_path / "run" / "checkpoints", [local.parent, local])
+
+
+# --- the data caches (data.cache_dir, data.index_cache, data prepare --output) -----------------
+
+def test_a_cache_lock_is_not_opened_through_a_link(tmp_path, target):
+    """Opened for appending through a link, a lock created a missing target."""
+    from megaresil.data.filelock import exclusive_lock
+
+    missing = target.with_name("created")
+    for planted_at in (target, missing):
+        plant(tmp_path / "cache" / "entry.lock", planted_at)
+        with pytest.raises(ConfigError, match=r"^data.cache_dir: .*entry.lock is a link"):
+            with exclusive_lock(tmp_path / "cache" / "entry.lock", "data.cache_dir"):
+                pass
+        (tmp_path / "cache" / "entry.lock").unlink()
+    assert untouched(target) and not missing.exists()
+
+
+def test_cached_files_are_written_under_names_no_one_could_plant(tmp_path, target):
+    """Shuffle indices, trained tokenizers and prepared datasets were written
+    to NAME.tmpPID, opened through whatever link was planted there."""
+    from megaresil.data.index_cache import ShuffleIndex
+    from megaresil.data.indexed import IndexedDatasetWriter, bin_path, idx_path
+    from megaresil.data.tokenizer import build_tokenizer
+
+    pid = os.getpid()
+    index = ShuffleIndex(tmp_path / "index", samples=10, seed=1)
+    plant(index.path(0).with_name(f".{index.path(0).name}.tmp{pid}"), target)
+    assert sorted(index.epoch(0)) == list(range(10))
+    tokenizer = tmp_path / "cache" / "tokenizer.json"
+    plant(tokenizer.with_name(f"tokenizer.json.tmp{pid}"), target)
+    build_tokenizer("bpe", corpus_text=["to be or not to be"] * 20, vocab_size=300,
+                    cache_path=tokenizer)
+    assert build_tokenizer("bpe", cache_path=tokenizer).vocab_size > 256
+    prefix = tmp_path / "prepared" / "corpus"
+    for name in (bin_path(str(prefix)), idx_path(str(prefix))):
+        plant(Path(f"{name}.tmp{pid}"), target)
+    with IndexedDatasetWriter(prefix) as writer:
+        writer.add_document([1, 2, 3])
+        writer.finalize()
+    assert Path(bin_path(str(prefix))).stat().st_size == 12
+    assert untouched(target)
 
 
 # --- each writer -----------------------------------------------------------------------------

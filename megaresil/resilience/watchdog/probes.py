@@ -3,6 +3,7 @@ clock and where it waits, the bytes its peer connections move, and the kind
 of machine a calibration holds on."""
 from __future__ import annotations
 
+import fcntl
 import os
 import platform
 import socket
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from megaresil.safe_files import private_dir
 
 TORCH_DISTRIBUTED = os.path.dirname(dist.__file__)
 
@@ -73,21 +76,44 @@ def peer_bytes_counter(store_port: int | None) -> Callable[[], int]:
 class NodeTraffic:
     """The bytes this job's ranks on this node move to their peers: each
     rank's own count (peer_bytes_counter) in its slot of one node-local file
-    (`path`, under /dev/shm), summed. On a congested link one rank's own
+    (`path`, node_traffic_path), summed. On a congested link one rank's own
     sockets can idle for seconds (a flow backing off after drops) while its
     node-mates' transfers keep the link busy; a node whose ranks all wait on
     a hung peer moves nothing. Without `path` (no /dev/shm), the rank's own
-    count. close() removes the file with the last slot left."""
+    count.
+
+    The file lies in a directory of this user's own (safe_files.private_dir):
+    its name is predictable, and /dev/shm is every user's. Each rank holds a
+    shared lock on it while it counts (the kernel drops it when the process
+    dies, however): close() removes the file when no other rank holds it,
+    and a rank opening one first removes the files that no process holds,
+    left by jobs killed before they could."""
     SLOT = struct.Struct("=Q")
+    OPEN_ATTEMPTS = 10  # a file removed between our open and our lock is opened again
 
     def __init__(self, own: Callable[[], int], path: Path | None, local_rank: int):
         self.own, self.path, self.offset = own, path, local_rank * self.SLOT.size
         self.fd = None
         if path is not None:
             try:
-                self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            except OSError:
+                remove_unheld(private_dir(path.parent))
+                self.fd = self._open_held()
+            except OSError as err:
                 self.path = None
+                if local_rank == 0:  # once per node
+                    print(f"megaresil: warning: the watchdog counts each rank's own traffic, "
+                          f"not its node's: {err}", file=sys.stderr, flush=True)
+
+    def _open_held(self) -> int:
+        """A descriptor of the file (made 0600, never through a link) under
+        a shared lock, the file still in place once the lock is held."""
+        for _ in range(self.OPEN_ATTEMPTS):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if same_file(fd, self.path):
+                return fd
+            os.close(fd)  # another rank removed it as unheld before we locked it
+        raise OSError(f"{self.path} kept being removed while opened")
 
     def __call__(self) -> int:
         value = self.own()
@@ -102,18 +128,49 @@ class NodeTraffic:
         if self.fd is None:
             return
         os.pwrite(self.fd, self.SLOT.pack(0), self.offset)
-        if not any(os.pread(self.fd, 1 << 16, 0)):
-            Path(self.path).unlink(missing_ok=True)
+        remove_if_unheld(self.fd, self.path)
         os.close(self.fd)
         self.fd = None
 
 
+def same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def remove_if_unheld(fd: int, path: Path) -> None:
+    """Remove `path` (open as `fd`) when no other process holds a lock on it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # a node-mate still counts in it
+    if same_file(fd, path):
+        Path(path).unlink()
+
+
+def remove_unheld(directory: Path) -> None:
+    """Remove the traffic files in `directory` that no process holds."""
+    for path in directory.glob("traffic-*"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # removed meanwhile, or a link: not one of ours
+        try:
+            remove_if_unheld(fd, path)
+        finally:
+            os.close(fd)
+
+
 def node_traffic_path(store_port: int | None, node_rank: int) -> Path | None:
     """The node-local file of a job's NodeTraffic (one per launch store and
-    node: simulated nodes share one /dev/shm), or None where there is none."""
+    node: simulated nodes share one /dev/shm), in this user's directory
+    there; None where there is no /dev/shm."""
     shm = Path("/dev/shm")
-    return (shm / f"megaresil-traffic-{store_port}-{node_rank}" if store_port and shm.is_dir()
-            else None)
+    return (shm / f"megaresil-{os.getuid()}" / f"traffic-{store_port}-{node_rank}"
+            if store_port and shm.is_dir() else None)
 
 
 def socket_fds() -> list[int]:
