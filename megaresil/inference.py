@@ -152,15 +152,19 @@ def inference_recipe(cfg: RecipeConfig, eval_batches: int | None, scratch: Path,
     """The run's recipe at tp ranks (pp = dp = 1), starting from the
     checkpoint's weights, without its drills' faults, and kept out of the
     run's own directory: the trainer resumes nothing, writes no event there
-    and never cleans up the partial save of a run still going."""
+    and never cleans up the partial save of a run still going. Live
+    replacement is off: it plans each generation's state over the training
+    job's process groups, which one inference process does not have."""
     train = cfg.train if eval_batches is None else dataclasses.replace(
         cfg.train, eval_batches=eval_batches)
     saved = dataclasses.replace(
         cfg.checkpoint, dir=None, load="none", init_from=str(checkpoint),
         init_from_optimizer=False, local=dataclasses.replace(cfg.checkpoint.local, enabled=False))
+    resilience = dataclasses.replace(cfg.resilience, replacement=dataclasses.replace(
+        cfg.resilience.replacement, enabled=False))
     return dataclasses.replace(cfg, parallel=ParallelConfig(tp=tp), train=train, faults=[],
                                run=dataclasses.replace(cfg.run, dir=str(scratch)),
-                               checkpoint=saved)
+                               checkpoint=saved, resilience=resilience)
 
 
 def evaluate(checkpoint: Path, batches: int | None = None, split: str = "valid",
