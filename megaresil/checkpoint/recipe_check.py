@@ -4,13 +4,15 @@ may differ; any other difference would silently train a different run from
 the checkpoint's tensors, so the launcher refuses it before workers start."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.location import checkpoint_root
-from megaresil.config import ConfigError, RecipeConfig, to_dict
+from megaresil.config import ConfigError, DataConfig, RecipeConfig, to_dict
+from megaresil.data.provenance import tokenizer_spec
 
 # Keys (or key prefixes ending in '.') that may change on resume: the layout
 # (checkpoints reshard, ZeRO-1's row shards of the moments included), how long to train, when and where to save, what to
@@ -65,7 +67,8 @@ def check_resume_recipe(cfg: RecipeConfig) -> None:
     if found is None:
         return
     path, manifest = found
-    changes = recipe_changes(manifest["recipe"], to_dict(cfg), cfg.checkpoint.allow_recipe_change)
+    saved, new = _tokenizers_resolved(manifest["recipe"], to_dict(cfg), cfg.data)
+    changes = recipe_changes(saved, new, cfg.checkpoint.allow_recipe_change)
     if changes:
         lines = "".join(f"\n  {key}: the checkpoint has {old!r}, this recipe {new!r}"
                         for key, old, new in changes)
@@ -75,3 +78,14 @@ def check_resume_recipe(cfg: RecipeConfig) -> None:
                           f"use a new run.dir, or start from these weights with "
                           f"checkpoint.init_from={path}, or allow it: "
                           f"checkpoint.allow_recipe_change=[{keys}]")
+
+
+def _tokenizers_resolved(saved: dict, new: dict, data: DataConfig) -> tuple[dict, dict]:
+    """Both recipes with data.tokenizer as it resolves for this run's data:
+    an unset one (null) is the tokenizer the data was prepared with, so a
+    checkpoint that named it resumes under a recipe that leaves it unset."""
+    def resolved(recipe: dict) -> dict:
+        tokenizer = recipe.get("data", {}).get("tokenizer")
+        spec = tokenizer_spec(dataclasses.replace(data, tokenizer=tokenizer))
+        return {**recipe, "data": {**recipe.get("data", {}), "tokenizer": spec}}
+    return resolved(saved), resolved(new)

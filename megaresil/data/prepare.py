@@ -13,6 +13,7 @@ document is tokenized and followed by eod, as Megatron's preprocess_data.py
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -34,6 +35,7 @@ from megaresil.data.corpus import (MAX_RECORD_BYTES, corpus_documents, corpus_fi
                                    iter_documents)
 from megaresil.data.filelock import exclusive_lock
 from megaresil.data.indexed import IndexedDatasetWriter, dtype_for_vocab
+from megaresil.data.provenance import bpe_file, record, record_path, tokenizer_spec
 from megaresil.data.tokenizer import BUILTIN, Tokenizer, build_tokenizer, hf_tokenizer_file
 
 # Bump when corpus cleaning or the file layout changes, so old caches are not reused.
@@ -73,6 +75,7 @@ def prepare_dataset(data_cfg: DataConfig, vocab_size_limit: int | None = None) -
     if data_cfg.source == "indexed":
         raise ValueError("data.source: 'indexed' data is read as it is, not prepared.")
     _check_valid_fraction(data_cfg.valid_fraction)
+    data_cfg = dataclasses.replace(data_cfg, tokenizer=tokenizer_spec(data_cfg))
     bpe_vocab = _bpe_vocab_size(data_cfg.tokenizer, vocab_size_limit)
     cache_dir = Path(data_cfg.cache_dir).resolve()
     target = cache_dir / _cache_name(data_cfg, bpe_vocab)
@@ -217,8 +220,8 @@ class Summary:
 
     def line(self) -> str:
         rate = self.tokens / max(self.seconds, 1e-9)
-        files = f"{self.prefix}.{{bin,idx}}" + (f", {self.tokenizer_path}"
-                                                if self.tokenizer_path else "")
+        files = f"{self.prefix}.{{bin,idx,prepared.json}}" + (f", {self.tokenizer_path}"
+                                                              if self.tokenizer_path else "")
         skipped = f" ({self.skipped_empty} empty skipped)" if self.skipped_empty else ""
         return (f"prepared {self.documents:,} documents{skipped}, {self.tokens:,} tokens in "
                 f"{self.seconds:.1f} s ({rate:,.0f} tokens/s) -> {files}")
@@ -231,11 +234,13 @@ def prepare_main(inputs: Sequence[str], output_prefix: str, tokenizer: str = "bp
     files) in order into OUTPUT.bin/.idx, each followed by eod. 'bpe' is first
     trained on the inputs and saved as OUTPUT_tokenizer.json (the file that
     data.source=indexed with data.tokenizer=bpe reads). A JSON Lines record
-    over `max_record_bytes` (default corpus.MAX_RECORD_BYTES) is refused."""
+    over `max_record_bytes` (default corpus.MAX_RECORD_BYTES) is refused.
+    Which tokenizer made the data is recorded beside it (data/provenance.py)."""
     start = time.perf_counter()
     max_record_bytes = max_record_bytes or MAX_RECORD_BYTES
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    tokenizer_path = f"{output_prefix}_tokenizer.json" if tokenizer == "bpe" else None
+    record_path(output_prefix).unlink(missing_ok=True)  # it names the old data's tokenizer
+    tokenizer_path = str(bpe_file(output_prefix)) if tokenizer == "bpe" else None
     if tokenizer_path:
         Path(tokenizer_path).unlink(missing_ok=True)  # retrain, never reuse a stale one
         build_tokenizer("bpe", corpus_text=_documents(inputs, json_key, max_record_bytes),
@@ -248,6 +253,7 @@ def prepare_main(inputs: Sequence[str], output_prefix: str, tokenizer: str = "bp
     with tqdm(desc="documents", unit="doc", file=sys.stderr, disable=None) as progress:
         written = write_indexed(output_prefix, encode_in_workers(documents, spec, workers),
                                 dtype_for_vocab(vocab), progress)
+    record(output_prefix, tokenizer)
     summary = Summary(output_prefix, tokenizer_path, written.documents, written.tokens,
                       skipped["empty"], time.perf_counter() - start)
     print(summary.line())

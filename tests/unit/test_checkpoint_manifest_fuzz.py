@@ -169,17 +169,18 @@ def test_a_local_meta_without_rects_is_a_checkpoint_error(tmp_path):
 
 # --- issue 27 item 2: the recipe on resume ------------------------------------------------
 
-def resume_refusal(tmp_path, *overrides: str) -> str:
-    """Save a checkpoint with the gpt-tiny recipe in a run dir, then check a
-    resume of it with `overrides`: the launcher's refusal ('' when allowed)."""
+def resume_refusal(tmp_path, *overrides: str, saved_with: tuple[str, ...] = ()) -> str:
+    """Save a checkpoint of the gpt-tiny recipe (with `saved_with`) in a run
+    dir, then check a resume of it with `overrides`: the launcher's refusal
+    ('' when allowed)."""
     from megaresil.checkpoint.recipe_check import check_resume_recipe
     from megaresil.config import ConfigError, load_recipe, to_dict
 
     base = [f"run.dir={tmp_path}"]
-    saved = to_dict(load_recipe("recipes/gpt-tiny.yaml", base))
+    recipe = load_recipe("recipes/gpt-tiny.yaml", base + list(saved_with))
     directory = saved_checkpoint(tmp_path / "checkpoints")
     manifest = json.loads((directory / fmt.MANIFEST).read_text())
-    manifest["recipe"] = saved
+    manifest["recipe"] = to_dict(recipe)
     (directory / fmt.MANIFEST).write_text(json.dumps(manifest))
     (directory / fmt.MARKER).write_text("ok\n")
     try:
@@ -197,6 +198,15 @@ def test_a_resume_with_another_recipe_is_refused_naming_the_key(tmp_path, change
     assert f"{key}: the checkpoint has" in refusal and "allow_recipe_change=[" in refusal
     assert "init_from=" in refusal and "run.dir" in refusal
     assert "\nFix: " in refusal  # the fix starts its own line, after the list of keys
+
+
+def test_a_checkpoint_that_named_the_tokenizer_resumes_under_a_recipe_that_leaves_it_unset(
+        tmp_path):
+    """Saved recipes named data.tokenizer=bpe (the old default, and the demo
+    piece's); unset, it resolves to the same tokenizer for the same data."""
+    assert resume_refusal(tmp_path, saved_with=("data.tokenizer=bpe",)) == ""
+    refusal = resume_refusal(tmp_path / "other", saved_with=("data.tokenizer=gpt2",))
+    assert "data.tokenizer: the checkpoint has 'gpt2', this recipe 'bpe'" in refusal
 
 
 def test_allowed_changes_resume(tmp_path):
