@@ -9,6 +9,8 @@ halves) and blended: docs/data.md, "Splits" and "How it works".
 """
 from __future__ import annotations
 
+import re
+
 from megaresil.config import ConfigError, DataConfig
 from megaresil.data.blend import BlendedDataset, parse_blend
 from megaresil.data.dataset import GPTDataset, SyntheticDataset
@@ -101,12 +103,18 @@ def _halves(indexed: IndexedDataset,
 def blend_of(data_cfg: DataConfig) -> list[tuple[float, str]]:
     """(weight, prefix) of every indexed dataset in the recipe."""
     blend = parse_blend(data_cfg.paths) if data_cfg.paths else [(1.0, data_cfg.path or "")]
+    key = "data.paths" if data_cfg.paths else "data.path"
     for _, prefix in blend:
-        if not exists(prefix):
-            raise ConfigError("data.paths" if data_cfg.paths else "data.path",
-                              f"no indexed dataset {prefix}.bin/.idx.",
-                              "give the prefix of a prepared dataset "
-                              "(create one with `megaresil data prepare`).")
+        if exists(prefix):
+            continue
+        named = re.fullmatch(r"(.+)\.(bin|idx)", prefix)
+        if named:  # data/corpus.bin: a file of the dataset, not its prefix
+            raise ConfigError(key, f"{prefix} names a file of an indexed dataset; the dataset "
+                              "is named by its prefix, the path without .bin or .idx.",
+                              f"give {named.group(1)} instead of {prefix}.")
+        raise ConfigError(key, f"no indexed dataset {prefix}.bin/.idx.",
+                          "give the prefix of a prepared dataset "
+                          "(create one with `megaresil data prepare`).")
     return blend
 
 
