@@ -16,6 +16,7 @@ import dataclasses
 import math
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -88,7 +89,14 @@ def check_layout(recipe: RecipeConfig, tp: int, device: torch.device) -> None:
                           f"pass --tp {gpus} or fewer (a divisor of the model's heads).")
 
 
-def run_on_model(checkpoint: Path, tp: int, eval_batches: int | None, job, **kwargs) -> dict:
+@dataclass(frozen=True)
+class Use:
+    """What a command changes in the run's recipe."""
+    eval_batches: Optional[int] = None  # None: the run's train.eval_batches
+    tokenizer: Optional[str] = None  # None: the run's data.tokenizer
+
+
+def run_on_model(checkpoint: Path, tp: int, use: Use, job, **kwargs) -> dict:
     """`job(trainer, checkpoint, step, **kwargs)` on the checkpoint's model,
     whatever layout saved it, held by tp tensor-parallel ranks (one process
     when tp is 1, else local processes over gloo or NCCL); rank 0's result.
@@ -101,10 +109,10 @@ def run_on_model(checkpoint: Path, tp: int, eval_batches: int | None, job, **kwa
     check_fits(checkpoint, model_bytes(source.manifest, resolve(recipe.train.precision, device)),
                available_bytes(device), device, tp)
     if tp == 1:
-        return on_rank(checkpoint, recipe, tp, eval_batches, job, kwargs)
+        return on_rank(checkpoint, recipe, tp, use, job, kwargs)
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    mp.start_processes(spawned_rank, args=(tp, free_port(), checkpoint, eval_batches, job,
+    mp.start_processes(spawned_rank, args=(tp, free_port(), checkpoint, use, job,
                                            kwargs, results), nprocs=tp, start_method="spawn")
     outcome, value = results.get()
     if outcome == "error":
@@ -112,7 +120,7 @@ def run_on_model(checkpoint: Path, tp: int, eval_batches: int | None, job, **kwa
     return value
 
 
-def spawned_rank(rank: int, tp: int, port: int, checkpoint: Path, eval_batches: int | None,
+def spawned_rank(rank: int, tp: int, port: int, checkpoint: Path, use: Use,
                  job, kwargs: dict, results) -> None:
     """One of run_on_model's ranks; rank 0 puts ("ok", result) or ("error", why)."""
     os.environ["LOCAL_RANK"] = str(rank)  # pick_device's GPU of this rank
@@ -123,7 +131,7 @@ def spawned_rank(rank: int, tp: int, port: int, checkpoint: Path, eval_batches: 
                             rank=rank, world_size=tp)
     try:
         recipe = from_dict(open_source(checkpoint).manifest["recipe"])
-        result = ("ok", on_rank(checkpoint, recipe, tp, eval_batches, job, kwargs))
+        result = ("ok", on_rank(checkpoint, recipe, tp, use, job, kwargs))
     except fmt.CheckpointError as err:
         result = ("error", str(err))
     finally:
@@ -132,10 +140,10 @@ def spawned_rank(rank: int, tp: int, port: int, checkpoint: Path, eval_batches: 
         results.put(result)
 
 
-def on_rank(checkpoint: Path, recipe: RecipeConfig, tp: int, eval_batches: int | None, job,
+def on_rank(checkpoint: Path, recipe: RecipeConfig, tp: int, use: Use, job,
             kwargs: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="megaresil-inference-") as scratch:
-        cfg = inference_recipe(recipe, eval_batches, Path(scratch), checkpoint, tp)
+        cfg = inference_recipe(recipe, use, Path(scratch), checkpoint, tp)
         trainer = Trainer(cfg, ParallelLayout.from_config(cfg.parallel, pick_device()))
         try:
             return job(trainer, checkpoint, step_of(checkpoint), **kwargs)
@@ -147,27 +155,34 @@ def step_of(checkpoint: Path) -> int:
     return read_manifest(checkpoint)["step"]
 
 
-def inference_recipe(cfg: RecipeConfig, eval_batches: int | None, scratch: Path,
-                     checkpoint: Path, tp: int) -> RecipeConfig:
+def inference_recipe(cfg: RecipeConfig, use: Use, scratch: Path, checkpoint: Path,
+                     tp: int) -> RecipeConfig:
     """The run's recipe at tp ranks (pp = dp = 1), starting from the
     checkpoint's weights, without its drills' faults, and kept out of the
     run's own directory: the trainer resumes nothing, writes no event there
-    and never cleans up the partial save of a run still going."""
-    train = cfg.train if eval_batches is None else dataclasses.replace(
-        cfg.train, eval_batches=eval_batches)
+    and never cleans up the partial save of a run still going. Live
+    replacement is off: it plans each generation's state over the training
+    job's process groups, which one inference process does not have."""
+    train = cfg.train if use.eval_batches is None else dataclasses.replace(
+        cfg.train, eval_batches=use.eval_batches)
+    data = cfg.data if use.tokenizer is None else dataclasses.replace(
+        cfg.data, tokenizer=use.tokenizer)
     saved = dataclasses.replace(
         cfg.checkpoint, dir=None, load="none", init_from=str(checkpoint),
         init_from_optimizer=False, local=dataclasses.replace(cfg.checkpoint.local, enabled=False))
-    return dataclasses.replace(cfg, parallel=ParallelConfig(tp=tp), train=train, faults=[],
+    resilience = dataclasses.replace(cfg.resilience, replacement=dataclasses.replace(
+        cfg.resilience.replacement, enabled=False))
+    return dataclasses.replace(cfg, parallel=ParallelConfig(tp=tp), train=train, data=data,
+                               faults=[],
                                run=dataclasses.replace(cfg.run, dir=str(scratch)),
-                               checkpoint=saved)
+                               checkpoint=saved, resilience=resilience)
 
 
 def evaluate(checkpoint: Path, batches: int | None = None, split: str = "valid",
              tp: int = 1) -> dict:
     """Loss and perplexity on a held-out split: on valid, the run's own eval
     batches; on test, as many batches of the test split (data/build.py)."""
-    return run_on_model(checkpoint, tp, batches, evaluate_job, split=split)
+    return run_on_model(checkpoint, tp, Use(eval_batches=batches), evaluate_job, split=split)
 
 
 def evaluate_job(trainer: Trainer, checkpoint: Path, step: int, *, split: str) -> dict:
@@ -183,11 +198,13 @@ def evaluate_job(trainer: Trainer, checkpoint: Path, step: int, *, split: str) -
 
 
 def generate(checkpoint: Path, prompt: str, *, max_new_tokens: int = 50, temperature: float = 0.0,
-             top_k: Optional[int] = None, seed: int = 0, tp: int = 1) -> dict:
-    """The prompt continued by the checkpoint's model (temperature 0: greedy)."""
-    return run_on_model(checkpoint, tp, 0, generate_job, prompt=prompt,
-                        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        seed=seed)
+             top_k: Optional[int] = None, seed: int = 0, tp: int = 1,
+             tokenizer: Optional[str] = None) -> dict:
+    """The prompt continued by the checkpoint's model (temperature 0:
+    greedy); `tokenizer` names one other than the run's data.tokenizer."""
+    return run_on_model(checkpoint, tp, Use(eval_batches=0, tokenizer=tokenizer), generate_job,
+                        prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_k=top_k, seed=seed)
 
 
 def generate_job(trainer: Trainer, checkpoint: Path, step: int, *, prompt: str,
@@ -199,7 +216,12 @@ def generate_job(trainer: Trainer, checkpoint: Path, step: int, *, prompt: str,
     try:
         tokenizer = recipe_tokenizer(cfg.data, cfg.model.vocab_size)
     except ValueError as err:
-        raise fmt.CheckpointError(f"{err} (generation needs text in and out)") from None
+        raise fmt.CheckpointError(f"{err} (generation needs text in and out; --tokenizer "
+                                  "names the tokenizer)") from None
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise fmt.CheckpointError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model "
+                                  f"{cfg.model.vocab_size} ids. Fix: --tokenizer naming the "
+                                  "tokenizer the model trained with.")
     trainer.model.eval()
     ids = continue_tokens(trainer.chunks[0], tokenizer.encode(prompt), cfg.model.max_seq_len,
                           max_new_tokens, temperature, top_k, torch.Generator().manual_seed(seed))

@@ -4,13 +4,18 @@ may differ; any other difference would silently train a different run from
 the checkpoint's tensors, so the launcher refuses it before workers start."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.hf.mapping import model_differences
+from megaresil.checkpoint.keys import WEIGHTS
 from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.location import checkpoint_root
-from megaresil.config import ConfigError, RecipeConfig, to_dict
+from megaresil.config import ConfigError, DataConfig, RecipeConfig, model_from_dict, to_dict
+from megaresil.data.provenance import tokenizer_spec
+from megaresil.model.gpt import layout_free_shapes
 
 # Keys (or key prefixes ending in '.') that may change on resume: the layout
 # (checkpoints reshard, ZeRO-1's row shards of the moments included), how long to train, when and where to save, what to
@@ -35,11 +40,16 @@ def may_change(key: str, allowed: list[str]) -> bool:
                for a in (*RESUMABLE, *allowed))
 
 
-def recipe_changes(saved: dict, new: dict, allowed: list[str]) -> list[tuple[str, object, object]]:
-    """(key, saved value, new value) for each refused difference."""
+def differences(saved: dict, new: dict) -> list[tuple[str, object, object]]:
+    """(key, saved value, new value) for each difference."""
     old, now = flat(saved), flat(new)
     return [(key, old.get(key), now.get(key)) for key in sorted(set(old) | set(now))
-            if old.get(key) != now.get(key) and not may_change(key, allowed)]
+            if old.get(key) != now.get(key)]
+
+
+def recipe_changes(saved: dict, new: dict, allowed: list[str]) -> list[tuple[str, object, object]]:
+    """(key, saved value, new value) for each refused difference."""
+    return [change for change in differences(saved, new) if not may_change(change[0], allowed)]
 
 
 def newest_manifest(cfg: RecipeConfig) -> Optional[tuple[Path, dict]]:
@@ -60,18 +70,64 @@ def newest_manifest(cfg: RecipeConfig) -> Optional[tuple[Path, dict]]:
 
 def check_resume_recipe(cfg: RecipeConfig) -> None:
     """Refuse (ConfigError, before workers start) a resume whose recipe
-    differs from the checkpoint's in a key that may not change."""
+    differs from the checkpoint's in a key that may not change, offering
+    only the fixes that can work."""
     found = newest_manifest(cfg)
     if found is None:
         return
     path, manifest = found
-    changes = recipe_changes(manifest["recipe"], to_dict(cfg), cfg.checkpoint.allow_recipe_change)
-    if changes:
-        lines = "".join(f"\n  {key}: the checkpoint has {old!r}, this recipe {new!r}"
-                        for key, old, new in changes)
-        keys = ",".join(key for key, _, _ in changes)
-        raise ConfigError("checkpoint.allow_recipe_change",
-                          f"resuming from {path} would train a different run:{lines}\n",
-                          f"use a new run.dir, or start from these weights with "
-                          f"checkpoint.init_from={path}, or allow it: "
-                          f"checkpoint.allow_recipe_change=[{keys}]")
+    saved, new = _tokenizers_resolved(manifest["recipe"], to_dict(cfg), cfg.data)
+    changes = recipe_changes(saved, new, cfg.checkpoint.allow_recipe_change)
+    if not changes:
+        return
+    fits = _tensors_fit(manifest, cfg, differences(saved, new))
+    problem = f"resuming from {path} would train a different run:{_lines(changes)}\n"
+    if not fits:
+        problem += ("This model's tensors have other shapes than the checkpoint's: neither a "
+                    "resume nor checkpoint.init_from can load them.\n")
+    raise ConfigError("checkpoint.allow_recipe_change", problem,
+                      _fixes(path, manifest, cfg, ",".join(key for key, _, _ in changes), fits))
+
+
+def _tensors_fit(manifest: dict, cfg: RecipeConfig,
+                 changes: list[tuple[str, object, object]]) -> bool:
+    """Whether the checkpoint's weights have this recipe's model's shapes
+    (built only when a model.* key changed)."""
+    if not any(key.startswith("model.") for key, _, _ in changes):
+        return True
+    return _shapes(manifest) == layout_free_shapes(cfg.model)
+
+
+def _fixes(path: Path, manifest: dict, cfg: RecipeConfig, keys: str, fits: bool) -> str:
+    """What can work: a new run; where the tensors fit, the weights into a
+    new run (only while the architecture is the checkpoint's: init_from
+    checks it) and this resume, allowed."""
+    if not fits:
+        return "use a new run.dir (the new model trains from its own initialisation)."
+    fixes = ["use a new run.dir"]
+    if not model_differences(model_from_dict(manifest["recipe"]["model"]), cfg.model):
+        fixes.append(f"start from these weights with checkpoint.init_from={path}")
+    fixes.append(f"allow it: checkpoint.allow_recipe_change=[{keys}]")
+    return ", or ".join(fixes)
+
+
+def _lines(changes: list[tuple[str, object, object]]) -> str:
+    return "".join(f"\n  {key}: the checkpoint has {old!r}, this recipe {new!r}"
+                   for key, old, new in changes)
+
+
+def _shapes(manifest: dict) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's weights' shapes, by parameter name."""
+    return {key.removeprefix(WEIGHTS): tuple(entry["global_shape"])
+            for key, entry in manifest["tensors"].items() if key.startswith(WEIGHTS)}
+
+
+def _tokenizers_resolved(saved: dict, new: dict, data: DataConfig) -> tuple[dict, dict]:
+    """Both recipes with data.tokenizer as it resolves for this run's data:
+    an unset one (null) is the tokenizer the data was prepared with, so a
+    checkpoint that named it resumes under a recipe that leaves it unset."""
+    def resolved(recipe: dict) -> dict:
+        tokenizer = recipe.get("data", {}).get("tokenizer")
+        spec = tokenizer_spec(dataclasses.replace(data, tokenizer=tokenizer))
+        return {**recipe, "data": {**recipe.get("data", {}), "tokenizer": spec}}
+    return resolved(saved), resolved(new)

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, TypeVar
 
 import torch
-from tqdm import tqdm
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.validation import read_manifest, verify_shards
 from megaresil.checkpoint.backends import get_backend
 from megaresil.checkpoint.sharded import Rect
+from megaresil.terminal import progress_bar
 
 # Reads are batched up to this many bytes: a read of a DCP checkpoint costs
 # tens of milliseconds however small, and a model has many small rects.
@@ -64,7 +64,7 @@ class CheckpointSource:
         stays near one batch or the largest shard); CheckpointError naming
         the first bad one."""
         shards = list(fmt.iter_shards(self.manifest))
-        with tqdm(total=len(shards), desc="verifying source", unit="shard") as bar:
+        with progress_bar(total=len(shards), desc="verifying source", unit="shard") as bar:
             for batch in byte_batches(shards, lambda s: fmt.region_bytes(s[2]["shape"], s[1]["dtype"])):
                 reason = verify_shards(self.backend, self.path, self.manifest, batch)
                 if reason:

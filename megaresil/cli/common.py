@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 def add_recipe_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML or a packaged recipe's name, e.g. "
                         "gpt-tiny (`megaresil recipes` lists them)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+    # A default makes argparse count the overrides optional: without one,
+    # `megaresil train` alone says "required: recipe, KEY=VALUE".
+    parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe overrides; values are YAML (parallel.tp=2, "
                              "faults='[{kind: kill, rank: 1, step: 7}]')")
 

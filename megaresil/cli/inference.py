@@ -26,7 +26,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = generate(checkpoint_argument(args.path), args.prompt,
                       max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                      tp=args.tp)
+                      tp=args.tp, tokenizer=args.tokenizer)
     print(json.dumps(result) if args.json else args.prompt + result["completion"])
     return 0
 
@@ -57,6 +57,9 @@ def add_checkpoint_use_parsers(sub) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
     gen.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only")
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    gen.add_argument("--tokenizer", metavar="SPEC", help="the tokenizer the model trained "
+                     "with, where the run's data.tokenizer does not name it (a tokenizer.json, "
+                     "a model directory, gpt2, bpe or byte); default: the run's data.tokenizer")
     gen.add_argument("--json", action="store_true", help="also the token ids")
     gen.add_argument("--tp", type=int, default=1, help=TP_HELP)
     gen.set_defaults(func=cmd_generate)

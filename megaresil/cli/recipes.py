@@ -49,7 +49,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     if args.tokenizer is None:  # say so: a new BPE is a choice the user did not make
         print(f"tokenizer: none given (--tokenizer), so a new BPE of {args.vocab_size} tokens "
               f"is trained on the input and saved as {args.output}_tokenizer.json (what "
-              f"data.tokenizer=bpe data.path={args.output} reads)")
+              f"data.source=indexed data.path={args.output} reads)")
     prepare_main(args.input, args.output, args.tokenizer or "bpe", json_key=args.json_key,
                  workers=args.workers, vocab_size=args.vocab_size,
                  max_record_bytes=args.max_record_bytes)

@@ -10,6 +10,9 @@ from typing import Any, Optional
 
 # Recipe keys that are Python keywords, and the dataclass fields behind them.
 KEY_ALIASES = {"checkpoint.async": "checkpoint.async_"}
+# Other spellings a recipe may write for a key (read as that key, never
+# written back): the American spelling users of other frameworks reach for.
+KEY_SPELLINGS = {"model.flavor": "model.flavour"}
 
 
 def public_key(field_key: str) -> str:

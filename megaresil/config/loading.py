@@ -9,6 +9,7 @@ key name; `config.validation` then checks the rules that span fields.
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megaresil.config.faults import parse_faults
-from megaresil.config.fields import KEY_ALIASES, ConfigError, public_key
-from megaresil.config.schema import ModelConfig, RecipeConfig
+from megaresil.config.fields import KEY_ALIASES, KEY_SPELLINGS, ConfigError, public_key
+from megaresil.config.schema import ModelConfig, RecipeConfig, field_docs
 from megaresil.config.validation import validate
 
 # The packaged recipes and their pieces (the repository's recipes/ and configs/
@@ -40,10 +41,23 @@ def _rename_aliased(data: dict, to_fields: bool) -> dict:
     return data
 
 
+def _respelled(data: dict) -> dict:
+    """KEY_SPELLINGS' keys of a nested recipe dict under the schema's spelling."""
+    for other, key in KEY_SPELLINGS.items():
+        sec, name = other.split(".")
+        section = data.get(sec)
+        if not isinstance(section, dict) or name not in section:
+            continue
+        if key.split(".")[1] in section:
+            raise ConfigError(key, f"is given twice, also as {other}.", "keep one of them.")
+        section[key.split(".")[1]] = section.pop(name)
+    return data
+
+
 def _typed(piece: dict) -> dict:
-    """A recipe mapping in the schema's terms: keys that are Python keywords
-    renamed to their fields, faults typed."""
-    piece = _rename_aliased(piece, to_fields=True)
+    """A recipe mapping in the schema's terms: other spellings and keys that
+    are Python keywords renamed to their fields, faults typed."""
+    piece = _rename_aliased(_respelled(piece), to_fields=True)
     if "faults" in piece:
         piece["faults"] = _typed_value("faults", piece["faults"])
     return piece
@@ -116,8 +130,25 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw else None
     except yaml.YAMLError as err:
         raise ConfigError(key, f"value {raw!r} is not valid YAML ({err}).", "quote it.") from None
-    key = KEY_ALIASES.get(key.strip(), key.strip())
-    return key, value
+    key = KEY_SPELLINGS.get(key.strip(), key.strip())
+    return KEY_ALIASES.get(key, key), value
+
+
+def unknown_key(key: str) -> ConfigError:
+    """A key the schema does not have, with the keys it may have meant (the
+    suggestion OmegaConf makes for a typo in a recipe file, for a typo on the
+    command line)."""
+    key = public_key(key)
+    keys = [row[0] for row in field_docs()]
+    section, _, name = key.rpartition(".")
+    # In a section that exists, its own keys (as OmegaConf compares them).
+    siblings = [known.rpartition(".")[2] for known in keys if known.rpartition(".")[0] == section]
+    close = ([f"{section}.{match}" for match in difflib.get_close_matches(name, siblings, n=3)]
+             if siblings else difflib.get_close_matches(key, keys, n=3))
+    meant = (f" Did you mean {close[0]}?" if len(close) == 1 else
+             f" Did you mean one of {', '.join(close)}?" if close else "")
+    return ConfigError(key, f"is not a recipe key.{meant}",
+                       "check the spelling (`megaresil config docs` lists every key).")
 
 
 def _explain_omegaconf(err: OmegaConfBaseException) -> ConfigError:
@@ -175,8 +206,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
         for text in overrides:
             key, value = parse_override(text)
             if OmegaConf.select(merged, key, default="__missing__") == "__missing__":
-                raise ConfigError(key, "is not a recipe key.",
-                                  "check the spelling (`megaresil config docs` lists every key).")
+                raise unknown_key(key)
             OmegaConf.update(merged, key, _typed_value(key, value), merge=False)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

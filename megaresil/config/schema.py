@@ -186,9 +186,14 @@ class DataConfig:
                                "PREFIX_valid when it exists, else the last valid_fraction of "
                                "documents. Eval never reads training documents; the test share "
                                "(else PREFIX_test) is what `megaresil eval --split test` reads.")
-    tokenizer: str = doc("bpe", "'bpe' (byte-level BPE trained on the corpus, cached; for "
-                         "indexed data PREFIX_tokenizer.json), 'gpt2' (GPT-2's BPE), 'byte', or "
-                         "a Hugging Face tokenizer: a tokenizer.json or a model directory.")
+    tokenizer: Optional[str] = doc(None, "'bpe' (byte-level BPE trained on the corpus, "
+                                   "cached; for indexed data PREFIX_tokenizer.json), 'gpt2' "
+                                   "(GPT-2's BPE), 'byte', or a Hugging Face tokenizer: a "
+                                   "tokenizer.json or a model directory. null: for indexed data "
+                                   "the one it was prepared with (recorded in "
+                                   "PREFIX.prepared.json by `megaresil data prepare`; bpe "
+                                   "without a record), else bpe. Indexed data prepared with "
+                                   "another tokenizer is refused at start.")
     seq_len: int = doc(128, "Tokens per training sample.", bounds=POSITIVE)
     valid_fraction: float = doc(0.02, "Fraction of documents held out for eval loss when no "
                                 "data.split or PREFIX_valid says otherwise. Of a prepared "

@@ -9,13 +9,14 @@ halves) and blended: docs/data.md, "Splits" and "How it works".
 """
 from __future__ import annotations
 
-from pathlib import Path
+import re
 
 from megaresil.config import ConfigError, DataConfig
 from megaresil.data.blend import BlendedDataset, parse_blend
 from megaresil.data.dataset import GPTDataset, SyntheticDataset
 from megaresil.data.indexed import IndexedDataset, exists
 from megaresil.data.prepare import PreparedData, prepare_dataset
+from megaresil.data.provenance import bpe_file, check_prepared_with, tokenizer_spec
 from megaresil.data.tokenizer import Tokenizer, build_tokenizer
 
 Dataset = GPTDataset | SyntheticDataset | BlendedDataset
@@ -31,7 +32,7 @@ def build_datasets(data_cfg: DataConfig, model_vocab_size: int, seed: int, *,
         return (SyntheticDataset(model_vocab_size, data_cfg.seq_len, seed),
                 SyntheticDataset(model_vocab_size, data_cfg.seq_len, seed + 1), None)
     if data_cfg.source == "indexed":
-        _check_tokenizer_fits(data_cfg, model_vocab_size)
+        _check_tokenizer(data_cfg, model_vocab_size)
         train, valid = _indexed_datasets(data_cfg, model_vocab_size, seed, need_valid)
         return train, valid, None
     info = _prepared(data_cfg, model_vocab_size)
@@ -48,7 +49,7 @@ def build_test_dataset(data_cfg: DataConfig, model_vocab_size: int, seed: int) -
     if data_cfg.source == "synthetic":
         return SyntheticDataset(model_vocab_size, data_cfg.seq_len, seed + 2)
     if data_cfg.source == "indexed":
-        _check_tokenizer_fits(data_cfg, model_vocab_size)
+        _check_tokenizer(data_cfg, model_vocab_size)
         blend = blend_of(data_cfg)
         tests = [_indexed_test(data_cfg, prefix, model_vocab_size, seed) for _, prefix in blend]
         return tests[0] if len(tests) == 1 else BlendedDataset(tests, [w for w, _ in blend])
@@ -64,7 +65,8 @@ def build_test_dataset(data_cfg: DataConfig, model_vocab_size: int, seed: int) -
 def _prepared(data_cfg: DataConfig, model_vocab_size: int) -> PreparedData:
     info = prepare_dataset(data_cfg, vocab_size_limit=model_vocab_size)
     if info.vocab_size > model_vocab_size:
-        raise _vocab_error(model_vocab_size, info.vocab_size, f"the {data_cfg.tokenizer} tokenizer")
+        raise _vocab_error(model_vocab_size, info.vocab_size,
+                           f"the {tokenizer_spec(data_cfg)} tokenizer")
     return info
 
 
@@ -101,12 +103,18 @@ def _halves(indexed: IndexedDataset,
 def blend_of(data_cfg: DataConfig) -> list[tuple[float, str]]:
     """(weight, prefix) of every indexed dataset in the recipe."""
     blend = parse_blend(data_cfg.paths) if data_cfg.paths else [(1.0, data_cfg.path or "")]
+    key = "data.paths" if data_cfg.paths else "data.path"
     for _, prefix in blend:
-        if not exists(prefix):
-            raise ConfigError("data.paths" if data_cfg.paths else "data.path",
-                              f"no indexed dataset {prefix}.bin/.idx.",
-                              "give the prefix of a prepared dataset "
-                              "(create one with `megaresil data prepare`).")
+        if exists(prefix):
+            continue
+        named = re.fullmatch(r"(.+)\.(bin|idx)", prefix)
+        if named:  # data/corpus.bin: a file of the dataset, not its prefix
+            raise ConfigError(key, f"{prefix} names a file of an indexed dataset; the dataset "
+                              "is named by its prefix, the path without .bin or .idx.",
+                              f"give {named.group(1)} instead of {prefix}.")
+        raise ConfigError(key, f"no indexed dataset {prefix}.bin/.idx.",
+                          "give the prefix of a prepared dataset "
+                          "(create one with `megaresil data prepare`).")
     return blend
 
 
@@ -202,33 +210,28 @@ def recipe_tokenizer(data_cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
     """The tokenizer the recipe's data was made with (for export and generation)."""
     if data_cfg.source == "synthetic":
         raise ValueError("data.source: 'synthetic' data has no tokenizer.")
-    if data_cfg.tokenizer != "bpe":
-        return build_tokenizer(data_cfg.tokenizer)
+    spec = tokenizer_spec(data_cfg)
+    if spec != "bpe":
+        return build_tokenizer(spec)
     if data_cfg.source != "indexed":
         info = prepare_dataset(data_cfg, vocab_size_limit=model_vocab_size)
         return build_tokenizer("bpe", cache_path=info.tokenizer_path)
-    path = _indexed_bpe_file(data_cfg)
-    if path is None:
-        raise ValueError(f"data.tokenizer: 'bpe' indexed data needs the trained tokenizer "
-                         f"{blend_of(data_cfg)[0][1]}_tokenizer.json, which is missing. Fix: set "
-                         "data.tokenizer to the tokenizer the data was prepared with.")
+    path = bpe_file(blend_of(data_cfg)[0][1])
+    if not path.is_file():
+        raise ConfigError("data.tokenizer", f"'bpe' indexed data needs the trained tokenizer "
+                          f"{path}, which is missing.",
+                          "set data.tokenizer to the tokenizer the data was prepared with.")
     return build_tokenizer("bpe", cache_path=path)
 
 
-def _indexed_bpe_file(data_cfg: DataConfig) -> Path | None:
-    """PREFIX_tokenizer.json as `megaresil data prepare --tokenizer bpe` writes it."""
-    path = Path(f"{blend_of(data_cfg)[0][1]}_tokenizer.json")
-    return path if path.is_file() else None
-
-
-def _check_tokenizer_fits(data_cfg: DataConfig, model_vocab_size: int) -> None:
-    """Up front when the tokenizer is known; each sample is checked as it is read."""
-    if data_cfg.tokenizer == "bpe" and _indexed_bpe_file(data_cfg) is None:
-        return  # unknown: no whole-corpus scan at start, the per-sample check holds
+def _check_tokenizer(data_cfg: DataConfig, model_vocab_size: int) -> None:
+    """At start, for indexed data: the tokenizer is there, is the one every
+    prefix was prepared with (where recorded), and fits the model."""
+    spec = tokenizer_spec(data_cfg)
+    check_prepared_with(spec, [prefix for _, prefix in blend_of(data_cfg)])
     tokenizer = recipe_tokenizer(data_cfg, model_vocab_size)
     if tokenizer.vocab_size > model_vocab_size:
-        raise _vocab_error(model_vocab_size, tokenizer.vocab_size,
-                           f"data.tokenizer ({data_cfg.tokenizer})")
+        raise _vocab_error(model_vocab_size, tokenizer.vocab_size, f"data.tokenizer ({spec})")
 
 
 def _vocab_error(model_vocab_size: int, vocab_size: int, origin: str) -> ConfigError:

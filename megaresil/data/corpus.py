@@ -22,8 +22,9 @@ import json
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional, Sequence
 
 from megaresil.config import ConfigError
 
@@ -35,6 +36,20 @@ MAX_RECORD_BYTES = 4 * 2**20
 _KJV_VERSE = re.compile(r"^(\d?[A-Za-z]+)\d+:\d+ (.*)$")
 
 
+@dataclass
+class BytesRead:
+    """Bytes of the input files read so far: how far `data prepare` is."""
+    count: int = 0
+
+
+def input_bytes(sources: Sequence[str]) -> Optional[int]:
+    """The bytes `iter_documents` reads from these files; None when one is a
+    named corpus (read from a package, not counted)."""
+    if any(source in ("shakespeare", "kjv") for source in sources):
+        return None
+    return sum(checked_text_file(Path(source)).stat().st_size for source in sources)
+
+
 def corpus_documents(source: str) -> list[str]:
     documents = list(iter_documents(source))
     if not documents:
@@ -44,18 +59,20 @@ def corpus_documents(source: str) -> list[str]:
 
 
 def iter_documents(source: str, json_key: str | None = None,
-                   max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[str]:
+                   max_record_bytes: int = MAX_RECORD_BYTES,
+                   read: Optional[BytesRead] = None) -> Iterator[str]:
     """The documents of a named corpus or a file, one at a time. A file is JSON
     Lines when `json_key` is given or its name ends in .jsonl/.json; a line
-    of it longer than `max_record_bytes` is refused."""
+    of it longer than `max_record_bytes` is refused. `read` counts the
+    file's bytes as they are read."""
     if source == "shakespeare":
         return iter(shakespeare_documents())
     if source == "kjv":
         return iter(kjv_documents())
     path = checked_text_file(Path(source))
     if json_key is not None or path.suffix in JSON_SUFFIXES:
-        return json_lines_documents(path, json_key or "text", max_record_bytes)
-    return text_file_documents(path)
+        return json_lines_documents(path, json_key or "text", max_record_bytes, read)
+    return text_file_documents(path, read)
 
 
 def corpus_fingerprint(source: str) -> str:
@@ -136,12 +153,13 @@ def checked_text_file(path: Path) -> Path:
     return path
 
 
-def text_file_documents(path: Path) -> Iterator[str]:
+def text_file_documents(path: Path, read: Optional[BytesRead] = None) -> Iterator[str]:
     """Documents separated by two or more blank lines, each stripped and ended
     with one newline; read line by line."""
+    read = BytesRead() if read is None else read
     lines: list[str] = []
     blank_run = 0
-    for line in _utf8_lines(path):
+    for line in _utf8_lines(path, read):
         if not line.strip(" \t\n"):
             blank_run += 1
         elif blank_run >= 2:
@@ -159,10 +177,11 @@ def _stripped_document(lines: list[str]) -> Iterator[str]:
         yield text + "\n"
 
 
-def json_lines_documents(path: Path, key: str,
-                         max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[str]:
+def json_lines_documents(path: Path, key: str, max_record_bytes: int = MAX_RECORD_BYTES,
+                         read: Optional[BytesRead] = None) -> Iterator[str]:
     """The `key` field of each JSON object, one per line (blank lines skipped)."""
-    for number, line in _bounded_lines(path, max_record_bytes):
+    read = BytesRead() if read is None else read
+    for number, line in _bounded_lines(path, max_record_bytes, read):
         if not line.strip():
             continue
         try:
@@ -177,7 +196,7 @@ def json_lines_documents(path: Path, key: str,
         yield text
 
 
-def _bounded_lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:
+def _bounded_lines(path: Path, limit: int, read: BytesRead) -> Iterator[tuple[int, str]]:
     """(number, text) of each line, never reading more than `limit` bytes of
     one into memory: a longer line is refused with its size."""
     with open(path, "rb") as handle:
@@ -185,6 +204,7 @@ def _bounded_lines(path: Path, limit: int) -> Iterator[tuple[int, str]]:
             line = handle.readline(limit + 1)
             if not line:
                 return
+            read.count += len(line)
             if len(line) > limit and not line.endswith(b"\n"):
                 size = len(line) + _skip_rest_of_line(handle)
                 raise ConfigError("data.source", f"{path}:{number} is a record of {size:,} bytes, "
@@ -210,10 +230,12 @@ def _skip_rest_of_line(handle) -> int:
     return skipped
 
 
-def _utf8_lines(path: Path) -> Iterator[str]:
+def _utf8_lines(path: Path, read: BytesRead) -> Iterator[str]:
     with open(path, encoding="utf-8") as handle:
         try:
-            yield from handle
+            for line in handle:
+                read.count += len(line.encode("utf-8"))  # "\r\n" read as "\n": one short
+                yield line
         except UnicodeDecodeError as err:
             raise ConfigError("data.source", f"{path} is not UTF-8 ({err.reason}).",
                               "convert it, e.g. iconv -t UTF-8.") from None

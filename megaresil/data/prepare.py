@@ -13,6 +13,7 @@ document is tokenized and followed by eod, as Megatron's preprocess_data.py
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -20,21 +21,21 @@ import multiprocessing
 import os
 import re
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
-from tqdm import tqdm
 
 from megaresil.config import ConfigError, DataConfig
-from megaresil.data.corpus import (MAX_RECORD_BYTES, corpus_documents, corpus_fingerprint,
-                                   iter_documents)
+from megaresil.data.corpus import (MAX_RECORD_BYTES, BytesRead, corpus_documents,
+                                   corpus_fingerprint, input_bytes, iter_documents)
 from megaresil.data.filelock import exclusive_lock
 from megaresil.data.indexed import IndexedDatasetWriter, dtype_for_vocab
+from megaresil.data.provenance import bpe_file, record, record_path, tokenizer_spec
 from megaresil.data.tokenizer import BUILTIN, Tokenizer, build_tokenizer, hf_tokenizer_file
+from megaresil.terminal import SizedProgress
 
 # Bump when corpus cleaning or the file layout changes, so old caches are not reused.
 CACHE_FORMAT = 1
@@ -73,6 +74,7 @@ def prepare_dataset(data_cfg: DataConfig, vocab_size_limit: int | None = None) -
     if data_cfg.source == "indexed":
         raise ValueError("data.source: 'indexed' data is read as it is, not prepared.")
     _check_valid_fraction(data_cfg.valid_fraction)
+    data_cfg = dataclasses.replace(data_cfg, tokenizer=tokenizer_spec(data_cfg))
     bpe_vocab = _bpe_vocab_size(data_cfg.tokenizer, vocab_size_limit)
     cache_dir = Path(data_cfg.cache_dir).resolve()
     target = cache_dir / _cache_name(data_cfg, bpe_vocab)
@@ -185,17 +187,13 @@ class Written:
     tokens: int
 
 
-def write_indexed(prefix: Path | str, encoded: Iterable[np.ndarray], dtype: type,
-                  progress: tqdm | None = None) -> Written:
+def write_indexed(prefix: Path | str, encoded: Iterable[np.ndarray], dtype: type) -> Written:
     """Write each array as one document of PREFIX.bin/.idx (atomically)."""
     documents = tokens = 0
     with IndexedDatasetWriter(prefix, dtype) as writer:
         for ids in encoded:
             writer.add_document(ids)
             documents, tokens = documents + 1, tokens + len(ids)
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(tokens=f"{tokens:,}", refresh=False)
         writer.finalize()
     return Written(documents, tokens)
 
@@ -217,8 +215,8 @@ class Summary:
 
     def line(self) -> str:
         rate = self.tokens / max(self.seconds, 1e-9)
-        files = f"{self.prefix}.{{bin,idx}}" + (f", {self.tokenizer_path}"
-                                                if self.tokenizer_path else "")
+        files = f"{self.prefix}.{{bin,idx,prepared.json}}" + (f", {self.tokenizer_path}"
+                                                              if self.tokenizer_path else "")
         skipped = f" ({self.skipped_empty} empty skipped)" if self.skipped_empty else ""
         return (f"prepared {self.documents:,} documents{skipped}, {self.tokens:,} tokens in "
                 f"{self.seconds:.1f} s ({rate:,.0f} tokens/s) -> {files}")
@@ -231,33 +229,62 @@ def prepare_main(inputs: Sequence[str], output_prefix: str, tokenizer: str = "bp
     files) in order into OUTPUT.bin/.idx, each followed by eod. 'bpe' is first
     trained on the inputs and saved as OUTPUT_tokenizer.json (the file that
     data.source=indexed with data.tokenizer=bpe reads). A JSON Lines record
-    over `max_record_bytes` (default corpus.MAX_RECORD_BYTES) is refused."""
+    over `max_record_bytes` (default corpus.MAX_RECORD_BYTES) is refused.
+    Which tokenizer made the data is recorded beside it (data/provenance.py);
+    how far each pass over the inputs is goes to stderr (SizedProgress)."""
     start = time.perf_counter()
     max_record_bytes = max_record_bytes or MAX_RECORD_BYTES
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    tokenizer_path = f"{output_prefix}_tokenizer.json" if tokenizer == "bpe" else None
+    record_path(output_prefix).unlink(missing_ok=True)  # it names the old data's tokenizer
+    tokenizer_path = str(bpe_file(output_prefix)) if tokenizer == "bpe" else None
+    total = input_bytes(inputs)
     if tokenizer_path:
         Path(tokenizer_path).unlink(missing_ok=True)  # retrain, never reuse a stale one
-        build_tokenizer("bpe", corpus_text=_documents(inputs, json_key, max_record_bytes),
-                        vocab_size=vocab_size, cache_path=tokenizer_path)
+        read = BytesRead()
+        with SizedProgress("data prepare: training the BPE tokenizer", total) as progress:
+            build_tokenizer("bpe", vocab_size=vocab_size, cache_path=tokenizer_path,
+                            corpus_text=_reported(_read_upto(_documents(
+                                inputs, json_key, max_record_bytes, read), read), progress))
     spec = (tokenizer, tokenizer_path)
     vocab = build_tokenizer(tokenizer, cache_path=tokenizer_path).vocab_size
     skipped = collections.Counter()
-    documents = _non_empty(_documents(inputs, json_key, max_record_bytes), skipped)
+    read = BytesRead()
+    documents = _non_empty(_documents(inputs, json_key, max_record_bytes, read), skipped)
     workers = workers or min(8, os.cpu_count() or 1)
-    with tqdm(desc="documents", unit="doc", file=sys.stderr, disable=None) as progress:
-        written = write_indexed(output_prefix, encode_in_workers(documents, spec, workers),
-                                dtype_for_vocab(vocab), progress)
+    with SizedProgress("data prepare", total) as progress:
+        written = write_indexed(output_prefix, _reported(
+            encode_in_workers(documents, spec, workers, read), progress), dtype_for_vocab(vocab))
+    record(output_prefix, tokenizer)
     summary = Summary(output_prefix, tokenizer_path, written.documents, written.tokens,
                       skipped["empty"], time.perf_counter() - start)
     print(summary.line())
     return summary
 
 
-def _documents(inputs: Sequence[str], json_key: str | None,
-               max_record_bytes: int) -> Iterator[str]:
-    return itertools.chain.from_iterable(iter_documents(source, json_key, max_record_bytes)
+def _documents(inputs: Sequence[str], json_key: str | None, max_record_bytes: int,
+               read: BytesRead) -> Iterator[str]:
+    return itertools.chain.from_iterable(iter_documents(source, json_key, max_record_bytes, read)
                                          for source in inputs)
+
+
+def _read_upto(documents: Iterable[str], read: BytesRead) -> Iterator[tuple[str, int]]:
+    """Each document with the input bytes read once it was."""
+    return ((document, read.count) for document in documents)
+
+
+def _reported(items: Iterable[tuple[Any, int]], progress: SizedProgress) -> Iterator[Any]:
+    """The items (documents, or their token ids) of (item, input bytes read
+    once it was) pairs, reporting how far the input is and how many
+    documents (and tokens) went by."""
+    documents = tokens = 0
+    for item, read_upto in items:
+        documents += 1
+        figures = {"documents": documents}
+        if isinstance(item, np.ndarray):
+            tokens += len(item)
+            figures["tokens"] = tokens
+        progress.update(read_upto, **figures)
+        yield item
 
 
 def _non_empty(documents: Iterable[str], skipped: collections.Counter) -> Iterator[str]:
@@ -269,14 +296,16 @@ def _non_empty(documents: Iterable[str], skipped: collections.Counter) -> Iterat
             skipped["empty"] += 1
 
 
-def encode_in_workers(documents: Iterable[str], spec: tuple[str, str | None],
-                      workers: int) -> Iterator[np.ndarray]:
+def encode_in_workers(documents: Iterable[str], spec: tuple[str, str | None], workers: int,
+                      read: BytesRead) -> Iterator[tuple[np.ndarray, int]]:
     """encode_document of each document, in order, over `workers` processes with
     a bounded number of batches in flight (Pool.imap would read the whole input
-    ahead)."""
+    ahead); each with the input bytes `read` counted once its batch was read
+    (what is done once it is written: the reading runs ahead)."""
     if workers <= 1:
         tokenizer = build_tokenizer(spec[0], cache_path=spec[1])
-        yield from (encode_document(tokenizer, document) for document in documents)
+        yield from ((encode_document(tokenizer, document), read_upto)
+                    for document, read_upto in _read_upto(documents, read))
         return
     # A forked child cannot use the parent's tokenizer threads; saying so up
     # front silences the tokenizers library's warning about it.
@@ -284,11 +313,15 @@ def encode_in_workers(documents: Iterable[str], spec: tuple[str, str | None],
     with multiprocessing.get_context("fork").Pool(workers, _init_worker, (spec,)) as pool:
         pending: collections.deque = collections.deque()
         for batch in _batches(documents):
-            pending.append(pool.apply_async(_encode_batch, (batch,)))
+            pending.append((pool.apply_async(_encode_batch, (batch,)), read.count))
             if len(pending) >= workers * _TASKS_PER_WORKER:
-                yield from pending.popleft().get()
+                yield from _with_read(*pending.popleft())
         while pending:
-            yield from pending.popleft().get()
+            yield from _with_read(*pending.popleft())
+
+
+def _with_read(task, read_upto: int) -> Iterator[tuple[np.ndarray, int]]:
+    return ((ids, read_upto) for ids in task.get())
 
 
 def _batches(documents: Iterable[str]) -> Iterator[list[str]]:

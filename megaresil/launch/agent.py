@@ -133,6 +133,12 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
               elastic_stores_listening_on(config.local_addr), workers_store_per_round(),
               elastic_agent_class(supervising_agent(agent_policy(cfg, run_dir, nodes, gpus,
                                                                  gpus_needed)))):
+            # The workers' first line comes once they have imported torch and
+            # built the model (seconds, more on a loaded machine): this one first.
+            print(f"megaresil: launching {nproc} worker processes"
+                  f"{' on this node' if membership.max_nodes > 1 else ''} (each imports torch "
+                  "and builds its part of the model before the first step)", file=sys.stderr,
+                  flush=True)
             elastic_launch(config, sys.executable)("-m", "megaresil", "train", recipe, *overrides)
     except NodeExcluded as err:  # while it waited: the job goes on without it
         print(f"megaresil: {err.line}", file=sys.stderr)

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from megaresil.config import Flavour, ModelConfig
 from megaresil.model.activations import CheckpointStore, recompute_segments
+from megaresil.model.init import global_shape
 from megaresil.model.layers import Block, make_norm, sequence_dropout
 from megaresil.parallel.tensor_parallel import (ColumnParallelLinear, TPGroup,
                                                 VocabParallelEmbedding, enter_tp_region,
@@ -26,6 +27,15 @@ def padded_vocab_size(cfg: ModelConfig, tp: int) -> int:
     Megatron pads it, so every TP rank holds an equal slice of the embedding."""
     multiple = cfg.make_vocab_size_divisible_by * tp
     return -(-cfg.vocab_size // multiple) * multiple
+
+
+def layout_free_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape in a checkpoint (unsharded, the real
+    vocabulary), read off the whole model built on the meta device: no
+    memory, no process group."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return {key: tuple(global_shape(key, param, cfg)) for key, param in model.named_parameters()}
 
 
 def ties_embeddings(cfg: ModelConfig) -> bool:

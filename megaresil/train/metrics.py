@@ -23,6 +23,7 @@ from megaresil.observe.loggers import build_loggers
 from megaresil.observe.memory import peak_memory_mb
 from megaresil.observe.peak import cached_peak_tflops
 from megaresil.safe_files import open_nofollow
+from megaresil.terminal import draws_bars
 
 
 @dataclass
@@ -64,14 +65,15 @@ def console_line(record: dict[str, Any], total_steps: int) -> str:
 
 
 class Console:
-    """A progress bar on a terminal; otherwise (or with logging.progress
-    false) a plain line every log_interval steps and at the last step."""
+    """A progress bar on a terminal that can draw one (terminal.draws_bars);
+    otherwise (or with logging.progress false) a plain line every
+    log_interval steps and at the last step."""
 
     def __init__(self, cfg: LoggingConfig, total_steps: int, start_step: int):
         self.total, self.interval = total_steps, cfg.log_interval
         self.bar: Optional[tqdm] = (tqdm(total=total_steps, initial=start_step, unit="step",
                                          dynamic_ncols=True)
-                                    if cfg.progress and sys.stderr.isatty() else None)
+                                    if cfg.progress and draws_bars(sys.stderr) else None)
 
     def show(self, record: dict[str, Any]) -> None:
         step = record["step"]

@@ -61,3 +61,18 @@ def test_sampling_is_seeded(cli_main, run_dir):
                        "--json").stdout
         return json.loads(out.splitlines()[-1])["token_ids"]
     assert sample("1") == sample("1") != sample("2")
+
+
+def test_eval_and_generate_on_a_checkpoint_with_live_replacement_on(cli_main, run_dir, tmp_path):
+    """Live replacement plans each generation's state over the job's process
+    groups; one inference process has none, and must still read the model."""
+    live = tmp_path / "live"
+    cli_main("convert", str(run_dir), str(live), "--set", "resilience.replacement.enabled=true")
+
+    def result(command: str, target, *args: str) -> dict:
+        out = cli_main(command, str(target), *args, "--json").stdout
+        return json.loads(out.splitlines()[-1])
+    assert result("eval", live)["loss"] == result("eval", run_dir)["loss"]
+    prompt = ("--prompt", "KING", "--max-new-tokens", "4")
+    assert (result("generate", live, *prompt)["token_ids"]
+            == result("generate", run_dir, *prompt)["token_ids"])

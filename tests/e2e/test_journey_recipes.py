@@ -56,3 +56,22 @@ def test_prepare_jsonl_without_a_tokenizer_then_train_a_blend(home):
               "data.tokenizer=data/a_tokenizer.json", "model.vocab_size=300", cwd=home)
     rows = (home / "runs/blend/metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in rows] == [1, 2, 3]
+
+
+def test_typos_on_the_command_line_get_a_suggestion_and_flavor_is_flavour(home):
+    """Issue 47 item 8: as a typo in a recipe file gets "Did you mean", so does
+    one on the command line; the recipe's optional overrides are not said to
+    be required."""
+    typo = megaresil("train", "gpt-tiny", "train.stpes=3", cwd=home, check=False)
+    assert typo.returncode == 2
+    assert ("megaresil: error: train.stpes: is not a recipe key. Did you mean train.steps? "
+            "Fix: ") in typo.stderr
+    shown = megaresil("config", "show", "gpt-tiny", "model.flavor=llama", cwd=home).stdout
+    assert "flavour: llama" in shown and "flavor:" not in shown
+    (home / "own.yaml").write_text("defaults: [model/gpt-tiny, data/shakespeare]\n"
+                                   "model: {flavor: llama}\n")
+    assert "flavour: llama" in megaresil("config", "show", "own.yaml", cwd=home).stdout
+    bare = megaresil("train", cwd=home, check=False)
+    assert bare.returncode == 2
+    assert "the following arguments are required: recipe" in bare.stderr
+    assert "KEY=VALUE" not in bare.stderr.splitlines()[-1]

@@ -23,11 +23,12 @@ from megaresil.checkpoint.state import RunRecord
 LAYOUT = {"tp": 1, "pp": 1, "dp": 1, "world_size": 1}
 
 
-def saved_checkpoint(root: Path, step: int = 3, backend: str = "torch_dist") -> Path:
+def saved_checkpoint(root: Path, step: int = 3, backend: str = "torch_dist",
+                     rects: list[Rect] | None = None) -> Path:
     ckpt = Checkpointer(root, backend, group=None, asynchronous=False, keep=0,
                         events=type("E", (), {"emit": lambda *a, **k: None})(),
                         device=torch.device("cpu"))
-    rects = [Rect("w", (4, 3), (0, 0), torch.arange(12.0).view(4, 3))]
+    rects = rects or [Rect("w", (4, 3), (0, 0), torch.arange(12.0).view(4, 3))]
     state = RunRecord(step=step, layout=LAYOUT, recipe={"optimizer": {"lr": 0.1}},
                      consumed_samples=240, optimizer_steps=step)
     ckpt.save(rects, state, rank_state={"seed": 5})
@@ -169,17 +170,26 @@ def test_a_local_meta_without_rects_is_a_checkpoint_error(tmp_path):
 
 # --- issue 27 item 2: the recipe on resume ------------------------------------------------
 
-def resume_refusal(tmp_path, *overrides: str) -> str:
-    """Save a checkpoint with the gpt-tiny recipe in a run dir, then check a
-    resume of it with `overrides`: the launcher's refusal ('' when allowed)."""
+def model_rects(model) -> list[Rect]:
+    """Zeros for each weight of `model` (a ModelConfig), at its checkpoint shape."""
+    from megaresil.model.gpt import layout_free_shapes
+
+    return [Rect(f"model/{key}", shape, (0,) * len(shape), torch.zeros(shape))
+            for key, shape in layout_free_shapes(model).items()]
+
+
+def resume_refusal(tmp_path, *overrides: str, saved_with: tuple[str, ...] = ()) -> str:
+    """Save a checkpoint of the gpt-tiny recipe (with `saved_with`) in a run
+    dir, then check a resume of it with `overrides`: the launcher's refusal
+    ('' when allowed)."""
     from megaresil.checkpoint.recipe_check import check_resume_recipe
     from megaresil.config import ConfigError, load_recipe, to_dict
 
     base = [f"run.dir={tmp_path}"]
-    saved = to_dict(load_recipe("recipes/gpt-tiny.yaml", base))
-    directory = saved_checkpoint(tmp_path / "checkpoints")
+    recipe = load_recipe("recipes/gpt-tiny.yaml", base + list(saved_with))
+    directory = saved_checkpoint(tmp_path / "checkpoints", rects=model_rects(recipe.model))
     manifest = json.loads((directory / fmt.MANIFEST).read_text())
-    manifest["recipe"] = saved
+    manifest["recipe"] = to_dict(recipe)
     (directory / fmt.MANIFEST).write_text(json.dumps(manifest))
     (directory / fmt.MARKER).write_text("ok\n")
     try:
@@ -189,7 +199,7 @@ def resume_refusal(tmp_path, *overrides: str) -> str:
     return ""
 
 
-@pytest.mark.parametrize("change, key", [("model.num_heads=2", "model.num_heads"),
+@pytest.mark.parametrize("change, key", [("model.dropout=0.1", "model.dropout"),
                                          ("train.seed=7", "train.seed"),
                                          ("data.seq_len=32", "data.seq_len")])
 def test_a_resume_with_another_recipe_is_refused_naming_the_key(tmp_path, change, key):
@@ -197,6 +207,42 @@ def test_a_resume_with_another_recipe_is_refused_naming_the_key(tmp_path, change
     assert f"{key}: the checkpoint has" in refusal and "allow_recipe_change=[" in refusal
     assert "init_from=" in refusal and "run.dir" in refusal
     assert "\nFix: " in refusal  # the fix starts its own line, after the list of keys
+
+
+def test_a_resume_into_a_model_of_other_shapes_offers_only_a_new_run(tmp_path):
+    """Issue 47 item 7: the checkpoint's tensors cannot load into a model of
+    other shapes, by a resume or by init_from: only a new run.dir can work.
+    (Allowed anyway, the workers' load refuses it naming the tensors:
+    tests/multirank/test_checkpoint.py.)"""
+    for run, change in enumerate(("model.num_layers=2", "model.vocab_size=4000")):
+        refusal = resume_refusal(tmp_path / str(run), change)
+        assert f"{change.split('=')[0]}: the checkpoint has" in refusal, refusal
+        assert "other shapes than the checkpoint's" in refusal
+        assert refusal.endswith("Fix: use a new run.dir (the new model trains from its own "
+                                "initialisation).")
+        assert "allow_recipe_change=[" not in refusal and "init_from=" not in refusal
+    key = "model.num_layers"
+    assert resume_refusal(tmp_path / "2", f"{key}=2", f"checkpoint.allow_recipe_change=[{key}]") \
+        == ""
+
+
+def test_a_resume_into_another_architecture_of_the_same_shapes_offers_no_init_from(tmp_path):
+    """num_heads splits gpt2's fused qkv otherwise (same shapes): a resume that
+    allows it loads; init_from refuses another architecture, so is not offered."""
+    refusal = resume_refusal(tmp_path, "model.num_heads=2")
+    assert "model.num_heads: the checkpoint has 6, this recipe 2" in refusal
+    assert "allow_recipe_change=[model.num_heads]" in refusal and "init_from=" not in refusal
+    assert resume_refusal(tmp_path / "allowed", "model.num_heads=2",
+                          "checkpoint.allow_recipe_change=[model.num_heads]") == ""
+
+
+def test_a_checkpoint_that_named_the_tokenizer_resumes_under_a_recipe_that_leaves_it_unset(
+        tmp_path):
+    """Saved recipes named data.tokenizer=bpe (the old default, and the demo
+    piece's); unset, it resolves to the same tokenizer for the same data."""
+    assert resume_refusal(tmp_path, saved_with=("data.tokenizer=bpe",)) == ""
+    refusal = resume_refusal(tmp_path / "other", saved_with=("data.tokenizer=gpt2",))
+    assert "data.tokenizer: the checkpoint has 'gpt2', this recipe 'bpe'" in refusal
 
 
 def test_allowed_changes_resume(tmp_path):

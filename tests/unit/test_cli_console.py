@@ -87,7 +87,8 @@ def test_the_threshold_defaults_to_two_seconds_and_the_env_knob_lowers_it(monkey
 
 
 def indexed(**kwargs) -> DataConfig:
-    return DataConfig(source="indexed", seq_len=4, **kwargs)
+    """Data written without a record of its tokenizer: the recipe names one."""
+    return DataConfig(source="indexed", seq_len=4, tokenizer="byte", **kwargs)
 
 
 def tokens_of(dataset) -> set[int]:

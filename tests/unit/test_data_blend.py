@@ -167,8 +167,13 @@ def test_blend_interleaves_by_weight_and_visits_each_dataset_in_order():
 # --- splits ---------------------------------------------------------------------------------
 
 
+# Data written here has no record of its tokenizer (as Megatron's data): the
+# recipe names one, byte (257 ids), for models of VOCAB ids.
+VOCAB = 300
+
+
 def config(**kwargs) -> DataConfig:
-    return DataConfig(source="indexed", seq_len=4, **kwargs)
+    return DataConfig(source="indexed", seq_len=4, **{"tokenizer": "byte", **kwargs})
 
 
 def documents_seen(dataset, samples: int) -> set[int]:
@@ -177,7 +182,7 @@ def documents_seen(dataset, samples: int) -> set[int]:
 
 def test_without_a_valid_prefix_eval_reads_only_held_out_documents(tmp_path):
     prefix = numbered_documents(tmp_path / "ds", count=50, length=9)
-    train, valid, _ = build_datasets(config(path=str(prefix), valid_fraction=0.1), 100, 0)
+    train, valid, _ = build_datasets(config(path=str(prefix), valid_fraction=0.1), VOCAB, 0)
     seen_train, seen_valid = documents_seen(train, 200), documents_seen(valid, 20)
     assert seen_valid <= set(range(45, 50)) and seen_train <= set(range(45))
     assert len(seen_train) == 45  # an epoch of train covers every train document
@@ -187,12 +192,12 @@ def test_megatron_style_split_and_valid_prefix(tmp_path):
     prefix = numbered_documents(tmp_path / "ds", count=100, length=9)
     assert split_documents(100, [0.969, 0.03, 0.001]) == [0, 97, 100, 100]
     assert split_documents(1000, [0.969, 0.03, 0.001]) == [0, 969, 999, 1000]
-    train, valid, _ = build_datasets(config(path=str(prefix), split="80,15,5"), 100, 0)
+    train, valid, _ = build_datasets(config(path=str(prefix), split="80,15,5"), VOCAB, 0)
     assert documents_seen(valid, 40) == set(range(80, 95))
     assert documents_seen(train, 300) == set(range(80))
     # A PREFIX_valid is the valid set unless data.split asks for a split.
     numbered_documents(tmp_path / "ds_valid", count=3, length=9, first_id=200)
-    _, valid, _ = build_datasets(config(path=str(prefix)), 300, 0)
+    _, valid, _ = build_datasets(config(path=str(prefix)), VOCAB, 0)
     assert documents_seen(valid, 10) == {200, 201, 202}
 
 
@@ -200,17 +205,17 @@ def test_a_split_without_valid_documents_is_refused_when_eval_needs_them(tmp_pat
     prefix = numbered_documents(tmp_path / "ds", count=10, length=9)
     cfg = config(path=str(prefix), split="100,0,0")
     with pytest.raises(ConfigError, match="data.split.*no valid documents.*eval_batches=0"):
-        build_datasets(cfg, 100, 0)
-    assert build_datasets(cfg, 100, 0, need_valid=False)[1] is None
+        build_datasets(cfg, VOCAB, 0)
+    assert build_datasets(cfg, VOCAB, 0, need_valid=False)[1] is None
     with pytest.raises(ConfigError, match="data.split"):
-        build_datasets(config(path=str(prefix), split="a,b"), 100, 0)
+        build_datasets(config(path=str(prefix), split="a,b"), VOCAB, 0)
 
 
 def test_blended_valid_set_holds_only_each_datasets_valid_documents(tmp_path):
     a = numbered_documents(tmp_path / "a", count=20, length=9)
     b = numbered_documents(tmp_path / "b", count=20, length=9, first_id=100)
     train, valid, _ = build_datasets(config(paths=[0.7, str(a), 0.3, str(b)], split="90,10,0"),
-                                     200, 0)
+                                     VOCAB, 0)
     assert documents_seen(valid, 50) == {18, 19, 118, 119}
     assert documents_seen(train, 400) == set(range(18)) | set(range(100, 118))
 
@@ -227,7 +232,8 @@ def test_recipe_keys_for_blends_are_validated():
 
 def test_ids_beyond_the_model_vocabulary_are_refused_when_read(tmp_path):
     prefix = write_indexed(tmp_path / "ds", [[1, 2, 3, 4, 5, 6, 7, 8, 500, 9]])
-    train, _, _ = build_datasets(config(path=str(prefix), split="1,0,0"), 100, 0, need_valid=False)
+    train, _, _ = build_datasets(config(path=str(prefix), split="1,0,0"), VOCAB, 0,
+                                 need_valid=False)
     with pytest.raises(ValueError, match="model.vocab_size.*500"):
         [train[i] for i in range(2)]
 
@@ -244,7 +250,7 @@ def test_recipe_tokenizer_is_the_one_the_data_was_made_with(tmp_path):
 def test_shuffle_order_is_built_once_then_memory_mapped(tmp_path, monkeypatch):
     prefix = numbered_documents(tmp_path / "ds", count=30, length=9)
     cfg = config(path=str(prefix), split="1,0,0")
-    first, _, _ = build_datasets(cfg, 100, 7, need_valid=False)
+    first, _, _ = build_datasets(cfg, VOCAB, 7, need_valid=False)
     order = np.asarray(first.shuffle.epoch(0))
     assert order.tolist() == np.random.default_rng([7, 0]).permutation(
         first.samples_per_epoch).tolist()  # the order the in-RAM dataset used
@@ -253,12 +259,12 @@ def test_shuffle_order_is_built_once_then_memory_mapped(tmp_path, monkeypatch):
         raise AssertionError("rebuilt a cached shuffle order")
 
     monkeypatch.setattr(ShuffleIndex, "_build", refuse)
-    again, _, _ = build_datasets(cfg, 100, 7, need_valid=False)
+    again, _, _ = build_datasets(cfg, VOCAB, 7, need_valid=False)
     assert isinstance(again.shuffle.epoch(0), np.memmap)
     assert [again[i][0].tolist() for i in range(10)] == [first[i][0].tolist() for i in range(10)]
     # Other inputs, other order: a changed seq_len changes the sample count and the key.
     monkeypatch.undo()
-    other, _, _ = build_datasets(replace(cfg, seq_len=8), 100, 7, need_valid=False)
+    other, _, _ = build_datasets(replace(cfg, seq_len=8), VOCAB, 7, need_valid=False)
     assert other.shuffle.key != first.shuffle.key
 
 

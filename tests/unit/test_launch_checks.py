@@ -71,20 +71,22 @@ def test_the_guardian_says_a_stopped_process_is_not_running():
 
 @pytest.mark.slow
 def test_token_ids_past_the_vocabulary_stop_the_job_at_once(cli, cli_main, tmp_path):
-    """Indexed data prepared with the byte tokenizer (ids up to 256) read by a
-    model of 100 tokens, the tokenizer unknown up front: each sample is
-    checked as it is read, and the first bad one ends the job on every rank
-    without a restart (it would fail the same way every time)."""
+    """Indexed data made with GPT-2's tokenizer elsewhere (no record of it)
+    read as byte data by a model of 300 tokens: the tokenizer named fits the
+    model, the data does not, so each sample is checked as it is read, and
+    the first bad one ends the job on every rank without a restart (it would
+    fail the same way every time)."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"line {i}: the quick brown fox ~~~"}) + "\n"
                               for i in range(200)))
     prefix = tmp_path / "data" / "corpus"
     cli_main("data", "prepare", "--input", str(corpus), "--json-key", "text", "--output",
-             str(prefix), "--tokenizer", "byte")  # in-process: only the job is under test
+             str(prefix), "--tokenizer", "gpt2")  # in-process: only the job is under test
+    (tmp_path / "data" / "corpus.prepared.json").unlink()
     run_dir = tmp_path / "run"
     result = cli("train", *SMALL, f"run.dir={run_dir}", "logging.progress=false",
-                 "data.source=indexed", f"data.path={prefix}", "data.tokenizer=bpe",
-                 "model.vocab_size=100", "data.seq_len=32", "resilience.max_restarts=1",
+                 "data.source=indexed", f"data.path={prefix}", "data.tokenizer=byte",
+                 "model.vocab_size=300", "data.seq_len=32", "resilience.max_restarts=1",
                  check=False)
     assert result.returncode == 1, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]

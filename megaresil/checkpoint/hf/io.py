@@ -130,7 +130,7 @@ def export_to_hf(src: Path, out: Path, *, overwrite: bool = False, tokenizer: Op
     source.verify()
     recipe = from_dict(source.manifest["recipe"])
     cfg = recipe.model
-    tok = load_export_tokenizer(tokenizer or recipe.data.tokenizer, recipe.data, cfg.vocab_size)
+    tok = load_export_tokenizer(tokenizer, recipe.data, cfg.vocab_size)
     if tok is None:
         print("megaresil: no tokenizer exported: the run trained on synthetic data; pass "
               "--tokenizer PATH to add one", file=sys.stderr)

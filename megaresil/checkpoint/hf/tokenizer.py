@@ -78,11 +78,14 @@ def check_hf_tokenizer(directory: Path, model_vocab: int) -> bool:
     return True
 
 
-def load_export_tokenizer(spec: str, data: DataConfig,
+def load_export_tokenizer(spec: Optional[str], data: DataConfig,
                           model_vocab: int) -> Optional[ExportTokenizer]:
-    """The tokenizer `spec` names; None for synthetic data, which has none."""
+    """The tokenizer `spec` names (None: the one the recipe's data.tokenizer
+    means); None for synthetic data, which has none."""
     from megaresil.data import recipe_tokenizer
+    from megaresil.data.provenance import tokenizer_spec
 
+    spec = tokenizer_spec(data) if spec is None else spec
     if Path(spec).exists():
         return _from_path(Path(spec))
     if data.source == "synthetic":

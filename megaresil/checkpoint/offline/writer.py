@@ -36,6 +36,7 @@ from megaresil.checkpoint.sources import TensorSource, byte_batches
 from megaresil.checkpoint.state import RunRecord
 from megaresil.checkpoint.validation import check_shapes
 from megaresil.config import RecipeConfig
+from megaresil.terminal import progress_bar
 
 
 def refuse_existing(dst: Path, overwrite: bool) -> None:
@@ -241,8 +242,8 @@ def write_checkpoint(source: TensorSource, cfg: RecipeConfig, dst: Path, *, back
     writes = sorted(((rank, _as_stored(rect, source)) for rank, rect in planned),
                     key=lambda w: (w[1].key, w[1].offset))
     writer = get_backend(backend)
-    with partial_dir(dst) as partial, tqdm(total=len({r.key for _, r in writes}),
-                                           desc="writing", unit="tensor") as bar:
+    with partial_dir(dst) as partial, progress_bar(total=len({r.key for _, r in writes}),
+                                                   desc="writing", unit="tensor") as bar:
         writer.prepare(partial, layout_plan([[rect_record(rect) for _, rect in writes]]))
         reader = _Reader(source, [rect for _, rect in writes], bar)
         locations = _write(writer, partial, reader)
