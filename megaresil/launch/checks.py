@@ -1,11 +1,15 @@
 """What the launcher refuses before any worker starts, so a recipe error
-is one clear line (exit 2) instead of the same failure in every worker."""
+is one clear line (exit 2) instead of the same failure in every worker; and
+a run with nothing left to train, said before any worker starts."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from megaresil.checkpoint.local.store import local_root
 from megaresil.checkpoint.location import checkpoint_root
+from megaresil.checkpoint.offline.inspect import verify
+from megaresil.checkpoint.recipe_check import newest_manifest
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.safe_files import refuse_links
 
@@ -51,4 +55,20 @@ def check_backend(cfg: RecipeConfig) -> None:
         from megaresil.model import te
 
         te.require()
+
+
+
+def finished_line(cfg: RecipeConfig) -> Optional[str]:
+    """The line for a run whose checkpoint a resume would start from is at
+    train.steps or past it: its workers would only load it and stop (and
+    rewrite the run's goodput). None when there is training to do, or when
+    that checkpoint fails its checksums (the workers walk back from it)."""
+    found = newest_manifest(cfg)
+    steps = cfg.train.steps
+    if found is None or found[1]["step"] < steps or verify(found[0]) is not None:
+        return None
+    path, step = found[0], found[1]["step"]
+    return (f"{cfg.run.dir} is finished: the checkpoint a resume would load, {path}, is at "
+            f"step {step} (train.steps={steps}); nothing to train. Raise train.steps to "
+            "train on, or give a new run.dir for a new run.")
 
