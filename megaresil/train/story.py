@@ -15,6 +15,7 @@ from megaresil.checkpoint import format as fmt
 from megaresil.config import RecipeConfig
 from megaresil.model.gpt import GPT
 from megaresil.run_lock import HELD_ENV
+from megaresil.train.save_schedule import longest_interval, plural
 
 
 def parameters(cfg: RecipeConfig) -> int:
@@ -27,9 +28,10 @@ def banner(cfg: RecipeConfig, start_step: int) -> str:
     p = cfg.parallel
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     interval = cfg.checkpoint.interval
-    policy = {"auto": f"auto (Young/Daly, at most {cfg.checkpoint.max_minutes_at_risk:g} min "
-                      "apart)", 0: "never (checkpoint.interval=0)"}.get(interval,
-                                                                        f"every {interval} steps")
+    longest = plural(longest_interval(cfg.train.steps), "step")
+    policy = {"auto": f"auto (Young/Daly, at most {cfg.checkpoint.max_minutes_at_risk:g} min or "
+                      f"{longest} apart)",
+              0: "never (checkpoint.interval=0)"}.get(interval, f"every {interval} steps")
     start = f"resumes from step {start_step}" if start_step else "starts at step 0"
     return (f"training tp={p.tp} pp={p.pp} dp={p.dp}, {parameters(cfg) / 1e6:.1f}M "
             f"parameters, {tokens:,} tokens per step, {cfg.train.steps} steps; run dir "
