@@ -32,7 +32,7 @@ from megaresil.launch.membership import Membership
 from megaresil.launch.rendezvous import launch_backend, register_wrapped
 from megaresil.launch.spares import NodeCounts, node_counts, spare_keep_alive, spare_line
 from megaresil.launch.supervisor import AgentPolicy, supervising_agent
-from megaresil.launch.worker import worker_threads
+from megaresil.launch.worker import choose_threads
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import visible_gpus
 from megaresil.ports import loopback_interface
@@ -89,7 +89,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         "data preparation", time.monotonic() - data_started)
     if warning := never_saving_warning(cfg):
         print(warning, file=sys.stderr)
-    os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
+    choose_threads(nproc)
     if membership.max_nodes == 1:  # the ranks' own sockets too, unless the user chose
         for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(variable, loopback_interface())

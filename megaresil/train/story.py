@@ -17,6 +17,10 @@ from megaresil.model.gpt import GPT
 from megaresil.run_lock import HELD_ENV
 from megaresil.train.save_schedule import longest_interval, plural
 
+# Set by megaresil's launcher where it chose OMP_NUM_THREADS (the user did
+# not): how it split the cores, for the banner's word on threads.
+THREADS_SPLIT_ENV = "MEGARESIL_THREADS_SPLIT"
+
 
 def parameters(cfg: RecipeConfig) -> int:
     """The whole model's parameters, counted on the meta device (no memory)."""
@@ -35,7 +39,18 @@ def banner(cfg: RecipeConfig, start_step: int) -> str:
     start = f"resumes from step {start_step}" if start_step else "starts at step 0"
     return (f"training tp={p.tp} pp={p.pp} dp={p.dp}, {parameters(cfg) / 1e6:.1f}M "
             f"parameters, {tokens:,} tokens per step, {cfg.train.steps} steps; run dir "
-            f"{cfg.run.dir}; checkpoints {policy}; {start}")
+            f"{cfg.run.dir}; checkpoints {policy}; {threads()}; {start}")
+
+
+def threads() -> str:
+    """How many CPU threads each rank computes with, and who chose that:
+    on a shared CPU it sets the speed more than anything else."""
+    said = f"{plural(torch.get_num_threads(), 'thread')} per rank"
+    if split := os.environ.get(THREADS_SPLIT_ENV):
+        return f"{said} ({split}; OMP_NUM_THREADS chooses)"
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"{said} (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})"
+    return f"{said} (torch's default; OMP_NUM_THREADS chooses)"
 
 
 def summary(cfg: RecipeConfig, root: Path, steps: int, last: Optional[dict],
