@@ -25,7 +25,8 @@ from megaresil.compat import (elastic_agent_class, elastic_stores_listening_on, 
                               workers_store_per_round)
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
-from megaresil.launch.checks import check_backend, check_data, check_links, check_local_gpus
+from megaresil.launch.checks import (check_backend, check_data, check_links, check_local_gpus,
+                                     replacement_warning)
 from megaresil.launch.admission import NodeExcluded
 from megaresil.launch.health import admission_refusal, exclusion_after_check, has_checks
 from megaresil.launch.membership import Membership
@@ -87,7 +88,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         return 1
     StartupPhases(EventLog(run_dir), 0, say=lambda line: print(line, file=sys.stderr)).finished(
         "data preparation", time.monotonic() - data_started)
-    if warning := never_saving_warning(cfg):
+    for warning in filter(None, (never_saving_warning(cfg), replacement_warning(cfg))):
         print(warning, file=sys.stderr)
     choose_threads(nproc)
     if membership.max_nodes == 1:  # the ranks' own sockets too, unless the user chose

@@ -1,6 +1,7 @@
 """What the launcher refuses before any worker starts, so a recipe error
 is one clear line (exit 2) instead of the same failure in every worker; and
-a run with nothing left to train, said before any worker starts."""
+what it says before then: a run with nothing left to train, a live
+replacement that can only fall back to the checkpoints."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -72,3 +73,21 @@ def finished_line(cfg: RecipeConfig) -> Optional[str]:
             f"step {step} (train.steps={steps}); nothing to train. Raise train.steps to "
             "train on, or give a new run.dir for a new run.")
 
+
+def replacement_warning(cfg: RecipeConfig) -> Optional[str]:
+    """Live replacement where no live rank holds a copy of another's state:
+    a lost process is started again, but its state can only come from the
+    checkpoint tiers (docs/fault-tolerance.md, Live replacement)."""
+    if not cfg.resilience.replacement.enabled:
+        return None
+    if cfg.parallel.dp == 1:
+        why = "at dp=1 no data-parallel peer holds a copy of a rank's state"
+    elif cfg.optimizer.distributed:
+        why = "optimizer.distributed=true keeps each optimizer shard in one rank's memory only"
+    else:
+        return None
+    return (f"megaresil: warning: resilience.replacement.enabled: {why}, so a lost process is "
+            "replaced but resumes from the newest checkpoint (the local tier, then the global) "
+            "and loses the steps since. Fix: parallel.dp=2 or more (with optimizer.distributed="
+            "false) for state from memory, or a local tier saving every step "
+            "(checkpoint.local.enabled=true checkpoint.local.interval=1).")

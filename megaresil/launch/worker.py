@@ -43,6 +43,18 @@ def choose_threads(local_world: int) -> int:
     return int(os.environ["OMP_NUM_THREADS"])
 
 
+def name_process(rank: int) -> None:
+    """Name this worker by its rank where `ps`, `top` and `pgrep` look
+    (/proc/PID/comm, 15 bytes: `megaresil-r12`), so finding rank 3's process
+    needs no reading of /proc/PID/environ. Writing one's own comm is what
+    prctl(PR_SET_NAME) does, without a C call; where there is no /proc (not
+    Linux) the process keeps its name."""
+    try:
+        Path("/proc/self/comm").write_text(f"megaresil-r{rank}"[:15])
+    except OSError:
+        pass
+
+
 def adapt_to_world(cfg: RecipeConfig, world: int) -> RecipeConfig:
     """Elastic membership: keep tp and pp, derive dp from the world size that
     actually formed; refuse clearly when that is impossible."""
@@ -92,6 +104,7 @@ def worker(recipe: str, overrides: list[str]) -> str:
 
     end_with_agent()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    name_process(rank)
     cfg = adapt_to_world(load_recipe(recipe, overrides), world)
     for key, value in env_before_cuda(cfg.train.deterministic).items():  # CUDA has not started
         os.environ.setdefault(key, value)

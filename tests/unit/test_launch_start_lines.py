@@ -1,10 +1,16 @@
-"""What the launcher says as the workers start: the threads each rank
-computes with and who chose them (the banner)."""
+"""What the launcher says before and as the workers start: the threads each
+rank computes with and who chose them (the banner), live replacement that can
+only fall back to the checkpoints, and each worker's name by its rank. The
+user's path through all three: tests/e2e/test_journey_own_llama.py."""
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
 from megaresil.config import load_recipe
+from megaresil.launch.checks import replacement_warning
 from megaresil.launch.worker import choose_threads
 from megaresil.train import story
 
@@ -39,3 +45,23 @@ def test_the_users_omp_num_threads_wins_and_is_named(no_threads_env, monkeypatch
     cfg = load_recipe(TINY, ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1"])
     assert "; 3 threads per rank (OMP_NUM_THREADS=3); starts at step 0" in story.banner(cfg, 0)
 
+
+def test_live_replacement_where_no_peer_holds_a_copy_is_said_at_start():
+    def warning(*overrides: str):
+        return replacement_warning(load_recipe(TINY, ["resilience.replacement.enabled=true",
+                                                      *overrides]))
+
+    alone = warning("parallel.dp=1")
+    assert alone.startswith("megaresil: warning: resilience.replacement.enabled: at dp=1 no "
+                            "data-parallel peer holds a copy of a rank's state")
+    assert "resumes from the newest checkpoint" in alone and "Fix: parallel.dp=2" in alone
+    assert "one rank's memory only" in warning("parallel.dp=2", "optimizer.distributed=true")
+    assert warning("parallel.dp=2") is None
+    assert replacement_warning(load_recipe(TINY, ["parallel.dp=1"])) is None  # replacement off
+
+
+def test_a_worker_is_named_by_its_rank():
+    code = ("from megaresil.launch.worker import name_process; name_process(13); "
+            "print(open('/proc/self/comm').read().strip())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "megaresil-r13"
