@@ -17,6 +17,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from megaresil.launch.agent import launch
+    from megaresil.launch.checks import finished_line
     from megaresil.launch.from_hf import check_hf_init, is_new_run, resolve_from_hf
     from megaresil.launch.membership import Membership
     from megaresil.launch.worker import inside_torchrun, slurm_task, worker
@@ -31,6 +32,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     cfg = load_recipe(args.recipe, overrides)
     check_hf_init(cfg, from_hf is not None)
+    if finished := finished_line(cfg):  # before any worker starts, or writes to the run
+        print(f"megaresil: {finished}", file=sys.stderr)
+        return 0
     if from_hf and is_new_run(cfg) and from_hf.report():
         print(from_hf.report(), file=sys.stderr)  # once per run: a resume does not repeat it
     step = SlurmStep.from_environ()

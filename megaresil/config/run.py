@@ -49,7 +49,8 @@ class LocalCheckpointConfig:
 class CheckpointConfig:
     interval: Union[int, str] = doc("auto", "auto: chosen from the run's measured save and "
                                     "step cost and resilience.mtbf_hours (Young/Daly), at most "
-                                    "checkpoint.max_minutes_at_risk apart, re-chosen when a cost "
+                                    "checkpoint.max_minutes_at_risk and a quarter of train.steps "
+                                    "apart, re-chosen when a cost "
                                     "moves by more than 2x; N: every N steps; 0: never (a warning "
                                     "at start; only train.exit_at_step and a preemption or "
                                     "Ctrl-C save). Except with 0 the last step is always saved.",
@@ -61,8 +62,9 @@ class CheckpointConfig:
                                      "tensor).")
     async_: bool = doc(False, "checkpoint.async: block training only to copy the state into "
                        "staging memory; write, fsync and commit in the background.")
-    keep: int = doc(0, "Keep the newest N checkpoints (0 keeps all); older ones are deleted only "
-                    "after a newer one is committed.", bounds=NON_NEGATIVE)
+    keep: int = doc(3, "Keep the newest N checkpoints (0 keeps all); older ones are deleted only "
+                    "after a newer one is committed. 3: the newest, and two to walk back to when "
+                    "it fails its checks, at three checkpoints' disk.", bounds=NON_NEGATIVE)
     dir: Optional[str] = doc(None, "Checkpoint root; null means run.dir/checkpoints.")
     load: str = doc("auto", "auto: resume from the newest valid checkpoint under the root (error "
                     "if checkpoints exist but none is valid); none: start from scratch; or a "

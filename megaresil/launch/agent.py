@@ -25,14 +25,15 @@ from megaresil.compat import (elastic_agent_class, elastic_stores_listening_on, 
                               workers_store_per_round)
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
-from megaresil.launch.checks import check_backend, check_data, check_links, check_local_gpus
+from megaresil.launch.checks import (check_backend, check_data, check_links, check_local_gpus,
+                                     replacement_warning)
 from megaresil.launch.admission import NodeExcluded
 from megaresil.launch.health import admission_refusal, exclusion_after_check, has_checks
 from megaresil.launch.membership import Membership
 from megaresil.launch.rendezvous import launch_backend, register_wrapped
 from megaresil.launch.spares import NodeCounts, node_counts, spare_keep_alive, spare_line
 from megaresil.launch.supervisor import AgentPolicy, supervising_agent
-from megaresil.launch.worker import worker_threads
+from megaresil.launch.worker import choose_threads
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import visible_gpus
 from megaresil.ports import loopback_interface
@@ -87,9 +88,9 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         return 1
     StartupPhases(EventLog(run_dir), 0, say=lambda line: print(line, file=sys.stderr)).finished(
         "data preparation", time.monotonic() - data_started)
-    if warning := never_saving_warning(cfg):
+    for warning in filter(None, (never_saving_warning(cfg), replacement_warning(cfg))):
         print(warning, file=sys.stderr)
-    os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
+    choose_threads(nproc)
     if membership.max_nodes == 1:  # the ranks' own sockets too, unless the user chose
         for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(variable, loopback_interface())

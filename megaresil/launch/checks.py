@@ -1,11 +1,16 @@
 """What the launcher refuses before any worker starts, so a recipe error
-is one clear line (exit 2) instead of the same failure in every worker."""
+is one clear line (exit 2) instead of the same failure in every worker; and
+what it says before then: a run with nothing left to train, a live
+replacement that can only fall back to the checkpoints."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from megaresil.checkpoint.local.store import local_root
 from megaresil.checkpoint.location import checkpoint_root
+from megaresil.checkpoint.offline.inspect import verify
+from megaresil.checkpoint.recipe_check import newest_manifest
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.safe_files import refuse_links
 
@@ -52,3 +57,37 @@ def check_backend(cfg: RecipeConfig) -> None:
 
         te.require()
 
+
+
+def finished_line(cfg: RecipeConfig) -> Optional[str]:
+    """The line for a run whose checkpoint a resume would start from is at
+    train.steps or past it: its workers would only load it and stop (and
+    rewrite the run's goodput). None when there is training to do, or when
+    that checkpoint fails its checksums (the workers walk back from it)."""
+    found = newest_manifest(cfg)
+    steps = cfg.train.steps
+    if found is None or found[1]["step"] < steps or verify(found[0]) is not None:
+        return None
+    path, step = found[0], found[1]["step"]
+    return (f"{cfg.run.dir} is finished: the checkpoint a resume would load, {path}, is at "
+            f"step {step} (train.steps={steps}); nothing to train. Raise train.steps to "
+            "train on, or give a new run.dir for a new run.")
+
+
+def replacement_warning(cfg: RecipeConfig) -> Optional[str]:
+    """Live replacement where no live rank holds a copy of another's state:
+    a lost process is started again, but its state can only come from the
+    checkpoint tiers (docs/fault-tolerance.md, Live replacement)."""
+    if not cfg.resilience.replacement.enabled:
+        return None
+    if cfg.parallel.dp == 1:
+        why = "at dp=1 no data-parallel peer holds a copy of a rank's state"
+    elif cfg.optimizer.distributed:
+        why = "optimizer.distributed=true keeps each optimizer shard in one rank's memory only"
+    else:
+        return None
+    return (f"megaresil: warning: resilience.replacement.enabled: {why}, so a lost process is "
+            "replaced but resumes from the newest checkpoint (the local tier, then the global) "
+            "and loses the steps since. Fix: parallel.dp=2 or more (with optimizer.distributed="
+            "false) for state from memory, or a local tier saving every step "
+            "(checkpoint.local.enabled=true checkpoint.local.interval=1).")

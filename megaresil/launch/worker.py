@@ -18,6 +18,8 @@ from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.resilience.supervision import end_with_agent
 from megaresil.run_lock import HELD_ENV, held_by_worker
 from megaresil.slurm import SlurmStep
+from megaresil.train.save_schedule import plural
+from megaresil.train.story import THREADS_SPLIT_ENV
 
 
 ERRORED = "errored"  # an outcome: this rank failed, and the launcher restarts the workers
@@ -28,9 +30,29 @@ def inside_torchrun() -> bool:
                                                     and "WORLD_SIZE" in os.environ)
 
 
-def worker_threads(local_world: int) -> int:
-    """Split the cores among local workers so 8 ranks on 2 cores don't thrash."""
-    return max(1, (os.cpu_count() or 1) // local_world)
+def choose_threads(local_world: int) -> int:
+    """OMP_NUM_THREADS for this node's workers, unless the user set it: the
+    cores split among them, so 8 ranks on 2 cores don't thrash. The split is
+    left for the banner to name (an OMP_NUM_THREADS beside it is ours, from
+    an earlier launch in this process). Returns the threads per worker."""
+    if "OMP_NUM_THREADS" not in os.environ or THREADS_SPLIT_ENV in os.environ:
+        cores = os.cpu_count() or 1
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // local_world))
+        os.environ[THREADS_SPLIT_ENV] = (f"{plural(cores, 'core')} over "
+                                         f"{plural(local_world, 'rank')} on this node")
+    return int(os.environ["OMP_NUM_THREADS"])
+
+
+def name_process(rank: int) -> None:
+    """Name this worker by its rank where `ps`, `top` and `pgrep` look
+    (/proc/PID/comm, 15 bytes: `megaresil-r12`), so finding rank 3's process
+    needs no reading of /proc/PID/environ. Writing one's own comm is what
+    prctl(PR_SET_NAME) does, without a C call; where there is no /proc (not
+    Linux) the process keeps its name."""
+    try:
+        Path("/proc/self/comm").write_text(f"megaresil-r{rank}"[:15])
+    except OSError:
+        pass
 
 
 def adapt_to_world(cfg: RecipeConfig, world: int) -> RecipeConfig:
@@ -69,8 +91,7 @@ def slurm_task(recipe: str, overrides: list[str], cfg: RecipeConfig, step: Slurm
     world = cfg.parallel.world_size
     os.environ.update(step.worker_env(world))
     # torch is imported already, so the variable alone would not reach its pool.
-    threads = os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(step.tasks_on_node)))
-    torch.set_num_threads(int(threads))
+    torch.set_num_threads(choose_threads(step.tasks_on_node))
     return PREEMPTED_EXIT if worker(recipe, overrides) == "preempted" else 0
 
 
@@ -83,6 +104,7 @@ def worker(recipe: str, overrides: list[str]) -> str:
 
     end_with_agent()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    name_process(rank)
     cfg = adapt_to_world(load_recipe(recipe, overrides), world)
     for key, value in env_before_cuda(cfg.train.deterministic).items():  # CUDA has not started
         os.environ.setdefault(key, value)

@@ -1,11 +1,11 @@
 """Goodput of a run directory, across all its restarts and requeues: where the
 wall time went, computed from the run's own records (events.jsonl,
 metrics.jsonl) into buckets that add up (productive, startup, restarts,
-failed, recomputed, checkpoint, eval, idle, other).
+failed, recomputed, checkpoint, eval, idle, other), none negative.
 
 goodput = productive / (wall - idle): a pause the user chose is not the run's
 loss. docs/observability.md ("Goodput", and "How it works") defines each
-bucket and how interruptions and idle gaps are found.
+bucket and how failures, intended stops and idle gaps are told apart.
 """
 from __future__ import annotations
 
@@ -17,11 +17,15 @@ from typing import Optional
 from megaresil.events import read_events, read_jsonl
 from megaresil.safe_files import write_atomic
 
-INTERRUPTIONS = ("hang_detected", "worker_error", "preempted", "interrupted", "restart")
 INTENDED_STOPS = ("run_finished", "exited", "preempted", "interrupted")
 FAILURES = ("hang_detected", "worker_error", "restart")
 BUCKETS = ("productive", "startup", "restarts", "failed", "recomputed", "checkpoint", "eval",
            "idle", "other")
+
+# What the run is doing between two of its records. Training time is split
+# at each step line; the other states' time goes to one bucket each.
+TRAINING, STOPPED, STARTING, RESTARTING = "training", "stopped", "starting", "restarting"
+BOOKED = {STOPPED: "idle", STARTING: "startup", RESTARTING: "restarts"}
 
 
 def step_seconds(record: dict) -> float:
@@ -44,38 +48,114 @@ def job_launches(events: list[dict]) -> list[float]:
                    if e["event"] == "generation_started" and "launched_at" in e})
 
 
-def idle_gaps(events: list[dict], records: list[dict]) -> list[tuple[float, float]]:
-    """(intended stop, next launch) for every job that ended as intended."""
-    gaps = []
-    for launch in job_launches(events)[1:]:
-        before = [r for r in records if r["time"] < launch]
-        if not before:
-            continue
-        last = before[-1]
-        window = [e for e in events if last["time"] <= e["time"] < launch]
-        stop = next((e["time"] for e in window if e["event"] in INTENDED_STOPS), None)
-        if stop is None and not any(e["event"] in FAILURES for e in window):
-            # A run written before the `exited` event: it saved its last step and ended.
-            stop = next((e["time"] for e in window if e["event"] == "checkpoint_saved"
-                         and e.get("step") == last["step"]), None)
-        if stop is not None:
-            gaps.append((stop, launch))
-    return gaps
+def marks(events: list[dict], records: list[dict]) -> list[tuple[float, str, Optional[int]]]:
+    """(time, what, step) of everything that changes what the run is doing:
+    a failure detected, an intended stop, a job's launch, a step line, a
+    checkpoint saved (a run written before the `exited` event ended at
+    train.exit_at_step with only that), in time order."""
+    found = [(e["time"], "failure", None) for e in events if e["event"] in FAILURES]
+    found += [(e["time"], "stop", None) for e in events if e["event"] in INTENDED_STOPS]
+    found += [(e["time"], "saved", e.get("step")) for e in events
+              if e["event"] == "checkpoint_saved"]
+    found += [(t, "launch", None) for t in job_launches(events)]
+    found += [(r["time"], "step", i) for i, r in enumerate(records)]
+    order = {"step": 0, "saved": 1, "stop": 2, "failure": 3, "launch": 4}  # at equal times
+    return sorted(found, key=lambda m: (m[0], order[m[1]]))
 
 
-def interruptions(events: list[dict], records: list[dict]) -> list[tuple[float, int]]:
-    """(detection time, index of the first step record after it), in order."""
-    found, i = [], 0
-    times = sorted([e["time"] for e in events if e["event"] in INTERRUPTIONS]
-                   + [stop for stop, _ in idle_gaps(events, records)])
-    for t in times:
-        while i < len(records) and records[i]["time"] < t:
-            i += 1
-        if i == len(records):
-            break
-        if not found or found[-1][1] != i:  # one incident per gap between steps
-            found.append((t, i))
-    return found
+class Ledger:
+    """Walks a run's marks, booking the time since the last one to the
+    bucket of what the run was doing (a state machine: training, stopped,
+    starting, restarting)."""
+
+    def __init__(self, start: float, records: list[dict], pauses: list[tuple[float, str, float]]):
+        self.records, self.pauses = records, sorted(pauses)
+        self.spent = dict.fromkeys(BUCKETS, 0.0)
+        self.state, self.since, self.interruptions = STARTING, start, 0
+        self.last_copy = {r["step"]: i for i, r in enumerate(records)}
+        self.last_step: Optional[int] = None  # of the newest step line
+        self.saved_at: Optional[float] = None  # when that step was saved, if it was
+
+    def book(self, bucket: str, seconds: float) -> None:
+        self.spent[bucket] += max(0.0, seconds)
+
+    def training_until(self, t: float, step_s: float = 0.0) -> float:
+        """Books training time since the last mark: `step_s` of it a step's
+        own, the saves and evals that ended in it (as much of each as fits:
+        an async save's wait at the next update is inside that step's own
+        time); returns the rest, for `other` or a failure's `failed`."""
+        left = max(0.0, t - self.since) - step_s
+        for bucket, seconds in self.pauses_until(t):
+            spent = min(seconds, max(0.0, left))
+            self.book(bucket, spent)
+            left -= spent
+        return left
+
+    def pauses_until(self, t: float) -> list[tuple[str, float]]:
+        """The saves and evals that ended since the last mark, until t."""
+        found = []
+        while self.pauses and self.pauses[0][0] <= t:
+            _, bucket, seconds = self.pauses.pop(0)
+            found.append((bucket, seconds))
+        return found
+
+    def move(self, state: str, t: float, booked: Optional[str] = None) -> None:
+        """Ends what the run was doing at t. Out of training, the time goes
+        to one bucket, the saves and evals in it included."""
+        if self.state != TRAINING:
+            self.book(booked or BOOKED[self.state], t - self.since)
+            self.pauses_until(t)
+        self.state, self.since = state, t
+
+    def mark(self, t: float, what: str, number: Optional[int]) -> None:
+        """One mark of `marks`: `number` is a step line's index, a save's step."""
+        if what == "step":
+            self.step_line(t, number)
+        elif what == "saved" and number == self.last_step and self.state == TRAINING:
+            self.saved_at = t
+        elif what == "stop" and self.state in (TRAINING, STARTING, RESTARTING):
+            self.stopped(t)
+        elif what == "failure" and self.state in (TRAINING, STARTING):
+            self.failed(t)
+        elif what == "launch" and self.state == STOPPED:
+            self.move(STARTING, t)
+        elif what == "launch" and self.state == TRAINING:
+            # The job before ended without a word: after saving its last
+            # step (written before the `exited` event), else as a failure
+            # found only now.
+            if self.saved_at is not None:
+                self.stopped(self.saved_at)
+                self.move(STARTING, t)
+            else:
+                self.failed(t)
+
+    def step_line(self, t: float, index: int) -> None:
+        record = self.records[index]
+        if self.state == TRAINING:
+            step_s = min(step_seconds(record), max(0.0, t - self.since))
+            self.book("other", self.training_until(t, step_s))
+            last = self.last_copy[record["step"]] == index
+            self.book("productive" if last else "recomputed", step_s)
+        else:  # its warm-up step ends a start, a restart (or a stop the job went on from)
+            self.move(TRAINING, t, "other" if self.state == STOPPED else None)
+        self.since = t
+        self.last_step, self.saved_at = record["step"], None
+
+    def stopped(self, t: float) -> None:
+        if self.state == TRAINING:
+            self.book("other", self.training_until(t))
+        self.move(STOPPED, t)
+
+    def failed(self, t: float) -> None:
+        self.interruptions += 1
+        if self.state == TRAINING:
+            self.book("failed", self.training_until(t))
+        self.move(RESTARTING, t)
+
+    def close(self, end: float) -> None:
+        if self.state == TRAINING:
+            self.book("other", self.training_until(end))
+        self.move(TRAINING, end, "other" if self.state == STOPPED else None)
 
 
 def compute_goodput(events: list[dict], metrics: list[dict], end: Optional[float] = None) -> dict:
@@ -85,41 +165,21 @@ def compute_goodput(events: list[dict], metrics: list[dict], end: Optional[float
         return {"wall_s": 0.0, "goodput": 0.0, **{f"{b}_s": 0.0 for b in BUCKETS}}
     finished = [e["time"] for e in events if e["event"] == "run_finished"]
     end = end or max([*finished, records[-1]["time"] if records else start])
-    spent = dict.fromkeys(BUCKETS, 0.0)
-    spent["startup"] = (records[0]["time"] - start) if records else 0.0
-    gaps = []  # (last step before, detection, end of the first step after)
-    for detected, i in interruptions(events, records):
-        gaps.append((records[i - 1]["time"] if i else start, detected, records[i]["time"]))
-        spent["restarts"] += records[i]["time"] - detected
-        spent["failed"] += max(0.0, detected - gaps[-1][0])
-    for stop, launch in idle_gaps(events, records):
-        spent["idle"] += launch - stop
-        spent["restarts"] -= launch - stop
-    warmups = {0} | {i for _, i in interruptions(events, records)}
-    last_index = {r["step"]: i for i, r in enumerate(records)}
-    for i, record in enumerate(records):
-        if i not in warmups:
-            bucket = "recomputed" if last_index[record["step"]] != i else "productive"
-            spent[bucket] += step_seconds(record)
-    # Saves and evals: their own buckets, unless a restart window holds them;
-    # those between a failure's last step and its detection leave "failed".
     pauses = [(e["time"], "checkpoint", e.get("blocking_seconds", 0.0)) for e in events
               if e["event"] == "checkpoint_saved"]
     pauses += [(r["time"], "eval", r.get("eval_time_s", 0.0)) for r in metrics
                if "eval_loss" in r and "time" in r]
-    for t, bucket, seconds in pauses:
-        gap = next((g for g in gaps if g[0] < t <= g[2]), None)
-        if gap is None or t <= gap[1]:
-            spent[bucket] += seconds
-        if gap is not None and t <= gap[1]:
-            spent["failed"] = max(0.0, spent["failed"] - seconds)
-    wall = end - start
-    spent["other"] = wall - sum(v for k, v in spent.items() if k != "other")
+    ledger = Ledger(start, records, pauses)
+    for t, what, number in marks(events, records):
+        if start <= t <= end:
+            ledger.mark(t, what, number)
+    ledger.close(end)
+    spent, wall = ledger.spent, end - start
     busy = wall - spent["idle"]
     return {"wall_s": wall, "goodput": spent["productive"] / busy if busy > 0 else 0.0,
             **{f"{k}_s": v for k, v in spent.items()},
-            "interruptions": len(gaps), "steps": len(last_index),
-            "recomputed_steps": len(records) - len(last_index)}
+            "interruptions": ledger.interruptions, "steps": len(ledger.last_copy),
+            "recomputed_steps": len(records) - len(ledger.last_copy)}
 
 
 def run_goodput(run_dir: str | Path, end: Optional[float] = None) -> dict:

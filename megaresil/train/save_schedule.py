@@ -1,8 +1,9 @@
 """When the training loop saves a global checkpoint (checkpoint.interval):
-every N steps, never (0), or auto: after one measuring save, Young/Daly's
-sqrt(2 x save x MTBF), capped by checkpoint.max_minutes_at_risk and chosen
-again when a cost moves by more than 2x. train.exit_at_step always saves;
-except with 0, so does the last step.
+every N steps, never (0), or auto: after one measuring save (none on a
+resume: the run's records hold the cost), Young/Daly's sqrt(2 x save x
+MTBF), capped by checkpoint.max_minutes_at_risk and by a quarter of the run,
+and chosen again when a cost moves by more than 2x. train.exit_at_step
+always saves; except with 0, so does the last step.
 
 Every rank must save at the same steps: the costs are the slowest rank's
 (an all-reduce MAX), combined at steps every rank knows. docs/checkpoints.md
@@ -12,17 +13,29 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megaresil.config import RecipeConfig
+from megaresil.events import read_events
 from megaresil.plan.model import young_interval
-from megaresil.plan.profile import job_kinds, load_profile, mtbf_hours
+from megaresil.plan.profile import DEFAULT_PROFILE, job_kinds, load_profile, mtbf_hours
 
 RECHECK_STEPS = 50  # how often the measured step time is compared with the decision's
 MOVED = 2.0  # a cost this many times larger or smaller than decided on: decide again
+# At most 1/RUN_PARTS of train.steps between saves: Young/Daly's optimum is
+# for long runs (a 30-step run was told "every 35 steps", so a crash near its
+# end lost it all); a short run then loses at most a quarter of itself to a
+# crash, for at most RUN_PARTS saves more than its last.
+RUN_PARTS = 4
+
+
+def longest_interval(run_steps: int) -> int:
+    """The most steps auto puts between saves in a run of `run_steps`."""
+    return max(1, run_steps // RUN_PARTS)
 
 
 def job_mtbf_hours(cfg: RecipeConfig) -> float:
@@ -30,6 +43,29 @@ def job_mtbf_hours(cfg: RecipeConfig) -> float:
     if cfg.resilience.mtbf_hours:
         return cfg.resilience.mtbf_hours
     return mtbf_hours(job_kinds(load_profile(), cfg.parallel.world_size))
+
+
+def mtbf_source(cfg: RecipeConfig) -> str:
+    """Where job_mtbf_hours came from, as the interval's line names it: a
+    figure of a 16k-GPU fleet is not a measure of this cluster."""
+    if cfg.resilience.mtbf_hours:
+        return "resilience.mtbf_hours"
+    seen = load_profile()["observed"]
+    return (f"the {DEFAULT_PROFILE.stem} profile's failures on {seen['gpus']:,} GPUs over "
+            f"{seen['days']} days, scaled to {plural(cfg.parallel.world_size, 'rank')}; set "
+            "resilience.mtbf_hours for your cluster")
+
+
+def plural(count: int, noun: str) -> str:
+    """A count and its noun, as the console's lines say it: "1 step", "7 steps"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def recorded_save_s(run_dir: Path) -> Optional[float]:
+    """What a save cost when the run last chose its interval (its newest
+    `checkpoint_interval` event), or None when it never did."""
+    chosen = [e for e in read_events(run_dir) if e["event"] == "checkpoint_interval"]
+    return chosen[-1]["save_s"] if chosen else None
 
 
 def never_saving_warning(cfg: RecipeConfig) -> Optional[str]:
@@ -43,20 +79,29 @@ def never_saving_warning(cfg: RecipeConfig) -> Optional[str]:
 
 @dataclass(frozen=True)
 class Decision:
-    """An auto interval and the measurements it was chosen from."""
+    """An auto interval, the measurements it was chosen from and why."""
     steps: int
     save_s: float
     step_s: float
     mtbf_h: float
-    capped: bool
+    mtbf_from: str
+    why: str = "Young/Daly"
 
     @classmethod
-    def choose(cls, save_s: float, step_s: float, mtbf_h: float,
-               max_minutes: float) -> "Decision":
+    def choose(cls, save_s: float, step_s: float, mtbf_h: float, max_minutes: float,
+               run_steps: int, mtbf_from: str = "resilience.mtbf_hours") -> "Decision":
         seconds = young_interval(save_s, mtbf_h * 3600)
-        capped = seconds > max_minutes * 60
-        seconds = min(seconds, max_minutes * 60)
-        return cls(max(1, int(seconds / max(step_s, 1e-9))), save_s, step_s, mtbf_h, capped)
+        why = "Young/Daly"
+        if seconds > max_minutes * 60:
+            seconds, why = max_minutes * 60, "capped at checkpoint.max_minutes_at_risk"
+        steps = max(1, int(seconds / max(step_s, 1e-9)))
+        if steps > longest_interval(run_steps):
+            steps, why = longest_interval(run_steps), "capped at a quarter of train.steps"
+        return cls(steps, save_s, step_s, mtbf_h, mtbf_from, why)
+
+    @property
+    def capped(self) -> bool:
+        return self.why != "Young/Daly"
 
     def moved(self, save_s: float, step_s: float) -> bool:
         return any(new > MOVED * old or old > MOVED * new
@@ -64,13 +109,14 @@ class Decision:
 
     def line(self) -> str:
         minutes = self.steps * self.step_s / 60
-        why = "capped at checkpoint.max_minutes_at_risk" if self.capped else "Young/Daly"
-        return (f"checkpoint every {self.steps} steps (~{minutes:.1f} min): save "
-                f"{self.save_s:.1f} s, step {self.step_s:.2f} s, MTBF {self.mtbf_h:.1f} h, {why}")
+        return (f"checkpoint every {plural(self.steps, 'step')} (~{minutes:.1f} min): save "
+                f"{self.save_s:.1f} s, step {self.step_s:.2f} s, MTBF {self.mtbf_h:.1f} h "
+                f"({self.mtbf_from}), {self.why}")
 
     def fields(self) -> dict:
         return {"interval_steps": self.steps, "save_s": self.save_s, "step_s": self.step_s,
-                "mtbf_hours": self.mtbf_h, "capped": self.capped}
+                "mtbf_hours": self.mtbf_h, "mtbf_from": self.mtbf_from, "capped": self.capped,
+                "why": self.why}
 
 
 def slowest_rank(*values: float) -> list[float]:
@@ -88,12 +134,23 @@ class SaveSchedule:
         self.cfg, self.events, self.rank = cfg, events, rank
         self.interval = cfg.checkpoint.interval
         self.last_saved, self.last_check = start_step, start_step
-        # The measuring save: the first steps of a process carry warm-up costs.
+        # Decided after the calibration steps (a process's first steps carry
+        # warm-up costs), by a measuring save there unless the cost is known.
         calibration = max(1, cfg.resilience.watchdog.calibration_steps)
         self.measure_at = start_step + calibration + 1 if self.interval == "auto" else None
         self.step_times: list[float] = []
-        self.save_s: Optional[float] = None
+        self.save_s = self._known_save_s(start_step)
         self.decision: Optional[Decision] = None
+
+    def _known_save_s(self, start_step: int) -> Optional[float]:
+        """On a resume, the save cost the run's records hold: no measuring
+        save at every resume (the next save checks it). Every rank must
+        agree whether there is one, so the largest over ranks is taken."""
+        if self.interval != "auto" or start_step == 0:
+            return None
+        recorded = recorded_save_s(Path(self.cfg.run.dir))
+        known = slowest_rank(-1.0 if recorded is None else recorded)[0]
+        return known if known >= 0 else None
 
     def due(self, step: int) -> bool:
         t = self.cfg.train
@@ -105,16 +162,19 @@ class SaveSchedule:
             return True
         if self.interval != "auto":
             return step % self.interval == 0
-        if step == self.measure_at:
-            return True
+        if step == self.measure_at and self.decision is None:
+            return True  # the measuring save
         return self.decision is not None and step - self.last_saved >= self.decision.steps
 
     def step_done(self, step: int, seconds: float, first_of_process: bool) -> None:
-        """Each step's time (but a process's first: its warm-up); every
+        """Each step's time (but a process's first: its warm-up); a known
+        save cost is decided on after the calibration steps; every
         RECHECK_STEPS steps an auto decision is checked against it."""
         if not first_of_process:
             self.step_times = (self.step_times + [seconds])[-RECHECK_STEPS:]
-        if self.decision is not None and step - self.last_check >= RECHECK_STEPS:
+        if self.decision is None and self.save_s is not None and step == self.measure_at:
+            self._measure(step)
+        elif self.decision is not None and step - self.last_check >= RECHECK_STEPS:
             self._measure(step)
 
     def saved(self, step: int, seconds: float) -> None:
@@ -133,7 +193,8 @@ class SaveSchedule:
             return
         if self.decision is None or self.decision.moved(save_s, step_s):
             self.decision = Decision.choose(save_s, step_s, job_mtbf_hours(self.cfg),
-                                            self.cfg.checkpoint.max_minutes_at_risk)
+                                            self.cfg.checkpoint.max_minutes_at_risk,
+                                            self.cfg.train.steps, mtbf_source(self.cfg))
             if self.rank == 0:  # the launcher prints its line
                 self.events.emit("checkpoint_interval", step=step, line=self.decision.line(),
                                  **self.decision.fields())

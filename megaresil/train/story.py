@@ -15,6 +15,11 @@ from megaresil.checkpoint import format as fmt
 from megaresil.config import RecipeConfig
 from megaresil.model.gpt import GPT
 from megaresil.run_lock import HELD_ENV
+from megaresil.train.save_schedule import longest_interval, plural
+
+# Set by megaresil's launcher where it chose OMP_NUM_THREADS (the user did
+# not): how it split the cores, for the banner's word on threads.
+THREADS_SPLIT_ENV = "MEGARESIL_THREADS_SPLIT"
 
 
 def parameters(cfg: RecipeConfig) -> int:
@@ -27,13 +32,25 @@ def banner(cfg: RecipeConfig, start_step: int) -> str:
     p = cfg.parallel
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     interval = cfg.checkpoint.interval
-    policy = {"auto": f"auto (Young/Daly, at most {cfg.checkpoint.max_minutes_at_risk:g} min "
-                      "apart)", 0: "never (checkpoint.interval=0)"}.get(interval,
-                                                                        f"every {interval} steps")
+    longest = plural(longest_interval(cfg.train.steps), "step")
+    policy = {"auto": f"auto (Young/Daly, at most {cfg.checkpoint.max_minutes_at_risk:g} min or "
+                      f"{longest} apart)",
+              0: "never (checkpoint.interval=0)"}.get(interval, f"every {interval} steps")
     start = f"resumes from step {start_step}" if start_step else "starts at step 0"
     return (f"training tp={p.tp} pp={p.pp} dp={p.dp}, {parameters(cfg) / 1e6:.1f}M "
             f"parameters, {tokens:,} tokens per step, {cfg.train.steps} steps; run dir "
-            f"{cfg.run.dir}; checkpoints {policy}; {start}")
+            f"{cfg.run.dir}; checkpoints {policy}; {threads()}; {start}")
+
+
+def threads() -> str:
+    """How many CPU threads each rank computes with, and who chose that:
+    on a shared CPU it sets the speed more than anything else."""
+    said = f"{plural(torch.get_num_threads(), 'thread')} per rank"
+    if split := os.environ.get(THREADS_SPLIT_ENV):
+        return f"{said} ({split}; OMP_NUM_THREADS chooses)"
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"{said} (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})"
+    return f"{said} (torch's default; OMP_NUM_THREADS chooses)"
 
 
 def summary(cfg: RecipeConfig, root: Path, steps: int, last: Optional[dict],

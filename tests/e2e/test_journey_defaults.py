@@ -48,6 +48,13 @@ def test_a_default_run_saves_its_last_step(home, cache):
     assert "checkpoints auto" in result.stderr
     done = [line for line in result.stderr.splitlines() if line.startswith("megaresil: done:")]
     assert len(done) == 1 and done[0].endswith("run/checkpoints/step_0000006"), result.stderr
+    # The same command again: the run is finished, so no worker starts and
+    # nothing in the run directory changes (its goodput was rewritten).
+    before = {p.name: p.read_bytes() for p in (home / "run").iterdir() if p.is_file()}
+    again = megaresil("train", RECIPE, *SMALL, "parallel.dp=1", "train.steps=6", cache,
+                      "run.dir=run", cwd=home).stderr.splitlines()
+    assert len(again) == 1 and again[0].startswith("megaresil: run is finished: "), again
+    assert {p.name: p.read_bytes() for p in (home / "run").iterdir() if p.is_file()} == before
 
 
 def test_interval_zero_saves_nothing_and_says_so(home, cache):

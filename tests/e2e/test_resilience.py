@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.harness.cli import FLOOR_S, ROOT, SMALL
+from tests.harness.run_records import assert_goodput_adds_up
 from megaresil.config import ConfigError, load_recipe
 from megaresil.events import read_events
 from megaresil.events import read_metrics
+from megaresil.observe.goodput import run_goodput
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,9 @@ def test_chaos_scenario_recovers_exactly(cli_main, chaos_root, chaos_reference, 
     report = json.loads((chaos_root / f"chaos-{scenario}.json").read_text())
     assert "final loss" in result.stdout
     assert report["recovered"] and report["final_loss_equal"], report
+    for run in (report["faulted"], report["reference"]):  # the drills' run directories
+        assert_goodput_adds_up(json.loads((Path(run) / "goodput.json").read_text()))
+        assert_goodput_adds_up(run_goodput(run))
     events = read_events(report["faulted"])
     assert "run_finished" in [e["event"] for e in events]
     assert ("fault_injected" in [e["event"] for e in events]) or not expected.injects

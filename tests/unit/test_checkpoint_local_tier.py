@@ -207,7 +207,7 @@ def flip_byte(path: Path, at: int = 0) -> None:
 LOCAL = ["parallel.tp=2", "parallel.dp=2", "train.steps=9", "checkpoint.interval=4",
          "checkpoint.local.enabled=true", "checkpoint.local.interval=1",
          "checkpoint.local.ranks_per_node=2", "checkpoint.local.replicas=1",
-         "checkpoint.local.keep=2"]
+         "checkpoint.local.keep=2", "checkpoint.keep=0"]  # every global save kept, to list
 
 
 def _phases(rank: int, world: int, port: int, out: str) -> None:

@@ -20,6 +20,7 @@ from megaresil.resilience.stragglers import StragglerDetector, judge
 from megaresil.train.metrics import MetricsLog, StepFigures, console_line
 
 from tests.harness.cli import ROOT
+from tests.harness.run_records import assert_goodput_adds_up
 
 TINY = str(ROOT / "recipes/gpt-tiny.yaml")
 
@@ -79,26 +80,28 @@ def step(n: int, t: float, seconds: float = 1.0, **extra) -> dict:
 
 def test_goodput_puts_every_second_in_one_bucket():
     """Launch at 0; steps 1-3 end at 10, 11, 12; a save blocks 0.5 s after step
-    2; a failure is detected at 14; step 3 is redone, ending at 20; step 4 at
-    21; an eval of 0.25 s; the run finishes at 22."""
+    2 (step 3 takes 0.4 s after it); a failure is detected at 14; step 3 is
+    redone, ending at 20; step 4 at 21; an eval of 0.25 s; the run finishes
+    at 22."""
     events = [{"time": 1.0, "event": "generation_started", "launched_at": 0.0},
               {"time": 11.6, "event": "checkpoint_saved", "blocking_seconds": 0.5},
               {"time": 14.0, "event": "worker_error"},
               {"time": 14.5, "event": "restart", "kind": "in_process"},
               {"time": 22.0, "event": "run_finished"}]
-    metrics = [step(1, 10.0), step(2, 11.0), step(3, 12.0), step(3, 20.0), step(4, 21.0),
+    metrics = [step(1, 10.0), step(2, 11.0), step(3, 12.0, 0.4), step(3, 20.0), step(4, 21.0),
                {"step": 4, "eval_loss": 1.0, "time": 21.5, "eval_time_s": 0.25}]
     g = compute_goodput(events, metrics)
     assert g["wall_s"] == 22.0
     assert g["startup_s"] == 10.0  # launch -> end of step 1 (its warm-up)
     assert g["restarts_s"] == 6.0  # detection 14 -> end of the redone step 3 at 20
     assert g["failed_s"] == 2.0  # last step (12) -> detection (14)
-    assert g["recomputed_s"] == 1.0  # the first step 3
+    assert g["recomputed_s"] == 0.4  # the first step 3
     assert g["productive_s"] == 2.0  # steps 2 and 4
     assert g["checkpoint_s"] == 0.5 and g["eval_s"] == 0.25
-    assert g["other_s"] == pytest.approx(22.0 - 10 - 6 - 2 - 1 - 2 - 0.5 - 0.25)
+    assert g["other_s"] == pytest.approx(22.0 - 10 - 6 - 2 - 0.4 - 2 - 0.5 - 0.25)
     assert g["goodput"] == 2.0 / 22.0
     assert g["interruptions"] == 1 and g["recomputed_steps"] == 1
+    assert_goodput_adds_up(g)
 
 
 def section_table(cpu: dict[int, dict[str, float]], wall_extra: dict[int, float]) -> list[dict]:
@@ -313,13 +316,14 @@ def test_a_run_records_its_figures_goodput_and_profile(cli, tmp_path):
     finished = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()
                 if '"run_finished"' in x][0]
     assert finished["goodput"] == goodput and 0 < goodput["goodput"] < 1
+    assert_goodput_adds_up(goodput)
     assert goodput["productive_s"] == pytest.approx(sum(r["step_time_s"] for r in steps[1:]))
     trace = json.loads((tmp_path / "profile" / "rank0.steps2-3.pt.trace.json").read_text())
     assert any("aten::" in e.get("name", "") for e in trace["traceEvents"])
 
 
 @pytest.mark.parametrize("stop", ["interrupted", "preempted", "exit_at_step"])
-def test_goodput_books_the_pause_after_an_intended_stop_as_idle(stop):
+def test_goodput_books_an_intended_stop_as_no_failure_and_its_pause_as_idle(stop):
     """Job 1 launched at 0: steps 1-2 end at 10, 11; it stops as intended (a
     save of step 2 ends at 12, then Ctrl-C, a preemption or exit_at_step).
     The user reruns at 100; step 3 ends at 105, step 4 at 106."""
@@ -327,14 +331,67 @@ def test_goodput_books_the_pause_after_an_intended_stop_as_idle(stop):
               {"time": 12.0, "event": "checkpoint_saved", "step": 2, "blocking_seconds": 1.0},
               {"time": 101.0, "event": "generation_started", "launched_at": 100.0},
               {"time": 106.5, "event": "run_finished"}]
-    if stop != "exit_at_step":
+    if stop != "exit_at_step":  # (a run written before the `exited` event: only the save)
         events.insert(2, {"time": 12.0, "event": stop, "step": 2})
     metrics = [step(1, 10.0), step(2, 11.0), step(3, 105.0), step(4, 106.0)]
     g = compute_goodput(events, metrics)
     assert g["idle_s"] == 88.0  # the stop at 12 -> the rerun's launch at 100
-    assert g["restarts_s"] == 5.0  # the rerun's own start: launch 100 -> step 3 at 105
+    assert g["startup_s"] == 15.0  # both jobs' own starts: 0 -> 10 and 100 -> 105
+    assert g["restarts_s"] == 0.0 and g["failed_s"] == 0.0 and g["interruptions"] == 0
+    assert g["checkpoint_s"] == 1.0 and g["other_s"] == 0.5  # the end: 106 -> 106.5
     assert g["productive_s"] == 2.0  # steps 2 and 4 (1 and 3 are warm-ups)
     assert g["goodput"] == pytest.approx(2.0 / (106.5 - 88.0))
+
+
+def job(launched: float, step: int, saved: float, blocking: float, stop: str,
+        stopped: float) -> list[dict]:
+    """The events of one job: its launch, the save of its last step, its stop."""
+    return [{"time": launched + 1, "event": "generation_started", "launched_at": launched},
+            {"time": saved, "event": "checkpoint_saved", "step": step,
+             "blocking_seconds": blocking},
+            {"time": stopped, "event": stop, "step": step}]
+
+
+def test_goodput_of_two_ctrl_cs_an_exit_and_a_rerun_of_the_finished_run():
+    """The issue's run with no fault: exit_at_step at 2 (its save ends at 12),
+    Ctrl-C in step 4 (saved at 31), Ctrl-C in step 6 (saved at 52), the rest
+    to step 8 (finished at 71), then the same command once more (launched at
+    80, finished at 84 without a step). Each job's start is start-up, each
+    pause idle; nothing failed, nothing restarted."""
+    events = (job(0.0, 2, 12.0, 1.0, "exited", 12.1) + job(20.0, 4, 31.0, 1.0, "interrupted", 31.2)
+              + job(40.0, 6, 52.0, 1.5, "interrupted", 52.0)
+              + job(60.0, 8, 70.5, 0.5, "run_finished", 71.0)
+              + [{"time": 83.0, "event": "generation_started", "launched_at": 80.0},
+                 {"time": 84.0, "event": "run_finished", "step": 8}])
+    metrics = [step(1, 10.0), step(2, 11.0), step(3, 29.0), step(4, 30.0), step(5, 49.0),
+               step(6, 50.5), step(7, 69.0), step(8, 70.0)]
+    g = compute_goodput(events, metrics)
+    assert_goodput_adds_up(g)
+    assert g["interruptions"] == 0 and g["restarts_s"] == 0.0 and g["failed_s"] == 0.0
+    assert g["startup_s"] == 10.0 + 9.0 + 9.0 + 9.0 + 4.0  # each launch to its first step
+    assert g["idle_s"] == pytest.approx(7.9 + 8.8 + 8.0 + 9.0)  # each stop to the next launch
+    assert g["checkpoint_s"] == 4.0 and g["productive_s"] == 4.0
+
+
+def test_no_goodput_bucket_is_negative_where_events_overlap():
+    """What the records of real runs hold: a failure before the first step
+    (its restart is not start-up as well); an async save's 2 s, 1.5 of them a
+    wait inside the next step's own time; an eval a pipeline's last stage
+    wrote after its run_finished."""
+    events = [{"time": 1.0, "event": "generation_started", "launched_at": 0.0},
+              {"time": 4.0, "event": "worker_error", "rank": 1},
+              {"time": 5.0, "event": "restart", "kind": "in_process"},
+              {"time": 12.0, "event": "checkpoint_saved", "step": 2, "blocking_seconds": 2.0},
+              {"time": 14.0, "event": "worker_error", "rank": 0},
+              {"time": 20.0, "event": "run_finished", "step": 3}]
+    metrics = [step(1, 10.0), step(2, 11.0), step(3, 12.6, 1.1), step(3, 19.9),
+               {"step": 3, "eval_loss": 1.0, "time": 20.2, "eval_time_s": 0.5}]
+    g = compute_goodput(events, metrics)
+    assert_goodput_adds_up(g)
+    assert g["interruptions"] == 2
+    assert g["startup_s"] == 4.0 and g["restarts_s"] == pytest.approx(6.0 + 5.9)
+    assert g["checkpoint_s"] == pytest.approx(0.5)  # what the loop waited outside step 3
+    assert g["failed_s"] == pytest.approx(1.4) and g["eval_s"] == 0.0
 
 
 def relaunched_run(path: Path) -> Path:

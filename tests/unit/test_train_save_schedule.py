@@ -3,18 +3,19 @@ import math
 
 from megaresil.config import load_recipe
 from megaresil.events import EventLog, read_events
-from megaresil.train.save_schedule import Decision, SaveSchedule, job_mtbf_hours
+from megaresil.train.save_schedule import Decision, SaveSchedule, job_mtbf_hours, mtbf_source
 
 
-def schedule(tmp_path, *overrides):
-    cfg = load_recipe("recipes/gpt-tiny.yaml", ["train.steps=1000", *overrides])
-    return SaveSchedule(cfg, 0, events=EventLog(tmp_path, 0), rank=0)
+def schedule(tmp_path, *overrides, start_step: int = 0):
+    cfg = load_recipe("recipes/gpt-tiny.yaml", ["train.steps=1000", f"run.dir={tmp_path}",
+                                                *overrides])
+    return SaveSchedule(cfg, start_step, events=EventLog(tmp_path, 0), rank=0)
 
 
-def saved_steps(s, steps, step_s=1.0, save_s=2.0):
+def saved_steps(s, steps, step_s=1.0, save_s=2.0, first=1):
     saved = []
-    for step in range(1, steps + 1):
-        s.step_done(step, step_s, first_of_process=step == 1)
+    for step in range(first, steps + 1):
+        s.step_done(step, step_s, first_of_process=step == first)
         if s.due(step):
             saved.append(step)
             s.saved(step, save_s)
@@ -55,6 +56,41 @@ def test_the_default_mtbf_comes_from_the_planner_profile_and_falls_with_size():
 
 
 def test_a_decision_states_its_reason():
-    d = Decision.choose(save_s=2.1, step_s=18.0, mtbf_h=5.3, max_minutes=30)
+    d = Decision.choose(save_s=2.1, step_s=18.0, mtbf_h=5.3, max_minutes=30, run_steps=1000)
     assert d.line().startswith(f"checkpoint every {d.steps} steps (~")
-    assert "save 2.1 s" in d.line() and "MTBF 5.3 h" in d.line()
+    assert "save 2.1 s" in d.line() and "MTBF 5.3 h (resilience.mtbf_hours)" in d.line()
+
+
+def test_auto_saves_a_short_run_at_least_every_quarter_of_it(tmp_path):
+    """A 30-step run was told "checkpoint every 35 steps" after its step-4
+    save: a crash near its end lost it all. At most a quarter of train.steps
+    now lies between saves."""
+    s = schedule(tmp_path, "train.steps=30")
+    assert saved_steps(s, 30, step_s=4.0, save_s=1.0) == [4, 11, 18, 25, 30]
+    chosen = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_interval"]
+    assert chosen[0]["interval_steps"] == 7 and chosen[0]["capped"]
+    assert chosen[0]["line"].endswith("capped at a quarter of train.steps")
+
+
+def test_a_resume_takes_the_save_cost_from_the_runs_records(tmp_path):
+    """The first job measured a save at step 4 and chose from it; the resume
+    at step 500 makes no measuring save: it decides from that cost once its
+    calibration steps are timed, and counts the interval from its start."""
+    first = schedule(tmp_path, "resilience.mtbf_hours=1", "checkpoint.max_minutes_at_risk=60")
+    assert saved_steps(first, 10) == [4]
+    resumed = schedule(tmp_path, "resilience.mtbf_hours=1", "checkpoint.max_minutes_at_risk=60",
+                       start_step=500)
+    every = int(math.sqrt(2 * 2.0 * 3600))
+    assert saved_steps(resumed, 800, first=501) == [500 + every, 500 + 2 * every]
+    chosen = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_interval"]
+    assert [e["step"] for e in chosen] == [4, 504]
+    assert chosen[1]["save_s"] == 2.0 and chosen[1]["interval_steps"] == every
+
+
+def test_the_mtbf_line_names_the_profile_it_comes_from():
+    cfg = load_recipe("recipes/gpt-tiny.yaml", ["parallel.tp=2", "parallel.pp=2", "parallel.dp=1"])
+    source = mtbf_source(cfg)
+    assert "llama3_405b profile" in source and "16,384 GPUs over 54 days" in source
+    assert "scaled to 4 ranks" in source and "resilience.mtbf_hours" in source
+    mine = load_recipe("recipes/gpt-tiny.yaml", ["resilience.mtbf_hours=7"])
+    assert mtbf_source(mine) == "resilience.mtbf_hours"
