@@ -19,6 +19,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousConnectionError, RendezvousError)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from megaresil.checkpoint.local.runs import other_runs_line
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.checkpoint.recipe_check import check_resume_recipe
 from megaresil.compat import (elastic_agent_class, elastic_stores_listening_on, lost_peer_message,
@@ -87,8 +88,9 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         return 1
     StartupPhases(EventLog(run_dir), 0, say=lambda line: print(line, file=sys.stderr)).finished(
         "data preparation", time.monotonic() - data_started)
-    if warning := never_saving_warning(cfg):
-        print(warning, file=sys.stderr)
+    for warning in (never_saving_warning(cfg), other_runs_line(cfg)):
+        if warning:
+            print(warning, file=sys.stderr)
     os.environ.setdefault("OMP_NUM_THREADS", str(worker_threads(nproc)))
     if membership.max_nodes == 1:  # the ranks' own sockets too, unless the user chose
         for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):

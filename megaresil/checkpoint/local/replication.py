@@ -102,6 +102,11 @@ def complete_step(reports: list[Holdings], world: int) -> Choice:
     return Choice(None, {}, skipped)
 
 
+# A shard's problem when it was saved at another layout: no damage (after an
+# elastic shrink every shard has it; the global tier reshards and serves).
+OTHER_LAYOUT = "saved at another layout"
+
+
 def transfers(sources: dict[int, int]) -> list[tuple[int, int]]:
     """(holder, owner) pairs where a shard must move to its owner."""
     return sorted((holder, owner) for owner, holder in sources.items() if holder != owner)

@@ -1,0 +1,106 @@
+"""Whose local shards are whose (issue 46 item 1): a run's identity, drawn
+once per run directory; a local root shared by runs, each loading, listing
+and retiring only its own shards."""
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from megaresil.checkpoint.local.runs import other_runs, run_local_dir
+from megaresil.config import ConfigError, load_recipe
+from megaresil.run_identity import read_run_id, run_id
+from tests.harness.dist import RECIPE, TINY
+from tests.unit.test_checkpoint_local_tier import (LAYOUT, RUN_ID, FakeClock, FakeState,
+                                                   run_steps, shard, single_tier)
+
+ONE = {**LAYOUT, "dp": 1, "world_size": 1}  # the layout of single_tier's one rank
+OTHER_ID = "fedcba9876543210"
+
+
+# --- the run's identity ----------------------------------------------------------------
+
+def test_a_run_id_is_drawn_once_and_a_directory_made_again_is_another_run(tmp_path):
+    run_dir = tmp_path / "run"
+    assert read_run_id(run_dir) is None  # reading draws nothing
+    first = run_id(run_dir)
+    assert run_id(run_dir) == read_run_id(run_dir) == first
+    assert [p.name for p in run_dir.iterdir()] == ["run_id"]  # the drawing file is gone
+    shutil.rmtree(run_dir)
+    assert run_id(run_dir) != first
+
+
+def test_ranks_drawing_the_id_at_once_agree_on_one(tmp_path):
+    drawn: list[str] = []
+    threads = [threading.Thread(target=lambda: drawn.append(run_id(tmp_path))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(drawn) == 8 and len(set(drawn)) == 1
+
+
+@pytest.mark.parametrize("plant", ["garbage", "directory", "link"])
+def test_a_run_id_file_that_holds_no_id_is_refused_naming_it_and_the_fix(tmp_path, plant):
+    path = tmp_path / "run_id"
+    if plant == "garbage":
+        path.write_text("../../etc\n")
+    elif plant == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match=f"run.dir: {path} .*Fix: put back the file"):
+        run_id(tmp_path)
+
+
+# --- runs sharing a local root ------------------------------------------------------------
+
+def test_a_run_never_loads_lists_or_removes_another_runs_shards(tmp_path, monkeypatch):
+    """Issue 46 item 1 (c): two runs whose recipes share checkpoint.local.dir."""
+    clock = FakeClock()
+    first, _ = single_tier(tmp_path, monkeypatch, run_id=RUN_ID)
+    run_steps(first, FakeState(), clock, [1, 2])
+    first.close()
+    second, _ = single_tier(tmp_path, monkeypatch, run_id=OTHER_ID)
+    assert second.find(ONE).step is None  # the first run's steps are not this run's
+    assert second.store.held() == {}
+    run_steps(second, FakeState(), clock, [1, 2, 3])  # saves and retires its own only
+    assert second.store.held() == {2: [0], 3: [0]}
+    assert other_runs(tmp_path, OTHER_ID) == [run_local_dir(tmp_path, RUN_ID)]
+    second.remove_all()  # it finished with a global checkpoint
+    second.close()
+    assert not run_local_dir(tmp_path, OTHER_ID).exists()
+    again, _ = single_tier(tmp_path, monkeypatch, run_id=RUN_ID)
+    assert again.store.held() == {1: [0], 2: [0]} and again.find(ONE).step == 2
+    again.close()
+
+
+def test_a_shard_of_another_run_in_this_runs_directory_is_never_loaded(tmp_path, monkeypatch):
+    tier, _ = single_tier(tmp_path, monkeypatch, run_id=OTHER_ID)
+    tier.store.write(shard(4, 0, layout=ONE))  # RUN_ID's shard, moved here by hand
+    assert tier.store.report(ONE, 1, OTHER_ID)[4][0].startswith(
+        f"saved by another run (run id {RUN_ID}, this run's {OTHER_ID})")
+    assert tier.find(ONE).step is None
+    tier.close()
+
+
+def test_links_planted_in_the_run_s_local_directory_are_refused_before_workers_start(tmp_path):
+    from megaresil.launch.checks import check_links
+
+    cfg = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path / 'run'}",
+                                      "checkpoint.local.enabled=true",
+                                      f"checkpoint.local.dir={tmp_path / 'shm'}"])
+    mine = run_local_dir(tmp_path / "shm", run_id(tmp_path / "run"))
+    mine.mkdir(parents=True)
+    (mine / "node_0").symlink_to(tmp_path)
+    (tmp_path / "shm" / "run.lock").symlink_to(tmp_path / "passwd")
+    with pytest.raises(ConfigError) as refused:
+        check_links(cfg)
+    assert f"{mine / 'node_0'} -> " in str(refused.value)
+    assert f"{tmp_path / 'shm' / 'run.lock'} -> " in str(refused.value)
+    (tmp_path / "run" / "run_id").unlink()
+    (tmp_path / "run" / "run_id").symlink_to(tmp_path / "passwd")
+    with pytest.raises(ConfigError, match="run_id -> "):
+        check_links(cfg)
