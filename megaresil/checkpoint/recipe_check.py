@@ -1,13 +1,15 @@
-"""On resume, the new resolved recipe against the one stored in the
-checkpoint: only the keys of RESUMABLE (and checkpoint.allow_recipe_change)
-may differ; any other difference would silently train a different run from
-the checkpoint's tensors, so the launcher refuses it before workers start."""
+"""On resume, the new resolved recipe against the one stored with the state
+it resumes from, a global checkpoint or the run's local shards: only the keys
+of RESUMABLE (and checkpoint.allow_recipe_change) may differ; any other
+difference would silently train a different run from the saved tensors, so
+the launcher refuses it before workers start."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.local.runs import newest_local_shard
 from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import ConfigError, RecipeConfig, to_dict
@@ -60,18 +62,30 @@ def newest_manifest(cfg: RecipeConfig) -> Optional[tuple[Path, dict]]:
 
 def check_resume_recipe(cfg: RecipeConfig) -> None:
     """Refuse (ConfigError, before workers start) a resume whose recipe
-    differs from the checkpoint's in a key that may not change."""
+    differs in a key that may not change from the newest global
+    checkpoint's or from the newest local shard's of this run: a restart
+    takes whichever tier is newer, or the other when it proves invalid."""
     found = newest_manifest(cfg)
-    if found is None:
-        return
-    path, manifest = found
-    changes = recipe_changes(manifest["recipe"], to_dict(cfg), cfg.checkpoint.allow_recipe_change)
+    if found is not None:
+        path, manifest = found
+        refuse_changes(cfg, manifest["recipe"], str(path), "start from these weights with "
+                       f"checkpoint.init_from={path}, or ")
+    local = newest_local_shard(cfg)
+    if local is not None:
+        path, meta = local
+        refuse_changes(cfg, meta["run"]["recipe"], f"local step {meta['step']} ({path})")
+
+
+def refuse_changes(cfg: RecipeConfig, saved: dict, source: str, instead: str = "") -> None:
+    """ConfigError naming each refused difference between `saved`, the
+    recipe of the state at `source`, and this one; `instead`: another way
+    out to offer, before allowing the change."""
+    changes = recipe_changes(saved, to_dict(cfg), cfg.checkpoint.allow_recipe_change)
     if changes:
         lines = "".join(f"\n  {key}: the checkpoint has {old!r}, this recipe {new!r}"
                         for key, old, new in changes)
         keys = ",".join(key for key, _, _ in changes)
         raise ConfigError("checkpoint.allow_recipe_change",
-                          f"resuming from {path} would train a different run:{lines}\n",
-                          f"use a new run.dir, or start from these weights with "
-                          f"checkpoint.init_from={path}, or allow it: "
+                          f"resuming from {source} would train a different run:{lines}\n",
+                          f"use a new run.dir, or {instead}allow it: "
                           f"checkpoint.allow_recipe_change=[{keys}]")

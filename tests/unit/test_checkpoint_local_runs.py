@@ -1,6 +1,7 @@
 """Whose local shards are whose (issue 46 item 1): a run's identity, drawn
 once per run directory; a local root shared by runs, each loading, listing
-and retiring only its own shards."""
+and retiring only its own shards; the recipe check for the local tier as
+for the global one."""
 from __future__ import annotations
 
 import shutil
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megaresil.checkpoint.local.runs import other_runs, run_local_dir
-from megaresil.config import ConfigError, load_recipe
+from megaresil.config import ConfigError, load_recipe, to_dict
 from megaresil.run_identity import read_run_id, run_id
 from tests.harness.dist import RECIPE, TINY
 from tests.unit.test_checkpoint_local_tier import (LAYOUT, RUN_ID, FakeClock, FakeState,
@@ -84,6 +85,33 @@ def test_a_shard_of_another_run_in_this_runs_directory_is_never_loaded(tmp_path,
         f"saved by another run (run id {RUN_ID}, this run's {OTHER_ID})")
     assert tier.find(ONE).step is None
     tier.close()
+
+
+# --- the recipe check, as for the global tier ---------------------------------------------
+
+def test_a_resume_from_the_local_tier_is_refused_when_the_recipe_differs(tmp_path):
+    """Issue 46 item 1 (b), by the check the global tier uses."""
+    from megaresil.checkpoint.local.store import NodeStore
+    from megaresil.checkpoint.recipe_check import check_resume_recipe
+
+    on = TINY + [f"run.dir={tmp_path / 'run'}", f"checkpoint.local.dir={tmp_path / 'shm'}",
+                 "checkpoint.local.enabled=true"]
+    saved = load_recipe(RECIPE, on)
+    held = shard(2, 0)
+    held.meta.update(run_id=run_id(tmp_path / "run"))
+    held.meta["run"]["recipe"] = to_dict(saved)
+    NodeStore(run_local_dir(tmp_path / "shm", held.meta["run_id"]) / "node_0").write(held)
+    check_resume_recipe(saved)  # the same recipe resumes
+    changed = load_recipe(RECIPE, on + ["optimizer.lr=0.5", "train.seed=7"])
+    with pytest.raises(ConfigError, match=r"resuming from local step 2 \(.*run-.*\) would train "
+                       r"a different run:\n  optimizer.lr: .*\n  train.seed: .*\nFix: use a new "
+                       r"run.dir, or allow it: checkpoint.allow_recipe_change=\[optimizer.lr,"
+                       r"train.seed\]"):
+        check_resume_recipe(changed)
+    check_resume_recipe(load_recipe(RECIPE, on + ["optimizer.lr=0.5", "train.seed=7",
+                                                  "checkpoint.load=none"]))  # tier not read
+    shutil.rmtree(tmp_path / "run")  # another run at the same path: not its shards
+    check_resume_recipe(changed)
 
 
 def test_links_planted_in_the_run_s_local_directory_are_refused_before_workers_start(tmp_path):

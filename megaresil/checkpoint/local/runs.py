@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from megaresil.checkpoint.local.store import DIR_KEY
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.local.store import DIR_KEY, NodeStore
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.run_identity import RUN_ID_NAME, read_run_id
@@ -92,3 +93,22 @@ def other_runs_line(cfg: RecipeConfig) -> Optional[str]:
             f"({', '.join(p.name for p in others)}): this run neither loads nor removes them; "
             f"delete them (rm -r {others[0]}{' ...' if len(others) > 1 else ''}) once that run "
             "no longer needs them")
+
+
+def newest_local_shard(cfg: RecipeConfig) -> Optional[tuple[Path, dict]]:
+    """The newest shard of this run that a resume could take from the local
+    tier here (by its meta: checksums are verified by the workers), for the
+    recipe check; None when the tier is not consulted or holds nothing."""
+    run = read_run_id(Path(cfg.run.dir))
+    if not cfg.checkpoint.local.enabled or cfg.checkpoint.load != "auto" or run is None:
+        return None
+    held = [(step, owner, store) for store in map(NodeStore, this_run(cfg, run).glob("node_*"))
+            for step, owners in store.held().items() for owner in owners]
+    for step, owner, store in sorted(held, key=lambda h: (h[0], -h[1]), reverse=True):
+        try:
+            meta = store.read_meta(step, owner)
+        except fmt.CheckpointError:
+            continue  # the workers pass it over too, and say so
+        if meta.get("run_id") == run:
+            return store.shard_dir(step, owner), meta
+    return None
