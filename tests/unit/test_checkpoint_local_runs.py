@@ -1,7 +1,7 @@
 """Whose local shards are whose (issue 46 item 1): a run's identity, drawn
 once per run directory; a local root shared by runs, each loading, listing
-and retiring only its own shards; the recipe check for the local tier as
-for the global one."""
+and retiring only its own shards; the recipe check and the lock for the
+local tier as for the global one."""
 from __future__ import annotations
 
 import shutil
@@ -87,7 +87,7 @@ def test_a_shard_of_another_run_in_this_runs_directory_is_never_loaded(tmp_path,
     tier.close()
 
 
-# --- the recipe check, as for the global tier ---------------------------------------------
+# --- the recipe check and the lock, as for the global tier ----------------------------------
 
 def test_a_resume_from_the_local_tier_is_refused_when_the_recipe_differs(tmp_path):
     """Issue 46 item 1 (b), by the check the global tier uses."""
@@ -112,6 +112,19 @@ def test_a_resume_from_the_local_tier_is_refused_when_the_recipe_differs(tmp_pat
                                                   "checkpoint.load=none"]))  # tier not read
     shutil.rmtree(tmp_path / "run")  # another run at the same path: not its shards
     check_resume_recipe(changed)
+
+
+def test_the_local_root_is_held_by_one_job_at_a_time(tmp_path):
+    from megaresil.run_lock import RunDirInUse, locks_of_run
+
+    shm = tmp_path / "shm"
+    with locks_of_run(tmp_path / "a", tmp_path / "a" / "checkpoints", "job-a", shm):
+        with pytest.raises(RunDirInUse, match=f"checkpoint.local.dir: {shm} is in use by job "
+                           "job-a .*choose another checkpoint.local.dir"):
+            with locks_of_run(tmp_path / "b", tmp_path / "b" / "checkpoints", "job-b", shm):
+                pass
+    with locks_of_run(tmp_path / "b", tmp_path / "b" / "checkpoints", "job-b", shm):
+        pass  # released with the job
 
 
 def test_links_planted_in_the_run_s_local_directory_are_refused_before_workers_start(tmp_path):

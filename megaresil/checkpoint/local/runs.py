@@ -4,7 +4,9 @@ its default in /dev/shm) holds one directory per run, named by the run's id
 own. The root outlives run directories and may be shared by several, so
 the path alone cannot say whose a shard is: a run directory deleted and
 made again at the same path is another run, with another id. The other
-runs' directories are left as they are, and the launcher says so."""
+runs' directories are left as they are, and the launcher says so. One job
+at a time holds the root (run_lock, as for the checkpoint root).
+docs/local-tier.md ("Whose shards") says it for users."""
 from __future__ import annotations
 
 import hashlib
@@ -48,6 +50,11 @@ def checked_local_root(cfg: RecipeConfig) -> Path:
                           "point it at node-local storage (or leave it null for "
                           "/dev/shm/megaresil/<run dir name>-<digest>).")
     return root
+
+
+def locked_root(cfg: RecipeConfig) -> Optional[Path]:
+    """The local root a job holds while it runs (None: the tier is off)."""
+    return checked_local_root(cfg) if cfg.checkpoint.local.enabled else None
 
 
 def run_local_dir(root: Path, run_id: str) -> Path:
