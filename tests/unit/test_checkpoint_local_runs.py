@@ -1,7 +1,8 @@
 """Whose local shards are whose (issue 46 item 1): a run's identity, drawn
 once per run directory; a local root shared by runs, each loading, listing
 and retiring only its own shards; the recipe check and the lock for the
-local tier as for the global one."""
+local tier as for the global one; a damaged copy passed over is reported
+(item 16)."""
 from __future__ import annotations
 
 import shutil
@@ -10,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from megaresil.checkpoint.local.replication import Topology, passed_over
 from megaresil.checkpoint.local.runs import other_runs, run_local_dir
 from megaresil.config import ConfigError, load_recipe, to_dict
 from megaresil.run_identity import read_run_id, run_id
 from tests.harness.dist import RECIPE, TINY
 from tests.unit.test_checkpoint_local_tier import (LAYOUT, RUN_ID, FakeClock, FakeState,
-                                                   run_steps, shard, single_tier)
+                                                   flip_byte, run_steps, shard, single_tier)
 
 ONE = {**LAYOUT, "dp": 1, "world_size": 1}  # the layout of single_tier's one rank
 OTHER_ID = "fedcba9876543210"
@@ -78,13 +80,46 @@ def test_a_run_never_loads_lists_or_removes_another_runs_shards(tmp_path, monkey
     again.close()
 
 
-def test_a_shard_of_another_run_in_this_runs_directory_is_never_loaded(tmp_path, monkeypatch):
-    tier, _ = single_tier(tmp_path, monkeypatch, run_id=OTHER_ID)
+def test_a_shard_of_another_run_in_this_runs_directory_is_passed_over_and_reported(
+        tmp_path, monkeypatch):
+    tier, events = single_tier(tmp_path, monkeypatch, run_id=OTHER_ID)
     tier.store.write(shard(4, 0, layout=ONE))  # RUN_ID's shard, moved here by hand
-    assert tier.store.report(ONE, 1, OTHER_ID)[4][0].startswith(
-        f"saved by another run (run id {RUN_ID}, this run's {OTHER_ID})")
     assert tier.find(ONE).step is None
+    (skipped,) = [e for e in events.events if e["event"] == "checkpoint_skipped"]
+    assert skipped["tier"] == "local" and (skipped["step"], skipped["owner"]) == (4, 0)
+    assert f"saved by another run (run id {RUN_ID}" in skipped["reason"]
     tier.close()
+
+
+# --- a damaged copy passed over says so (item 16) ------------------------------------------
+
+def test_a_damaged_newest_step_is_reported_and_the_step_before_serves(tmp_path, monkeypatch):
+    from megaresil.resilience.incidents import describe
+
+    tier, events = single_tier(tmp_path, monkeypatch)
+    run_steps(tier, FakeState(), FakeClock(), [1, 2])
+    flip_byte(tier.store.shard_dir(2, 0) / "data.bin", at=3)
+    assert tier.find(ONE).step == 1
+    (skipped,) = [e for e in events.events if e["event"] == "checkpoint_skipped"]
+    assert skipped == {"event": "checkpoint_skipped", "path": str(tier.store.shard_dir(2, 0)),
+                       "reason": skipped["reason"], "tier": "local", "step": 2, "owner": 0}
+    assert "checksum mismatch" in skipped["reason"]
+    assert describe(skipped).startswith(f"megaresil: skipped local shard {skipped['path']}: ")
+    tier.close()
+
+
+def test_each_damaged_copy_of_the_steps_looked_at_is_reported_once_per_node():
+    topology = Topology(world=4, ranks_per_node=2, replicas=1)  # node 0: ranks 0, 1
+    bad = "checksum mismatch in model/w"
+    node0 = {5: {0: None, 1: None, 2: bad}, 6: {0: "its save did not finish (no marker)"},
+             4: {0: bad}}  # both of node 0's ranks report what it holds
+    node1 = {5: {2: None, 3: None, 0: None, 1: None},
+             6: {2: "saved at another layout (tp1xpp1xdp4, now tp1xpp1xdp2)"}}
+    reports = [node0, node0, node1, node1]
+    assert passed_over(reports, 5, topology) == [
+        (0, 5, 2, bad),  # rank 2's replica on node 0, passed over for its own copy
+        (0, 6, 0, "its save did not finish (no marker)")]  # step 4: older, not looked at
+    assert (0, 4, 0, bad) in passed_over(reports, None, topology)  # none chosen: all looked at
 
 
 # --- the recipe check and the lock, as for the global tier ----------------------------------

@@ -25,9 +25,10 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.async_save import BackgroundSaves, SaveReport, SaveRequest
 from megaresil.checkpoint.local.cadence import Cadence, Pause, retry_step
 from megaresil.checkpoint.local.moves import move_shards
-from megaresil.checkpoint.local.replication import (Choice, Space, Topology, complete_step,
-                                                    decode_meta, encode_meta, header,
-                                                    space_shortfall, transfers)
+from megaresil.checkpoint.local.replication import (Choice, Holdings, Space, Topology,
+                                                    complete_step, decode_meta, encode_meta,
+                                                    header, passed_over, space_shortfall,
+                                                    transfers)
 from megaresil.checkpoint.local.runs import run_local_dir
 from megaresil.checkpoint.local.shard import (Shard, add_checksums, saved_run_record, shard_bytes,
                                               shard_meta, shard_rects, stage, unpack_into)
@@ -229,13 +230,15 @@ class LocalTier(BackgroundSaves):
 
     def find(self, layout: dict) -> Choice:
         """Collective: the newest local step every rank can recover at this
-        layout, checksums verified; this rank keeps what it holds of it."""
+        layout, checksums verified; this rank keeps what it holds of it.
+        Each copy found damaged on the way is reported (rank 0)."""
         self.store.clean_partials(self.mine)
         reports = self.coll.all_gather(self.store.report(layout, self.coll.world, self.run_id))
         verified: set[int] = set()
         while True:
             choice = complete_step(reports, self.coll.world)
             if choice.step is None or choice.step in verified:
+                self._report_passed_over(reports, choice.step)
                 return choice
             step = choice.step
             self.loaded.clear()  # of a step found wanting
@@ -246,6 +249,17 @@ class LocalTier(BackgroundSaves):
                 if found:
                     reports[rank][step].update(found)
             verified.add(step)
+
+    def _report_passed_over(self, reports: list[Holdings], chosen: Optional[int]) -> None:
+        """`checkpoint_skipped` (tier local) for each damaged copy of the
+        steps looked at, as the global tier reports a checkpoint it skips:
+        a copy passed over for another (a replica) says nothing otherwise."""
+        if self.rank != 0:
+            return
+        for node, step, owner, problem in passed_over(reports, chosen, self.topology):
+            path = NodeStore(node_dir(self.root, node)).shard_dir(step, owner)
+            self.events.emit("checkpoint_skipped", path=str(path), reason=problem,
+                             tier="local", step=step, owner=owner)
 
     def _verified(self, step: int, owner: int) -> Optional[str]:
         try:
