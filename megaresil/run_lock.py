@@ -1,4 +1,5 @@
-"""`run.lock`: one job owns a run directory, and one its checkpoint root.
+"""`run.lock`: one job owns a run directory, one its checkpoint root, and
+one the local checkpoint tier's root (which runs may share).
 
 The holder's record (host, pid, process start time, job id, since) is
 hard-linked into place, so creation is atomic on NFS too; a holder on this
@@ -255,24 +256,30 @@ class RunLock:
 
 
 @contextlib.contextmanager
-def locks_of_run(run_dir: Path, checkpoint_root: Path, job: str) -> Iterator[RunLock]:
-    """The run directory's lock (yielded) and the checkpoint root's (one
-    lock when they are the same directory)."""
+def locks_of_run(run_dir: Path, checkpoint_root: Path, job: str,
+                 local_root: Optional[Path] = None) -> Iterator[RunLock]:
+    """The run directory's lock (yielded), the checkpoint root's (one lock
+    when they are the same directory) and, with the local tier on, its
+    root's (`local_root`: on this node; it never lies in the other two)."""
     with contextlib.ExitStack() as stack:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         lock = stack.enter_context(RunLock(run_dir, job))
         if Path(checkpoint_root).resolve() != Path(run_dir).resolve():
             Path(checkpoint_root).mkdir(parents=True, exist_ok=True)
             stack.enter_context(RunLock(checkpoint_root, job, key="checkpoint.dir"))
+        if local_root is not None:
+            Path(local_root).mkdir(parents=True, exist_ok=True)
+            stack.enter_context(RunLock(local_root, job, key="checkpoint.local.dir"))
         yield lock
 
 
 @contextlib.contextmanager
-def held_for_workers(run_dir: Path, job: str, checkpoint_root: Optional[Path] = None):
+def held_for_workers(run_dir: Path, job: str, checkpoint_root: Optional[Path] = None,
+                     local_root: Optional[Path] = None):
     """The launcher's locks, announced to the workers it starts (they inherit
     the environment) so that they do not take them again, and so that the
     next start knows them for this job's while they live."""
-    with locks_of_run(run_dir, checkpoint_root or run_dir, job) as lock:
+    with locks_of_run(run_dir, checkpoint_root or run_dir, job, local_root) as lock:
         previous = {name: os.environ.get(name) for name in (HELD_ENV, TREE_ENV)}
         os.environ.update({HELD_ENV: str(lock.path), TREE_ENV: lock.me.token()})
         try:
@@ -301,10 +308,11 @@ def torchrun_job_id() -> str:
     return f"torchrun@{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
 
 
-def held_by_worker(run_dir: Path, rank: int, checkpoint_root: Optional[Path] = None
-                   ) -> ContextManager:
+def held_by_worker(run_dir: Path, rank: int, checkpoint_root: Optional[Path] = None,
+                   local_root: Optional[Path] = None) -> ContextManager:
     """Under a torchrun of the user's own (no megaresil launcher above us),
-    global rank 0 holds the run directory (and checkpoint root) for the job."""
+    global rank 0 holds the run directory (and checkpoint root, and its
+    node's local root) for the job."""
     if rank != 0 or HELD_ENV in os.environ:
         return contextlib.nullcontext()
-    return locks_of_run(run_dir, checkpoint_root or run_dir, torchrun_job_id())
+    return locks_of_run(run_dir, checkpoint_root or run_dir, torchrun_job_id(), local_root)

@@ -25,7 +25,7 @@ from megaresil.config import ConfigError
 RUN_DIR_ENTRIES = ("metrics.jsonl", "events.jsonl", "recipe.yaml", "goodput.json",
                    "stragglers.jsonl", "run.lock", "checkpoints", "report", "hangs", "elastic",
                    "profile", "tb", "wandb_run_id", "mlflow_run_id", "generation",
-                   "excluded_nodes")
+                   "excluded_nodes", "run_id")
 # What a run writes in its checkpoint root, wherever that lies.
 CHECKPOINT_ROOT_ENTRIES = ("latest", "run.lock")
 
@@ -162,15 +162,16 @@ def refuse_links(run_dir: Path, checkpoint_root: Path, local_roots: Iterable[Pat
     """ConfigError (exit 2) naming every known path of the run that is a link:
     the run directory's files and directories, the checkpoint root's
     `latest` and lock, and `local_roots`: the local tier's root (with the
-    directories above it that the run made, not a user-named one) and its
-    node directories."""
+    directories above it that the run made, not a user-named one), the run's
+    directory in it, and the lock and node directories in each."""
     found = links_among(run_dir, RUN_DIR_ENTRIES) + links_among(checkpoint_root,
                                                                 CHECKPOINT_ROOT_ENTRIES)
     for root in map(Path, local_roots):
         if root.is_symlink():
             found.append(f"{root} -> {os.readlink(root)}")
         elif root.is_dir():
-            found += links_among(root, sorted(p.name for p in root.glob("node_*")))
+            nodes = sorted(p.name for p in root.glob("node_*"))
+            found += links_among(root, ["run.lock", *nodes])
     if found:
         raise ConfigError("run.dir", f"a run writes only files of its own, but these are links: "
                           f"{', '.join(dict.fromkeys(found))}.",

@@ -1,16 +1,18 @@
-"""On resume, the new resolved recipe against the one stored in the
-checkpoint: only the keys of RESUMABLE (and checkpoint.allow_recipe_change)
-may differ; any other difference would silently train a different run from
-the checkpoint's tensors, so the launcher refuses it before workers start."""
+"""On resume, the new resolved recipe against the one stored with the state
+it resumes from, a global checkpoint or the run's local shards: only the keys
+of RESUMABLE (and checkpoint.allow_recipe_change) may differ; any other
+difference would silently train a different run from the saved tensors, so
+the launcher refuses it before workers start."""
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.hf.mapping import model_differences
 from megaresil.checkpoint.keys import WEIGHTS
+from megaresil.checkpoint.local.runs import newest_local_shard
 from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import ConfigError, DataConfig, RecipeConfig, model_from_dict, to_dict
@@ -70,43 +72,56 @@ def newest_manifest(cfg: RecipeConfig) -> Optional[tuple[Path, dict]]:
 
 def check_resume_recipe(cfg: RecipeConfig) -> None:
     """Refuse (ConfigError, before workers start) a resume whose recipe
-    differs from the checkpoint's in a key that may not change, offering
-    only the fixes that can work."""
+    differs in a key that may not change from the newest global
+    checkpoint's or from the newest local shard's of this run (a restart
+    takes whichever tier is newer, or the other when it proves invalid),
+    offering only the fixes that can work."""
     found = newest_manifest(cfg)
-    if found is None:
-        return
-    path, manifest = found
-    saved, new = _tokenizers_resolved(manifest["recipe"], to_dict(cfg), cfg.data)
+    if found is not None:
+        path, manifest = found
+        refuse_changes(cfg, manifest["recipe"], str(path), lambda: _shapes(manifest),
+                       init_from=path)
+    local = newest_local_shard(cfg)
+    if local is not None:
+        path, meta = local
+        saved = meta["run"]["recipe"]
+        refuse_changes(cfg, saved, f"local step {meta['step']} ({path})",
+                       lambda: layout_free_shapes(model_from_dict(saved["model"])))
+
+
+def refuse_changes(cfg: RecipeConfig, saved_recipe: dict, source: str,
+                   saved_shapes: Callable[[], dict[str, tuple[int, ...]]],
+                   init_from: Optional[Path] = None) -> None:
+    """ConfigError naming each refused difference between `saved_recipe`,
+    the recipe of the state at `source`, and this one. `saved_shapes` (read
+    only when a model.* key changed) tells whether the saved weights could
+    load at all; `init_from`: a checkpoint a new run may start from."""
+    saved, new = _tokenizers_resolved(saved_recipe, to_dict(cfg), cfg.data)
     changes = recipe_changes(saved, new, cfg.checkpoint.allow_recipe_change)
     if not changes:
         return
-    fits = _tensors_fit(manifest, cfg, differences(saved, new))
-    problem = f"resuming from {path} would train a different run:{_lines(changes)}\n"
+    model_changed = any(key.startswith("model.") for key, _, _ in differences(saved, new))
+    fits = not model_changed or saved_shapes() == layout_free_shapes(cfg.model)
+    problem = f"resuming from {source} would train a different run:{_lines(changes)}\n"
     if not fits:
         problem += ("This model's tensors have other shapes than the checkpoint's: neither a "
                     "resume nor checkpoint.init_from can load them.\n")
+    keys = ",".join(key for key, _, _ in changes)
     raise ConfigError("checkpoint.allow_recipe_change", problem,
-                      _fixes(path, manifest, cfg, ",".join(key for key, _, _ in changes), fits))
+                      _fixes(saved_recipe, cfg, keys, fits, init_from))
 
 
-def _tensors_fit(manifest: dict, cfg: RecipeConfig,
-                 changes: list[tuple[str, object, object]]) -> bool:
-    """Whether the checkpoint's weights have this recipe's model's shapes
-    (built only when a model.* key changed)."""
-    if not any(key.startswith("model.") for key, _, _ in changes):
-        return True
-    return _shapes(manifest) == layout_free_shapes(cfg.model)
-
-
-def _fixes(path: Path, manifest: dict, cfg: RecipeConfig, keys: str, fits: bool) -> str:
+def _fixes(saved_recipe: dict, cfg: RecipeConfig, keys: str, fits: bool,
+           init_from: Optional[Path]) -> str:
     """What can work: a new run; where the tensors fit, the weights into a
-    new run (only while the architecture is the checkpoint's: init_from
-    checks it) and this resume, allowed."""
+    new run (only from a checkpoint, and while the architecture is the
+    checkpoint's: init_from checks it) and this resume, allowed."""
     if not fits:
         return "use a new run.dir (the new model trains from its own initialisation)."
     fixes = ["use a new run.dir"]
-    if not model_differences(model_from_dict(manifest["recipe"]["model"]), cfg.model):
-        fixes.append(f"start from these weights with checkpoint.init_from={path}")
+    if init_from is not None and not model_differences(model_from_dict(saved_recipe["model"]),
+                                                       cfg.model):
+        fixes.append(f"start from these weights with checkpoint.init_from={init_from}")
     fixes.append(f"allow it: checkpoint.allow_recipe_change=[{keys}]")
     return ", or ".join(fixes)
 

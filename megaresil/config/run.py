@@ -32,10 +32,12 @@ class LocalCheckpointConfig:
                         "save holds the loop for at most 5% of a step, else the smallest "
                         "interval that keeps it there (measured at each save).",
                         bounds=NON_NEGATIVE)
-    dir: Optional[str] = doc(None, "Node-local root; null means /dev/shm/megaresil/<run id> "
-                             "(the temp dir when there is no /dev/shm). Each node (simulated "
-                             "ones too) uses its own node_<k> directory under it. Must lie "
-                             "outside the global checkpoint root.")
+    dir: Optional[str] = doc(None, "Node-local root; null means /dev/shm/megaresil/<run dir "
+                             "name>-<digest of its path> (the temp dir when there is no "
+                             "/dev/shm). Each run keeps its shards in its own run-<run id> "
+                             "directory there, one node_<k> directory per node (simulated ones "
+                             "too); runs may share a root, one job at a time. Must lie outside "
+                             "the global checkpoint root.")
     replicas: int = doc(1, "Peers on other nodes that hold a copy of each rank's shard (at most "
                         "nodes - 1 are used).", bounds=NON_NEGATIVE)
     keep: int = doc(2, "Local steps kept per rank; at least 2, so a save cut short by a failure "

@@ -17,12 +17,14 @@ from typing import Optional
 import psutil
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.local.store import local_root, node_dir
+from megaresil.checkpoint.local.runs import this_run
+from megaresil.checkpoint.local.store import node_dir
 from megaresil.config import load_recipe
 from megaresil.drills.scenarios import (FLAP_S, RENDEZVOUS_OUTAGE_S, SICK_NODES_FILE,
                                        SLOW_LINK_RATE)
 from megaresil.events import read_events, read_metrics
 from megaresil.resilience.preemption import PREEMPTED_EXIT
+from megaresil.run_identity import run_id
 
 
 def train_command(recipe: str, overrides: list[str], run_dir: Path) -> list[str]:
@@ -233,8 +235,7 @@ def run_simulated_node_loss(recipe: str, overrides: list[str], run_dir: Path, wo
                 proc.kill()
         except (psutil.NoSuchProcess, ValueError):
             pass
-    shutil.rmtree(node_dir(local_root(cfg.checkpoint.local.dir, str(run_dir)), node),
-                  ignore_errors=True)
+    shutil.rmtree(node_dir(this_run(cfg, run_id(run_dir)), node), ignore_errors=True)
     return agent.wait(), lost_at
 
 

@@ -19,6 +19,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
                                                   RendezvousConnectionError, RendezvousError)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from megaresil.checkpoint.local.runs import locked_root, other_runs_line
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.checkpoint.recipe_check import check_resume_recipe
 from megaresil.compat import (elastic_agent_class, elastic_stores_listening_on, lost_peer_message,
@@ -73,6 +74,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     check_local_gpus(nproc, gpus)
     check_backend(cfg)
     check_links(cfg)
+    local_root = locked_root(cfg)
     check_device_faults(cfg.faults, gpus)
     check_resume_recipe(cfg)
     check_fault_ranks(cfg.faults, world)
@@ -88,7 +90,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         return 1
     StartupPhases(EventLog(run_dir), 0, say=lambda line: print(line, file=sys.stderr)).finished(
         "data preparation", time.monotonic() - data_started)
-    for warning in filter(None, (never_saving_warning(cfg), replacement_warning(cfg))):
+    for warning in filter(None, (never_saving_warning(cfg), replacement_warning(cfg),
+                                 other_runs_line(cfg))):
         print(warning, file=sys.stderr)
     choose_threads(nproc)
     if membership.max_nodes == 1:  # the ranks' own sockets too, unless the user chose
@@ -129,7 +132,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     )
     events_before = len(read_events(run_dir))
     try:
-        with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg)),
+        with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg), local_root),
               IncidentPrinter(run_dir), second_interrupt_kills_workers(),
               elastic_stores_listening_on(config.local_addr), workers_store_per_round(),
               elastic_agent_class(supervising_agent(agent_policy(cfg, run_dir, nodes, gpus,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from megaresil.checkpoint.local.store import local_root
+from megaresil.checkpoint.local.runs import link_checked
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.checkpoint.offline.inspect import verify
 from megaresil.checkpoint.recipe_check import newest_manifest
@@ -29,12 +29,9 @@ def check_links(cfg: RecipeConfig) -> None:
     """A file the run writes that is a link planted in its place (metrics.jsonl
     -> /etc/passwd) would be written through, as root too: refused here,
     naming every such link, before any worker starts (safe_files). The local
-    tier's default root lies in world-writable /dev/shm: it and the directory
-    above it are checked too."""
-    local = []
-    if cfg.checkpoint.local.enabled:
-        root = local_root(cfg.checkpoint.local.dir, cfg.run.dir)
-        local = [root] if cfg.checkpoint.local.dir else [root.parent, root]
+    tier's default root lies in world-writable /dev/shm: it, the directory
+    above it and the run's directory in it are checked too."""
+    local = link_checked(cfg) if cfg.checkpoint.local.enabled else []
     refuse_links(Path(cfg.run.dir), checkpoint_root(cfg), local)
 
 

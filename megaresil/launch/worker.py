@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
+from megaresil.checkpoint.local.runs import locked_root
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.checkpoint.recipe_check import check_resume_recipe
@@ -116,7 +117,8 @@ def worker(recipe: str, overrides: list[str]) -> str:
     if HELD_ENV not in os.environ:  # a torchrun of the user's own: no launcher checked them
         check_links(cfg)
         check_resume_recipe(cfg)
-    with held_by_worker(Path(cfg.run.dir), rank, checkpoint_root(cfg)):  # refused: the error goes to the console
+    with held_by_worker(Path(cfg.run.dir), rank, checkpoint_root(cfg),
+                        locked_root(cfg)):  # refused: the error goes to the console
         outcome = _train_as_worker(cfg, rank, world, device)
     if outcome == ERRORED:
         exit_abandoning_saves(1)

@@ -89,6 +89,11 @@ def _loaded(e: dict) -> str:
     return line
 
 
+def _skipped(e: dict) -> str:
+    what = "local shard" if e.get("tier") == "local" else "checkpoint"
+    return f"skipped {what} {e.get('path')}: {e.get('reason')}"
+
+
 def _ranks(ranks) -> str:
     return f"rank(s) {ranks}" if ranks else "no single rank"
 
@@ -157,7 +162,7 @@ FORMATS: dict[str, Callable[[dict], Optional[str]]] = {
     "initialized_from": lambda e: (f"started from the weights of {e.get('path')}"
                                    + (f" with its optimizer state, at step {e.get('step')}"
                                       if e.get("optimizer") else " (fresh optimizer, step 0)")),
-    "checkpoint_skipped": lambda e: f"skipped checkpoint {e.get('path')}: {e.get('reason')}",
+    "checkpoint_skipped": _skipped,
     "preempted": lambda e: (f"preempted: saved step {e.get('step')}; exiting for a requeue "
                             "(run the same command again to continue)"),
     "interrupted": lambda e: f"interrupted: saved step {e.get('step')}, resume with the same command",

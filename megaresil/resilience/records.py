@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Optional
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.local.store import local_root, newest_complete_step
+from megaresil.checkpoint.local.runs import this_run
+from megaresil.checkpoint.local.store import newest_complete_step
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import RecipeConfig
 from megaresil.events import read_events, read_metrics
 from megaresil.fencing import fence_of
+from megaresil.run_identity import read_run_id
 from megaresil.resilience.incidents import is_abort
 
 
@@ -39,7 +41,8 @@ def newest_step(cfg: RecipeConfig, world: int) -> tuple[Optional[int], Optional[
     if not cfg.checkpoint.local.enabled:
         return newest_global, None
     found = [(newest_global, "global")] if committed else []
-    step = newest_complete_step(local_root(cfg.checkpoint.local.dir, cfg.run.dir), world)
+    run = read_run_id(Path(cfg.run.dir))  # None: the run has no local shards yet
+    step = newest_complete_step(this_run(cfg, run), world) if run else None
     found += [(step, "local")] if step is not None else []
     return max(found, key=lambda f: (f[0], f[1] == "local"), default=(None, None))
 

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from megaresil.checkpoint.format import CheckpointError
 from megaresil.checkpoint.local.replication import ranks_per_node
-from megaresil.checkpoint.local.store import local_root, node_dir
+from megaresil.checkpoint.local.runs import this_run
+from megaresil.checkpoint.local.store import node_dir
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.compat import abort_process_groups, has_nccl_groups, tcp_store_listening_on
 from megaresil.config import ConfigError, RecipeConfig
@@ -48,6 +49,7 @@ from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, HangAbort, raise
 from megaresil.resilience.watchdog.monitor import Watchdog
 from megaresil.resilience.watchdog.probes import (NodeTraffic, node_traffic_path,
                                                   peer_bytes_counter)
+from megaresil.run_identity import run_id
 
 # Failures a restart cannot cure (a bad recipe, no usable checkpoint, a full
 # disk): the whole job stops at once, on every rank, with the reason.
@@ -132,7 +134,7 @@ def local_node_dir(cfg: RecipeConfig, rank: int, world: int) -> Optional[Path]:
     if not local.enabled:
         return None
     per_node = ranks_per_node(local.ranks_per_node, world, os.environ.get("LOCAL_WORLD_SIZE"))
-    return node_dir(local_root(local.dir, cfg.run.dir), rank // per_node)
+    return node_dir(this_run(cfg, run_id(Path(cfg.run.dir))), rank // per_node)
 
 
 class JobFailed(Exception):

@@ -17,16 +17,17 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.hf.io import hf_model_keys, hf_source, is_hf_directory
 from megaresil.checkpoint.hf.mapping import model_differences
 from megaresil.checkpoint.local.replication import Choice, Topology, ranks_per_node
-from megaresil.checkpoint.local.store import local_root as local_dir_of
+from megaresil.checkpoint.local.runs import checked_local_root
 from megaresil.checkpoint.local.tier import LocalTier
 from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.sources import CheckpointSource
 from megaresil.checkpoint.state import TrainingState
 from megaresil.checkpoint.validation import read_manifest
-from megaresil.config import ConfigError, ModelConfig, RecipeConfig, model_from_dict
+from megaresil.config import ModelConfig, RecipeConfig, model_from_dict
 from megaresil.fencing import Fence
 from megaresil.parallel.layout import ParallelLayout
+from megaresil.run_identity import run_id
 from megaresil.train.handover import Carried, LivePlan, recover_live
 
 
@@ -54,24 +55,14 @@ def checkpoint_group(cfg: RecipeConfig, watchdog) -> Optional[dist.ProcessGroup]
     return group
 
 
-def local_root(cfg: RecipeConfig) -> Path:
-    """checkpoint.local.dir, refused inside the global checkpoint root: the
-    local tier never writes there."""
-    root = local_dir_of(cfg.checkpoint.local.dir, cfg.run.dir)
-    shared = checkpoint_root(cfg).resolve()
-    if root.resolve() == shared or shared in root.resolve().parents:
-        raise ConfigError("checkpoint.local.dir", f"{root} lies inside the global checkpoint "
-                          f"root {shared}.", "point it at node-local storage (or leave it null "
-                          "for /dev/shm/megaresil/<run id>).")
-    return root
-
-
 def build_local_tier(cfg: RecipeConfig, events, group: Optional[dist.ProcessGroup],
                      device: torch.device, fence: Optional[Fence] = None) -> LocalTier:
     local = cfg.checkpoint.local
     world = dist.get_world_size() if group is not None else 1
     per_node = ranks_per_node(local.ranks_per_node, world, os.environ.get("LOCAL_WORLD_SIZE"))
-    return LocalTier(local_root(cfg), Topology(world, per_node, local.replicas), group=group,
+    # The run's id is drawn here at its first start (ranks racing agree on one).
+    return LocalTier(checked_local_root(cfg), run_id(Path(cfg.run.dir)),
+                     Topology(world, per_node, local.replicas), group=group,
                      interval=local.interval, keep=local.keep, events=events, device=device,
                      fence=fence)
 

@@ -21,6 +21,7 @@ from megaresil.ports import free_port
 from tests.harness.journey import home, megaresil, with_demo_corpus  # noqa: F401  (home: a fixture)
 
 LAYOUT = {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
+RUN_ID = "0123456789abcdef"  # the run the shards of these tests belong to
 
 
 def rects(seed: float) -> list[Rect]:
@@ -32,7 +33,8 @@ def rects(seed: float) -> list[Rect]:
 def shard(step: int, owner: int, seed: float = 1.0, layout: dict = LAYOUT) -> Shard:
     data, records = stage(rects(seed), None)
     add_checksums(data, records)
-    return Shard({"format": "megaresil-local-shard", "step": step, "owner": owner,
+    return Shard({"format": "megaresil-local-shard", "run_id": RUN_ID, "step": step,
+                  "owner": owner,
                   "world": layout["world_size"], "layout": layout, "rects": records,
                   "run": {"step": step, "layout": layout, "recipe": {},
                           "data": {"consumed_samples": 0}, "optimizer": {"adam_step": step}},
@@ -73,7 +75,7 @@ def test_a_different_layout_is_no_local_step_so_the_global_tier_serves(tmp_path)
     four = {**LAYOUT, "dp": 4, "world_size": 4}
     store.write(shard(7, 0, layout=four))
     store.write(shard(7, 1, layout=four))
-    report = store.report(LAYOUT, world=2)
+    report = store.report(LAYOUT, world=2, run_id=RUN_ID)
     assert "another layout" in report[7][0]
     choice = complete_step([report, {}], world=2)
     assert choice.step is None and "another layout" in choice.skipped[0]
@@ -102,7 +104,7 @@ def test_a_flipped_byte_fails_the_checksum(tmp_path):
     store.write(shard(3, 0))
     flip_byte(store.shard_dir(3, 0) / "data.bin")
     assert "checksum mismatch" in shard_problem(store.read(3, 0))
-    assert store.report(LAYOUT, 2) == {3: {0: None}}  # cheap check passes: verified later
+    assert store.report(LAYOUT, 2, RUN_ID) == {3: {0: None}}  # cheap check passes: verified later
 
 
 def test_corrupt_local_fault_damages_only_the_ranks_own_committed_shards(tmp_path):
@@ -147,7 +149,9 @@ def test_the_restart_line_names_the_newest_step_of_either_tier(tmp_path):
     (tmp_path / "checkpoints" / "step_0000004").mkdir(parents=True)
     off = load_recipe(RECIPE, overrides)
     on = load_recipe(RECIPE, overrides + ["checkpoint.local.enabled=true"])
-    nodes = [NodeStore(tmp_path / "local" / f"node_{n}") for n in (0, 1)]
+    assert newest_step(on, world=2) == (4, "global")  # no run id yet: no local shard of its own
+    (tmp_path / "run_id").write_text(RUN_ID)
+    nodes = [NodeStore(tmp_path / "local" / f"run-{RUN_ID}" / f"node_{n}") for n in (0, 1)]
     for step in (5, 6):
         nodes[0].write(shard(step, 0))
         nodes[1].write(shard(step, 0))  # rank 0's replica
@@ -222,8 +226,10 @@ def _phases(rank: int, world: int, port: int, out: str) -> None:
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megaresil.run_identity import read_run_id
+
     out = Path(out)
-    local = out / "local" / "node_0", out / "local" / "node_1"
+    local = lambda node: out / "local" / f"run-{read_run_id(out / 'faulted')}" / f"node_{node}"
 
     def run(run_dir: str, *extra: str) -> None:
         cfg = load_recipe(RECIPE, TINY + LOCAL + [f"run.dir={out / run_dir}",
@@ -237,12 +243,12 @@ def _phases(rank: int, world: int, port: int, out: str) -> None:
             action()
         dist.barrier()
 
-    shard_data = lambda node, step, owner: local[node] / f"step_{step:07d}" / f"rank_{owner:05d}" / "data.bin"
+    shard_data = lambda node, step, owner: local(node) / f"step_{step:07d}" / f"rank_{owner:05d}" / "data.bin"
     run("reference", "checkpoint.local.enabled=false")
     run("faulted", "train.exit_at_step=6")
     # The global save of step 6 never happened; node 1 is lost with its storage.
     on_rank0(lambda: (fmt_rmtree(out / "faulted" / "checkpoints" / "step_0000006"),
-                      fmt_rmtree(local[1])))
+                      fmt_rmtree(local(1))))
     run("faulted", "train.exit_at_step=7")
     on_rank0(lambda: flip_byte(shard_data(0, 7, 0), at=100))  # rank 0's own copy of step 7
     run("faulted", "train.exit_at_step=8")
@@ -298,7 +304,7 @@ def test_restarts_take_the_newest_recoverable_step_from_either_tier_bit_exact(tm
 def test_settings_that_cannot_work_are_refused_naming_the_key(tmp_path):
     from tests.harness.dist import RECIPE, TINY
     from megaresil.config import ConfigError, load_recipe
-    from megaresil.train.checkpointing import local_root
+    from megaresil.checkpoint.local.runs import checked_local_root
 
     with pytest.raises(ConfigError, match="checkpoint.local.ranks_per_node"):
         load_recipe(RECIPE, TINY + ["parallel.dp=4", "train.global_batch_size=8",
@@ -310,9 +316,9 @@ def test_settings_that_cannot_work_are_refused_naming_the_key(tmp_path):
     inside = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}",
                                          f"checkpoint.local.dir={tmp_path}/checkpoints/local"])
     with pytest.raises(ConfigError, match="inside the global checkpoint root"):
-        local_root(inside)
+        checked_local_root(inside)
     default = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}"])
-    assert tmp_path not in local_root(default).parents  # node-local, never the run directory
+    assert tmp_path not in checked_local_root(default).parents  # node-local, never the run dir
 
 
 # --- a full local tier degrades, never ends the run ------------------------------------
@@ -366,15 +372,16 @@ class FakeClock:
         return self.now
 
 
-def single_tier(root: Path, monkeypatch):
-    """A one-rank tier (no process group) on a FillingStore, saving every step."""
+def single_tier(root: Path, monkeypatch, run_id: str = RUN_ID):
+    """A one-rank tier (no process group) of run `run_id` on a FillingStore,
+    saving every step."""
     from megaresil.checkpoint.local.tier import LocalTier
 
     monkeypatch.setattr("megaresil.checkpoint.local.shard.training_rects",
                         lambda state, include_copies: rects(float(state.step)))
     events = Recorded()
-    tier = LocalTier(root, Topology(1, 1, 1), group=None, interval=1, keep=2, events=events,
-                     device=torch.device("cpu"))
+    tier = LocalTier(root, run_id, Topology(1, 1, 1), group=None, interval=1, keep=2,
+                     events=events, device=torch.device("cpu"))
     tier.store = FillingStore(tier.store.root)
     return tier, events
 
@@ -461,7 +468,7 @@ def test_a_local_dir_without_room_for_one_save_turns_the_tier_off_for_the_run(
 
     tier, events = single_tier(tmp_path, monkeypatch)
     state = FakeState()
-    needed = shard_bytes(state, 0, 1)
+    needed = shard_bytes(state, 0, 1, RUN_ID)
     assert needed > sum(r.nbytes for r in rects(0.0))  # data, meta and their blocks
     monkeypatch.setattr("megaresil.checkpoint.local.tier.filesystem_space",
                         lambda directory: ("host:1", needed - 1))
@@ -494,7 +501,7 @@ def _one_rank_full(rank: int, world: int, port: int, out: str) -> None:
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))  # a hang fails
     local_shard.training_rects = lambda state, include_copies: rects(float(state.step + rank))
     events = Recorded()
-    tier = LocalTier(Path(out), Topology(world, 1, 1), group=group, interval=1,
+    tier = LocalTier(Path(out), RUN_ID, Topology(world, 1, 1), group=group, interval=1,
                      keep=2, events=events, device=torch.device("cpu"))
     tier.store = FillingStore(tier.store.root)
     state, clock = FakeState(world), FakeClock()

@@ -136,14 +136,17 @@ def test_damaged_metadata_is_a_checkpoint_error_naming_the_file(tmp_path, damage
     assert verify(directory)
 
 
+RUN_ID = "0123456789abcdef"
+
+
 def local_shard(step: int = 4) -> Shard:
     data, records = stage([Rect("w", (4,), (0,), torch.arange(4.0))], None)
     add_checksums(data, records)
     run = RunRecord(step=step, layout=LAYOUT, recipe={"optimizer": {}}, consumed_samples=80,
                    optimizer_steps=step).to_manifest()
-    return Shard({"format": "megaresil-local-shard", "version": 1, "step": step, "owner": 0,
-                  "world": 1, "layout": LAYOUT, "run": run, "rank_state": {"seed": 1},
-                  "rects": records}, data.clone())
+    return Shard({"format": "megaresil-local-shard", "version": 1, "run_id": RUN_ID,
+                  "step": step, "owner": 0, "world": 1, "layout": LAYOUT, "run": run,
+                  "rank_state": {"seed": 1}, "rects": records}, data.clone())
 
 
 def test_every_flip_of_a_local_meta_byte_is_refused(tmp_path):
@@ -156,7 +159,7 @@ def test_every_flip_of_a_local_meta_byte_is_refused(tmp_path):
         meta.write_bytes(variant)
         with pytest.raises(fmt.CheckpointError):
             store.read_meta(4, 0)
-        assert store.report(LAYOUT, 1)[4][0]  # reported as a problem: the step is not chosen
+        assert store.report(LAYOUT, 1, RUN_ID)[4][0]  # a problem: the step is not chosen
 
 
 def test_a_local_meta_without_rects_is_a_checkpoint_error(tmp_path):

@@ -167,7 +167,7 @@ def test_a_save_its_rank_abandoned_is_refused_without_recording_the_rank_fenced(
     # rank is in the job: no `fenced` (CI met this as a flaky test).
     from megaresil.checkpoint.local.replication import Topology
     from megaresil.checkpoint.local.tier import LocalTier
-    from tests.unit.test_checkpoint_local_tier import FakeState, rects
+    from tests.unit.test_checkpoint_local_tier import RUN_ID, FakeState, rects
 
     monkeypatch.setattr("megaresil.checkpoint.local.shard.training_rects",
                         lambda state, include_copies: rects(float(state.step)))
@@ -175,8 +175,8 @@ def test_a_save_its_rank_abandoned_is_refused_without_recording_the_rank_fenced(
     run_dir.mkdir()
     set_fence(run_dir, 1, "ours")
     events = EventLog(run_dir, 0)
-    tier = LocalTier(tmp_path / "shm", Topology(1, 1, 1), group=None, interval=1, keep=2,
-                     events=events, device=torch.device("cpu"),
+    tier = LocalTier(tmp_path / "shm", RUN_ID, Topology(1, 1, 1), group=None, interval=1,
+                     keep=2, events=events, device=torch.device("cpu"),
                      fence=Fence(run_dir, 1, "ours", events))
     write_data = tier.store.write_data
 

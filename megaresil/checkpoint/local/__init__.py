@@ -4,6 +4,7 @@ killed rank or a lost node costs at most the steps since the last local save.
 
     shard.py        a rank's state as one shard in memory (bytes + meta)
     store.py        one node's directory of shards on disk
+    runs.py         whose shards are whose: the local root, one directory per run
     replication.py  who holds whose shards and how they move (pure bookkeeping)
     cadence.py      when to save, and the pause after a failed save
     tier.py         LocalTier: saving, replicating and recovering, on a thread of its own

@@ -102,6 +102,27 @@ def complete_step(reports: list[Holdings], world: int) -> Choice:
     return Choice(None, {}, skipped)
 
 
+# A shard's problem when it was saved at another layout: no damage (after an
+# elastic shrink every shard has it; the global tier reshards and serves).
+OTHER_LAYOUT = "saved at another layout"
+
+
+def passed_over(reports: list[Holdings], chosen: Optional[int],
+                topology: Topology) -> list[tuple[int, int, int, str]]:
+    """(node, step, owner, problem) for each damaged copy of the steps looked
+    at (the chosen one and newer; all when none was chosen), once per node
+    however many of its ranks reported it."""
+    found: dict[tuple[int, int, int], str] = {}
+    for rank, report in enumerate(reports):
+        for step, owners in report.items():
+            if chosen is not None and step < chosen:
+                continue
+            for owner, problem in owners.items():
+                if problem is not None and not problem.startswith(OTHER_LAYOUT):
+                    found.setdefault((topology.node_of(rank), step, owner), problem)
+    return [(*copy, problem) for copy, problem in sorted(found.items())]
+
+
 def transfers(sources: dict[int, int]) -> list[tuple[int, int]]:
     """(holder, owner) pairs where a shard must move to its owner."""
     return sorted((holder, owner) for owner, holder in sources.items() if holder != owner)

@@ -28,7 +28,7 @@ def shard_rects(state: TrainingState) -> list[Rect]:
 
 @dataclass
 class Shard:
-    meta: dict  # SHARD_FORMAT's fields: step, owner, world, layout, run, rank_state, rects
+    meta: dict  # SHARD_FORMAT's fields: run_id, step, owner, world, layout, run, rank_state, rects
     data: torch.Tensor  # flat uint8: every rect's bytes at its record's `start`
 
     @property
@@ -64,19 +64,24 @@ def rect_records(rects: list[Rect]) -> tuple[list[dict], int]:
     return records, start
 
 
-def shard_meta(run: RunRecord, owner: int, world: int, rng: dict, records: list[dict]) -> dict:
-    """A shard's meta.json (its records' checksums added once staged)."""
-    return {"format": SHARD_FORMAT, "version": 1, "step": run.step, "owner": owner,
-            "world": world, "layout": run.layout, "run": run.to_manifest(),
+def shard_meta(run: RunRecord, owner: int, world: int, rng: dict, records: list[dict], *,
+               run_id: Optional[str] = None) -> dict:
+    """A shard's meta.json (its records' checksums added once staged): whose
+    run it is (`run_id`, run_identity; None for a state carried in memory
+    between generations, never written) and the run state, the recipe
+    included, which a resume compares as it does a global checkpoint's."""
+    return {"format": SHARD_FORMAT, "version": 1, "run_id": run_id, "step": run.step,
+            "owner": owner, "world": world, "layout": run.layout, "run": run.to_manifest(),
             "rank_state": rng, "rects": records}
 
 
-def shard_bytes(state: TrainingState, owner: int, world: int) -> int:
+def shard_bytes(state: TrainingState, owner: int, world: int, run_id: str) -> int:
     """What one shard of `state` takes in the local tier's storage."""
     records, size = rect_records(shard_rects(state))
     for rec in records:
         rec["checksum"] = "0" * 16  # an xxh3-64 digest's length
-    meta = shard_meta(state.run_record(), owner, world, state.rng_state(), records)
+    meta = shard_meta(state.run_record(), owner, world, state.rng_state(), records,
+                      run_id=run_id)
     return size + len(json.dumps(meta, indent=1)) + SHARD_SLACK  # as write_json_atomic writes it
 
 

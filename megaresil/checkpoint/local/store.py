@@ -1,5 +1,5 @@
-"""One node's directory of local shards (docs/local-tier.md has the tree),
-and where the local root is.
+"""One node's directory of local shards (docs/local-tier.md has the tree;
+runs.py says whose directory it is).
 
 A shard is written under its `.partial` name and renamed into place, then
 marked: a step counts only where the owner's shard, or a replica of it, is
@@ -8,12 +8,10 @@ checkpoint root.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
 import socket
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
@@ -22,7 +20,7 @@ import numpy as np
 import torch
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.local.replication import Holdings
+from megaresil.checkpoint.local.replication import OTHER_LAYOUT, Holdings
 from megaresil.checkpoint.local.shard import SHARD_FORMAT, Shard
 from megaresil.checkpoint.validation import check_meta
 from megaresil.safe_files import own_dir
@@ -30,20 +28,6 @@ from megaresil.safe_files import own_dir
 DATA, META = "data.bin", "meta.json"
 RANK_DIR = re.compile(r"^rank_(\d{5,})$")
 DIR_KEY = "checkpoint.local.dir"  # what the tier's messages tell a user to point elsewhere
-
-
-def local_root(local_dir: Optional[str], run_dir: str) -> Path:
-    """checkpoint.local.dir, or its default for the run directory."""
-    return Path(local_dir) if local_dir else default_root(run_dir)
-
-
-def default_root(run_dir: str) -> Path:
-    """/dev/shm/megaresil/<run id>: the run id is the run directory's name and
-    a digest of its path, the same at every launch (a requeued job finds its
-    shards) and different for every run directory."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    run = Path(run_dir).resolve()
-    return base / "megaresil" / f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:10]}"
 
 
 def node_dir(root: Path, node: int) -> Path:
@@ -155,18 +139,15 @@ class NodeStore:
             found[step] = sorted(int(m.group(1)) for n in names if (m := RANK_DIR.match(n)))
         return found
 
-    def report(self, layout: dict, world: int) -> Holdings:
+    def report(self, layout: dict, world: int, run_id: str) -> Holdings:
         """What this node holds: each shard's problem, or None when it looks
-        usable at this layout (checksums are verified later, for the step
-        chosen)."""
+        usable by run `run_id` at this layout (checksums are verified later,
+        for the step chosen)."""
         report: Holdings = {}
         for step, owners in self.held().items():
             for owner in owners:
                 try:
-                    meta = self.read_meta(step, owner)
-                    problem = None if meta["layout"] == layout and meta["world"] == world else (
-                        f"saved at another layout ({describe(meta['layout'])}, now "
-                        f"{describe(layout)})")
+                    problem = usable(self.read_meta(step, owner), layout, world, run_id)
                 except fmt.CheckpointError as err:
                     problem = str(err)
                 report.setdefault(step, {})[owner] = problem
@@ -205,6 +186,18 @@ class NodeStore:
                 if final.is_dir() and not (final / fmt.MARKER).exists():
                     shutil.rmtree(final, ignore_errors=True)
             self.remove(step, [])  # the step's directory, once nothing is left in it
+
+
+def usable(meta: dict, layout: dict, world: int, run_id: str) -> Optional[str]:
+    """Why a shard with this meta cannot serve run `run_id` at `layout`
+    (None: it can). A shard another run saved is never loaded: its recipe
+    and its steps are that run's (runs.py keeps runs apart; this holds for a
+    shard moved by hand too)."""
+    if meta.get("run_id") != run_id:
+        return f"saved by another run (run id {meta.get('run_id')}, this run's {run_id})"
+    if meta["layout"] != layout or meta["world"] != world:
+        return f"{OTHER_LAYOUT} ({describe(meta['layout'])}, now {describe(layout)})"
+    return None
 
 
 def describe(layout: dict) -> str:

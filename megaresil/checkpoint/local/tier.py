@@ -25,9 +25,11 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.async_save import BackgroundSaves, SaveReport, SaveRequest
 from megaresil.checkpoint.local.cadence import Cadence, Pause, retry_step
 from megaresil.checkpoint.local.moves import move_shards
-from megaresil.checkpoint.local.replication import (Choice, Space, Topology, complete_step,
-                                                    decode_meta, encode_meta, header,
-                                                    space_shortfall, transfers)
+from megaresil.checkpoint.local.replication import (Choice, Holdings, Space, Topology,
+                                                    complete_step, decode_meta, encode_meta,
+                                                    header, passed_over, space_shortfall,
+                                                    transfers)
+from megaresil.checkpoint.local.runs import run_local_dir
 from megaresil.checkpoint.local.shard import (Shard, add_checksums, saved_run_record, shard_bytes,
                                               shard_meta, shard_rects, stage, unpack_into)
 from megaresil.checkpoint.local.store import DIR_KEY, NodeStore, filesystem_space, node_dir
@@ -52,20 +54,24 @@ class Outcome:
 
 
 class LocalTier(BackgroundSaves):
-    """This rank's side of the local tier: its node's store, its replicas'
-    peers (`topology`) and the cadence of its saves."""
+    """This rank's side of the local tier for run `run_id` (run_identity)
+    under the local root `root`: its node's store in the run's own directory
+    there (runs.py), its replicas' peers (`topology`) and the cadence of its
+    saves."""
 
-    def __init__(self, root: Path, topology: Topology, *, group: Optional[dist.ProcessGroup],
-                 interval: int, keep: int, events, device: torch.device,
-                 fence: Optional[Fence] = None):
+    def __init__(self, root: Path, run_id: str, topology: Topology, *,
+                 group: Optional[dist.ProcessGroup], interval: int, keep: int, events,
+                 device: torch.device, fence: Optional[Fence] = None):
         super().__init__("ckpt-local", group, device)
         self.device = device  # of the training state; the tier's thread works on it
         self.topology, self.keep, self.events = topology, keep, events
         self.rank = self.coll.rank
+        self.local_root, self.run_id = root, run_id
+        self.root = run_local_dir(root, run_id)  # this run's; other runs' are never touched
         # A fence (None: no restarts, library use) refuses the commits of a
         # rank the job re-formed without: they could replace the re-formed
         # job's shards of the same step on this node.
-        self.store = NodeStore(node_dir(root, topology.node_of(self.rank)),
+        self.store = NodeStore(node_dir(self.root, topology.node_of(self.rank)),
                                admit=functools.partial(self.check_fence, fence) if fence else None)
         self.mine = [self.rank, *topology.sources(self.rank)]  # the shards this rank writes
         self.cadence = Cadence(interval)
@@ -147,7 +153,7 @@ class LocalTier(BackgroundSaves):
                                  replica_bytes=sum(g.replica_bytes for g in gathered),
                                  seconds=max(g.seconds for g in gathered),
                                  replication_seconds=max(g.replication_seconds for g in gathered),
-                                 replicas=self.topology.copies, path=str(self.store.root.parent),
+                                 replicas=self.topology.copies, path=str(self.root),
                                  interval=self.cadence.every)
 
     def _commit_own(self, state: TrainingState, rng: dict,
@@ -160,7 +166,7 @@ class LocalTier(BackgroundSaves):
             rects = shard_rects(state)
             nonfinite = nonfinite_keys(rects)  # such a step is refused: never written
             self.buffer, records = stage(rects, self.buffer, copy)
-            meta = shard_meta(run, self.rank, self.coll.world, rng, records)
+            meta = shard_meta(run, self.rank, self.coll.world, rng, records, run_id=self.run_id)
         finally:
             del state
         copy.wait_on_host()
@@ -199,7 +205,7 @@ class LocalTier(BackgroundSaves):
         if self.rank == 0:
             self.events.emit("local_tier_paused", step=step, reason=reason, ranks=sorted(failed),
                              retry_at_step=retry_at, retry_after_s=backoff_s, failures=failures,
-                             path=str(self.store.root.parent))
+                             path=str(self.local_root))
 
     def _replicate(self, own: Shard) -> list[Shard]:
         """Send this rank's shard to its peers and take in its sources'."""
@@ -224,13 +230,15 @@ class LocalTier(BackgroundSaves):
 
     def find(self, layout: dict) -> Choice:
         """Collective: the newest local step every rank can recover at this
-        layout, checksums verified; this rank keeps what it holds of it."""
+        layout, checksums verified; this rank keeps what it holds of it.
+        Each copy found damaged on the way is reported (rank 0)."""
         self.store.clean_partials(self.mine)
-        reports = self.coll.all_gather(self.store.report(layout, self.coll.world))
+        reports = self.coll.all_gather(self.store.report(layout, self.coll.world, self.run_id))
         verified: set[int] = set()
         while True:
             choice = complete_step(reports, self.coll.world)
             if choice.step is None or choice.step in verified:
+                self._report_passed_over(reports, choice.step)
                 return choice
             step = choice.step
             self.loaded.clear()  # of a step found wanting
@@ -241,6 +249,17 @@ class LocalTier(BackgroundSaves):
                 if found:
                     reports[rank][step].update(found)
             verified.add(step)
+
+    def _report_passed_over(self, reports: list[Holdings], chosen: Optional[int]) -> None:
+        """`checkpoint_skipped` (tier local) for each damaged copy of the
+        steps looked at, as the global tier reports a checkpoint it skips:
+        a copy passed over for another (a replica) says nothing otherwise."""
+        if self.rank != 0:
+            return
+        for node, step, owner, problem in passed_over(reports, chosen, self.topology):
+            path = NodeStore(node_dir(self.root, node)).shard_dir(step, owner)
+            self.events.emit("checkpoint_skipped", path=str(path), reason=problem,
+                             tier="local", step=step, owner=owner)
 
     def _verified(self, step: int, owner: int) -> Optional[str]:
         try:
@@ -275,11 +294,11 @@ class LocalTier(BackgroundSaves):
         filesystem the shards of every rank writing there, replicas too."""
         filesystem, free = filesystem_space(self.store.root)
         mine = Space(filesystem, str(self.store.root), free,
-                     shard_bytes(state, self.rank, self.coll.world))
+                     shard_bytes(state, self.rank, self.coll.world, self.run_id))
         short = space_shortfall(self.coll.all_gather(mine), self.topology)
         if short is None:
             return
-        step, root = state.run_record().step, self.store.root.parent
+        step, root = state.run_record().step, self.local_root
         reason = (f"{DIR_KEY}={root}: {short}. Fix: free space there, point {DIR_KEY} at "
                   "storage with room (in Docker, a larger --shm-size), or set "
                   "checkpoint.local.enabled=false")
@@ -301,11 +320,11 @@ class LocalTier(BackgroundSaves):
         """The run finished with a global checkpoint of its last step: this
         rank's local shards are no longer needed (they hold memory)."""
         self.discard_after(None)
-        for path in (self.store.root, self.store.root.parent):
+        for path in (self.store.root, self.root, self.local_root):
             try:
                 path.rmdir()
             except OSError:
-                pass  # other ranks' shards still there
+                pass  # other ranks' shards still there, another run's, or the job's lock
 
     def abandon(self) -> None:
         """The job failed (see BackgroundSaves.abandon): the committed local
