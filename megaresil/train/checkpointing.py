@@ -198,6 +198,10 @@ class TrainCheckpointing:
         restart-from-latest."""
         if live is None:
             return self.resume()
+        if live.corrupted:
+            self.emit("silent_corruption_detected", step=live.newest, culprit=live.corrupted,
+                      how="hand-over", next="a proven replica's state replaces it" if live.serves
+                      else "the job resumes from the checkpoints")
         if not live.serves:
             return self.resume(why_not_live=live.why_not)
         self.clean_partials()

@@ -40,7 +40,8 @@ from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
 from megaresil.train.progress import Progress
 from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.state import LiveTrainingState, configured_skips
-from megaresil.train.handover import Carried, LivePlan, carried_state, gather_live_plan
+from megaresil.train.handover import (Carried, carried_state, donated_tensors,
+                                      plan_live_start)
 from megaresil.train.model_build import build_model, checkpoint_key_map, make_deterministic
 
 
@@ -61,7 +62,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.events = EventLog(self.run_dir, layout.rank)
         phases = StartupPhases(self.events, layout.rank)
-        live = self.plan_live_start(cfg, layout)
+        live = plan_live_start(cfg, self.supervision.carried, layout)
         with phases.phase("data, model and optimizer build"):
             # A state taken from the ranks' memory overwrites every value drawn.
             self.build(cfg, layout, draw=not (live and live.serves))
@@ -79,17 +80,10 @@ class Trainer:
         self.replicas = ReplicaCheck(cfg.resilience.numerics.check_interval, layout,
                                      self.replicated_state, self.events,
                                      lambda step, reason: self.numerics.rollback(step, reason, []),
-                                     self.supervision.section)
-
-    def plan_live_start(self, cfg: RecipeConfig, layout: ParallelLayout) -> Optional[LivePlan]:
-        """With live replacement on, where each rank's state comes from in
-        this generation (a collective); None when it is off."""
-        if not cfg.resilience.replacement.enabled:
-            return None
-        return gather_live_plan(self.supervision.carried, layout,
-                                replicated=not shards_over_dp(cfg.optimizer, layout),
-                                why_unreplicated="optimizer.distributed keeps each rank's "
-                                "optimizer shard in its own memory only")
+                                     self.supervision.section,
+                                     donated=(lambda: donated_tensors(self.checkpoint_state))
+                                     if live and live.replicated else None,
+                                     agreement=live.agreement(layout.rank) if live else None)
 
     def build(self, cfg: RecipeConfig, layout: ParallelLayout, draw: bool = True) -> None:
         """Data, model chunks, optimizer, grad buffers and checkpointer; the
@@ -387,7 +381,8 @@ class Trainer:
         GPU, its copy to the host did not land (handover.carried_state)."""
         if not self.state.settled:
             return None
-        return carried_state(self.checkpoint_state, self.layout.rank, self.layout.world_size)
+        return carried_state(self.checkpoint_state, self.layout.rank, self.layout.world_size,
+                             self.replicas.agreement)
 
     def close(self) -> None:
         """Finish the save in flight and release what would outlive the trainer."""
