@@ -215,6 +215,13 @@ class TrainCheckpointing:
             self.local.check_space(self.state)
         return Loaded("state from live peers", None)
 
+    def newest_saved_step(self) -> int:
+        """Collective: the step of the newest global checkpoint committed
+        under the root (0: none), the oldest any rank sees."""
+        newest = next((step_of(path) or 0 for path in fmt.committed_checkpoints(
+            self.checkpointer.root) if (path / fmt.MARKER).is_file()), 0)
+        return min(self.checkpointer.coll.all_gather(newest))
+
     def clean_partials(self) -> None:
         """Saves left half-written by a failure are removed (rank 0), before
         any rank saves again."""

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import psutil
 import torch
 import torch.distributed as dist
 
@@ -25,7 +24,7 @@ from megaresil.resilience.supervision import Supervision
 from megaresil.safe_files import write_atomic
 from megaresil.train import checkpointing, story
 from megaresil.observe.goodput import write_goodput
-from megaresil.observe.startup import StartupPhases
+from megaresil.observe.startup import StartupPhases, process_times
 from megaresil.observe.profiler import StepProfiler
 from megaresil.observe.sections import record_fields
 from megaresil.train.metrics import MetricsLog, StepFigures
@@ -74,7 +73,9 @@ class Trainer:
         self.supervision.carried = None  # loaded: its memory goes back
         if loaded is not None:
             phases.finished(loaded.phase, phases.clock() - started, loaded.nbytes)
-        self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank)
+        self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank,
+                                  last_saved=self.checkpointing.newest_saved_step()
+                                  if live and live.serves else None)
         self.numerics = NumericsGuard(cfg, layout, self.state, self.checkpointing, self.events,
                                       self.supervision.section)
         self.replicas = ReplicaCheck(cfg.resilience.numerics.check_interval, layout,
@@ -327,6 +328,8 @@ class Trainer:
         profiler = StepProfiler(self.cfg.profile, self.layout.rank, self.run_dir)
         started = time.perf_counter()
         try:
+            if self.saves.missed(self.state.step) and self.save_missed() == "exited":
+                return self.stop("exited")
             while self.state.step < t.steps:
                 with profiler.step(self.state.step + 1):
                     record = self.train_step()
@@ -374,6 +377,18 @@ class Trainer:
             if log:
                 log.close()
         return self.stop("finished", last_record)
+
+    def save_missed(self) -> Optional[str]:
+        """The global save a failure interrupted where the ranks' memory went
+        on from its step (SaveSchedule.missed), made now, of the replicas
+        compared first; "exited" when it was train.exit_at_step's."""
+        step = self.state.step
+        if self.replicas.due(step, True):
+            with self.state.changing():
+                if self.replicas.check(step, True):
+                    return None  # rolled back: the loop trains on from the checkpoint's step
+        self.save()
+        return "exited" if step == self.cfg.train.exit_at_step else None
 
     def hand_over(self) -> Optional[Carried]:
         """This rank's state for the next generation (live replacement), or
@@ -425,15 +440,3 @@ class Trainer:
         return MetricsLog(self.run_dir, self.cfg, StepFigures.for_recipe(self.cfg, self.layout.device),
                           start_step=self.state.step, generation=self.supervision.generation,
                           fence=self.supervision.fence)
-
-
-def process_times() -> dict[str, float]:
-    """When this worker process and the job that launched it started (its
-    parent: the launcher's agent, or torchrun), for goodput's start-up time."""
-    me = psutil.Process()
-    parent = me.parent()
-    return {"process_started": me.create_time(),
-            "launched_at": parent.create_time() if parent else me.create_time()}
-
-
-
