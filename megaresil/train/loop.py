@@ -276,6 +276,8 @@ class Trainer:
             self.state.consumed_samples = skip_past(self.state.consumed_samples,
                                                     self.state.skipped)
             result = self.numerics.run(step, lambda: self.attempt_step(step))
+            if result is None:
+                self.replicas.forget()
         self.supervision.step_done()
         self.state.step = step
         self.state.consumed_samples += self.cfg.train.global_batch_size

@@ -139,9 +139,16 @@ class ReplicaCheck:
             if not full and any(v != [] for v in verdicts.values()):
                 verdicts = self.compare(step, full=True)
         if verdicts is None:
+            self.forget()
             self.rollback(step, "silent_corruption")
             return True
         return False
+
+    def forget(self) -> None:
+        """The state went back to a checkpoint: what replays to a step
+        agreed on before may differ from it (a rollback that skipped batches),
+        so no agreement holds until the next check."""
+        self.agreement = None
 
     def compare(self, step: int, full: bool) -> Optional[dict]:
         """The replica groups' verdicts, after restoring outvoted replicas
