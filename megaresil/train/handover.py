@@ -3,7 +3,7 @@ state in host memory for the next generation (its tensors, described as a
 local-tier shard), and the next generation takes every rank's state from memory, its own or a
 data-parallel peer's, at the newest step the job completed: no completed
 step is lost. A state that moves to another rank must be proven first
-(`proven`): the one its replicas last agreed on, or one its live replicas
+(`proof`): the one its replicas last agreed on, or one its live replicas
 agree on now; copied unproven, a corruption would reach every replica and no
 check could see it again. Where no live rank holds a rank's state at that
 step, or none that is proven (dp = 1, all its replicas lost, a donor newer
@@ -127,7 +127,7 @@ class LivePlan:
     step: Optional[int]
     sources: dict[int, int] = field(default_factory=dict)
     why_not: str = ""
-    bytes_moved: int = 0  # what crosses between ranks (gather_live_plan)
+    bytes_moved: int = 0  # what crosses between ranks (plan_live_start)
     # By rank: the sum of the proven state it takes (none where nothing was
     # proven), the next generation's agreement until its first check.
     proven: dict[int, int] = field(default_factory=dict)
