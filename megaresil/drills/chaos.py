@@ -23,8 +23,8 @@ from megaresil.drills.etcd import CLIENT_PORT, PEER_PORT, EtcdServer, etcd_missi
 from megaresil.drills.hosts import netns_missing_reason, open_hosts
 from megaresil.drills.run import (Rendezvous, run_killing_replacement, run_node_fault,
                                   run_simulated_node_loss, run_training, run_with_requeue)
-from megaresil.drills.scenarios import (RENDEZVOUS_READ_TIMEOUT_S, Scenario, fault_overrides,
-                                       scenarios, sick_node_check)
+from megaresil.drills.scenarios import (RENDEZVOUS_READ_TIMEOUT_S, Scenario, dp_peer,
+                                       fault_overrides, scenarios, sick_node_check)
 from megaresil.observe.report import write_report
 from megaresil.parallel.layout import visible_gpus
 from megaresil.resilience.faults import check_device_faults
@@ -45,8 +45,9 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
         overrides = [*overrides, f"checkpoint.interval={interval}"]
     fault_step = step or cfg.train.steps // 2 + 1
     save_step = interval * max(2, fault_step // interval)
-    table = scenarios(world - 1 if rank is None else rank, fault_step, save_step, world,
-                      cfg.train.global_batch_size)
+    rank = world - 1 if rank is None else rank
+    table = scenarios(rank, fault_step, save_step, world, cfg.train.global_batch_size,
+                      dp_peer(rank, cfg.parallel.tp, cfg.parallel.dp))
     if name not in table:
         raise ValueError(f"--scenario: unknown scenario {name!r}; one of {sorted(table)}")
     scenario = table[name]

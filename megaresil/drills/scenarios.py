@@ -81,8 +81,16 @@ def local_tier_settings(world: int) -> list[str]:
             "checkpoint.local.replicas=1", f"checkpoint.local.ranks_per_node={max(1, world // 2)}"]
 
 
+def dp_peer(rank: int, tp: int, dp: int) -> int:
+    """A data-parallel peer of `rank` (same tp and pp coordinates; the mesh
+    is (pp, dp, tp), tp fastest): the next replica, or at the last the first."""
+    return rank - tp if (rank // tp) % dp == dp - 1 else rank + tp
+
+
 def scenarios(rank: int, step: int, save_step: int, world: int = 2,
-              global_batch: int = 1) -> dict[str, Scenario]:
+              global_batch: int = 1, peer: int = 0) -> dict[str, Scenario]:
+    """The scenarios of a fault on `rank` at `step` (`save_step`: a step
+    that saves); `peer`: a data-parallel peer of `rank`."""
     in_process = ["resilience.in_process=true"]
     replace = in_process + ["resilience.replacement.enabled=true"]
     relaunch = ["resilience.in_process=false", "resilience.max_restarts=2"]
@@ -179,6 +187,13 @@ def scenarios(rank: int, step: int, save_step: int, world: int = 2,
         # another, which the others wait for as well.
         Scenario("kill-during-replacement", [{"kind": "kill", "rank": rank, "step": step}],
                  replace, kill_replacement=True),
+        # A bit flips in a replica's weights after the replica check, and its
+        # peer is lost before the next one: the flipped replica cannot prove
+        # its state, so it donates nothing; the job resumes from the
+        # checkpoints, which restore both replicas.
+        Scenario("corrupt-donor-replace", [{"kind": "bitflip", "rank": rank, "step": step},
+                                           {"kind": "kill", "rank": peer, "step": step + 1}],
+                 replace + [f"resilience.numerics.check_interval={step + 1}"], min_dp=2),
         Scenario("kill-rank-local", [{"kind": "kill", "rank": rank, "step": step}],
                  relaunch + local),
         Scenario("node-loss-local", [], relaunch + local, lose_simulated_node=True),

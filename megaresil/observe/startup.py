@@ -12,6 +12,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Protocol
 
+import psutil
+
 DEFAULT_THRESHOLD_S = 2.0
 # Tests lower it (to 0: every phase gets its line) to see the lines of a
 # tiny run's fast phases; users have no reason to set it.
@@ -20,6 +22,15 @@ THRESHOLD_ENV = "MEGARESIL_PHASE_LINE_S"
 
 class Events(Protocol):
     def emit(self, event: str, **fields) -> dict: ...
+
+
+def process_times() -> dict[str, float]:
+    """When this worker process and the job that launched it started (its
+    parent: the launcher's agent, or torchrun), for goodput's start-up time."""
+    me = psutil.Process()
+    parent = me.parent()
+    return {"process_started": me.create_time(),
+            "launched_at": parent.create_time() if parent else me.create_time()}
 
 
 def threshold_s() -> float:

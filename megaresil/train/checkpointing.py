@@ -189,6 +189,10 @@ class TrainCheckpointing:
         restart-from-latest."""
         if live is None:
             return self.resume()
+        if live.corrupted:
+            self.emit("silent_corruption_detected", step=live.newest, culprit=live.corrupted,
+                      how="hand-over", next="a proven replica's state replaces it" if live.serves
+                      else "the job resumes from the checkpoints")
         if not live.serves:
             return self.resume(why_not_live=live.why_not)
         self.clean_partials()
@@ -201,6 +205,13 @@ class TrainCheckpointing:
             self.local.discard_after(saved.step)
             self.local.check_space(self.state)
         return Loaded("state from live peers", None)
+
+    def newest_saved_step(self) -> int:
+        """Collective: the step of the newest global checkpoint committed
+        under the root (0: none), the oldest any rank sees."""
+        newest = next((step_of(path) or 0 for path in fmt.committed_checkpoints(
+            self.checkpointer.root) if (path / fmt.MARKER).is_file()), 0)
+        return min(self.checkpointer.coll.all_gather(newest))
 
     def clean_partials(self) -> None:
         """Saves left half-written by a failure are removed (rank 0), before

@@ -2,10 +2,14 @@
 state in host memory for the next generation (its tensors, described as a
 local-tier shard), and the next generation takes every rank's state from memory, its own or a
 data-parallel peer's, at the newest step the job completed: no completed
-step is lost. Where no live rank holds a rank's state at that step (dp = 1,
-all its replicas lost, or optimizer.distributed, whose optimizer shards live
-in one rank's memory only) the job resumes from the checkpoint tiers, and
-the event says why. docs/fault-tolerance.md ("Live replacement")."""
+step is lost. A state that moves to another rank must be proven first
+(`proof`): the one its replicas last agreed on, or one its live replicas
+agree on now; copied unproven, a corruption would reach every replica and no
+check could see it again. Where no live rank holds a rank's state at that
+step, or none that is proven (dp = 1, all its replicas lost, a donor newer
+than the replicas' last agreement, or optimizer.distributed, whose optimizer
+shards live in one rank's memory only) the job resumes from the checkpoint
+tiers, and the event says why. docs/fault-tolerance.md ("Live replacement")."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +29,11 @@ from megaresil.checkpoint.keys import MOMENTS, moment_key
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
+from megaresil.config import RecipeConfig
 from megaresil.parallel.layout import ParallelLayout, use_device
-from megaresil.train.replicas import replica_groups
+from megaresil.resilience.numerics import odd_ones_out
+from megaresil.train.optim import shards_over_dp
+from megaresil.train.replicas import Agreement, quick_checksum, replica_groups
 
 
 class LiveStateDamaged(RuntimeError):
@@ -47,6 +54,8 @@ class Carried:
     meta: dict  # shard_meta's fields
     tensors: list[torch.Tensor]  # contiguous, one for each of meta["rects"]
     whole: dict[str, torch.Tensor] = field(default_factory=dict)  # by key: the trainer's own
+    digest: int = 0  # quick_checksum of `tensors`, what the replica check compares
+    agreed: Optional[Agreement] = None  # the last agreement of its trainer's replicas
 
     @property
     def step(self) -> int:
@@ -61,10 +70,20 @@ class Carried:
 LANDING_S = 10.0
 
 
-def carried_state(state: TrainingState, rank: int, world: int) -> Optional[Carried]:
-    """This rank's state, kept in host memory for the next generation; None
-    when a GPU's copy did not land within LANDING_S (queued behind a hung
-    kernel): the rank carries nothing and the job resumes from the checkpoints."""
+def donated_tensors(state: TrainingState) -> list[torch.Tensor]:
+    """What a hand-over of `state` carries, in its order: the replica check
+    sums these (ReplicaCheck's `donated`) as carried_state does."""
+    return [r.tensor for r in shard_rects(state)]
+
+
+def carried_state(state: TrainingState, rank: int, world: int,
+                  agreed: Optional[Agreement] = None) -> Optional[Carried]:
+    """This rank's state, kept in host memory for the next generation, with
+    its sum and `agreed`, the last agreement of its replicas (its proof);
+    None when a GPU's copy did not land within LANDING_S (queued behind a
+    hung kernel): the rank carries nothing and the job resumes from the
+    checkpoints. The sum is taken of the host copy: a device a lost peer left
+    hanging would never run it."""
     rects = shard_rects(state)
     if all(r.tensor.device.type == "cpu" for r in rects):
         records, _ = rect_records(rects)
@@ -77,7 +96,27 @@ def carried_state(state: TrainingState, rank: int, world: int) -> Optional[Carri
             return None
         tensors, whole = [view_of(buffer, rec) for rec in records], {}
     meta = shard_meta(state.run_record(), rank, world, state.rng_state(), records)
-    return Carried(meta, tensors, whole)
+    digest = int(quick_checksum(tensors, torch.device("cpu")))
+    return Carried(meta, tensors, whole, digest, agreed)
+
+
+@dataclass(frozen=True)
+class Held:
+    """What one rank carries, as every rank sees it when the plan is made."""
+    step: int
+    nbytes: int
+    digest: int
+    agreed: Optional[tuple[int, int]] = None  # Agreement's (step, digest)
+
+    @classmethod
+    def of(cls, carried: Carried) -> "Held":
+        agreed = (carried.agreed.step, carried.agreed.digest) if carried.agreed else None
+        return cls(carried.step, carried.nbytes, carried.digest, agreed)
+
+    @property
+    def vouched(self) -> bool:
+        """Its state is the one its replicas agreed on at its step."""
+        return self.agreed == (self.step, self.digest)
 
 
 @dataclass
@@ -88,54 +127,131 @@ class LivePlan:
     step: Optional[int]
     sources: dict[int, int] = field(default_factory=dict)
     why_not: str = ""
-    bytes_moved: int = 0  # what crosses between ranks (gather_live_plan)
+    bytes_moved: int = 0  # what crosses between ranks (plan_live_start)
+    # By rank: the sum of the proven state it takes (none where nothing was
+    # proven), the next generation's agreement until its first check.
+    proven: dict[int, int] = field(default_factory=dict)
+    # Ranks whose own state at the newest step carried is disproven: it
+    # differs from the proven one, or from the one its replicas agreed on then.
+    corrupted: list[int] = field(default_factory=list)
+    newest: Optional[int] = None  # the newest step carried
+    replicated: bool = True  # every replica holds the whole state (a donor could send it)
+
+    def agreement(self, rank: int) -> Optional[Agreement]:
+        return Agreement(self.step, self.proven[rank]) if rank in self.proven else None
 
     @property
     def serves(self) -> bool:
         return self.step is not None
 
 
-def live_plan(steps: list[Optional[int]], groups: list[list[int]], replicated: bool,
-              why_unreplicated: str = "") -> LivePlan:
-    """`steps[r]`: the step rank r's carried state is at (None: it carries
-    none: a replacement, or a rank caught mid-update); `groups`: the
-    data-parallel groups, whose members hold the same state at the same
-    step when `replicated`. Every rank takes the newest carried step: its
-    own state when it is there, else the lowest-ranked member of its group
-    that is."""
-    held = [s for s in steps if s is not None]
-    if not held:
+def live_plan(held: list[Optional[Held]], groups: list[list[int]], replicated: bool,
+              why_unreplicated: str = "", prove: bool = False) -> LivePlan:
+    """`held[r]`: what rank r carries (None: nothing: a replacement, or a
+    rank caught mid-update); `groups`: the data-parallel groups, whose
+    members hold the same state at the same step when `replicated`. Every
+    rank takes the newest carried step: its own state when it is there,
+    else that of the lowest-ranked member of its group that is. With
+    `prove` (the replica check runs) only a proven state moves, and a
+    member whose own state is disproven takes the proven one too; a group
+    with nothing to move and nothing proven keeps its own states, which the
+    replica check compares as ever."""
+    steps = [h.step if h else None for h in held]
+    if all(s is None for s in steps):
         return LivePlan(None)
-    target = max(held)
-    sources, missing = {}, []
+    target = max(s for s in steps if s is not None)
+    plan, whys, unproven = LivePlan(target, newest=target), [], False
     for group in groups:
         at_target = [r for r in group if steps[r] == target]
+        truth = proof(at_target, held) if prove and replicated else None
+        if prove and replicated:
+            plan.corrupted += [r for r in at_target if disproven(held[r], truth)]
+        if truth is not None:
+            trusted = [r for r in at_target if held[r].digest == truth]
+            plan.proven.update(dict.fromkeys(group, truth))
+        elif prove and replicated and len(at_target) < len(group):
+            trusted = []  # a state would move, and none is proven
+        else:
+            trusted = at_target
         for rank in group:
-            if steps[rank] == target:
-                sources[rank] = rank
-            elif at_target and replicated:
-                sources[rank] = at_target[0]
-            else:
-                missing.append(rank)
+            if rank in trusted:
+                plan.sources[rank] = rank
+            elif trusted and replicated:
+                plan.sources[rank] = trusted[0]
+        if any(r not in plan.sources for r in group):
+            unproven |= bool(replicated and at_target)
+            whys.append(why_lacking(at_target, held, target, replicated, why_unreplicated))
+    missing = sorted(r for r in range(len(held)) if r not in plan.sources)
     if missing:
-        why = why_unreplicated if not replicated else \
-            "no live data-parallel peer holds it (dp = 1, or its replicas were lost too)"
-        return LivePlan(None, why_not=f"no live rank holds rank(s) {sorted(missing)}'s state at "
-                                      f"step {target}: {why}")
-    return LivePlan(target, sources)
+        holds = "holds a proven copy of" if unproven else "holds"
+        return LivePlan(None, why_not=f"no live rank {holds} rank(s) {missing}'s state at step "
+                                      f"{target}: {'; '.join(dict.fromkeys(whys))}",
+                        corrupted=plan.corrupted, newest=target)
+    return plan
 
 
-def gather_live_plan(carried: Optional[Carried], layout: ParallelLayout, replicated: bool,
-                     why_unreplicated: str) -> LivePlan:
-    """Collective: every rank's carried step and size, and the plan made of
-    them (the same on every rank). Made before the ranks build their models,
-    so a model whose state comes from memory is not drawn only to be
-    overwritten (train/model_build)."""
-    held = [None] * layout.world_size  # each rank's (step, bytes) carried, or None
-    dist.all_gather_object(held, (carried.step, carried.nbytes) if carried else None)
-    plan = live_plan([h[0] if h else None for h in held], replica_groups(layout), replicated,
-                     why_unreplicated)
-    plan.bytes_moved = sum(held[h][1] for o, h in plan.sources.items() if o != h)
+def disproven(held: Held, truth: Optional[int]) -> bool:
+    """Whether a state at the newest step is shown corrupted: it differs from
+    the proven one, or from the one its replicas agreed on at its step."""
+    if truth is not None:
+        return held.digest != truth
+    return held.agreed is not None and held.agreed[0] == held.step and not held.vouched
+
+
+def proof(at_target: list[int], held: list[Optional[Held]]) -> Optional[int]:
+    """The sum of the state a group's members at the newest step can prove:
+    the one their replicas agreed on at that step, else one two or more of
+    them hold and no other as many (two replicas that computed the same
+    bits are healthy); None when none can be shown."""
+    vouched = [held[r].digest for r in at_target if held[r].vouched]
+    if vouched:
+        return vouched[0]
+    digests = [held[r].digest for r in at_target]
+    outliers = odd_ones_out(digests) if len(digests) >= 2 else None
+    if outliers is None:
+        return None
+    return next(d for i, d in enumerate(digests) if i not in outliers)
+
+
+def why_lacking(at_target: list[int], held: list[Optional[Held]], target: int,
+                replicated: bool, why_unreplicated: str) -> str:
+    """Why a group's members not at the newest step cannot take it from a peer."""
+    if not replicated:
+        return why_unreplicated
+    if not at_target:
+        return "no live data-parallel peer holds it (dp = 1, or its replicas were lost too)"
+    if len(at_target) > 1:
+        return f"the copies on ranks {at_target} differ and no replica check vouches for one"
+    rank = at_target[0]
+    agreed = held[rank].agreed
+    if agreed is not None and agreed[0] == target:
+        return (f"rank {rank}'s copy differs from the one its replicas agreed on at that step "
+                "(silent data corruption since): a copy would spread it")
+    since = f"its replicas last agreed at step {agreed[0]}" if agreed else \
+        "no replica check passed in this generation"
+    return (f"rank {rank}'s copy cannot be proven ({since}, and no other live replica holds "
+            f"step {target} to compare it with; resilience.numerics.check_interval=1 checks "
+            "every step)")
+
+
+def plan_live_start(cfg: RecipeConfig, carried: Optional[Carried],
+                    layout: ParallelLayout) -> Optional[LivePlan]:
+    """Collective, with live replacement on (else None): what every rank
+    carries, and where each rank's state comes from in this generation (the
+    same plan on every rank). Made before the ranks build their models, so a
+    model whose state comes from memory is not drawn only to be overwritten
+    (train/model_build). A donor proves its state where the replica check
+    runs."""
+    if not cfg.resilience.replacement.enabled:
+        return None
+    held: list[Optional[Held]] = [None] * layout.world_size
+    dist.all_gather_object(held, Held.of(carried) if carried else None)
+    replicated = not shards_over_dp(cfg.optimizer, layout)
+    plan = live_plan(held, replica_groups(layout), replicated,
+                     why_unreplicated="optimizer.distributed keeps each rank's optimizer shard "
+                     "in its own memory only", prove=cfg.resilience.numerics.check_interval > 0)
+    plan.bytes_moved = sum(held[h].nbytes for o, h in plan.sources.items() if o != h)
+    plan.replicated = replicated
     return plan
 
 

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import psutil
 import torch
 import torch.distributed as dist
 
@@ -25,7 +24,7 @@ from megaresil.resilience.supervision import Supervision
 from megaresil.safe_files import write_atomic
 from megaresil.train import checkpointing, story
 from megaresil.observe.goodput import write_goodput
-from megaresil.observe.startup import StartupPhases
+from megaresil.observe.startup import StartupPhases, process_times
 from megaresil.observe.profiler import StepProfiler
 from megaresil.observe.sections import record_fields
 from megaresil.train.metrics import MetricsLog, StepFigures
@@ -40,7 +39,8 @@ from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
 from megaresil.train.progress import Progress
 from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.state import LiveTrainingState, configured_skips
-from megaresil.train.handover import Carried, LivePlan, carried_state, gather_live_plan
+from megaresil.train.handover import (Carried, carried_state, donated_tensors,
+                                      plan_live_start)
 from megaresil.train.model_build import build_model, checkpoint_key_map, make_deterministic
 
 
@@ -61,7 +61,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.events = EventLog(self.run_dir, layout.rank)
         phases = StartupPhases(self.events, layout.rank)
-        live = self.plan_live_start(cfg, layout)
+        live = plan_live_start(cfg, self.supervision.carried, layout)
         with phases.phase("data, model and optimizer build"):
             # A state taken from the ranks' memory overwrites every value drawn.
             self.build(cfg, layout, draw=not (live and live.serves))
@@ -73,23 +73,18 @@ class Trainer:
         self.supervision.carried = None  # loaded: its memory goes back
         if loaded is not None:
             phases.finished(loaded.phase, phases.clock() - started, loaded.nbytes)
-        self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank)
+        self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank,
+                                  last_saved=self.checkpointing.newest_saved_step()
+                                  if live and live.serves else None)
         self.numerics = NumericsGuard(cfg, layout, self.state, self.checkpointing, self.events,
                                       self.supervision.section)
         self.replicas = ReplicaCheck(cfg.resilience.numerics.check_interval, layout,
                                      self.replicated_state, self.events,
                                      lambda step, reason: self.numerics.rollback(step, reason, []),
-                                     self.supervision.section)
-
-    def plan_live_start(self, cfg: RecipeConfig, layout: ParallelLayout) -> Optional[LivePlan]:
-        """With live replacement on, where each rank's state comes from in
-        this generation (a collective); None when it is off."""
-        if not cfg.resilience.replacement.enabled:
-            return None
-        return gather_live_plan(self.supervision.carried, layout,
-                                replicated=not shards_over_dp(cfg.optimizer, layout),
-                                why_unreplicated="optimizer.distributed keeps each rank's "
-                                "optimizer shard in its own memory only")
+                                     self.supervision.section,
+                                     donated=(lambda: donated_tensors(self.checkpoint_state))
+                                     if live and live.replicated else None,
+                                     agreement=live.agreement(layout.rank) if live else None)
 
     def build(self, cfg: RecipeConfig, layout: ParallelLayout, draw: bool = True) -> None:
         """Data, model chunks, optimizer, grad buffers and checkpointer; the
@@ -281,6 +276,8 @@ class Trainer:
             self.state.consumed_samples = skip_past(self.state.consumed_samples,
                                                     self.state.skipped)
             result = self.numerics.run(step, lambda: self.attempt_step(step))
+            if result is None:
+                self.replicas.forget()
         self.supervision.step_done()
         self.state.step = step
         self.state.consumed_samples += self.cfg.train.global_batch_size
@@ -333,6 +330,8 @@ class Trainer:
         profiler = StepProfiler(self.cfg.profile, self.layout.rank, self.run_dir)
         started = time.perf_counter()
         try:
+            if self.saves.missed(self.state.step) and self.save_missed() == "exited":
+                return self.stop("exited")
             while self.state.step < t.steps:
                 with profiler.step(self.state.step + 1):
                     record = self.train_step()
@@ -381,13 +380,26 @@ class Trainer:
                 log.close()
         return self.stop("finished", last_record)
 
+    def save_missed(self) -> Optional[str]:
+        """The global save a failure interrupted where the ranks' memory went
+        on from its step (SaveSchedule.missed), made now, of the replicas
+        compared first; "exited" when it was train.exit_at_step's."""
+        step = self.state.step
+        if self.replicas.due(step, True):
+            with self.state.changing():
+                if self.replicas.check(step, True):
+                    return None  # rolled back: the loop trains on from the checkpoint's step
+        self.save()
+        return "exited" if step == self.cfg.train.exit_at_step else None
+
     def hand_over(self) -> Optional[Carried]:
         """This rank's state for the next generation (live replacement), or
         None when a failure caught it mid-change (an update, a load) or, on a
         GPU, its copy to the host did not land (handover.carried_state)."""
         if not self.state.settled:
             return None
-        return carried_state(self.checkpoint_state, self.layout.rank, self.layout.world_size)
+        return carried_state(self.checkpoint_state, self.layout.rank, self.layout.world_size,
+                             self.replicas.agreement)
 
     def close(self) -> None:
         """Finish the save in flight and release what would outlive the trainer."""
@@ -430,15 +442,3 @@ class Trainer:
         return MetricsLog(self.run_dir, self.cfg, StepFigures.for_recipe(self.cfg, self.layout.device),
                           start_step=self.state.step, generation=self.supervision.generation,
                           fence=self.supervision.fence)
-
-
-def process_times() -> dict[str, float]:
-    """When this worker process and the job that launched it started (its
-    parent: the launcher's agent, or torchrun), for goodput's start-up time."""
-    me = psutil.Process()
-    parent = me.parent()
-    return {"process_started": me.create_time(),
-            "launched_at": parent.create_time() if parent else me.create_time()}
-
-
-

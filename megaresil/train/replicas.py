@@ -7,7 +7,10 @@ tensor, with their squares; one world all-gather compares the replicas. A
 replica outvoted by a majority (dp >= 3) gets the tensors that differ from a
 healthy one; with no majority (dp = 2) the run rolls back to its newest
 checkpoint and replays: the replica whose replayed state differs from what
-it held was the corrupted one. docs/numerics.md."""
+it held was the corrupted one. With live replacement, each check also sums
+what a hand-over would send (`donated`), and the sum the replicas last agreed
+on is kept: a donor proves its state with it (train/handover.py).
+docs/numerics.md, docs/fault-tolerance.md#live-replacement."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,6 +81,17 @@ def replica_groups(layout: ParallelLayout) -> list[list[int]]:
     return [[int(r) for r in grid[p, :, t]] for p in range(layout.pp) for t in range(layout.tp)]
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """The last replica check this rank's group passed: its step, and the
+    quick_checksum of what a hand-over would send that every replica of the
+    group held then. A state whose sum is this one at this step is one the
+    replicas agreed on; the state changes with each update, so it proves
+    nothing about a later step."""
+    step: int
+    digest: int
+
+
 @dataclass
 class Suspicion:
     """A mismatch with no majority, waiting for the replay to reach its step."""
@@ -90,14 +104,20 @@ class ReplicaCheck:
     (the caller goes on from the checkpoint's step)."""
 
     def __init__(self, interval: int, layout: ParallelLayout, state: Callable[[bool], Named],
-                 events, rollback: Callable[[int, str], None], section: Section):
+                 events, rollback: Callable[[int, str], None], section: Section, *,
+                 donated: Optional[Callable[[], Sequence[torch.Tensor]]] = None,
+                 agreement: Optional[Agreement] = None):
         """`state(full)`: this rank's replicated tensors, named, in the same
         order on every replica: the weights, and with `full` their optimizer
         state too; `rollback(step, reason)`: back to the newest
         checkpoint (it raises when there is none); `section`: the
-        supervision's (the comparison's collectives run under the watchdog)."""
+        supervision's (the comparison's collectives run under the watchdog);
+        `donated`: what a hand-over would send (live replacement), compared
+        at every check and kept as `agreement` once the group agrees on it;
+        `agreement`: where a generation starts from a proven state."""
         self.interval, self.layout, self.state = interval, layout, state
         self.events, self.rollback, self.section = events, rollback, section
+        self.donated, self.agreement = donated, agreement
         self.groups = replica_groups(layout)
         self.suspicion: Optional[Suspicion] = None
 
@@ -119,9 +139,16 @@ class ReplicaCheck:
             if not full and any(v != [] for v in verdicts.values()):
                 verdicts = self.compare(step, full=True)
         if verdicts is None:
+            self.forget()
             self.rollback(step, "silent_corruption")
             return True
         return False
+
+    def forget(self) -> None:
+        """The state went back to a checkpoint: what replays to a step
+        agreed on before may differ from it (a rollback that skipped batches),
+        so no agreement holds until the next check."""
+        self.agreement = None
 
     def compare(self, step: int, full: bool) -> Optional[dict]:
         """The replica groups' verdicts, after restoring outvoted replicas
@@ -133,7 +160,9 @@ class ReplicaCheck:
         sums = checksums(tensors, device) if full else quick_checksum(tensors, device)
         replaying = self.suspicion is not None and step == self.suspicion.step
         changed = replaying and not torch.equal(sums, self.suspicion.sums)
-        mine = torch.cat([sums.sum(0), torch.tensor([int(changed)], device=sums.device)])
+        donated = (quick_checksum(self.donated(), device).reshape(1) if self.donated
+                   else torch.zeros(0, dtype=torch.int64, device=device))
+        mine = torch.cat([sums.sum(0), donated, torch.tensor([int(changed)], device=device)])
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, mine)
         rows = [p.tolist() for p in parts]
@@ -141,10 +170,13 @@ class ReplicaCheck:
         if replaying:
             self.attribute(step, changes)
         verdicts = {tuple(g): odd_ones_out([digests[r] for r in g]) for g in self.groups}
+        if all(v == [] for v in verdicts.values()):
+            self.agree(step, digests, verdicts)
         if all(v == [] for v in verdicts.values()) or not full:
             return verdicts
         if all(v is not None for v in verdicts.values()):
             self.restore(step, named, sums, verdicts)
+            self.agree(step, digests, verdicts)
             return verdicts
         self.suspicion = Suspicion(step, sums)
         bad = [list(g) for g, v in verdicts.items() if v != []]
@@ -152,6 +184,15 @@ class ReplicaCheck:
                        how="no majority", next=f"rolling back to replay up to step {step} and "
                        "tell which replica is wrong")
         return None
+
+    def agree(self, step: int, digests: Sequence[tuple], verdicts: dict) -> None:
+        """Keep what this rank's group agreed on at `step` (after any
+        restore: what its healthy replicas hold) for a donor's proof."""
+        if self.donated is None:
+            return
+        group = next(g for g in verdicts if self.layout.rank in g)
+        healthy = next(r for i, r in enumerate(group) if i not in verdicts[group])
+        self.agreement = Agreement(step, digests[healthy][-1])
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """`tensor` := src's, through the device (NCCL takes no host tensor)."""

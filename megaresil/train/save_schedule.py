@@ -6,8 +6,11 @@ and chosen again when a cost moves by more than 2x. train.exit_at_step
 always saves; except with 0, so does the last step.
 
 Every rank must save at the same steps: the costs are the slowest rank's
-(an all-reduce MAX), combined at steps every rank knows. docs/checkpoints.md
-("When checkpoints are saved", "When auto saves") has the details.
+(an all-reduce MAX), combined at steps every rank knows. A generation that
+takes its state from the ranks' memory (live replacement) may start past a
+save the failure interrupted: `missed` says so, and the loop makes it at once.
+docs/checkpoints.md ("When checkpoints are saved", "When auto saves") has
+the details.
 """
 from __future__ import annotations
 
@@ -130,10 +133,14 @@ def slowest_rank(*values: float) -> list[float]:
 class SaveSchedule:
     """Which steps are saved; told each step's time and each save's cost."""
 
-    def __init__(self, cfg: RecipeConfig, start_step: int, *, events, rank: int):
+    def __init__(self, cfg: RecipeConfig, start_step: int, *, events, rank: int,
+                 last_saved: Optional[int] = None):
+        """`last_saved`: the step of the newest global checkpoint, where it
+        is older than `start_step` (a state from the ranks' memory)."""
         self.cfg, self.events, self.rank = cfg, events, rank
         self.interval = cfg.checkpoint.interval
-        self.last_saved, self.last_check = start_step, start_step
+        self.last_saved = start_step if last_saved is None else last_saved
+        self.last_check = start_step
         # Decided after the calibration steps (a process's first steps carry
         # warm-up costs), by a measuring save there unless the cost is known.
         calibration = max(1, cfg.resilience.watchdog.calibration_steps)
@@ -165,6 +172,21 @@ class SaveSchedule:
         if step == self.measure_at and self.decision is None:
             return True  # the measuring save
         return self.decision is not None and step - self.last_saved >= self.decision.steps
+
+    def missed(self, step: int) -> bool:
+        """Whether a save due at a step after the newest checkpoint, up to
+        `step`, is missing: live replacement interrupted it (the ranks' memory
+        went on from there). An auto interval's own steps are not known
+        across generations: its measuring save comes within the watchdog's
+        calibration steps."""
+        t, after = self.cfg.train, self.last_saved
+        if t.exit_at_step is not None and after < t.exit_at_step <= step:
+            return True
+        if self.interval == 0:
+            return False
+        if after < t.steps <= step:
+            return True
+        return self.interval != "auto" and step // self.interval * self.interval > after
 
     def step_done(self, step: int, seconds: float, first_of_process: bool) -> None:
         """Each step's time (but a process's first: its warm-up); a known

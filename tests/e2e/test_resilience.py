@@ -71,6 +71,10 @@ EXPECTED = {
     "kill-rank-replace": Expected("replace", live=True),
     # The replacement is killed as it is recorded: another takes its place.
     "kill-during-replacement": Expected("replace", restarts=("replace", "replace"), live=True),
+    # Rank 1's weights flipped after step 5's update, with no check until step
+    # 6; rank 0 killed as step 6 begins: rank 1 cannot prove its state, so the
+    # job resumes from step 4's checkpoint instead of copying it (issue 46).
+    "corrupt-donor-replace": Expected("replace"),
     # One of two nodes lost after step 3, leaving the shrunk job most of the run.
     "node-loss": Expected("relaunch", args=("--step", "3"), injects=False, dp_shrinks=True),
     # A third agent waits as a hot spare and takes the lost node's place: dp stays 2.
@@ -133,6 +137,8 @@ def test_chaos_scenario_recovers_exactly(cli_main, chaos_root, chaos_reference, 
         assert loaded["saved_layout"]["dp"] == 2 and loaded["layout"]["dp"] == 1
     if expected.live:
         assert_replaced_live(report, events)
+    if scenario == "corrupt-donor-replace":
+        assert_donor_refused(report, events)
 
 
 def assert_replaced_live(report: dict, events: list[dict]) -> None:
@@ -145,6 +151,19 @@ def assert_replaced_live(report: dict, events: list[dict]) -> None:
     assert [r["step"] for r in read_metrics(report["faulted"]) if "loss" in r] == list(range(1, 9))
     started = {e["process_started"] for e in events if e["event"] == "generation_started"}
     assert len(started) == 1, started
+
+
+def assert_donor_refused(report: dict, events: list[dict]) -> None:
+    """Rank 1 held step 5 with a flipped bit; the replicas last agreed at
+    step 4: no live state served, the checkpoint of step 4 did, and step 5
+    was trained again. Rank 0's replacement joined (no relaunch)."""
+    assert report["relaunches"] == 0, report
+    steps = [r["step"] for r in read_metrics(report["faulted"]) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 5, 6, 7, 8], steps
+    loads = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert [(e["tier"], e["step"]) for e in loads] == [("global", 4)], loads
+    assert "rank 1's copy cannot be proven (its replicas last agreed at step 4" \
+        in loads[0]["skipped"]["live"], loads
 
 
 @pytest.mark.slow

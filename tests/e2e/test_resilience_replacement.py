@@ -1,8 +1,9 @@
 """Live replacement's fallbacks, through `megaresil train` (the scenarios
-kill-rank-replace and kill-during-replacement are in test_resilience.py):
-where no live peer holds a lost rank's state the replacement still joins,
-and the job resumes from the checkpoints, saying why; with the replacement
-budget spent, the launcher relaunches every worker as without it."""
+kill-rank-replace, kill-during-replacement and corrupt-donor-replace are in
+test_resilience.py): where no live peer holds a lost rank's state the
+replacement still joins, and the job resumes from the checkpoints, saying
+why; with the replacement budget spent, the launcher relaunches every worker
+as without it; a save the lost process interrupted is made again at once."""
 from __future__ import annotations
 
 import json
@@ -96,3 +97,41 @@ def test_sharded_optimizer_state_comes_from_the_local_tier_at_the_current_step(c
     assert [s for s, _ in losses(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8]
     started = {e["process_started"] for e in events if e["event"] == "generation_started"}
     assert len(started) == 1, started
+
+
+def saved_steps(run_dir) -> list[int]:
+    return [e["step"] for e in read_events(run_dir) if e["event"] == "checkpoint_saved"]
+
+
+@pytest.mark.slow
+def test_a_save_a_lost_process_interrupted_is_made_again_at_once(cli, chaos_reference,
+                                                                tmp_path):
+    """Rank 1 killed as it saves step 3 (checkpoint.interval=3): the job goes
+    on from step 3 in the ranks' memory and saves it before training on, so
+    the checkpoints go 3 -> 6, not 0 -> 6 (the issue's 5 -> 15: a second
+    fault with no live holder would lose twice the interval)."""
+    faults = [{"kind": "kill", "rank": 1, "step": 3, "section": "checkpoint"}]
+    cli("train", *SMALL, f"run.dir={tmp_path}", "logging.progress=false",
+        "checkpoint.interval=3", "resilience.replacement.enabled=true",
+        f"faults={json.dumps(faults)}")
+    loads = [(e["tier"], e["step"]) for e in read_events(tmp_path)
+             if e["event"] == "checkpoint_loaded"]
+    assert loads == [("live", 3)], loads
+    assert saved_steps(tmp_path) == [3, 6, 8]
+    assert losses(tmp_path) == losses(chaos_reference)  # every step once, bit for bit
+
+
+@pytest.mark.slow
+def test_an_exit_at_step_save_a_lost_process_interrupted_is_made_and_the_run_exits(cli,
+                                                                                  tmp_path):
+    """train.exit_at_step=4, rank 1 killed as it saves step 4: the job saves
+    step 4 from the ranks' memory and exits 0 there, as without the fault
+    (it used to train on to train.steps)."""
+    faults = [{"kind": "kill", "rank": 1, "step": 4, "section": "checkpoint"}]
+    cli("train", *SMALL, f"run.dir={tmp_path}", "logging.progress=false",
+        "checkpoint.interval=3", "train.exit_at_step=4", "resilience.replacement.enabled=true",
+        f"faults={json.dumps(faults)}")
+    events = read_events(tmp_path)
+    assert saved_steps(tmp_path) == [3, 4]
+    assert [s for s, _ in losses(tmp_path)] == [1, 2, 3, 4]
+    assert [e["step"] for e in events if e["event"] == "exited"] == [4]

@@ -1,6 +1,6 @@
 """Live replacement's meeting protocol (resilience/replacement.py) and the
 choice of where every rank's state comes from (train/handover.live_plan),
-on a store in memory and a fake clock."""
+a donor's proof among it, on a store in memory and a fake clock."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megaresil.resilience.replacement import (ENTERED_POLL_S, NOTICE_S, ReplacementFailed,
                                               announce_replacement, await_members, enter,
                                               generation_to_join, lost_in_setup, set_up)
-from megaresil.train.handover import live_plan
+from megaresil.train.handover import Held, live_plan
 
 
 class FakeClock:
@@ -102,33 +102,112 @@ def test_a_process_lost_in_its_generations_setup_is_not_replaced():
     assert not lost_in_setup(store, 1, 222)  # a replacement that never entered one
 
 
+def carrying(*steps):
+    """What each rank carries: a state at each step (None: nothing), one sum."""
+    return [None if s is None else Held(s, 100, 7) for s in steps]
+
+
 def test_a_replacement_takes_its_state_from_a_peer_of_its_group():
-    plan = live_plan([4, 4, 4, None], GROUPS, replicated=True)
+    plan = live_plan(carrying(4, 4, 4, None), GROUPS, replicated=True)
     assert plan.step == 4 and plan.sources == {0: 0, 1: 1, 2: 2, 3: 1}
 
 
 def test_ranks_one_step_behind_catch_up_from_a_peer_at_the_newest_step():
     """A peer died after a step's last collective: some ranks applied the
     update, others had not; every rank goes on from the newest step."""
-    plan = live_plan([5, 4, 5, 5], GROUPS, replicated=True)
+    plan = live_plan(carrying(5, 4, 5, 5), GROUPS, replicated=True)
     assert plan.step == 5 and plan.sources == {0: 0, 2: 2, 1: 3, 3: 3}
 
 
 def test_a_group_with_no_rank_at_the_newest_step_sends_the_job_to_the_checkpoints():
-    plan = live_plan([5, 4, 5, None], GROUPS, replicated=True)
+    plan = live_plan(carrying(5, 4, 5, None), GROUPS, replicated=True)
     assert plan.step is None
     assert plan.why_not.startswith("no live rank holds rank(s) [1, 3]'s state at step 5")
 
 
 def test_no_peer_at_dp_1_or_unreplicated_optimizer_state_says_why():
-    assert "dp = 1" in live_plan([4, None], [[0], [1]], replicated=True).why_not
-    plan = live_plan([4, None], [[0, 1]], replicated=False, why_unreplicated="sharded here")
+    assert "dp = 1" in live_plan(carrying(4, None), [[0], [1]], replicated=True).why_not
+    plan = live_plan(carrying(4, None), [[0, 1]], replicated=False, why_unreplicated="sharded here")
     assert plan.step is None and plan.why_not.endswith("sharded here")
 
 
 def test_no_rank_carrying_state_is_an_ordinary_start():
-    plan = live_plan([None, None], [[0, 1]], replicated=True)
+    plan = live_plan(carrying(None, None), [[0, 1]], replicated=True)
     assert plan.step is None and plan.why_not == ""
+
+
+# --- a donor's proof (the replica check runs: prove=True) ---------------------------------
+# Held(step, bytes, digest, agreed): agreed is the (step, digest) its replicas last agreed on.
+
+def test_a_donor_proves_its_state_with_the_sum_its_replicas_agreed_on():
+    plan = live_plan([None, Held(5, 100, 7, (5, 7))], [[0, 1]], replicated=True, prove=True)
+    assert plan.step == 5 and plan.sources == {0: 1, 1: 1}
+    assert plan.agreement(0) == plan.agreement(1) and plan.agreement(0).digest == 7
+    assert plan.corrupted == []
+
+
+def test_a_donor_changed_since_its_replicas_agreed_is_corrupted_and_not_copied():
+    """The issue's case at check_interval=1: a bit flipped at rest after the
+    check; copying it would leave both replicas agreeing on it."""
+    plan = live_plan([None, Held(5, 100, 9, (5, 7))], [[0, 1]], replicated=True, prove=True)
+    assert plan.step is None and plan.corrupted == [1] and plan.newest == 5
+    assert plan.why_not.startswith("no live rank holds a proven copy of rank(s) [0, 1]'s state "
+                                   "at step 5: rank 1's copy differs from the one its replicas "
+                                   "agreed on at that step (silent data corruption since)")
+
+
+def test_a_donor_newer_than_its_replicas_agreement_cannot_prove_it_at_dp_2():
+    """The issue's case: the flip came after the last check (check_interval
+    > 1), the kill before the next one: nothing can tell the state is sound."""
+    plan = live_plan([None, Held(5, 100, 9, (4, 7))], [[0, 1]], replicated=True, prove=True)
+    assert plan.step is None and plan.corrupted == []
+    assert "rank 1's copy cannot be proven (its replicas last agreed at step 4" in plan.why_not
+    assert "resilience.numerics.check_interval=1" in plan.why_not
+    never = live_plan([None, Held(5, 100, 9)], [[0, 1]], replicated=True, prove=True)
+    assert "no replica check passed in this generation" in never.why_not
+
+
+def test_unchecked_replicas_donate_as_ever():
+    """resilience.numerics.check_interval=0: nothing checks the replicas, so
+    nothing proves a donor either (docs/numerics.md)."""
+    plan = live_plan([None, Held(5, 100, 9, (4, 7))], [[0, 1]], replicated=True, prove=False)
+    assert plan.step == 5 and plan.sources == {0: 1, 1: 1} and plan.proven == {}
+
+
+def test_survivors_that_agree_now_prove_a_state_newer_than_the_agreement():
+    plan = live_plan([None, Held(5, 100, 9, (4, 7)), Held(5, 100, 9, (4, 7))], [[0, 1, 2]],
+                     replicated=True, prove=True)
+    assert plan.step == 5 and plan.sources == {0: 1, 1: 1, 2: 2} and plan.agreement(0).digest == 9
+
+
+def test_survivors_that_differ_with_no_agreement_to_tell_send_the_job_to_the_checkpoints():
+    plan = live_plan([None, Held(5, 100, 9, (4, 7)), Held(5, 100, 8, (4, 7))], [[0, 1, 2]],
+                     replicated=True, prove=True)
+    assert plan.step is None and plan.corrupted == []
+    assert "the copies on ranks [1, 2] differ" in plan.why_not
+
+
+def test_the_agreed_sum_tells_which_survivor_is_corrupted_and_it_takes_the_proven_state():
+    plan = live_plan([None, Held(5, 100, 8, (5, 7)), Held(5, 100, 7, (5, 7))], [[0, 1, 2]],
+                     replicated=True, prove=True)
+    assert plan.step == 5 and plan.sources == {0: 2, 1: 2, 2: 2} and plan.corrupted == [1]
+
+
+def test_a_majority_of_survivors_outvotes_a_corrupted_one():
+    """Before any donates, the survivors agree (dp = 4): the odd one out
+    takes the majority's state as the lost rank does."""
+    held = [None, Held(5, 100, 9, (4, 7)), Held(5, 100, 9, (4, 7)), Held(5, 100, 8, (4, 7))]
+    plan = live_plan(held, [[0, 1, 2, 3]], replicated=True, prove=True)
+    assert plan.sources == {0: 1, 1: 1, 2: 2, 3: 1} and plan.corrupted == [3]
+
+
+def test_a_group_with_nothing_to_move_keeps_its_own_unproven_states():
+    """Ranks 1 and 3 lost no replica: what they hold is not copied anywhere,
+    and the replica check compares them at its next step as ever."""
+    held = [None, Held(5, 100, 1, (4, 7)), Held(5, 100, 7, (5, 7)), Held(5, 100, 2, (4, 7))]
+    plan = live_plan(held, GROUPS, replicated=True, prove=True)
+    assert plan.step == 5 and plan.sources == {0: 2, 2: 2, 1: 1, 3: 3}
+    assert plan.agreement(0).digest == 7 and plan.agreement(1) is None
 
 
 def test_a_survivor_still_stuck_in_the_old_generation_is_waited_for():

@@ -1,13 +1,17 @@
 """Live replacement's state handling (train/handover.py): a peer's state lands
 straight in the receiver's own tensors and is checked there; a survivor's
 next generation adopts the tensors it carried instead of copying them; a
-shard's records are matched to a rank's tensors before anything moves."""
+shard's records are matched to a rank's tensors before anything moves; a
+carried state's sum is the replica check's, and a rollback forgets what
+the replicas agreed on."""
 from __future__ import annotations
 
+import contextlib
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +28,7 @@ from megaresil.ports import free_port
 from megaresil.train import handover
 from megaresil.train.handover import Carried
 from megaresil.train.progress import Progress
+from megaresil.train.replicas import Agreement, ReplicaCheck, quick_checksum
 from megaresil.train.state import LiveTrainingState
 
 from tests.harness.cli import ROOT
@@ -136,3 +141,27 @@ def test_a_receiver_takes_blank_moments_and_a_parameter_outside_the_optimizer_no
     state.adopt(blank)
     assert optimizer.state[w]["exp_avg"] is blank["optim/exp_avg/w"] and w.all()
     assert frozen not in optimizer.state
+
+
+def test_a_carried_state_is_summed_as_the_replica_check_sums_what_it_would_send():
+    """The sum a donor proves itself with is taken of its host copy; the
+    check takes it of the trainer's tensors (views among them)."""
+    rects = holder_rects()
+    rects[0] = Rect("model/w", (4, 3), (0, 0), torch.randn(5, 3)[1:])  # a view off its start
+    state = carried(rects)
+    cpu = torch.device("cpu")
+    assert int(quick_checksum([r.tensor for r in rects], cpu)) == \
+        int(quick_checksum(state.tensors, cpu))
+
+
+def test_a_rollback_forgets_what_the_replicas_agreed_on():
+    """A replay may reach an agreed step with another state (a rollback that
+    skipped batches): the agreement must not vouch for it, nor blame it."""
+    layout = SimpleNamespace(mesh=None, dp=2, rank=0, device=torch.device("cpu"))
+    rolled = []
+    check = ReplicaCheck(1, layout, lambda full: [], None, lambda s, why: rolled.append(s),
+                         lambda name, step: contextlib.nullcontext(),
+                         donated=lambda: [], agreement=Agreement(4, 7))
+    check.compare = lambda step, full: None  # the replicas differ, no majority
+    assert check.check(5, True) and rolled == [5]
+    assert check.agreement is None

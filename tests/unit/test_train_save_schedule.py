@@ -94,3 +94,30 @@ def test_the_mtbf_line_names_the_profile_it_comes_from():
     assert "scaled to 4 ranks" in source and "resilience.mtbf_hours" in source
     mine = load_recipe("recipes/gpt-tiny.yaml", ["resilience.mtbf_hours=7"])
     assert mtbf_source(mine) == "resilience.mtbf_hours"
+
+
+def resumed_live(tmp_path, step: int, last_saved: int, *overrides) -> SaveSchedule:
+    """A generation whose state came from the ranks' memory at `step`, the
+    newest checkpoint at `last_saved`."""
+    cfg = load_recipe("recipes/gpt-tiny.yaml", ["train.steps=1000", *overrides])
+    return SaveSchedule(cfg, step, events=EventLog(tmp_path, 0), rank=0, last_saved=last_saved)
+
+
+def test_a_save_live_replacement_interrupted_is_missed_and_then_not(tmp_path):
+    """The issue's run: interval 5, the save of step 10 interrupted, the ranks'
+    memory at step 10 (or past it, an async save's steps after it)."""
+    every5 = "checkpoint.interval=5"
+    assert resumed_live(tmp_path, 10, 5, every5).missed(10)
+    assert resumed_live(tmp_path, 12, 5, every5).missed(12)
+    assert not resumed_live(tmp_path, 9, 5, every5).missed(9)  # the save of 10 is still ahead
+    assert not resumed_live(tmp_path, 10, 10, every5).missed(10)  # it was committed
+    s = resumed_live(tmp_path, 10, 5, every5)
+    s.saved(10, 1.0)
+    assert not s.missed(10) and saved_steps(s, 20, first=11) == [15, 20]
+
+
+def test_the_last_step_and_exit_at_step_saves_are_missed_whatever_the_interval(tmp_path):
+    assert resumed_live(tmp_path, 1000, 990, "checkpoint.interval=auto").missed(1000)
+    assert resumed_live(tmp_path, 7, 0, "checkpoint.interval=0", "train.exit_at_step=7").missed(7)
+    assert not resumed_live(tmp_path, 7, 0, "checkpoint.interval=0").missed(7)
+    assert not resumed_live(tmp_path, 7, 0, "checkpoint.interval=auto").missed(7)
