@@ -213,6 +213,10 @@ class NumericsConfig:
                                  "and those of the steps just before it (never before the "
                                  "checkpoint rolled back to). Each skip counts against "
                                  "max_rollbacks.", bounds=Bounds(1))
+    spike_level_shift: int = doc(5, "Spikes applied in a row (under warn, or caused by the "
+                                 "state: one that comes back at its step after its batch was "
+                                 "skipped) that make a new loss level, not a spike: the window "
+                                 "starts again from their losses.", bounds=Bounds(2))
     check_interval: int = doc(1, "Compare a checksum of every data-parallel replica's "
                               "parameters (and their optimizer state, unless "
                               "optimizer.distributed) every this many steps and before every "

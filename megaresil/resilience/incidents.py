@@ -139,6 +139,10 @@ NUMERICS: dict[str, Callable[[dict], Optional[str]]] = {
                              f"{e.get('deviations')} robust deviations above the median "
                              f"{e.get('median'):.4g} (threshold {e.get('threshold')}); "
                              f"{e.get('next')}"),
+    "loss_level_shift": lambda e: (f"loss level shift at step {e.get('step')}: "
+                                   f"{e.get('steps')} spikes in a row, the loss's median moves "
+                                   f"from {e.get('median'):.4g} to {e.get('new_median'):.4g}; "
+                                   f"{e.get('next')}"),
     "silent_corruption_detected": _corruption,
     "silent_corruption_attributed": lambda e: (f"replicas replayed to step {e.get('step')}: "
                                                f"{_culprit(e)}; {e.get('next')}"),

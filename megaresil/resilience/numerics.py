@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 
@@ -117,6 +117,57 @@ def skip_refusal(step: int, made: int, limit: int, what: str) -> str | None:
             f"resilience.numerics.max_rollbacks={limit}: stopping. Fix: look at the data of the "
             "samples named in events.jsonl (loss_spike, samples_skipped), raise "
             "resilience.numerics.max_rollbacks, or set resilience.numerics.on_spike=warn")
+
+
+@dataclass
+class LossWatch:
+    """What the spike detector and a spike's rollback read besides the
+    recipe. It lives in the trainer's Progress, so that every checkpoint
+    saves it and live replacement carries it (train/state.py): a resumed or
+    replaced run decides as the uninterrupted one would.
+
+    A spike whose batch was skipped (on_spike=skip or rollback) and that
+    comes back at the same step with another batch is caused by the state
+    (weights, optimizer state, learning rate), not by a batch: skipping more
+    batches cannot cure it, so it is applied, as under warn, and so are the
+    spikes that follow it in a row. `level_shift` spikes applied in a row
+    are a new level, not a spike: the window restarts from their losses."""
+    losses: list[float] = field(default_factory=list)  # the window; spikes left out
+    starts: list[int] = field(default_factory=list)  # the last applied steps' first samples
+    streak: list[float] = field(default_factory=list)  # spikes applied in a row, up to now
+    cured_step: Optional[int] = None  # the step whose spike's batch was skipped last
+
+    def state_caused(self, step: int) -> bool:
+        """A spike at `step` is the state's: it came back after its batch was
+        skipped, or it follows a spike that was applied."""
+        return bool(self.streak) or self.cured_step == step
+
+    def applied(self, step: int, first_sample: int, loss: float, spike: bool,
+                sizes: "WatchSizes") -> bool:
+        """Record an applied step; True when its spike completes a level
+        shift (the window then restarts from the streak's losses)."""
+        self.starts = (self.starts + [first_sample])[-sizes.skip_window:]
+        if self.cured_step is not None and step >= self.cured_step:
+            self.cured_step = None  # the run got past the step it skipped a batch of
+        if not math.isfinite(loss):
+            return False
+        if not spike:
+            self.streak = []  # the loss came back: those were spikes, not a new level
+            self.losses = (self.losses + [loss])[-sizes.window:]
+            return False
+        self.streak = self.streak + [loss]
+        if len(self.streak) < sizes.level_shift:
+            return False
+        self.losses, self.streak = self.streak[-sizes.window:], []
+        return True
+
+
+@dataclass(frozen=True)
+class WatchSizes:
+    """resilience.numerics' sizes a LossWatch keeps to."""
+    window: int  # spike_window
+    skip_window: int  # spike_skip_window
+    level_shift: int  # spike_level_shift
 
 
 # --- replicas that differ (silent data corruption) ----------------------------------
