@@ -116,10 +116,14 @@ def _rolled_back(e: dict) -> str:
 
 
 def _culprit(e: dict) -> str:
-    culprit = e.get("culprit")
+    culprit, unresolved = e.get("culprit"), e.get("unresolved")
     if culprit is None:
         return "the corrupted replica is not known yet"
-    return f"corrupted replica on rank(s) {culprit}" if culprit else "no replica differed on replay"
+    named = f"corrupted replica on rank(s) {culprit}" if culprit else ""
+    if unresolved:
+        return (f"{named}; " if named else "") + (
+            f"which replica of {unresolved} was corrupted is not known: {e.get('why')}")
+    return named or "no replica differed on replay"
 
 
 def _corruption(e: dict) -> str:

@@ -52,6 +52,11 @@ CASES = {
     "bitflip_param": DP2 + SAVES + ['faults=[{kind: bitflip, rank: 1, step: 5, bit: 20}]'],
     "bitflip_grad": DP2 + SAVES + ['faults=[{kind: bitflip, rank: 0, step: 7, bit: 22, '
                                    'target: grad}]'],
+    # Checked every 2 steps: the weight flipped after step 5's update is used
+    # by step 6's forward pass before the check finds it.
+    "bitflip_param_interval2": DP2 + SAVES + ["resilience.numerics.check_interval=2",
+                                              'faults=[{kind: bitflip, rank: 1, step: 5, '
+                                              'bit: 20}]'],
     # Spikes the state causes: rank 1's loss x10 on every attempt of step 9,
     # whatever the batch; x3 from step 9 to the end (a new level).
     "state_spike_skip": DP2 + SPIKE + ["resilience.numerics.on_spike=skip", STATE_SPIKE_AT_9],
@@ -188,6 +193,21 @@ def test_replicas_that_differ_at_dp2_are_found_by_a_replay(runs, case, rank, ste
     assert attributed["step"] == step and attributed["culprit"] == [rank], attributed
     assert losses(run) == losses(runs / "reference")  # the replay is the fault-free run
     assert not events(runs / "reference", "silent_corruption_detected")
+
+
+def test_a_flip_used_before_the_check_is_not_blamed_on_the_healthy_replica(runs):
+    """Checked every 2 steps, rank 1's flipped weight feeds step 6's forward
+    pass before the check: its gradients reach rank 0's update too, so on
+    replay both replicas' states change. The replay cannot tell which was
+    corrupted and says so; it blames neither (draining rank 0's healthy
+    node would be the wrong cure). The rollback restored both all the same."""
+    run = runs / "bitflip_param_interval2"
+    detected, = events(run, "silent_corruption_detected")
+    assert detected["step"] == 6 and detected["culprit"] is None, detected
+    attributed, = events(run, "silent_corruption_attributed")
+    assert attributed["culprit"] == [] and attributed["unresolved"] == [[0, 1]], attributed
+    assert "check_interval=2" in attributed["why"] and "check_interval=1" in attributed["why"]
+    assert losses(run) == losses(runs / "reference")
 
 
 def test_a_spike_that_comes_back_with_another_batch_is_applied(runs):

@@ -121,15 +121,19 @@ def test_what_the_detector_reads_moves_with_live_replacement():
     assert received.watch == WATCH and received.consumed_samples == 64
 
 
-def test_level_shifts_and_state_caused_spikes_are_one_console_line_each():
+def test_level_shifts_spikes_and_unresolved_replays_are_one_console_line_each():
     lines = [describe(e) for e in [
         {"event": "loss_level_shift", "step": 65, "steps": 5, "median": 3.0,
          "new_median": 4.5, "next": "the spike window starts again from these 5 losses"},
         {"event": "loss_spike", "step": 9, "loss": 25.1, "median": 2.5, "deviations": 40.2,
-         "threshold": 6.0, "state_caused": True, "next": "update applied: the state"}]]
+         "threshold": 6.0, "state_caused": True, "next": "update applied: the state"},
+        {"event": "silent_corruption_attributed", "step": 6, "culprit": [],
+         "unresolved": [[0, 1]], "why": "every replica of those changed on replay",
+         "next": "training on"}]]
     assert all(line.startswith("megaresil: ") and "\n" not in line for line in lines)
     assert "level shift at step 65" in lines[0] and "from 3 to 4.5" in lines[0]
     assert "the state" in lines[1]
+    assert "[[0, 1]]" in lines[2] and "not known" in lines[2] and "rank(s) []" not in lines[2]
 
 
 @pytest.mark.parametrize("window", [5, 50])
