@@ -64,15 +64,38 @@ def what_is_nonfinite(figures: Sequence[Figures]) -> str:
     return " and ".join(bad) or "nothing"
 
 
-def rollback_refusal(step: int, made: int, limit: int) -> str | None:
+def every_rank_alike(figures: Sequence[Figures]) -> bool:
+    """Whether a non-finite step shows on every rank alike: each rank's own
+    figures non-finite, and the loss non-finite on every rank that computes
+    one or on none (then the gradient norm, which the data-parallel
+    reduction shares, on all). A bad batch's samples or a bad rank make
+    their own rank's loss non-finite and leave the others' finite."""
+    losses = [f.loss for f in figures if f.loss != 0.0]  # 0: a stage without the loss
+    nonfinite = sum(not math.isfinite(x) for x in losses)
+    return all(not f.finite for f in figures) and nonfinite in (0, len(losses))
+
+
+def rollback_refusal(step: int, made: int, limit: int,
+                     figures: Sequence[Figures] = ()) -> str | None:
     """Why a persistent fault at `step` stops the run instead of rolling
-    back, `made` rollbacks into it; None while rollbacks are left."""
+    back, `made` rollbacks into it; None while rollbacks are left.
+    `figures`: every rank's own figures of the step's replay: when they
+    show every rank alike and earlier rollbacks skipped other batches in
+    vain, the fault is the training's own (a divergence), and the fix is
+    the learning rate, not the data or a rank."""
     if made < limit:
         return None
-    return (f"step {step} is non-finite again on replay (a persistent fault) and the run has "
-            f"made {made} rollback(s), resilience.numerics.max_rollbacks={limit}: stopping. "
-            "Fix: look for the bad data or rank named in events.jsonl (nonfinite_detected, "
-            "step_replayed), or raise resilience.numerics.max_rollbacks")
+    where = (f"step {step} is non-finite again on replay (a persistent fault) and the run has "
+             f"made {made} rollback(s), resilience.numerics.max_rollbacks={limit}: stopping.")
+    if made and figures and every_rank_alike(figures):
+        return (f"{where} Every rank's own figures are non-finite alike and skipping {made} "
+                "other batch(es) did not cure it: the training itself diverges (its learning "
+                "rate or optimizer state), not one bad batch or rank. Fix: lower optimizer.lr "
+                "(or raise optimizer.warmup_steps, lower optimizer.grad_clip) and train again "
+                "from a checkpoint before the divergence (checkpoint.allow_recipe_change="
+                "[optimizer.lr])")
+    return (f"{where} Fix: look for the bad data or rank named in events.jsonl "
+            "(nonfinite_detected, step_replayed), or raise resilience.numerics.max_rollbacks")
 
 
 # --- loss spikes -------------------------------------------------------------------

@@ -136,14 +136,15 @@ class NumericsGuard:
                   next=f"update not applied; replaying step {step}")
         restore_rng(rng)
         second = attempt()  # the same samples: the position moves only once a step is applied
-        differed = differing_ranks(before, gather_figures(second, self.layout))
+        again = gather_figures(second, self.layout)
+        differed = differing_ranks(before, again)
         if second.applied:
             self.emit("step_replayed", step=step, outcome="transient", differed_ranks=differed,
                       next="continuing with the replayed step")
             return self.applied(step, second)
         self.emit("step_replayed", step=step, outcome="persistent", differed_ranks=differed,
                   next="rolling back to the newest checkpoint and skipping the step's samples")
-        refusal = rollback_refusal(step, self.skips_made(), self.settings.max_rollbacks)
+        refusal = rollback_refusal(step, self.skips_made(), self.settings.max_rollbacks, again)
         if refusal:
             raise PersistentNumericalFault(refusal)
         self.rollback(step, "nonfinite", [self.progress.consumed_samples])

@@ -68,6 +68,10 @@ CASES = {
     "reference_longer": DP2 + LONGER,
     "spike_skipped_from_start_longer": DP2 + SPIKE + LONGER + [
         "resilience.numerics.on_spike=rollback", "resilience.numerics.skip_batches=[[64, 8]]"],
+    # A genuine divergence: after step 1 (lr 1e29) the weights overflow every
+    # forward pass, on every rank and batch.
+    "divergence": DP2 + ["checkpoint.interval=1", "optimizer.lr=1e30",
+                         "optimizer.warmup_steps=10", "resilience.numerics.max_rollbacks=1"],
 }
 
 
@@ -260,3 +264,16 @@ def assert_equal_but_the_spikes(run, reference, spiked: set[int]) -> None:
     assert {s: v for s, v in seen.items() if s not in spiked} == {
         s: v for s, v in expected.items() if s not in spiked}
     assert all(seen[s][1] == expected[s][1] for s in spiked)  # the grad norms: untouched
+
+
+def test_a_divergence_on_every_rank_and_batch_points_at_the_learning_rate(runs):
+    """Not one bad batch or rank: every rank's loss is non-finite, and the
+    batch the rollback skipped changed nothing."""
+    run = runs / "divergence"
+    assert len(events(run, "rolled_back")) == 1
+    for rank in (0, 1):
+        line = (run / f"stopped.{rank}").read_text()
+        assert "diverges" in line and "optimizer.lr" in line and "\n" not in line
+        assert "bad data or rank" not in line
+    # One rank's persistent NaN is still that rank's or its batch's.
+    assert "bad data or rank" in (runs / "exhausted" / "stopped.0").read_text()
