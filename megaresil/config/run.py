@@ -207,8 +207,10 @@ class NumericsConfig:
                                 "detector).")
     spike_window: int = doc(50, "Steps of loss history the spike detector compares with (their "
                             "median and median absolute deviation).", bounds=Bounds(5))
-    spike_threshold: float = doc(6.0, "Robust deviations (1.4826 x MAD, at least 1% of the "
-                                 "median) above the median that make a spike.", bounds=POSITIVE)
+    spike_threshold: float = doc(6.0, "Robust deviations (the larger of 1.4826 x the median "
+                                 "absolute deviation and 1.2533 x the mean one, at least 1% of "
+                                 "the median) above the median that make a spike.",
+                                 bounds=POSITIVE)
     spike_skip_window: int = doc(1, "on_spike=rollback: global batches skipped, the spike's own "
                                  "and those of the steps just before it (never before the "
                                  "checkpoint rolled back to). Each skip counts against "

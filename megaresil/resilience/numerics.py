@@ -100,9 +100,15 @@ def rollback_refusal(step: int, made: int, limit: int,
 
 # --- loss spikes -------------------------------------------------------------------
 
-# A robust deviation (1.4826 x MAD estimates a normal sigma) is at least this
-# fraction of the median: a window of near-equal losses must not make every
-# wobble a spike.
+# A robust deviation is the larger of two estimates of a normal sigma from
+# the window's absolute deviations from its median: 1.4826 x their median
+# (the MAD, blind to outliers) and sqrt(pi / 2) x their mean. The MAD alone
+# collapses in a small window where a few losses happen to coincide (3 of 5
+# within 0.005 made a healthy demo run's step 249 a 6.2-deviation "spike"),
+# the mean does not. And it is at least this fraction of the median: a
+# window of near-equal losses must not make every wobble a spike.
+MAD_TO_SIGMA = 1.4826
+MEAN_ABSOLUTE_TO_SIGMA = math.sqrt(math.pi / 2)
 MIN_RELATIVE_DEVIATION = 0.01
 
 
@@ -126,8 +132,11 @@ def find_spike(loss: float, window: Sequence[float], size: int,
     if len(recent) < size:
         return None
     median = statistics.median(recent)
-    mad = statistics.median(abs(x - median) for x in recent)
-    spike = Spike(loss, median, max(1.4826 * mad, MIN_RELATIVE_DEVIATION * abs(median)))
+    apart = [abs(x - median) for x in recent]
+    deviation = max(MAD_TO_SIGMA * statistics.median(apart),
+                    MEAN_ABSOLUTE_TO_SIGMA * statistics.fmean(apart),
+                    MIN_RELATIVE_DEVIATION * abs(median))
+    spike = Spike(loss, median, deviation)
     return spike if spike.deviations > threshold else None
 
 

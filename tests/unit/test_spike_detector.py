@@ -136,6 +136,17 @@ def test_level_shifts_spikes_and_unresolved_replays_are_one_console_line_each():
     assert "[[0, 1]]" in lines[2] and "not known" in lines[2] and "rank(s) []" not in lines[2]
 
 
+def test_a_small_window_whose_losses_coincide_makes_no_spike():
+    """The demo's healthy steps 244-248 at spike_window=5: three of the five
+    losses within 0.006, so their median absolute deviation is 0.006 and the
+    floor (1% of the median) decided: step 249's ordinary 5.357 was 6.2
+    deviations up, a false alarm. Their mean absolute deviation sees the
+    spread the window has."""
+    window = [5.04, 5.368, 5.044, 5.235, 5.038]
+    assert find_spike(5.357, window, size=5, threshold=6.0) is None
+    assert find_spike(5.044 * 1.5, window, size=5, threshold=6.0) is not None
+
+
 @pytest.mark.parametrize("window", [5, 50])
 def test_the_detector_still_sees_a_spike(window):
     """What the drills inject (one replica's loss x10 at dp=2: the mean x5.5)
