@@ -6,6 +6,7 @@ the state (live replacement) and is saved (checkpoints). The multi-rank
 story: tests/multirank/test_train_numerics.py."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -25,6 +26,7 @@ from megaresil.train.state import LiveTrainingState
 from tests.harness.cli import ROOT
 
 SIZES = WatchSizes(window=20, skip_window=3, level_shift=5)
+CURVE = ROOT / "bench" / "results" / "spike_alarms_curve.json"
 
 
 def warn(losses: list[float], sizes: WatchSizes = SIZES, threshold: float = 6.0,
@@ -85,6 +87,21 @@ def test_only_the_last_applied_starts_are_kept():
     for step in range(1, 8):
         watch.applied(step, 8 * (step - 1), 3.0, spike=False, sizes=SIZES)
     assert watch.starts == [32, 40, 48]
+
+
+def test_a_healthy_demo_run_raises_no_alarm():
+    """The demo's recorded curve (bench/spike_alarms.py, one process, the
+    defaults) replayed through the detector: no alarm at the defaults, nor
+    at the minimum window over the demo's own 250 steps."""
+    curve = json.loads(CURVE.read_text())
+    losses = [loss for _, loss in curve]
+    assert len(losses) >= 1000
+    cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [])
+    settings, warmup = cfg.resilience.numerics, cfg.optimizer.warmup_steps
+    defaults = WatchSizes(settings.spike_window, 1, settings.spike_level_shift)
+    assert warn(losses, defaults, settings.spike_threshold, warmup) == ([], [])
+    smallest = WatchSizes(5, 1, settings.spike_level_shift)
+    assert warn(losses[:250], smallest, settings.spike_threshold, warmup)[0] == []
 
 
 def state_with(progress: Progress) -> LiveTrainingState:
