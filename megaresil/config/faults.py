@@ -35,6 +35,8 @@ class FaultKind(str, enum.Enum):
     # The loss of the rank's data-parallel replica times `scale` (default
     # 10) at one step, as the spike detector sees it (any rank of the replica
     # will do: TP ranks and pipeline stages alike); gradients are left alone.
+    # Once (a bad batch), or with steps: N on every attempt of N steps in a
+    # row, whatever the batch (the state causes it; many steps: a new level).
     spike = "spike"
     # One bit flipped (`bit`, else chosen by `seed`) in one element chosen by
     # `seed`: `target: param`, in the rank's copy of a parameter after the
@@ -79,6 +81,7 @@ class FaultSpec:
     generation: Optional[int] = None
     persistent: Optional[bool] = None  # nan: every attempt of its batch; None: once
     scale: Optional[float] = None  # spike: the loss's factor; None: 10
+    steps: Optional[int] = None  # spike: every attempt of this many steps; None: once
     target: Optional[FlipTarget] = None  # bitflip: None is param
     seed: Optional[int] = None  # bitflip: picks the element (and the bit); None: the step
     bit: Optional[int] = None  # bitflip: 0 is the lowest mantissa bit; None: chosen by seed
@@ -94,6 +97,10 @@ class FaultSpec:
     @property
     def every_attempt(self) -> bool:
         return bool(self.persistent)
+
+    def lasts_at(self, step: int) -> bool:
+        """A spike with `steps`: due on every attempt of `step`."""
+        return self.steps is not None and self.step <= step < self.step + self.steps
 
     @property
     def hang_mode(self) -> HangMode:
@@ -130,7 +137,7 @@ FAULT_KINDS = tuple(kind.value for kind in FaultKind)
 HANG_MODES = tuple(mode.value for mode in HangMode)
 FLIP_TARGETS = tuple(target.value for target in FlipTarget)
 # The fields only one kind reads.
-KIND_FIELDS = {"persistent": FaultKind.nan, "scale": FaultKind.spike,
+KIND_FIELDS = {"persistent": FaultKind.nan, "scale": FaultKind.spike, "steps": FaultKind.spike,
                "target": FaultKind.bitflip, "seed": FaultKind.bitflip, "bit": FaultKind.bitflip}
 
 
@@ -190,7 +197,7 @@ def check_fault(fault: Any, key: str) -> None:
     require(fault.get("target", "param") in FLIP_TARGETS, f"{key}.target",
             f"{fault.get('target')!r} is not a bit-flip target.",
             f"use one of {list(FLIP_TARGETS)}.")
-    for name, low, high in (("seed", 0, 2**63 - 1), ("bit", 0, 31)):
+    for name, low, high in (("seed", 0, 2**63 - 1), ("bit", 0, 31), ("steps", 1, 10**9)):
         value = fault.get(name, low)
         require(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
                 f"{key}.{name}", f"must be an integer in [{low}, {high}], got {value!r}.",

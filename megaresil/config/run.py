@@ -195,7 +195,9 @@ class NumericsConfig:
                              "exit 1. 0: stop at the first.", bounds=NON_NEGATIVE)
     skip_batches: list[Any] = doc([], "Global batches to pass over, by hand: [[first_sample, "
                                   "samples], ...], each first_sample where a global batch starts "
-                                  "(train.global_batch_size times a step). What a rollback "
+                                  "(train.global_batch_size times a step) and samples a multiple "
+                                  "of train.global_batch_size; an entry that could never match "
+                                  "(elsewhere, or inside another) is refused. What a rollback "
                                   "records in its checkpoints, given up front: to skip a bad data "
                                   "window, or for a reference run that skips what a faulted one "
                                   "did.", recipe_type="list[[int, int]]")
@@ -209,12 +211,18 @@ class NumericsConfig:
                                 "detector).")
     spike_window: int = doc(50, "Steps of loss history the spike detector compares with (their "
                             "median and median absolute deviation).", bounds=Bounds(5))
-    spike_threshold: float = doc(6.0, "Robust deviations (1.4826 x MAD, at least 1% of the "
-                                 "median) above the median that make a spike.", bounds=POSITIVE)
+    spike_threshold: float = doc(6.0, "Robust deviations (the larger of 1.4826 x the median "
+                                 "absolute deviation and 1.2533 x the mean one, at least 1% of "
+                                 "the median) above the median that make a spike.",
+                                 bounds=POSITIVE)
     spike_skip_window: int = doc(1, "on_spike=rollback: global batches skipped, the spike's own "
                                  "and those of the steps just before it (never before the "
                                  "checkpoint rolled back to). Each skip counts against "
                                  "max_rollbacks.", bounds=Bounds(1))
+    spike_level_shift: int = doc(5, "Spikes applied in a row (under warn, or caused by the "
+                                 "state: one that comes back at its step after its batch was "
+                                 "skipped) that make a new loss level, not a spike: the window "
+                                 "starts again from their losses.", bounds=Bounds(2))
     check_interval: int = doc(1, "Compare a checksum of every data-parallel replica's "
                               "parameters (and their optimizer state, unless "
                               "optimizer.distributed) every this many steps and before every "

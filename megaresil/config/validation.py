@@ -174,14 +174,34 @@ def _validate_observing(cfg: RecipeConfig) -> None:
 WANDB_MODES = ("online", "offline", "disabled")
 
 
-def _validate_skips(skips: list) -> None:
+def _validate_skips(skips: list, global_batch: int) -> None:
+    """Each entry whole global batches from where a batch starts, none inside
+    another: the sampler only ever stands at a batch start (data/sampler.
+    skip_past), so any other entry would skip nothing."""
+    key = "resilience.numerics.skip_batches"
     for i, skip in enumerate(skips):
         ok = (isinstance(skip, (list, tuple)) and len(skip) == 2
               and all(isinstance(v, int) and not isinstance(v, bool) for v in skip)
               and skip[0] >= 0 and skip[1] > 0)
-        require(ok, f"resilience.numerics.skip_batches[{i}]",
+        require(ok, f"{key}[{i}]",
                 f"must be [first_sample, samples] (integers, samples > 0), got {skip!r}.",
                 "write e.g. [[40, 8]] to pass over samples 40..47.")
+        first, samples = skip
+        below = first - first % global_batch
+        require(first % global_batch == 0, f"{key}[{i}]",
+                f"{list(skip)} does not start a global batch: batches start at multiples of "
+                f"train.global_batch_size={global_batch}, so it would skip nothing.",
+                f"start it at {below} or {below + global_batch}.")
+        require(samples % global_batch == 0, f"{key}[{i}]",
+                f"{list(skip)} is not a whole number of global batches of "
+                f"train.global_batch_size={global_batch}.",
+                f"skip {global_batch} samples a batch, e.g. [{first}, {global_batch}].")
+    taken = sorted(((first, samples, i) for i, (first, samples) in enumerate(skips)))
+    for (first, samples, _), (later, n, i) in zip(taken, taken[1:]):
+        require(later >= first + samples, f"{key}[{i}]",
+                f"[{later}, {n}] repeats or lies inside [{first}, {samples}]: the sampler "
+                "passes over that batch already, so it would skip nothing.",
+                "give each batch once (merge overlapping entries into one).")
 
 
 def validate(cfg: RecipeConfig) -> None:
@@ -208,7 +228,7 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_init_from(cfg.checkpoint)
     _validate_local_tier(cfg)
     _validate_data(cfg)
-    _validate_skips(cfg.resilience.numerics.skip_batches)
+    _validate_skips(cfg.resilience.numerics.skip_batches, cfg.train.global_batch_size)
     require(cfg.resilience.in_process or not cfg.resilience.replacement.enabled,
             "resilience.replacement.enabled", "live replacement keeps the other ranks in their "
             "processes, which needs in-process restarts.",

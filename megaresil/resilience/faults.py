@@ -84,6 +84,7 @@ class FaultInjector:
         self.numeric_faults = [f for f in mine if f.kind in STEP_FAULT_KINDS]
         # Persistent NaN faults by the first sample of the batch they hit.
         self.bad_batches: dict[int, FaultSpec] = {}
+        self.lasting: list[FaultSpec] = []  # spikes with `steps`, once fired
         self.slow_seconds = 0.0
         self.events, self.checkpoint_root = events, checkpoint_root
         # None when the local tier is off (config refuses local faults then).
@@ -119,17 +120,22 @@ class FaultInjector:
         """The faults due in this attempt of `step`, on the global batch
         starting at sample `position`: each once, on the first attempt of its
         step, except a persistent NaN, which hits every attempt of the batch
-        it first hit (skipping that batch is the cure)."""
+        it first hit (skipping that batch is the cure), and a spike with
+        `steps`, which hits every attempt of its steps, whatever the batch
+        (no skip cures it)."""
         due = [f for f in self.numeric_faults if f.step == step]
         for fault in due:
             self.numeric_faults.remove(fault)
             if fault.every_attempt:
                 self.bad_batches[position] = fault
+            if fault.steps is not None:
+                self.lasting.append(fault)
         announced = [f for f in due if f.kind != FaultKind.bitflip]  # bit flips say what they hit
         for fault in announced:
             self.announce(fault, step, persistent=fault.every_attempt)
         if position in self.bad_batches and self.bad_batches[position] not in due:
             due.append(self.bad_batches[position])
+        due += [f for f in self.lasting if f.lasts_at(step) and f not in due]
         return StepFaults(due, lambda fault, **details: self.announce(fault, step, **details))
 
     def announce(self, fault: FaultSpec, step: int, **details) -> None:

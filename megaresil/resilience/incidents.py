@@ -121,10 +121,14 @@ def _rolled_back(e: dict) -> str:
 
 
 def _culprit(e: dict) -> str:
-    culprit = e.get("culprit")
+    culprit, unresolved = e.get("culprit"), e.get("unresolved")
     if culprit is None:
         return "the corrupted replica is not known yet"
-    return f"corrupted replica on rank(s) {culprit}" if culprit else "no replica differed on replay"
+    named = f"corrupted replica on rank(s) {culprit}" if culprit else ""
+    if unresolved:
+        return (f"{named}; " if named else "") + (
+            f"which replica of {unresolved} was corrupted is not known: {e.get('why')}")
+    return named or "no replica differed on replay"
 
 
 def _corruption(e: dict) -> str:
@@ -144,6 +148,10 @@ NUMERICS: dict[str, Callable[[dict], Optional[str]]] = {
                              f"{e.get('deviations')} robust deviations above the median "
                              f"{e.get('median'):.4g} (threshold {e.get('threshold')}); "
                              f"{e.get('next')}"),
+    "loss_level_shift": lambda e: (f"loss level shift at step {e.get('step')}: "
+                                   f"{e.get('steps')} spikes in a row, the loss's median moves "
+                                   f"from {e.get('median'):.4g} to {e.get('new_median'):.4g}; "
+                                   f"{e.get('next')}"),
     "silent_corruption_detected": _corruption,
     "silent_corruption_attributed": lambda e: (f"replicas replayed to step {e.get('step')}: "
                                                f"{_culprit(e)}; {e.get('next')}"),

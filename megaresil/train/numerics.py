@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
+import statistics
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Optional
 
@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from megaresil.config import RecipeConfig, SpikePolicy
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.resilience.numerics import (Figures, PersistentNumericalFault, Spike,
-                                           differing_ranks, find_spike, nonfinite_ranks,
-                                           rollback_refusal, skip_refusal, what_is_nonfinite)
+from megaresil.resilience.numerics import (Figures, LossWatch, PersistentNumericalFault, Spike,
+                                           WatchSizes, differing_ranks, find_spike,
+                                           nonfinite_ranks, rollback_refusal, skip_refusal,
+                                           what_is_nonfinite)
 from megaresil.train.checkpointing import TrainCheckpointing
 from megaresil.train.progress import Progress
 from megaresil.train.state import configured_skips
@@ -92,26 +93,34 @@ class NumericsGuard:
         self.checkpointing, self.events, self.section = checkpointing, events, section
         self.settings = cfg.resilience.numerics
         self.rollbacks = 0  # made by this trainer: its metrics lines say so
-        # Where the last applied steps started: a spike's rollback skips their batches.
-        self.recent_starts: deque[int] = deque(maxlen=self.settings.spike_skip_window)
+        self.sizes = WatchSizes(self.settings.spike_window, self.settings.spike_skip_window,
+                                self.settings.spike_level_shift)
 
     def emit(self, event: str, **fields) -> None:
         if self.layout.rank == 0:
             self.events.emit(event, **fields)
 
+    @property
+    def watch(self) -> LossWatch:
+        return self.progress.watch  # the Progress's: a load replaces it
+
     def holds_back(self, step: int, result: StepResult) -> bool:
         """Whether the attempt's update must not be applied: a non-finite
-        step (checked), or a spike that on_spike skips or rolls back."""
+        step (checked), or a spike that on_spike skips or rolls back (not one
+        the state causes: skipping batches cannot cure that)."""
         if not result.finite:
             return self.settings.enabled
         result.spike = self.spike_in(step, result.loss)
-        return result.spike is not None and self.settings.on_spike != SpikePolicy.warn
+        return result.spike is not None and self.acts_on_spike(step)
+
+    def acts_on_spike(self, step: int) -> bool:
+        return self.settings.on_spike != SpikePolicy.warn and not self.watch.state_caused(step)
 
     def spike_in(self, step: int, loss: float) -> Optional[Spike]:
         """A spike against the loss window, off during the LR warmup."""
         if self.settings.on_spike == SpikePolicy.none or step <= self.cfg.optimizer.warmup_steps:
             return None
-        return find_spike(loss, self.progress.losses, self.settings.spike_window,
+        return find_spike(loss, self.watch.losses, self.settings.spike_window,
                           self.settings.spike_threshold)
 
     def run(self, step: int, attempt: Callable[[], StepResult]) -> Optional[StepResult]:
@@ -120,44 +129,49 @@ class NumericsGuard:
         if first.spike is not None:
             return self.after_spike(step, first)
         if first.applied or not self.settings.enabled:
-            return self.applied(first)
+            return self.applied(step, first)
         before = gather_figures(first, self.layout)
         self.emit("nonfinite_detected", step=step, what=what_is_nonfinite(before),
                   ranks=nonfinite_ranks(before), samples=self.samples(),
                   next=f"update not applied; replaying step {step}")
         restore_rng(rng)
         second = attempt()  # the same samples: the position moves only once a step is applied
-        differed = differing_ranks(before, gather_figures(second, self.layout))
+        again = gather_figures(second, self.layout)
+        differed = differing_ranks(before, again)
         if second.applied:
             self.emit("step_replayed", step=step, outcome="transient", differed_ranks=differed,
                       next="continuing with the replayed step")
-            return self.applied(second)
+            return self.applied(step, second)
         self.emit("step_replayed", step=step, outcome="persistent", differed_ranks=differed,
                   next="rolling back to the newest checkpoint and skipping the step's samples")
-        refusal = rollback_refusal(step, self.skips_made(), self.settings.max_rollbacks)
+        refusal = rollback_refusal(step, self.skips_made(), self.settings.max_rollbacks, again)
         if refusal:
             raise PersistentNumericalFault(refusal)
         self.rollback(step, "nonfinite", [self.progress.consumed_samples])
         return None
 
-    def applied(self, result: StepResult) -> StepResult:
-        """An applied step: its start joins the window a spike's rollback
+    def applied(self, step: int, result: StepResult) -> StepResult:
+        """An applied step: its start joins the batches a spike's rollback
         skips, its loss (unless a spike) the window spikes are measured on."""
-        self.recent_starts.append(self.progress.consumed_samples)
-        if result.spike is None and math.isfinite(result.loss):
-            self.progress.losses = (self.progress.losses + [result.loss])[
-                -self.settings.spike_window:]
+        median = statistics.median(self.watch.losses) if self.watch.losses else None
+        if self.watch.applied(step, self.progress.consumed_samples, result.loss,
+                              result.spike is not None, self.sizes):
+            self.emit("loss_level_shift", step=step, steps=self.sizes.level_shift,
+                      median=median, new_median=statistics.median(self.watch.losses),
+                      next=f"the spike window starts again from these {self.sizes.level_shift} "
+                      f"losses; spikes are measured once it holds {self.sizes.window}")
         return result
 
     def after_spike(self, step: int, result: StepResult) -> Optional[StepResult]:
         policy, spike = self.settings.on_spike, result.spike
+        state_caused = self.watch.state_caused(step)
         fields = dict(step=step, loss=spike.loss, median=spike.median,
                       deviations=round(spike.deviations, 2),
                       threshold=self.settings.spike_threshold, samples=self.samples(),
-                      policy=policy.value)
-        if policy == SpikePolicy.warn:
-            self.emit("loss_spike", **fields, next="update applied (on_spike=warn)")
-            return self.applied(result)
+                      policy=policy.value, state_caused=state_caused)
+        if not self.acts_on_spike(step):
+            self.emit("loss_spike", **fields, next=self.why_applied(step, state_caused))
+            return self.applied(step, result)
         refusal = skip_refusal(step, self.skips_made(), self.settings.max_rollbacks,
                                f"a loss spike ({spike.loss:.4g} against a median of "
                                f"{spike.median:.4g})")
@@ -168,16 +182,27 @@ class NumericsGuard:
             first = self.progress.consumed_samples
             self.progress.skipped = {**self.progress.skipped,
                                      first: self.cfg.train.global_batch_size}
+            self.watch.cured_step = step
             self.emit("samples_skipped", step=step, samples=self.samples(),
                       next=f"step {step} trains on the next global batch")
             return None
         self.emit("loss_spike", **fields, next="update not applied; rolling back to the newest "
                   "checkpoint and skipping the spike's data window")
         # The spike's batch and the batches of the steps just before it.
-        before = list(self.recent_starts)[len(self.recent_starts) + 1
-                                          - self.settings.spike_skip_window:]
+        before = self.watch.starts[len(self.watch.starts) + 1 - self.settings.spike_skip_window:]
         self.rollback(step, "loss_spike", [*before, self.progress.consumed_samples])
+        self.watch.cured_step = step  # the checkpoint's watch, loaded, knows nothing of it
         return None
+
+    def why_applied(self, step: int, state_caused: bool) -> str:
+        """The loss_spike event's `next` for a spike whose update is applied."""
+        if not state_caused or self.settings.on_spike == SpikePolicy.warn:
+            return f"update applied (on_spike={self.settings.on_spike.value})"
+        if self.watch.cured_step == step:
+            return (f"update applied: the spike came back at step {step} with another batch, so "
+                    "the state (weights, optimizer state, learning rate), not a batch, causes "
+                    "it; skipping more batches cannot cure it, no rollback spent")
+        return ("update applied: it follows a spike the state caused, no rollback spent")
 
     def samples(self) -> list[int]:
         """The global samples of the step at hand: [first, end)."""
@@ -210,7 +235,6 @@ class NumericsGuard:
         new = {first: size for first in skip_starts if first >= self.progress.consumed_samples}
         # The checkpoint's record of skips, and these (not yet saved anywhere).
         self.progress.skipped = {**self.progress.skipped, **skipped, **new}
-        self.recent_starts.clear()
         self.rollbacks += 1
         counts = (dict(rollback=self.skips_made(), max_rollbacks=self.settings.max_rollbacks)
                   if new else {})

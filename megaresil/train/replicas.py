@@ -97,6 +97,30 @@ class Suspicion:
     """A mismatch with no majority, waiting for the replay to reach its step."""
     step: int
     sums: torch.Tensor  # this rank's per-tensor sums when it was found
+    groups: list[list[int]]  # the replica groups whose replicas differed
+
+
+def replay_culprits(groups: Sequence[Sequence[int]],
+                    changes: Sequence[int]) -> tuple[list[int], list[list[int]]]:
+    """From a replay: the ranks to blame, and the replica groups it cannot
+    tell apart. In a group whose replicas differed, a replica whose
+    replayed state differs from what it held was corrupted, and one whose
+    state is the same is healthy: deterministic training computed the same
+    bits. When every replica of the group changed, the corruption had
+    reached all of them (a corrupted replica's gradients enter every
+    replica's mean: check_interval > 1 lets forward passes use a flipped
+    weight before the check), and blaming any would blame a healthy one.
+    Ranks outside those groups are not blamed: a change there is the
+    corruption's reach through tensor or pipeline parallelism, not a fault
+    of their own."""
+    culprits, unresolved = [], []
+    for group in groups:
+        changed = [rank for rank in group if changes[rank]]
+        if len(changed) == len(group):
+            unresolved.append(list(group))
+        else:
+            culprits += changed
+    return sorted(culprits), unresolved
 
 
 class ReplicaCheck:
@@ -178,8 +202,8 @@ class ReplicaCheck:
             self.restore(step, named, sums, verdicts)
             self.agree(step, digests, verdicts)
             return verdicts
-        self.suspicion = Suspicion(step, sums)
         bad = [list(g) for g, v in verdicts.items() if v != []]
+        self.suspicion = Suspicion(step, sums, bad)
         self.emit_once("silent_corruption_detected", step=step, culprit=None, replicas=bad,
                        how="no majority", next=f"rolling back to replay up to step {step} and "
                        "tell which replica is wrong")
@@ -207,11 +231,19 @@ class ReplicaCheck:
 
     def attribute(self, step: int, changes: Sequence[int]) -> None:
         """At the replay's step: the ranks whose state differs from what
-        they held before the rollback were the corrupted ones."""
-        culprits = [rank for rank, c in enumerate(changes) if c]
+        they held before the rollback were the corrupted ones, in the groups
+        whose replicas differed (replay_culprits)."""
+        culprits, unresolved = replay_culprits(self.suspicion.groups, changes)
         self.suspicion = None
-        self.emit_once("silent_corruption_attributed", step=step, culprit=culprits,
-                       how="replay", next="the rollback restored every replica; training on")
+        said = {}
+        if unresolved:
+            said = dict(unresolved=unresolved, why=(
+                "every replica of those changed on replay: the corrupted one's gradients reached "
+                "them all before the check (resilience.numerics.check_interval="
+                f"{self.interval}), so no replay can tell which; check_interval=1 finds a flip "
+                "before any forward pass uses it"))
+        self.emit_once("silent_corruption_attributed", step=step, culprit=culprits, how="replay",
+                       **said, next="the rollback restored every replica; training on")
 
     def restore(self, step: int, named: Named, sums: torch.Tensor,
                 verdicts: dict[tuple[int, ...], Optional[list[int]]]) -> None:

@@ -17,6 +17,7 @@ from megaresil.checkpoint.state import RunRecord, layout_record
 from megaresil.config import RecipeConfig, to_dict
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.random import capture_rng_state, restore_rng_state
+from megaresil.resilience.numerics import LossWatch
 from megaresil.train.optim import AdamState, like
 from megaresil.train.progress import Progress
 
@@ -29,13 +30,36 @@ WATCHDOG = "watchdog"
 # The RunRecord.extra field of the global batches the run skipped after a
 # persistent non-finite step: [[first sample, samples], ...].
 SKIPPED = "skipped_batches"
-# The RunRecord.extra field of the spike detector's loss window.
+# The RunRecord.extra fields of the spike detector's LossWatch: its loss
+# window, the first samples of the last applied steps (a spike's rollback
+# skips their batches), the spikes applied in a row up to the step, and the
+# step whose spike's batch was skipped last.
 LOSSES = "loss_window"
+STARTS = "recent_batch_starts"
+STREAK = "spike_streak"
+CURED = "spike_skipped_at_step"
 
 
 def configured_skips(cfg: RecipeConfig) -> dict[int, int]:
     """resilience.numerics.skip_batches, as Progress.skipped holds them."""
     return {int(first): int(n) for first, n in cfg.resilience.numerics.skip_batches}
+
+
+def watch_record(watch: LossWatch) -> dict:
+    """The LossWatch's RunRecord.extra fields (those with something to say)."""
+    fields = {LOSSES: list(watch.losses), STARTS: list(watch.starts),
+              STREAK: list(watch.streak), CURED: watch.cured_step}
+    return {key: value for key, value in fields.items() if value not in ([], None)}
+
+
+def watch_from(extra: Mapping) -> LossWatch:
+    """The LossWatch a RunRecord.extra saved (empty where a field is missing:
+    a checkpoint of an older version)."""
+    cured = extra.get(CURED)
+    return LossWatch(losses=[float(x) for x in extra.get(LOSSES, [])],
+                     starts=[int(x) for x in extra.get(STARTS, [])],
+                     streak=[float(x) for x in extra.get(STREAK, [])],
+                     cured_step=None if cured is None else int(cured))
 
 
 class LiveTrainingState:
@@ -67,8 +91,7 @@ class LiveTrainingState:
         extra = {WATCHDOG: self.watchdog.calibration()} if self.watchdog is not None else {}
         if self.position.skipped:
             extra[SKIPPED] = [[first, n] for first, n in sorted(self.position.skipped.items())]
-        if self.position.losses:
-            extra[LOSSES] = list(self.position.losses)
+        extra.update(watch_record(self.position.watch))
         return RunRecord(step=self.position.step, layout=self.layout_record(),
                         recipe=self.recipe, consumed_samples=self.position.consumed_samples,
                         optimizer_steps=self.optimizer.step_count(), extra=extra)
@@ -98,7 +121,7 @@ class LiveTrainingState:
         self.position.consumed_samples = saved.consumed_samples
         self.position.skipped = {**configured_skips(self.cfg),
                                  **{first: n for first, n in saved.extra.get(SKIPPED, [])}}
-        self.position.losses = [float(x) for x in saved.extra.get(LOSSES, [])]
+        self.position.watch = watch_from(saved.extra)
         if self.watchdog is not None and WATCHDOG in saved.extra:
             self.watchdog.restore_calibration(saved.extra[WATCHDOG])
         rng = saved.rank_state(self.layout_record(), self.layout.rank)

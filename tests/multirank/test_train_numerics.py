@@ -21,6 +21,9 @@ NAN_AT_5 = 'faults=[{kind: nan, rank: 1, step: 5}]'
 PERSISTENT_AT_6 = 'faults=[{kind: nan, rank: 1, step: 6, persistent: true}]'
 SPIKE = ["resilience.numerics.spike_window=5"]
 SPIKE_AT_9 = 'faults=[{kind: spike, rank: 1, step: 9}]'
+STATE_SPIKE_AT_9 = 'faults=[{kind: spike, rank: 1, step: 9, steps: 1}]'
+LEVEL_SHIFT_AT_9 = 'faults=[{kind: spike, rank: 1, step: 9, steps: 8, scale: 3}]'
+LONGER = ["train.steps=16"]
 CASES = {
     "reference": DP2,
     "transient": DP2 + [NAN_AT_5],
@@ -49,6 +52,26 @@ CASES = {
     "bitflip_param": DP2 + SAVES + ['faults=[{kind: bitflip, rank: 1, step: 5, bit: 20}]'],
     "bitflip_grad": DP2 + SAVES + ['faults=[{kind: bitflip, rank: 0, step: 7, bit: 22, '
                                    'target: grad}]'],
+    # Checked every 2 steps: the weight flipped after step 5's update is used
+    # by step 6's forward pass before the check finds it.
+    "bitflip_param_interval2": DP2 + SAVES + ["resilience.numerics.check_interval=2",
+                                              'faults=[{kind: bitflip, rank: 1, step: 5, '
+                                              'bit: 20}]'],
+    # Spikes the state causes: rank 1's loss x10 on every attempt of step 9,
+    # whatever the batch; x3 from step 9 to the end (a new level).
+    "state_spike_skip": DP2 + SPIKE + ["resilience.numerics.on_spike=skip", STATE_SPIKE_AT_9],
+    "state_spike_rollback": DP2 + SAVES + SPIKE + ["resilience.numerics.on_spike=rollback",
+                                                   STATE_SPIKE_AT_9],
+    "level_shift_warn": DP2 + SPIKE + LONGER + [LEVEL_SHIFT_AT_9],
+    "level_shift_rollback": DP2 + SAVES + SPIKE + LONGER + [
+        "resilience.numerics.on_spike=rollback", LEVEL_SHIFT_AT_9],
+    "reference_longer": DP2 + LONGER,
+    "spike_skipped_from_start_longer": DP2 + SPIKE + LONGER + [
+        "resilience.numerics.on_spike=rollback", "resilience.numerics.skip_batches=[[64, 8]]"],
+    # A genuine divergence: after step 1 (lr 1e29) the weights overflow every
+    # forward pass, on every rank and batch.
+    "divergence": DP2 + ["checkpoint.interval=1", "optimizer.lr=1e30",
+                         "optimizer.warmup_steps=10", "resilience.numerics.max_rollbacks=1"],
 }
 
 
@@ -174,3 +197,83 @@ def test_replicas_that_differ_at_dp2_are_found_by_a_replay(runs, case, rank, ste
     assert attributed["step"] == step and attributed["culprit"] == [rank], attributed
     assert losses(run) == losses(runs / "reference")  # the replay is the fault-free run
     assert not events(runs / "reference", "silent_corruption_detected")
+
+
+def test_a_flip_used_before_the_check_is_not_blamed_on_the_healthy_replica(runs):
+    """Checked every 2 steps, rank 1's flipped weight feeds step 6's forward
+    pass before the check: its gradients reach rank 0's update too, so on
+    replay both replicas' states change. The replay cannot tell which was
+    corrupted and says so; it blames neither (draining rank 0's healthy
+    node would be the wrong cure). The rollback restored both all the same."""
+    run = runs / "bitflip_param_interval2"
+    detected, = events(run, "silent_corruption_detected")
+    assert detected["step"] == 6 and detected["culprit"] is None, detected
+    attributed, = events(run, "silent_corruption_attributed")
+    assert attributed["culprit"] == [] and attributed["unresolved"] == [[0, 1]], attributed
+    assert "check_interval=2" in attributed["why"] and "check_interval=1" in attributed["why"]
+    assert losses(run) == losses(runs / "reference")
+
+
+def test_a_spike_that_comes_back_with_another_batch_is_applied(runs):
+    """Skipped, the spike comes back at step 9 with the next batch: the state
+    causes it, not a batch, so its update is applied (no second skip): the
+    run ends as one that skipped the first batch from the start."""
+    run = runs / "state_spike_skip"
+    spikes = events(run, "loss_spike")
+    assert [(e["step"], e["state_caused"]) for e in spikes] == [(9, False), (9, True)], spikes
+    assert "the state" in spikes[1]["next"] and "applied" in spikes[1]["next"]
+    assert [e["samples"] for e in events(run, "samples_skipped")] == [[64, 72]]
+    assert_equal_but_the_spikes(run, runs / "spike_skipped_from_start", spiked={9})
+
+
+def test_a_spike_the_state_causes_spends_one_rollback_not_all(runs):
+    run = runs / "state_spike_rollback"
+    rolled, = events(run, "rolled_back")
+    assert (rolled["step"], rolled["to_step"], rolled["reason"]) == (9, 8, "loss_spike")
+    assert [e["state_caused"] for e in events(run, "loss_spike")] == [False, True]
+    assert not list(run.glob("stopped.*"))  # before: three rollbacks, then stopped
+    assert_equal_but_the_spikes(run, runs / "spike_skipped_from_start", spiked={9})
+    manifest = read_manifest(run / "checkpoints" / "step_0000010")
+    assert manifest["skipped_batches"] == [[64, 8]] and "spike_skipped_at_step" not in manifest
+
+
+def test_a_new_loss_level_is_taken_as_one(runs):
+    """The loss x2 (one replica's x3) from step 9 on: five spikes in a row
+    are a level shift; the window starts again from them, and the new level
+    raises no alarm after it. The state moved, not a batch: under rollback
+    one rollback is spent (the first spike's), then the spikes are applied."""
+    warned = runs / "level_shift_warn"
+    assert [e["step"] for e in events(warned, "loss_spike")] == [9, 10, 11, 12, 13]
+    shift, = events(warned, "loss_level_shift")
+    assert shift["step"] == 13 and shift["steps"] == 5, shift
+    assert 1.8 * shift["median"] < shift["new_median"] < 2.2 * shift["median"], shift
+    assert_equal_but_the_spikes(warned, runs / "reference_longer", spiked=set(range(9, 17)))
+    rolled_back = runs / "level_shift_rollback"
+    assert len(events(rolled_back, "rolled_back")) == 1
+    assert [e["step"] for e in events(rolled_back, "loss_spike")] == [9, 9, 10, 11, 12, 13]
+    assert [e["step"] for e in events(rolled_back, "loss_level_shift")] == [13]
+    assert_equal_but_the_spikes(rolled_back, runs / "spike_skipped_from_start_longer",
+                                spiked=set(range(9, 17)))
+
+
+def assert_equal_but_the_spikes(run, reference, spiked: set[int]) -> None:
+    """Bit-equal to `reference` at every step, but for the losses a spike
+    fault scaled as the checks see them (it leaves the gradients alone)."""
+    seen, expected = losses(run), losses(reference)
+    assert seen.keys() == expected.keys()
+    assert {s: v for s, v in seen.items() if s not in spiked} == {
+        s: v for s, v in expected.items() if s not in spiked}
+    assert all(seen[s][1] == expected[s][1] for s in spiked)  # the grad norms: untouched
+
+
+def test_a_divergence_on_every_rank_and_batch_points_at_the_learning_rate(runs):
+    """Not one bad batch or rank: every rank's loss is non-finite, and the
+    batch the rollback skipped changed nothing."""
+    run = runs / "divergence"
+    assert len(events(run, "rolled_back")) == 1
+    for rank in (0, 1):
+        line = (run / f"stopped.{rank}").read_text()
+        assert "diverges" in line and "optimizer.lr" in line and "\n" not in line
+        assert "bad data or rank" not in line
+    # One rank's persistent NaN is still that rank's or its batch's.
+    assert "bad data or rank" in (runs / "exhausted" / "stopped.0").read_text()

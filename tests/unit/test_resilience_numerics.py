@@ -157,7 +157,8 @@ def test_skips_ride_in_the_run_record_and_merge_with_the_recipes():
     param = torch.nn.Parameter(torch.zeros(2))
 
     def state(overrides, position):
-        cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", overrides)
+        cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml",
+                          ["parallel.pp=1", "train.global_batch_size=8", *overrides])
         return LiveTrainingState(cfg, layout, [("w", param)], torch.optim.AdamW([param]),
                                  position)
 
@@ -175,6 +176,39 @@ def test_skip_batches_are_checked(skips):
     with pytest.raises(ConfigError, match=r"resilience.numerics.skip_batches"):
         load_recipe(ROOT / "recipes" / "gpt-tiny.yaml",
                     [f"resilience.numerics.skip_batches={skips}"])
+
+
+# The demo's global batch is 16: batches start at 0, 16, 32, ...
+UNREACHABLE_SKIPS = [("[[40, 16]]", 0, "does not start a global batch", "start it at 32 or 48"),
+                     ("[[32, 8]]", 0, "not a whole number of global batches", "[32, 16]"),
+                     ("[[32, 16], [32, 16]]", 1, "repeats or lies inside [32, 16]", "once"),
+                     ("[[64, 16], [32, 48]]", 0, "[64, 16] repeats or lies inside [32, 48]",
+                      "merge")]
+
+
+@pytest.mark.parametrize("skips, index, problem, fix", UNREACHABLE_SKIPS)
+def test_skip_batches_that_cannot_match_are_refused(skips, index, problem, fix):
+    """The sampler stands only where a global batch starts: an entry
+    elsewhere, a part of a batch, or one inside another skips nothing."""
+    with pytest.raises(ConfigError) as err:
+        load_recipe(ROOT / "recipes" / "gpt-tiny.yaml",
+                    [f"resilience.numerics.skip_batches={skips}"])
+    message = str(err.value)
+    assert message.startswith(f"resilience.numerics.skip_batches[{index}]: "), message
+    assert problem in message and fix in message.split("Fix:")[1], message
+    # Whole batches from batch starts, back to back: accepted.
+    load_recipe(ROOT / "recipes" / "gpt-tiny.yaml",
+                ["resilience.numerics.skip_batches=[[32, 16], [48, 32], [96, 16]]"])
+
+
+def test_an_unreachable_skip_stops_train_before_any_worker(cli, tmp_path):
+    result = cli("train", "recipes/gpt-tiny.yaml", f"run.dir={tmp_path / 'run'}",
+                 "resilience.numerics.skip_batches=[[40, 16]]", check=False)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("megaresil: error: resilience.numerics.skip_batches[0]: [40, 16]")
+    assert "Fix: start it at 32 or 48" in lines[0]
+    assert not (tmp_path / "run").exists()  # no worker started, nothing written
 
 
 # --- loss spikes, bit flips, replica checksums ----------------------------------------
