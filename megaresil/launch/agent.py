@@ -25,7 +25,8 @@ from megaresil.compat import (elastic_agent_class, elastic_stores_listening_on, 
                               workers_store_per_round)
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
-from megaresil.launch.checks import check_backend, check_data, check_links, check_local_gpus
+from megaresil.launch.checks import (check_backend, check_data, check_links, check_local_gpus,
+                                     check_run_records)
 from megaresil.launch.admission import NodeExcluded
 from megaresil.launch.health import admission_refusal, exclusion_after_check, has_checks
 from megaresil.launch.membership import Membership
@@ -72,6 +73,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     check_local_gpus(nproc, gpus)
     check_backend(cfg)
     check_links(cfg)
+    check_run_records(Path(cfg.run.dir))
     check_device_faults(cfg.faults, gpus)
     check_resume_recipe(cfg)
     check_fault_ranks(cfg.faults, world)

@@ -7,6 +7,9 @@ from pathlib import Path
 from megaresil.checkpoint.local.store import local_root
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import ConfigError, RecipeConfig
+from megaresil.events import read_events, read_metrics
+from megaresil.fencing import FenceDamaged, read_fence
+from megaresil.resilience.records import restarts_recorded
 from megaresil.safe_files import refuse_links
 
 
@@ -31,6 +34,25 @@ def check_links(cfg: RecipeConfig) -> None:
         root = local_root(cfg.checkpoint.local.dir, cfg.run.dir)
         local = [root] if cfg.checkpoint.local.dir else [root.parent, root]
     refuse_links(Path(cfg.run.dir), checkpoint_root(cfg), local)
+
+
+def check_run_records(run_dir: Path) -> None:
+    """The run directory's records, read here as every worker reads them
+    (events.jsonl, metrics.jsonl, the fence): a damaged line or fence is
+    one line naming the file, the line and the fix (exit 2), not the same
+    failure in every worker through every relaunch. A torn last line (a
+    kill inside a write) is no damage: it is skipped, and resumes."""
+    read_events(run_dir)
+    read_metrics(run_dir)
+    try:
+        read_fence(run_dir)
+    except FenceDamaged as err:
+        # Written back, the fence keeps fencing out a rank left behind by the
+        # last job; removed, it fences nobody until the next formation.
+        away = "move that directory away, then " if err.path.is_dir() else ""
+        raise FenceDamaged(err.path, err.problem, f"with no job running on this run directory, "
+                           f"{away}write back the generation events.jsonl records: echo "
+                           f"'{restarts_recorded(run_dir)} restored' > {err.path}") from None
 
 
 def check_data(cfg: RecipeConfig) -> None:
