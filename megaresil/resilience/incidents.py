@@ -77,9 +77,17 @@ def _restart(e: dict) -> str:
     tier = f" ({e['from_tier']} tier)" if e.get("from_tier") else ""
     start = (f"from step {e['from_step']}{tier}" if e.get("from_step") is not None
              else "from the start (no checkpoint yet)")
+    if e.get("unsaved_step") is not None:  # a new launch, not an attempt of its budget
+        return f"resuming {start}: {e.get('reason')}; {_again(e)}"
     how = "in-process" if e.get("kind") == "in_process" else "by relaunching the workers"
     return (f"restarting {how} {start}, attempt {e.get('attempt')} of "
             f"{e.get('max_attempts')} (cause: {e.get('reason')})")
+
+
+def _again(e: dict) -> str:
+    first, last = (e.get("from_step") or 0) + 1, e["unsaved_step"]
+    return (f"step {last} is trained again" if first == last
+            else f"steps {first} to {last} are trained again")
 
 
 def _local_paused(e: dict) -> Optional[str]:

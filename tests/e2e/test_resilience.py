@@ -320,6 +320,22 @@ def test_an_error_whose_text_starts_on_its_second_line_is_shown_with_it():
                     "failed to run forward:")
 
 
+def test_a_launch_after_an_unsaved_end_says_what_it_trains_again():
+    """Issue 46 item 16b: "attempt 0 of 5" on every rerun after an unsaved
+    end; it spends no relaunch of the new launch."""
+    from megaresil.resilience.incidents import describe
+
+    reason = ("the previous launch ended after step 7 without saving it (its launcher was "
+              "killed, or it failed)")
+    line = describe({"event": "restart", "kind": "relaunch", "from_step": 4, "attempt": 0,
+                     "max_attempts": 5, "reason": reason, "unsaved_step": 7})
+    assert line == f"megaresil: resuming from step 4: {reason}; steps 5 to 7 are trained again"
+    line = describe({"event": "restart", "kind": "relaunch", "from_step": None, "attempt": 0,
+                     "max_attempts": 5, "reason": reason, "unsaved_step": 1})
+    assert line.endswith("from the start (no checkpoint yet): " + reason +
+                         "; step 1 is trained again")
+
+
 def test_only_the_node_that_runs_rank_0_prints_the_jobs_lines(tmp_path):
     """Issue 46 item 16e: on nodes in namespaces every line printed twice,
     once by each node's launcher following the shared events.jsonl."""

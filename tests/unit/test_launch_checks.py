@@ -152,14 +152,20 @@ def test_a_damaged_fence_is_refused_naming_the_generation_to_write_back(cli_main
 
 @pytest.mark.slow
 def test_a_torn_last_line_does_not_block_a_resume(cli, tmp_path):
-    """A kill -9 inside a write leaves the last line of events.jsonl or
-    metrics.jsonl torn: the launcher's check lets it pass (it is skipped,
-    the writers start a new line after it) and the run resumes."""
-    run = [*TINY, f"run.dir={tmp_path}", "checkpoint.interval=1"]
+    """A kill -9 of the launcher inside a write leaves the last line of
+    events.jsonl or metrics.jsonl torn, and the steps after the newest
+    checkpoint unsaved: the launcher's check lets the torn line pass (it is
+    skipped, the writers start a new line after it), and the rerun says
+    which steps it trains again, not "attempt 0 of 5" (issue 46 item 16b)."""
+    run = [*TINY, "train.steps=3", f"run.dir={tmp_path}", "checkpoint.interval=1"]
     cli("train", *run, "train.exit_at_step=1")
-    for name in ("events.jsonl", "metrics.jsonl"):
-        with open(tmp_path / name, "a") as f:
-            f.write('{"time": 3.0, "ev')
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # step 2, trained, never saved
+        f.write('{"step": 2, "loss": 5.0, "time": 3.0}\n{"step": 3, "lo')
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"time": 3.0, "ev')
     result = cli("train", *run)
-    assert "resumed from" in result.stderr and "error" not in result.stderr, result.stderr
-    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2]
+    assert "error" not in result.stderr and "attempt 0" not in result.stderr, result.stderr
+    assert ("megaresil: resuming from step 1: the previous launch ended after step 2 without "
+            "saving it (its launcher was killed, or it failed); step 2 is trained again"
+            ) in result.stderr.splitlines(), result.stderr
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 2, 3]
