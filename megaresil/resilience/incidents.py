@@ -262,9 +262,13 @@ class IncidentPrinter:
             data = f.read()
         complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits
         self.offset += len(complete)
-        for line in complete.decode().splitlines():
-            if line.strip():
-                self._show(json.loads(line))
+        for line in complete.splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:  # blank, or torn by a kill inside a write and ended by the next
+                continue
+            if isinstance(event, dict):
+                self._show(event)
 
     def _show(self, event: dict) -> None:
         kind = event.get("event")

@@ -310,6 +310,24 @@ def test_a_lost_process_is_the_incident_not_the_survivors_closed_connection(tmp_
         "(cause: rank 3 (pid 4242 on node7) ended with signal SIGKILL)"]
 
 
+def test_the_console_goes_on_past_a_torn_events_line(tmp_path):
+    """A rank killed inside its write leaves a torn line, which the next
+    writer ends with a newline: the launcher's console thread died on it
+    (a traceback, then silence for the rest of the run)."""
+    import io
+
+    from megaresil.events import EventLog
+    from megaresil.resilience.incidents import IncidentPrinter
+
+    out = io.StringIO()
+    printer = IncidentPrinter(tmp_path, out)
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"time": 1.0, "event": "worker_er')
+    EventLog(tmp_path, 0).emit("checkpoint_skipped", path="ckpt/step_0000004", reason="x")
+    printer.print_new()
+    assert out.getvalue() == "megaresil: skipped checkpoint ckpt/step_0000004: x\n"
+
+
 def test_an_error_whose_text_starts_on_its_second_line_is_shown_with_it():
     from megaresil.resilience.incidents import describe
 
