@@ -9,12 +9,9 @@ cut off (a partition), outlived its relaunch, or formed apart from the job
 (the last to form holds the fence): it commits no checkpoint, moves no
 `latest`, appends no metrics row and records no restart; it records
 `fenced` once and stops. The check reads the fence just before each such
-write: shared file systems have no compare-and-swap, so a re-form inside that
-instant is caught at the rank's next write. A fence deleted while the job
-runs fences nobody (no rank can tell it names another formation); the next
-formation writes it again. A damaged one (not "NUMBER TOKEN", a directory)
-is a FenceDamaged, a ConfigError: no restart cures it, and the launcher
-refuses it before any worker starts (launch/checks.py).
+write (no compare-and-swap on shared file systems: a re-form inside that
+instant is caught at the next write). A deleted fence fences nobody; a
+damaged one is a ConfigError the launcher refuses (launch/checks.py).
 docs/fault-tolerance.md ("Fencing") says it for users."""
 from __future__ import annotations
 

@@ -1,20 +1,15 @@
-"""What a node's TorchElastic agent tells the launcher and the run's records
-beyond TorchElastic's own logs.
+"""What a node's TorchElastic agent tells the run's records and the
+launcher beyond TorchElastic's own logs.
 
 A worker process that ends with no report of its own (a signal: killed,
-out of memory, crashed) leaves its peers only a closed connection, so
-their errors would be all the run's records hold of it, and the console
-and the relaunch's cause would blame a survivor. The agent saw which
-process it was: it polls each worker process itself (TorchElastic's check
-reports the ones it stopped as failed too) and records `process_lost`
-(its rank, pid and how it ended), the cause the console prints and the
-relaunch names. The agent
-also counts the relaunches it made (the budget spent when it gives up:
-the workers may not have lived to record theirs) and says whether it runs
-the job's rank 0: on several nodes every launcher follows the same
-events.jsonl, and only that node's prints the job's lines, so a console
-that gathers every node's output says each once.
-docs/fault-tolerance.md ("On the console")."""
+out of memory, crashed) leaves its peers only a closed connection. The
+agent saw which one it was: it polls each worker process itself
+(TorchElastic's check reports the ones it stopped as failed too) and
+records `process_lost`, the cause the console and the relaunch name. It
+counts the relaunches it made (the workers may not have lived to record
+them), and says whether it runs the job's rank 0: on several nodes every
+launcher follows the same events.jsonl, and only that node's prints the
+job's lines. docs/fault-tolerance.md ("On the console")."""
 from __future__ import annotations
 
 import os
