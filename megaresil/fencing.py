@@ -9,16 +9,19 @@ cut off (a partition), outlived its relaunch, or formed apart from the job
 (the last to form holds the fence): it commits no checkpoint, moves no
 `latest`, appends no metrics row and records no restart; it records
 `fenced` once and stops. The check reads the fence just before each such
-write: shared file systems have no compare-and-swap, so a re-form inside that
-instant is caught at the rank's next write.
+write (no compare-and-swap on shared file systems: a re-form inside that
+instant is caught at the next write). A deleted fence fences nobody; a
+damaged one is a ConfigError the launcher refuses (launch/checks.py).
 docs/fault-tolerance.md ("Fencing") says it for users."""
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Callable, Optional
 
+from megaresil.config import ConfigError
 from megaresil.events import EventLog
 from megaresil.safe_files import write_atomic
 
@@ -31,28 +34,46 @@ class Fenced(BaseException):
     rank going."""
 
 
-def read_fence(run_dir: Path) -> tuple[int, str]:
-    """The run directory's fence: the newest generation's number and token
-    ((0, "") without one)."""
+# What rank 0 writes as a generation forms: its number, a space, its token.
+FENCE_TEXT = re.compile(r"([0-9]{1,18}) ?(\S*)")
+
+
+class FenceDamaged(ConfigError):
+    """The run directory's fence is there but is not one: no rank can tell
+    which formation holds the run directory, and no restart changes that."""
+
+    def __init__(self, path: Path, problem: str, fix: str = ""):
+        self.path, self.problem = path, problem
+        super().__init__(str(path), f"{problem}, not the fence megaresil writes there "
+                         "(\"NUMBER TOKEN\" as each generation of the job forms).",
+                         fix or "run the same command again: before any worker starts it "
+                         "says which generation to write back.")
+
+
+def read_fence(run_dir: Path) -> Optional[tuple[int, str]]:
+    """The run directory's fence: the newest generation's number and token;
+    None without one."""
     path = Path(run_dir) / FENCE_NAME
     try:  # never through a link planted in its place
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
-        return 0, ""
+        return None
     try:
         text = os.read(fd, 128).decode(errors="replace").strip()
+    except IsADirectoryError:
+        raise FenceDamaged(path, "is a directory") from None
     finally:
         os.close(fd)
-    number, _, token = text.partition(" ")
-    if not number.isdigit():
-        raise ValueError(f"{path} holds {text[:40]!r}, not a generation number and token: "
-                         "remove it (the next generation writes it again)")
-    return int(number), token
+    found = FENCE_TEXT.fullmatch(text)
+    if found is None:
+        raise FenceDamaged(path, f"holds {text[:40]!r}")
+    return int(found[1]), found[2]
 
 
 def fence_of(run_dir: Path) -> int:
     """The newest generation's number (0 without a fence)."""
-    return read_fence(run_dir)[0]
+    fence = read_fence(run_dir)
+    return fence[0] if fence is not None else 0
 
 
 def new_token() -> str:
@@ -84,9 +105,16 @@ class Fence:
         once refused: the rank abandons its saves before it joins the next
         formation, which sets the fence): the rank went on with the job, only
         its old save thread was left behind."""
-        current, token = read_fence(self.run_dir)
-        if (current, token) == (self.generation, self.token) or current < self.generation:
-            return  # ours, or an older formation's (none yet: a run directory of an older version)
+        fence = read_fence(self.run_dir)
+        if fence is None:
+            # Deleted while the job runs (never by megaresil): it names no
+            # other formation, so it fences nobody; the next formation writes
+            # it again. Re-creating it here could fence the healthy job: a
+            # rank cannot tell whether its own formation is the newest.
+            return
+        current, token = fence
+        if fence == (self.generation, self.token) or current < self.generation:
+            return  # ours, or an older formation's (a run directory of an older version)
         reason = (f"the job formed again as generation {current} without this rank "
                   f"(generation {self.generation}): {write} refused")
         if self.events is not None and not self.reported and not abandoned():

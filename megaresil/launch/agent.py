@@ -27,10 +27,11 @@ from megaresil.compat import (elastic_agent_class, elastic_stores_listening_on, 
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
 from megaresil.launch.checks import (check_backend, check_data, check_links, check_local_gpus,
-                                     replacement_warning)
+                                     check_run_records, replacement_warning)
 from megaresil.launch.admission import NodeExcluded
 from megaresil.launch.health import admission_refusal, exclusion_after_check, has_checks
 from megaresil.launch.membership import Membership
+from megaresil.launch.reporting import AgentReport, how_it_ended, without_report
 from megaresil.launch.rendezvous import launch_backend, register_wrapped
 from megaresil.launch.spares import NodeCounts, node_counts, spare_keep_alive, spare_line
 from megaresil.launch.supervisor import AgentPolicy, supervising_agent
@@ -39,7 +40,7 @@ from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import visible_gpus
 from megaresil.ports import loopback_interface
 from megaresil.resilience.faults import check_device_faults, check_fault_ranks
-from megaresil.resilience.incidents import IncidentPrinter
+from megaresil.resilience.incidents import LOST_BY_SIGNAL, IncidentPrinter
 from megaresil.resilience.preemption import (INTERRUPTED_EXIT, PREEMPTED_EXIT, kill_descendants,
                                              second_interrupt_kills_workers)
 from megaresil.resilience.restart import HANG_EXIT_CODE
@@ -47,22 +48,17 @@ from megaresil.run_lock import held_for_workers
 from megaresil.train.save_schedule import never_saving_warning
 
 
-LOST_WORKER = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+LOST_WORKER = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: \d+\)")
 
 
-def lost_worker_line(record: logging.LogRecord) -> bool:
+def worker_record(record: logging.LogRecord) -> bool:
     """TorchElastic's agent logs a failed worker as a timestamped record and
-    each worker it stops as another: one line of ours instead (the workers'
-    own events say why)."""
+    each worker it stops as another: none of them on the console. The cause
+    is there already, from the events: a process that ended without a
+    report as `process_lost` (launch/reporting.py), an error as the
+    worker's own."""
     message = record.getMessage()
-    found = LOST_WORKER.search(message)
-    if found:
-        code = int(found[1])
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        print(f"megaresil: worker process of local rank {found[2]} (pid {found[3]}) ended "
-              f"with {how}", file=sys.stderr, flush=True)
-        return False
-    return "closing signal" not in message
+    return not LOST_WORKER.search(message) and "closing signal" not in message
 
 
 def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
@@ -74,6 +70,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     check_local_gpus(nproc, gpus)
     check_backend(cfg)
     check_links(cfg)
+    check_run_records(Path(cfg.run.dir))
     local_root = locked_root(cfg)
     check_device_faults(cfg.faults, gpus)
     check_resume_recipe(cfg)
@@ -98,7 +95,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(variable, loopback_interface())
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(lost_worker_line)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(worker_record)
     # "Received 2 death signal": the workers' own `interrupted`/`preempted` line says it better.
     logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
         lambda record: "death signal" not in record.getMessage())
@@ -131,12 +128,14 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
     )
     events_before = len(read_events(run_dir))
+    report = AgentReport()
+    policy = agent_policy(cfg, run_dir, nodes, gpus, gpus_needed)
     try:
         with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg), local_root),
-              IncidentPrinter(run_dir), second_interrupt_kills_workers(),
+              IncidentPrinter(run_dir, speaks=lambda: report.runs_rank_0),
+              second_interrupt_kills_workers(),
               elastic_stores_listening_on(config.local_addr), workers_store_per_round(),
-              elastic_agent_class(supervising_agent(agent_policy(cfg, run_dir, nodes, gpus,
-                                                                 gpus_needed)))):
+              elastic_agent_class(supervising_agent(policy, run_dir, report))):
             # The workers' first line comes once they have imported torch and
             # built the model (seconds, more on a loaded machine): this one first.
             print(f"megaresil: launching {nproc} worker processes"
@@ -148,9 +147,10 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         print(f"megaresil: {err.line}", file=sys.stderr)
         return 1
     except ChildFailedError as err:
-        print(f"megaresil: giving up after {relaunches_since(run_dir, events_before)}: "
-              f"{failure_summary(err)}; the run directory keeps the newest checkpoint (rerun "
-              "the same command to resume after fixing the cause)", file=sys.stderr)
+        relaunches = f"{report.relaunches} relaunch{'' if report.relaunches == 1 else 'es'}"
+        print(f"megaresil: giving up after {relaunches}: {failure_summary(err)}; the run "
+              "directory keeps the newest checkpoint (rerun the same command to resume after "
+              "fixing the cause)", file=sys.stderr)
         return 1
     except RendezvousError as err:
         print(f"megaresil: giving up: {rendezvous_lost(membership, err)}", file=sys.stderr)
@@ -187,15 +187,6 @@ def agent_policy(cfg: RecipeConfig, run_dir: Path, nodes: NodeCounts, gpus: int,
                        health.interval_s)
 
 
-def relaunches_since(run_dir: Path, events_before: int) -> str:
-    """How many times this launch relaunched the workers, said so: the
-    restart budget (resilience.max_restarts) is spent when it gives up."""
-    count = sum(e["event"] == "restart" and e.get("kind") == "relaunch"
-                and e.get("attempt", 0) > 0  # not the one a launch after an unsaved end counts
-                for e in read_events(run_dir)[events_before:])
-    return f"{count} relaunch{'' if count == 1 else 'es'}"
-
-
 def interrupted(ending: Optional[dict]) -> int:
     """Ctrl-C: the agent handed SIGINT to the workers, which saved (the
     incident line says which step); a second Ctrl-C ended the agent's wait
@@ -211,12 +202,13 @@ def failure_summary(err: ChildFailedError) -> str:
     """One line for the failure that ended the job: rank, exit, and the
     exception's own first line (not TorchElastic's traceback dump)."""
     rank, failure = root_failure(err)
-    first_line = first_line_of(failure)
     if failure.exitcode == HANG_EXIT_CODE:
-        first_line = "a hang (see the hang line above and run.dir/hangs/)"
-    elif not first_line or first_line.startswith("To enable traceback"):
-        first_line = "the process exited without a report"
-    return f"rank {rank} ended with exit code {failure.exitcode}: {first_line[:300]}"
+        what = "a hang (see the hang line above and run.dir/hangs/)"
+    elif without_report(failure):
+        what = (LOST_BY_SIGNAL if failure.exitcode < 0 else "the process exited without a report")
+    else:
+        what = first_line_of(failure)
+    return f"rank {rank} ended with {how_it_ended(failure.exitcode)}: {what[:300]}"
 
 
 def root_failure(err: ChildFailedError) -> tuple[int, ProcessFailure]:

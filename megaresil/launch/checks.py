@@ -12,6 +12,9 @@ from megaresil.checkpoint.location import checkpoint_root
 from megaresil.checkpoint.offline.inspect import verify
 from megaresil.checkpoint.recipe_check import newest_manifest
 from megaresil.config import ConfigError, RecipeConfig
+from megaresil.events import read_events, read_metrics
+from megaresil.fencing import FenceDamaged, read_fence
+from megaresil.resilience.records import restarts_recorded
 from megaresil.safe_files import refuse_links
 
 
@@ -33,6 +36,25 @@ def check_links(cfg: RecipeConfig) -> None:
     above it and the run's directory in it are checked too."""
     local = link_checked(cfg) if cfg.checkpoint.local.enabled else []
     refuse_links(Path(cfg.run.dir), checkpoint_root(cfg), local)
+
+
+def check_run_records(run_dir: Path) -> None:
+    """The run directory's records, read here as every worker reads them
+    (events.jsonl, metrics.jsonl, the fence): a damaged line or fence is
+    one line naming the file, the line and the fix (exit 2), not the same
+    failure in every worker through every relaunch. A torn last line (a
+    kill inside a write) is no damage: it is skipped, and resumes."""
+    read_events(run_dir)
+    read_metrics(run_dir)
+    try:
+        read_fence(run_dir)
+    except FenceDamaged as err:
+        # Written back, the fence keeps fencing out a rank left behind by the
+        # last job; removed, it fences nobody until the next formation.
+        away = "move that directory away, then " if err.path.is_dir() else ""
+        raise FenceDamaged(err.path, err.problem, f"with no job running on this run directory, "
+                           f"{away}write back the generation events.jsonl records: echo "
+                           f"'{restarts_recorded(run_dir)} restored' > {err.path}") from None
 
 
 def check_data(cfg: RecipeConfig) -> None:

@@ -16,7 +16,6 @@ docs/fault-tolerance.md ("Live replacement")."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -28,12 +27,9 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from megaresil.compat import context_process
-from megaresil.events import EventLog
 from megaresil.launch.admission import WaitingChecks
+from megaresil.launch.reporting import AgentReport, ReportingAgent, how_it_ended
 from megaresil.launch.standby import assignment, start_standby
 from megaresil.resilience.records import next_generation
 from megaresil.resilience.replacement import (REPLACEMENT_ENV, announce_replacement,
@@ -61,10 +57,6 @@ def replaceable(exitcode: int) -> bool:
     return exitcode < 0 or exitcode == HANG_EXIT_CODE
 
 
-def how_it_ended(exitcode: int) -> str:
-    return f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
-
-
 def stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> None:
     """SIGTERM to all, then SIGKILL to those still running after `timeout_s`
     (as TorchElastic stops its workers: all at once, one deadline)."""
@@ -80,11 +72,10 @@ def stop_processes(procs: list[subprocess.Popen], timeout_s: float) -> None:
             proc.wait()
 
 
-class SupervisingAgent(LocalElasticAgent):
-    def __init__(self, *args: Any, policy: AgentPolicy, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+class SupervisingAgent(ReportingAgent):
+    def __init__(self, *args: Any, policy: AgentPolicy, report: AgentReport, **kwargs: Any):
+        super().__init__(*args, run_dir=policy.run_dir, report=report, **kwargs)
         self.policy = policy
-        self.events = EventLog(policy.run_dir)
         self.replacements: dict[int, subprocess.Popen] = {}  # local rank -> its replacement
         self.standby: Optional[subprocess.Popen] = None
         self.spent = 0  # replacements in this launch attempt
@@ -136,30 +127,21 @@ class SupervisingAgent(LocalElasticAgent):
             spec = worker_group.spec
             self.standby = start_standby([spec.entrypoint, *spec.args])
 
-    def _process(self, local_rank: int):
+    def _process(self, local_rank: int) -> subprocess.Popen:
         """The live process of `local_rank`: its replacement's, once it has one."""
         if local_rank in self.replacements:
             return self.replacements[local_rank]
-        return context_process(self._pcontext, local_rank)
+        return super()._process(local_rank)
 
-    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        codes = {w.local_rank: self._process(w.local_rank).poll() for w in worker_group.workers}
-        lost = {lr: code for lr, code in codes.items() if code not in (None, 0)}
-        store = self._replacement_store(worker_group, lost) if lost else None
-        if store is not None:
-            for local_rank, code in sorted(lost.items()):
-                self._replace(worker_group, local_rank, code, store)
-            return RunResult(state=WorkerState.HEALTHY)
-        if lost:
-            failures = {worker_group.workers[lr].global_rank: ProcessFailure(
-                local_rank=lr, pid=self._process(lr).pid, exitcode=code,
-                error_file=self._pcontext.envs[lr]["TORCHELASTIC_ERROR_FILE"])
-                for lr, code in lost.items()}
-            return RunResult(state=WorkerState.FAILED, failures=failures)
-        if all(code == 0 for code in codes.values()):
-            return RunResult(state=WorkerState.SUCCEEDED, return_values={
-                w.global_rank: None for w in worker_group.workers})
-        return RunResult(state=WorkerState.HEALTHY)
+    def _replaced(self, worker_group: WorkerGroup, lost: dict[int, int]) -> bool:
+        """Put a process in the place of each of the `lost` ones, when they
+        may be replaced (else they are relaunched with the others)."""
+        store = self._replacement_store(worker_group, lost)
+        if store is None:
+            return False
+        for local_rank, code in sorted(lost.items()):
+            self._replace(worker_group, local_rank, code, store)
+        return True
 
     def _replacement_store(self, worker_group: WorkerGroup,
                            lost: dict[int, int]) -> Optional[dist.Store]:
@@ -225,9 +207,11 @@ class SupervisingAgent(LocalElasticAgent):
         return dist.PrefixStore(attempt_prefix({**os.environ, **env}), store)
 
 
-def supervising_agent(policy: Optional[AgentPolicy]):
-    """What builds the launch's agent: LocalElasticAgent, or with a policy
-    (replacement or spares) the supervising agent."""
+def supervising_agent(policy: Optional[AgentPolicy], run_dir: Path, report: AgentReport):
+    """What builds the launch's agent: the reporting agent, or with a policy
+    (replacement or spares) the supervising agent; both tell `report`."""
     if policy is None:
-        return LocalElasticAgent
-    return lambda *args, **kwargs: SupervisingAgent(*args, policy=policy, **kwargs)
+        return lambda *args, **kwargs: ReportingAgent(*args, run_dir=run_dir, report=report,
+                                                      **kwargs)
+    return lambda *args, **kwargs: SupervisingAgent(*args, policy=policy, report=report,
+                                                    **kwargs)

@@ -14,7 +14,7 @@ from megaresil.checkpoint.local.runs import locked_root
 from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.checkpoint.recipe_check import check_resume_recipe
-from megaresil.launch.checks import check_links
+from megaresil.launch.checks import check_links, check_run_records
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.resilience.supervision import end_with_agent
 from megaresil.run_lock import HELD_ENV, held_by_worker
@@ -116,6 +116,7 @@ def worker(recipe: str, overrides: list[str]) -> str:
             os.environ.update(NCCL_WORKER_ENV)
     if HELD_ENV not in os.environ:  # a torchrun of the user's own: no launcher checked them
         check_links(cfg)
+        check_run_records(Path(cfg.run.dir))
         check_resume_recipe(cfg)
     with held_by_worker(Path(cfg.run.dir), rank, checkpoint_root(cfg),
                         locked_root(cfg)):  # refused: the error goes to the console

@@ -42,9 +42,32 @@ def _suspected(e: dict) -> str:
             "still computing or moving data: slow, not hung; training goes on")
 
 
+def headline(error: str) -> str:
+    """An error's first line that says something: torch's pipelining
+    raises "RuntimeError: " and its text on the lines below."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()] or [""]
+    if lines[0].endswith(":") and len(lines) > 1:
+        return f"{lines[0]} {lines[1]}"[:300]
+    return lines[0][:300]
+
+
 def _error(e: dict) -> str:
-    what = "lost a peer" if e.get("lost_peer") else "failed"
-    return f"rank {e.get('rank')} {what} in {e.get('section')}: {e.get('error', '').splitlines()[0][:300]}"
+    return f"rank {e.get('rank')} failed in {e.get('section')}: {headline(e.get('error', ''))}"
+
+
+LOST_BY_SIGNAL = "no report of its own (killed, out of memory or crashed)"
+
+
+def lost_process(e: dict) -> str:
+    """A `process_lost` event (launch/reporting.py): the rank whose process
+    ended, where, and how."""
+    return (f"rank {e.get('rank')} (pid {e.get('pid')} on {e.get('host')}) ended with "
+            f"{e.get('how')}")
+
+
+def _lost(e: dict) -> str:
+    report = LOST_BY_SIGNAL if e.get("exitcode", 0) < 0 else "no report of its own"
+    return f"{lost_process(e)}: {report}"
 
 
 def _restart(e: dict) -> str:
@@ -54,9 +77,17 @@ def _restart(e: dict) -> str:
     tier = f" ({e['from_tier']} tier)" if e.get("from_tier") else ""
     start = (f"from step {e['from_step']}{tier}" if e.get("from_step") is not None
              else "from the start (no checkpoint yet)")
+    if e.get("unsaved_step") is not None:  # a new launch, not an attempt of its budget
+        return f"resuming {start}: {e.get('reason')}; {_again(e)}"
     how = "in-process" if e.get("kind") == "in_process" else "by relaunching the workers"
     return (f"restarting {how} {start}, attempt {e.get('attempt')} of "
             f"{e.get('max_attempts')} (cause: {e.get('reason')})")
+
+
+def _again(e: dict) -> str:
+    first, last = (e.get("from_step") or 0) + 1, e["unsaved_step"]
+    return (f"step {last} is trained again" if first == last
+            else f"steps {first} to {last} are trained again")
 
 
 def _local_paused(e: dict) -> Optional[str]:
@@ -165,6 +196,7 @@ FORMATS: dict[str, Callable[[dict], Optional[str]]] = {
     "hang_detected": _hang,
     "hang_suspected": _suspected,
     "worker_error": _error,
+    "process_lost": _lost,
     "restart": _restart,
     "checkpoint_loaded": _loaded,
     "initialized_from": lambda e: (f"started from the weights of {e.get('path')}"
@@ -205,11 +237,17 @@ def describe(event: dict) -> Optional[str]:
 class IncidentPrinter:
     """Follows `run_dir/events.jsonl` from its current end and prints each
     incident's line. Of the worker_error events of one failure (every rank
-    reports its own unwinding), only the first is printed."""
+    reports its own unwinding), only the first is printed, and none that
+    only saw its peer go: the lost process's line (or the restart's cause)
+    names the rank that was lost, not a survivor. On several nodes each
+    launcher follows the same file: only the one that `speaks` (runs the
+    job's rank 0) prints, so a console gathering every node's output says
+    each line once."""
 
-    def __init__(self, run_dir: Path, out: TextIO = sys.stderr, poll_s: float = 0.2):
+    def __init__(self, run_dir: Path, out: TextIO = sys.stderr, poll_s: float = 0.2,
+                 speaks: Callable[[], bool] = lambda: True):
         self.path = Path(run_dir) / "events.jsonl"
-        self.out, self.poll_s = out, poll_s
+        self.out, self.poll_s, self.speaks = out, poll_s, speaks
         self.offset = self.path.stat().st_size if self.path.exists() else 0
         self.errors_shown = False
         self.stop = threading.Event()
@@ -237,25 +275,32 @@ class IncidentPrinter:
             data = f.read()
         complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits
         self.offset += len(complete)
-        for line in complete.decode().splitlines():
-            if line.strip():
-                self._show(json.loads(line))
+        for line in complete.splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:  # blank, or torn by a kill inside a write and ended by the next
+                continue
+            if isinstance(event, dict):
+                self._show(event)
 
     def _show(self, event: dict) -> None:
         kind = event.get("event")
         if kind == "worker_error":
-            # An abort unwinding a rank is the consequence of an incident
-            # already shown; a fatal error is the launcher's last line.
-            if self.errors_shown or event.get("fatal") or is_abort(event):
+            # An abort unwinding a rank, or a closed connection, is the
+            # consequence of an incident shown (or of a process that left no
+            # report: the restart names it); a fatal error is the launcher's
+            # last line.
+            if (self.errors_shown or event.get("fatal") or is_abort(event)
+                    or event.get("lost_peer")):
                 return
             self.errors_shown = True
-        elif kind == "hang_detected":
-            self.errors_shown = True  # every rank's unwinding from the hang is this incident
+        elif kind in ("hang_detected", "process_lost"):
+            self.errors_shown = True  # every rank's unwinding from it is this incident
         elif kind == "restart":
             # The next failure is a new incident, unless this restart replaces a
             # lost process: its peers' errors (the closed connection) are its
             # consequence, shown as this line.
             self.errors_shown = event.get("kind") == "replace"
         text = describe(event)
-        if text:
+        if text and self.speaks():
             print(text, file=self.out, flush=True)

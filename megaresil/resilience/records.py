@@ -15,8 +15,8 @@ from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import RecipeConfig
 from megaresil.events import read_events, read_metrics
 from megaresil.fencing import fence_of
+from megaresil.resilience.incidents import headline, is_abort, lost_process
 from megaresil.run_identity import read_run_id
-from megaresil.resilience.incidents import is_abort
 
 
 def restarts_recorded(run_dir: Path) -> int:
@@ -60,17 +60,28 @@ def next_generation(run_dir: Path) -> int:
 
 
 def last_failure(run_dir: Path) -> str:
-    """What ended the previous attempt, from its events: a worker's own
-    error before a peer's report of losing it; a process that died by a
-    signal reports nothing."""
+    """What ended the previous attempt, from its events: a hang; else a
+    process that ended without a report (its agent recorded it: its peers
+    saw only their connections close, whatever their errors say); else the
+    first error of a worker's own, or a rank fenced out; else a peer's
+    report of losing a process or node nobody recorded."""
     since_restart: list[dict] = []
     for event in read_events(run_dir):
         since_restart = [] if event["event"] == "restart" else since_restart + [event]
-    errors = [e for e in since_restart if e["event"] == "worker_error" and not is_abort(e)]
     hangs = [e for e in since_restart if e["event"] == "hang_detected"]
     if hangs:
         return f"hang on rank(s) {hangs[0].get('culprit_ranks')} in {hangs[0].get('section')}"
-    own = [e for e in errors if not e.get("lost_peer")] or errors
-    if own and not own[0].get("lost_peer"):
-        return f"rank {own[0].get('rank')}: {own[0].get('error', '').splitlines()[0][:300]}"
-    return "a worker process died" + (f" (rank {own[0].get('rank')} lost its peer)" if own else "")
+    lost = [e for e in since_restart if e["event"] == "process_lost"]
+    if lost:
+        return lost_process(lost[0])
+    errors = [e for e in since_restart if e["event"] == "worker_error" and not is_abort(e)]
+    own = [e for e in since_restart if e["event"] == "fenced"
+           or e["event"] == "worker_error" and not is_abort(e) and not e.get("lost_peer")]
+    if own and own[0]["event"] == "fenced":
+        return f"rank {own[0].get('rank')} was fenced: {own[0].get('reason')}"
+    if own:
+        return f"rank {own[0].get('rank')}: {headline(own[0].get('error', ''))}"
+    if errors:
+        return (f"a worker process or node was lost without a report (rank "
+                f"{errors[0].get('rank')} saw its connection close)")
+    return "a worker process ended without a report"

@@ -259,18 +259,20 @@ class WorkerLife:
         last = max((r["step"] for r in read_metrics(self.run_dir) if "loss" in r), default=None)
         resumed = newest_step(self.cfg, self.world)[0] or 0
         if last is not None and last > resumed:
+            # Not an attempt of this launch's budget (attempt 0): the console
+            # says which steps are trained again instead.
             self._count_restart("relaunch", f"the previous launch ended after step {last} "
                                 "without saving it (its launcher was killed, or it failed)",
-                                attempt(), self.cfg.resilience.max_restarts)
+                                attempt(), self.cfg.resilience.max_restarts, unsaved_step=last)
 
-    def _count_restart(self, kind: str, reason: str, number: int, limit: int) -> None:
+    def _count_restart(self, kind: str, reason: str, number: int, limit: int,
+                       **fields) -> None:
         """Rank 0 records the restart before the next rendezvous; every rank
         counts the recorded restarts after it, so all agree on the number."""
         from_step, from_tier = newest_step(self.cfg, self.world)
         self.events.emit("restart", kind=kind, generation=next_generation(self.run_dir),
                          reason=reason[:500], from_step=from_step, from_tier=from_tier,
-                         attempt=number,
-                         max_attempts=limit)
+                         attempt=number, max_attempts=limit, **fields)
 
     def _one_generation(self) -> Optional[str]:
         """Run one generation; its outcome, or None to go again."""

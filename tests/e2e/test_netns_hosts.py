@@ -181,6 +181,12 @@ def test_node_loss_in_namespaces_recovers_at_dp1(cli_main, chaos_reference, tmp_
     assert report["hosts"] == "netns" and report["restart_kind"] == "relaunch"
     loaded = next(e for e in read_events(report["faulted"]) if e["event"] == "checkpoint_loaded")
     assert loaded["saved_layout"]["dp"] == 2 and loaded["layout"]["dp"] == 1
+    # Issue 46 item 16e: both nodes' launchers follow the run's events.jsonl
+    # into one console; each line comes once (from the node running rank 0).
+    lines = result.stderr.splitlines()
+    assert len([line for line in lines if "training tp=1 pp=1 dp=2," in line]) == 1, lines
+    assert len([line for line in lines if "checkpoint saved: step 2," in line]) == 1, lines
+    assert "lost a peer" not in result.stderr, lines
 
 
 @needs_netns

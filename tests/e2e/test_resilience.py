@@ -300,6 +300,107 @@ def test_incidents_are_one_line_each(tmp_path):
         "megaresil: skipped checkpoint ckpt/step_0000004: checksum mismatch"]
 
 
+def test_a_lost_process_is_the_incident_not_the_survivors_closed_connection(tmp_path):
+    """Issue 47 item 3: after a kill -9 of rank 3 the console printed rank
+    1's gloo text ("Connection closed by peer ... GLHF!"), or at dp=1 an
+    empty "RuntimeError: " (torch's pipelining puts its text on the next
+    line), and the relaunch blamed rank 1. One line for the incident, the
+    lost rank named; the relaunch's cause names it too."""
+    import io
+
+    from megaresil.events import EventLog
+    from megaresil.resilience.incidents import IncidentPrinter
+    from megaresil.resilience.records import last_failure
+
+    out = io.StringIO()
+    printer = IncidentPrinter(tmp_path, out)
+    EventLog(tmp_path, 1).emit("worker_error", section="forward_backward", lost_peer=True,
+                               error="RuntimeError: [pair.cc:553] Connection closed by peer "
+                                     "[127.0.0.1]:21908. GLHF! \U0001f3d6\ufe0f")
+    EventLog(tmp_path, 2).emit("worker_error", section="forward_backward", lost_peer=True,
+                               error="RuntimeError: \n  [Stage 1] failed to run forward:\n")
+    EventLog(tmp_path).emit("process_lost", rank=3, pid=4242, local_rank=3, exitcode=-9,
+                            how="signal SIGKILL", host="node7")
+    EventLog(tmp_path, 0).emit("worker_error", section="forward_backward", lost_peer=False,
+                               error="RuntimeError: \n  [Stage 0] failed to run backward:\n")
+    cause = last_failure(tmp_path)
+    EventLog(tmp_path, 0).emit("restart", kind="relaunch", from_step=2, attempt=1,
+                               max_attempts=5, reason=cause)
+    printer.print_new()
+    assert out.getvalue().splitlines() == [
+        "megaresil: rank 3 (pid 4242 on node7) ended with signal SIGKILL: no report of its own "
+        "(killed, out of memory or crashed)",
+        "megaresil: restarting by relaunching the workers from step 2, attempt 1 of 5 "
+        "(cause: rank 3 (pid 4242 on node7) ended with signal SIGKILL)"]
+
+
+def test_the_console_goes_on_past_a_torn_events_line(tmp_path):
+    """A rank killed inside its write leaves a torn line, which the next
+    writer ends with a newline: the launcher's console thread died on it
+    (a traceback, then silence for the rest of the run)."""
+    import io
+
+    from megaresil.events import EventLog
+    from megaresil.resilience.incidents import IncidentPrinter
+
+    out = io.StringIO()
+    printer = IncidentPrinter(tmp_path, out)
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"time": 1.0, "event": "worker_er')
+    EventLog(tmp_path, 0).emit("checkpoint_skipped", path="ckpt/step_0000004", reason="x")
+    printer.print_new()
+    assert out.getvalue() == "megaresil: skipped checkpoint ckpt/step_0000004: x\n"
+
+
+def test_an_error_whose_text_starts_on_its_second_line_is_shown_with_it():
+    from megaresil.resilience.incidents import describe
+
+    line = describe({"event": "worker_error", "rank": 2, "section": "forward_backward",
+                     "error": "RuntimeError: \n            [Stage 1] failed to run forward:\n"
+                              "            args: ('Tensor(...)',)"})
+    assert line == ("megaresil: rank 2 failed in forward_backward: RuntimeError: [Stage 1] "
+                    "failed to run forward:")
+
+
+def test_a_launch_after_an_unsaved_end_says_what_it_trains_again():
+    """Issue 46 item 16b: "attempt 0 of 5" on every rerun after an unsaved
+    end; it spends no relaunch of the new launch."""
+    from megaresil.resilience.incidents import describe
+
+    reason = ("the previous launch ended after step 7 without saving it (its launcher was "
+              "killed, or it failed)")
+    line = describe({"event": "restart", "kind": "relaunch", "from_step": 4, "attempt": 0,
+                     "max_attempts": 5, "reason": reason, "unsaved_step": 7})
+    assert line == f"megaresil: resuming from step 4: {reason}; steps 5 to 7 are trained again"
+    line = describe({"event": "restart", "kind": "relaunch", "from_step": None, "attempt": 0,
+                     "max_attempts": 5, "reason": reason, "unsaved_step": 1})
+    assert line.endswith("from the start (no checkpoint yet): " + reason +
+                         "; step 1 is trained again")
+
+
+def test_only_the_node_that_runs_rank_0_prints_the_jobs_lines(tmp_path):
+    """Issue 46 item 16e: on nodes in namespaces every line printed twice,
+    once by each node's launcher following the shared events.jsonl."""
+    import io
+
+    from megaresil.events import EventLog
+    from megaresil.resilience.incidents import IncidentPrinter
+
+    role = {"rank 0 here": False}
+    outs = [io.StringIO(), io.StringIO()]
+    printers = [IncidentPrinter(tmp_path, outs[0], speaks=lambda: role["rank 0 here"]),
+                IncidentPrinter(tmp_path, outs[1], speaks=lambda: not role["rank 0 here"])]
+    EventLog(tmp_path, 0).emit("checkpoint_saved", step=2, path="ckpt/step_0000002")
+    for printer in printers:
+        printer.print_new()
+    role["rank 0 here"] = True  # the job re-formed: rank 0 on the first node now
+    EventLog(tmp_path, 0).emit("checkpoint_saved", step=4, path="ckpt/step_0000004")
+    for printer in printers:
+        printer.print_new()
+    assert [out.getvalue().count("checkpoint saved") for out in outs] == [1, 1]
+    assert "step 2" in outs[1].getvalue() and "step 4" in outs[0].getvalue()
+
+
 @pytest.mark.slow
 def test_defaults_recover_and_say_what_happened(cli, chaos_reference, tmp_path):
     """No resilience settings: a raised exception restarts in-process, a
@@ -313,6 +414,13 @@ def test_defaults_recover_and_say_what_happened(cli, chaos_reference, tmp_path):
     assert "megaresil: restarting in-process from step 2, attempt 1 of 3" in result.stderr
     assert "megaresil: restarting by relaunching the workers from step 4" in result.stderr
     assert "Traceback" not in result.stderr
+    # Issue 47 item 3: the kill is one line naming rank 1, and so is the
+    # relaunch's cause; not rank 0's closed connection.
+    lost = [line for line in result.stderr.splitlines() if "no report of its own" in line]
+    assert len(lost) == 1 and lost[0].startswith("megaresil: rank 1 (pid "), result.stderr
+    relaunch = next(line for line in result.stderr.splitlines() if "by relaunching" in line)
+    assert "(cause: rank 1 (pid " in relaunch and relaunch.endswith(" ended with signal SIGKILL)")
+    assert "lost a peer" not in result.stderr and "GLHF" not in result.stderr, result.stderr
     final = [r for r in read_metrics(tmp_path) if "loss" in r][-1]
     reference = [r for r in read_metrics(chaos_reference) if "loss" in r][-1]
     assert final["step"] == reference["step"] and final["loss"] == reference["loss"]
@@ -405,15 +513,33 @@ def test_a_relaunch_names_what_ended_the_previous_attempt(tmp_path):
 
     EventLog(tmp_path, 0).emit("worker_error", error="InjectedFault: old", lost_peer=False)
     EventLog(tmp_path, 0).emit("restart", kind="relaunch")
-    assert last_failure(tmp_path) == "a worker process died"  # killed: nobody reported
+    assert last_failure(tmp_path) == "a worker process ended without a report"  # killed
     EventLog(tmp_path, 0).emit("worker_error", error="RuntimeError: Connection closed",
                                lost_peer=True)
-    assert last_failure(tmp_path) == "a worker process died (rank 0 lost its peer)"
+    assert last_failure(tmp_path) == ("a worker process or node was lost without a report "
+                                      "(rank 0 saw its connection close)")
     EventLog(tmp_path, 1).emit("worker_error", error="InjectedFault: boom\nmore", lost_peer=False)
     assert last_failure(tmp_path) == "rank 1: InjectedFault: boom"
+    EventLog(tmp_path).emit("process_lost", rank=2, pid=7, how="signal SIGKILL", host="h")
+    assert last_failure(tmp_path) == "rank 2 (pid 7 on h) ended with signal SIGKILL"
     EventLog(tmp_path, 2).emit("restart", kind="in_process")
     EventLog(tmp_path, 2).emit("worker_error", error="HangAbort: ", lost_peer=False)
-    assert last_failure(tmp_path) == "a worker process died"  # aborted by it, not its cause
+    assert last_failure(tmp_path) == "a worker process ended without a report"  # not its cause
+
+
+def test_a_fenced_relaunch_names_the_fence(tmp_path):
+    """Issue 46 item 16c: a relaunch after a rank was fenced said only "a
+    worker process died"."""
+    from megaresil.events import EventLog
+    from megaresil.resilience.records import last_failure
+
+    reason = ("the job formed again as generation 2 without this rank (generation 1): the "
+              "metrics row of step 5 refused")
+    EventLog(tmp_path, 1).emit("fenced", generation=1, current_generation=2, reason=reason,
+                               refused="the metrics row of step 5")
+    EventLog(tmp_path, 0).emit("worker_error", error="RuntimeError: Connection closed",
+                               lost_peer=True)
+    assert last_failure(tmp_path) == f"rank 1 was fenced: {reason}"
 
 
 @pytest.mark.slow

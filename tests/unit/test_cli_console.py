@@ -299,16 +299,23 @@ def test_ctrl_c_ends_a_drill_with_one_line_not_a_traceback(monkeypatch, capsys, 
                    "stopped, their directories stay under run.dir\n")
 
 
-def failed_process(local_rank: int, message: str, timestamp: int):
+def failed_process(tmp_path: Path, local_rank: int, message: str, timestamp: int,
+                   exitcode: int = 1):
+    """A worker's failure as TorchElastic reads it: from the error file the
+    worker wrote (as @record does), or with no file (message None)."""
+    import json
+
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    failure = ProcessFailure(local_rank=local_rank, pid=100 + local_rank, exitcode=1,
-                             error_file="/nonexistent")
-    failure.message, failure.timestamp = {"message": message}, timestamp
-    return failure
+    error_file = tmp_path / f"error-{local_rank}.json"
+    if message is not None:
+        error_file.write_text(json.dumps({"message": {
+            "message": message, "extraInfo": {"py_callstack": "", "timestamp": str(timestamp)}}}))
+    return ProcessFailure(local_rank=local_rank, pid=100 + local_rank, exitcode=exitcode,
+                          error_file=str(error_file))
 
 
-def test_the_give_up_line_names_the_rank_whose_own_error_ended_the_job():
+def test_the_give_up_line_names_the_rank_whose_own_error_ended_the_job(tmp_path):
     """A rank whose peer failed sees only a closed connection, and may record
     it first (the worker that failed tears its groups down before its error
     file is written): the line names the cause, not the echo."""
@@ -319,9 +326,14 @@ def test_the_give_up_line_names_the_rank_whose_own_error_ended_the_job():
     echo = ("RuntimeError: [/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
             "[127.0.0.1]:37780. This is typically caused by a remote worker crashing.")
     cause = "InjectedFault: injected exception (raise@rank1/step2/data)"
-    err = ChildFailedError("megaresil", {0: failed_process(0, echo, 10),
-                                         1: failed_process(1, cause, 11)})
+    err = ChildFailedError("megaresil", {0: failed_process(tmp_path, 0, echo, 10),
+                                         1: failed_process(tmp_path, 1, cause, 11)})
     assert failure_summary(err) == f"rank 1 ended with exit code 1: {cause}"
-    only_echoes = ChildFailedError("megaresil", {0: failed_process(0, echo, 10),
-                                                 1: failed_process(1, echo, 11)})
+    only_echoes = ChildFailedError("megaresil", {0: failed_process(tmp_path, 0, echo, 10),
+                                                 1: failed_process(tmp_path, 1, echo, 11)})
     assert failure_summary(only_echoes).startswith("rank 0 ended with exit code 1: RuntimeError")
+    # Issue 47 item 3: a killed rank wrote nothing; its peer's echo is not the cause.
+    killed = ChildFailedError("megaresil", {0: failed_process(tmp_path, 0, echo, 10),
+                                            3: failed_process(tmp_path, 3, None, 11, -9)})
+    assert failure_summary(killed) == ("rank 3 ended with signal SIGKILL: no report of its own "
+                                       "(killed, out of memory or crashed)")

@@ -17,7 +17,8 @@ from megaresil.checkpoint.state import RunRecord
 from megaresil.config import RecipeConfig, to_dict
 from megaresil.events import EventLog, read_events
 import megaresil.checkpoint.manager as manager
-from megaresil.fencing import FENCE_NAME, Fence, Fenced, fence_of, read_fence, set_fence
+from megaresil.fencing import (FENCE_NAME, Fence, FenceDamaged, Fenced, fence_of, read_fence,
+                               set_fence)
 from megaresil.train.metrics import MetricsLog, StepFigures
 
 
@@ -112,15 +113,40 @@ def test_two_formations_with_one_number_fence_each_other_out(tmp_path):
 
 
 def test_the_fence_never_goes_back_and_a_damaged_one_says_what_to_do(tmp_path):
-    assert read_fence(tmp_path) == (0, "")
-    Fence(tmp_path, 2, "ours", None).check("anything")  # no fence yet: an older run directory
+    assert read_fence(tmp_path) is None and fence_of(tmp_path) == 0
     set_fence(tmp_path, 3, "new")
     set_fence(tmp_path, 2, "old")  # an older formation's rank 0, late
     assert read_fence(tmp_path) == (3, "new")
     Fence(tmp_path, 4, "next", None).check("anything")  # newer than the fence: not fenced
     (tmp_path / FENCE_NAME).write_text("three\n")
-    with pytest.raises(ValueError, match="not a generation number and token: remove it"):
+    # Issue 46 item 9: not "remove it" (a missing fence fences nobody out).
+    with pytest.raises(FenceDamaged) as err:
         fence_of(tmp_path)
+    assert str(err.value) == (
+        f"{tmp_path / FENCE_NAME}: holds 'three', not the fence megaresil writes there "
+        '("NUMBER TOKEN" as each generation of the job forms). Fix: run the same command '
+        "again: before any worker starts it says which generation to write back.")
+    (tmp_path / FENCE_NAME).unlink()
+    (tmp_path / FENCE_NAME).mkdir()
+    with pytest.raises(FenceDamaged, match="generation: is a directory, not the fence"):
+        fence_of(tmp_path)
+
+
+@pytest.mark.parametrize("generation", [0, 2])
+def test_a_fence_deleted_while_the_job_runs_fences_nobody(tmp_path, generation):
+    """Issue 46 item 9: deleting `generation` while generation 0 ran fenced
+    the healthy job ("formed again as generation 0 without this rank
+    (generation 0)") and cost it a relaunch. No fence names no other
+    formation; the next formation writes it again."""
+    events = EventLog(tmp_path, 0)
+    fence = Fence(tmp_path, generation, "ours", events)
+    set_fence(tmp_path, generation, "ours")
+    (tmp_path / FENCE_NAME).unlink()
+    fence.check("the metrics row of step 3")
+    set_fence(tmp_path, generation + 1, "next")  # as the next formation forms
+    with pytest.raises(Fenced):
+        fence.check("the metrics row of step 4")
+    assert [e["current_generation"] for e in fenced_events(tmp_path)] == [generation + 1]
 
 
 def test_a_link_in_the_fences_place_is_neither_read_nor_written_through(tmp_path):

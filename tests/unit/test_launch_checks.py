@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.harness.cli import SMALL
-from megaresil.events import read_events
+from megaresil.events import read_events, read_metrics
 from megaresil.resilience.guardian import stopped, why_no_progress
 
 TINY = ["recipes/gpt-tiny.yaml", "parallel.tp=1", "parallel.pp=1", "parallel.dp=1",
@@ -108,3 +108,66 @@ def test_the_te_backend_without_transformer_engine_is_refused_by_the_launcher(cl
     line = refused(cli_main, "train", *TINY, f"run.dir={tmp_path}", "model.backend=te")
     assert line.startswith("megaresil: error: model.backend: te needs NVIDIA Transformer Engine")
     assert not (tmp_path / "events.jsonl").exists()
+
+
+# --- the run directory's records (issue 46 item 12) -----------------------------------------
+
+EVENT = '{"time": 1.0, "event": "restart", "kind": "relaunch"}\n'
+ROW = '{"step": 1, "loss": 5.0, "time": 2.0}\n'
+
+
+@pytest.mark.parametrize("name,content,problem", [
+    ("events.jsonl", EVENT + "garbage\n" + EVENT, "events.jsonl line 2: 'garbage' is not JSON."),
+    ("events.jsonl", EVENT + '{"kind": "relaunch"}\n',
+     'events.jsonl line 2: \'{"kind": "relaunch"}\' has no "event" name.'),
+    ("metrics.jsonl", ROW + '{"step": 2, "lo\n' + ROW,
+     'metrics.jsonl line 2: \'{"step": 2, "lo\' is not JSON.'),
+])
+def test_a_damaged_record_is_refused_naming_file_and_line(cli_main, tmp_path, name, content,
+                                                          problem):
+    """A damaged line failed inside every worker, burnt every relaunch
+    (55 s) and gave up "after 0 relaunches" without naming the file."""
+    (tmp_path / name).write_text(content)
+    line = refused(cli_main, "train", *TINY, f"run.dir={tmp_path}")
+    assert line == (f"megaresil: error: {tmp_path}/{problem} Fix: repair or delete that line "
+                    "(megaresil only appends to this file; a deleted line loses only that "
+                    "record).")
+    assert (tmp_path / name).read_text() == content  # nothing written, nothing repaired
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+@pytest.mark.parametrize("directory", [False, True], ids=["garbage", "directory"])
+def test_a_damaged_fence_is_refused_naming_the_generation_to_write_back(cli_main, tmp_path,
+                                                                        directory):
+    (tmp_path / "events.jsonl").write_text(EVENT * 3)  # three restarts: generation 3
+    fence = tmp_path / "generation"
+    fence.mkdir() if directory else fence.write_text("three\n")
+    line = refused(cli_main, "train", *TINY, f"run.dir={tmp_path}")
+    what = "is a directory" if directory else "holds 'three'"
+    away = "move that directory away, then " if directory else ""
+    assert line == (f"megaresil: error: {fence}: {what}, not the fence megaresil writes there "
+                    '("NUMBER TOKEN" as each generation of the job forms). Fix: with no job '
+                    f"running on this run directory, {away}write back the generation "
+                    f"events.jsonl records: echo '3 restored' > {fence}")
+    assert fence.is_dir() if directory else fence.read_text() == "three\n"
+
+
+@pytest.mark.slow
+def test_a_torn_last_line_does_not_block_a_resume(cli, tmp_path):
+    """A kill -9 of the launcher inside a write leaves the last line of
+    events.jsonl or metrics.jsonl torn, and the steps after the newest
+    checkpoint unsaved: the launcher's check lets the torn line pass (it is
+    skipped, the writers start a new line after it), and the rerun says
+    which steps it trains again, not "attempt 0 of 5" (issue 46 item 16b)."""
+    run = [*TINY, "train.steps=3", f"run.dir={tmp_path}", "checkpoint.interval=1"]
+    cli("train", *run, "train.exit_at_step=1")
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # step 2, trained, never saved
+        f.write('{"step": 2, "loss": 5.0, "time": 3.0}\n{"step": 3, "lo')
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"time": 3.0, "ev')
+    result = cli("train", *run)
+    assert "error" not in result.stderr and "attempt 0" not in result.stderr, result.stderr
+    assert ("megaresil: resuming from step 1: the previous launch ended after step 2 without "
+            "saving it (its launcher was killed, or it failed); step 2 is trained again"
+            ) in result.stderr.splitlines(), result.stderr
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 2, 3]
