@@ -89,11 +89,12 @@ def read_jsonl(path: Path, shape: Callable[[dict], Optional[str]] = lambda recor
             print(f"megaresil: warning: {path}: ignoring a torn line ({shown[:40]!r}...)",
                   file=sys.stderr)
             continue
+        if record == REPAIRED:
+            continue
         problem = "is not a JSON object" if not isinstance(record, dict) else shape(record)
         if problem:
             raise DamagedRecord(path, number, f"{shown!r} {problem}")
-        if record != REPAIRED:
-            records.append(record)
+        records.append(record)
     return records
 
 
@@ -108,7 +109,7 @@ def torn(lines: list[tuple[int, bytes]], i: int, data: bytes) -> bool:
 
 def event_shape(record: dict) -> Optional[str]:
     """What every reader of events.jsonl relies on: the event's name."""
-    if record != REPAIRED and not isinstance(record.get("event"), str):
+    if not isinstance(record.get("event"), str):
         return 'has no "event" name'
     return None
 

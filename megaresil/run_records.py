@@ -2,8 +2,9 @@
 `megaresil plan`) compute with in its records, and of what kind: a record
 that parses as JSON but holds something else where a number or a name
 belongs (edited by hand, written by another tool, corrupted) stops them with
-one line naming the file, the record and the field, instead of a TypeError
-deep inside a plot or a formula. docs/observability.md lists the fields."""
+one line naming the file, the line and the field (events.DamagedRecord, as
+the launcher's check of the same files), instead of a TypeError deep inside
+a plot or a formula. docs/observability.md lists the fields."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from megaresil.events import read_events, read_jsonl, read_metrics
+from megaresil.events import read_jsonl
 
 METRICS, EVENTS, WINDOWS = "metrics.jsonl", "events.jsonl", "stragglers.jsonl"
 
@@ -94,7 +95,8 @@ def short(value: Any) -> str:
 
 
 class MalformedRecord(ValueError):
-    """A record of a run file that holds another kind than its readers need."""
+    """A record of a file a person wrote (a failure trace) that holds
+    another kind than its readers need."""
 
     def __init__(self, path: Path, number: int, problem: str):
         super().__init__(f"{path}: record {number} {problem}. Fix: correct or delete that "
@@ -154,6 +156,17 @@ WINDOW_RECORD = Shape({"window": WINDOW, "ratios": per_rank(NUMBERS),
 
 # --- reading them -----------------------------------------------------------------------------
 
+def run_file(path: Path, shape_of: Callable[[dict], Optional[Shape]]) -> list[dict]:
+    """The records of a run's JSON Lines file (none when it is absent), each
+    of its shape (`shape_of`: None for a record read by nothing);
+    events.DamagedRecord naming the line otherwise."""
+    def problem(record: dict) -> Optional[str]:
+        shape = shape_of(record)
+        return shape.problem(record) if shape else None
+
+    return read_jsonl(path, problem) if path.exists() else []
+
+
 def metrics_of(run_dir: Path, steps: Shape = STEP_RECORD) -> list[dict]:
     """The run's metrics, its step records of the shape `steps`."""
     def shape_of(record: dict) -> Optional[Shape]:
@@ -161,14 +174,13 @@ def metrics_of(run_dir: Path, steps: Shape = STEP_RECORD) -> list[dict]:
             return steps
         return EVAL_RECORD if "eval_loss" in record else None
 
-    return checked(read_metrics(run_dir), Path(run_dir) / METRICS, shape_of)
+    return run_file(Path(run_dir) / METRICS, shape_of)
 
 
 def events_of(run_dir: Path) -> list[dict]:
-    return checked(read_events(run_dir), Path(run_dir) / EVENTS, events_shape)
+    return run_file(Path(run_dir) / EVENTS, events_shape)
 
 
 def windows_of(run_dir: Path) -> list[dict]:
     """The straggler windows (none when the run wrote none)."""
-    path = Path(run_dir) / WINDOWS
-    return checked(read_jsonl(path), path, lambda _: WINDOW_RECORD) if path.exists() else []
+    return run_file(Path(run_dir) / WINDOWS, lambda _: WINDOW_RECORD)

@@ -99,13 +99,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from megaresil.observe.report import write_report
-    from megaresil.run_records import MalformedRecord
     from megaresil.safe_files import LinkRefused
 
     try:
         page = write_report(Path(args.run_dir), [Path(p) for p in args.compare],
                             Path(args.out) if args.out else None)
-    except (LinkRefused, MalformedRecord) as err:  # a planted report/ link, a record of no use
+    except LinkRefused as err:  # a planted report/ link (a record of no use: DamagedRecord)
         print(f"megaresil: error: {err}", file=sys.stderr)
         return 2
     except FileNotFoundError as err:

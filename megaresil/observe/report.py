@@ -51,7 +51,7 @@ class Run:
     @classmethod
     def read(cls, path: Path) -> "Run":
         """The run's records, each of the kind the panels compute with
-        (run_records: MalformedRecord otherwise)."""
+        (events.DamagedRecord, naming the line, otherwise)."""
         if not (path / "metrics.jsonl").exists():
             raise FileNotFoundError(f"{path}: no metrics.jsonl here. Fix: give a run directory "
                                     "(run.dir of a `megaresil train`).")

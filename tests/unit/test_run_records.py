@@ -33,7 +33,7 @@ def malformed_run(tmp_path, name: str, index: int, change) -> tuple:
     else:
         records[index] = change
     (run / name).write_text("".join(json.dumps(r) + "\n" for r in records))
-    return run, f"{run / name}: record {index + 1} "
+    return run, f"{run / name} line {index + 1}: "
 
 
 MALFORMED = [  # file, record, change, what the line says of it
@@ -44,7 +44,7 @@ MALFORMED = [  # file, record, change, what the line says of it
     ("metrics.jsonl", 1, {"loss": "low"}, "has loss='low', not a number"),
     ("metrics.jsonl", 1, "tokens", ("has no 'tokens' (a finite number >= 0)",  # plan's
                                     "has none of 'step_time_s', 'tokens'")),  # the report's
-    ("metrics.jsonl", 0, [1, 2], "is [1, 2], not a JSON object"),
+    ("metrics.jsonl", 0, [1, 2], "is not a JSON object"),
     ("events.jsonl", 0, {"launched_at": "early"}, "has launched_at='early', not a finite number"),
     ("events.jsonl", 1, {"kind": "reboot"}, "has kind='reboot', not one of in_process, replace, "
                                             "relaunch"),
@@ -64,16 +64,23 @@ def test_plan_and_report_name_a_malformed_record(cli_main, tmp_path, name, index
                           (["report", str(run)], report_says)):
         result = cli_main(*command, check=False)
         assert result.returncode == 2, (command, result.stderr[-3000:])
-        assert result.stderr == (f"megaresil: error: {where}{said}. Fix: correct or delete "
-                                 "that record (a line of the file)\n"), command
+        assert_names_the_line(result.stderr, where, said)
+
+
+def assert_names_the_line(stderr: str, where: str, said: str) -> None:
+    """One line: the file and line, the line's start, what is wrong, the fix."""
+    assert stderr.startswith(f"megaresil: error: {where}'"), stderr
+    assert stderr.endswith(f"' {said}. Fix: repair or delete that line (megaresil only appends "
+                           "to this file; a deleted line loses only that record).\n"), stderr
+    assert stderr.count("\n") == 1, stderr
 
 
 def test_report_names_a_malformed_straggler_window(cli_main, tmp_path):
     run, where = malformed_run(tmp_path, "stragglers.jsonl", 0, {"ratios": {"zero": {}}})
     result = cli_main("report", str(run), check=False)
     assert result.returncode == 2
-    assert result.stderr.startswith(f"megaresil: error: {where}has ratios={{'zero': {{}}}}, not "
-                                    "a map of rank to a map of names to numbers. Fix:")
+    assert_names_the_line(result.stderr, where, "has ratios={'zero': {}}, not a map of rank "
+                          "to a map of names to numbers")
 
 
 def test_plan_names_malformed_costs_and_trace_lines(cli_main, tmp_path):
@@ -141,8 +148,7 @@ def test_plan_and_report_through_the_installed_command(home):
     report = megaresil("report", "run", cwd=home, check=False)
     plan = megaresil("plan", "run", "--gpus", "-8", cwd=home, check=False)
     assert (report.returncode, plan.returncode) == (2, 2)
-    assert report.stderr == ("megaresil: error: run/metrics.jsonl: record 3 has step='3', not a "
-                             "whole number >= 1. "
-                             "Fix: correct or delete that record (a line of the file)\n")
+    assert_names_the_line(report.stderr, "run/metrics.jsonl line 3: ",
+                          "has step='3', not a whole number >= 1")
     assert plan.stderr == ("megaresil: error: --gpus: must be a finite number > 0, got -8. "
                            "Fix: give --gpus a value > 0.\n")
