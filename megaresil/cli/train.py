@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 # No torch at the top (see cli/__init__.py): each command imports what it needs.
@@ -19,6 +20,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megaresil.launch.agent import launch
     from megaresil.launch.checks import finished_line
     from megaresil.launch.from_hf import check_hf_init, is_new_run, resolve_from_hf
+    from megaresil.launch.health import excluded_before
     from megaresil.launch.membership import Membership
     from megaresil.launch.worker import inside_torchrun, slurm_task, worker
     from megaresil.slurm import SlurmStep
@@ -32,6 +34,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     cfg = load_recipe(args.recipe, overrides)
     check_hf_init(cfg, from_hf is not None)
+    # An excluded node is refused even by a finished run: its exclusion is
+    # the news its operator needs, not that there is nothing left to train.
+    if excluded := excluded_before(Path(cfg.run.dir), socket.gethostname()):
+        print(f"megaresil: {excluded}", file=sys.stderr)
+        return 1
     if finished := finished_line(cfg):  # before any worker starts, or writes to the run
         print(f"megaresil: {finished}", file=sys.stderr)
         return 0
