@@ -26,10 +26,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.offline.convert import open_source
-from megaresil.config import (ConfigError, ParallelConfig, Precision, RecipeConfig, from_dict,
-                              validate)
+from megaresil.checkpoint.validation import read_manifest
+from megaresil.config import (
+    ConfigError,
+    ParallelConfig,
+    Precision,
+    RecipeConfig,
+    from_dict,
+    validate,
+)
 from megaresil.data.build import build_test_dataset, recipe_tokenizer
 from megaresil.parallel.layout import ParallelLayout, backend_for, pick_device, visible_gpus
 from megaresil.ports import free_port

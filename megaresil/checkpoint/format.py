@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import xxhash
 
-from megaresil.safe_files import fsync_path, write_atomic  # noqa: F401 (fmt.fsync_path, as before)
+from megaresil.safe_files import fsync_path, write_atomic
 
 if TYPE_CHECKING:
     import torch

@@ -28,8 +28,13 @@ from megaresil.checkpoint.keys import WEIGHTS
 from megaresil.checkpoint.sharded import Rect, assign_writers
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState, training_rects, weight_rects
-from megaresil.checkpoint.validation import (check_shapes, nonfinite_keys, nonfinite_refusal,
-                                             read_manifest, verify_shards)
+from megaresil.checkpoint.validation import (
+    check_shapes,
+    nonfinite_keys,
+    nonfinite_refusal,
+    read_manifest,
+    verify_shards,
+)
 from megaresil.fencing import Fence, Fenced
 
 if TYPE_CHECKING:

@@ -17,8 +17,14 @@ from typing import Any, Optional
 
 from megaresil.config.faults import FaultSpec
 from megaresil.config.fields import FRACTION, NON_NEGATIVE, POSITIVE, SEED, doc, public_key, section
-from megaresil.config.run import (SUPERVISION_BOUNDS, CheckpointConfig, LoggingConfig,
-                                  ProfileConfig, ResilienceConfig, RunConfig)
+from megaresil.config.run import (
+    SUPERVISION_BOUNDS,
+    CheckpointConfig,
+    LoggingConfig,
+    ProfileConfig,
+    ResilienceConfig,
+    RunConfig,
+)
 
 
 class Flavour(str, enum.Enum):

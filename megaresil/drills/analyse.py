@@ -9,8 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from megaresil.checkpoint.offline.diff import diff_checkpoints
 from megaresil.checkpoint.format import committed_checkpoints, step_dir_name
+from megaresil.checkpoint.offline.diff import diff_checkpoints
 from megaresil.config import RecipeConfig
 from megaresil.drills.run import Launch, step_records
 from megaresil.drills.scenarios import Scenario

@@ -22,9 +22,17 @@ from megaresil.config import load_recipe
 from megaresil.drills.analyse import NO_ALARM_KINDS, analyse_soak
 from megaresil.drills.run import Launch, start_hogs, step_records
 from megaresil.drills.scenarios import local_tier_settings
+from megaresil.drills.schedule import (
+    GIL_TIMEOUT_S,
+    KEEP,
+    SAVE_INTERVAL,
+    Calibration,
+    catalogue,
+    fit,
+    gil_timeout,
+    schedule,
+)
 from megaresil.drills.soak_nodes import check_nodes, is_node_fault, open_jobs
-from megaresil.drills.schedule import (GIL_TIMEOUT_S, KEEP, SAVE_INTERVAL, Calibration,
-                                       catalogue, fit, gil_timeout, schedule)
 from megaresil.observe.report import write_report
 from megaresil.safe_files import write_atomic
 

@@ -17,10 +17,23 @@ from typing import Optional
 
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.drills.hosts import RENDEZVOUS_PORT, NetnsHosts, netns_missing_reason
-from megaresil.drills.run import (Launch, Rendezvous, poll_until, run_training,
-                                  run_with_requeue, start_agents, step_records, wait_until)
-from megaresil.drills.schedule import (NODE_KINDS, SLOW_LINK_FACTOR, SLOW_LINK_S, Calibration,
-                                       flap_seconds)
+from megaresil.drills.run import (
+    Launch,
+    Rendezvous,
+    poll_until,
+    run_training,
+    run_with_requeue,
+    start_agents,
+    step_records,
+    wait_until,
+)
+from megaresil.drills.schedule import (
+    NODE_KINDS,
+    SLOW_LINK_FACTOR,
+    SLOW_LINK_S,
+    Calibration,
+    flap_seconds,
+)
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 
 NODES = 2

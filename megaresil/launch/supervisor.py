@@ -32,8 +32,12 @@ from megaresil.launch.admission import WaitingChecks
 from megaresil.launch.reporting import AgentReport, ReportingAgent, how_it_ended
 from megaresil.launch.standby import assignment, start_standby
 from megaresil.resilience.records import next_generation
-from megaresil.resilience.replacement import (REPLACEMENT_ENV, announce_replacement,
-                                              attempt_prefix, lost_in_setup)
+from megaresil.resilience.replacement import (
+    REPLACEMENT_ENV,
+    announce_replacement,
+    attempt_prefix,
+    lost_in_setup,
+)
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE
 
 

@@ -16,8 +16,13 @@ from torch.utils.checkpoint import checkpoint
 
 from megaresil.config import Flavour, ModelConfig, Recompute, RopeScalingType
 from megaresil.parallel.random import LayoutDropout
-from megaresil.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
-                                                enter_tp_region, mark_sequence_parallel)
+from megaresil.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    enter_tp_region,
+    mark_sequence_parallel,
+)
 
 
 def ffn_size(cfg: ModelConfig) -> int:

@@ -29,7 +29,7 @@ _IMPORT_ERROR: Optional[str] = None
 try:
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling, Format
-except Exception as err:  # ImportError, or RuntimeError without CUDA
+except Exception as err:  # noqa: BLE001 (ImportError, or RuntimeError without CUDA)
     te = None
     _IMPORT_ERROR = f"{type(err).__name__}: {err}"
 

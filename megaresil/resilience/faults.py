@@ -25,8 +25,15 @@ import torch.distributed as dist
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local.store import DATA, NodeStore
 from megaresil.compat import spin_cuda_kernel
-from megaresil.config import (STEP_FAULT_KINDS, ConfigError, FaultKind, FaultSpec, HangMode,
-                              parse_fault, parse_faults)
+from megaresil.config import (
+    STEP_FAULT_KINDS,
+    ConfigError,
+    FaultKind,
+    FaultSpec,
+    HangMode,
+    parse_fault,
+    parse_faults,
+)
 from megaresil.events import EventLog, read_events
 from megaresil.resilience.replacement import is_replacement
 from megaresil.resilience.step_faults import StepFaults

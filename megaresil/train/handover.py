@@ -21,14 +21,21 @@ import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.collectives import Collectives, own_group
-from megaresil.compat import viewed
-from megaresil.checkpoint.local.replication import decode_meta, encode_meta, transfers
-from megaresil.checkpoint.local.shard import (matched, rect_records, saved_run_record, shard_meta,
-                                              shard_rects, stage, view_of)
 from megaresil.checkpoint.keys import MOMENTS, moment_key
+from megaresil.checkpoint.local.replication import decode_meta, encode_meta, transfers
+from megaresil.checkpoint.local.shard import (
+    matched,
+    rect_records,
+    saved_run_record,
+    shard_meta,
+    shard_rects,
+    stage,
+    view_of,
+)
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
+from megaresil.compat import viewed
 from megaresil.config import RecipeConfig
 from megaresil.parallel.layout import ParallelLayout, use_device
 from megaresil.resilience.numerics import odd_ones_out

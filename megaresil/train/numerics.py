@@ -19,10 +19,19 @@ import torch.distributed as dist
 
 from megaresil.config import RecipeConfig, SpikePolicy
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.resilience.numerics import (Figures, LossWatch, PersistentNumericalFault, Spike,
-                                           WatchSizes, differing_ranks, find_spike,
-                                           nonfinite_ranks, rollback_refusal, skip_refusal,
-                                           what_is_nonfinite)
+from megaresil.resilience.numerics import (
+    Figures,
+    LossWatch,
+    PersistentNumericalFault,
+    Spike,
+    WatchSizes,
+    differing_ranks,
+    find_spike,
+    nonfinite_ranks,
+    rollback_refusal,
+    skip_refusal,
+    what_is_nonfinite,
+)
 from megaresil.train.checkpointing import TrainCheckpointing
 from megaresil.train.progress import Progress
 from megaresil.train.state import configured_skips

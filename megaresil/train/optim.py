@@ -23,7 +23,7 @@ def fused_adam_class() -> type | None:
         return None
     try:
         from apex.optimizers import FusedAdam
-    except Exception:
+    except Exception:  # noqa: BLE001 (an unbuilt apex fails in many ways)
         return None
     return FusedAdam
 

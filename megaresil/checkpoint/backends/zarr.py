@@ -20,11 +20,20 @@ import torch
 
 from megaresil.checkpoint.backends.base import Written
 from megaresil.checkpoint.backends.dcp_read import narrowed
-from megaresil.checkpoint.backends.file_io import (FsyncBehind, fsync_threads, prefetch,
-                                                   start_writeback)
+from megaresil.checkpoint.backends.file_io import (
+    FsyncBehind,
+    fsync_threads,
+    prefetch,
+    start_writeback,
+)
 from megaresil.checkpoint.backends.zarr_layout import ArrayLayout, Piece, runs
-from megaresil.checkpoint.format import (CheckpointError, inside, naming_write_errors,
-                                         tensor_bytes, torch_dtype)
+from megaresil.checkpoint.format import (
+    CheckpointError,
+    inside,
+    naming_write_errors,
+    tensor_bytes,
+    torch_dtype,
+)
 from megaresil.checkpoint.sharded import Rect
 
 METADATA = "zarr.json"
