@@ -10,6 +10,7 @@ manifest and compared with the memory free on the device, and a model that
 does not fit is refused in one line (naming both figures and the fix: more
 GPUs with --tp) instead of dying of an out-of-memory kill halfway through
 the load."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses

@@ -8,6 +8,7 @@ with the full key name; the cross-field rules (heads divisible by tp, ...) live
 in `config.validation`. Every field carries its documentation in
 `metadata["doc"]`; `megaresil config docs` prints them (`field_docs`).
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses

@@ -10,6 +10,7 @@ a temporary directory renamed into place), the others wait and reuse. Each
 document is tokenized and followed by eod, as Megatron's preprocess_data.py
 --append-eod does.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import collections

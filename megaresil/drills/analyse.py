@@ -2,6 +2,7 @@
 metrics.jsonl): how a run got over each fault (detection, restart, steps and
 time lost), alarms with no fault behind them, and whether the final state
 equals the fault-free reference's."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import statistics

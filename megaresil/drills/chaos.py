@@ -8,6 +8,7 @@ first step completed after the restart), steps lost (steps done before the
 fault that had to be redone), whether the final loss equals the reference's,
 and the restart kind.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses

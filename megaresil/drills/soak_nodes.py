@@ -7,6 +7,7 @@ the final states compare bit for bit. On nodes, this driver also strikes
 the node episodes (schedule.NODE_KINDS) once the job has completed their
 step, as drills/run.py's chaos drills do; the rank-level faults are the
 recipe's `faults`, fired by the ranks themselves as on one machine."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import subprocess

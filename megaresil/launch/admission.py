@@ -6,6 +6,7 @@ failure excludes the node and ends its wait, so it leaves before the job
 needs it and the next spare is taken instead. A node admitted after a wait
 longer than the interval is checked once more before its workers start.
 docs/clusters.md#health-checks."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import _thread

@@ -13,6 +13,7 @@ generation's setup) goes to TorchElastic's relaunch of the group. A hot
 spare (launch/spares.py) never needed ends as a success when the rendezvous
 closes; one failing its health checks as it waits leaves (launch/admission.py).
 docs/fault-tolerance.md ("Live replacement")."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ from the tensor-parallel layers.
 Shapes in comments: B batch, T sequence (T/tp when sequence parallel), C
 hidden, H heads, G kv heads (groups), D head dim; "local" counts are per TP rank.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ Panels: loss and eval loss (every run overlaid), throughput and MFU over
 wall time, a timeline of the first run (steps over time with restarts,
 checkpoints, faults, alarms and stragglers marked), its per-rank straggler
 heat map, and the goodput breakdown of every run."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import base64

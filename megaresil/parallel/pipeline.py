@@ -9,6 +9,7 @@ function). The model's chunk factory is `megaresil.model.chunks`.
 Pipeline rank r holds virtual stages r, r+pp, r+2pp, ... (Megatron's
 interleaved assignment, which is also the library's default stage-to-rank map).
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 from typing import Optional, Protocol, Sequence

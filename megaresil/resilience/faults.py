@@ -7,6 +7,7 @@ each fires once per run directory; `generation` holds it back until that many
 restarts, `replacement` until a live replacement's process runs the rank.
 docs/fault-tolerance.md ("Injected faults", "How a fault fires") lists the
 kinds and what each does."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import ctypes

@@ -5,6 +5,7 @@ file from where it stood at launch) and prints what happened, where, and
 what happens next, instead of TorchElastic's tracebacks. Events are the
 single record: the console says nothing the run directory does not.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import json

@@ -7,6 +7,7 @@ under a store prefix of its own; restarts are bounded by failures in a row
 without progress and back off exponentially; restart numbers come from the
 run directory's records, which outlive any node's store.
 docs/fault-tolerance.md ("What happens", "Restarts") says it for users."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import gc

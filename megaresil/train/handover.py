@@ -10,6 +10,7 @@ step, or none that is proven (dp = 1, all its replicas lost, a donor newer
 than the replicas' last agreement, or optimizer.distributed, whose optimizer
 shards live in one rank's memory only) the job resumes from the checkpoint
 tiers, and the event says why. docs/fault-tolerance.md ("Live replacement")."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor

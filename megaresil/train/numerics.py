@@ -5,6 +5,7 @@ non-finite rolls the run back to its newest checkpoint and skips the step's
 global batch. A loss spike is warned of, skipped, or rolled back with its
 data window skipped (on_spike). The decisions are resilience/numerics.py's;
 docs/numerics.md tells the whole story."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import math

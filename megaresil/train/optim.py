@@ -1,5 +1,6 @@
 """AdamW, its state as a checkpoint holds it, the warmup + cosine LR
 schedule, and global-norm gradient clipping."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import math

@@ -8,6 +8,7 @@ plain `dcp.load` reads them, but a save costs none of DCP's four planning and
 result collectives; the checkpoint manager gathers the notes together with its
 own manifest records.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 from pathlib import Path

@@ -7,6 +7,7 @@ into the target tensors. bfloat16 is stored as its uint16 bits with the
 attribute `torch_dtype: bfloat16`. This module reads and writes the files
 itself, without zarr. docs/checkpoints.md ("The zarr backend") has more.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib
