@@ -11,6 +11,7 @@ A torch outside that range is refused when this module is imported, before a
 process group or worker exists (MEGARESIL_UNCHECKED_TORCH=1 allows a newer
 one). See docs/gpu.md ("PyTorch versions").
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib

@@ -7,6 +7,7 @@ on another thread hands the collective over and waits for it in short slices
 (`wait_for`), so a hang abort can still reach the caller. No two threads can
 then pair the wrong calls (they did: an async save's barrier met the loop's
 preemption all-reduce)."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import threading

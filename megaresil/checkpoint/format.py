@@ -8,6 +8,7 @@ is replaced last. Shards carry xxHash3-64 checksums in the manifest, and the
 marker carries the manifest's. Resuming scans the step directories and never
 reads `latest`. docs/checkpoints.md ("How it works") has the details.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import xxhash
 
-from megaresil.safe_files import fsync_path, write_atomic  # noqa: F401 (fmt.fsync_path, as before)
+from megaresil.safe_files import fsync_path, write_atomic
 
 if TYPE_CHECKING:
     import torch

@@ -13,8 +13,8 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.hf.mapping import model_differences
 from megaresil.checkpoint.keys import WEIGHTS
 from megaresil.checkpoint.local.runs import newest_local_shard
-from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.location import checkpoint_root
+from megaresil.checkpoint.validation import read_manifest
 from megaresil.config import ConfigError, DataConfig, RecipeConfig, model_from_dict, to_dict
 from megaresil.data.provenance import tokenizer_spec
 from megaresil.model.gpt import layout_free_shapes

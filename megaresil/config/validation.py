@@ -9,10 +9,22 @@ from typing import Any, Iterator, Optional
 from megaresil.config.faults import LOCAL_FAULT_KINDS, parse_faults
 from megaresil.config.fields import Bounds, public_key, require
 from megaresil.config.run import SUPERVISION_BOUNDS, CheckpointConfig
-from megaresil.config.schema import (FP8, ActivationOffload, Backend, Flavour, ModelConfig,
-                                     OptimizerConfig, ParallelConfig, PipelineSchedule,
-                                     RecipeConfig, Recompute, RecomputePolicy, RopeScalingType,
-                                     microbatches_per_step, resolved_schedule)
+from megaresil.config.schema import (
+    FP8,
+    ActivationOffload,
+    Backend,
+    Flavour,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PipelineSchedule,
+    RecipeConfig,
+    Recompute,
+    RecomputePolicy,
+    RopeScalingType,
+    microbatches_per_step,
+    resolved_schedule,
+)
 
 
 def numeric_fields(node: Any, prefix: str = "") -> Iterator[tuple[str, float, Optional[Bounds]]]:

@@ -20,8 +20,7 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local.runs import this_run
 from megaresil.checkpoint.local.store import node_dir
 from megaresil.config import load_recipe
-from megaresil.drills.scenarios import (FLAP_S, RENDEZVOUS_OUTAGE_S, SICK_NODES_FILE,
-                                       SLOW_LINK_RATE)
+from megaresil.drills.scenarios import FLAP_S, RENDEZVOUS_OUTAGE_S, SICK_NODES_FILE, SLOW_LINK_RATE
 from megaresil.events import read_events, read_metrics
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.run_identity import run_id

@@ -96,8 +96,8 @@ def check_hf_init(cfg: RecipeConfig, from_hf: bool) -> None:
     """Before any worker starts: a new run's Hugging Face checkpoint.init_from
     describes the recipe's model (only the settings the model uses count,
     e.g. no RoPE scaling factor without scaling)."""
-    from megaresil.checkpoint.hf.mapping import model_differences
     from megaresil.checkpoint.hf.io import hf_model_keys, is_hf_directory
+    from megaresil.checkpoint.hf.mapping import model_differences
     from megaresil.config import model_from_dict
 
     path = cfg.checkpoint.init_from

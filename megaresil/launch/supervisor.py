@@ -13,6 +13,7 @@ generation's setup) goes to TorchElastic's relaunch of the group. A hot
 spare (launch/spares.py) never needed ends as a success when the rendezvous
 closes; one failing its health checks as it waits leaves (launch/admission.py).
 docs/fault-tolerance.md ("Live replacement")."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import os
@@ -32,8 +33,12 @@ from megaresil.launch.admission import WaitingChecks
 from megaresil.launch.reporting import AgentReport, ReportingAgent, how_it_ended
 from megaresil.launch.standby import assignment, start_standby
 from megaresil.resilience.records import next_generation
-from megaresil.resilience.replacement import (REPLACEMENT_ENV, announce_replacement,
-                                              attempt_prefix, lost_in_setup)
+from megaresil.resilience.replacement import (
+    REPLACEMENT_ENV,
+    announce_replacement,
+    attempt_prefix,
+    lost_in_setup,
+)
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE
 
 

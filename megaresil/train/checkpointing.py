@@ -2,6 +2,7 @@
 from (restart-from-latest), and the weights a new run starts from
 (checkpoint.init_from): `build_checkpointer` makes both tiers for a recipe,
 `TrainCheckpointing` uses them for one trainer's state."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import os

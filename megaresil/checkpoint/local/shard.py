@@ -2,6 +2,7 @@
 copy included) back to back in one byte buffer, and a meta record of each
 rect's place and checksum, the run state and the rank's RNG. A same-layout
 resume copies the bytes back with no resharding, so it is bit-exact."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import json

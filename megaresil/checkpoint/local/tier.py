@@ -25,13 +25,30 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.async_save import BackgroundSaves, SaveReport, SaveRequest
 from megaresil.checkpoint.local.cadence import Cadence, Pause, retry_step
 from megaresil.checkpoint.local.moves import move_shards
-from megaresil.checkpoint.local.replication import (Choice, Holdings, Space, Topology,
-                                                    complete_step, decode_meta, encode_meta,
-                                                    header, passed_over, space_shortfall,
-                                                    transfers)
+from megaresil.checkpoint.local.replication import (
+    Choice,
+    Holdings,
+    Space,
+    Topology,
+    complete_step,
+    decode_meta,
+    encode_meta,
+    header,
+    passed_over,
+    space_shortfall,
+    transfers,
+)
 from megaresil.checkpoint.local.runs import run_local_dir
-from megaresil.checkpoint.local.shard import (Shard, add_checksums, saved_run_record, shard_bytes,
-                                              shard_meta, shard_rects, stage, unpack_into)
+from megaresil.checkpoint.local.shard import (
+    Shard,
+    add_checksums,
+    saved_run_record,
+    shard_bytes,
+    shard_meta,
+    shard_rects,
+    stage,
+    unpack_into,
+)
 from megaresil.checkpoint.local.store import DIR_KEY, NodeStore, filesystem_space, node_dir
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState

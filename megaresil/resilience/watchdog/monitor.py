@@ -1,6 +1,7 @@
 """The Watchdog: this rank's monitor thread, composed of the budgets, the
 judgement and the abort beside it; it owns the clock, the store traffic and
 the generation's state. See the package docstring and docs/watchdog.md."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import json
@@ -21,17 +22,33 @@ from megaresil.events import EventLog
 from megaresil.observe.sections import SectionTime
 from megaresil.parallel.layout import use_device
 from megaresil.resilience.stragglers import StragglerDetector
-from megaresil.resilience.watchdog.abort import (ABORT_GRACE_S, ExitTimer, Guardian, HangAbort,
-                                                 abort_nccl_groups, dump_stacks,
-                                                 exit_for_relaunch, raise_in_thread,
-                                                 set_collective_timeouts)
+from megaresil.resilience.watchdog.abort import (
+    ABORT_GRACE_S,
+    ExitTimer,
+    Guardian,
+    HangAbort,
+    abort_nccl_groups,
+    dump_stacks,
+    exit_for_relaunch,
+    raise_in_thread,
+    set_collective_timeouts,
+)
 from megaresil.resilience.watchdog.budgets import Budgets, what_differs
 from megaresil.resilience.watchdog.clock import Clock, SystemClock
-from megaresil.resilience.watchdog.judgement import (Alarm, PeerBeats, ProgressMeter,
-                                                     store_intervals, stuck_or_running,
-                                                     unreachable_nodes, verdict)
-from megaresil.resilience.watchdog.probes import (machine_kind, thread_cpu_clock,
-                                                  waiting_in_torch_distributed)
+from megaresil.resilience.watchdog.judgement import (
+    Alarm,
+    PeerBeats,
+    ProgressMeter,
+    store_intervals,
+    stuck_or_running,
+    unreachable_nodes,
+    verdict,
+)
+from megaresil.resilience.watchdog.probes import (
+    machine_kind,
+    thread_cpu_clock,
+    waiting_in_torch_distributed,
+)
 
 
 class Watchdog:
@@ -127,7 +144,7 @@ class Watchdog:
             return
         try:
             self._publish(self.leaving, state="left")
-        except Exception as err:  # the store is gone: so is the job, nobody is judging
+        except Exception as err:  # noqa: BLE001 (no store, no job: nobody is judging)
             print(f"megaresil watchdog (rank {self.rank}): {err}", file=sys.stderr)
         self.leaving = None
 
@@ -187,7 +204,7 @@ class Watchdog:
             return
         try:
             self._check(generation, now)
-        except Exception as err:  # the store went away: the job is ending
+        except Exception as err:  # noqa: BLE001 (no store: the job is ending)
             if not self.stop.is_set() and self.generation is not None:
                 print(f"megaresil watchdog (rank {self.rank}): {err}", file=sys.stderr)
 
