@@ -6,7 +6,8 @@ generation: this module knows nothing of training. Each generation meets
 under a store prefix of its own; restarts are bounded by failures in a row
 without progress and back off exponentially; restart numbers come from the
 run directory's records, which outlive any node's store.
-docs/fault-tolerance.md ("What happens", "Restarts") says it for users."""
+docs/fault-tolerance.md ("What is detected and what happens", "Restarts")
+says it for users."""
 from __future__ import annotations
 
 import gc
@@ -424,8 +425,7 @@ def run_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device,
     train.exit_at_step or is preempted; failures the launcher must handle
     propagate."""
     # What is loaded by now (torch, the trainer's modules) lives as long as the
-    # process: left out of the collection each teardown makes, which otherwise
-    # scans all of it (per rank at 1 GB: 0.13-0.33 s -> 0.05-0.09 s, on the
-    # path from a lost process to the next generation).
+    # process: left out of the collection each teardown makes, so the path from
+    # a lost process to the next generation does not scan it.
     gc.freeze()
     return WorkerLife(cfg, rank, world, device, make_job).run()
