@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from megaresil.checkpoint.format import CheckpointError
 from megaresil.checkpoint.local.replication import ranks_per_node
-from megaresil.checkpoint.local.runs import this_run
 from megaresil.checkpoint.local.store import node_dir
-from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
+from megaresil.checkpoint.location import NoValidCheckpoint
+from megaresil.checkpoint.paths import RunPaths
 from megaresil.compat import abort_process_groups, has_nccl_groups, tcp_store_listening_on
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import EventLog, read_metrics
@@ -135,7 +135,7 @@ def local_node_dir(cfg: RecipeConfig, rank: int, world: int) -> Optional[Path]:
     if not local.enabled:
         return None
     per_node = ranks_per_node(local.ranks_per_node, world, os.environ.get("LOCAL_WORLD_SIZE"))
-    return node_dir(this_run(cfg, run_id(Path(cfg.run.dir))), rank // per_node)
+    return node_dir(RunPaths.of(cfg).local_run_dir(run_id(Path(cfg.run.dir))), rank // per_node)
 
 
 class JobFailed(Exception):
@@ -339,7 +339,8 @@ class WorkerLife:
         if self.watchdog is not None:
             self.watchdog.begin_generation(self.generation)
         faults = FaultInjector(self.cfg.faults, rank=self.rank, run_dir=self.run_dir,
-                               checkpoint_root=checkpoint_root(self.cfg), events=self.events,
+                               checkpoint_root=RunPaths.of(self.cfg).checkpoint_root,
+                               events=self.events,
                                local_node_dir=local_node_dir(self.cfg, self.rank, self.world))
         return Supervision(self.watchdog, faults, self.preemption, generation,
                            Fence(self.run_dir, generation, token, self.events))
