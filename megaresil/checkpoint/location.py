@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megaresil.errors import MegaresilError
 
 
-class NoValidCheckpoint(RuntimeError):
+class NoValidCheckpoint(MegaresilError, RuntimeError):
     """Checkpoints exist but none can be loaded: never silently start over."""
+
+    fatal, reported_by_cli = True, True
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, str]:

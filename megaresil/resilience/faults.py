@@ -27,6 +27,7 @@ from megaresil.checkpoint.local.store import DATA, NodeStore
 from megaresil.compat import spin_cuda_kernel
 from megaresil.config import (STEP_FAULT_KINDS, ConfigError, FaultKind, FaultSpec, HangMode,
                               parse_fault, parse_faults)
+from megaresil.errors import MegaresilError
 from megaresil.events import EventLog, read_events
 from megaresil.resilience.replacement import is_replacement
 from megaresil.resilience.step_faults import StepFaults
@@ -203,7 +204,7 @@ def is_worker(proc: psutil.Process) -> bool:
 DEVICE_HANG_CYCLES = 2**62  # GPU clock cycles: centuries at any clock rate
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(MegaresilError, RuntimeError):
     pass
 
 

@@ -25,20 +25,18 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megaresil.checkpoint.format import CheckpointError
 from megaresil.checkpoint.local.replication import ranks_per_node
 from megaresil.checkpoint.local.store import node_dir
-from megaresil.checkpoint.location import NoValidCheckpoint
 from megaresil.checkpoint.paths import RunPaths
 from megaresil.compat import abort_process_groups, has_nccl_groups, tcp_store_listening_on
-from megaresil.config import ConfigError, RecipeConfig
+from megaresil.config import RecipeConfig
+from megaresil.errors import MegaresilError, is_fatal, restartable
 from megaresil.events import EventLog, read_metrics
 from megaresil.fencing import Fence, Fenced, new_token, set_fence
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import backend_for, use_device
 from megaresil.resilience.abort_board import AbortBoard
 from megaresil.resilience.faults import FaultInjector
-from megaresil.resilience.numerics import PersistentNumericalFault
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.records import (current_generation, last_failure, newest_step,
                                           next_generation, relaunches_without_progress)
@@ -52,10 +50,6 @@ from megaresil.resilience.watchdog.probes import (NodeTraffic, node_traffic_path
                                                   peer_bytes_counter)
 from megaresil.run_identity import run_id
 
-# Failures a restart cannot cure (a bad recipe, no usable checkpoint, a full
-# disk): the whole job stops at once, on every rank, with the reason.
-FATAL = (ConfigError, NoValidCheckpoint, CheckpointError, PersistentNumericalFault)
-NOT_RESTARTABLE = (*FATAL, KeyboardInterrupt, SystemExit)
 MAX_BACKOFF_S = 30.0
 
 
@@ -138,7 +132,7 @@ def local_node_dir(cfg: RecipeConfig, rank: int, world: int) -> Optional[Path]:
     return node_dir(RunPaths.of(cfg).local_run_dir(run_id(Path(cfg.run.dir))), rank // per_node)
 
 
-class JobFailed(Exception):
+class JobFailed(MegaresilError):
     """The job stopped for a reason a restart cannot cure (announced on
     every rank; `run_failed` in events.jsonl says why). Under megaresil's
     own launcher workers then exit 0, so the agent does not relaunch them
@@ -359,7 +353,7 @@ class WorkerLife:
         section = self.watchdog.current[0] if self.watchdog is not None else "unknown"
         peer_gone = self.board.peer_gone(self.generation, err)
         self.events.emit("worker_error", error=f"{type(err).__name__}: {err}"[:2000],
-                         section=section, lost_peer=peer_gone, fatal=isinstance(err, FATAL),
+                         section=section, lost_peer=peer_gone, fatal=is_fatal(err),
                          generation=self.generation, pid=os.getpid(),
                          rss_mb=psutil.Process().memory_info().rss / 2**20)
         if not peer_gone:  # else the store may be gone too, and the launcher re-forms the job
@@ -368,7 +362,7 @@ class WorkerLife:
         stopping = self.preemption.signalled_at is not None  # told to stop: no restart here
         replacing = self.cfg.resilience.replacement.enabled
         if not (self.cfg.resilience.in_process and allowed and (replacing or not peer_gone)
-                and not stopping and not isinstance(err, NOT_RESTARTABLE)):
+                and not stopping and restartable(err)):
             raise err
         cause = self.board.announce(self.generation, err, "lost_peer" if peer_gone else "error")
         traceback.clear_frames(err.__traceback__)
@@ -396,7 +390,7 @@ class WorkerLife:
         """A failure no restart can cure stops every rank: the first rank to
         meet it announces it (and records `run_failed`); ranks unwinding
         because of that announcement stop too."""
-        if isinstance(err, FATAL):
+        if is_fatal(err):
             first = self.board.fatal(self.generation, err)
             if first is not None:
                 if first["rank"] == self.rank:

@@ -30,13 +30,14 @@ from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
 from megaresil.config import RecipeConfig
+from megaresil.errors import MegaresilError
 from megaresil.parallel.layout import ParallelLayout, use_device
 from megaresil.resilience.numerics import odd_ones_out
 from megaresil.train.optim import shards_over_dp
 from megaresil.train.replicas import Agreement, quick_checksum, replica_groups
 
 
-class LiveStateDamaged(RuntimeError):
+class LiveStateDamaged(MegaresilError, RuntimeError):
     """A peer's state arrived damaged (its checksums fail)."""
 
 
