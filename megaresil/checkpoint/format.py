@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import xxhash
 
+from megaresil.errors import MegaresilError
 from megaresil.safe_files import fsync_path, write_atomic
 
 if TYPE_CHECKING:
@@ -38,8 +39,10 @@ STEP_DIR = re.compile(r"^step_(\d{7,})$")
 _FSYNC_THREADS = 16
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MegaresilError, RuntimeError):
     """A checkpoint that cannot be used, with the reason and (where known) the fix."""
+
+    fatal, reported_by_cli = True, True
 
 
 # What to do about a failed write, by errno ({dir}: the directory written to;

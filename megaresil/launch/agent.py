@@ -22,8 +22,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from megaresil.checkpoint.local.runs import locked_root, other_runs_line
-from megaresil.checkpoint.location import checkpoint_root
+from megaresil.checkpoint.local.runs import other_runs_line
+from megaresil.checkpoint.paths import RunPaths
 from megaresil.checkpoint.recipe_check import check_resume_recipe
 from megaresil.compat import (
     elastic_agent_class,
@@ -87,7 +87,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     check_backend(cfg)
     check_links(cfg)
     check_run_records(Path(cfg.run.dir))
-    local_root = locked_root(cfg)
+    paths = RunPaths.of(cfg)
+    local_root = paths.local_tier_root()  # the tier's rule, before any worker starts
     check_device_faults(cfg.faults, gpus)
     check_resume_recipe(cfg)
     check_fault_ranks(cfg.faults, world)
@@ -147,7 +148,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     report = AgentReport()
     policy = agent_policy(cfg, run_dir, nodes, gpus, gpus_needed)
     try:
-        with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg), local_root),
+        with (held_for_workers(run_dir, config.run_id, paths.checkpoint_root, local_root),
               IncidentPrinter(run_dir, speaks=lambda: report.runs_rank_0),
               second_interrupt_kills_workers(),
               elastic_stores_listening_on(config.local_addr), workers_store_per_round(),

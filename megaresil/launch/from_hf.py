@@ -87,9 +87,9 @@ def from_hf_overrides(hf_dir: Path, recipe: str, overrides: list[str]) -> list[s
 def is_new_run(cfg: RecipeConfig) -> bool:
     """No checkpoint yet: the run starts from checkpoint.init_from, not resumes."""
     from megaresil.checkpoint.format import committed_checkpoints
-    from megaresil.checkpoint.location import checkpoint_root
+    from megaresil.checkpoint.paths import RunPaths
 
-    return not committed_checkpoints(checkpoint_root(cfg))
+    return not committed_checkpoints(RunPaths.of(cfg).checkpoint_root)
 
 
 def check_hf_init(cfg: RecipeConfig, from_hf: bool) -> None:

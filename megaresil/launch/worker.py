@@ -10,8 +10,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from megaresil.checkpoint.local.runs import locked_root
-from megaresil.checkpoint.location import checkpoint_root
+from megaresil.checkpoint.paths import RunPaths
 from megaresil.checkpoint.recipe_check import check_resume_recipe
 from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.launch.checks import check_links, check_run_records
@@ -117,8 +116,9 @@ def worker(recipe: str, overrides: list[str]) -> str:
         check_links(cfg)
         check_run_records(Path(cfg.run.dir))
         check_resume_recipe(cfg)
-    with held_by_worker(Path(cfg.run.dir), rank, checkpoint_root(cfg),
-                        locked_root(cfg)):  # refused: the error goes to the console
+    paths = RunPaths.of(cfg)
+    with held_by_worker(paths.run_dir, rank, paths.checkpoint_root,
+                        paths.local_tier_root()):  # refused: the error goes to the console
         outcome = _train_as_worker(cfg, rank, world, device)
     if outcome == ERRORED:
         exit_abandoning_saves(1)

@@ -35,6 +35,7 @@ from megaresil.config import (
     parse_fault,
     parse_faults,
 )
+from megaresil.errors import MegaresilError
 from megaresil.events import EventLog, read_events
 from megaresil.resilience.replacement import is_replacement
 from megaresil.resilience.step_faults import StepFaults
@@ -211,7 +212,7 @@ def is_worker(proc: psutil.Process) -> bool:
 DEVICE_HANG_CYCLES = 2**62  # GPU clock cycles: centuries at any clock rate
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(MegaresilError, RuntimeError):
     pass
 
 

@@ -18,6 +18,7 @@ from typing import Callable, Mapping, Optional
 
 import torch.distributed as dist
 
+from megaresil.errors import MegaresilError
 from megaresil.run_lock import HELD_ENV
 
 # Set by the agent in a replacement's environment.
@@ -36,7 +37,7 @@ ENTERED_POLL_S = 0.01
 ENTERED_READS_PER_S = 20_000
 
 
-class ReplacementFailed(Exception):
+class ReplacementFailed(MegaresilError):
     """A lost rank was not replaced in time: the job relaunches."""
 
 

@@ -6,7 +6,8 @@ generation: this module knows nothing of training. Each generation meets
 under a store prefix of its own; restarts are bounded by failures in a row
 without progress and back off exponentially; restart numbers come from the
 run directory's records, which outlive any node's store.
-docs/fault-tolerance.md ("What happens", "Restarts") says it for users."""
+docs/fault-tolerance.md ("What is detected and what happens", "Restarts")
+says it for users."""
 # mypy: ignore-errors
 from __future__ import annotations
 
@@ -25,20 +26,18 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megaresil.checkpoint.format import CheckpointError
 from megaresil.checkpoint.local.replication import ranks_per_node
-from megaresil.checkpoint.local.runs import this_run
 from megaresil.checkpoint.local.store import node_dir
-from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
+from megaresil.checkpoint.paths import RunPaths
 from megaresil.compat import abort_process_groups, has_nccl_groups, tcp_store_listening_on
-from megaresil.config import ConfigError, RecipeConfig
+from megaresil.config import RecipeConfig
+from megaresil.errors import MegaresilError, is_fatal, restartable
 from megaresil.events import EventLog, read_metrics
 from megaresil.fencing import Fence, Fenced, new_token, set_fence
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import backend_for, use_device
 from megaresil.resilience.abort_board import AbortBoard
 from megaresil.resilience.faults import FaultInjector
-from megaresil.resilience.numerics import PersistentNumericalFault
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.records import (
     current_generation,
@@ -62,10 +61,6 @@ from megaresil.resilience.watchdog.monitor import Watchdog
 from megaresil.resilience.watchdog.probes import NodeTraffic, node_traffic_path, peer_bytes_counter
 from megaresil.run_identity import run_id
 
-# Failures a restart cannot cure (a bad recipe, no usable checkpoint, a full
-# disk): the whole job stops at once, on every rank, with the reason.
-FATAL = (ConfigError, NoValidCheckpoint, CheckpointError, PersistentNumericalFault)
-NOT_RESTARTABLE = (*FATAL, KeyboardInterrupt, SystemExit)
 MAX_BACKOFF_S = 30.0
 
 
@@ -145,10 +140,10 @@ def local_node_dir(cfg: RecipeConfig, rank: int, world: int) -> Optional[Path]:
     if not local.enabled:
         return None
     per_node = ranks_per_node(local.ranks_per_node, world, os.environ.get("LOCAL_WORLD_SIZE"))
-    return node_dir(this_run(cfg, run_id(Path(cfg.run.dir))), rank // per_node)
+    return node_dir(RunPaths.of(cfg).local_run_dir(run_id(Path(cfg.run.dir))), rank // per_node)
 
 
-class JobFailed(Exception):
+class JobFailed(MegaresilError):
     """The job stopped for a reason a restart cannot cure (announced on
     every rank; `run_failed` in events.jsonl says why). Under megaresil's
     own launcher workers then exit 0, so the agent does not relaunch them
@@ -349,7 +344,8 @@ class WorkerLife:
         if self.watchdog is not None:
             self.watchdog.begin_generation(self.generation)
         faults = FaultInjector(self.cfg.faults, rank=self.rank, run_dir=self.run_dir,
-                               checkpoint_root=checkpoint_root(self.cfg), events=self.events,
+                               checkpoint_root=RunPaths.of(self.cfg).checkpoint_root,
+                               events=self.events,
                                local_node_dir=local_node_dir(self.cfg, self.rank, self.world))
         return Supervision(self.watchdog, faults, self.preemption, generation,
                            Fence(self.run_dir, generation, token, self.events))
@@ -368,7 +364,7 @@ class WorkerLife:
         section = self.watchdog.current[0] if self.watchdog is not None else "unknown"
         peer_gone = self.board.peer_gone(self.generation, err)
         self.events.emit("worker_error", error=f"{type(err).__name__}: {err}"[:2000],
-                         section=section, lost_peer=peer_gone, fatal=isinstance(err, FATAL),
+                         section=section, lost_peer=peer_gone, fatal=is_fatal(err),
                          generation=self.generation, pid=os.getpid(),
                          rss_mb=psutil.Process().memory_info().rss / 2**20)
         if not peer_gone:  # else the store may be gone too, and the launcher re-forms the job
@@ -377,7 +373,7 @@ class WorkerLife:
         stopping = self.preemption.signalled_at is not None  # told to stop: no restart here
         replacing = self.cfg.resilience.replacement.enabled
         if not (self.cfg.resilience.in_process and allowed and (replacing or not peer_gone)
-                and not stopping and not isinstance(err, NOT_RESTARTABLE)):
+                and not stopping and restartable(err)):
             raise err
         cause = self.board.announce(self.generation, err, "lost_peer" if peer_gone else "error")
         traceback.clear_frames(err.__traceback__)
@@ -405,7 +401,7 @@ class WorkerLife:
         """A failure no restart can cure stops every rank: the first rank to
         meet it announces it (and records `run_failed`); ranks unwinding
         because of that announcement stop too."""
-        if isinstance(err, FATAL):
+        if is_fatal(err):
             first = self.board.fatal(self.generation, err)
             if first is not None:
                 if first["rank"] == self.rank:
@@ -435,8 +431,7 @@ def run_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device,
     train.exit_at_step or is preempted; failures the launcher must handle
     propagate."""
     # What is loaded by now (torch, the trainer's modules) lives as long as the
-    # process: left out of the collection each teardown makes, which otherwise
-    # scans all of it (per rank at 1 GB: 0.13-0.33 s -> 0.05-0.09 s, on the
-    # path from a lost process to the next generation).
+    # process: left out of the collection each teardown makes, so the path from
+    # a lost process to the next generation does not scan it.
     gc.freeze()
     return WorkerLife(cfg, rank, world, device, make_job).run()

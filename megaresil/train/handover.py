@@ -38,13 +38,14 @@ from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
 from megaresil.compat import viewed
 from megaresil.config import RecipeConfig
+from megaresil.errors import MegaresilError
 from megaresil.parallel.layout import ParallelLayout, use_device
 from megaresil.resilience.numerics import odd_ones_out
 from megaresil.train.optim import shards_over_dp
 from megaresil.train.replicas import Agreement, quick_checksum, replica_groups
 
 
-class LiveStateDamaged(RuntimeError):
+class LiveStateDamaged(MegaresilError, RuntimeError):
     """A peer's state arrived damaged (its checksums fail)."""
 
 

@@ -184,13 +184,13 @@ def json_line(text: str) -> str:
 def test_a_malformed_tokenizer_json_is_a_fatal_recipe_error_naming_it(tmp_path):
     from megaresil.config import ConfigError
     from megaresil.data.tokenizer import hf_tokenizer_from_path
-    from megaresil.resilience.restart import FATAL
+    from megaresil.errors import is_fatal
 
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "trunc')
     with pytest.raises(ConfigError) as caught:
         hf_tokenizer_from_path(tmp_path)
     assert str(tmp_path / "tokenizer.json") in str(caught.value)
-    assert isinstance(caught.value, FATAL)  # no restart retries it
+    assert is_fatal(caught.value)  # no restart retries it
 
 
 def test_convert_from_hf_carries_the_tokenizer_to_a_later_export(cli_main, tmp_path):
