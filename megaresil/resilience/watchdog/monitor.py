@@ -1,6 +1,7 @@
 """The Watchdog: this rank's monitor thread, composed of the budgets, the
 judgement and the abort beside it; it owns the clock, the store traffic
-(resilience/coordination.py's keys) and the generation's state. See the package docstring and docs/watchdog.md."""
+(resilience/coordination.py's keys) and the generation's state. See the
+package docstring and docs/watchdog.md."""
 from __future__ import annotations
 
 import json
