@@ -90,10 +90,10 @@ def give_up_on(missing: list[int], store: JobStore, generation: int, beats: Live
 
 class Liveness:
     """How long each rank has been silent in a generation: its watchdog
-    heartbeat there (JobStore.heartbeat) not changed since. A rank still stuck in a collective of that generation
-    (its peers left it; the collective ends at its time limit) beats on and
-    is waited for; a lost one is silent. Without a watchdog every rank is
-    silent from the start."""
+    heartbeat there (JobStore.heartbeat) not changed since. A rank still
+    stuck in a collective of that generation (its peers left it; the
+    collective ends at its time limit) beats on and is waited for; a lost
+    one is silent. Without a watchdog every rank is silent from the start."""
 
     def __init__(self, store: JobStore, generation: int, clock: Callable[[], float]):
         self.store, self.generation = store, generation
