@@ -18,7 +18,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from megaresil.checkpoint.local.replication import ranks_per_node
 from megaresil.checkpoint.local.store import node_dir
 from megaresil.checkpoint.paths import RunPaths
-from megaresil.compat import abort_process_groups, has_nccl_groups, tcp_store_listening_on
+from megaresil.compat import abort_process_groups, has_nccl_groups
 from megaresil.config import RecipeConfig
 from megaresil.errors import MegaresilError, is_fatal, restartable
 from megaresil.events import EventLog, read_metrics
@@ -37,6 +36,7 @@ from megaresil.fencing import Fence, Fenced, new_token, set_fence
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import backend_for, use_device
 from megaresil.resilience.abort_board import AbortBoard
+from megaresil.resilience.coordination import JobStore, launch_store, own_connection
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.records import (
@@ -46,14 +46,7 @@ from megaresil.resilience.records import (
     next_generation,
     relaunches_without_progress,
 )
-from megaresil.resilience.replacement import (
-    attempt_prefix,
-    await_members,
-    enter,
-    generation_to_join,
-    is_replacement,
-    set_up,
-)
+from megaresil.resilience.replacement import await_members, is_replacement
 from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, HangAbort, raise_in_thread
@@ -94,34 +87,6 @@ def node_rank() -> int:
 def node_name() -> str:
     """This rank's node as reports name it: its node rank and host."""
     return f"{node_rank()} on {socket.gethostname()}"
-
-
-def launch_store(rank: int, world: int) -> dist.Store:
-    """The store of this launch attempt's coordination (process groups,
-    abort board, heartbeats): hosted by the TorchElastic agent of node rank 0
-    when it shares one (c10d, etcd-v2), else by rank 0 (etcd, Slurm tasks).
-    Nothing in it needs to outlive the attempt: each attempt uses its own
-    prefix, and an attempt that loses the store's node is over anyway."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    is_master = rank == 0 and not hosted_by_agent
-    store = dist.TCPStore
-    if is_master and os.environ.get("LOCAL_WORLD_SIZE") == str(world):
-        # Every rank is on this machine: listen only where they connect, not on
-        # every interface (an unauthenticated store). Across nodes, which of this
-        # node's addresses the others reach is not knowable here: torch's bind stays.
-        store = tcp_store_listening_on(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
-    return store(host, port, world, is_master=is_master, timeout=timedelta(seconds=300),
-                 wait_for_workers=False)
-
-
-def own_connection(store: dist.Store) -> dist.Store:
-    """The same store through a connection of its own, for the monitor
-    thread: a TCPStore client serves one request at a time, so a blocking
-    wait of the training thread (a process group's creation waiting for a
-    peer's address) would stop the monitor's heartbeats, and the guardian
-    would kill the waiting rank as starved while the rank it waits for hangs."""
-    return store.clone() if isinstance(store, dist.TCPStore) else store
 
 
 def attempt() -> int:
@@ -186,13 +151,13 @@ class WorkerLife:
         # One prefix per launch attempt and one per generation inside it: a
         # stale address of an earlier attempt can never be read.
         store = store if store is not None else launch_store(rank, world)
-        self.store = dist.PrefixStore(attempt_prefix(os.environ), store)
+        self.store = JobStore.for_attempt(store, os.environ)
         self.board = AbortBoard(self.store, rank)
         res = cfg.resilience
         self.policy = RestartPolicy(res.max_in_process_restarts, res.restart_backoff_s)
         self.preemption = PreemptionFlag().install()
         wd = res.watchdog
-        monitor_store = dist.PrefixStore(attempt_prefix(os.environ), own_connection(store))
+        monitor_store = JobStore.for_attempt(own_connection(store), os.environ)
         port = launch_store_port()
         self.traffic = NodeTraffic(peer_bytes_counter(port), node_traffic_path(port, node_rank()),
                                    int(os.environ.get("LOCAL_RANK", rank)))
@@ -227,8 +192,8 @@ class WorkerLife:
 
     def run(self) -> str:
         if is_replacement():  # started in place of a lost process: the others wait for it
-            self.generation = generation_to_join(self.store, self.rank,
-                                                 self.cfg.resilience.replacement.join_timeout_s)
+            self.generation = self.store.generation_to_join(
+                self.rank, self.cfg.resilience.replacement.join_timeout_s)
             self.awaiting = True
         else:
             self._after_relaunch()
@@ -282,7 +247,7 @@ class WorkerLife:
 
     def _one_generation(self) -> Optional[str]:
         """Run one generation; its outcome, or None to go again."""
-        enter(self.store, self.generation, self.rank)
+        self.store.enter(self.generation, self.rank)
         if self.awaiting:
             with self.phases.phase("waiting for the replacement"):
                 await_members(self.store, self.generation, self.world,
@@ -292,13 +257,13 @@ class WorkerLife:
         with self.phases.phase("rendezvous"):
             dist.init_process_group(backend_for(self.device), rank=self.rank,
                                     world_size=self.world,
-                                    store=dist.PrefixStore(f"gen{self.generation}", self.store))
+                                    store=self.store.generation_store(self.generation))
         job, supervision = None, self._supervision(self._generation_token())
         supervision.carried, self.carried = self.carried, None
         try:
             with supervision.section("setup", 0):
                 job = self.make_job(supervision)
-            set_up(self.store, self.generation, self.rank)
+            self.store.set_up(self.generation, self.rank)
             self.preemption.saving_possible = True
             return job.run()
         except BaseException as err:  # noqa: BLE001 (HangAbort and DCP's errors are BaseExceptions)
@@ -329,10 +294,7 @@ class WorkerLife:
     def _generation_token(self) -> str:
         """The token of the generation that just formed: drawn by rank 0,
         read by the others through the generation's store."""
-        store = dist.PrefixStore(f"gen{self.generation}", self.store)
-        if self.rank == 0:
-            store.set("fence_token", new_token())
-        return store.get("fence_token").decode()
+        return self.store.fence_token(self.generation, new_token if self.rank == 0 else None)
 
     def _supervision(self, token: str) -> Supervision:
         generation = current_generation(self.run_dir)

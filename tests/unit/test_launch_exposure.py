@@ -59,7 +59,7 @@ def test_a_rank_hosted_store_listens_on_loopback_when_every_rank_is_on_this_node
         monkeypatch, local_world, only_loopback):
     """etcd rendezvous and Slurm's one task per rank: rank 0 hosts the store."""
     from megaresil.ports import free_port
-    from megaresil.resilience.restart import launch_store
+    from megaresil.resilience.coordination import launch_store
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))

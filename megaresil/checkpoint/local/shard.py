@@ -86,6 +86,11 @@ def shard_bytes(state: TrainingState, owner: int, world: int, run_id: str) -> in
     return size + len(json.dumps(meta, indent=1)) + SHARD_SLACK  # as write_json_atomic writes it
 
 
+def shard_size(meta: dict) -> int:
+    """The bytes of a shard's data: its records', back to back."""
+    return sum(rec["nbytes"] for rec in meta["rects"])
+
+
 def view_of(data: torch.Tensor, record: dict) -> torch.Tensor:
     """The tensor a record describes, as a view into a shard's bytes."""
     raw = data[record["start"]: record["start"] + record["nbytes"]]
