@@ -10,7 +10,6 @@ manifest and compared with the memory free on the device, and a model that
 does not fit is refused in one line (naming both figures and the fix: more
 GPUs with --tp) instead of dying of an out-of-memory kill halfway through
 the load."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +18,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import psutil
 import torch
@@ -136,6 +135,7 @@ def spawned_rank(rank: int, tp: int, port: int, checkpoint: Path, use: Use,
         torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=tp)
+    result: tuple[str, Any]  # ("ok", what the job returned) or ("error", why)
     try:
         recipe = from_dict(open_source(checkpoint).manifest["recipe"])
         result = ("ok", on_rank(checkpoint, recipe, tp, use, job, kwargs))

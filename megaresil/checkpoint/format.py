@@ -8,7 +8,6 @@ is replaced last. Shards carry xxHash3-64 checksums in the manifest, and the
 marker carries the manifest's. Resuming scans the step directories and never
 reads `latest`. docs/checkpoints.md ("How it works") has the details.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib
@@ -47,7 +46,7 @@ class CheckpointError(MegaresilError, RuntimeError):
 
 # What to do about a failed write, by errno ({dir}: the directory written to;
 # {key}: the recipe key that chose where: checkpoint.dir, checkpoint.local.dir).
-_WRITE_FIXES = {
+_WRITE_FIXES: dict[Optional[int], str] = {
     errno.ENOSPC: "free space on the filesystem of {dir} or point {key} elsewhere",
     errno.EDQUOT: "raise the disk quota on {dir} or point {key} elsewhere",
     errno.EFBIG: "raise the file size limit (ulimit -f) or point {key} elsewhere",
@@ -136,7 +135,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = tensor.detach().contiguous()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
+    return t.numpy().data.cast("B")
 
 
 def checksum(tensor: torch.Tensor) -> str:
@@ -234,7 +233,7 @@ def committed_checkpoints(root: Path) -> list[Path]:
 def clean_partials(root: Path) -> list[str]:
     """Remove saves that died: `.partial-` directories and step directories
     without a marker. Returns the names removed."""
-    removed = []
+    removed: list[str] = []
     if not root.is_dir():
         return removed
     for path in root.iterdir():

@@ -7,7 +7,6 @@ sequential pass over the run's samples and no cache: sample i of the blend is
 sample (i // PERIOD) * counts[d] + rank of dataset d, computed in O(1), for
 any i, at any dp, after any resume.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 from typing import Sequence
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 
 from megaresil.config import ConfigError
+from megaresil.data.sampler import SampleDataset
 
 PERIOD = 10_000
 
@@ -24,13 +24,12 @@ def parse_blend(paths: Sequence[object]) -> list[tuple[float, str]]:
     """(normalised weight, prefix) from `[w1, p1, w2, p2, ...]` or `[p1, p2, ...]`
     (equal weights)."""
     items = list(paths)
-    if items and all(isinstance(item, str) for item in items):
-        return [(1.0 / len(items), item) for item in items]
-    pairs = list(zip(items[0::2], items[1::2]))
-    well_formed = len(items) % 2 == 0 and items and all(
-        isinstance(w, (int, float)) and not isinstance(w, bool) and isinstance(p, str)
-        for w, p in pairs)
-    if not well_formed:
+    prefixes = [item for item in items if isinstance(item, str)]
+    if items and len(prefixes) == len(items):
+        return [(1.0 / len(items), prefix) for prefix in prefixes]
+    pairs = [(w, p) for w, p in zip(items[0::2], items[1::2])
+             if isinstance(w, (int, float)) and not isinstance(w, bool) and isinstance(p, str)]
+    if not items or len(items) % 2 or 2 * len(pairs) != len(items):
         raise ConfigError("data.paths", f"{items!r} is neither [weight, prefix, weight, prefix, "
                           "...] nor a list of prefixes.", "write e.g. [0.7, data/a, 0.3, data/b].")
     if any(w <= 0 for w, _ in pairs):
@@ -56,7 +55,7 @@ class BlendedDataset:
     """Samples of `datasets` interleaved by `weights` (each dataset indexed by
     its own never-ending global sample index)."""
 
-    def __init__(self, datasets: Sequence[object], weights: Sequence[float]):
+    def __init__(self, datasets: Sequence[SampleDataset], weights: Sequence[float]):
         self.datasets = list(datasets)
         self.counts = counts_per_period(weights)
         owners = np.repeat(np.arange(len(self.datasets)), self.counts)

@@ -5,7 +5,6 @@ tokenizer is refused before any worker starts (the data's token ids would be
 read as another tokenizer's text, by generation and export after the run).
 Data without a record (Megatron's, or prepared by an earlier megaresil) is
 taken as `data.tokenizer` says. docs/data.md, "Tokenizers"."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import hashlib
@@ -103,8 +102,8 @@ def check_prepared_with(spec: str, blend: Sequence[str]) -> None:
     with (`blend`: the prefixes, the first one's PREFIX_tokenizer.json is
     'bpe'). A tokenizer that is not there is another one, unless the record
     names it as `spec` does: its own refusal, naming the file, follows."""
-    recorded = [(prefix, read_record(prefix)) for prefix in blend]
-    recorded = [(prefix, prepared) for prefix, prepared in recorded if prepared is not None]
+    recorded = [(prefix, prepared) for prefix in blend
+                if (prepared := read_record(prefix)) is not None]
     if not recorded:
         return
     try:

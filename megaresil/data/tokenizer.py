@@ -7,14 +7,13 @@ document) and, for export next to a model, can give itself as a Hugging Face
 `tokenizers.Tokenizer` (`hf_tokenizer()`) with its special tokens
 (`special_tokens()`).
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence, cast
 
 import tiktoken
 import tokenizers
@@ -114,7 +113,8 @@ class TiktokenTokenizer:
     def hf_tokenizer(self) -> tokenizers.Tokenizer:
         vocab = json.loads((self._bpe_files / "encoder.json").read_text(encoding="utf-8"))
         lines = (self._bpe_files / "vocab.bpe").read_text(encoding="utf-8").splitlines()
-        merges = [tuple(line.split(" ")) for line in lines[1:] if line]  # line 0: #version
+        # Line 0 is `#version`; every other line is a pair of tokens.
+        merges = [cast("tuple[str, str]", tuple(line.split(" "))) for line in lines[1:] if line]
         return _byte_level(models.BPE(vocab=vocab, merges=merges))
 
     def special_tokens(self) -> dict[str, str]:
@@ -158,7 +158,7 @@ def _token_id(model: tokenizers.Tokenizer, token: str) -> int:
 BUILTIN = ("bpe", "gpt2", "byte")
 
 
-def build_tokenizer(kind: str, *, corpus_text: str | Sequence[str] | None = None,
+def build_tokenizer(kind: str, *, corpus_text: str | Iterable[str] | None = None,
                     vocab_size: int | None = None,
                     cache_path: str | Path | None = None) -> Tokenizer:
     """The tokenizer named by `data.tokenizer`.
@@ -239,7 +239,7 @@ def _first_known(model: tokenizers.Tokenizer, candidates: Sequence[str]) -> str 
     return next((token for token in candidates if model.token_to_id(token) is not None), None)
 
 
-def _bpe_tokenizer(corpus_text: str | Sequence[str] | None, vocab_size: int | None,
+def _bpe_tokenizer(corpus_text: str | Iterable[str] | None, vocab_size: int | None,
                    cache_path: str | Path | None) -> HFTokenizer:
     if cache_path is not None and os.path.isfile(cache_path):
         return HFTokenizer(tokenizers.Tokenizer.from_file(str(cache_path)))

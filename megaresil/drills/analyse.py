@@ -2,13 +2,12 @@
 metrics.jsonl): how a run got over each fault (detection, restart, steps and
 time lost), alarms with no fault behind them, and whether the final state
 equals the fault-free reference's."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import statistics
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, TypeGuard
 
 from megaresil.checkpoint.format import committed_checkpoints, step_dir_name
 from megaresil.checkpoint.offline.diff import diff_checkpoints
@@ -123,7 +122,7 @@ def stale_writes(events: list[dict], metrics: list[dict]) -> int:
 # --- a soak -------------------------------------------------------------------------
 
 def analyse_soak(faulted: Path, reference: Path, placed: list[dict], launches: list[Launch],
-                 cfg: RecipeConfig, steps: int, strikes: tuple[dict, ...] = ()) -> dict:
+                 cfg: RecipeConfig, steps: int, strikes: Sequence[dict] = ()) -> dict:
     """The soak's report; `strikes`: the node episodes the driver struck
     (soak_nodes.py), each with the time its link was struck and healed."""
     events, records = read_events(faulted), step_records(faulted)
@@ -193,7 +192,7 @@ def fault_row(fault: dict, episode: str, events: list[dict], records: list[dict]
     return row
 
 
-def node_row(fault: dict, episode: str, strikes: tuple[dict, ...], events: list[dict],
+def node_row(fault: dict, episode: str, strikes: Sequence[dict], events: list[dict],
              records: list[dict], step_s: float) -> dict:
     """A node episode: struck by the driver or not; then a flapping link
     seen as a hang and restarted in place (or ridden out: no alarm, no
@@ -233,7 +232,7 @@ def extra_step_time(start: float, end: float, records: list[dict], step_s: float
                if start <= a["time"] and b["time"] <= end and b["step"] == a["step"] + 1)
 
 
-def local_repair(load: Optional[dict], rank: int) -> bool:
+def local_repair(load: Optional[dict], rank: int) -> TypeGuard[dict]:
     """Whether a load went round `rank`'s own local shards: it took them from
     a replica, or left the local tier for the global one."""
     return load is not None and (load.get("tier") == "global"

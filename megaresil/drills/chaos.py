@@ -8,7 +8,6 @@ first step completed after the restart), steps lost (steps done before the
 fault that had to be redone), whether the final loss equals the reference's,
 and the restart kind.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses
@@ -52,9 +51,9 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     root = Path(cfg.run.dir)
     world = cfg.parallel.world_size
     # The scenarios need to know the save steps: auto (or never) becomes every 2 steps.
-    fixed = cfg.checkpoint.interval != "auto" and cfg.checkpoint.interval > 0
-    interval = cfg.checkpoint.interval if fixed else 2
-    if not fixed:
+    configured = cfg.checkpoint.interval
+    interval = configured if isinstance(configured, int) and configured > 0 else 2
+    if interval != configured:
         overrides = [*overrides, f"checkpoint.interval={interval}"]
     fault_step = step or cfg.train.steps // 2 + 1
     save_step = interval * max(2, fault_step // interval)
@@ -182,8 +181,8 @@ def check_hosts(scenario, hosts: str, rendezvous: Rendezvous) -> None:
                           f"bridge, not the etcd server at {rendezvous.endpoint}",
                           "leave --rdzv-endpoint out: the drill runs an etcd of its own on "
                           "a node of its own")
-    if netns_missing_reason():
-        raise ConfigError("--hosts", netns_missing_reason())
+    if missing := netns_missing_reason():
+        raise ConfigError("--hosts", missing)
     if needs_etcd(scenario, rendezvous) and etcd_missing_reason():
         raise ConfigError("--hosts", f"the drill's own etcd cannot run: {etcd_missing_reason()}")
 

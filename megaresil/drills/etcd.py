@@ -3,7 +3,6 @@
 that TorchElastic's etcd rendezvous speaks (`--enable-v2`; etcd 3.4 serves
 only v3 without it). On loopback with free ports, or on a node of
 `--hosts netns` (its own address: its link can be cut like any node's)."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import shutil
@@ -59,6 +58,7 @@ class EtcdServer:
         return self
 
     def answers(self) -> bool:
+        assert self.proc is not None, "answers() is asked after start()"
         if self.proc.poll() is not None:
             raise RuntimeError(f"etcd exited with {self.proc.returncode}\n{self.logs()}")
         try:

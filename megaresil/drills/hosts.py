@@ -6,7 +6,6 @@ namespace with its own hostname and a mount namespace with its own /dev/shm
 Agents then meet over the bridge, the local tier's replicas (when it is on)
 cross a real link, and a lost node takes its /dev/shm with it. Namespaces
 need root, iproute2's `ip` and util-linux (docs/fault-tolerance.md)."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import os
@@ -18,7 +17,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from types import FrameType
+from typing import Any, Callable, Optional, Union
 
 import psutil
 
@@ -105,7 +105,7 @@ class NetnsHosts:
         self.nodes: dict[int, Node] = {}
         self.slots = 0  # addresses handed out
         self.dir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
-        self.saved_sigterm = None
+        self.saved_sigterm: Union[Callable[[int, Optional[FrameType]], Any], int, None] = None
         try:
             ip("link", "add", self.bridge, "type", "bridge")
             ip("addr", "add", f"{self.address_of_host()}/24", "dev", self.bridge)
@@ -164,6 +164,7 @@ class NetnsHosts:
                                  "node", n.hostname, str(self.dir / "hosts")],
                                 stdout=subprocess.PIPE, text=True)
         n.procs.append(init)
+        assert init.stdout is not None  # stdout=PIPE
         if init.stdout.readline().strip() != "ready":
             raise RuntimeError(f"node {node}: its namespaces could not be set up "
                                f"(exit code {init.wait()})")

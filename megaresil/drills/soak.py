@@ -9,7 +9,6 @@ beside it if asked, and the local tier on unless `local=False`. The report
 alarms, steps and time lost, goodput, and whether the final checkpoint and
 every loss equal the reference's. docs/fault-tolerance.md ("megaresil soak",
 "How the soak schedules faults") describes it for users."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import json

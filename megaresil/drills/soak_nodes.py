@@ -7,7 +7,6 @@ the final states compare bit for bit. On nodes, this driver also strikes
 the node episodes (schedule.NODE_KINDS) once the job has completed their
 step, as drills/run.py's chaos drills do; the rank-level faults are the
 recipe's `faults`, fired by the ranks themselves as on one machine."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import subprocess
@@ -47,8 +46,8 @@ Action = tuple[int, Callable[[], Optional[dict]]]
 
 def check_nodes(cfg: RecipeConfig) -> None:
     """Refuse a soak on nodes that cannot run here, before any run."""
-    if netns_missing_reason():
-        raise ConfigError("--hosts", netns_missing_reason())
+    if missing := netns_missing_reason():
+        raise ConfigError("--hosts", missing)
     world = cfg.parallel.world_size
     if world % NODES:
         raise ConfigError("--hosts", f"netns runs the job on {NODES} nodes with the same number "

@@ -7,7 +7,6 @@ goodput = productive / (wall - idle): a pause the user chose is not the run's
 loss. docs/observability.md ("Goodput", and "How it works") defines each
 bucket and how failures, intended stops and idle gaps are told apart.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import json
@@ -54,7 +53,8 @@ def marks(events: list[dict], records: list[dict]) -> list[tuple[float, str, Opt
     a failure detected, an intended stop, a job's launch, a step line, a
     checkpoint saved (a run written before the `exited` event ended at
     train.exit_at_step with only that), in time order."""
-    found = [(e["time"], "failure", None) for e in events if e["event"] in FAILURES]
+    found: list[tuple[float, str, Optional[int]]] = [
+        (e["time"], "failure", None) for e in events if e["event"] in FAILURES]
     found += [(e["time"], "stop", None) for e in events if e["event"] in INTENDED_STOPS]
     found += [(e["time"], "saved", e.get("step")) for e in events
               if e["event"] == "checkpoint_saved"]
@@ -111,6 +111,7 @@ class Ledger:
     def mark(self, t: float, what: str, number: Optional[int]) -> None:
         """One mark of `marks`: `number` is a step line's index, a save's step."""
         if what == "step":
+            assert number is not None  # a step line always has its index
             self.step_line(t, number)
         elif what == "saved" and number == self.last_step and self.state == TRAINING:
             self.saved_at = t

@@ -6,7 +6,6 @@ Panels: loss and eval loss (every run overlaid), throughput and MFU over
 wall time, a timeline of the first run (steps over time with restarts,
 checkpoints, faults, alarms and stragglers marked), its per-rank straggler
 heat map, and the goodput breakdown of every run."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import base64
@@ -17,7 +16,7 @@ import statistics
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import matplotlib
 
@@ -277,7 +276,7 @@ def html_table(rows: list[dict]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def write_report(run_dir: Path, compare: list[Path] = (), out: Path | None = None) -> Path:
+def write_report(run_dir: Path, compare: Sequence[Path] = (), out: Path | None = None) -> Path:
     """Render every panel; returns the HTML page's path."""
     runs = [Run.read(Path(run_dir)), *(Run.read(Path(p)) for p in compare)]
     # The default report/ lies in a run directory that may come from elsewhere:

@@ -7,12 +7,11 @@ and live replacement + hot spares (a waiting spare node takes a lost node's
 place: a relaunch without the wait; the spares are idle GPUs, which goodput
 per GPU counts). Job-scope failures take their own path under every policy.
 docs/clusters.md ("The goodput planner") says it for users."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 from megaresil.plan.costs import RunCosts, SaveCost
 from megaresil.plan.model import Policy
@@ -85,7 +84,7 @@ def replacement_cost(costs: RunCosts, restart_s: dict[str, float]) -> dict:
     """What the run measured of a live replacement and of a relaunch; an
     unmeasured replacement is planned at the relaunch's downtime, and says so."""
     measured = costs.recoveries()
-    found = {kind: {"measured": kind in measured, "downtime_s": restart_s[kind],
+    found: dict[str, dict[str, Any]] = {kind: {"measured": kind in measured, "downtime_s": restart_s[kind],
                     "count": measured[kind].count if kind in measured else 0,
                     "steps_lost": measured[kind].steps_lost if kind in measured else None}
              for kind in ("replace", "relaunch")}

@@ -4,12 +4,12 @@ Poisson process per kind (each kind mapped to a recovery path) and/or a trace
 of faults at given steps. A failure costs its path's downtime (a failure
 during the downtime starts the recovery over) and the work since the newest
 save durable at the failure. Deterministic for a seed."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import random
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Sequence
 
 # Trace entries that are not failures: a slow rank until the next restart,
 # and a corrupted newest checkpoint that the next recovery must skip.
@@ -72,7 +72,9 @@ class Run:
         self.rate = sum(k.per_s for k in self.kinds)
         self.t, self.done, self.high, self.slow, self.corrupt = setup.startup_s, 0, 0, 0.0, False
         self.saves: list[tuple[int, float]] = []  # (step, durable at)
-        self.lost, self.failures = Counter(startup=setup.startup_s), Counter()
+        # Seconds by cause: added as a Counter adds, but typed for floats (Counter's are ints).
+        self.lost: defaultdict[str, float] = defaultdict(int, startup=setup.startup_s)
+        self.failures: Counter[str] = Counter()
         self.next_failure = self.draw_after(self.t)
 
     def draw_after(self, t: float) -> float:
@@ -131,7 +133,7 @@ class Run:
         self.done = durable[-1][0] if durable else 0
 
 
-def simulate(setup: Setup, kinds: list[Kind] = (), trace: list[TraceFault] = (),
+def simulate(setup: Setup, kinds: Sequence[Kind] = (), trace: Sequence[TraceFault] = (),
              seed: int = 0) -> Result:
     # Stable in step order: faults at one step keep the order they were given in.
     run, pending = Run(setup, list(kinds), seed), sorted(trace, key=lambda f: f.step)

@@ -5,7 +5,6 @@ file from where it stood at launch) and prints what happened, where, and
 what happens next, instead of TorchElastic's tracebacks. Events are the
 single record: the console says nothing the run directory does not.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import json
@@ -147,8 +146,10 @@ def _replayed(e: dict) -> str:
 
 
 def _rolled_back(e: dict) -> str:
-    why = {"nonfinite": "a persistent non-finite step", "loss_spike": "a loss spike",
-           "silent_corruption": "replicas that differ"}.get(e.get("reason"), e.get("reason"))
+    causes: dict[Optional[str], str] = {
+        "nonfinite": "a persistent non-finite step", "loss_spike": "a loss spike",
+        "silent_corruption": "replicas that differ"}
+    why = causes.get(e.get("reason"), e.get("reason"))
     counted = (f", rollback {e.get('rollback')} of at most {e.get('max_rollbacks')}"
                if "rollback" in e else "")
     return (f"rolled back from step {e.get('step')} to the checkpoint of step "
@@ -176,8 +177,8 @@ NUMERICS: dict[str, Callable[[dict], Optional[str]]] = {
     "nonfinite_detected": _nonfinite,
     "step_replayed": _replayed,
     "rolled_back": _rolled_back,
-    "samples_skipped": lambda e: (f"skipped samples {e.get('samples')[0]}.."
-                                  f"{e.get('samples')[1] - 1} (step {e.get('step')}); "
+    "samples_skipped": lambda e: (f"skipped samples {e['samples'][0]}.."
+                                  f"{e['samples'][1] - 1} (step {e.get('step')}); "
                                   f"{e.get('next')}"),
     "loss_spike": lambda e: (f"loss spike at step {e.get('step')}: {e.get('loss'):.4g} is "
                              f"{e.get('deviations')} robust deviations above the median "

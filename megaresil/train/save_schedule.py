@@ -12,7 +12,6 @@ save the failure interrupted: `missed` says so, and the loop makes it at once.
 docs/checkpoints.md ("When checkpoints are saved", "When auto saves") has
 the details.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import statistics
@@ -168,7 +167,7 @@ class SaveSchedule:
             return False
         if step == t.steps:
             return True
-        if self.interval != "auto":
+        if isinstance(self.interval, int):  # else "auto"
             return step % self.interval == 0
         if step == self.measure_at and self.decision is None:
             return True  # the measuring save
@@ -187,7 +186,7 @@ class SaveSchedule:
             return False
         if after < t.steps <= step:
             return True
-        return self.interval != "auto" and step // self.interval * self.interval > after
+        return isinstance(self.interval, int) and step // self.interval * self.interval > after
 
     def step_done(self, step: int, seconds: float, first_of_process: bool) -> None:
         """Each step's time (but a process's first: its warm-up); a known

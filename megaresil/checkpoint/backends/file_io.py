@@ -10,11 +10,10 @@ which Python lacks, is not available), so the two overlap; bench/README.md
 has the measured effect. Every helper is a no-op where posix_fadvise does not
 exist.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
@@ -55,7 +54,8 @@ class FsyncBehind:
     durable and re-raises the first failure, named (a delayed ENOSPC or EIO)."""
 
     def __init__(self, threads: ThreadPoolExecutor):
-        self.threads, self.flushed = threads, []
+        self.threads = threads
+        self.flushed: list[Future[None]] = []
 
     def add(self, path: Path) -> None:
         self.flushed.append(self.threads.submit(_fsync_named, path))

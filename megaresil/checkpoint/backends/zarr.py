@@ -7,7 +7,6 @@ into the target tensors. bfloat16 is stored as its uint16 bits with the
 attribute `torch_dtype: bfloat16`. This module reads and writes the files
 itself, without zarr. docs/checkpoints.md ("The zarr backend") has more.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +14,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -72,7 +71,7 @@ class ZarrBackend:
     def __init__(self) -> None:
         # Started at the first write and kept: an offline writer calls write
         # once per rect, and starting threads for each costs more than the fsyncs.
-        self.threads = None
+        self.threads: Optional[ThreadPoolExecutor] = None
 
     def _fsync_behind(self) -> FsyncBehind:
         if self.threads is None:

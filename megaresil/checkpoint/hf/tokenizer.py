@@ -13,7 +13,6 @@ merges, which encodes exactly like it). bos/eos are the model's
 megaresil's end-of-document token), and must name the same tokens in the
 tokenizer and in config.json.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses
@@ -129,6 +128,16 @@ def _check_config_tokens(config: dict, texts: dict[str, Optional[str]]) -> None:
                                   "to the tokenizer's id for it.")
 
 
+def copy_carried(directory: Optional[Path], out: Path) -> list[str]:
+    """Copies into `out` of the files of CARRIED that `directory` holds; their names."""
+    if directory is None:
+        return []
+    carried = [name for name in CARRIED if (directory / name).is_file()]
+    for name in carried:
+        shutil.copyfile(directory / name, out / name)
+    return carried
+
+
 def write_tokenizer(out: Path, tok: ExportTokenizer, model: ModelConfig, bos: Optional[int],
                     eos: Optional[int]) -> None:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json in `out`."""
@@ -144,8 +153,6 @@ def write_tokenizer(out: Path, tok: ExportTokenizer, model: ModelConfig, bos: Op
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.max_seq_len,
               "clean_up_tokenization_spaces": False, **tok.config, **specials}
     (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    carried = [name for name in CARRIED if tok.directory and (tok.directory / name).is_file()]
-    for name in carried:
-        shutil.copyfile(tok.directory / name, out / name)
+    carried = copy_carried(tok.directory, out)
     if SPECIAL_TOKENS not in carried:
         (out / SPECIAL_TOKENS).write_text(json.dumps(specials, indent=2) + "\n")

@@ -8,7 +8,6 @@ thread has used no CPU), `quiet_s` (how long its peer connections have moved
 no byte; absent where not measured), `waiting` (inside torch.distributed) and
 `coll` (collectives started per process group), and where measured `node`
 (the rank's node) and `at` (wall time written). See docs/watchdog.md."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -67,7 +66,7 @@ def find_culprits(heartbeats: dict[int, dict | None], gone: frozenset = frozense
     silent = {r for r, hb in heartbeats.items() if hb is None} | set(gone)
     if silent:
         return sorted(silent)
-    live = {r: hb for r, hb in heartbeats.items() if hb["state"] == "running"}
+    live = {r: hb for r, hb in heartbeats.items() if hb is not None and hb["state"] == "running"}
     if not live:
         return []
     least = min(position(hb) for hb in live.values())
@@ -195,13 +194,13 @@ class Alarm:
     def culprits_stayed(self, beats: dict[int, dict | None]) -> bool:
         """Whether every culprit's fresh heartbeat shows it where it was at
         the full read (else someone else may hold the job now)."""
-        return all(beats[r] is None or position(beats[r]) == self.positions.get(r)
+        return all((hb := beats[r]) is None or position(hb) == self.positions.get(r)
                    for r in self.culprits)
 
     def name_culprits(self, beats: dict[int, dict | None], gone: frozenset) -> None:
         """Culprits from every rank's heartbeat."""
         self.culprits = find_culprits(beats, gone)
-        self.positions = {r: position(beats[r]) for r in self.culprits if beats[r] is not None}
+        self.positions = {r: position(hb) for r in self.culprits if (hb := beats[r]) is not None}
 
 
 def verdict(states: list[str], waited: float, slow_limit: float, suspected: bool) -> str | None:
