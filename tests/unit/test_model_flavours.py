@@ -54,7 +54,7 @@ def keys_of(model: nn.Module) -> list[str]:
 
 
 # named_parameters() order decides gradient buckets, optimizer order and the
-# fp64 norm sum: captured from the model before the flavours became specs.
+# fp64 norm sum, so a flavour's order is fixed, key by key.
 GOLDEN = {
     "gpt2": ["embed.tokens.weight", "embed.positions.weight"] + [
         f"layers.{i}.{name}" for i in range(2)

@@ -22,6 +22,12 @@ from megaresil.model.gpt import ties_embeddings
 from megaresil.model.layers import ffn_size
 
 
+# Tensors a transformers file may hold that are not weights (buffers older
+# versions saved, every family's); they carry nothing to import.
+NOT_WEIGHTS = tuple(suffix for spec in FLAVOURS.values() for suffix in spec.hf.not_weights)
+TIED_HEAD = "lm_head.weight"  # the output head, in every family (tied or not)
+
+
 def hf_mapping(cfg: ModelConfig) -> dict[str, Mapped]:
     """Each of megaresil's full, layout-free tensors, as made from a
     transformers state dict's tensors."""
@@ -32,12 +38,6 @@ def hf_mapping(cfg: ModelConfig) -> dict[str, Mapped]:
     for i in range(cfg.num_layers):
         out.update(hf.layer_from_hf(i, cfg))
     return out
-
-
-# Tensors a transformers file may hold that are not weights (buffers older
-# versions saved, every family's); they carry nothing to import.
-NOT_WEIGHTS = tuple(suffix for spec in FLAVOURS.values() for suffix in spec.hf.not_weights)
-TIED_HEAD = "lm_head.weight"
 
 
 def unused_hf_keys(held: Iterable[str], cfg: ModelConfig) -> list[str]:
