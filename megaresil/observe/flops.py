@@ -5,15 +5,14 @@
 tokens = global_batch_size * seq_len per optimizer step; N the parameters
 that take part in matrix multiplies, counted as Megatron and nanoGPT do: every
 block's attention (fused QKV, with grouped kv heads, and the output
-projection) and MLP weights (the flavour's `mlp_matrices`: 2 for GPT-2, 3
-for Llama's SwiGLU), plus the output head over the padded vocabulary (with
-tied embeddings that is the embedding matrix, counted once); embeddings
-looked up, norms and biases are left out. 6 = 2 FLOPs per multiply-add,
-forward plus twice that backward. The attention term is the score and value
-products, 2 * 2 * T * C per token per layer forward, times 3 with backward
-(no causal halving, as Megatron's and nanoGPT's formulas). Recomputed
-activations are not counted: these are model FLOPs, so MFU does not rise by
-recomputing.
+projection) and MLP weights (the flavour's `mlp_matrices`), plus the output
+head over the padded vocabulary (with tied embeddings that is the embedding
+matrix, counted once); embeddings looked up, norms and biases are left out.
+6 = 2 FLOPs per multiply-add, forward plus twice that backward. The attention
+term is the score and value products, 2 * 2 * T * C per token per layer
+forward, times 3 with backward (no causal halving, as Megatron's and
+nanoGPT's formulas). Recomputed activations are not counted: these are model
+FLOPs, so MFU does not rise by recomputing.
 """
 from __future__ import annotations
 
