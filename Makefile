@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 SOAK_MINUTES ?= 30
 SOAK_HOGS ?= 2
 
-.PHONY: setup cluster-deps demo test test-fast docs soak bench clean
+.PHONY: setup cluster-deps check demo test test-fast docs soak bench clean
 
 setup: $(VENV)/.installed
 
@@ -28,7 +28,13 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/megaresil train recipes/gpt-tiny.yaml run.dir=runs/demo
 
-test: setup cluster-deps
+# The linter and the type checker over megaresil/ (their settings: pyproject.toml),
+# before the tests, so a lint error fails in seconds rather than after the suite.
+check: setup
+	$(PY) -m ruff check megaresil
+	$(PY) -m mypy
+
+test: setup cluster-deps check
 	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # The test_slurm_* tests run a real one-host Slurm cluster, the test_etcd_*
@@ -53,7 +59,7 @@ soak: setup
 docs: setup
 	$(PY) tools/docs_site.py
 
-test-fast: setup
+test-fast: setup check
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean:

@@ -11,6 +11,7 @@ A torch outside that range is refused when this module is imported, before a
 process group or worker exists (MEGARESIL_UNCHECKED_TORCH=1 allows a newer
 one). See docs/gpu.md ("PyTorch versions").
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib
@@ -116,7 +117,8 @@ def viewed(tensor: torch.Tensor) -> torch.Tensor:
 
 def abort_process_groups() -> None:
     """Abort every process group's communicators (NCCL frees blocked
-    collectives this way; gloo ignores it, see design.md §4)."""
+    collectives this way; gloo ignores it: docs/architecture.md ("A collective
+    blocked in gloo cannot be freed"))."""
     dist.distributed_c10d._abort_process_group()
 
 

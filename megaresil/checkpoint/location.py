@@ -1,17 +1,16 @@
-"""Where a run's checkpoints live, and the failure of finding none usable."""
+"""The checkpoint a user means by a path, and the failure of finding none
+usable (where a run's checkpoints live: checkpoint/paths.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from megaresil.config import RecipeConfig
+from megaresil.errors import MegaresilError
 
 
-class NoValidCheckpoint(RuntimeError):
+class NoValidCheckpoint(MegaresilError, RuntimeError):
     """Checkpoints exist but none can be loaded: never silently start over."""
 
-
-def checkpoint_root(cfg: RecipeConfig) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.dir) / "checkpoints"
+    fatal, reported_by_cli = True, True
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, str]:

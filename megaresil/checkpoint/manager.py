@@ -9,6 +9,7 @@ async_save.py's, shared with the local tier.
 
 The trainer is seen only through `TrainingState` (checkpoint/state.py).
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,13 @@ from megaresil.checkpoint.keys import WEIGHTS
 from megaresil.checkpoint.sharded import Rect, assign_writers
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState, training_rects, weight_rects
-from megaresil.checkpoint.validation import (check_shapes, nonfinite_keys, nonfinite_refusal,
-                                             read_manifest, verify_shards)
+from megaresil.checkpoint.validation import (
+    check_shapes,
+    nonfinite_keys,
+    nonfinite_refusal,
+    read_manifest,
+    verify_shards,
+)
 from megaresil.fencing import Fence, Fenced
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.hf.mapping import model_differences
 from megaresil.checkpoint.keys import WEIGHTS
 from megaresil.checkpoint.local.runs import newest_local_shard
+from megaresil.checkpoint.paths import RunPaths
 from megaresil.checkpoint.validation import read_manifest
-from megaresil.checkpoint.location import checkpoint_root
 from megaresil.config import ConfigError, DataConfig, RecipeConfig, model_from_dict, to_dict
 from megaresil.data.provenance import tokenizer_spec
 from megaresil.model.gpt import layout_free_shapes
@@ -61,7 +61,8 @@ def newest_manifest(cfg: RecipeConfig) -> Optional[tuple[Path, dict]]:
     load = cfg.checkpoint.load
     if load == "none":
         return None
-    paths = [Path(load)] if load != "auto" else fmt.committed_checkpoints(checkpoint_root(cfg))
+    paths = ([Path(load)] if load != "auto"
+             else fmt.committed_checkpoints(RunPaths.of(cfg).checkpoint_root))
     for path in paths:
         try:
             return path, read_manifest(path)

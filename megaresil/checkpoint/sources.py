@@ -14,9 +14,9 @@ from typing import Callable, Iterable, Iterator, Protocol, TypeVar
 import torch
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.validation import read_manifest, verify_shards
 from megaresil.checkpoint.backends import get_backend
 from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.validation import read_manifest, verify_shards
 from megaresil.terminal import progress_bar
 
 # Reads are batched up to this many bytes: a read of a DCP checkpoint costs

@@ -13,6 +13,7 @@ A `StagingCopy` is made on the training thread at the save call; the copying
 and the host wait run on the save thread (whose CUDA device is the trainer's:
 parallel/layout.py `use_device`); `order_before_update` runs on the training thread again.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import time

@@ -1,8 +1,8 @@
 """What a checkpoint holds besides tensor data, and what a trainer hands it.
 
-`RunRecord` is the manifest's non-tensor state (design.md §2: step, layout,
-data position, optimizer hyper-state and step count, per-rank RNG states,
-the recipe), typed. It is the only code that writes that state into a
+`RunRecord` is the manifest's non-tensor state (docs/architecture.md ("The
+manifest's non-tensor state"): step, layout, data position, optimizer
+hyper-state and step count, per-rank RNG states, the recipe), typed. It is the only code that writes that state into a
 manifest or reads it back; whoever saves (the trainer, the converter, the
 Hugging Face import) builds one.
 

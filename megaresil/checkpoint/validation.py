@@ -14,9 +14,18 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
-from megaresil.checkpoint.format import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, MARKER,
-                                         CheckpointError, check_dtype, checksum, read_covered_json,
-                                         region_bytes, torch_dtype)
+from megaresil.checkpoint.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    MARKER,
+    CheckpointError,
+    check_dtype,
+    checksum,
+    read_covered_json,
+    region_bytes,
+    torch_dtype,
+)
 from megaresil.checkpoint.sharded import Rect
 
 if TYPE_CHECKING:
@@ -224,7 +233,7 @@ def verify_shards(backend: Backend, directory: Path, manifest: dict,
                for key, entry, shard in shards]
     try:
         backend.read(directory, manifest, targets)
-    except Exception as err:  # a missing or truncated file: say which checkpoint is bad
+    except Exception as err:  # noqa: BLE001 (a missing or truncated file: a bad checkpoint)
         return f"reading shards failed: {type(err).__name__}: {err}"
     for target, (key, _, shard) in zip(targets, shards):
         if checksum(target.tensor) != shard["checksum"]:

@@ -15,7 +15,8 @@ from megaresil.cli.inference import add_checkpoint_use_parsers
 from megaresil.cli.plan import add_plan_parser, add_report_parser
 from megaresil.cli.recipes import add_config_parser, add_data_parser, add_recipes_parser
 from megaresil.cli.train import add_train_parser
-from megaresil.config import ConfigError, find_recipe
+from megaresil.config import find_recipe
+from megaresil.errors import MegaresilError
 
 EPILOG = """examples:
   megaresil recipes
@@ -68,14 +69,8 @@ def run_command(argv: list[str] | None) -> int:
         if getattr(args, "recipe", None):
             args.recipe = str(find_recipe(args.recipe))
         return args.func(args)
-    except ConfigError as err:
-        print(f"megaresil: error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:
-        from megaresil.checkpoint.format import CheckpointError
-        from megaresil.checkpoint.location import NoValidCheckpoint
-
-        if not isinstance(err, (CheckpointError, NoValidCheckpoint)):
+    except MegaresilError as err:
+        if not err.reported_by_cli:
             raise
         print(f"megaresil: error: {err}", file=sys.stderr)
-        return 1
+        return err.exit_status

@@ -71,8 +71,8 @@ def _convert_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 def cmd_convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megaresil.checkpoint.offline.convert import convert
     from megaresil.checkpoint.hf.io import export_to_hf, import_from_hf, parse_size
+    from megaresil.checkpoint.offline.convert import convert
 
     paths = _convert_paths(args.parser, args)
     if args.to_hf:

@@ -6,7 +6,6 @@ import sys
 
 from megaresil.config import NON_NEGATIVE, POSITIVE, ConfigError
 
-
 # The values each number `plan` takes admits (config.Bounds; None: not given).
 PLAN_NUMBERS = {"--gpus": POSITIVE, "--mtbf-hours": POSITIVE, "--replacement-s": NON_NEGATIVE,
                 "--spare-every": POSITIVE, "--gpus-per-node": POSITIVE,

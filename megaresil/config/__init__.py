@@ -1,25 +1,76 @@
 """The recipe: its typed schema (`schema`, `run`, `faults`, `fields`), how a recipe is
 composed from configs/ and overrides (`loading`), and the rules that span
 fields (`validation`). Everything a caller needs is importable from here."""
-from megaresil.config.faults import (FAULT_KINDS, HANG_MODES, SECTIONS, STEP_FAULT_KINDS,
-                                     FaultKind, FaultSpec, FlipTarget, HangMode, parse_fault,
-                                     parse_faults)
-from megaresil.config.fields import (FRACTION, KEY_ALIASES, NON_NEGATIVE, POSITIVE, SEED, Bounds,
-                                     ConfigError)
-from megaresil.config.loading import (PACKAGED_RECIPES, REPO_CONFIGS, find_recipe, from_dict,
-                                      load_recipe, model_from_dict, packaged_recipes,
-                                      parse_override, to_dict, to_yaml)
-from megaresil.config.run import (SUPERVISION_BOUNDS, CheckpointBackend, CheckpointConfig,
-                                  HealthConfig, LocalCheckpointConfig, LoggingConfig, MlflowConfig,
-                                  ProfileConfig, ReplacementConfig, ResilienceConfig, RunConfig,
-                                  SpikePolicy,
-                                  WandbConfig, WatchdogConfig)
-from megaresil.config.schema import (FP8, ActivationOffload, Backend, DataConfig, Flavour,
-                                     ModelConfig, OptimizerConfig, ParallelConfig,
-                                     PipelineSchedule, Precision, RecipeConfig, Recompute,
-                                     RecomputePolicy, RopeScalingConfig, RopeScalingType,
-                                     TrainConfig, field_docs, microbatches_per_step,
-                                     resolved_schedule)
+from megaresil.config.faults import (
+                                     FAULT_KINDS,
+                                     HANG_MODES,
+                                     SECTIONS,
+                                     STEP_FAULT_KINDS,
+                                     FaultKind,
+                                     FaultSpec,
+                                     FlipTarget,
+                                     HangMode,
+                                     parse_fault,
+                                     parse_faults,
+)
+from megaresil.config.fields import (
+                                     FRACTION,
+                                     KEY_ALIASES,
+                                     NON_NEGATIVE,
+                                     POSITIVE,
+                                     SEED,
+                                     Bounds,
+                                     ConfigError,
+)
+from megaresil.config.loading import (
+                                     PACKAGED_RECIPES,
+                                     REPO_CONFIGS,
+                                     find_recipe,
+                                     from_dict,
+                                     load_recipe,
+                                     model_from_dict,
+                                     packaged_recipes,
+                                     parse_override,
+                                     to_dict,
+                                     to_yaml,
+)
+from megaresil.config.run import (
+                                     SUPERVISION_BOUNDS,
+                                     CheckpointBackend,
+                                     CheckpointConfig,
+                                     HealthConfig,
+                                     LocalCheckpointConfig,
+                                     LoggingConfig,
+                                     MlflowConfig,
+                                     ProfileConfig,
+                                     ReplacementConfig,
+                                     ResilienceConfig,
+                                     RunConfig,
+                                     SpikePolicy,
+                                     WandbConfig,
+                                     WatchdogConfig,
+)
+from megaresil.config.schema import (
+                                     FP8,
+                                     ActivationOffload,
+                                     Backend,
+                                     DataConfig,
+                                     Flavour,
+                                     ModelConfig,
+                                     OptimizerConfig,
+                                     ParallelConfig,
+                                     PipelineSchedule,
+                                     Precision,
+                                     RecipeConfig,
+                                     Recompute,
+                                     RecomputePolicy,
+                                     RopeScalingConfig,
+                                     RopeScalingType,
+                                     TrainConfig,
+                                     field_docs,
+                                     microbatches_per_step,
+                                     resolved_schedule,
+)
 from megaresil.config.validation import numeric_fields, validate, validate_world_size
 
 __all__ = [

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megaresil.errors import MegaresilError
+
 # Recipe keys that are Python keywords, and the dataclass fields behind them.
 KEY_ALIASES = {"checkpoint.async": "checkpoint.async_"}
 # Other spellings a recipe may write for a key (read as that key, never
@@ -20,8 +22,10 @@ def public_key(field_key: str) -> str:
     return {v: k for k, v in KEY_ALIASES.items()}.get(field_key, field_key)
 
 
-class ConfigError(ValueError):
+class ConfigError(MegaresilError, ValueError):
     """A recipe problem, always naming the key and how to fix it."""
+
+    exit_status, fatal, reported_by_cli = 2, True, True
 
     def __init__(self, key: str, problem: str, fix: str = ""):
         self.key = key

@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 
 from megaresil.config.fields import NON_NEGATIVE, POSITIVE, Bounds, doc, section
 
+
 class CheckpointBackend(str, enum.Enum):
     torch_dist = "torch_dist"
     zarr = "zarr"

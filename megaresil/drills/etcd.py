@@ -3,6 +3,7 @@
 that TorchElastic's etcd rendezvous speaks (`--enable-v2`; etcd 3.4 serves
 only v3 without it). On loopback with free ports, or on a node of
 `--hosts netns` (its own address: its link can be cut like any node's)."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import shutil

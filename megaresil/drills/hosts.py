@@ -6,6 +6,7 @@ namespace with its own hostname and a mount namespace with its own /dev/shm
 Agents then meet over the bridge, the local tier's replicas (when it is on)
 cross a real link, and a lost node takes its /dev/shm with it. Namespaces
 need root, iproute2's `ip` and util-linux (docs/fault-tolerance.md)."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import os

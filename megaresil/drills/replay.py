@@ -1,6 +1,7 @@
 """The plan simulator replayed on a soak (`megaresil soak`'s soak.json): the
 soak's own fault schedule as a trace, its run's measured costs
 (plan/costs.py), and the predicted goodput set beside the measured one."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 from megaresil.plan.costs import RunCosts

@@ -17,11 +17,10 @@ from typing import Optional
 import psutil
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.local.runs import this_run
 from megaresil.checkpoint.local.store import node_dir
+from megaresil.checkpoint.paths import RunPaths
 from megaresil.config import load_recipe
-from megaresil.drills.scenarios import (FLAP_S, RENDEZVOUS_OUTAGE_S, SICK_NODES_FILE,
-                                       SLOW_LINK_RATE)
+from megaresil.drills.scenarios import FLAP_S, RENDEZVOUS_OUTAGE_S, SICK_NODES_FILE, SLOW_LINK_RATE
 from megaresil.events import read_events, read_metrics
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.run_identity import run_id
@@ -235,7 +234,8 @@ def run_simulated_node_loss(recipe: str, overrides: list[str], run_dir: Path, wo
                 proc.kill()
         except (psutil.NoSuchProcess, ValueError):
             pass
-    shutil.rmtree(node_dir(this_run(cfg, run_id(run_dir)), node), ignore_errors=True)
+    run_local = RunPaths.of(cfg).local_run_dir(run_id(run_dir))
+    shutil.rmtree(node_dir(run_local, node), ignore_errors=True)
     return agent.wait(), lost_at
 
 

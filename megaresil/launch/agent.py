@@ -15,24 +15,37 @@ from typing import Optional
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.elastic.rendezvous import (RendezvousClosedError,
-                                                  RendezvousConnectionError, RendezvousError)
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from megaresil.checkpoint.local.runs import locked_root, other_runs_line
-from megaresil.checkpoint.location import checkpoint_root
+from megaresil.checkpoint.local.runs import other_runs_line
+from megaresil.checkpoint.paths import RunPaths
 from megaresil.checkpoint.recipe_check import check_resume_recipe
-from megaresil.compat import (elastic_agent_class, elastic_stores_listening_on, lost_peer_message,
-                              workers_store_per_round)
+from megaresil.compat import (
+    elastic_agent_class,
+    elastic_stores_listening_on,
+    lost_peer_message,
+    workers_store_per_round,
+)
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
-from megaresil.launch.checks import (check_backend, check_data, check_links, check_local_gpus,
-                                     check_run_records, replacement_warning)
 from megaresil.launch.admission import NodeExcluded
+from megaresil.launch.checks import (
+    check_backend,
+    check_data,
+    check_links,
+    check_local_gpus,
+    check_run_records,
+    replacement_warning,
+)
 from megaresil.launch.health import admission_refusal, exclusion_after_check, has_checks
 from megaresil.launch.membership import Membership
-from megaresil.launch.reporting import AgentReport, how_it_ended, without_report
 from megaresil.launch.rendezvous import launch_backend, register_wrapped
+from megaresil.launch.reporting import AgentReport, how_it_ended, without_report
 from megaresil.launch.spares import NodeCounts, node_counts, spare_keep_alive, spare_line
 from megaresil.launch.supervisor import AgentPolicy, supervising_agent
 from megaresil.launch.worker import choose_threads
@@ -41,12 +54,15 @@ from megaresil.parallel.layout import visible_gpus
 from megaresil.ports import loopback_interface
 from megaresil.resilience.faults import check_device_faults, check_fault_ranks
 from megaresil.resilience.incidents import LOST_BY_SIGNAL, IncidentPrinter
-from megaresil.resilience.preemption import (INTERRUPTED_EXIT, PREEMPTED_EXIT, kill_descendants,
-                                             second_interrupt_kills_workers)
+from megaresil.resilience.preemption import (
+    INTERRUPTED_EXIT,
+    PREEMPTED_EXIT,
+    kill_descendants,
+    second_interrupt_kills_workers,
+)
 from megaresil.resilience.restart import HANG_EXIT_CODE
 from megaresil.run_lock import held_for_workers
 from megaresil.train.save_schedule import never_saving_warning
-
 
 LOST_WORKER = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: \d+\)")
 
@@ -71,7 +87,8 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     check_backend(cfg)
     check_links(cfg)
     check_run_records(Path(cfg.run.dir))
-    local_root = locked_root(cfg)
+    paths = RunPaths.of(cfg)
+    local_root = paths.local_tier_root()  # the tier's rule, before any worker starts
     check_device_faults(cfg.faults, gpus)
     check_resume_recipe(cfg)
     check_fault_ranks(cfg.faults, world)
@@ -131,7 +148,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
     report = AgentReport()
     policy = agent_policy(cfg, run_dir, nodes, gpus, gpus_needed)
     try:
-        with (held_for_workers(run_dir, config.run_id, checkpoint_root(cfg), local_root),
+        with (held_for_workers(run_dir, config.run_id, paths.checkpoint_root, local_root),
               IncidentPrinter(run_dir, speaks=lambda: report.runs_rank_0),
               second_interrupt_kills_workers(),
               elastic_stores_listening_on(config.local_addr), workers_store_per_round(),

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Optional
 
 from megaresil.checkpoint.local.runs import link_checked
-from megaresil.checkpoint.location import checkpoint_root
 from megaresil.checkpoint.offline.inspect import verify
+from megaresil.checkpoint.paths import RunPaths
 from megaresil.checkpoint.recipe_check import newest_manifest
 from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import read_events, read_metrics
@@ -34,8 +34,9 @@ def check_links(cfg: RecipeConfig) -> None:
     naming every such link, before any worker starts (safe_files). The local
     tier's default root lies in world-writable /dev/shm: it, the directory
     above it and the run's directory in it are checked too."""
-    local = link_checked(cfg) if cfg.checkpoint.local.enabled else []
-    refuse_links(Path(cfg.run.dir), checkpoint_root(cfg), local)
+    paths = RunPaths.of(cfg)
+    local = link_checked(paths) if paths.local_enabled else []
+    refuse_links(paths.run_dir, paths.checkpoint_root, local)
 
 
 def check_run_records(run_dir: Path) -> None:

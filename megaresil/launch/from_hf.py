@@ -87,17 +87,17 @@ def from_hf_overrides(hf_dir: Path, recipe: str, overrides: list[str]) -> list[s
 def is_new_run(cfg: RecipeConfig) -> bool:
     """No checkpoint yet: the run starts from checkpoint.init_from, not resumes."""
     from megaresil.checkpoint.format import committed_checkpoints
-    from megaresil.checkpoint.location import checkpoint_root
+    from megaresil.checkpoint.paths import RunPaths
 
-    return not committed_checkpoints(checkpoint_root(cfg))
+    return not committed_checkpoints(RunPaths.of(cfg).checkpoint_root)
 
 
 def check_hf_init(cfg: RecipeConfig, from_hf: bool) -> None:
     """Before any worker starts: a new run's Hugging Face checkpoint.init_from
     describes the recipe's model (only the settings the model uses count,
     e.g. no RoPE scaling factor without scaling)."""
-    from megaresil.checkpoint.hf.mapping import model_differences
     from megaresil.checkpoint.hf.io import hf_model_keys, is_hf_directory
+    from megaresil.checkpoint.hf.mapping import model_differences
     from megaresil.config import model_from_dict
 
     path = cfg.checkpoint.init_from

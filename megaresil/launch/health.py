@@ -11,6 +11,7 @@ NVML cannot tell Xid errors that happened before it was asked (they arrive
 only as events to a process that registered for them); what they leave
 behind, uncorrectable ECC errors, retired pages and failed row remaps, is
 what is read here."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib

@@ -17,9 +17,13 @@ import time
 from collections.abc import Callable
 from typing import Optional
 
-from torch.distributed.elastic.rendezvous import (RendezvousConnectionError, RendezvousHandler,
-                                                  RendezvousInfo, RendezvousParameters,
-                                                  rendezvous_handler_registry)
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
 
 from megaresil.compat import rendezvous_round
 

@@ -10,6 +10,7 @@ counts the relaunches it made (the workers may not have lived to record
 them), and says whether it runs the job's rank 0: on several nodes every
 launcher follows the same events.jsonl, and only that node's prints the
 job's lines. docs/fault-tolerance.md ("On the console")."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import os

@@ -3,7 +3,7 @@
 When a worker is lost the agent writes that worker's environment to the
 standby's stdin and it goes on as that worker: a replacement without the
 seconds a new process spends importing (most of a replacement's cost on a
-busy machine: design.md §4). The agent then starts the next standby.
+busy machine: docs/architecture.md ("A worker's start costs seconds")). The agent then starts the next standby.
 Like a worker, a standby ends when its agent does, however the agent ends."""
 from __future__ import annotations
 

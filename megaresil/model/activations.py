@@ -9,6 +9,7 @@ Recomputation redraws the same dropout masks, so every variant gives the
 losses and grads of no recomputation. See docs/parallelism.md
 ("Activation memory").
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import weakref

@@ -3,6 +3,7 @@
 Parameter keys use global layer numbers (`layers.17.attn.qkv.weight` wherever
 layer 17 lives), so a checkpoint's keys do not depend on the parallel layout.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import functools
@@ -16,11 +17,17 @@ from megaresil.model.activations import CheckpointStore, recompute_segments
 from megaresil.model.flavours import spec_of_model
 from megaresil.model.init import global_shape
 from megaresil.model.layers import Block, make_norm, sequence_dropout
-from megaresil.parallel.tensor_parallel import (ColumnParallelLinear, TPGroup,
-                                                VocabParallelEmbedding, enter_tp_region,
-                                                gather_vocab, mark_sequence_parallel, seq_shard,
-                                                swap_batch_and_sequence,
-                                                vocab_parallel_cross_entropy)
+from megaresil.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    enter_tp_region,
+    gather_vocab,
+    mark_sequence_parallel,
+    seq_shard,
+    swap_batch_and_sequence,
+    vocab_parallel_cross_entropy,
+)
 
 
 def padded_vocab_size(cfg: ModelConfig, tp: int) -> int:

@@ -5,6 +5,7 @@ tensor-parallel layers; what differs between flavours comes from their spec
 Shapes in comments: B batch, T sequence (T/tp when sequence parallel), C
 hidden, H heads, G kv heads (groups), D head dim; "local" counts are per TP rank.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import math
@@ -18,8 +19,12 @@ from torch.utils.checkpoint import checkpoint
 from megaresil.config import ModelConfig, Recompute, RopeScalingType
 from megaresil.model.flavours import spec_of_model
 from megaresil.parallel.random import LayoutDropout
-from megaresil.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
-                                                mark_sequence_parallel)
+from megaresil.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    mark_sequence_parallel,
+)
 
 
 def ffn_size(cfg: ModelConfig) -> int:

@@ -7,6 +7,7 @@ goodput = productive / (wall - idle): a pause the user chose is not the run's
 loss. docs/observability.md ("Goodput", and "How it works") defines each
 bucket and how failures, intended stops and idle gaps are told apart.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import json

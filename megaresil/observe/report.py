@@ -6,6 +6,7 @@ Panels: loss and eval loss (every run overlaid), throughput and MFU over
 wall time, a timeline of the first run (steps over time with restarts,
 checkpoints, faults, alarms and stragglers marked), its per-rank straggler
 heat map, and the goodput breakdown of every run."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import base64
@@ -14,17 +15,18 @@ import io
 import json
 import statistics
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from megaresil.observe.goodput import BUCKETS, compute_goodput, launched_at  # noqa: E402
-from megaresil.run_records import events_of, metrics_of, windows_of  # noqa: E402
-from megaresil.safe_files import own_dir, write_atomic  # noqa: E402
+from megaresil.observe.goodput import BUCKETS, compute_goodput, launched_at
+from megaresil.run_records import events_of, metrics_of, windows_of
+from megaresil.safe_files import own_dir, write_atomic
 
 PANELS = ("loss", "throughput", "timeline", "stragglers", "goodput")
 MARKS = {  # event -> (label, colour, marker)
@@ -218,8 +220,7 @@ def summary_rows(runs: list[Run]) -> list[dict]:
     rows = []
     for run in runs:
         steps, g = run.steps, run.goodput()
-        median = (lambda key: statistics.median(r[key] for r in steps if key in r)
-                  if any(key in r for r in steps) else None)
+        median = partial(median_of, steps)
         rows.append({"run": run.name, "steps": len(steps),
                      "final loss": steps[-1]["loss"] if steps else None,
                      "final eval loss": run.evals[-1]["eval_loss"] if run.evals else None,
@@ -232,6 +233,12 @@ def summary_rows(runs: list[Run]) -> list[dict]:
                      **{f"{b} s": g[f"{b}_s"] for b in BUCKETS if b != "productive"},
                      "restarts": g.get("interruptions", 0)})
     return rows
+
+
+def median_of(steps: list[dict], key: str) -> float | None:
+    """The median of `key` over the steps that have it; None if none has."""
+    values = [r[key] for r in steps if key in r]
+    return statistics.median(values) if values else None
 
 
 def percent(fraction: float | None) -> float | None:

@@ -9,6 +9,7 @@ index order so every rank issues the same collectives in the same order.
 docs/parallelism.md ("How it works") explains why, and which thread issues
 these collectives.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 from typing import Optional, Protocol

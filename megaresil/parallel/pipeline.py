@@ -9,6 +9,7 @@ function). The model's chunk factory is `megaresil.model.chunks`.
 Pipeline rank r holds virtual stages r, r+pp, r+2pp, ... (Megatron's
 interleaved assignment, which is also the library's default stage-to-rank map).
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 from typing import Optional, Protocol, Sequence
@@ -25,9 +26,12 @@ def schedule_class(schedule: PipelineSchedule) -> type:
     """torch's class for `schedule`. Imported here, not at module level:
     torch.distributed.pipelining pulls in torch._dynamo and sympy (about 1 s
     of every worker's start), which a run without pipeline stages never uses."""
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble)
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
     return {PipelineSchedule.gpipe: ScheduleGPipe,
             PipelineSchedule.one_f_one_b: Schedule1F1B,
             PipelineSchedule.interleaved_1f1b: ScheduleInterleaved1F1B,

@@ -8,9 +8,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megaresil.run_records import (COUNT, COUNT_OR_NULL, FINITE, LIST, NON_NEGATIVE, POSITIVE,
-                                    STEP, STEP_RECORD, Kind, Shape, events_of, metrics_of,
-                                    one_of)
+from megaresil.run_records import (
+    COUNT,
+    COUNT_OR_NULL,
+    FINITE,
+    LIST,
+    NON_NEGATIVE,
+    POSITIVE,
+    STEP,
+    STEP_RECORD,
+    Kind,
+    Shape,
+    events_of,
+    metrics_of,
+    one_of,
+)
 
 # An outage's kind is its costliest recovery: a preemption requeues the whole
 # job, a relaunch restarts every worker, a live replacement starts one process

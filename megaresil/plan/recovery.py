@@ -7,6 +7,7 @@ and live replacement + hot spares (a waiting spare node takes a lost node's
 place: a relaunch without the wait; the spares are idle GPUs, which goodput
 per GPU counts). Job-scope failures take their own path under every policy.
 docs/clusters.md ("The goodput planner") says it for users."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import math

@@ -12,8 +12,15 @@ from typing import Optional
 from megaresil.plan.costs import RunCosts, SaveCost
 from megaresil.plan.model import Policy, daly_interval, young_interval
 from megaresil.plan.profile import scope_of
-from megaresil.plan.recovery import (DEFAULT_SPARES, REFERENCE_GPUS, Projection, Spares,
-                                     format_recovery, mean_downtime, replacement_cost)
+from megaresil.plan.recovery import (
+    DEFAULT_SPARES,
+    REFERENCE_GPUS,
+    Projection,
+    Spares,
+    format_recovery,
+    mean_downtime,
+    replacement_cost,
+)
 from megaresil.plan.simulate import Kind, Setup, simulate
 from megaresil.run_records import NON_NEGATIVE, Shape, checked, one_of
 

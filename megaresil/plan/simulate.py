@@ -4,6 +4,7 @@ Poisson process per kind (each kind mapped to a recovery path) and/or a trace
 of faults at given steps. A failure costs its path's downtime (a failure
 during the downtime starts the recovery over) and the work since the newest
 save durable at the failure. Deterministic for a seed."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import random

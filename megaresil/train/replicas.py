@@ -11,6 +11,7 @@ it held was the corrupted one. With live replacement, each check also sums
 what a hand-over would send (`donated`), and the sum the replicas last agreed
 on is kept: a donor proves its state with it (train/handover.py).
 docs/numerics.md, docs/fault-tolerance.md#live-replacement."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -12,6 +12,7 @@ save the failure interrupted: `missed` says so, and the loop makes it at once.
 docs/checkpoints.md ("When checkpoints are saved", "When auto saves") has
 the details.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import statistics

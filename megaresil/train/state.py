@@ -5,6 +5,7 @@ The checkpoint sees the model chunks' parameters, the optimizer through
 `AdamState` (any AdamW implementation used here), the data position, this
 rank's RNG and the watchdog's calibration, and nothing else of the trainer.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional

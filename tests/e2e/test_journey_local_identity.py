@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megaresil.checkpoint.local.runs import default_root
+from megaresil.checkpoint.paths import default_local_root
 from megaresil.events import read_events
 from megaresil.run_identity import read_run_id
 from megaresil.run_lock import RunLock
@@ -124,7 +124,7 @@ def test_a_run_directory_made_again_at_the_same_path_is_another_run(
         home, demo_corpus, references):
     """(a): the default root (/dev/shm) outlives the deleted run directory."""
     with_demo_corpus(home / ".cache" / "megaresil", demo_corpus)
-    root = default_root(str(home / "a"))
+    root = default_local_root(home / "a")
     try:
         deleted = killed_before_its_first_global_save(home, *LOCAL)
         left = files(root / f"run-{deleted}")

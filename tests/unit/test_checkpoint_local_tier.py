@@ -304,7 +304,7 @@ def test_restarts_take_the_newest_recoverable_step_from_either_tier_bit_exact(tm
 def test_settings_that_cannot_work_are_refused_naming_the_key(tmp_path):
     from tests.harness.dist import RECIPE, TINY
     from megaresil.config import ConfigError, load_recipe
-    from megaresil.checkpoint.local.runs import checked_local_root
+    from megaresil.checkpoint.paths import RunPaths
 
     with pytest.raises(ConfigError, match="checkpoint.local.ranks_per_node"):
         load_recipe(RECIPE, TINY + ["parallel.dp=4", "train.global_batch_size=8",
@@ -316,9 +316,9 @@ def test_settings_that_cannot_work_are_refused_naming_the_key(tmp_path):
     inside = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}",
                                          f"checkpoint.local.dir={tmp_path}/checkpoints/local"])
     with pytest.raises(ConfigError, match="inside the global checkpoint root"):
-        checked_local_root(inside)
+        RunPaths.of(inside).check()
     default = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}"])
-    assert tmp_path not in checked_local_root(default).parents  # node-local, never the run dir
+    assert tmp_path not in RunPaths.of(default).local_root.parents  # node-local, never the run dir
 
 
 # --- a full local tier degrades, never ends the run ------------------------------------

@@ -1,7 +1,8 @@
-"""design.md §1's import rules, read from the source: every import in every
-module of the package (module level, inside functions, under TYPE_CHECKING,
-relative ones resolved), drawn as a graph between modules and between the
-package's parts; and the size a module may grow to.
+"""The import rules (docs/architecture.md, "The parts and the import rules"),
+read from the source: every import in every module of the package (module
+level, inside functions, under TYPE_CHECKING, relative ones resolved), drawn
+as a graph between modules and between the package's parts; and the size a
+module may grow to.
 
 A part is a subpackage (`parallel`, `model`, ...) or a top-level module
 (`config`, `launch`, ...). The rules say which way knowledge flows, so the

@@ -171,3 +171,14 @@ def test_a_torn_last_line_does_not_block_a_resume(cli, tmp_path):
             "saving it (its launcher was killed, or it failed); step 2 is trained again"
             ) in result.stderr.splitlines(), result.stderr
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 2, 3]
+
+
+def test_a_local_tier_inside_the_checkpoint_root_is_refused_before_any_worker(cli_main,
+                                                                             tmp_path):
+    run_dir = tmp_path / "run"
+    line = refused(cli_main, "train", *TINY, f"run.dir={run_dir}",
+                   "checkpoint.local.enabled=true",
+                   f"checkpoint.local.dir={run_dir}/checkpoints/local")
+    assert line.startswith("megaresil: error: checkpoint.local.dir: ")
+    assert "lies inside the global checkpoint root" in line
+    assert not run_dir.exists()  # no worker started: none made the run directory

@@ -59,7 +59,7 @@ def test_a_rank_hosted_store_listens_on_loopback_when_every_rank_is_on_this_node
         monkeypatch, local_world, only_loopback):
     """etcd rendezvous and Slurm's one task per rank: rank 0 hosts the store."""
     from megaresil.ports import free_port
-    from megaresil.resilience.restart import launch_store
+    from megaresil.resilience.coordination import launch_store
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
@@ -184,13 +184,13 @@ def json_line(text: str) -> str:
 def test_a_malformed_tokenizer_json_is_a_fatal_recipe_error_naming_it(tmp_path):
     from megaresil.config import ConfigError
     from megaresil.data.tokenizer import hf_tokenizer_from_path
-    from megaresil.resilience.restart import FATAL
+    from megaresil.errors import is_fatal
 
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "trunc')
     with pytest.raises(ConfigError) as caught:
         hf_tokenizer_from_path(tmp_path)
     assert str(tmp_path / "tokenizer.json") in str(caught.value)
-    assert isinstance(caught.value, FATAL)  # no restart retries it
+    assert is_fatal(caught.value)  # no restart retries it
 
 
 def test_convert_from_hf_carries_the_tokenizer_to_a_later_export(cli_main, tmp_path):

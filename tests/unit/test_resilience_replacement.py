@@ -8,10 +8,15 @@ import json
 import pytest
 import torch.distributed as dist
 
+from megaresil.resilience.coordination import JobStore
 from megaresil.resilience.replacement import (ENTERED_POLL_S, NOTICE_S, ReplacementFailed,
-                                              announce_replacement, await_members, enter,
-                                              generation_to_join, lost_in_setup, set_up)
+                                              await_members)
 from megaresil.train.handover import Held, live_plan
+
+# The protocol's steps, called as the functions they were before JobStore.
+announce_replacement, enter = JobStore.announce_replacement, JobStore.enter
+generation_to_join, lost_in_setup, set_up = (JobStore.generation_to_join, JobStore.lost_in_setup,
+                                             JobStore.set_up)
 
 
 class FakeClock:
@@ -26,11 +31,11 @@ class FakeClock:
 
 
 def set_pid(store, generation: int, rank: int, pid: int) -> None:
-    store.set(f"gen{generation}/pid/{rank}", str(pid))
+    store.store.set(f"gen{generation}/pid/{rank}", str(pid))
 
 
 def test_the_wait_ends_when_every_rank_entered():
-    store, clock = dist.HashStore(), FakeClock()
+    store, clock = JobStore(dist.HashStore()), FakeClock()
     for rank in range(2):
         enter(store, 1, rank)
     await_members(store, 1, 2, 60.0, clock=clock, sleep=clock.sleep)
@@ -38,7 +43,7 @@ def test_the_wait_ends_when_every_rank_entered():
 
 
 def test_a_lost_rank_nobody_replaces_ends_the_wait_after_the_notice():
-    store, clock = dist.HashStore(), FakeClock()
+    store, clock = JobStore(dist.HashStore()), FakeClock()
     set_pid(store, 0, 1, 4242)  # rank 1's process of generation 0, lost
     enter(store, 1, 0)
     with pytest.raises(ReplacementFailed, match=r"no replacement was started for rank\(s\) \[1\]"):
@@ -47,7 +52,7 @@ def test_a_lost_rank_nobody_replaces_ends_the_wait_after_the_notice():
 
 
 def test_a_replacement_on_its_way_is_waited_for_up_to_the_join_timeout():
-    store, clock = dist.HashStore(), FakeClock()
+    store, clock = JobStore(dist.HashStore()), FakeClock()
     set_pid(store, 0, 1, 4242)
     announce_replacement(store, 4242, 4343)
     enter(store, 1, 0)
@@ -60,7 +65,7 @@ def test_a_replacement_lost_in_turn_is_looked_up_by_its_own_pid():
     """Rank 1's first replacement (pid 2) entered generation 1 and died;
     the agent replaced pid 2: the others wait for the second one in
     generation 2."""
-    store, clock = dist.HashStore(), FakeClock()
+    store, clock = JobStore(dist.HashStore()), FakeClock()
     set_pid(store, 0, 1, 1)
     announce_replacement(store, 1, 2)
     set_pid(store, 1, 1, 2)
@@ -71,11 +76,11 @@ def test_a_replacement_lost_in_turn_is_looked_up_by_its_own_pid():
 
 
 def test_a_replacement_joins_the_generation_after_the_one_its_predecessor_was_in():
-    store = dist.HashStore()
+    store = JobStore(dist.HashStore())
     for rank in range(2):
         enter(store, 3, rank)  # rank 1's lost process was in 3: the others form 4 once they see it
     assert generation_to_join(store, 1, 1.0) == 4
-    store.set("generation", "4")  # they formed it already
+    store.store.set("generation", "4")  # they formed it already
     assert generation_to_join(store, 1, 1.0) == 4
 
 
@@ -89,15 +94,15 @@ def test_a_process_lost_in_its_generations_setup_is_not_replaced():
     abort can end: a relaunch frees them. Lost after its setup, or before
     it entered any generation (its predecessor's record is the newest), it
     is replaced."""
-    store = dist.HashStore()
+    store = JobStore(dist.HashStore())
     assert not lost_in_setup(store, 1, 111)  # nothing entered yet: the first start
     set_pid(store, 0, 1, 111)
-    store.set("generation", "0")
+    store.store.set("generation", "0")
     assert lost_in_setup(store, 1, 111)
     set_up(store, 0, 1)
     assert not lost_in_setup(store, 1, 111)
     set_pid(store, 1, 1, 111)  # the next generation, entered, not set up
-    store.set("generation", "1")
+    store.store.set("generation", "1")
     assert lost_in_setup(store, 1, 111)
     assert not lost_in_setup(store, 1, 222)  # a replacement that never entered one
 
@@ -214,14 +219,14 @@ def test_a_survivor_still_stuck_in_the_old_generation_is_waited_for():
     """Rank 1 lost no process: it is stuck in a collective of generation 0
     whose peers left (freed at its time limit), its heartbeat still beating.
     Without a replacement on the way it is waited for, not given up on."""
-    store, clock = dist.HashStore(), FakeClock()
+    store, clock = JobStore(dist.HashStore()), FakeClock()
     set_pid(store, 0, 1, 4242)
     enter(store, 1, 0)
     beats = iter(range(10_000))
 
     def sleep(seconds: float) -> None:
         clock.sleep(seconds)
-        store.set("hb/0/1", json.dumps({"beat": next(beats)}))
+        store.store.set("hb/0/1", json.dumps({"beat": next(beats)}))
         if clock.now > 12.0:  # its collective timed out: it enters
             enter(store, 1, 1)
 
@@ -230,7 +235,7 @@ def test_a_survivor_still_stuck_in_the_old_generation_is_waited_for():
 
 
 def test_a_rank_told_to_stop_stops_waiting():
-    store, clock = dist.HashStore(), FakeClock()
+    store, clock = JobStore(dist.HashStore()), FakeClock()
     enter(store, 1, 0)
     with pytest.raises(ReplacementFailed, match="told to stop"):
         await_members(store, 1, 2, 120.0, stopping=lambda: clock.now > 1.0, clock=clock,
@@ -240,7 +245,7 @@ def test_a_rank_told_to_stop_stops_waiting():
 def test_the_wait_ends_within_a_count_poll_of_the_last_rank_entering():
     """The ranks entered are counted: the wait ends ENTERED_POLL_S after the
     last one enters, not at the next look at who is missing (POLL_S)."""
-    store, clock = dist.HashStore(), FakeClock()
+    store, clock = JobStore(dist.HashStore()), FakeClock()
     enter(store, 1, 0)
 
     def sleep(seconds: float) -> None:
@@ -253,7 +258,7 @@ def test_the_wait_ends_within_a_count_poll_of_the_last_rank_entering():
 
 
 def test_a_rank_entered_twice_does_not_stand_in_for_a_missing_one():
-    store, clock = dist.HashStore(), FakeClock()
+    store, clock = JobStore(dist.HashStore()), FakeClock()
     set_pid(store, 0, 1, 4242)
     announce_replacement(store, 4242, 4343)
     enter(store, 1, 0)

@@ -19,7 +19,7 @@ from megaresil.resilience.numerics import LossWatch, WatchSizes, find_spike
 from megaresil.resilience.incidents import describe
 from megaresil.train.handover import carried_state
 from megaresil.checkpoint.local.shard import saved_run_record
-from megaresil.checkpoint.local.replication import decode_meta, encode_meta
+from megaresil.checkpoint.transfer import decode_meta, encode_meta
 from megaresil.train.progress import Progress
 from megaresil.train.state import LiveTrainingState
 

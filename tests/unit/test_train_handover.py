@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint import transfer
 from megaresil.checkpoint.collectives import Collectives, own_group
 from megaresil.checkpoint.local.shard import matched, rect_records
 from megaresil.checkpoint.sharded import Rect
@@ -59,8 +60,8 @@ def _move(rank: int, port: int, out: str, damage: bool) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, store=store,
                             timeout=timedelta(seconds=60))  # a move that hangs fails
     if damage and rank == 0:  # the second tensor's (model/b's) checksum wrong on the wire
-        honest = handover.checksum_bytes
-        handover.checksum_bytes = lambda tensors: torch.cat(
+        honest = transfer.checksum_bytes
+        transfer.checksum_bytes = lambda tensors: torch.cat(
             [honest(tensors[:1]), honest([-tensors[1]]), honest(tensors[2:])])
     owner = ThreadPoolExecutor(1, initializer=own_group,
                                initargs=(dist.group.WORLD, torch.device("cpu")))

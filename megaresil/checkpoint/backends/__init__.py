@@ -5,6 +5,7 @@ rectangles of the saved global tensors back; the manifest, checksums and the
 commit protocol are the same for all backends (checkpoint/format.py). A new
 backend is one file with a class implementing `Backend`, added to BACKENDS.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

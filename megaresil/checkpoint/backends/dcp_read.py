@@ -12,6 +12,7 @@ read); any other layout is read DCP's way.
 DCP's metadata file is a pickle; SafeReader reads it with an unpickler that
 admits only DCP's metadata classes, so loading never runs pickled code.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import io

@@ -8,6 +8,7 @@ plain `dcp.load` reads them, but a save costs none of DCP's four planning and
 result collectives; the checkpoint manager gathers the notes together with its
 own manifest records.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,11 +22,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from megaresil.checkpoint.backends.file_io import (PAGE, FsyncBehind, fsync_threads,
-                                                   start_writeback)
+from megaresil.checkpoint.backends.file_io import PAGE, FsyncBehind, fsync_threads, start_writeback
 from megaresil.checkpoint.format import naming_write_errors
 from megaresil.compat import dcp_storage_info, torch_save_options
-
 
 # Chunks of at least _ALIGNED_FROM bytes start on page boundaries, and so
 # does their tensor data; smaller ones are packed (padding them would waste

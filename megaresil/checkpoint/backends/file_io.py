@@ -10,6 +10,7 @@ which Python lacks, is not available), so the two overlap; bench/README.md
 has the measured effect. Every helper is a no-op where posix_fadvise does not
 exist.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ into the target tensors. bfloat16 is stored as its uint16 bits with the
 attribute `torch_dtype: bfloat16`. This module reads and writes the files
 itself, without zarr. docs/checkpoints.md ("The zarr backend") has more.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib
@@ -20,11 +21,20 @@ import torch
 
 from megaresil.checkpoint.backends.base import Written
 from megaresil.checkpoint.backends.dcp_read import narrowed
-from megaresil.checkpoint.backends.file_io import (FsyncBehind, fsync_threads, prefetch,
-                                                   start_writeback)
+from megaresil.checkpoint.backends.file_io import (
+    FsyncBehind,
+    fsync_threads,
+    prefetch,
+    start_writeback,
+)
 from megaresil.checkpoint.backends.zarr_layout import ArrayLayout, Piece, runs
-from megaresil.checkpoint.format import (CheckpointError, inside, naming_write_errors,
-                                         tensor_bytes, torch_dtype)
+from megaresil.checkpoint.format import (
+    CheckpointError,
+    inside,
+    naming_write_errors,
+    tensor_bytes,
+    torch_dtype,
+)
 from megaresil.checkpoint.sharded import Rect
 
 METADATA = "zarr.json"

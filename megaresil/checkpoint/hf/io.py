@@ -25,14 +25,26 @@ import torch
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.backends.dcp_read import narrowed
 from megaresil.checkpoint.hf import mapping as hf
-from megaresil.checkpoint.hf.tokenizer import (check_hf_tokenizer, export_token_ids,
-                                               load_export_tokenizer, write_tokenizer)
+from megaresil.checkpoint.hf.tokenizer import (
+    check_hf_tokenizer,
+    export_token_ids,
+    load_export_tokenizer,
+    write_tokenizer,
+)
 from megaresil.checkpoint.manager import move_into_place
-from megaresil.checkpoint.offline.convert import (Target, fresh_rank_states, open_source,
-                                                  target_recipe)
+from megaresil.checkpoint.offline.convert import (
+    Target,
+    fresh_rank_states,
+    open_source,
+    target_recipe,
+)
 from megaresil.checkpoint.offline.planning import recipe_layout
-from megaresil.checkpoint.offline.writer import (partial_dir, refuse_existing, replacing,
-                                                 write_checkpoint)
+from megaresil.checkpoint.offline.writer import (
+    partial_dir,
+    refuse_existing,
+    replacing,
+    write_checkpoint,
+)
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.sources import CheckpointSource, full_tensors
 from megaresil.checkpoint.state import RunRecord

@@ -6,6 +6,7 @@ adds what every family shares (the output head, token ids, the checks).
 Works on full (unsharded, unpadded-vocab) tensors; the resharding path takes
 it from there.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,6 @@ from megaresil.model.flavours import FLAVOURS, architectures, by_architecture, n
 from megaresil.model.flavours.hf_common import Mapped, UnsupportedVariant
 from megaresil.model.gpt import ties_embeddings
 from megaresil.model.layers import ffn_size
-
 
 # Tensors a transformers file may hold that are not weights (buffers older
 # versions saved, every family's); they carry nothing to import.

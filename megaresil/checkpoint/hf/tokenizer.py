@@ -13,6 +13,7 @@ merges, which encodes exactly like it). bos/eos are the model's
 megaresil's end-of-document token), and must name the same tokens in the
 tokenizer and in config.json.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses

@@ -2,6 +2,7 @@
 save (Pause, retry_step). Every rank must save at the same steps, since a
 save is collective: what each rank measures is agreed by the saves' own
 collectives."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import math

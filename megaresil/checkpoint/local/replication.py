@@ -3,21 +3,18 @@
 Pure bookkeeping (no I/O, no process group): the node topology (node = the
 ranks of one launcher agent, or `ranks_per_node` simulated on one machine),
 which peers a rank replicates to, which local step every rank can recover
-and from whom, whether a save fits in the ranks' storage, and a shard's wire
-form (two uint8/int64 tensors, for point-to-point sends on the local tier's
-own process group).
+and from whom, and whether a save fits in the ranks' storage. Shards move
+between ranks through checkpoint/transfer.py.
 
 A rank's replicas go to the rank with the same local rank on the next
 `replicas` nodes (ring order), so every node holds exactly `replicas` copies
 of each other node's shards and losing any `replicas` nodes loses no shard.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Optional
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -159,18 +156,3 @@ def space_shortfall(spaces: list[Space], topology: Topology) -> Optional[str]:
                     f"{first.directory} (the shards of rank(s) {ranks[filesystem]}{copies}), "
                     f"{free:,} bytes are free")
     return None
-
-
-# --- wire form --------------------------------------------------------------------------
-
-def encode_meta(meta: dict) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
-
-
-def decode_meta(data: torch.Tensor) -> dict:
-    return json.loads(bytes(data.numpy()).decode())
-
-
-def header(meta: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-    """The sizes a receiver allocates for before the payload arrives."""
-    return torch.tensor([meta.numel(), data.numel()], dtype=torch.int64)

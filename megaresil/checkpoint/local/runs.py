@@ -9,16 +9,14 @@ at a time holds the root (run_lock, as for the checkpoint root).
 docs/local-tier.md ("Whose shards") says it for users."""
 from __future__ import annotations
 
-import hashlib
 import re
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.local.store import DIR_KEY, NodeStore
-from megaresil.checkpoint.location import checkpoint_root
-from megaresil.config import ConfigError, RecipeConfig
+from megaresil.checkpoint.local.store import NodeStore
+from megaresil.checkpoint.paths import RunPaths, run_local_dir
+from megaresil.config import RecipeConfig
 from megaresil.run_identity import RUN_ID_NAME, read_run_id
 
 RUN_LOCAL_DIR = re.compile(r"^run-([0-9a-f]+)$")
@@ -26,56 +24,16 @@ RUN_LOCAL_DIR = re.compile(r"^run-([0-9a-f]+)$")
 UNNAMED_RUN = re.compile(r"^node_\d+$")
 
 
-def local_root(local_dir: Optional[str], run_dir: str) -> Path:
-    """checkpoint.local.dir, or its default for the run directory."""
-    return Path(local_dir) if local_dir else default_root(run_dir)
-
-
-def default_root(run_dir: str) -> Path:
-    """/dev/shm/megaresil/<run dir name>-<digest of its path>: the same at
-    every launch (a requeued job finds its shards) and different for every
-    run directory, so runs in two directories never wait on one lock."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    run = Path(run_dir).resolve()
-    return base / "megaresil" / f"{run.name}-{hashlib.sha1(str(run).encode()).hexdigest()[:10]}"
-
-
-def checked_local_root(cfg: RecipeConfig) -> Path:
-    """The recipe's local root, refused inside the global checkpoint root:
-    the local tier never writes there."""
-    root = local_root(cfg.checkpoint.local.dir, cfg.run.dir)
-    shared = checkpoint_root(cfg).resolve()
-    if root.resolve() == shared or shared in root.resolve().parents:
-        raise ConfigError(DIR_KEY, f"{root} lies inside the global checkpoint root {shared}.",
-                          "point it at node-local storage (or leave it null for "
-                          "/dev/shm/megaresil/<run dir name>-<digest>).")
-    return root
-
-
-def locked_root(cfg: RecipeConfig) -> Optional[Path]:
-    """The local root a job holds while it runs (None: the tier is off)."""
-    return checked_local_root(cfg) if cfg.checkpoint.local.enabled else None
-
-
-def run_local_dir(root: Path, run_id: str) -> Path:
-    """The run's own directory under the local root: its node directories."""
-    return root / f"run-{run_id}"
-
-
-def this_run(cfg: RecipeConfig, run_id: str) -> Path:
-    return run_local_dir(local_root(cfg.checkpoint.local.dir, cfg.run.dir), run_id)
-
-
-def link_checked(cfg: RecipeConfig) -> list[Path]:
+def link_checked(paths: RunPaths) -> list[Path]:
     """The local tier's directories the launcher refuses as links (with the
     node directories in each): the root, the `megaresil` directory above a
     default root (world-writable /dev/shm), and the run's own directory."""
-    root = local_root(cfg.checkpoint.local.dir, cfg.run.dir)
-    paths = [root] if cfg.checkpoint.local.dir else [root.parent, root]
-    if not (Path(cfg.run.dir) / RUN_ID_NAME).is_symlink():  # one the check names
-        run = read_run_id(Path(cfg.run.dir))
-        paths += [run_local_dir(root, run)] if run else []
-    return paths
+    root = paths.local_root
+    checked = [root.parent, root] if paths.local_default else [root]
+    if not (paths.run_dir / RUN_ID_NAME).is_symlink():  # one the check names
+        run = read_run_id(paths.run_dir)
+        checked += [paths.local_run_dir(run)] if run else []
+    return checked
 
 
 def other_runs(root: Path, run_id: Optional[str]) -> list[Path]:
@@ -90,10 +48,11 @@ def other_runs(root: Path, run_id: Optional[str]) -> list[Path]:
 
 def other_runs_line(cfg: RecipeConfig) -> Optional[str]:
     """The launcher's line when the local root holds other runs' shards."""
-    if not cfg.checkpoint.local.enabled:
+    paths = RunPaths.of(cfg)
+    if not paths.local_enabled:
         return None
-    root = local_root(cfg.checkpoint.local.dir, cfg.run.dir)
-    others = other_runs(root, read_run_id(Path(cfg.run.dir)))
+    root = paths.local_root
+    others = other_runs(root, read_run_id(paths.run_dir))
     if not others:
         return None
     return (f"megaresil: {root} holds the local shards of another run "
@@ -106,10 +65,12 @@ def newest_local_shard(cfg: RecipeConfig) -> Optional[tuple[Path, dict]]:
     """The newest shard of this run that a resume could take from the local
     tier here (by its meta: checksums are verified by the workers), for the
     recipe check; None when the tier is not consulted or holds nothing."""
-    run = read_run_id(Path(cfg.run.dir))
-    if not cfg.checkpoint.local.enabled or cfg.checkpoint.load != "auto" or run is None:
+    paths = RunPaths.of(cfg)
+    run = read_run_id(paths.run_dir)
+    if not paths.local_enabled or cfg.checkpoint.load != "auto" or run is None:
         return None
-    held = [(step, owner, store) for store in map(NodeStore, this_run(cfg, run).glob("node_*"))
+    held = [(step, owner, store)
+            for store in map(NodeStore, paths.local_run_dir(run).glob("node_*"))
             for step, owners in store.held().items() for owner in owners]
     for step, owner, store in sorted(held, key=lambda h: (h[0], -h[1]), reverse=True):
         try:

@@ -2,6 +2,7 @@
 copy included) back to back in one byte buffer, and a meta record of each
 rect's place and checksum, the run state and the rank's RNG. A same-layout
 resume copies the bytes back with no resharding, so it is bit-exact."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import json
@@ -83,6 +84,11 @@ def shard_bytes(state: TrainingState, owner: int, world: int, run_id: str) -> in
     meta = shard_meta(state.run_record(), owner, world, state.rng_state(), records,
                       run_id=run_id)
     return size + len(json.dumps(meta, indent=1)) + SHARD_SLACK  # as write_json_atomic writes it
+
+
+def shard_size(meta: dict) -> int:
+    """The bytes of a shard's data: its records', back to back."""
+    return sum(rec["nbytes"] for rec in meta["rects"])
 
 
 def view_of(data: torch.Tensor, record: dict) -> torch.Tensor:

@@ -6,6 +6,7 @@ marked: a step counts only where the owner's shard, or a replica of it, is
 committed and passes its checksums. Nothing is written under the global
 checkpoint root.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 import os

@@ -24,17 +24,32 @@ import torch.distributed as dist
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.async_save import BackgroundSaves, SaveReport, SaveRequest
 from megaresil.checkpoint.local.cadence import Cadence, Pause, retry_step
-from megaresil.checkpoint.local.moves import move_shards
-from megaresil.checkpoint.local.replication import (Choice, Holdings, Space, Topology,
-                                                    complete_step, decode_meta, encode_meta,
-                                                    header, passed_over, space_shortfall,
-                                                    transfers)
+from megaresil.checkpoint.local.replication import (
+    Choice,
+    Holdings,
+    Space,
+    Topology,
+    complete_step,
+    passed_over,
+    space_shortfall,
+    transfers,
+)
 from megaresil.checkpoint.local.runs import run_local_dir
-from megaresil.checkpoint.local.shard import (Shard, add_checksums, saved_run_record, shard_bytes,
-                                              shard_meta, shard_rects, stage, unpack_into)
+from megaresil.checkpoint.local.shard import (
+    Shard,
+    add_checksums,
+    saved_run_record,
+    shard_bytes,
+    shard_meta,
+    shard_rects,
+    shard_size,
+    stage,
+    unpack_into,
+)
 from megaresil.checkpoint.local.store import DIR_KEY, NodeStore, filesystem_space, node_dir
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
+from megaresil.checkpoint.transfer import Outgoing, move
 from megaresil.checkpoint.validation import nonfinite_keys, nonfinite_refusal, shard_problem
 from megaresil.compat import detach_process_group
 from megaresil.fencing import Fence
@@ -212,19 +227,19 @@ class LocalTier(BackgroundSaves):
         peers, sources = self.topology.peers(self.rank), self.topology.sources(self.rank)
         if not peers:
             return []
-        meta = encode_meta(own.meta)
-        heads = {src: torch.empty(2, dtype=torch.int64) for src in sources}
-        self.coll.exchange([(p, 0, header(meta, own.data)) for p in peers],
-                           [(s, 0, heads[s]) for s in sources])
-        metas = {s: torch.empty(int(heads[s][0]), dtype=torch.uint8) for s in sources}
-        for s in sources:
-            size = int(heads[s][1])
-            if s not in self.recv_buffers or self.recv_buffers[s].numel() != size:
-                self.recv_buffers[s] = torch.empty(size, dtype=torch.uint8)
-        self.coll.exchange([x for p in peers for x in ((p, 1, meta), (p, 2, own.data))],
-                           [x for s in sources for x in ((s, 1, metas[s]),
-                                                         (s, 2, self.recv_buffers[s]))])
-        return [Shard(decode_meta(metas[s]), self.recv_buffers[s]) for s in sources]
+        # Checked at the commit (_damaged), as every shard written is.
+        received = move(self.coll, [*((self.rank, p) for p in peers),
+                                    *((s, self.rank) for s in sources)],
+                        {p: as_outgoing(own) for p in peers}, self._recv_buffer, "a replica")
+        return [Shard(got.meta, got.pieces[0]) for got in received.values()]
+
+    def _recv_buffer(self, meta: dict) -> list[torch.Tensor]:
+        """Where a source's replica lands: the buffer its last one did, when
+        the size is the same (a save's replicas are all alike)."""
+        size, owner = shard_size(meta), meta["owner"]
+        if owner not in self.recv_buffers or self.recv_buffers[owner].numel() != size:
+            self.recv_buffers[owner] = torch.empty(size, dtype=torch.uint8)
+        return [self.recv_buffers[owner]]
 
     # --- start-up ------------------------------------------------------------------
 
@@ -274,10 +289,8 @@ class LocalTier(BackgroundSaves):
     def recover(self, choice: Choice, state: TrainingState) -> RunRecord:
         """Collective: shards move from holders to owners whose own copy is
         missing or bad; each rank loads its own."""
-        moves = transfers(choice.sources)
-        received = move_shards(self.coll, moves, {owner: self.loaded[owner] for holder, owner
-                                                  in moves if holder == self.rank},
-                               f"rank {self.rank}'s shard of step {choice.step}")
+        received = self._received(transfers(choice.sources),
+                                  f"rank {self.rank}'s shard of step {choice.step}")
         if received is not None:
             self.store.write(received)  # this node holds its own shard again
         shard = received or self.loaded[self.rank]
@@ -286,6 +299,22 @@ class LocalTier(BackgroundSaves):
         state.restore(saved)
         self.loaded.clear()
         return saved
+
+    def _received(self, moves: list[tuple[int, int]], what: str) -> Optional[Shard]:
+        """Collective: the holders send the shards of `moves` to their owners;
+        the shard this rank received (at most one), checked, if any."""
+        outgoing = {owner: as_outgoing(self.loaded[owner]) for holder, owner in moves
+                    if holder == self.rank}
+        received = move(self.coll, moves, outgoing,
+                        lambda meta: [torch.empty(shard_size(meta), dtype=torch.uint8)], what)
+        if not received:
+            return None
+        ((holder, got),) = received.items()  # a rank's shard comes from one holder
+        shard = Shard(got.meta, got.pieces[0])
+        problem = shard_problem(shard)
+        if problem:
+            raise fmt.CheckpointError(f"{what} arrived from rank {holder} damaged: {problem}")
+        return shard
 
     def check_space(self, state: TrainingState) -> None:
         """Collective, at start-up (after the resume, which retired later
@@ -334,3 +363,9 @@ class LocalTier(BackgroundSaves):
         # blocked collective must not hold up the generation's teardown.
         if self.coll.group is not None:
             detach_process_group(self.coll.group)
+
+
+def as_outgoing(shard: Shard) -> Outgoing:
+    """A shard on the wire: its data in one piece (its records carry their
+    checksums; one message keeps gloo's per-message cost to one a shard)."""
+    return Outgoing(shard.meta, [shard.data])

@@ -24,8 +24,14 @@ from megaresil.checkpoint.offline.planning import recipe_layout
 from megaresil.checkpoint.offline.writer import refuse_existing, write_checkpoint
 from megaresil.checkpoint.sources import CheckpointSource
 from megaresil.checkpoint.state import RunRecord
-from megaresil.config import (KEY_ALIASES, ConfigError, RecipeConfig, from_dict, parse_override,
-                              to_dict)
+from megaresil.config import (
+    KEY_ALIASES,
+    ConfigError,
+    RecipeConfig,
+    from_dict,
+    parse_override,
+    to_dict,
+)
 from megaresil.parallel.random import capture_rng_state, restore_rng_state
 
 

@@ -8,6 +8,7 @@ tensors, it would hold the whole checkpoint in memory. Handed an
 `OnDemandTensor`, it holds only this placeholder; the data exists while
 `torch.save` pickles it, which is what keeps an offline DCP save streamed.
 """
+# mypy: ignore-errors
 from __future__ import annotations
 
 from typing import Callable

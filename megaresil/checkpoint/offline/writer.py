@@ -27,10 +27,10 @@ from tqdm import tqdm
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.backends import get_backend
 from megaresil.checkpoint.backends.base import Backend
+from megaresil.checkpoint.keys import WEIGHTS
 from megaresil.checkpoint.manager import build_manifest, commit, layout_plan, rect_record
 from megaresil.checkpoint.offline.ondemand import OnDemandTensor
 from megaresil.checkpoint.offline.planning import planned_rects, writer_share
-from megaresil.checkpoint.keys import WEIGHTS
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.sources import TensorSource, byte_batches
 from megaresil.checkpoint.state import RunRecord

@@ -8,6 +8,7 @@ thread has used no CPU), `quiet_s` (how long its peer connections have moved
 no byte; absent where not measured), `waiting` (inside torch.distributed) and
 `coll` (collectives started per process group), and where measured `node`
 (the rank's node) and `at` (wall time written). See docs/watchdog.md."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 from collections.abc import Callable

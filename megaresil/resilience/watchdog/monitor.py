@@ -1,6 +1,8 @@
 """The Watchdog: this rank's monitor thread, composed of the budgets, the
-judgement and the abort beside it; it owns the clock, the store traffic and
-the generation's state. See the package docstring and docs/watchdog.md."""
+judgement and the abort beside it; it owns the clock, the store traffic
+(resilience/coordination.py's keys) and the generation's state. See the
+package docstring and docs/watchdog.md."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import json
@@ -20,18 +22,35 @@ from megaresil.config import WatchdogConfig
 from megaresil.events import EventLog
 from megaresil.observe.sections import SectionTime
 from megaresil.parallel.layout import use_device
+from megaresil.resilience.coordination import JobStore
 from megaresil.resilience.stragglers import StragglerDetector
-from megaresil.resilience.watchdog.abort import (ABORT_GRACE_S, ExitTimer, Guardian, HangAbort,
-                                                 abort_nccl_groups, dump_stacks,
-                                                 exit_for_relaunch, raise_in_thread,
-                                                 set_collective_timeouts)
+from megaresil.resilience.watchdog.abort import (
+    ABORT_GRACE_S,
+    ExitTimer,
+    Guardian,
+    HangAbort,
+    abort_nccl_groups,
+    dump_stacks,
+    exit_for_relaunch,
+    raise_in_thread,
+    set_collective_timeouts,
+)
 from megaresil.resilience.watchdog.budgets import Budgets, what_differs
 from megaresil.resilience.watchdog.clock import Clock, SystemClock
-from megaresil.resilience.watchdog.judgement import (Alarm, PeerBeats, ProgressMeter,
-                                                     store_intervals, stuck_or_running,
-                                                     unreachable_nodes, verdict)
-from megaresil.resilience.watchdog.probes import (machine_kind, thread_cpu_clock,
-                                                  waiting_in_torch_distributed)
+from megaresil.resilience.watchdog.judgement import (
+    Alarm,
+    PeerBeats,
+    ProgressMeter,
+    store_intervals,
+    stuck_or_running,
+    unreachable_nodes,
+    verdict,
+)
+from megaresil.resilience.watchdog.probes import (
+    machine_kind,
+    thread_cpu_clock,
+    waiting_in_torch_distributed,
+)
 
 
 class Watchdog:
@@ -39,14 +58,15 @@ class Watchdog:
     `clock` and `cpu_clock` (the training thread's CPU seconds) are the
     real ones unless a test gives fakes, and then drives `poll()` itself."""
 
-    def __init__(self, cfg: WatchdogConfig, *, rank: int, world: int, store: dist.Store,
+    def __init__(self, cfg: WatchdogConfig, *, rank: int, world: int,
+                 store: dist.Store | JobStore,
                  run_dir: Path, events: EventLog, exit_on_hang: int | None,
                  workload: dict | None = None, guardian: bool = True,
                  stragglers: StragglerDetector | None = None,
                  device: torch.device = torch.device("cpu"), clock: Clock = SystemClock(),
                  cpu_clock: Callable[[], float] | None = None,
                  peer_bytes: Callable[[], int] | None = None, node: str | None = None):
-        self.cfg, self.rank, self.world, self.store = cfg, rank, world, store
+        self.cfg, self.rank, self.world, self.store = cfg, rank, world, JobStore.of(store)
         self.node = node  # this rank's node, named in heartbeats: a partition names the node
         self.clock = clock
         self.device = device  # the trainer's: the monitor thread aborts NCCL groups on it
@@ -127,7 +147,7 @@ class Watchdog:
             return
         try:
             self._publish(self.leaving, state="left")
-        except Exception as err:  # the store is gone: so is the job, nobody is judging
+        except Exception as err:  # noqa: BLE001 (no store, no job: nobody is judging)
             print(f"megaresil watchdog (rank {self.rank}): {err}", file=sys.stderr)
         self.leaving = None
 
@@ -187,27 +207,22 @@ class Watchdog:
             return
         try:
             self._check(generation, now)
-        except Exception as err:  # the store went away: the job is ending
+        except Exception as err:  # noqa: BLE001 (no store: the job is ending)
             if not self.stop.is_set() and self.generation is not None:
                 print(f"megaresil watchdog (rank {self.rank}): {err}", file=sys.stderr)
 
-    @staticmethod
-    def _key(what: str, generation: int, rank: int | None = None) -> str:
-        """A store key of the generation the caller judges, passed in: the
-        training thread may leave it meanwhile (pause), and a key read off
-        `self.generation` then named generation None. A `get` of such a key
-        waited for the store's timeout, holding the store's client, so the
-        leaving rank's own "left" heartbeat waited behind it: it neither
-        failed nor answered SIGTERM, and its peers relaunched the job."""
-        return f"{what}/{generation}" + (f"/{rank}" if rank is not None else "")
-
     def _check(self, generation: int, now: float) -> None:
+        """`generation` is the one judged, passed in (not `self.generation`):
+        the training thread may leave it meanwhile (pause), and a read of
+        generation None would hold the store's client for its timeout, the
+        leaving rank's own "left" heartbeat waiting behind it."""
         if now >= self.next_heartbeat:
             self._publish(generation)
         if now >= self.next_abort_poll:
             self.next_abort_poll = now + self.abort_poll_every
-            if self.store.check([self._key("abort", generation)]):
-                self._abort(generation, json.loads(self.store.get(self._key("abort", generation))))
+            announced = self.store.abort(generation)
+            if announced is not None:
+                self._abort(generation, announced)
                 return
         section, step, started = self.current
         waited = now - started
@@ -225,8 +240,7 @@ class Watchdog:
                 return  # the rank left this generation meanwhile: keep its "left"
             self.next_heartbeat = now + self.heartbeat_every
             self.beats += 1
-            self.store.set(self._key("hb", generation, self.rank),
-                           json.dumps(self._record(state, now)))
+            self.store.publish_heartbeat(generation, self.rank, self._record(state, now))
 
     def _record(self, state: str, now: float) -> dict:
         """This rank's heartbeat: where it is and whether its thread runs."""
@@ -284,13 +298,7 @@ class Watchdog:
     def _heartbeats(self, generation: int, ranks, now: float) -> dict[int, dict | None]:
         """The ranks' latest heartbeats (this rank's as it is now); notes
         which peers wrote a new one since the last read."""
-        keys = {r: self._key("hb", generation, r) for r in ranks if r != self.rank}
-        if self.store.check(list(keys.values())):
-            values = self.store.multi_get(list(keys.values()))
-            beats = {r: json.loads(v) for r, v in zip(keys, values)}
-        else:  # someone never wrote one: ask key by key
-            beats = {r: json.loads(self.store.get(k)) if self.store.check([k]) else None
-                     for r, k in keys.items()}
+        beats = self.store.heartbeats(generation, [r for r in ranks if r != self.rank])
         self.peers.note(beats, now)
         if self.rank in ranks:
             beats[self.rank] = self._record("running", now)
@@ -316,8 +324,7 @@ class Watchdog:
     def _suspect(self, generation: int, alarm: Alarm, waited: float) -> None:
         """One warning per section and step for the whole job."""
         report = self._report(alarm, waited)
-        key = self._key(f"suspect/{alarm.section}/{alarm.step}", generation)
-        if self.store.compare_set(key, "", str(self.rank)) == str(self.rank).encode():
+        if self.store.claim_suspect(generation, alarm.section, alarm.step, self.rank):
             self.events.emit("hang_suspected", **{k: v for k, v in report.items() if k != "rank"})
 
     def _declare(self, generation: int, alarm: Alarm, waited: float, why: str,
@@ -328,10 +335,9 @@ class Watchdog:
         unreachable = self._unreachable(generation, now)
         if unreachable:
             report["unreachable"] = unreachable
-        mine = json.dumps(report)
-        if self.store.compare_set(self._key("hang", generation), "", mine) == mine.encode():
+        if self.store.claim_hang(generation, report):
             self.events.emit("hang_detected", **{k: v for k, v in report.items() if k != "rank"})
-            self.store.set(self._key("abort", generation), json.dumps({"reason": "hang", **report}))
+            self.store.set_abort(generation, {"reason": "hang", **report})
         self._abort(generation, {"reason": "hang", **report})
 
     def _unreachable(self, generation: int, now: float) -> list[dict]:

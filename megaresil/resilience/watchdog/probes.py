@@ -1,6 +1,7 @@
 """What the watchdog reads of its own process: the training thread's CPU
 clock and where it waits, the bytes its peer connections move, and the kind
 of machine a calibration holds on."""
+# mypy: ignore-errors
 from __future__ import annotations
 
 import fcntl
