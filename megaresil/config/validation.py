@@ -8,12 +8,12 @@ from typing import Any, Iterator, Optional
 
 from megaresil.config.faults import LOCAL_FAULT_KINDS, parse_faults
 from megaresil.config.fields import Bounds, public_key, require
+from megaresil.config.flavours import TRAITS, flavours_with
 from megaresil.config.run import SUPERVISION_BOUNDS, CheckpointConfig
 from megaresil.config.schema import (
     FP8,
     ActivationOffload,
     Backend,
-    Flavour,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -72,18 +72,26 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
             f"{m.num_layers} layers do not divide into pp*vpp={p.pp * p.vpp} chunks.",
             "choose num_layers a multiple of parallel.pp * parallel.vpp.")
     _validate_activation_memory(m, p)
-    if m.flavour == Flavour.gpt2:
+    if not TRAITS[m.flavour].grouped_query:
+        name = m.flavour.value
         require(m.num_kv_heads in (None, m.num_heads), "model.num_kv_heads",
-                "gpt2 flavour has no grouped-query attention.",
-                "leave num_kv_heads null for gpt2, or use flavour=llama.")
+                f"{name} flavour has no grouped-query attention.",
+                f"leave num_kv_heads null for {name}, or use {_flavour_choice('grouped_query')}.")
+
+
+def _flavour_choice(trait: str) -> str:
+    """`flavour=NAME` for each flavour with `trait`, as a fix offers them."""
+    return " or ".join(f"flavour={name}" for name in flavours_with(trait))
 
 
 def _validate_rope_scaling(m: ModelConfig) -> None:
     r = m.rope_scaling
     if r.type == RopeScalingType.llama3:
-        require(m.flavour == Flavour.llama, "model.rope_scaling.type",
-                "RoPE scaling needs RoPE, which only the llama flavour has.",
-                "set model.flavour=llama or rope_scaling.type=none.")
+        having = flavours_with("rope")
+        require(TRAITS[m.flavour].rope, "model.rope_scaling.type",
+                f"RoPE scaling needs RoPE, which only the {' and '.join(having)} flavour"
+                f"{'s have' if len(having) > 1 else ' has'}.",
+                f"set model.{_flavour_choice('rope')} or rope_scaling.type=none.")
         require(r.high_freq_factor > r.low_freq_factor, "model.rope_scaling.high_freq_factor",
                 f"{r.high_freq_factor} must exceed low_freq_factor={r.low_freq_factor}.",
                 "use Llama 3's values (low 1, high 4) or others with high > low.")

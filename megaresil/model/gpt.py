@@ -1,4 +1,4 @@
-"""The GPT decoder (GPT-2 and Llama flavours) and its layout-free parameter names.
+"""The GPT decoder (every flavour of `model/flavours/`) and its layout-free parameter names.
 
 Parameter keys use global layer numbers (`layers.17.attn.qkv.weight` wherever
 layer 17 lives), so a checkpoint's keys do not depend on the parallel layout.
@@ -12,8 +12,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from megaresil.config import Flavour, ModelConfig
+from megaresil.config import ModelConfig
 from megaresil.model.activations import CheckpointStore, recompute_segments
+from megaresil.model.flavours import spec_of_model
 from megaresil.model.init import global_shape
 from megaresil.model.layers import Block, make_norm, sequence_dropout
 from megaresil.parallel.tensor_parallel import (
@@ -48,7 +49,7 @@ def layout_free_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def ties_embeddings(cfg: ModelConfig) -> bool:
     if cfg.tie_embeddings is not None:
         return cfg.tie_embeddings
-    return cfg.flavour == Flavour.gpt2
+    return spec_of_model(cfg).tied_by_default
 
 
 class Embedding(nn.Module):
@@ -58,7 +59,7 @@ class Embedding(nn.Module):
         self.tp = tp
         self.tokens = VocabParallelEmbedding(padded_vocab, cfg.hidden_size, tp)
         self.positions = (nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
-                          if cfg.flavour == Flavour.gpt2 and positions else None)
+                          if spec_of_model(cfg).learned_positions and positions else None)
         if self.positions is not None:
             mark_sequence_parallel(self.positions.parameters(), tp)
         self.dropout = sequence_dropout(cfg.dropout, "embed", seed, tp)

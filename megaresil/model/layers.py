@@ -1,5 +1,6 @@
-"""Transformer building blocks shared by the GPT-2 and Llama flavours, built
-from the tensor-parallel layers.
+"""Transformer building blocks shared by every flavour, built from the
+tensor-parallel layers; what differs between flavours comes from their spec
+(`model/flavours/`).
 
 Shapes in comments: B batch, T sequence (T/tp when sequence parallel), C
 hidden, H heads, G kv heads (groups), D head dim; "local" counts are per TP rank.
@@ -15,31 +16,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megaresil.config import Flavour, ModelConfig, Recompute, RopeScalingType
+from megaresil.config import ModelConfig, Recompute, RopeScalingType
+from megaresil.model.flavours import spec_of_model
 from megaresil.parallel.random import LayoutDropout
 from megaresil.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPGroup,
-    enter_tp_region,
     mark_sequence_parallel,
 )
 
 
 def ffn_size(cfg: ModelConfig) -> int:
-    if cfg.ffn_hidden_size:
-        return cfg.ffn_hidden_size
-    if cfg.flavour == Flavour.gpt2:
-        return 4 * cfg.hidden_size
-    # Llama's rule: 2/3 of 4h, rounded up to a multiple of 64.
-    return 64 * math.ceil(int(8 * cfg.hidden_size / 3) / 64)
+    return spec_of_model(cfg).ffn_size(cfg)
 
 
 def make_norm(cfg: ModelConfig, tp: TPGroup) -> nn.Module:
-    if cfg.flavour == Flavour.gpt2:
-        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    else:
-        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    norm = spec_of_model(cfg).make_norm(cfg)
     mark_sequence_parallel(norm.parameters(), tp)
     return norm
 
@@ -134,12 +127,12 @@ class Attention(nn.Module):
         self.head_dim = cfg.hidden_size // cfg.num_heads
         kv_heads = cfg.num_kv_heads or cfg.num_heads
         self.local_heads, self.local_kv_heads = cfg.num_heads // tp.size, kv_heads // tp.size
-        bias = cfg.flavour == Flavour.gpt2
+        spec = spec_of_model(cfg)
+        bias = spec.linear_biases
         qkv_rows = (cfg.num_heads + 2 * kv_heads) * self.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, tp, bias=bias)
         self.proj = RowParallelLinear(cfg.num_heads * self.head_dim, cfg.hidden_size, tp, bias=bias)
-        self.rope = (RotaryEmbedding(self.head_dim, cfg)
-                     if cfg.flavour == Flavour.llama else None)
+        self.rope = RotaryEmbedding(self.head_dim, cfg) if spec.traits.rope else None
         # Attention-probability dropout drawn over all heads, sliced to ours.
         self.prob_dropout = LayoutDropout(
             cfg.attention_dropout, site + ".attn_probs", seed,
@@ -179,34 +172,6 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class GeluMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, *, ffn: int):
-        super().__init__()
-        self.fc = ColumnParallelLinear(cfg.hidden_size, ffn, tp, bias=True)
-        self.proj = RowParallelLinear(ffn, cfg.hidden_size, tp, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # GPT-2's "gelu_new" is the tanh approximation.
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
-
-
-class SwiGLUMLP(nn.Module):
-    """Gate and up projections kept as two weights (not one fused) so each
-    shards on its own rows under tensor parallelism."""
-
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, *, ffn: int):
-        super().__init__()
-        self.tp = tp
-        # gate and up share one entry into the TP region (one all-gather under SP).
-        self.gate = ColumnParallelLinear(cfg.hidden_size, ffn, tp, bias=False, enter_region=False)
-        self.up = ColumnParallelLinear(cfg.hidden_size, ffn, tp, bias=False, enter_region=False)
-        self.down = RowParallelLinear(ffn, cfg.hidden_size, tp, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp)
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
 class Block(nn.Module):
     """Pre-norm transformer block; `index` is the global layer number."""
 
@@ -216,8 +181,7 @@ class Block(nn.Module):
         self.norm1 = make_norm(cfg, tp)
         self.attn = Attention(cfg, tp, site=site, seed=seed)
         self.norm2 = make_norm(cfg, tp)
-        mlp_cls = GeluMLP if cfg.flavour == Flavour.gpt2 else SwiGLUMLP
-        self.mlp = mlp_cls(cfg, tp, ffn=ffn_size(cfg))
+        self.mlp = spec_of_model(cfg).make_mlp(cfg, tp, index)
         self.attn_dropout = sequence_dropout(cfg.dropout, site + ".attn_out", seed, tp)
         self.mlp_dropout = sequence_dropout(cfg.dropout, site + ".mlp_out", seed, tp)
 

@@ -21,8 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaresil.config import ConfigError
+from megaresil.model.flavours import FLAVOURS, spec_of_model
+from megaresil.model.flavours.base import FlavourSpec
 from megaresil.model.gpt import GPT
-from megaresil.model.layers import Attention, Block, GeluMLP, split_heads
+from megaresil.model.layers import Attention, Block, split_heads
 from megaresil.parallel.random import LayoutDropout
 from megaresil.parallel.tensor_parallel import TPGroup, swap_batch_and_sequence
 
@@ -65,22 +67,9 @@ def _carry(old: nn.Parameter, new: nn.Parameter) -> None:
 
 # --- names: TE's fused modules <-> the local backend's keys ------------------------
 
-# (local suffix, TE suffix) inside `layers.<i>.`, per flavour; a key not listed
-# is the same in both. Pure data, so the map is testable without TE.
-_BLOCK_NAMES = {
-    "gpt2": (("norm1.weight", "attn.qkv.layer_norm_weight"),
-             ("norm1.bias", "attn.qkv.layer_norm_bias"),
-             ("norm2.weight", "mlp.fused.layer_norm_weight"),
-             ("norm2.bias", "mlp.fused.layer_norm_bias"),
-             ("mlp.fc.weight", "mlp.fused.fc1_weight"),
-             ("mlp.fc.bias", "mlp.fused.fc1_bias"),
-             ("mlp.proj.weight", "mlp.fused.fc2_weight"),
-             ("mlp.proj.bias", "mlp.fused.fc2_bias")),
-    "llama": (("norm1.weight", "attn.qkv.layer_norm_weight"),
-              ("norm2.weight", "mlp.gate_up.layer_norm_weight"),
-              ("mlp.gate.weight", "mlp.gate_up.gate_weight"),
-              ("mlp.up.weight", "mlp.gate_up.up_weight")),
-}
+# (local suffix, TE suffix) inside `layers.<i>.`, per flavour name (each
+# flavour spec's te_names); a key not listed is the same in both.
+_BLOCK_NAMES = {flavour.value: spec.te_names for flavour, spec in FLAVOURS.items()}
 
 
 def _split_block_key(key: str) -> tuple[str, str]:
@@ -122,10 +111,6 @@ def _parallel(tp: TPGroup, mode: str) -> dict:
                 sequence_parallel=tp.sequence_parallel)
 
 
-def _normalization(norm: nn.Module) -> str:
-    return "LayerNorm" if isinstance(norm, nn.LayerNorm) else "RMSNorm"
-
-
 def _copy_norm(norm: nn.Module, module: nn.Module) -> None:
     _carry(norm.weight, module.layer_norm_weight)
     if getattr(norm, "bias", None) is not None:
@@ -143,33 +128,34 @@ def _te_row_linear(layer: nn.Module, tp: TPGroup, device: torch.device) -> nn.Mo
     return linear
 
 
-def _te_norm_linear(norm: nn.Module, weight: torch.Tensor, bias: bool, tp: TPGroup,
-                    device: torch.device, **split) -> nn.Module:
-    """`norm` then a column-parallel linear whose local weight is shaped as
-    `weight`, fused (the norm's values copied); `split`: TE's parameters_split."""
+def _te_norm_linear(norm: nn.Module, normalization: str, weight: torch.Tensor, bias: bool,
+                    tp: TPGroup, device: torch.device, **split) -> nn.Module:
+    """`norm` (TE's `normalization`) then a column-parallel linear whose local
+    weight is shaped as `weight`, fused (the norm's values copied); `split`:
+    TE's parameters_split."""
     rows, in_features = weight.shape
     fused = te.LayerNormLinear(in_features, rows * tp.size, eps=norm.eps, bias=bias,
-                               normalization=_normalization(norm), params_dtype=weight.dtype,
+                               normalization=normalization, params_dtype=weight.dtype,
                                device=device, **_parallel(tp, "column"), **split)
     _copy_norm(norm, fused)
     return fused
 
 
-def _fuse_norm_qkv(norm: nn.Module, qkv: nn.Module, tp: TPGroup, device: torch.device) -> nn.Module:
-    fused = _te_norm_linear(norm, qkv.weight, qkv.bias is not None, tp, device)
+def _fuse_norm_qkv(norm: nn.Module, normalization: str, qkv: nn.Module, tp: TPGroup,
+                   device: torch.device) -> nn.Module:
+    fused = _te_norm_linear(norm, normalization, qkv.weight, qkv.bias is not None, tp, device)
     _carry(qkv.weight, fused.weight)
     if qkv.bias is not None:
         _carry(qkv.bias, fused.bias)
     return fused
 
 
-def _te_norm(norm: nn.Module, device: torch.device) -> nn.Module:
-    size = norm.weight.shape[0]
-    if isinstance(norm, nn.LayerNorm):
-        new = te.LayerNorm(size, eps=norm.eps, params_dtype=norm.weight.dtype, device=device)
+def _te_norm(norm: nn.Module, normalization: str, device: torch.device) -> nn.Module:
+    """TE's module of that name (te.LayerNorm, te.RMSNorm) holding `norm`'s values."""
+    module = getattr(te, normalization)
+    new = module(norm.weight.shape[0], eps=norm.eps, params_dtype=norm.weight.dtype, device=device)
+    if getattr(norm, "bias", None) is not None:
         _carry(norm.bias, new.bias)
-    else:
-        new = te.RMSNorm(size, eps=norm.eps, params_dtype=norm.weight.dtype, device=device)
     _carry(norm.weight, new.weight)
     return new
 
@@ -177,11 +163,12 @@ def _te_norm(norm: nn.Module, device: torch.device) -> nn.Module:
 class FusedGeluMLP(nn.Module):
     """GPT-2's norm2 + MLP as one TE LayerNormMLP (gelu: TE's tanh form, GPT-2's gelu_new)."""
 
-    def __init__(self, norm: nn.Module, mlp: nn.Module, tp: TPGroup, device: torch.device):
+    def __init__(self, norm: nn.Module, normalization: str, mlp: nn.Module, tp: TPGroup,
+                 device: torch.device):
         super().__init__()
         ffn_local, hidden = mlp.fc.weight.shape
         self.fused = te.LayerNormMLP(hidden, ffn_local * tp.size, eps=norm.eps, bias=True,
-                                     normalization=_normalization(norm), activation="gelu",
+                                     normalization=normalization, activation="gelu",
                                      params_dtype=mlp.fc.weight.dtype, device=device,
                                      **({"tp_group": tp.group, "tp_size": tp.size,
                                          "set_parallel_mode": True,
@@ -199,12 +186,13 @@ class FusedGeluMLP(nn.Module):
 class FusedSwiGLUMLP(nn.Module):
     """Llama's norm2 + gate/up projections as one TE LayerNormLinear, then down."""
 
-    def __init__(self, norm: nn.Module, mlp: nn.Module, tp: TPGroup, device: torch.device):
+    def __init__(self, norm: nn.Module, normalization: str, mlp: nn.Module, tp: TPGroup,
+                 device: torch.device):
         super().__init__()
         # Local weight [gate rows; up rows], exposed as two Parameters.
         stacked = torch.empty(2 * mlp.gate.weight.shape[0], mlp.gate.weight.shape[1],
                               dtype=mlp.gate.weight.dtype, device="meta")
-        self.gate_up = _te_norm_linear(norm, stacked, False, tp, device,
+        self.gate_up = _te_norm_linear(norm, normalization, stacked, False, tp, device,
                                        parameters_split=("gate", "up"))
         _carry(mlp.gate.weight, self.gate_up.gate_weight)
         _carry(mlp.up.weight, self.gate_up.up_weight)
@@ -273,14 +261,17 @@ def _dot_product_attention(attn: Attention, tp: TPGroup) -> nn.Module:
                                   attn_mask_type="causal", **parallel)
 
 
-def convert_block(block: Block, tp: TPGroup, device: torch.device) -> None:
+# The fused norm + MLP module standing for each FlavourSpec.te_mlp.
+_FUSED_MLP = {"gelu": FusedGeluMLP, "swiglu": FusedSwiGLUMLP}
+
+
+def convert_block(block: Block, spec: FlavourSpec, tp: TPGroup, device: torch.device) -> None:
     """Swap a block's norms, linears and attention core for TE's modules, in
     place; the block then runs on (T, B, C)."""
-    qkv = _fuse_norm_qkv(block.norm1, block.attn.qkv, tp, device)
+    qkv = _fuse_norm_qkv(block.norm1, spec.te_norm, block.attn.qkv, tp, device)
     proj = _te_row_linear(block.attn.proj, tp, device)
     make_sequence_first(block, qkv, proj, _dot_product_attention(block.attn, tp))
-    fused = FusedGeluMLP if isinstance(block.mlp, GeluMLP) else FusedSwiGLUMLP
-    block.mlp = fused(block.norm2, block.mlp, tp, device)
+    block.mlp = _FUSED_MLP[spec.te_mlp](block.norm2, spec.te_norm, block.mlp, tp, device)
     # The norms now live inside the fused modules.
     block.norm1, block.norm2 = nn.Identity(), nn.Identity()
 
@@ -305,11 +296,12 @@ def convert(model: GPT, device: torch.device) -> GPT:
     (the parameter names change as `te_key` says); its blocks then run on (T, B, C)."""
     require()
     marked = sequence_parallel_names(model, model.cfg.flavour.value)
+    spec = spec_of_model(model.cfg)
     for block in model.layers.values():
-        convert_block(block, model.tp, device)
+        convert_block(block, spec, model.tp, device)
     model.sequence_first = True
     if model.last:
-        model.norm = _te_norm(model.norm, device)
+        model.norm = _te_norm(model.norm, spec.te_norm, device)
     set_sequence_parallel_marks(model, marked)
     return model
 

@@ -5,18 +5,19 @@
 tokens = global_batch_size * seq_len per optimizer step; N the parameters
 that take part in matrix multiplies, counted as Megatron and nanoGPT do: every
 block's attention (fused QKV, with grouped kv heads, and the output
-projection) and MLP weights (2 matrices for GPT-2, 3 for Llama's SwiGLU),
-plus the output head over the padded vocabulary (with tied embeddings that is
-the embedding matrix, counted once); embeddings looked up, norms and biases
-are left out. 6 = 2 FLOPs per multiply-add, forward plus twice that
-backward. The attention term is the score and value products, 2 * 2 * T * C
-per token per layer forward, times 3 with backward (no causal halving, as
-Megatron's and nanoGPT's formulas). Recomputed activations are not counted:
-these are model FLOPs, so MFU does not rise by recomputing.
+projection) and MLP weights (the flavour's `mlp_matrices`), plus the output
+head over the padded vocabulary (with tied embeddings that is the embedding
+matrix, counted once); embeddings looked up, norms and biases are left out.
+6 = 2 FLOPs per multiply-add, forward plus twice that backward. The attention
+term is the score and value products, 2 * 2 * T * C per token per layer
+forward, times 3 with backward (no causal halving, as Megatron's and
+nanoGPT's formulas). Recomputed activations are not counted: these are model
+FLOPs, so MFU does not rise by recomputing.
 """
 from __future__ import annotations
 
-from megaresil.config import Flavour, ModelConfig, RecipeConfig
+from megaresil.config import ModelConfig, RecipeConfig
+from megaresil.model.flavours import spec_of_model
 from megaresil.model.gpt import padded_vocab_size
 from megaresil.model.layers import ffn_size
 
@@ -26,7 +27,7 @@ def matmul_parameters(cfg: ModelConfig, tp: int = 1) -> int:
     c, heads = cfg.hidden_size, cfg.num_heads
     head_dim, kv_heads = c // heads, cfg.num_kv_heads or heads
     attention = c * (heads + 2 * kv_heads) * head_dim + c * c
-    mlp = (3 if cfg.flavour == Flavour.llama else 2) * c * ffn_size(cfg)
+    mlp = spec_of_model(cfg).mlp_matrices * c * ffn_size(cfg)
     return cfg.num_layers * (attention + mlp) + c * padded_vocab_size(cfg, tp)
 
 
