@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from megaresil.config import Flavour, ModelConfig, Recompute, RopeScalingType
 from megaresil.parallel.random import LayoutDropout
 from megaresil.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup,
-                                                enter_tp_region, mark_sequence_parallel)
+                                                enter_tp_region, mark_replicated)
 
 
 def ffn_size(cfg: ModelConfig) -> int:
@@ -34,7 +34,7 @@ def make_norm(cfg: ModelConfig, tp: TPGroup) -> nn.Module:
         norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
     else:
         norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    mark_sequence_parallel(norm.parameters(), tp)
+    mark_replicated(norm.parameters(), tp)
     return norm
 
 

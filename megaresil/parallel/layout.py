@@ -85,20 +85,21 @@ class ParallelLayout:
     def rank(self) -> int:
         return dist.get_rank() if self.mesh is not None else 0
 
-    def _coordinate(self, dim: str) -> int:
-        return self.mesh.get_local_rank(dim) if self.mesh is not None else 0
+    def coordinate(self, axis: str) -> int:
+        """This rank's index along mesh axis `axis`."""
+        return self.mesh.get_local_rank(axis) if self.mesh is not None else 0
 
     @property
     def tp_rank(self) -> int:
-        return self._coordinate("tp")
+        return self.coordinate("tp")
 
     @property
     def pp_rank(self) -> int:
-        return self._coordinate("pp")
+        return self.coordinate("pp")
 
     @property
     def dp_rank(self) -> int:
-        return self._coordinate("dp")
+        return self.coordinate("dp")
 
     def group(self, dim: str) -> Optional[dist.ProcessGroup]:
         """Process group of one mesh dimension; None when there is no mesh."""
