@@ -22,6 +22,7 @@ from megaresil.checkpoint.sharded import Rect
 from megaresil.config import ModelConfig
 from megaresil.model.init import global_shape, vocab_rows
 from megaresil.parallel.distributed_optimizer import RowShard
+from megaresil.parallel.sharding import spec_of
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 WEIGHTS = "model/"  # the prefix of weight keys; moments are under "optim/<moment>/"
@@ -32,30 +33,33 @@ def param_rect(key: str, param: torch.Tensor, data: torch.Tensor,
     """(global shape, offset, view of `data`) for a parameter-shaped tensor
     `data` of `param`; None when this rank's block is all vocabulary padding."""
     shape = tuple(global_shape(key, param, cfg))
-    offset = [0] * param.ndim
-    dim = getattr(param, "tp_dim", None)
-    if dim is not None:
-        offset[dim] = param.tp_rank * param.shape[dim]
+    offset = spec_of(param).offset(param.shape)
     if vocab_rows(key, cfg):  # padding rows are not state: cut them
         rows = min(param.shape[0], shape[0] - offset[0])
         if rows <= 0:
             return None
         data = data[:rows]
-    return shape, tuple(offset), data
+    return shape, offset, data
 
 
 def skip(param: nn.Parameter, include_copies: bool) -> bool:
     """The last stage's copy of a tied embedding is not separate state: it is
     never saved, but it is loaded (from the same key) to stay in sync."""
-    return getattr(param, "pipeline_copy", False) and not include_copies
+    return spec_of(param).pipeline_copy and not include_copies
 
 
-def model_rects(named_params: Iterable[tuple[str, nn.Parameter]], cfg: ModelConfig) -> list[Rect]:
+# Under bf16 with ZeRO-1 (train/precision.shard_main_params), the row shard
+# whose fp32 main rows are a parameter's weights on this rank; None elsewhere.
+MainRowsOf = Callable[[nn.Parameter], Optional[RowShard]]
+
+
+def model_rects(named_params: Iterable[tuple[str, nn.Parameter]], cfg: ModelConfig,
+                main_rows: Optional[MainRowsOf] = None) -> list[Rect]:
+    """The weights as rects: each parameter's own, or the fp32 main rows of
+    its distributed-optimizer shard where `main_rows` names one."""
     rects = []
     for key, param in named_params:
-        # bf16 under ZeRO-1 (train/precision.shard_main_params): the weights
-        # this rank holds are the fp32 main rows of its distributed-optimizer shard.
-        main = getattr(param, "main_shard", None)
+        main = main_rows(param) if main_rows is not None else None
         found = (param_rect(key, param, param.data, cfg) if main is None
                  else _moment_block(key, main, main.view, cfg))
         if found is not None:
@@ -100,12 +104,14 @@ def _moment_block(key: str, shard: RowShard, moment: torch.Tensor, cfg: ModelCon
 
 
 def state_rects(named_params: Iterable[tuple[str, nn.Parameter]], cfg: ModelConfig,
-                moments_of: Optional[MomentsOf], include_copies: bool) -> list[Rect]:
-    """Every tensor of one rank's training state: the weights, then the AdamW
-    moments (none when `moments_of` is None). The live trainer and the offline
-    converter (which plans ranks that do not run) both describe a rank here."""
+                moments_of: Optional[MomentsOf], include_copies: bool,
+                main_rows: Optional[MainRowsOf] = None) -> list[Rect]:
+    """Every tensor of one rank's training state: the weights (`main_rows`:
+    see `model_rects`), then the AdamW moments (none when `moments_of` is
+    None). The live trainer and the offline converter (which plans ranks that
+    do not run) both describe a rank here."""
     params = [(key, p) for key, p in named_params if not skip(p, include_copies)]
-    rects = model_rects(params, cfg)
+    rects = model_rects(params, cfg, main_rows)
     if moments_of is None:
         return rects
     for key, param in params:

@@ -19,7 +19,7 @@ from typing import Iterable, Mapping, Optional, Protocol
 import torch
 import torch.nn as nn
 
-from megaresil.checkpoint.keys import MomentsOf, state_rects
+from megaresil.checkpoint.keys import MainRowsOf, MomentsOf, state_rects
 from megaresil.checkpoint.sharded import Rect
 from megaresil.config import ModelConfig
 from megaresil.parallel.layout import ParallelLayout
@@ -92,6 +92,10 @@ class OptimizerState(Protocol):
         and the DP row shard they cover; creates zero state where the
         optimizer has not stepped yet, so a checkpoint can be loaded into it."""
 
+    def main_rows(self) -> MainRowsOf:
+        """Per parameter, the row shard whose fp32 main rows are its weights
+        on this rank (bf16 under ZeRO-1), else None."""
+
     def step_count(self) -> int:
         """Steps the optimizer has taken."""
 
@@ -106,9 +110,9 @@ class TrainingState(Protocol):
     optimizer: OptimizerState
 
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
-        """(layout-free key, parameter) over this rank's model chunks; TP
-        shards carry their marks (tp_dim, tp_rank), a tied embedding's copy
-        on the last stage `pipeline_copy`."""
+        """(layout-free key, parameter) over this rank's model chunks, each
+        with its `ShardSpec` (parallel/sharding.py): where its block lies, and
+        whether it is the last stage's copy of a tied embedding."""
 
     def layout_record(self) -> dict:
         """This rank's layout as the manifest records it (`layout_record`)."""
@@ -132,10 +136,11 @@ def training_rects(state: TrainingState, *, include_copies: bool = False) -> lis
     """Every tensor of a trainer's state on this rank; `include_copies` adds
     the tied-embedding copy (a load target, never saved)."""
     return state_rects(state.named_parameters(), state.model_config, state.optimizer.moments(),
-                       include_copies)
+                       include_copies, state.optimizer.main_rows())
 
 
 def weight_rects(state: TrainingState) -> list[Rect]:
     """The weights of a trainer on this rank, tied-embedding copy included:
     what a run that starts from another model's weights loads."""
-    return state_rects(state.named_parameters(), state.model_config, None, include_copies=True)
+    return state_rects(state.named_parameters(), state.model_config, None, include_copies=True,
+                       main_rows=state.optimizer.main_rows())

@@ -171,9 +171,14 @@ class ParallelConfig:
                                      "1f1b, or interleaved_1f1b when vpp > 1.")
 
     @property
+    def model_parallel_size(self) -> int:
+        """The ranks one model replica spans: the product of every axis but dp."""
+        return self.tp * self.pp
+
+    @property
     def world_size(self) -> int:
         """The ranks the layout needs: tp * pp * dp."""
-        return self.tp * self.pp * self.dp
+        return self.model_parallel_size * self.dp
 
 
 @dataclass

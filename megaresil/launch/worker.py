@@ -58,10 +58,11 @@ def adapt_to_world(cfg: RecipeConfig, world: int) -> RecipeConfig:
     """Elastic membership: keep tp and pp, derive dp from the world size that
     actually formed; refuse clearly when that is impossible."""
     p = cfg.parallel
-    if world == p.world_size or world % (p.tp * p.pp):
+    if world == p.world_size or world % p.model_parallel_size:
         validate_world_size(cfg, world)
         return cfg
-    resized = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=world // (p.tp * p.pp)))
+    resized = dataclasses.replace(cfg, parallel=dataclasses.replace(
+        p, dp=world // p.model_parallel_size))
     try:
         validate(resized)
     except ConfigError as err:

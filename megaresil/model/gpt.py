@@ -17,13 +17,14 @@ from megaresil.model.activations import CheckpointStore, recompute_segments
 from megaresil.model.flavours import spec_of_model
 from megaresil.model.init import global_shape
 from megaresil.model.layers import Block, make_norm, sequence_dropout
+from megaresil.parallel.sharding import EMBEDDING_TIE, with_spec
 from megaresil.parallel.tensor_parallel import (
     ColumnParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
     enter_tp_region,
     gather_vocab,
-    mark_sequence_parallel,
+    mark_replicated,
     seq_shard,
     swap_batch_and_sequence,
     vocab_parallel_cross_entropy,
@@ -61,7 +62,7 @@ class Embedding(nn.Module):
         self.positions = (nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
                           if spec_of_model(cfg).learned_positions and positions else None)
         if self.positions is not None:
-            mark_sequence_parallel(self.positions.parameters(), tp)
+            mark_replicated(self.positions.parameters(), tp)
         self.dropout = sequence_dropout(cfg.dropout, "embed", seed, tp)
 
     def forward(self, tokens: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
@@ -90,8 +91,7 @@ class GPT(nn.Module):
         if first or (last and self.tied):
             self.embed = Embedding(cfg, tp, self.padded_vocab, seed, positions=first)
         if self.tied and first != last:
-            self.embed.tokens.weight.tied_across_pipeline = True
-            self.embed.tokens.weight.pipeline_copy = not first
+            with_spec(self.embed.tokens.weight, tie=EMBEDDING_TIE, pipeline_copy=not first)
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.layers = nn.ModuleDict({str(i): Block(cfg, tp, index=i, seed=seed) for i in layer_ids})
         self.segments = recompute_segments(cfg, layer_ids)

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from megaresil.config import ModelConfig
+from megaresil.parallel.sharding import carry_spec, spec_of
 
 # Output projections of each residual branch get the GPT-2 scaled init.
 RESIDUAL_OUTPUTS = ("attn.proj.weight", "mlp.proj.weight", "mlp.down.weight")
@@ -52,27 +53,33 @@ def vocab_rows(key: str, cfg: ModelConfig) -> bool:
 
 def global_shape(key: str, param: torch.Tensor, cfg: ModelConfig) -> torch.Size:
     """The layout-free shape: unsharded, and with the real (unpadded) vocabulary."""
-    shape = list(param.shape)
-    dim = getattr(param, "tp_dim", None)
-    if dim is not None:
-        shape[dim] *= param.tp_size
+    shape = list(spec_of(param).global_shape(param.shape))
     if vocab_rows(key, cfg):
         shape[0] = cfg.vocab_size
     return torch.Size(shape)
 
 
 def unit_dim(param: torch.Tensor) -> int:
-    """The dim whose indices are drawn block by block: the one TP cuts."""
-    dim = getattr(param, "tp_dim", None)
-    return 0 if dim is None else dim
+    """The dim whose indices are drawn block by block: the first one cut."""
+    return spec_of(param).unit_dim
 
 
 def local_units(param: torch.Tensor) -> range:
     """The global indices along `unit_dim` this rank's slice covers (past the
     real vocabulary for padded vocab rows)."""
-    count = param.shape[unit_dim(param)]
-    start = getattr(param, "tp_rank", 0) * count
-    return range(start, start + count)
+    dim = unit_dim(param)
+    start = spec_of(param).offset(param.shape)[dim]
+    return range(start, start + param.shape[dim])
+
+
+def _local_block(values: torch.Tensor, dim: int, param: torch.Tensor) -> torch.Tensor:
+    """A unit-major block of the global tensor, cut to this rank's slice along
+    every dim but the unit dim (whole along dims nothing cuts)."""
+    offset = spec_of(param).offset(param.shape)
+    others = [d for d in range(param.ndim) if d != dim]
+    for axis, d in enumerate(others, start=1):
+        values = values.narrow(axis, offset[d], param.shape[d])
+    return values
 
 
 @torch.no_grad()
@@ -94,6 +101,7 @@ def draw_normal(param: torch.Tensor, key: str, cfg: ModelConfig, seed: int) -> N
         lo, hi = block * UNITS_PER_DRAW, min((block + 1) * UNITS_PER_DRAW, units)
         generator.manual_seed(block_seed(seed, key, block))
         values = torch.empty(hi - lo, *unit_shape).normal_(generator=generator).mul_(std)
+        values = _local_block(values, dim, param)
         first, last = max(lo, mine.start), min(hi, stop)
         target[first - mine.start:last - mine.start].copy_(values[first - lo:last - lo])
 
@@ -120,7 +128,7 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
     this rank's slices only, and initialise them there (with `draw`; without,
     they stay uninitialised, for a load to fill).
 
-    Parameters are replaced by new ones that keep their marks (tp_dim, ...);
+    Parameters are replaced by new ones that keep their `ShardSpec`;
     buffers are built for real even under a meta build (they are small and
     computed, not drawn), so they only move."""
     for key, param in list(model.named_parameters()):
@@ -128,7 +136,7 @@ def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.dev
         owner = model.get_submodule(owner_name)
         real = nn.Parameter(torch.empty_like(param, device=device),
                             requires_grad=param.requires_grad)
-        real.__dict__.update(vars(param))
+        carry_spec(param, real)
         setattr(owner, name, real)
         if draw:
             initialize_parameter(real, key, cfg, seed)

@@ -23,7 +23,7 @@ from megaresil.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TPGroup,
-    mark_sequence_parallel,
+    mark_replicated,
 )
 
 
@@ -33,7 +33,7 @@ def ffn_size(cfg: ModelConfig) -> int:
 
 def make_norm(cfg: ModelConfig, tp: TPGroup) -> nn.Module:
     norm = spec_of_model(cfg).make_norm(cfg)
-    mark_sequence_parallel(norm.parameters(), tp)
+    mark_replicated(norm.parameters(), tp)
     return norm
 
 

@@ -14,6 +14,7 @@ RuntimeError, not ImportError, hence the broad except. See docs/gpu.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Optional
 
 import torch
@@ -26,6 +27,7 @@ from megaresil.model.flavours.base import FlavourSpec
 from megaresil.model.gpt import GPT
 from megaresil.model.layers import Attention, Block, split_heads
 from megaresil.parallel.random import LayoutDropout
+from megaresil.parallel.sharding import ShardSpec, carry_spec, has_spec, set_spec, spec_of
 from megaresil.parallel.tensor_parallel import TPGroup, swap_batch_and_sequence
 
 _IMPORT_ERROR: Optional[str] = None
@@ -59,10 +61,10 @@ def device_context(device: torch.device):
 
 
 def _carry(old: nn.Parameter, new: nn.Parameter) -> None:
-    """Same values and the marks the parallel code and checkpoints read."""
+    """Same values and the `ShardSpec` the parallel code and checkpoints read."""
     with torch.no_grad():
         new.copy_(old)
-    new.__dict__.update({k: v for k, v in vars(old).items() if not k.startswith("_")})
+    carry_spec(old, new)
 
 
 # --- names: TE's fused modules <-> the local backend's keys ------------------------
@@ -281,14 +283,15 @@ def sequence_parallel_names(model: nn.Module, flavour: str) -> set[str]:
     replicated ones (norms, row-parallel biases, positions) that see only this
     rank's sequence shard, whose grads the grad sync sums over the TP group."""
     return {te_key(name, flavour) for name, param in model.named_parameters()
-            if getattr(param, "sequence_parallel", False)}
+            if "tp" in spec_of(param).grad_sum_axes}
 
 
 def set_sequence_parallel_marks(model: nn.Module, names: set[str]) -> None:
-    """TE marks some parameters itself (its norms', from its own flag); the
-    local model's marks decide, so the grad sync sums what it sums locally."""
+    """The local model's marks decide, so the grad sync sums what it sums
+    locally (a TE parameter made without a local one is replicated)."""
     for name, param in model.named_parameters():
-        param.sequence_parallel = name in names
+        spec = spec_of(param) if has_spec(param) else ShardSpec()
+        set_spec(param, dataclasses.replace(spec, grad_sum_axes=("tp",) if name in names else ()))
 
 
 def convert(model: GPT, device: torch.device) -> GPT:

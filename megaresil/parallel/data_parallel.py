@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megaresil.compat import release_failed_backward
+from megaresil.parallel.sharding import spec_of
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -193,7 +194,7 @@ def all_reduce_sequence_parallel_grads(entries: list[tuple[nn.Parameter, torch.T
                                        tp_group: Optional[dist.ProcessGroup]) -> None:
     """Sum grads of replicated params that saw only a sequence shard (SP).
     `entries` pairs each param with the grad this rank holds of it."""
-    grads = [g for p, g in entries if getattr(p, "sequence_parallel", False)]
+    grads = [g for p, g in entries if "tp" in spec_of(p).grad_sum_axes]
     if tp_group is None or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -95,6 +95,7 @@ class DistributedOptimizer:
                  group: dist.ProcessGroup, dp: int, dp_rank: int,
                  bucket_bytes: int = 25 * 2**20, separate_main: bool = False):
         self.group, self.dp, self.dp_rank = group, dp, dp_rank
+        self.separate_main = separate_main
         self.shards: list[RowShard] = []
         inner_groups = []
         for param_group in param_groups:

@@ -2,8 +2,10 @@
 
 The layout is an explicit object handed to whatever needs a process group; no
 module keeps one in a global, so a restart can drop a layout and build another.
-Mesh order is (pp, dp, tp): tp is innermost so TP peers get adjacent ranks (on
-a GPU node they share NVLink), as in Megatron.
+The arithmetic of ranks and coordinates is its `MeshShape`'s (parallel/mesh.py:
+axes (pp, dp, tp), tp innermost); a planned layout (`ParallelLayout.planned`)
+has coordinates and no process group, for tools that describe ranks that do
+not run.
 """
 # mypy: ignore-errors
 from __future__ import annotations
@@ -17,9 +19,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megaresil.config import ParallelConfig
+from megaresil.parallel.mesh import MeshShape
 from megaresil.parallel.tensor_parallel import TPGroup
 
-MESH_DIMS = ("pp", "dp", "tp")
+# The axes that split the data: a rank's data shard is its index over them.
+DATA_AXES = ("dp",)
+# Groups over several axes, created by every rank in this order at start.
+GROUPS_NEEDED: tuple[tuple[str, ...], ...] = ()
 
 
 def pick_device() -> torch.device:
@@ -65,74 +71,111 @@ class ParallelLayout:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mesh: Optional[DeviceMesh] = None
     embedding_group: Optional[dist.ProcessGroup] = None
+    planned_rank: int = 0  # the rank of a layout without a mesh
+    groups_over: dict[tuple[str, ...], Optional[dist.ProcessGroup]] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, device: torch.device) -> "ParallelLayout":
         """Build the mesh over the already-initialised default process group."""
         layout = cls(cfg.tp, cfg.pp, cfg.dp, cfg.vpp, cfg.sequence_parallel, device)
         if dist.is_initialized():
-            layout.mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp),
-                                           mesh_dim_names=MESH_DIMS)
+            layout.mesh = init_device_mesh(device.type, layout.shape.sizes,
+                                           mesh_dim_names=layout.shape.names)
             layout.embedding_group = layout._new_embedding_group()
+            layout.groups_over = {axes: layout._new_group_over(axes) for axes in GROUPS_NEEDED}
         elif layout.world_size != 1:
             raise RuntimeError("a multi-rank layout needs torch.distributed to be initialised")
         return layout
 
+    @classmethod
+    def planned(cls, cfg: ParallelConfig, rank: int) -> "ParallelLayout":
+        """Rank `rank` of `cfg`'s layout, without processes: coordinates and
+        shapes only, `group()` is None."""
+        return cls(cfg.tp, cfg.pp, cfg.dp, cfg.vpp, cfg.sequence_parallel, planned_rank=rank)
+
+    @property
+    def shape(self) -> MeshShape:
+        return MeshShape.of(self)
+
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.shape.size()
+
+    def size(self, *axes: str) -> int:
+        return self.shape.size(*axes)
 
     @property
     def rank(self) -> int:
-        return dist.get_rank() if self.mesh is not None else 0
+        return dist.get_rank() if self.mesh is not None else self.planned_rank
 
-    def _coordinate(self, dim: str) -> int:
-        return self.mesh.get_local_rank(dim) if self.mesh is not None else 0
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.shape.coords_of(self.rank)
+
+    def coordinate(self, axis: str) -> int:
+        """This rank's index along mesh axis `axis`."""
+        return self.coords[axis]
 
     @property
     def tp_rank(self) -> int:
-        return self._coordinate("tp")
+        return self.coordinate("tp")
 
     @property
     def pp_rank(self) -> int:
-        return self._coordinate("pp")
+        return self.coordinate("pp")
 
     @property
     def dp_rank(self) -> int:
-        return self._coordinate("dp")
+        return self.coordinate("dp")
 
-    def group(self, dim: str) -> Optional[dist.ProcessGroup]:
-        """Process group of one mesh dimension; None when there is no mesh."""
-        return self.mesh.get_group(dim) if self.mesh is not None else None
+    @property
+    def data_rank(self) -> int:
+        """This rank's data shard: its index over DATA_AXES."""
+        return self.shape.group_of(DATA_AXES, self.coords).index(self.rank)
 
-    def _new_embedding_group(self) -> Optional[dist.ProcessGroup]:
-        """Group of the first and last pipeline stage at this rank's (dp, tp)
-        coordinates: they hold the two copies of a tied embedding. Every rank
-        takes part in creating every group, as new_group requires."""
-        if self.pp == 1:
-            return None
-        grid = self.mesh.mesh
-        mine = None
-        for d in range(self.dp):
-            for t in range(self.tp):
-                ranks = [int(grid[0, d, t]), int(grid[-1, d, t])]
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
-                    mine = group
-        return mine
+    @property
+    def data_size(self) -> int:
+        return self.size(*DATA_AXES)
 
-    def stage_group(self) -> Optional[dist.ProcessGroup]:
-        """Group of every TP and DP rank of this rank's pipeline stage (FP8's
-        amax reduction). Every rank takes part in creating every stage's."""
+    def group(self, *axes: str) -> Optional[dist.ProcessGroup]:
+        """Process group over mesh axes `axes` (one, or a GROUPS_NEEDED
+        combination); None when there is no mesh."""
         if self.mesh is None:
             return None
+        return self.mesh.get_group(axes[0]) if len(axes) == 1 else self.groups_over[axes]
+
+    def replica_groups(self, axes: tuple[str, ...] = ("dp",)) -> list[list[int]]:
+        """Every group of ranks that hold replicas of one another over `axes`
+        (rank lists, in mesh order)."""
+        return self.shape.groups(axes)
+
+    def _new_group_over(self, axes: tuple[str, ...]) -> Optional[dist.ProcessGroup]:
+        return self._own_group(self.shape.groups(axes))
+
+    def _own_group(self, groups: list[list[int]]) -> Optional[dist.ProcessGroup]:
+        """Create a process group for each rank list, in order (every rank
+        takes part in creating every group, as new_group requires); this
+        rank's, if it is in one."""
         mine = None
-        for stage in self.mesh.mesh:
-            ranks = [int(r) for r in stage.flatten()]
+        for ranks in groups:
             group = dist.new_group(ranks)
             if self.rank in ranks:
                 mine = group
         return mine
+
+    def _new_embedding_group(self) -> Optional[dist.ProcessGroup]:
+        """Group of the first and last pipeline stage at this rank's (dp, tp)
+        coordinates: they hold the two copies of a tied embedding."""
+        if self.pp == 1:
+            return None
+        return self._own_group([[line[0], line[-1]] for line in self.shape.groups(("pp",))])
+
+    def stage_group(self) -> Optional[dist.ProcessGroup]:
+        """Group of every TP and DP rank of this rank's pipeline stage (FP8's
+        amax reduction)."""
+        if self.mesh is None:
+            return None
+        return self._own_group(self.shape.groups(("dp", "tp")))
 
     def tensor_parallel(self) -> TPGroup:
         return TPGroup(self.group("tp"), self.tp, self.tp_rank, self.sequence_parallel)

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from megaresil.config import PipelineSchedule
 from megaresil.parallel.layout import ParallelLayout
+from megaresil.parallel.sharding import EMBEDDING_TIE, spec_of
 
 
 def schedule_class(schedule: PipelineSchedule) -> type:
@@ -176,5 +177,5 @@ def sync_tied_embedding_grads(entries: list[tuple[nn.Parameter, torch.Tensor]],
     pairs each param with the grad this rank holds of it (the same rows on
     both stages)."""
     for param, grad in entries:
-        if getattr(param, "tied_across_pipeline", False) and group is not None:
+        if spec_of(param).tie == EMBEDDING_TIE and group is not None:
             dist.all_reduce(grad, group=group)

@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megaresil.parallel.sharding import AxisShard, ShardSpec, set_spec
+
 SEQ_DIM = 1
 
 
@@ -164,18 +166,16 @@ def gather_vocab(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 def mark_sharded(param: nn.Parameter, dim: int, tp: TPGroup) -> nn.Parameter:
     """Record which dim this rank's slice was cut from (init and checkpoint use it)."""
-    param.tp_dim = dim
-    param.tp_size = tp.size
-    param.tp_rank = tp.rank
+    set_spec(param, ShardSpec(shards=(AxisShard(dim, "tp", tp.size, tp.rank),)))
     return param
 
 
-def mark_sequence_parallel(params: Iterable[nn.Parameter], tp: TPGroup) -> None:
-    """Replicated params that see only this rank's sequence shard under SP:
-    their grads must be summed over the TP group (the grad sync does it)."""
-    if tp.sequence_parallel:
-        for param in params:
-            param.sequence_parallel = True
+def mark_replicated(params: Iterable[nn.Parameter], tp: TPGroup) -> None:
+    """Params every TP rank holds whole. Under SP they see only this rank's
+    sequence shard: their grads must be summed over the TP group (the grad
+    sync does it)."""
+    for param in params:
+        set_spec(param, ShardSpec(grad_sum_axes=("tp",) if tp.sequence_parallel else ()))
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -212,7 +212,7 @@ class RowParallelLinear(nn.Module):
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, local)), 1, tp)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         if self.bias is not None:
-            mark_sequence_parallel([self.bias], tp)
+            mark_replicated([self.bias], tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = leave_tp_region(F.linear(x, self.weight), self.tp)

@@ -22,6 +22,7 @@ from megaresil.config import LoggingConfig
 from megaresil.events import EventLog
 from megaresil.observe.memory import peak_memory_mb
 from megaresil.observe.sections import SectionTime
+from megaresil.parallel.mesh import MeshShape
 from megaresil.safe_files import open_nofollow
 
 MIN_EXCESS_S = 0.005  # per step: below this a section's difference is noise, not a straggler
@@ -60,10 +61,12 @@ def this_device() -> torch.device:
 
 
 def peers(rank: int, world: int, pp: int) -> list[int]:
-    """The ranks of `rank`'s pipeline stage (mesh order pp, dp, tp), itself
-    included; just [rank] when it is alone in its stage."""
-    per_stage = world // pp if pp and world % pp == 0 else world
-    return [r for r in range(world) if r // per_stage == rank // per_stage]
+    """The ranks of `rank`'s pipeline stage (pp is the outermost mesh axis),
+    itself included; just [rank] when it is alone in its stage. A table
+    that does not split into `pp` stages is one stage."""
+    stages = pp if pp and world % pp == 0 else 1
+    shape = MeshShape((("pp", stages), ("stage", world // stages)))
+    return shape.group_of(("stage",), shape.coords_of(rank))
 
 
 def judge(table: list[dict], pp: int, threshold: float) -> dict:

@@ -43,7 +43,7 @@ from megaresil.errors import MegaresilError
 from megaresil.parallel.layout import ParallelLayout, use_device
 from megaresil.resilience.numerics import odd_ones_out
 from megaresil.train.optim import shards_over_dp
-from megaresil.train.replicas import Agreement, quick_checksum, replica_groups
+from megaresil.train.replicas import Agreement, quick_checksum
 
 
 class LiveStateDamaged(MegaresilError, RuntimeError):
@@ -257,7 +257,7 @@ def plan_live_start(cfg: RecipeConfig, carried: Optional[Carried],
     held: list[Optional[Held]] = [None] * layout.world_size
     dist.all_gather_object(held, Held.of(carried) if carried else None)
     replicated = not shards_over_dp(cfg.optimizer, layout)
-    plan = live_plan(held, replica_groups(layout), replicated,
+    plan = live_plan(held, layout.replica_groups(), replicated,
                      why_unreplicated="optimizer.distributed keeps each rank's optimizer shard "
                      "in its own memory only", prove=cfg.resilience.numerics.check_interval > 0)
     plan.bytes_moved = sum(held[h].nbytes for o, h in plan.sources.items() if o != h)

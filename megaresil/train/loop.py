@@ -160,7 +160,7 @@ class Trainer:
         """This DP rank's micro-batches: (inputs, targets, global sample indices)."""
         t = self.cfg.train
         indices = micro_batches(consumed, t.global_batch_size, t.micro_batch_size,
-                                self.layout.dp_rank, self.layout.dp)
+                                self.layout.data_rank, self.layout.data_size)
         device = self.layout.device
         return [(*(x.to(device) for x in collate(dataset, idx)), torch.tensor(idx))
                 for idx in indices]

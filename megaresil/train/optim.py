@@ -10,11 +10,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megaresil.checkpoint.keys import HeldMoments, MomentsOf
+from megaresil.checkpoint.keys import HeldMoments, MainRowsOf, MomentsOf
 from megaresil.compat import foreach_mul_, foreach_norm
 from megaresil.config import OptimizerConfig
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
+from megaresil.parallel.sharding import spec_of
+
+# The mesh axes that cut the model (the pipeline's cut is the tie's
+# `pipeline_copy`): a parameter replicated over one counts at its coordinate 0.
+MODEL_AXES = ("tp",)
 
 
 def fused_adam_class() -> type | None:
@@ -95,6 +100,7 @@ class AdamState:
 
     def __init__(self, optimizer):
         self.sharded = isinstance(optimizer, DistributedOptimizer)
+        self.separate_main = self.sharded and optimizer.separate_main
         self.inner: torch.optim.Optimizer = optimizer.inner if self.sharded else optimizer
         self.shards = {id(s.param): s for s in optimizer.shards} if self.sharded else {}
         self.step_in_groups = keeps_step_in_groups(self.inner)
@@ -111,6 +117,13 @@ class AdamState:
             return None if shard.stop <= shard.start else (state[shard.view], shard)
 
         return row_shard
+
+    def main_rows(self) -> MainRowsOf:
+        """Under bf16 with ZeRO-1 the shards' fp32 rows are the weights this
+        rank holds (train/precision.shard_main_params)."""
+        if not (self.sharded and self.separate_main):
+            return lambda param: None
+        return lambda param: self.shards.get(id(param))
 
     def _ensure_state(self) -> None:
         """Zero state for every parameter that has none yet (both
@@ -187,9 +200,7 @@ def counted_here(param: nn.Parameter, layout: ParallelLayout) -> bool:
     """Count every gradient element of the model once in the global norm:
     TP-replicated params only on TP rank 0, a tied embedding only on the first
     pipeline stage (not its copy on the last)."""
-    if getattr(param, "pipeline_copy", False):
-        return False
-    return getattr(param, "tp_dim", None) is not None or layout.tp_rank == 0
+    return spec_of(param).counted_on(layout.coordinate, MODEL_AXES)
 
 
 def local_grad_norm_squared(entries: list[tuple[nn.Parameter, torch.Tensor]],

@@ -24,9 +24,7 @@ import torch.nn as nn
 
 from megaresil.config import ConfigError, Precision
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
-
-# Attributes the parallel code reads off a parameter (tp_dim, sequence_parallel,
-# tied_across_pipeline, ...) live in its __dict__: a main copy carries them all.
+from megaresil.parallel.sharding import carry_spec
 
 
 def resolve(precision: Precision, device: torch.device) -> Precision:
@@ -101,9 +99,9 @@ def logits_dtype(precision: Precision) -> torch.dtype:
 
 
 def main_copy(param: nn.Parameter) -> nn.Parameter:
-    """An fp32 Parameter with `param`'s values and marks."""
+    """An fp32 Parameter with `param`'s values and `ShardSpec`."""
     main = nn.Parameter(param.detach().to(torch.float32, copy=True))
-    main.__dict__.update({k: v for k, v in vars(param).items() if not k.startswith("_")})
+    carry_spec(param, main)
     return main
 
 
@@ -136,11 +134,9 @@ def optimizer_params(params: list[nn.Parameter], main: MainParams | None) -> lis
 
 def shard_main_params(optimizer: DistributedOptimizer) -> None:
     """bf16 under ZeRO-1: `optimizer` was built with separate_main, so its row
-    shards hold fp32 copies of this rank's rows; cast the model to bf16 and
-    mark each parameter with its shard (`main_shard`): the checkpoint saves
-    the fp32 rows under the parameter's key, and a load fills them (then
-    `optimizer.gather_params` makes the bf16 model)."""
-    for shard in optimizer.shards:
-        shard.param.main_shard = shard
+    shards hold fp32 copies of this rank's rows; cast the model to bf16. The
+    checkpoint saves the fp32 rows under the parameter's key, and a load fills
+    them (`AdamState.main_rows`; then `optimizer.gather_params` makes the
+    bf16 model)."""
     cast_to_bf16([shard.param for shard in optimizer.shards])
 

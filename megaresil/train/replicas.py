@@ -74,14 +74,6 @@ def quick_checksum(tensors: Sequence[torch.Tensor], device: torch.device) -> tor
     return total.reshape(1, 1)
 
 
-def replica_groups(layout: ParallelLayout) -> list[list[int]]:
-    """The ranks of every data-parallel group (each a replica set), in dp order."""
-    if layout.mesh is None:
-        return [[0]]
-    grid = layout.mesh.mesh  # (pp, dp, tp)
-    return [[int(r) for r in grid[p, :, t]] for p in range(layout.pp) for t in range(layout.tp)]
-
-
 @dataclass(frozen=True)
 class Agreement:
     """The last replica check this rank's group passed: its step, and the
@@ -143,7 +135,7 @@ class ReplicaCheck:
         self.interval, self.layout, self.state = interval, layout, state
         self.events, self.rollback, self.section = events, rollback, section
         self.donated, self.agreement = donated, agreement
-        self.groups = replica_groups(layout)
+        self.groups = layout.replica_groups()
         self.suspicion: Optional[Suspicion] = None
 
     def due(self, step: int, saving: bool) -> bool:

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from megaresil.config import load_recipe
 from megaresil.ports import free_port
 from megaresil.parallel.layout import ParallelLayout
+from megaresil.parallel.sharding import spec_of
 from megaresil.train.loop import Trainer
 
 from tests.harness.cli import ROOT
@@ -91,13 +92,15 @@ def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
             shard.param.grad = torch.cat(gathered)[: shard.param.shape[0]].reshape(shard.param.shape)
     grads = {}
     for key, param in trainer.named_parameters():
-        if getattr(param, "pipeline_copy", False):
+        spec = spec_of(param)
+        if spec.pipeline_copy:
             continue
         grad = param.grad
-        if getattr(param, "tp_dim", None) is not None and trainer.layout.tp > 1:
-            parts = [torch.empty_like(grad) for _ in range(trainer.layout.tp)]
-            dist.all_gather(parts, grad.contiguous(), group=trainer.layout.group("tp"))
-            grad = torch.cat(parts, dim=param.tp_dim)
+        for shard in spec.shards:
+            if shard.axis == "tp" and trainer.layout.tp > 1:
+                parts = [torch.empty_like(grad) for _ in range(trainer.layout.tp)]
+                dist.all_gather(parts, grad.contiguous(), group=trainer.layout.group("tp"))
+                grad = torch.cat(parts, dim=shard.dim)
         if key in ("embed.tokens.weight", "head.weight"):
             grad = grad[: trainer.cfg.model.vocab_size]
         grads[key] = grad

@@ -9,17 +9,19 @@ import torch.nn as nn
 
 from megaresil.config import ModelConfig
 from megaresil.model.init import global_shape
+from megaresil.parallel.sharding import spec_of
 
 
 def local_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's block of a global tensor, padding the vocabulary with zeros
     up to the padded size first."""
-    dim = getattr(param, "tp_dim", None)
-    size = getattr(param, "tp_size", 1)
-    padded_rows = param.shape[0] * (size if dim == 0 else 1)
+    spec = spec_of(param)
+    padded_rows = spec.global_shape(param.shape)[0]
     if full.shape[0] < padded_rows:
         full = torch.cat([full, full.new_zeros(padded_rows - full.shape[0], *full.shape[1:])])
-    return full if dim is None else full.chunk(size, dim=dim)[param.tp_rank]
+    for dim, (start, size) in enumerate(zip(spec.offset(param.shape), param.shape)):
+        full = full.narrow(dim, start, size)
+    return full
 
 
 @torch.no_grad()

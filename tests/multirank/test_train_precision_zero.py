@@ -17,6 +17,7 @@ from megaresil.model.init import initialize
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.train.loop import Trainer
+from megaresil.train.optim import AdamState
 from megaresil.train.precision import MainParams, shard_main_params
 
 CPU = ParallelLayout(device=torch.device("cpu"))
@@ -36,8 +37,9 @@ def main_bytes(main: MainParams | None, optimizer) -> int:
     optimizer's row shards that are a parameter's main rows."""
     if main is not None:
         return sum(p.numel() * p.element_size() for p in main.main)
+    main_rows = AdamState(optimizer).main_rows()
     return sum(s.view.numel() * s.view.element_size() for s in optimizer.shards
-               if getattr(s.param, "main_shard", None) is s)
+               if main_rows(s.param) is s)
 
 
 @pytest.mark.parametrize("dp", [2, 4])

@@ -6,6 +6,7 @@ import torch
 from megaresil.config import Flavour, ModelConfig
 from megaresil.model import init
 from megaresil.model.gpt import GPT
+from megaresil.parallel.sharding import spec_of
 from megaresil.parallel.tensor_parallel import TPGroup
 from tests.harness.model import local_slice
 
@@ -53,7 +54,7 @@ def test_materialize_matches_initialising_a_built_model_and_keeps_marks():
     built_params = dict(built.named_parameters())
     for key, param in materialized.named_parameters():
         assert not param.is_meta and param.requires_grad
-        assert getattr(param, "tp_dim", None) == getattr(built_params[key], "tp_dim", None), key
+        assert spec_of(param).shards == spec_of(built_params[key]).shards, key
         torch.testing.assert_close(param, built_params[key], rtol=0, atol=0, msg=key)
     for (name, buffer), (_, expected) in zip(materialized.named_buffers(), built.named_buffers()):
         torch.testing.assert_close(buffer, expected, rtol=0, atol=0, msg=name)
@@ -90,7 +91,7 @@ def test_a_model_built_for_a_load_gets_its_storage_and_marks_but_draws_nothing(m
     for key, param in drawn.named_parameters():
         assert not undrawn[key].is_meta and undrawn[key].requires_grad, key
         assert undrawn[key].shape == param.shape and undrawn[key].dtype == param.dtype, key
-        assert getattr(undrawn[key], "tp_dim", None) == getattr(param, "tp_dim", None), key
+        assert spec_of(undrawn[key]).shards == spec_of(param).shards, key
 
 
 @pytest.mark.gpu

@@ -158,7 +158,8 @@ def test_a_carried_state_is_summed_as_the_replica_check_sums_what_it_would_send(
 def test_a_rollback_forgets_what_the_replicas_agreed_on():
     """A replay may reach an agreed step with another state (a rollback that
     skipped batches): the agreement must not vouch for it, nor blame it."""
-    layout = SimpleNamespace(mesh=None, dp=2, rank=0, device=torch.device("cpu"))
+    layout = SimpleNamespace(mesh=None, dp=2, rank=0, device=torch.device("cpu"),
+                             replica_groups=lambda: [[0]])
     rolled = []
     check = ReplicaCheck(1, layout, lambda full: [], None, lambda s, why: rolled.append(s),
                          lambda name, step: contextlib.nullcontext(),

@@ -8,7 +8,6 @@ so a planned rank's rects are exactly what that rank would save.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -23,34 +22,9 @@ from megaresil.parallel.distributed_optimizer import make_shard
 from megaresil.parallel.layout import ParallelLayout
 
 
-@dataclass
-class PlannedRank(ParallelLayout):
-    """One rank of a layout whose coordinates are given instead of read from
-    a device mesh: no process group, nothing runs."""
-    coords: tuple[int, int, int] = (0, 0, 0)  # (pp, dp, tp), the mesh order
-
-    @property
-    def pp_rank(self) -> int:
-        return self.coords[0]
-
-    @property
-    def dp_rank(self) -> int:
-        return self.coords[1]
-
-    @property
-    def tp_rank(self) -> int:
-        return self.coords[2]
-
-    @property
-    def rank(self) -> int:
-        return (self.pp_rank * self.dp + self.dp_rank) * self.tp + self.tp_rank
-
-
-def planned_ranks(cfg: RecipeConfig) -> list[PlannedRank]:
+def planned_ranks(cfg: RecipeConfig) -> list[ParallelLayout]:
     """Every rank of the recipe's layout, in global rank order."""
-    p = cfg.parallel
-    return [PlannedRank(p.tp, p.pp, p.dp, p.vpp, p.sequence_parallel, coords=(pp, dp, tp))
-            for pp in range(p.pp) for dp in range(p.dp) for tp in range(p.tp)]
+    return [ParallelLayout.planned(cfg.parallel, rank) for rank in range(cfg.parallel.world_size)]
 
 
 def distributed_optimizer(cfg: RecipeConfig) -> bool:
@@ -76,7 +50,7 @@ def _planned_moments(cfg: RecipeConfig, dp_rank: int) -> MomentsOf:
     return row_shard
 
 
-def _chunk_params(cfg: RecipeConfig, rank: PlannedRank) -> list[tuple[str, nn.Parameter]]:
+def _chunk_params(cfg: RecipeConfig, rank: ParallelLayout) -> list[tuple[str, nn.Parameter]]:
     with torch.device("meta"):  # shapes and TP marks only, no memory
         chunks = build_chunks(cfg.model, rank, cfg.train.seed)
     return [named for chunk in chunks for named in chunk.named_parameters()]
