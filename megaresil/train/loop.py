@@ -109,6 +109,13 @@ class Trainer:
         fp8 = cfg.train.fp8 != FP8.none
         self.autocast = ComputeContext(self.precision, layout.device, fp8=fp8,
                                        amax_group=layout.stage_group() if fp8 else None)
+        self.optimizer = build_optimizer(self.opt_params, cfg.optimizer, layout,
+                                         separate_main=bf16 and self.main is None)
+        self.sharded_optimizer = isinstance(self.optimizer, DistributedOptimizer)
+        if bf16 and self.sharded_optimizer:
+            shard_main_params(self.optimizer)
+        # After the bf16 cast (under ZeRO-1, shard_main_params's): a stage's
+        # activations take the dtype of its parameters.
         self.pipeline = (Pipeline(self.chunks, layout, resolved_schedule(cfg.parallel),
                                   n_microbatches=microbatches_per_step(cfg),
                                   micro_batch=cfg.train.micro_batch_size,
@@ -118,11 +125,6 @@ class Trainer:
                                   # bf16 grads have already moved to fp32.
                                   scale_grads=False)
                          if layout.pp > 1 else None)
-        self.optimizer = build_optimizer(self.opt_params, cfg.optimizer, layout,
-                                         separate_main=bf16 and self.main is None)
-        self.sharded_optimizer = isinstance(self.optimizer, DistributedOptimizer)
-        if bf16 and self.sharded_optimizer:
-            shard_main_params(self.optimizer)
         self.grads = GradBuffers(self.params, self.opt_params, self.reducer(),
                                  grad_dtype=torch.float32)
         self.state = Progress(skipped=configured_skips(cfg))

@@ -98,3 +98,17 @@ def test_bf16_zero1_resumes_exactly_and_across_layouts_and_precisions(tmp_path):
     weights = [p for _, p in back.named_state_parameters() if p.ndim == 2]
     assert any(not torch.equal(w, w.bfloat16().float()) for w in weights)
     back.close()
+
+
+@pytest.mark.slow
+def test_bf16_zero1_trains_through_a_pipeline(tmp_path):
+    """bf16 under ZeRO-1 casts the model to bf16 after the optimizer is built:
+    a pipeline stage must take its activations' dtype after that cast, or the
+    second stage receives fp32 hidden states into bf16 layers and every step
+    fails. Against the same layout keeping whole fp32 main copies."""
+    pipeline = ["parallel.pp=2", "parallel.dp=2"]
+    run_cases(4, [Case("zero1", BF16 + pipeline + ["optimizer.distributed=true"]),
+                  Case("whole", BF16 + pipeline)], tmp_path)
+    zero1, whole = losses(tmp_path / "zero1"), losses(tmp_path / "whole")
+    assert len(zero1) == len(whole) == 10
+    assert max(abs(a - b) / b for a, b in zip(zero1, whole)) < 2e-3, (zero1, whole)
