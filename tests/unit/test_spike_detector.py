@@ -15,6 +15,7 @@ import torch
 from megaresil.checkpoint.state import RunRecord
 from megaresil.config import load_recipe
 from megaresil.parallel.layout import ParallelLayout
+from megaresil.parallel.sharding import ShardSpec, set_spec
 from megaresil.resilience.numerics import LossWatch, WatchSizes, find_spike
 from megaresil.resilience.incidents import describe
 from megaresil.train.handover import carried_state
@@ -107,7 +108,8 @@ def test_a_healthy_demo_run_raises_no_alarm():
 def state_with(progress: Progress) -> LiveTrainingState:
     cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", ["parallel.pp=1", "parallel.tp=1",
                                                            "parallel.dp=1"])
-    param = torch.nn.Parameter(torch.zeros(4))
+    # A replicated parameter, as the model's final norm makes it.
+    param = set_spec(torch.nn.Parameter(torch.zeros(4)), ShardSpec())
     return LiveTrainingState(cfg, ParallelLayout(device=torch.device("cpu")),
                              [("final_norm.weight", param)], torch.optim.AdamW([param]), progress)
 
