@@ -1,4 +1,5 @@
 """The fixtures every kind of test shares (what they run lives in tests/harness/)."""
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,14 +53,19 @@ def chaos_reference(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_corpus(tmp_path_factory) -> Path:
     """The demo's corpus (Shakespeare, its BPE trained to gpt-tiny's
-    vocabulary) prepared once for the session, as a data.cache_dir: a fresh
-    directory would train the same tokenizer again, ~12 s of each journey
-    whose point is not the first preparation (test_journey_recipes keeps one
-    that is)."""
+    vocabulary) as a data.cache_dir of its own: prepared at most once a
+    session, in the repository's cache, which the `cli` fixture's runs
+    (started from the repository) use too; a fresh directory would train the
+    same tokenizer again, ~12 s of each journey whose point is not the first
+    preparation (test_journey_recipes keeps one that is)."""
     from megaresil.config import load_recipe
     from megaresil.data.prepare import prepare_dataset
 
+    shared = ROOT / ".cache" / "megaresil"  # data.cache_dir's default, from the repository
+    cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [f"data.cache_dir={shared}"])
+    entry = Path(prepare_dataset(cfg.data, cfg.model.vocab_size).train_prefix).parent
     cache = tmp_path_factory.mktemp("demo-corpus") / "megaresil"
-    cfg = load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [f"data.cache_dir={cache}"])
-    prepare_dataset(cfg.data, cfg.model.vocab_size)
+    # The prepared files alone, as a preparation leaves them: not the shuffle
+    # indexes runs add beside them (.megaresil-index), nor other entries.
+    shutil.copytree(entry, cache / entry.name, ignore=shutil.ignore_patterns(".megaresil-index"))
     return cache

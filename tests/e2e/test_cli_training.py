@@ -17,12 +17,14 @@ def losses(run_dir) -> list[float]:
 @pytest.mark.slow
 def test_demo_recipe_learns_shakespeare(cli, tmp_path):
     """The demo as shipped (tp=2 x pp=2 x dp=2 on 8 CPU ranks), shortened:
-    loss falls from about ln(vocab) = 8.3 to well below."""
-    cli("train", "recipes/gpt-tiny.yaml", f"run.dir={tmp_path}", "train.steps=40",
-        "train.eval_interval=20", *QUIET)
+    loss falls from about ln(vocab) = 8.3 to well below. Measured: 6.17 at
+    step 20 and eval 6.20 there; the loss plateaus from step ~17 (6.24 at
+    step 40), so more steps would only cost time."""
+    cli("train", "recipes/gpt-tiny.yaml", f"run.dir={tmp_path}", "train.steps=20",
+        "train.eval_interval=10", *QUIET)
     records = read_metrics(tmp_path)
     train = [r for r in records if "loss" in r]
-    assert len(train) == 40
+    assert len(train) == 20
     assert train[0]["loss"] > 7.8
     assert train[-1]["loss"] < 6.3, [r["loss"] for r in train]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]

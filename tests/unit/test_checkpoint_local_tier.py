@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megaresil.checkpoint.local.cadence import Cadence
 from megaresil.checkpoint.local.replication import Topology, complete_step, transfers
@@ -18,6 +17,7 @@ from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.validation import shard_problem
 from megaresil.events import read_events, read_metrics
 from megaresil.ports import free_port
+from tests.harness.dist import spawn_ranks
 from tests.harness.journey import home, megaresil, with_demo_corpus  # noqa: F401  (home: a fixture)
 
 LAYOUT = {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
@@ -268,8 +268,7 @@ def fmt_rmtree(path: Path) -> None:
 def test_restarts_take_the_newest_recoverable_step_from_either_tier_bit_exact(tmp_path,
                                                                              monkeypatch):
     monkeypatch.setenv("MEGARESIL_PHASE_LINE_S", "0")  # every start-up phase gets its event
-    mp.start_processes(_phases, args=(4, free_port(), str(tmp_path)), nprocs=4, join=True,
-                       start_method="spawn")
+    spawn_ranks(_phases, (4, free_port(), str(tmp_path)), 4)
     loads = [e for e in read_events(tmp_path / "faulted") if e["event"] == "checkpoint_loaded"]
     got = [(e["tier"], e["step"], e.get("from_replicas")) for e in loads]
     assert got == [("local", 6, [2, 3]),  # node 1 lost: its ranks' shards from node 0
@@ -534,8 +533,7 @@ def flipped(shard: Shard) -> Shard:
 def test_every_rank_pauses_with_the_rank_whose_storage_is_full(tmp_path):
     import json
 
-    mp.start_processes(_one_rank_full, args=(2, free_port(), str(tmp_path)), nprocs=2,
-                       join=True, start_method="spawn")
+    spawn_ranks(_one_rank_full, (2, free_port(), str(tmp_path)), 2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["retry_at"] == ranks[1]["retry_at"] > 3  # the same step, agreed
     # Step 2 is gone from both nodes (rank 0's own shard and its replica of

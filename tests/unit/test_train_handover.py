@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 from megaresil.checkpoint import format as fmt
@@ -33,6 +32,7 @@ from megaresil.train.replicas import Agreement, ReplicaCheck, quick_checksum
 from megaresil.train.state import LiveTrainingState
 
 from tests.harness.cli import ROOT
+from tests.harness.dist import spawn_ranks
 
 
 def holder_rects() -> list[Rect]:
@@ -81,8 +81,7 @@ def _move(rank: int, port: int, out: str, damage: bool) -> None:
 
 
 def moved(tmp_path: Path, damage: bool) -> dict:
-    mp.start_processes(_move, args=(free_port(), str(tmp_path), damage), nprocs=2, join=True,
-                       start_method="spawn")
+    spawn_ranks(_move, (free_port(), str(tmp_path), damage), 2)
     return pickle.loads((tmp_path / "rank1.pkl").read_bytes())
 
 
