@@ -8,7 +8,6 @@ without progress and back off exponentially; restart numbers come from the
 run directory's records, which outlive any node's store.
 docs/fault-tolerance.md ("What is detected and what happens", "Restarts")
 says it for users."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import gc
@@ -37,6 +36,7 @@ from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import backend_for, use_device
 from megaresil.resilience.abort_board import AbortBoard
 from megaresil.resilience.coordination import JobStore, launch_store, own_connection
+from megaresil.resilience.failure_policy import Action, Failure, decide
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.records import (
@@ -178,7 +178,8 @@ class WorkerLife:
         self.furthest_step = 0  # the furthest step any generation of this process completed
         # Live replacement: whether the next generation waits for a
         # replacement to join, and this rank's state carried into it.
-        self.awaiting, self.carried = False, None
+        self.awaiting: bool = False
+        self.carried: Optional[object] = None
 
     def _progressed(self, supervision: Supervision) -> bool:
         """Whether the generation got further than every earlier one: a step
@@ -286,7 +287,9 @@ class WorkerLife:
             try:
                 if self.watchdog is not None:
                     self.watchdog.pause()
-                raise_in_thread(threading.main_thread().ident, None)
+                main = threading.main_thread().ident
+                assert main is not None  # the main thread runs this
+                raise_in_thread(main, None)
                 return
             except HangAbort:
                 continue
@@ -314,10 +317,23 @@ class WorkerLife:
 
     def _handle_failure(self, err: BaseException, supervision: Supervision,
                         job: Optional[Job]) -> None:
-        """Re-raise what the launcher must handle; otherwise record the
-        failure and announce the abort so every rank restarts with us."""
+        """Re-raise what the launcher must handle, stop the job on a fatal
+        error, or restart: the policy's table decides (`failure_policy`)."""
+        failure = self._facts(err, supervision)
+        action = decide(failure)
+        if action is Action.STOP_JOB:
+            self._stop_job(err, failure.fatal_first)
+        if action is not Action.RESTART:
+            raise err
+        self._restart(err, failure.peer_gone, job, supervision)
+
+    def _facts(self, err: BaseException, supervision: Supervision) -> Failure:
+        """The failure's facts, gathered in this order because the abort
+        board is shared: the failure is recorded before any announcement,
+        and a fatal one is announced (first wins) only while the store can
+        be trusted to be there (no peer lost)."""
         if isinstance(err, Fenced):
-            raise err  # recorded as `fenced`: a rank left behind writes nothing more
+            return Failure(fenced=True)  # recorded as `fenced` by the launcher
         if supervision.fence is not None:
             # A rank the job re-formed without (cut off, then its collectives
             # timed out) records `fenced`, not an error of the job's.
@@ -329,14 +345,32 @@ class WorkerLife:
                          section=section, lost_peer=peer_gone, fatal=is_fatal(err),
                          generation=self.generation, pid=os.getpid(),
                          rss_mb=psutil.Process().memory_info().rss / 2**20)
-        if not peer_gone:  # else the store may be gone too, and the launcher re-forms the job
-            self._stop_if_fatal(err)
-        allowed = self.policy.failed(made_progress)
-        stopping = self.preemption.signalled_at is not None  # told to stop: no restart here
-        replacing = self.cfg.resilience.replacement.enabled
-        if not (self.cfg.resilience.in_process and allowed and (replacing or not peer_gone)
-                and not stopping and restartable(err)):
-            raise err
+        fatal_first = (self.board.fatal(self.generation, err)
+                       if is_fatal(err) and not peer_gone else None)
+        res = self.cfg.resilience
+        return Failure(
+            fatal_first=fatal_first,
+            fatal_announced=(not peer_gone and fatal_first is None
+                             and self.board.fatal_announced(self.generation)),
+            peer_gone=peer_gone, in_process=res.in_process,
+            restart_allowed=self.policy.failed(made_progress),
+            replacing=res.replacement.enabled,
+            stopping=self.preemption.signalled_at is not None,
+            restartable=restartable(err))
+
+    def _stop_job(self, err: BaseException, fatal_first: Optional[dict]) -> None:
+        """Stop with the first fatal error (its rank records `run_failed`),
+        or with the rank that announced one."""
+        if fatal_first is None:
+            raise JobFailed("stopped with the rank that failed") from err
+        if fatal_first["rank"] == self.rank:
+            self.events.emit("run_failed", error=fatal_first["error"])
+        raise JobFailed(fatal_first["error"]) from err
+
+    def _restart(self, err: BaseException, peer_gone: bool, job: Optional[Job],
+                 supervision: Supervision) -> None:
+        """Announce the failure so every rank restarts with us, then wait
+        for a replacement (a peer was lost first) or go again in place."""
         cause = self.board.announce(self.generation, err, "lost_peer" if peer_gone else "error")
         traceback.clear_frames(err.__traceback__)
         if self.board.first_reason(self.generation) == "lost_peer":
@@ -344,6 +378,7 @@ class WorkerLife:
             return
         self.generation += 1
         if self.rank == 0:
+            assert supervision.fence is not None  # every generation's supervision has one
             supervision.fence.check("the record of an in-process restart")
             self._count_restart("in_process", cause, self.policy.consecutive,
                                 self.policy.max_consecutive)
@@ -358,19 +393,6 @@ class WorkerLife:
         self.carried = job.hand_over() if job is not None else supervision.carried
         self.generation += 1
         self.awaiting = True
-
-    def _stop_if_fatal(self, err: BaseException) -> None:
-        """A failure no restart can cure stops every rank: the first rank to
-        meet it announces it (and records `run_failed`); ranks unwinding
-        because of that announcement stop too."""
-        if is_fatal(err):
-            first = self.board.fatal(self.generation, err)
-            if first is not None:
-                if first["rank"] == self.rank:
-                    self.events.emit("run_failed", error=first["error"])
-                raise JobFailed(first["error"]) from err
-        if self.board.fatal_announced(self.generation):
-            raise JobFailed("stopped with the rank that failed") from err
 
     def _teardown(self) -> None:
         """Drop the generation's process groups and free its memory before the
