@@ -115,7 +115,7 @@ def run_on_model(checkpoint: Path, tp: int, use: Use, job, **kwargs) -> dict:
     check_fits(checkpoint, model_bytes(source.manifest, resolve(recipe.train.precision, device)),
                available_bytes(device), device, tp)
     if tp == 1:
-        return on_rank(checkpoint, recipe, tp, use, job, kwargs)
+        return on_rank(checkpoint, recipe, tp, use, job, kwargs, device)
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     mp.start_processes(spawned_rank, args=(tp, free_port(), checkpoint, use, job,
@@ -129,8 +129,7 @@ def run_on_model(checkpoint: Path, tp: int, use: Use, job, **kwargs) -> dict:
 def spawned_rank(rank: int, tp: int, port: int, checkpoint: Path, use: Use,
                  job, kwargs: dict, results) -> None:
     """One of run_on_model's ranks; rank 0 puts ("ok", result) or ("error", why)."""
-    os.environ["LOCAL_RANK"] = str(rank)  # pick_device's GPU of this rank
-    device = pick_device()
+    device = pick_device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}",
@@ -138,7 +137,7 @@ def spawned_rank(rank: int, tp: int, port: int, checkpoint: Path, use: Use,
     result: tuple[str, Any]  # ("ok", what the job returned) or ("error", why)
     try:
         recipe = from_dict(open_source(checkpoint).manifest["recipe"])
-        result = ("ok", on_rank(checkpoint, recipe, tp, use, job, kwargs))
+        result = ("ok", on_rank(checkpoint, recipe, tp, use, job, kwargs, device))
     except fmt.CheckpointError as err:
         result = ("error", str(err))
     finally:
@@ -148,10 +147,10 @@ def spawned_rank(rank: int, tp: int, port: int, checkpoint: Path, use: Use,
 
 
 def on_rank(checkpoint: Path, recipe: RecipeConfig, tp: int, use: Use, job,
-            kwargs: dict) -> dict:
+            kwargs: dict, device: torch.device) -> dict:
     with tempfile.TemporaryDirectory(prefix="megaresil-inference-") as scratch:
         cfg = inference_recipe(recipe, use, Path(scratch), checkpoint, tp)
-        trainer = Trainer(cfg, ParallelLayout.from_config(cfg.parallel, pick_device()))
+        trainer = Trainer(cfg, ParallelLayout.from_config(cfg.parallel, device))
         try:
             return job(trainer, checkpoint, step_of(checkpoint), **kwargs)
         finally:

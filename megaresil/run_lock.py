@@ -25,10 +25,9 @@ from typing import ContextManager, Iterator, Optional
 import psutil
 
 from megaresil.config import ConfigError
+from megaresil.worker_env import HELD_ENV
 
 LOCK_NAME = "run.lock"
-# Set by the launcher for the workers it starts: the lock is held for them.
-HELD_ENV = "MEGARESIL_RUN_LOCK"
 # Inherited by every process a holder starts: the holder's `token()`.
 TREE_ENV = "MEGARESIL_RUN_LOCK_TREE"
 # How long a start waits for a dead holder's processes to end before refusing.

@@ -129,10 +129,12 @@ def step_dir_name(step: int) -> str:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a CPU tensor (bf16 viewed as int16, which numpy lacks)."""
+    """The raw bytes of a CPU tensor (bf16 viewed as int16, which numpy lacks),
+    writable in place where the tensor is contiguous. Flat first: a memoryview
+    cannot cast a shape with a zero in it (an empty ZeRO-1 row block)."""
     import torch  # loaded already: the caller holds a tensor
 
-    t = tensor.detach().contiguous()
+    t = tensor.detach().contiguous().reshape(-1)
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     return t.numpy().data.cast("B")

@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -22,9 +21,6 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from megaresil.checkpoint.local.runs import other_runs_line
-from megaresil.checkpoint.paths import RunPaths
-from megaresil.checkpoint.recipe_check import check_resume_recipe
 from megaresil.compat import (
     elastic_agent_class,
     elastic_stores_listening_on,
@@ -34,25 +30,15 @@ from megaresil.compat import (
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog, read_events
 from megaresil.launch.admission import NodeExcluded
-from megaresil.launch.checks import (
-    check_backend,
-    check_data,
-    check_links,
-    check_local_gpus,
-    check_run_records,
-    replacement_warning,
-)
-from megaresil.launch.health import admission_refusal, exclusion_after_check, has_checks
+from megaresil.launch.health import exclusion_after_check, has_checks
 from megaresil.launch.membership import Membership
+from megaresil.launch.preflight import Preflight, preflight
 from megaresil.launch.rendezvous import launch_backend, register_wrapped
 from megaresil.launch.reporting import AgentReport, how_it_ended, without_report
 from megaresil.launch.spares import NodeCounts, node_counts, spare_keep_alive, spare_line
 from megaresil.launch.supervisor import AgentPolicy, supervising_agent
 from megaresil.launch.worker import choose_threads
-from megaresil.observe.startup import StartupPhases
-from megaresil.parallel.layout import visible_gpus
 from megaresil.ports import loopback_interface
-from megaresil.resilience.faults import check_device_faults, check_fault_ranks
 from megaresil.resilience.incidents import LOST_BY_SIGNAL, IncidentPrinter
 from megaresil.resilience.preemption import (
     INTERRUPTED_EXIT,
@@ -62,7 +48,6 @@ from megaresil.resilience.preemption import (
 )
 from megaresil.resilience.restart import HANG_EXIT_CODE
 from megaresil.run_lock import held_for_workers
-from megaresil.train.save_schedule import never_saving_warning
 
 LOST_WORKER = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: \d+\)")
 
@@ -80,82 +65,35 @@ def worker_record(record: logging.LogRecord) -> bool:
 def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
            membership: Membership = Membership()) -> int:
     """Run local workers under a TorchElastic agent; returns the exit code."""
-    world = cfg.parallel.world_size
-    nproc = membership.nproc_per_node or world
-    gpus = visible_gpus()
-    check_local_gpus(nproc, gpus)
-    check_backend(cfg)
-    check_links(cfg)
-    check_run_records(Path(cfg.run.dir))
-    paths = RunPaths.of(cfg)
-    local_root = paths.local_tier_root()  # the tier's rule, before any worker starts
-    check_device_faults(cfg.faults, gpus)
-    check_resume_recipe(cfg)
-    check_fault_ranks(cfg.faults, world)
-    data_started = time.monotonic()
-    check_data(cfg)
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    gpus_needed = nproc if gpus else 0
-    refusal = admission_refusal(cfg.resilience.health, run_dir, gpus, gpus_needed,
-                                EventLog(run_dir))
-    if refusal:
-        print(f"megaresil: {refusal}", file=sys.stderr)
+    flight = preflight(cfg, membership)
+    if flight.refusal:
+        print(f"megaresil: {flight.refusal}", file=sys.stderr)
         return 1
-    StartupPhases(EventLog(run_dir), 0, say=lambda line: print(line, file=sys.stderr)).finished(
-        "data preparation", time.monotonic() - data_started)
-    for warning in filter(None, (never_saving_warning(cfg), replacement_warning(cfg),
-                                 other_runs_line(cfg))):
-        print(warning, file=sys.stderr)
-    choose_threads(nproc)
+    choose_threads(flight.nproc)
     if membership.max_nodes == 1:  # the ranks' own sockets too, unless the user chose
         for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             os.environ.setdefault(variable, loopback_interface())
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(worker_record)
-    # "Received 2 death signal": the workers' own `interrupted`/`preempted` line says it better.
-    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
-        lambda record: "death signal" not in record.getMessage())
-    if membership.backend == "etcd":  # it logs every step of every round, on its own handler
-        from torch.distributed.elastic.rendezvous import etcd_rendezvous
-        etcd_rendezvous.logger.setLevel(logging.WARNING)
+    quiet_elastic_logs(membership)
     register_wrapped()
-    nodes = node_counts(membership.min_nodes, membership.max_nodes, membership.spares, world,
-                        nproc, membership.backend)
+    nodes = node_counts(membership.min_nodes, membership.max_nodes, membership.spares,
+                        cfg.parallel.world_size, flight.nproc, membership.backend)
     if line := spare_line(nodes):
         print(line, file=sys.stderr)
-    config = LaunchConfig(
-        min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, nproc_per_node=nproc,
-        rdzv_backend=launch_backend(membership.backend),
-        rdzv_endpoint=membership.rendezvous_endpoint,
-        local_addr=membership.local_addr,
-        # Wait 5 s (not 30) for more nodes once the minimum is there, and call
-        # a node gone after ~2 s without keep-alives (not 15): a job that lost
-        # a node re-forms in seconds.
-        rdzv_configs={"last_call_timeout": 5, "join_timeout": 120, "keep_alive_interval": 1,
-                      "keep_alive_max_attempt": 2, **spare_keep_alive(nodes),
-                      **membership.rdzv_conf},
-        run_id=membership.run_id or f"megaresil-{os.getpid()}",
-        max_restarts=cfg.resilience.max_restarts, monitor_interval=0.1,
-        shutdown_timeout=int(cfg.resilience.preemption_grace_s),
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic")),
-        # SIGUSR1 too: schedulers send it as the early preemption warning
-        # (Slurm's --signal=USR1@grace). The agent hands it to every worker,
-        # which saves and exits; unhandled, it would kill the agent at once.
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-    )
+    config = launch_config(cfg, membership, nodes, flight)
+    run_dir = flight.run_dir
     events_before = len(read_events(run_dir))
     report = AgentReport()
-    policy = agent_policy(cfg, run_dir, nodes, gpus, gpus_needed)
+    policy = agent_policy(cfg, run_dir, nodes, flight.gpus, flight.gpus_needed)
     try:
-        with (held_for_workers(run_dir, config.run_id, paths.checkpoint_root, local_root),
+        with (held_for_workers(run_dir, config.run_id, flight.paths.checkpoint_root,
+                               flight.local_root),
               IncidentPrinter(run_dir, speaks=lambda: report.runs_rank_0),
               second_interrupt_kills_workers(),
               elastic_stores_listening_on(config.local_addr), workers_store_per_round(),
               elastic_agent_class(supervising_agent(policy, run_dir, report))):
             # The workers' first line comes once they have imported torch and
             # built the model (seconds, more on a loaded machine): this one first.
-            print(f"megaresil: launching {nproc} worker processes"
+            print(f"megaresil: launching {flight.nproc} worker processes"
                   f"{' on this node' if membership.max_nodes > 1 else ''} (each imports torch "
                   "and builds its part of the model before the first step)", file=sys.stderr,
                   flush=True)
@@ -179,7 +117,48 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
         if ending is None or ending["event"] != "preempted":
             print(f"megaresil: stopped by {err.sigval.name} before a checkpoint", file=sys.stderr)
             return 128 + err.sigval.value
-    ending = last_ending(run_dir, events_before)
+    return ended(last_ending(run_dir, events_before))
+
+
+def quiet_elastic_logs(membership: Membership) -> None:
+    """Leave the console to megaresil's own lines: TorchElastic's records of
+    what the events already say are filtered out."""
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(worker_record)
+    # "Received 2 death signal": the workers' own `interrupted`/`preempted` line says it better.
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+        lambda record: "death signal" not in record.getMessage())
+    if membership.backend == "etcd":  # it logs every step of every round, on its own handler
+        from torch.distributed.elastic.rendezvous import etcd_rendezvous
+        etcd_rendezvous.logger.setLevel(logging.WARNING)
+
+
+def launch_config(cfg: RecipeConfig, membership: Membership, nodes: NodeCounts,
+                  flight: Preflight) -> LaunchConfig:
+    return LaunchConfig(
+        min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, nproc_per_node=flight.nproc,
+        rdzv_backend=launch_backend(membership.backend),
+        rdzv_endpoint=membership.rendezvous_endpoint,
+        local_addr=membership.local_addr,
+        # Wait 5 s (not 30) for more nodes once the minimum is there, and call
+        # a node gone after ~2 s without keep-alives (not 15): a job that lost
+        # a node re-forms in seconds.
+        rdzv_configs={"last_call_timeout": 5, "join_timeout": 120, "keep_alive_interval": 1,
+                      "keep_alive_max_attempt": 2, **spare_keep_alive(nodes),
+                      **membership.rdzv_conf},
+        run_id=membership.run_id or f"megaresil-{os.getpid()}",
+        max_restarts=cfg.resilience.max_restarts, monitor_interval=0.1,
+        shutdown_timeout=int(cfg.resilience.preemption_grace_s),
+        logs_specs=DefaultLogsSpecs(log_dir=str(flight.run_dir / "elastic")),
+        # SIGUSR1 too: schedulers send it as the early preemption warning
+        # (Slurm's --signal=USR1@grace). The agent hands it to every worker,
+        # which saves and exits; unhandled, it would kill the agent at once.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+    )
+
+
+def ended(ending: Optional[dict]) -> int:
+    """The exit code of a launch whose agent returned: by how the job ended."""
     if ending and ending["event"] == "run_failed":
         print(f"megaresil: giving up: rank {ending.get('rank')}: {ending.get('error')} "
               "(no restart can fix this)", file=sys.stderr)

@@ -33,8 +33,8 @@ from megaresil.launch.reporting import AgentReport, ReportingAgent, how_it_ended
 from megaresil.launch.standby import assignment, start_standby
 from megaresil.resilience.coordination import JobStore
 from megaresil.resilience.records import next_generation
-from megaresil.resilience.replacement import REPLACEMENT_ENV
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE
+from megaresil.worker_env import REPLACEMENT_ENV, WorkerEnv
 
 
 @dataclass(frozen=True)
@@ -151,8 +151,9 @@ class SupervisingAgent(ReportingAgent):
                 and self.spent + len(lost) <= self.policy.max_replacements):
             return None
         try:
+            worker_env = {**os.environ, **self._pcontext.envs[next(iter(lost))]}
             store = JobStore.for_agent(worker_group.master_addr, worker_group.master_port,
-                                       {**os.environ, **self._pcontext.envs[next(iter(lost))]})
+                                       WorkerEnv.parse(worker_env))
             if any(store.lost_in_setup(worker_group.workers[lr].global_rank,
                                        self._process(lr).pid) for lr in lost):
                 return None

@@ -16,10 +16,11 @@ from megaresil.config import ConfigError, RecipeConfig, load_recipe, validate, v
 from megaresil.launch.checks import check_links, check_run_records
 from megaresil.resilience.preemption import PREEMPTED_EXIT
 from megaresil.resilience.supervision import end_with_agent
-from megaresil.run_lock import HELD_ENV, held_by_worker
+from megaresil.run_lock import held_by_worker
 from megaresil.slurm import SlurmStep
 from megaresil.train.save_schedule import plural
 from megaresil.train.story import THREADS_SPLIT_ENV
+from megaresil.worker_env import WorkerEnv
 
 ERRORED = "errored"  # an outcome: this rank failed, and the launcher restarts the workers
 
@@ -102,25 +103,25 @@ def worker(recipe: str, overrides: list[str]) -> str:
     from megaresil.resilience.watchdog.abort import NCCL_WORKER_ENV
     from megaresil.train.precision import env_before_cuda
 
-    end_with_agent()
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    name_process(rank)
-    cfg = adapt_to_world(load_recipe(recipe, overrides), world)
+    env = WorkerEnv.parse()  # the only read of the launcher's variables: handed down from here
+    end_with_agent(env)
+    name_process(env.rank)
+    cfg = adapt_to_world(load_recipe(recipe, overrides), env.world)
     for key, value in env_before_cuda(cfg.train.deterministic).items():  # CUDA has not started
         os.environ.setdefault(key, value)
-    device = pick_device()
+    device = pick_device(env.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         if cfg.resilience.in_process:  # TorchElastic's 1 would kill the process on an NCCL error
             os.environ.update(NCCL_WORKER_ENV)
-    if HELD_ENV not in os.environ:  # a torchrun of the user's own: no launcher checked them
+    if not env.under_launcher:  # a torchrun of the user's own: no launcher checked them
         check_links(cfg)
         check_run_records(Path(cfg.run.dir))
         check_resume_recipe(cfg)
     paths = RunPaths.of(cfg)
-    with held_by_worker(paths.run_dir, rank, paths.checkpoint_root,
+    with held_by_worker(paths.run_dir, env.rank, paths.checkpoint_root,
                         paths.local_tier_root()):  # refused: the error goes to the console
-        outcome = _train_as_worker(cfg, rank, world, device)
+        outcome = _train_as_worker(cfg, env, device)
     if outcome == ERRORED:
         exit_abandoning_saves(1)
     return outcome
@@ -136,15 +137,15 @@ def exit_abandoning_saves(code: int) -> None:
     os._exit(code)
 
 
-def _train_as_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device) -> str:
+def _train_as_worker(cfg: RecipeConfig, env: WorkerEnv, device: torch.device) -> str:
     from megaresil.fencing import Fenced
     from megaresil.resilience.restart import JobFailed, run_worker
     from megaresil.resilience.watchdog.abort import HangAbort
 
     try:
-        return run_worker(cfg, rank, world, device, trainer_job(cfg, device))
+        return run_worker(cfg, env, device, trainer_job(cfg, device))
     except JobFailed:
-        if HELD_ENV not in os.environ:
+        if not env.under_launcher:
             raise  # not under megaresil's launcher: the exit status must say it
         return "failed"  # exit 0: no relaunch; the launcher reports run_failed
     except (Exception, HangAbort, Fenced) as err:  # noqa: BLE001 (recorded, not lost)

@@ -10,7 +10,6 @@ not run.
 # mypy: ignore-errors
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -28,10 +27,10 @@ DATA_AXES = ("dp",)
 GROUPS_NEEDED: tuple[tuple[str, ...], ...] = ()
 
 
-def pick_device() -> torch.device:
+def pick_device(local_rank: int = 0) -> torch.device:
     """CUDA device of this local rank when there is one, else the CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 

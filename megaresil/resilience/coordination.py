@@ -15,12 +15,12 @@ import json
 import os
 import socket
 from datetime import timedelta
-from typing import Callable, Iterable, Mapping, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch.distributed as dist
 
 from megaresil.compat import tcp_store_listening_on
-from megaresil.run_lock import HELD_ENV
+from megaresil.worker_env import WorkerEnv
 
 ATTEMPT_ROUND = "megaresil/round_{port}"
 ATTEMPT_COUNT = "megaresil/attempt_{count}"
@@ -40,7 +40,7 @@ AGENT_TIMEOUT_S = 30.0  # the agent's connection: it decides on replacements, no
 WORKER_TIMEOUT_S = 300.0
 
 
-def attempt_prefix(env: Mapping[str, str]) -> str:
+def attempt_prefix(env: WorkerEnv) -> str:
     """The store prefix of one launch attempt's coordination, the same on
     every node of it: under megaresil's launcher each rendezvous round hosts
     its workers' store anew, at a port of its own
@@ -48,22 +48,22 @@ def attempt_prefix(env: Mapping[str, str]) -> str:
     differ (a hot spare's first round is the others' second); under a
     torchrun of the user's own, the store may be the same for every
     attempt, and the restart count tells them apart."""
-    if HELD_ENV in env:
-        return ATTEMPT_ROUND.format(port=env["MASTER_PORT"])
-    return ATTEMPT_COUNT.format(count=env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if env.under_launcher:
+        return ATTEMPT_ROUND.format(port=env.master_port)
+    return ATTEMPT_COUNT.format(count=env.restart_count)
 
 
-def launch_store(rank: int, world: int) -> dist.Store:
+def launch_store(env: WorkerEnv) -> dist.Store:
     """The store of this launch attempt's coordination (process groups,
     abort board, heartbeats): hosted by the TorchElastic agent of node rank 0
     when it shares one (c10d, etcd-v2), else by rank 0 (etcd, Slurm tasks).
     Nothing in it needs to outlive the attempt: each attempt uses its own
     prefix, and an attempt that loses the store's node is over anyway."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    is_master = rank == 0 and not hosted_by_agent
+    host, port, world = env.master_addr, env.master_port, env.world
+    assert host is not None and port is not None, "a worker's launcher names the store"
+    is_master = env.rank == 0 and not env.agent_store
     store: Callable[..., dist.TCPStore] = dist.TCPStore
-    if is_master and os.environ.get("LOCAL_WORLD_SIZE") == str(world):
+    if is_master and env.local_world == world:
         # Every rank is on this machine: listen only where they connect, not on
         # every interface (an unauthenticated store). Across nodes, which of this
         # node's addresses the others reach is not knowable here: torch's bind stays.
@@ -96,11 +96,11 @@ class JobStore:
         return store if isinstance(store, JobStore) else cls(store)
 
     @classmethod
-    def for_attempt(cls, store: dist.Store, env: Mapping[str, str]) -> JobStore:
+    def for_attempt(cls, store: dist.Store, env: WorkerEnv) -> JobStore:
         return cls(dist.PrefixStore(attempt_prefix(env), store))
 
     @classmethod
-    def for_agent(cls, host: str, port: int, env: Mapping[str, str]) -> JobStore:
+    def for_agent(cls, host: str, port: int, env: WorkerEnv) -> JobStore:
         """The agent's client of its workers' store, under their attempt's
         prefix (the same for every local rank of the attempt)."""
         store = dist.TCPStore(host, port, is_master=False,

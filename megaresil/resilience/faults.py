@@ -37,7 +37,6 @@ from megaresil.config import (
 )
 from megaresil.errors import MegaresilError
 from megaresil.events import EventLog, read_events
-from megaresil.resilience.replacement import is_replacement
 from megaresil.resilience.step_faults import StepFaults
 
 # A fault as the recipe writes it (drills build these) or as the schema types it.
@@ -78,7 +77,8 @@ class FaultInjector:
     enters their sections."""
 
     def __init__(self, faults: Iterable[FaultLike], *, rank: int, run_dir: Path,
-                 checkpoint_root: Path, events: EventLog, local_node_dir: Optional[Path] = None):
+                 checkpoint_root: Path, events: EventLog, local_node_dir: Optional[Path] = None,
+                 replacement: bool = False):
         # Rank 0 records a restart before the rendezvous of the generation it
         # starts, so every rank counts the same restarts here.
         history = read_events(run_dir)
@@ -86,7 +86,7 @@ class FaultInjector:
         restarts = sum(e["event"] == "restart" for e in history)
         specs = parse_faults(faults)
         mine = [f for f in specs if f.rank == rank and fault_id(f) not in fired
-                and f.restarts_needed <= restarts and (is_replacement() or not f.replacement)]
+                and f.restarts_needed <= restarts and (replacement or not f.replacement)]
         # The faults on a step's numbers fire where the trainer asks
         # (`step_faults`), not at a section's start.
         self.pending = [f for f in mine if f.kind not in STEP_FAULT_KINDS]

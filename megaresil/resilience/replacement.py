@@ -12,15 +12,12 @@ the waiting ranks' judgement of them.
 docs/fault-tolerance.md ("Live replacement") says it for users."""
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, Optional
 
 from megaresil.errors import MegaresilError
 from megaresil.resilience.coordination import JobStore
 
-# Set by the agent in a replacement's environment.
-REPLACEMENT_ENV = "MEGARESIL_REPLACEMENT"
 # The agent polls its workers every 0.1 s and records a replacement in the
 # store as it starts it: a lost rank without that record after this long
 # (50 polls, on a loaded machine) has no agent starting one (its node is
@@ -37,10 +34,6 @@ ENTERED_READS_PER_S = 20_000
 
 class ReplacementFailed(MegaresilError):
     """A lost rank was not replaced in time: the job relaunches."""
-
-
-def is_replacement() -> bool:
-    return os.environ.get(REPLACEMENT_ENV) == "1"
 
 
 def await_members(store: JobStore, generation: int, world: int, join_timeout_s: float, *,

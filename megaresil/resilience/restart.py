@@ -8,7 +8,6 @@ without progress and back off exponentially; restart numbers come from the
 run directory's records, which outlive any node's store.
 docs/fault-tolerance.md ("What is detected and what happens", "Restarts")
 says it for users."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import gc
@@ -37,6 +36,7 @@ from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import backend_for, use_device
 from megaresil.resilience.abort_board import AbortBoard
 from megaresil.resilience.coordination import JobStore, launch_store, own_connection
+from megaresil.resilience.failure_policy import Action, Failure, decide
 from megaresil.resilience.faults import FaultInjector
 from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.records import (
@@ -46,13 +46,14 @@ from megaresil.resilience.records import (
     next_generation,
     relaunches_without_progress,
 )
-from megaresil.resilience.replacement import await_members, is_replacement
+from megaresil.resilience.replacement import await_members
 from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, HangAbort, raise_in_thread
 from megaresil.resilience.watchdog.monitor import Watchdog
 from megaresil.resilience.watchdog.probes import NodeTraffic, node_traffic_path, peer_bytes_counter
 from megaresil.run_identity import run_id
+from megaresil.worker_env import WorkerEnv
 
 MAX_BACKOFF_S = 30.0
 
@@ -73,24 +74,9 @@ class Job(Protocol):
 JobFactory = Callable[[Supervision], Job]
 
 
-def launch_store_port() -> int | None:
-    """The launch store's port (its connections are not the collectives')."""
-    port = os.environ.get("MASTER_PORT")
-    return int(port) if port else None
-
-
-def node_rank() -> int:
-    """This rank's node: its agent's node rank (0 without an agent)."""
-    return int(os.environ.get("GROUP_RANK", 0))
-
-
-def node_name() -> str:
+def node_name(env: WorkerEnv) -> str:
     """This rank's node as reports name it: its node rank and host."""
-    return f"{node_rank()} on {socket.gethostname()}"
-
-
-def attempt() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return f"{env.node_rank} on {socket.gethostname()}"
 
 
 def backoff_s(consecutive: int, base: float) -> float:
@@ -99,13 +85,14 @@ def backoff_s(consecutive: int, base: float) -> float:
     return 0.0 if consecutive <= 1 else min(MAX_BACKOFF_S, base * 2 ** (consecutive - 2))
 
 
-def local_node_dir(cfg: RecipeConfig, rank: int, world: int) -> Optional[Path]:
+def local_node_dir(cfg: RecipeConfig, env: WorkerEnv) -> Optional[Path]:
     """This rank's node directory of the local tier (None when it is off)."""
     local = cfg.checkpoint.local
     if not local.enabled:
         return None
-    per_node = ranks_per_node(local.ranks_per_node, world, os.environ.get("LOCAL_WORLD_SIZE"))
-    return node_dir(RunPaths.of(cfg).local_run_dir(run_id(Path(cfg.run.dir))), rank // per_node)
+    per_node = ranks_per_node(local.ranks_per_node, env.world, env.local_world)
+    return node_dir(RunPaths.of(cfg).local_run_dir(run_id(Path(cfg.run.dir))),
+                    env.rank // per_node)
 
 
 class JobFailed(MegaresilError):
@@ -139,46 +126,53 @@ class RestartPolicy:
         time.sleep(backoff_s(self.consecutive, self.backoff_base_s))
 
 
+def build_watchdog(cfg: RecipeConfig, env: WorkerEnv, store: JobStore, events: EventLog,
+                   device: torch.device, traffic: NodeTraffic) -> Optional[Watchdog]:
+    """This rank's watchdog (None when it is off), on a store connection of
+    its own: its monitor thread must not wait behind the training thread's
+    requests."""
+    res, run_dir = cfg.resilience, Path(cfg.run.dir)
+    if not res.watchdog.enabled:
+        return None
+    return Watchdog(res.watchdog, rank=env.rank, world=env.world, store=store, run_dir=run_dir,
+                    events=events, exit_on_hang=None if res.in_process else HANG_EXIT_CODE,
+                    workload=workload(cfg),
+                    stragglers=StragglerDetector(cfg.logging, rank=env.rank, run_dir=run_dir,
+                                                 events=events, pp=cfg.parallel.pp),
+                    device=device, peer_bytes=traffic, node=node_name(env))
+
+
 class WorkerLife:
-    def __init__(self, cfg: RecipeConfig, rank: int, world: int, device: torch.device,
+    def __init__(self, cfg: RecipeConfig, env: WorkerEnv, device: torch.device,
                  make_job: JobFactory, *, store: Optional[dist.Store] = None):
-        self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.cfg, self.env, self.device = cfg, env, device
+        self.rank, self.world = env.rank, env.world
         use_device(device)  # the training thread's; the other threads set theirs
         self.make_job = make_job
         self.run_dir = Path(cfg.run.dir)
-        self.events = EventLog(self.run_dir, rank)
-        self.phases = StartupPhases(self.events, rank)
+        self.events = EventLog(self.run_dir, self.rank)
+        self.phases = StartupPhases(self.events, self.rank)
         # One prefix per launch attempt and one per generation inside it: a
         # stale address of an earlier attempt can never be read.
-        store = store if store is not None else launch_store(rank, world)
-        self.store = JobStore.for_attempt(store, os.environ)
-        self.board = AbortBoard(self.store, rank)
+        store = store if store is not None else launch_store(env)
+        self.store = JobStore.for_attempt(store, env)
+        self.board = AbortBoard(self.store, self.rank)
         res = cfg.resilience
         self.policy = RestartPolicy(res.max_in_process_restarts, res.restart_backoff_s)
         self.preemption = PreemptionFlag().install()
-        wd = res.watchdog
-        monitor_store = JobStore.for_attempt(own_connection(store), os.environ)
-        port = launch_store_port()
-        self.traffic = NodeTraffic(peer_bytes_counter(port), node_traffic_path(port, node_rank()),
-                                   int(os.environ.get("LOCAL_RANK", rank)))
-        self.watchdog = (Watchdog(wd, rank=rank, world=world, store=monitor_store,
-                                  run_dir=self.run_dir, events=self.events,
-                                  exit_on_hang=None if res.in_process else HANG_EXIT_CODE,
-                                  workload=workload(cfg),
-                                  stragglers=StragglerDetector(cfg.logging, rank=rank,
-                                                               run_dir=self.run_dir,
-                                                               events=self.events,
-                                                               pp=cfg.parallel.pp),
-                                  device=self.device,
-                                  peer_bytes=self.traffic, node=node_name())
-                         if wd.enabled else None)
+        self.traffic = NodeTraffic(peer_bytes_counter(env.master_port),
+                                   node_traffic_path(env.master_port, env.node_rank),
+                                   env.local_rank)
+        self.watchdog = build_watchdog(cfg, env, JobStore.for_attempt(own_connection(store), env),
+                                       self.events, device, self.traffic)
         if self.watchdog is not None:
             self.watchdog.start()
         self.generation = 0
         self.furthest_step = 0  # the furthest step any generation of this process completed
         # Live replacement: whether the next generation waits for a
         # replacement to join, and this rank's state carried into it.
-        self.awaiting, self.carried = False, None
+        self.awaiting: bool = False
+        self.carried: Optional[object] = None
 
     def _progressed(self, supervision: Supervision) -> bool:
         """Whether the generation got further than every earlier one: a step
@@ -191,7 +185,7 @@ class WorkerLife:
         return progressed
 
     def run(self) -> str:
-        if is_replacement():  # started in place of a lost process: the others wait for it
+        if self.env.replacement:  # started in place of a lost process: the others wait for it
             self.generation = self.store.generation_to_join(
                 self.rank, self.cfg.resilience.replacement.join_timeout_s)
             self.awaiting = True
@@ -214,11 +208,11 @@ class WorkerLife:
         in the next rendezvous."""
         if self.rank != 0:
             return
-        if attempt() == 0:
+        if self.env.restart_count == 0:
             self._after_unsaved_end()
             return
         consecutive = relaunches_without_progress(self.run_dir) + 1
-        self._count_restart("relaunch", last_failure(self.run_dir), attempt(),
+        self._count_restart("relaunch", last_failure(self.run_dir), self.env.restart_count,
                             self.cfg.resilience.max_restarts)
         time.sleep(backoff_s(consecutive, self.cfg.resilience.restart_backoff_s))
 
@@ -234,7 +228,8 @@ class WorkerLife:
             # says which steps are trained again instead.
             self._count_restart("relaunch", f"the previous launch ended after step {last} "
                                 "without saving it (its launcher was killed, or it failed)",
-                                attempt(), self.cfg.resilience.max_restarts, unsaved_step=last)
+                                self.env.restart_count, self.cfg.resilience.max_restarts,
+                                unsaved_step=last)
 
     def _count_restart(self, kind: str, reason: str, number: int, limit: int,
                        **fields) -> None:
@@ -286,7 +281,9 @@ class WorkerLife:
             try:
                 if self.watchdog is not None:
                     self.watchdog.pause()
-                raise_in_thread(threading.main_thread().ident, None)
+                main = threading.main_thread().ident
+                assert main is not None  # the main thread runs this
+                raise_in_thread(main, None)
                 return
             except HangAbort:
                 continue
@@ -308,16 +305,30 @@ class WorkerLife:
         faults = FaultInjector(self.cfg.faults, rank=self.rank, run_dir=self.run_dir,
                                checkpoint_root=RunPaths.of(self.cfg).checkpoint_root,
                                events=self.events,
-                               local_node_dir=local_node_dir(self.cfg, self.rank, self.world))
+                               local_node_dir=local_node_dir(self.cfg, self.env),
+                               replacement=self.env.replacement)
         return Supervision(self.watchdog, faults, self.preemption, generation,
                            Fence(self.run_dir, generation, token, self.events))
 
     def _handle_failure(self, err: BaseException, supervision: Supervision,
                         job: Optional[Job]) -> None:
-        """Re-raise what the launcher must handle; otherwise record the
-        failure and announce the abort so every rank restarts with us."""
+        """Re-raise what the launcher must handle, stop the job on a fatal
+        error, or restart: the policy's table decides (`failure_policy`)."""
+        failure = self._facts(err, supervision)
+        action = decide(failure)
+        if action is Action.STOP_JOB:
+            self._stop_job(err, failure.fatal_first)
+        if action is not Action.RESTART:
+            raise err
+        self._restart(err, failure.peer_gone, job, supervision)
+
+    def _facts(self, err: BaseException, supervision: Supervision) -> Failure:
+        """The failure's facts, gathered in this order because the abort
+        board is shared: the failure is recorded before any announcement,
+        and a fatal one is announced (first wins) only while the store can
+        be trusted to be there (no peer lost)."""
         if isinstance(err, Fenced):
-            raise err  # recorded as `fenced`: a rank left behind writes nothing more
+            return Failure(fenced=True)  # recorded as `fenced` by the launcher
         if supervision.fence is not None:
             # A rank the job re-formed without (cut off, then its collectives
             # timed out) records `fenced`, not an error of the job's.
@@ -329,14 +340,32 @@ class WorkerLife:
                          section=section, lost_peer=peer_gone, fatal=is_fatal(err),
                          generation=self.generation, pid=os.getpid(),
                          rss_mb=psutil.Process().memory_info().rss / 2**20)
-        if not peer_gone:  # else the store may be gone too, and the launcher re-forms the job
-            self._stop_if_fatal(err)
-        allowed = self.policy.failed(made_progress)
-        stopping = self.preemption.signalled_at is not None  # told to stop: no restart here
-        replacing = self.cfg.resilience.replacement.enabled
-        if not (self.cfg.resilience.in_process and allowed and (replacing or not peer_gone)
-                and not stopping and restartable(err)):
-            raise err
+        fatal_first = (self.board.fatal(self.generation, err)
+                       if is_fatal(err) and not peer_gone else None)
+        res = self.cfg.resilience
+        return Failure(
+            fatal_first=fatal_first,
+            fatal_announced=(not peer_gone and fatal_first is None
+                             and self.board.fatal_announced(self.generation)),
+            peer_gone=peer_gone, in_process=res.in_process,
+            restart_allowed=self.policy.failed(made_progress),
+            replacing=res.replacement.enabled,
+            stopping=self.preemption.signalled_at is not None,
+            restartable=restartable(err))
+
+    def _stop_job(self, err: BaseException, fatal_first: Optional[dict]) -> None:
+        """Stop with the first fatal error (its rank records `run_failed`),
+        or with the rank that announced one."""
+        if fatal_first is None:
+            raise JobFailed("stopped with the rank that failed") from err
+        if fatal_first["rank"] == self.rank:
+            self.events.emit("run_failed", error=fatal_first["error"])
+        raise JobFailed(fatal_first["error"]) from err
+
+    def _restart(self, err: BaseException, peer_gone: bool, job: Optional[Job],
+                 supervision: Supervision) -> None:
+        """Announce the failure so every rank restarts with us, then wait
+        for a replacement (a peer was lost first) or go again in place."""
         cause = self.board.announce(self.generation, err, "lost_peer" if peer_gone else "error")
         traceback.clear_frames(err.__traceback__)
         if self.board.first_reason(self.generation) == "lost_peer":
@@ -344,6 +373,7 @@ class WorkerLife:
             return
         self.generation += 1
         if self.rank == 0:
+            assert supervision.fence is not None  # every generation's supervision has one
             supervision.fence.check("the record of an in-process restart")
             self._count_restart("in_process", cause, self.policy.consecutive,
                                 self.policy.max_consecutive)
@@ -358,19 +388,6 @@ class WorkerLife:
         self.carried = job.hand_over() if job is not None else supervision.carried
         self.generation += 1
         self.awaiting = True
-
-    def _stop_if_fatal(self, err: BaseException) -> None:
-        """A failure no restart can cure stops every rank: the first rank to
-        meet it announces it (and records `run_failed`); ranks unwinding
-        because of that announcement stop too."""
-        if is_fatal(err):
-            first = self.board.fatal(self.generation, err)
-            if first is not None:
-                if first["rank"] == self.rank:
-                    self.events.emit("run_failed", error=first["error"])
-                raise JobFailed(first["error"]) from err
-        if self.board.fatal_announced(self.generation):
-            raise JobFailed("stopped with the rank that failed") from err
 
     def _teardown(self) -> None:
         """Drop the generation's process groups and free its memory before the
@@ -387,7 +404,7 @@ class WorkerLife:
             torch.cuda.empty_cache()
 
 
-def run_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device,
+def run_worker(cfg: RecipeConfig, env: WorkerEnv, device: torch.device,
                make_job: JobFactory) -> str:
     """Run `make_job`'s jobs as this rank until one finishes, exits at
     train.exit_at_step or is preempted; failures the launcher must handle
@@ -396,4 +413,4 @@ def run_worker(cfg: RecipeConfig, rank: int, world: int, device: torch.device,
     # process: left out of the collection each teardown makes, so the path from
     # a lost process to the next generation does not scan it.
     gc.freeze()
-    return WorkerLife(cfg, rank, world, device, make_job).run()
+    return WorkerLife(cfg, env, device, make_job).run()

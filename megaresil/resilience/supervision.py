@@ -16,9 +16,10 @@ from megaresil.resilience.preemption import PreemptionFlag
 from megaresil.resilience.step_faults import StepFaults
 from megaresil.resilience.watchdog.monitor import Watchdog
 from megaresil.run_lock import launcher_pid
+from megaresil.worker_env import WorkerEnv
 
 
-def end_with_agent() -> None:
+def end_with_agent(env: WorkerEnv) -> None:
     """A worker of a TorchElastic agent ends when its agent does: a worker
     whose launcher was killed (kill -9, a lost terminal) would otherwise
     train on unsupervised, no hang detected, beside the job a rerun starts.
@@ -26,7 +27,7 @@ def end_with_agent() -> None:
     environment; under a torchrun of the user's own (or as a Slurm task,
     whose environment says torchrun) it is the parent at start. Outside an
     agent (library use, tests) nothing changes."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    if env.elastic_run_id is not None:
         die_with_parent(launcher_pid() or os.getppid())
 
 

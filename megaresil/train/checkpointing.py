@@ -5,7 +5,6 @@ from (restart-from-latest), and the weights a new run starts from
 # mypy: ignore-errors
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +29,7 @@ from megaresil.fencing import Fence
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.run_identity import run_id
 from megaresil.train.handover import Carried, LivePlan, recover_live
+from megaresil.worker_env import WorkerEnv
 
 
 def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
@@ -60,7 +60,7 @@ def build_local_tier(cfg: RecipeConfig, events, group: Optional[dist.ProcessGrou
                      device: torch.device, fence: Optional[Fence] = None) -> LocalTier:
     local = cfg.checkpoint.local
     world = dist.get_world_size() if group is not None else 1
-    per_node = ranks_per_node(local.ranks_per_node, world, os.environ.get("LOCAL_WORLD_SIZE"))
+    per_node = ranks_per_node(local.ranks_per_node, world, WorkerEnv.parse().local_world)
     paths = RunPaths.of(cfg)
     paths.check()
     # The run's id is drawn here at its first start (ranks racing agree on one).

@@ -139,13 +139,14 @@ def test_a_generation_that_only_repeats_a_step_is_no_progress(tmp_path, monkeypa
     import torch.distributed as dist
 
     from megaresil.resilience import restart
+    from megaresil.worker_env import WorkerEnv
 
     cfg = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}", "resilience.watchdog.enabled=false",
                                       "resilience.max_in_process_restarts=2",
                                       "resilience.restart_backoff_s=0"])
     monkeypatch.setattr(restart.PreemptionFlag, "install", lambda self: self)
     generations: list = []
-    life = restart.WorkerLife(cfg, 0, 1, torch.device("cpu"),
+    life = restart.WorkerLife(cfg, WorkerEnv.parse({}), torch.device("cpu"),
                               lambda sup: _FailsAfterEachStep(sup, generations),
                               store=dist.HashStore())
     with pytest.raises(RuntimeError, match="device type cpu"):
@@ -176,7 +177,7 @@ def test_a_cuda_worker_sets_cublas_workspace_before_cuda_starts(monkeypatch):
     class CudaWouldStartHere(Exception):
         pass
 
-    def pick_device():
+    def pick_device(local_rank=0):
         seen["env"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
         raise CudaWouldStartHere
 

@@ -37,6 +37,9 @@ FORBIDDEN = {
     # the other way round, so it knows no runtime part.
     "plan": {"model", "parallel", "data", "train", "checkpoint", "resilience"},
 }
+# Leaves: top-level modules any part may import, which import nothing of the
+# package (the errors' base, the worker's parsed environment).
+LEAVES = {"errors", "worker_env"}
 # The wiring: the only parts that know every other part, so nothing else knows them.
 WIRING = {"launch", "cli", "__main__"}
 # Drills (chaos, soak, the fault-injection CLI) run the runtime from outside,
@@ -196,6 +199,18 @@ def test_part_imports_nothing_it_must_not_know(importer):
     bad = [(s, d) for a, b, s, d in cross_part_edges() if a == importer and b in forbidden]
     assert not bad, (f"{PACKAGE}/{importer}/ must import nothing from "
                      f"{', '.join(sorted(forbidden))}:\n{describe(bad)}")
+
+
+@pytest.mark.parametrize("leaf", sorted(LEAVES))
+def test_a_leaf_imports_nothing_of_the_package(leaf):
+    bad = [(s, d) for a, b, s, d in cross_part_edges() if a == leaf and b is not None]
+    assert not bad, f"{PACKAGE}/{leaf}.py must import nothing of {PACKAGE}:\n{describe(bad)}"
+
+
+def test_config_imports_only_the_errors_base():
+    bad = [(s, d) for a, b, s, d in cross_part_edges()
+           if a == "config" and b is not None and b != "errors"]
+    assert not bad, f"{PACKAGE}/config/ imports only {PACKAGE}.errors:\n{describe(bad)}"
 
 
 def test_only_the_wiring_imports_the_wiring():

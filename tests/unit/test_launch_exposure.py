@@ -2,6 +2,8 @@
 listen."""
 from __future__ import annotations
 
+import os
+
 import psutil
 import pytest
 import torch.distributed as dist
@@ -60,13 +62,14 @@ def test_a_rank_hosted_store_listens_on_loopback_when_every_rank_is_on_this_node
     """etcd rendezvous and Slurm's one task per rank: rank 0 hosts the store."""
     from megaresil.ports import free_port
     from megaresil.resilience.coordination import launch_store
+    from megaresil.worker_env import WorkerEnv
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     before = listening_ips()
-    store = launch_store(rank=0, world=2)
+    store = launch_store(WorkerEnv.parse({**os.environ, "RANK": "0", "WORLD_SIZE": "2"}))
     store.set("k", "v")
     opened = listening_ips() - before
     assert (opened == {"127.0.0.1"}) is only_loopback, opened

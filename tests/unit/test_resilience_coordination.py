@@ -11,7 +11,7 @@ import os
 import torch.distributed as dist
 
 from megaresil.resilience.coordination import JobStore, attempt_prefix
-from megaresil.run_lock import HELD_ENV
+from megaresil.worker_env import HELD_ENV, WorkerEnv
 from tests.harness.cli import ROOT
 
 
@@ -90,9 +90,10 @@ def test_the_replacement_protocol_reads_the_keys_it_wrote():
 
 
 def test_an_attempts_prefix_is_its_round_or_its_restart_count():
-    assert attempt_prefix({HELD_ENV: "1", "MASTER_PORT": "29512"}) == "megaresil/round_29512"
-    assert attempt_prefix({"TORCHELASTIC_RESTART_COUNT": "2"}) == "megaresil/attempt_2"
-    assert attempt_prefix({}) == "megaresil/attempt_0"
+    parse = WorkerEnv.parse
+    assert attempt_prefix(parse({HELD_ENV: "1", "MASTER_PORT": "29512"})) == "megaresil/round_29512"
+    assert attempt_prefix(parse({"TORCHELASTIC_RESTART_COUNT": "2"})) == "megaresil/attempt_2"
+    assert attempt_prefix(parse({})) == "megaresil/attempt_0"
 
 
 def test_records_read_back_as_written():

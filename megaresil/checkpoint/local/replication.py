@@ -50,13 +50,13 @@ class Topology:
         return [(rank - i * self.ranks_per_node) % self.world for i in range(1, self.copies + 1)]
 
 
-def ranks_per_node(configured: int, world: int, local_world_size: Optional[str]) -> int:
+def ranks_per_node(configured: int, world: int, local_world_size: Optional[int]) -> int:
     """`checkpoint.local.ranks_per_node`, or the launcher agent's
     LOCAL_WORLD_SIZE, or (neither) the whole world on one node; never more
     than the world."""
     if configured:
         return min(world, configured)
-    return min(world, int(local_world_size)) if local_world_size else world
+    return min(world, local_world_size) if local_world_size else world
 
 
 # --- choosing the step ----------------------------------------------------------------
