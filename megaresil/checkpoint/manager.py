@@ -9,14 +9,13 @@ async_save.py's, shared with the local tier.
 
 The trainer is seen only through `TrainingState` (checkpoint/state.py).
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,9 +36,6 @@ from megaresil.checkpoint.validation import (
     verify_shards,
 )
 from megaresil.fencing import Fence, Fenced
-
-if TYPE_CHECKING:
-    from megaresil.checkpoint.local.tier import LocalTier
 
 
 def layout_plan(gathered: list[list[dict]]) -> dict[str, dict]:
@@ -89,11 +85,10 @@ def commit(partial: Path, final: Path, manifest: dict, make_room: Callable[[Path
 class Checkpointer(BackgroundSaves):
     def __init__(self, root: Path, backend: str, *, group: Optional[dist.ProcessGroup],
                  asynchronous: bool, keep: int, events, device: torch.device,
-                 local: Optional[LocalTier] = None, fence: Optional[Fence] = None):
+                 fence: Optional[Fence] = None):
         super().__init__("ckpt-save", group, device)
         self.root = root
         self.fence = fence  # None: no restarts (library use): every commit is this job's
-        self.local = local  # the node-local tier (checkpoint/local/), on a thread of its own
         self.backend: Backend = get_backend(backend)
         self.asynchronous, self.keep, self.events = asynchronous, keep, events
         self.writers: Optional[dict[tuple, int]] = None
@@ -158,18 +153,6 @@ class Checkpointer(BackgroundSaves):
             copy.wait_on_host()
         self._write_and_commit(mine, state, rank_state, started, report)
 
-    def local_due(self, step: int) -> bool:
-        """Called once after each step: whether the local tier saves now."""
-        return self.local is not None and self.local.due(step)
-
-    def save_local(self, state: TrainingState, step: int) -> None:
-        self.local.save(state, step)
-
-    def before_update(self) -> None:
-        if self.local is not None:
-            self.local.before_update()
-        super().before_update()
-
     def _stage_write_commit(self, rects: list[Rect], state: RunRecord, rank_state: dict,
                             started: float, request: SaveRequest) -> None:
         with request.holding_update():
@@ -187,6 +170,7 @@ class Checkpointer(BackgroundSaves):
             if partial.exists():
                 shutil.rmtree(partial)
             partial.mkdir(parents=True)
+            assert self.layout_plan is not None  # made with the writers (_my_writes)
             self.backend.prepare(partial, self.layout_plan)
         self.coll.barrier()
         done = self.backend.write(partial, staged, self.coll.rank)
@@ -196,7 +180,7 @@ class Checkpointer(BackgroundSaves):
         # Whether this rank's writes hold a NaN or inf rides in the gather the
         # commit needs anyway: such a state is refused, never committed.
         gathered = self.coll.gather((written, rank_state, done.note, nonfinite_keys(staged)))
-        if self.coll.rank == 0 and not self.abandoned:
+        if gathered is not None and not self.abandoned:  # rank 0: it holds the gather
             all_written, rank_states, notes, nonfinite = zip(*gathered)
             refused = [key for keys in nonfinite for key in keys]
             if refused:
@@ -264,19 +248,6 @@ class Checkpointer(BackgroundSaves):
         for old in fmt.committed_checkpoints(self.root)[self.keep:]:
             if old != newest:
                 shutil.rmtree(old, ignore_errors=True)
-
-    def close(self) -> None:
-        if self.local is not None:
-            self.local.close()
-        super().close()
-
-    def abandon(self) -> None:
-        """The job failed (see BackgroundSaves.abandon): the newest committed
-        checkpoint stands, and the partial directory of the save in flight is
-        cleaned at the next start."""
-        super().abandon()
-        if self.local is not None:
-            self.local.abandon()
 
     def barrier(self) -> None:
         """All ranks' checkpointers meet (start-up: after the partial saves

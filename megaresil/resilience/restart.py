@@ -308,7 +308,8 @@ class WorkerLife:
                                local_node_dir=local_node_dir(self.cfg, self.env),
                                replacement=self.env.replacement)
         return Supervision(self.watchdog, faults, self.preemption, generation,
-                           Fence(self.run_dir, generation, token, self.events))
+                           Fence(self.run_dir, generation, token, self.events),
+                           local_world=self.env.local_world)
 
     def _handle_failure(self, err: BaseException, supervision: Supervision,
                         job: Optional[Job]) -> None:

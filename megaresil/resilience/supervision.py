@@ -40,6 +40,9 @@ class Supervision:
     preemption: Optional[PreemptionFlag] = None
     generation: int = 0  # restarts so far in this run directory
     fence: Optional[Fence] = None  # refuses this generation's writes once the job re-forms
+    # Ranks on this rank's node, as its launcher says (None outside one): the
+    # local checkpoint tier's nodes unless the recipe names them.
+    local_world: Optional[int] = None
     # This rank's state from the generation before, when it lost a peer and
     # waited for its replacement (live replacement): the job's own hand_over.
     carried: Optional[object] = None

@@ -1,8 +1,8 @@
 """What the training loop saves and restores, which checkpoint it resumes
 from (restart-from-latest), and the weights a new run starts from
-(checkpoint.init_from): `build_checkpointer` makes both tiers for a recipe,
-`TrainCheckpointing` uses them for one trainer's state."""
-# mypy: ignore-errors
+(checkpoint.init_from): `TrainCheckpointing` is the trainer's one face onto
+checkpointing, owning the global tier and the local tier as peers.
+docs/architecture.md ("The checkpoint face")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,18 +29,21 @@ from megaresil.fencing import Fence
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.run_identity import run_id
 from megaresil.train.handover import Carried, LivePlan, recover_live
-from megaresil.worker_env import WorkerEnv
 
 
-def build_checkpointer(cfg: RecipeConfig, events, watchdog=None, *,
-                       device: torch.device, fence: Optional[Fence] = None) -> Checkpointer:
+def build_tiers(cfg: RecipeConfig, paths: RunPaths, events, watchdog=None, *,
+                device: torch.device, fence: Optional[Fence] = None,
+                local_world: Optional[int] = None) -> tuple[Checkpointer, Optional[LocalTier]]:
+    """The global tier and, if enabled, the local tier of a recipe, each on
+    a process group of its own (made in this order on every rank)."""
     group = checkpoint_group(cfg, watchdog)
     local = None
     if cfg.checkpoint.local.enabled:  # its own group too: it saves beside the global tier
-        local = build_local_tier(cfg, events, checkpoint_group(cfg, watchdog), device, fence)
-    return Checkpointer(RunPaths.of(cfg).checkpoint_root, cfg.checkpoint.backend.value, group=group,
+        local = build_local_tier(cfg, paths, events, checkpoint_group(cfg, watchdog), device,
+                                 fence, local_world)
+    return Checkpointer(paths.checkpoint_root, cfg.checkpoint.backend.value, group=group,
                         asynchronous=cfg.checkpoint.async_, keep=cfg.checkpoint.keep,
-                        events=events, device=device, local=local, fence=fence)
+                        events=events, device=device, fence=fence), local
 
 
 def checkpoint_group(cfg: RecipeConfig, watchdog) -> Optional[dist.ProcessGroup]:
@@ -56,12 +59,16 @@ def checkpoint_group(cfg: RecipeConfig, watchdog) -> Optional[dist.ProcessGroup]
     return group
 
 
-def build_local_tier(cfg: RecipeConfig, events, group: Optional[dist.ProcessGroup],
-                     device: torch.device, fence: Optional[Fence] = None) -> LocalTier:
+def build_local_tier(cfg: RecipeConfig, paths: RunPaths, events,
+                     group: Optional[dist.ProcessGroup], device: torch.device,
+                     fence: Optional[Fence] = None,
+                     local_world: Optional[int] = None) -> LocalTier:
+    """The local tier over the recipe's nodes: `local_world` ranks a node
+    (the launcher's LOCAL_WORLD_SIZE, None outside one) unless the recipe
+    says (checkpoint.local.ranks_per_node)."""
     local = cfg.checkpoint.local
     world = dist.get_world_size() if group is not None else 1
-    per_node = ranks_per_node(local.ranks_per_node, world, WorkerEnv.parse().local_world)
-    paths = RunPaths.of(cfg)
+    per_node = ranks_per_node(local.ranks_per_node, world, local_world)
     paths.check()
     # The run's id is drawn here at its first start (ranks racing agree on one).
     return LocalTier(paths.local_root, run_id(paths.run_dir),
@@ -101,19 +108,32 @@ class Loaded:
 
 
 class TrainCheckpointing:
-    """One trainer's checkpoints: saving its `state` through `checkpointer`
-    (both tiers), resuming from the newest state every rank can recover,
-    and starting a new run from other weights. Events go out from rank 0."""
+    """One trainer's checkpoints: saving its `state` through the global tier
+    and the local tier (None: off), held as peers, resuming from the newest
+    state every rank can recover, and starting a new run from other weights.
+    Events go out from rank 0."""
 
-    def __init__(self, cfg: RecipeConfig, checkpointer: Checkpointer, state: TrainingState,
-                 events, rank: int, job_started: float):
-        self.cfg, self.checkpointer, self.state = cfg, checkpointer, state
-        self.events, self.rank = events, rank
+    def __init__(self, cfg: RecipeConfig, global_tier: Checkpointer,
+                 local_tier: Optional[LocalTier], state: TrainingState, events, rank: int,
+                 job_started: float):
+        self.cfg, self.global_tier, self.local_tier = cfg, global_tier, local_tier
+        self.state, self.events, self.rank = state, events, rank
         self.job_started = job_started  # when the launcher (or torchrun) started the job
 
+    @classmethod
+    def build(cls, cfg: RecipeConfig, state: TrainingState, events, *, watchdog,
+              device: torch.device, fence: Optional[Fence], rank: int,
+              job_started: float, local_world: Optional[int] = None) -> TrainCheckpointing:
+        """Both tiers of a recipe (build_tiers) over a trainer's `state`."""
+        global_tier, local_tier = build_tiers(cfg, RunPaths.of(cfg), events, watchdog,
+                                              device=device, fence=fence,
+                                              local_world=local_world)
+        return cls(cfg, global_tier, local_tier, state, events, rank, job_started)
+
     @property
-    def local(self) -> Optional[LocalTier]:
-        return self.checkpointer.local
+    def root(self) -> Path:
+        """The global checkpoint root."""
+        return self.global_tier.root
 
     def emit(self, event: str, **fields) -> None:
         if self.rank == 0:
@@ -122,22 +142,55 @@ class TrainCheckpointing:
     # --- saving -----------------------------------------------------------------
 
     def save(self) -> None:
-        """Checkpoint the trainer's state at its current step."""
-        self.checkpointer.save_training(self.state)
+        """Checkpoint the trainer's state at its current step (global tier)."""
+        self.global_tier.save_training(self.state)
+
+    def local_due(self, step: int) -> bool:
+        """Called once after each step: whether the local tier saves now."""
+        return self.local_tier is not None and self.local_tier.due(step)
 
     def save_local(self, step: int) -> None:
-        self.checkpointer.save_local(self.state, step)
+        """Save to the local tier (when local_due says so: never without one)."""
+        assert self.local_tier is not None
+        self.local_tier.save(self.state, step)
+
+    def before_update(self) -> None:
+        """Call before the optimizer step changes the saved tensors: each
+        tier's save in flight releases the loop first (local, then global)."""
+        if self.local_tier is not None:
+            self.local_tier.before_update()
+        self.global_tier.before_update()
+
+    def wait(self) -> None:
+        """Wait for both tiers' saves in flight (global, then local)."""
+        self.global_tier.wait()
+        if self.local_tier is not None:
+            self.local_tier.wait()
 
     def finish(self) -> None:
         """The run finished: with a global checkpoint of its last step
         (checkpoint.interval not 0), the local shards are released."""
-        if self.local is not None and self.cfg.checkpoint.interval != 0:
-            self.local.remove_all()
+        if self.local_tier is not None and self.cfg.checkpoint.interval != 0:
+            self.local_tier.remove_all()
+
+    def close(self) -> None:
+        """Finish the saves in flight (local, then global) and stop both tiers."""
+        if self.local_tier is not None:
+            self.local_tier.close()
+        self.global_tier.close()
+
+    def abandon(self) -> None:
+        """The job failed (see BackgroundSaves.abandon): the newest committed
+        checkpoint stands, and the partial directory of the save in flight is
+        cleaned at the next start. Global tier first, then local."""
+        self.global_tier.abandon()
+        if self.local_tier is not None:
+            self.local_tier.abandon()
 
     # --- resuming ---------------------------------------------------------------
 
     def candidates(self) -> list[Path]:
-        return candidates(self.cfg.checkpoint.load, self.checkpointer.root, self.job_started)
+        return candidates(self.cfg.checkpoint.load, self.root, self.job_started)
 
     def choose(self, newer_than: Optional[int] = None,
                skipped: Optional[list] = None) -> Optional[tuple[Path, dict]]:
@@ -151,7 +204,7 @@ class TrainCheckpointing:
                 break
             try:
                 manifest = read_manifest(path)
-                reason = self.checkpointer.verify(path, manifest)
+                reason = self.global_tier.verify(path, manifest)
             except fmt.CheckpointError as err:
                 reason = str(err)
             if reason is None:
@@ -166,7 +219,7 @@ class TrainCheckpointing:
         if skipped:
             listing = "; ".join(f"{p.name}: {r}" for p, r in skipped)
             raise NoValidCheckpoint(
-                f"checkpoints exist under {self.checkpointer.root} but none is valid ({listing}). "
+                f"checkpoints exist under {self.root} but none is valid ({listing}). "
                 "Fix: move the bad ones away, or set checkpoint.load=none to start from scratch.")
         return None
 
@@ -175,11 +228,11 @@ class TrainCheckpointing:
         recover (None when there is none, or the tier is not consulted) and, if
         none, why."""
         load = self.cfg.checkpoint.load
-        if self.local is None:
+        if self.local_tier is None:
             return None, "the local tier is off (checkpoint.local.enabled=false)"
         if load != "auto":
             return None, f"checkpoint.load={load} names what to load"
-        choice = self.local.find(self.state.layout_record())
+        choice = self.local_tier.find(self.state.layout_record())
         if choice.step is None:
             return None, "; ".join(choice.skipped) or "no local step is held"
         return choice, ""
@@ -204,27 +257,27 @@ class TrainCheckpointing:
                                            f"{saved.step}; no checkpoint is newer"},
                      from_peers={o: h for o, h in live.sources.items() if o != h},
                      bytes_moved=live.bytes_moved)
-        if self.local is not None:
-            self.local.discard_after(saved.step)
-            self.local.check_space(self.state)
+        if self.local_tier is not None:
+            self.local_tier.discard_after(saved.step)
+            self.local_tier.check_space(self.state)
         return Loaded("state from live peers", None)
 
     def newest_saved_step(self) -> int:
         """Collective: the step of the newest global checkpoint committed
         under the root (0: none), the oldest any rank sees."""
         newest = next((step_of(path) or 0 for path in fmt.committed_checkpoints(
-            self.checkpointer.root) if (path / fmt.MARKER).is_file()), 0)
-        return min(self.checkpointer.coll.all_gather(newest))
+            self.root) if (path / fmt.MARKER).is_file()), 0)
+        return min(self.global_tier.coll.all_gather(newest))
 
     def clean_partials(self) -> None:
         """Saves left half-written by a failure are removed (rank 0), before
         any rank saves again."""
         if self.rank == 0:
-            root = self.checkpointer.root
+            root = self.root
             for name in fmt.clean_partials(root):
                 self.emit("checkpoint_skipped", path=str(root / name),
                           reason="incomplete save removed at start-up")
-        self.checkpointer.barrier()
+        self.global_tier.barrier()
 
     def resume(self, why_not_live: str = "") -> Optional[Loaded]:
         """Restart-from-latest across both tiers: the newest state every rank
@@ -239,14 +292,14 @@ class TrainCheckpointing:
         chosen = self.choose(newer_than=local.step if local else None, skipped=skipped_global)
         if chosen is not None:
             path, manifest = chosen
-            saved = self.checkpointer.load_training(path, manifest, self.state)
+            saved = self.global_tier.load_training(path, manifest, self.state)
             if local is not None:
                 why_not_local = f"local step {local.step} is older than global step {saved.step}"
             self._loaded(saved, path, "global", {"local": why_not_local, **live})
             found = Loaded("checkpoint load", fmt.data_bytes(manifest))
-        elif local is not None:
-            saved = self.local.recover(local, self.state)
-            path = self.local.store.shard_dir(saved.step, self.rank)
+        elif local is not None and self.local_tier is not None:  # a choice is the tier's
+            saved = self.local_tier.recover(local, self.state)
+            path = self.local_tier.store.shard_dir(saved.step, self.rank)
             self._loaded(saved, path, "local",
                          {"global": self.why_not_global(skipped_global, saved.step), **live},
                          from_replicas=sorted(o for o, h in local.sources.items() if o != h))
@@ -256,9 +309,9 @@ class TrainCheckpointing:
             # Nothing of this run's own to resume: a new run, from other weights if asked.
             if self.cfg.checkpoint.init_from:
                 self.initialize_from(Path(self.cfg.checkpoint.init_from))
-        if self.local is not None:
-            self.local.discard_after(saved.step if saved else None)
-            self.local.check_space(self.state)
+        if self.local_tier is not None:
+            self.local_tier.discard_after(saved.step if saved else None)
+            self.local_tier.check_space(self.state)
         return found
 
     def why_not_global(self, skipped: list, local_step: int) -> str:
@@ -284,11 +337,12 @@ class TrainCheckpointing:
         takes a full checkpoint's optimizer state, step and data position too."""
         source, manifest = self._init_source(path)
         with_optimizer = self.cfg.checkpoint.init_from_optimizer
+        saved_layout: Optional[dict]
         if with_optimizer:
-            saved = self.checkpointer.load_training(path, manifest, self.state)
+            saved = self.global_tier.load_training(path, manifest, self.state)
             step, saved_layout = saved.step, saved.layout
         else:
-            self.checkpointer.load_weights(source, self.state)
+            self.global_tier.load_weights(source, self.state)
             step, saved_layout = 0, manifest["layout"] if manifest else None
         self.emit("initialized_from", path=str(path), step=step,
                   source="checkpoint" if manifest else "hugging_face",
@@ -312,7 +366,7 @@ class TrainCheckpointing:
             raise fmt.CheckpointError(f"checkpoint.init_from={path}: {err}. Fix: give a "
                                       "committed checkpoint (RUN/checkpoints/step_N) or a Hugging "
                                       "Face model directory.") from None
-        reason = self.checkpointer.verify(path, source.manifest)
+        reason = self.global_tier.verify(path, source.manifest)
         if reason:
             raise fmt.CheckpointError(f"checkpoint.init_from={path} is corrupt: {reason}. Fix: "
                                       "start from an earlier checkpoint.")

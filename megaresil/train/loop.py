@@ -67,9 +67,6 @@ class Trainer:
             # A state taken from the ranks' memory overwrites every value drawn.
             self.build(cfg, layout, draw=not (live and live.serves))
         started = phases.clock()
-        self.checkpointing = checkpointing.TrainCheckpointing(
-            cfg, self.checkpointer, self.checkpoint_state, self.events, layout.rank,
-            job_started=process_times()["launched_at"])
         loaded = self.checkpointing.start(self.supervision.carried, live, layout)
         self.supervision.carried = None  # loaded: its memory goes back
         if loaded is not None:
@@ -88,7 +85,7 @@ class Trainer:
                                      agreement=live.agreement(layout.rank) if live else None)
 
     def build(self, cfg: RecipeConfig, layout: ParallelLayout, draw: bool = True) -> None:
-        """Data, model chunks, optimizer, grad buffers and checkpointer; the
+        """Data, model chunks, optimizer, grad buffers and checkpoints; the
         model's initial values are drawn unless `draw` is False (a load
         certain to overwrite them follows)."""
         make_deterministic(cfg, layout.device)
@@ -128,13 +125,13 @@ class Trainer:
         self.grads = GradBuffers(self.params, self.opt_params, self.reducer(),
                                  grad_dtype=torch.float32)
         self.state = Progress(skipped=configured_skips(cfg))
-        self.checkpointer = checkpointing.build_checkpointer(cfg, self.events,
-                                                             self.supervision.watchdog,
-                                                             device=layout.device,
-                                                             fence=self.supervision.fence)
         self.checkpoint_state = LiveTrainingState(cfg, layout, list(self.named_state_parameters()),
                                              self.optimizer, self.state, self.supervision.watchdog,
                                              after_load=self.main_to_model if bf16 else None)
+        self.checkpointing = checkpointing.TrainCheckpointing.build(
+            cfg, self.checkpoint_state, self.events, watchdog=self.supervision.watchdog,
+            device=layout.device, fence=self.supervision.fence, rank=layout.rank,
+            job_started=process_times()["launched_at"], local_world=self.supervision.local_world)
 
     def main_to_model(self) -> None:
         """bf16 model := fp32 main weights (after a checkpoint load)."""
@@ -248,7 +245,7 @@ class Trainer:
             clip_gradients([g for _, g in entries], norm, self.cfg.optimizer.grad_clip)
             set_lr(self.optimizer, lr_at(step, self.cfg.optimizer, self.cfg.train.steps))
             self.state.settled = False  # until the step is counted (train_step)
-            self.checkpointer.before_update()  # an async save may still be copying the weights
+            self.checkpointing.before_update()  # an async save may still be copying the weights
             self.optimizer.step()
             if self.main is not None:
                 self.main.copy_to_model()
@@ -345,7 +342,7 @@ class Trainer:
                 step = record["step"]
                 self.saves.step_done(step, record["step_time_s"],
                                      first_of_process=self.supervision.steps == 1)
-                saving, saving_local = self.saves.due(step), self.checkpointer.local_due(step)
+                saving, saving_local = self.saves.due(step), self.checkpointing.local_due(step)
                 # On the training thread's own (world) group: the checkpoint
                 # group belongs to the save thread while a save is in flight.
                 stopping = self.supervision.preempted(None)
@@ -374,7 +371,7 @@ class Trainer:
                 if step == t.exit_at_step:
                     return self.stop("exited", last_record)
         except BaseException:
-            self.checkpointer.abandon()  # a failed job does not wait for its save
+            self.checkpointing.abandon()  # a failed job does not wait for its save
             raise
         finally:
             profiler.finish()
@@ -406,7 +403,7 @@ class Trainer:
 
     def close(self) -> None:
         """Finish the save in flight and release what would outlive the trainer."""
-        self.checkpointer.close()
+        self.checkpointing.close()
         self.grads.close()
 
     def save(self) -> None:
@@ -416,7 +413,7 @@ class Trainer:
         self.saves.saved(self.state.step, time.perf_counter() - started)
 
     def stop(self, outcome: str, last_record: Optional[dict] = None) -> str:
-        self.checkpointer.close()  # a preemption checkpoint must be committed before exit
+        self.checkpointing.close()  # a preemption checkpoint must be committed before exit
         if outcome == "finished":
             self.checkpointing.finish()
         # The rank that writes metrics ends the story: under pipeline
@@ -424,7 +421,7 @@ class Trainer:
         if self.layout.is_logging_rank:
             goodput = write_goodput(self.run_dir)
             if outcome == "finished":
-                line = story.summary(self.cfg, self.checkpointer.root, self.state.step,
+                line = story.summary(self.cfg, self.checkpointing.root, self.state.step,
                                      last_record, goodput)
                 self.events.emit("run_finished", step=self.state.step, goodput=goodput, line=line)
                 story.tell(line)

@@ -232,9 +232,7 @@ class NumericsGuard:
         skipped = dict(self.progress.skipped)
         with self.section("checkpoint", step):
             # The saves in flight are of earlier, checked steps: let them commit first.
-            self.checkpointing.checkpointer.wait()
-            if self.checkpointing.local is not None:
-                self.checkpointing.local.wait()
+            self.checkpointing.wait()
             with self.progress.changing():  # a failure mid-load leaves no step's state
                 loaded = self.checkpointing.resume()
             if loaded is None:

@@ -57,14 +57,14 @@ def kill_during_save(trainer: Trainer, rank: int, step: int) -> None:
     """Make `rank` die by SIGKILL while writing checkpoint `step`'s data."""
     if dist.get_rank() != rank:
         return
-    write = trainer.checkpointer.backend.write
+    write = trainer.checkpointing.global_tier.backend.write
 
     def dying_write(directory, rects, rank):
         if directory.name.startswith(f"step_{step:07d}"):
             os.kill(os.getpid(), signal.SIGKILL)
         return write(directory, rects, rank)
 
-    trainer.checkpointer.backend.write = dying_write
+    trainer.checkpointing.global_tier.backend.write = dying_write
 
 
 def train_case(case: Case, run_dir: Path, layout: ParallelLayout) -> Trainer:
