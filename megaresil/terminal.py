@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import IO, Callable, Optional
 
 from tqdm import tqdm
+
+from megaresil.clock import Clock, SystemClock
 
 DEFAULT_INTERVAL_S = 10.0
 # Tests lower it (to 0: a line at every update) to see the plain lines of a
@@ -51,12 +52,12 @@ class SizedProgress:
     (the elapsed time scaled by what is left)."""
 
     def __init__(self, what: str, total: Optional[int], *,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Clock = SystemClock(),
                  say: Callable[[str], None] = _say, interval: Optional[float] = None,
                  drawn: Optional[bool] = None):
         self.what, self.total, self.clock, self.say = what, total, clock, say
         self.interval = interval_s() if interval is None else interval
-        self.started = self.last_line = clock()
+        self.started = self.last_line = clock.monotonic()
         drawn = draws_bars() if drawn is None else drawn
         self.bar = tqdm(total=total, desc=what, unit="B", unit_scale=True, file=sys.stderr,
                         dynamic_ncols=True) if drawn else None
@@ -67,7 +68,7 @@ class SizedProgress:
                                  refresh=False)
             self.bar.update(done - self.bar.n)
             return
-        now = self.clock()
+        now = self.clock.monotonic()
         if now - self.last_line >= self.interval:
             self.last_line = now
             self.say(self.line(done, now - self.started, figures))

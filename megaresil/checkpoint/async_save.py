@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from megaresil.checkpoint.collectives import Collectives, own_group, wait_for
 from megaresil.checkpoint.staging import StagingCopy
+from megaresil.clock import Clock, SystemClock
 from megaresil.fencing import Fence
 
 
@@ -40,8 +40,8 @@ class SaveReport:
     save releases the loop before it commits), and a loop that is waiting at that
     moment sends the event itself when its wait ends."""
 
-    def __init__(self, events, event: str = "checkpoint_saved"):
-        self.events, self.event = events, event
+    def __init__(self, events, event: str = "checkpoint_saved", clock: Clock = SystemClock()):
+        self.events, self.event, self.clock = events, event, clock
         self.lock = threading.Lock()
         self.held = 0.0  # seconds the loop has been held so far
         self.waiting = False  # the loop is in `loop_waiting`
@@ -58,11 +58,11 @@ class SaveReport:
         """Around the loop's wait for the save: its duration counts as held."""
         with self.lock:
             self.waiting = True
-        started = time.perf_counter()
+        started = self.clock.monotonic()
         try:
             yield
         finally:
-            self.loop_held(time.perf_counter() - started)
+            self.loop_held(self.clock.monotonic() - started)
 
     def saved(self, **figures) -> None:
         with self.lock:
@@ -100,10 +100,11 @@ class BackgroundSaves:
     """At most one save in flight, run on a one-thread executor that owns
     `group` (every collective of the tier runs there, see collectives.py).
     A tier subclasses it and submits its work; `_loop_held` hears each time
-    the loop was held waiting for a save."""
+    the loop was held waiting for a save, on `clock`."""
 
     def __init__(self, thread_name: str, group: Optional[dist.ProcessGroup],
-                 device: torch.device):
+                 device: torch.device, clock: Clock = SystemClock()):
+        self.clock = clock
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name,
                                            initializer=own_group, initargs=(group, device))
         self.coll = Collectives(group, self.executor)
@@ -127,11 +128,11 @@ class BackgroundSaves:
         reports how long the loop was held."""
         if self.request is None:
             return
-        started = time.perf_counter()
+        started = self.clock.monotonic()
         with self.request.report.loop_waiting():
             wait_for(self.request.released)
         self.request.copy.order_before_update()
-        self._loop_held(time.perf_counter() - started)
+        self._loop_held(self.clock.monotonic() - started)
         self.request = None
 
     def wait(self) -> None:
@@ -139,9 +140,9 @@ class BackgroundSaves:
         self.before_update()
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            started = time.perf_counter()
+            started = self.clock.monotonic()
             wait_for(pending)
-            self._loop_held(time.perf_counter() - started)
+            self._loop_held(self.clock.monotonic() - started)
 
     def close(self) -> None:
         if not self.abandoned:

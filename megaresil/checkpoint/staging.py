@@ -13,13 +13,13 @@ A `StagingCopy` is made on the training thread at the save call; the copying
 and the host wait run on the save thread (whose CUDA device is the trainer's:
 parallel/layout.py `use_device`); `order_before_update` runs on the training thread again.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
-import time
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
+
+from megaresil.clock import Clock, SystemClock
 
 
 class StagingCopy:
@@ -62,6 +62,7 @@ class StagingCopy:
             for target, source in zip(targets, sources):
                 target.copy_(source)
             return
+        assert self.ready is not None  # recorded at the save call, on a GPU
         stream = torch.cuda.Stream(self.device)
         stream.wait_event(self.ready)
         with torch.cuda.stream(stream):
@@ -79,17 +80,16 @@ class StagingCopy:
         if self.done is not None:
             self.done.synchronize()
 
-    def landed_within(self, seconds: float, clock: Callable[[], float] = time.monotonic,
-                      sleep: Callable[[float], None] = time.sleep) -> bool:
+    def landed_within(self, seconds: float, clock: Clock = SystemClock()) -> bool:
         """Whether the copies have landed, waiting `seconds` at most: after a
         failure a copy may be queued behind a kernel that never ends (a
         collective a lost peer left), and a caller that must not hang gives
         up on it."""
-        deadline = clock() + seconds
+        deadline = clock.monotonic() + seconds
         while self.done is not None and not self.done.query():
-            if clock() > deadline:
+            if clock.monotonic() > deadline:
                 return False
-            sleep(0.01)
+            clock.sleep(0.01)
         return True
 
     def order_before_update(self) -> None:

@@ -6,18 +6,19 @@ failure excludes the node and ends its wait, so it leaves before the job
 needs it and the next spare is taken instead. A node admitted after a wait
 longer than the interval is checked once more before its workers start.
 docs/clusters.md#health-checks."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import _thread
 import signal
 import socket
 import threading
-import time
 from collections.abc import Callable
-from typing import Optional
+from types import FrameType
+from typing import Any, Optional, Union
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from megaresil.clock import Clock, SystemClock
 
 # Raised in the main thread (blocked in TorchElastic's rendezvous loop) by the
 # checking thread, through _thread.interrupt_main: unlike a real signal it
@@ -50,7 +51,7 @@ class WaitingChecks:
     A failure raises NodeExcluded out of the block."""
 
     def __init__(self, check: Callable[[], Optional[str]], interval_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Clock = SystemClock()):
         self.check = check
         self.interval_s = interval_s
         self.clock = clock
@@ -58,18 +59,19 @@ class WaitingChecks:
         self.stopped = threading.Event()
         self.lock = threading.Lock()  # no interruption once the wait is over
         self.started = 0.0
-        self.previous = None
+        # The handler the wait replaces.
+        self.previous: Union[Callable[[int, Optional[FrameType]], Any], int, None] = None
         self.thread = threading.Thread(target=self._watch, name="megaresil-waiting-checks",
                                        daemon=True)
 
     def __enter__(self) -> "WaitingChecks":
-        self.started = self.clock()
+        self.started = self.clock.monotonic()
         self.previous = signal.signal(WAKE_SIGNAL, _wake)
         self.thread.start()
         return self
 
     def _watch(self) -> None:
-        while not self.stopped.wait(self.interval_s):
+        while not self.clock.wait(self.stopped, self.interval_s):
             refusal = self._checked()
             with self.lock:
                 if refusal and not self.stopped.is_set():
@@ -98,7 +100,7 @@ class WaitingChecks:
             signal.signal(WAKE_SIGNAL, self.previous)
         if self.refusal:
             raise NodeExcluded(self.refusal) from None
-        if exc_type is None and self.clock() - self.started >= self.interval_s:
+        if exc_type is None and self.clock.monotonic() - self.started >= self.interval_s:
             refusal = self._checked()
             if refusal:
                 raise NodeExcluded(refusal)

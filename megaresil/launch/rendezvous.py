@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 from collections.abc import Callable
 from typing import Optional
 
@@ -25,6 +24,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from megaresil.clock import Clock, SystemClock
 from megaresil.compat import rendezvous_round
 
 # The backends wrapped: TorchElastic's names, registered again under this
@@ -42,7 +42,7 @@ class AgentRendezvous(RendezvousHandler):
     module docstring says; `say` prints a line for a person."""
 
     def __init__(self, inner: RendezvousHandler, endpoint: str, say: Callable[[str], None],
-                 *, rides_out_outages: bool, clock: Callable[[], float] = time.monotonic):
+                 *, rides_out_outages: bool, clock: Clock = SystemClock()):
         self.inner, self.endpoint, self.say, self.clock = inner, endpoint, say, clock
         self.rides_out_outages = rides_out_outages
         self.out_since: float | None = None  # when the rendezvous stopped answering
@@ -59,7 +59,7 @@ class AgentRendezvous(RendezvousHandler):
         return waiting
 
     def _nodes_waiting(self) -> int:
-        asked = self.clock()  # a read of an unreachable host fails only after its timeouts
+        asked = self.clock.monotonic()  # a read of an unreachable host fails only after its timeouts
         try:
             waiting = self.inner.num_nodes_waiting()
         except RendezvousConnectionError as err:
@@ -73,7 +73,7 @@ class AgentRendezvous(RendezvousHandler):
             return 0
         if self.out_since is not None:
             self.say(f"megaresil: the rendezvous at {self.endpoint} answers again, after "
-                     f"{self.clock() - self.out_since:.0f}s out of reach")
+                     f"{self.clock.monotonic() - self.out_since:.0f}s out of reach")
             self.out_since = None
         return waiting
 

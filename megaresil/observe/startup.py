@@ -8,11 +8,12 @@ once."""
 from __future__ import annotations
 
 import os
-import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Protocol
 
 import psutil
+
+from megaresil.clock import Clock, SystemClock
 
 DEFAULT_THRESHOLD_S = 2.0
 # Tests lower it (to 0: every phase gets its line) to see the lines of a
@@ -43,7 +44,7 @@ class StartupPhases:
     bytes and bytes_per_s; and said through `say`, where given (the launcher,
     whose own phases come before its console follows the events)."""
 
-    def __init__(self, events: Events, rank: int, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, events: Events, rank: int, *, clock: Clock = SystemClock(),
                  threshold: Optional[float] = None, say: Optional[Callable[[str], None]] = None):
         self.events, self.rank, self.clock, self.say = events, rank, clock, say
         self.threshold = threshold_s() if threshold is None else threshold
@@ -54,9 +55,9 @@ class StartupPhases:
         dict it is given. An exception ends the phase without a line: the
         failure has its own."""
         found: dict = {}
-        started = self.clock()
+        started = self.clock.monotonic()
         yield found
-        self.finished(name, self.clock() - started, found.get("bytes"))
+        self.finished(name, self.clock.monotonic() - started, found.get("bytes"))
 
     def finished(self, name: str, seconds: float, nbytes: Optional[int] = None) -> None:
         if self.rank != 0 or seconds < self.threshold:

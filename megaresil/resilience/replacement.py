@@ -12,9 +12,9 @@ the waiting ranks' judgement of them.
 docs/fault-tolerance.md ("Live replacement") says it for users."""
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
+from megaresil.clock import Clock, SystemClock
 from megaresil.errors import MegaresilError
 from megaresil.resilience.coordination import JobStore
 
@@ -38,18 +38,17 @@ class ReplacementFailed(MegaresilError):
 
 def await_members(store: JobStore, generation: int, world: int, join_timeout_s: float, *,
                   stopping: Callable[[], bool] = lambda: False,
-                  clock: Callable[[], float] = time.monotonic,
-                  sleep: Callable[[float], None] = time.sleep) -> None:
+                  clock: Clock = SystemClock()) -> None:
     """Wait until every rank entered `generation`; raises ReplacementFailed
     once a missing rank has no replacement started and has been silent (no
     heartbeat of the generation before) for NOTICE_S, once any is still
     missing after `join_timeout_s`, or once this rank is told to stop (the
     agent is stopping the workers)."""
-    started = clock()
+    started = clock.monotonic()
     looked = started - POLL_S  # look at once
     beats = Liveness(store, generation - 1, clock)
     while True:
-        now = clock()
+        now = clock.monotonic()
         due = now - looked >= POLL_S
         # The count only says when to look: a rank that entered twice (a
         # replacement lost in turn) must not stand in for a missing one.
@@ -62,7 +61,7 @@ def await_members(store: JobStore, generation: int, world: int, join_timeout_s: 
         if due:
             looked = now
             give_up_on(missing, store, generation, beats, now, now - started, join_timeout_s)
-        sleep(max(ENTERED_POLL_S, world / ENTERED_READS_PER_S))
+        clock.sleep(max(ENTERED_POLL_S, world / ENTERED_READS_PER_S))
 
 
 def give_up_on(missing: list[int], store: JobStore, generation: int, beats: Liveness,
@@ -88,10 +87,10 @@ class Liveness:
     collective ends at its time limit) beats on and is waited for; a lost
     one is silent. Without a watchdog every rank is silent from the start."""
 
-    def __init__(self, store: JobStore, generation: int, clock: Callable[[], float]):
+    def __init__(self, store: JobStore, generation: int, clock: Clock):
         self.store, self.generation = store, generation
         self.seen: dict[int, tuple[Optional[int], float]] = {}  # rank -> (beat, since)
-        self.started = clock()
+        self.started = clock.monotonic()
 
     def silent_s(self, rank: int, now: float) -> float:
         heartbeat = self.store.heartbeat(self.generation, rank)

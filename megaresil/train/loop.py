@@ -66,11 +66,11 @@ class Trainer:
         with phases.phase("data, model and optimizer build"):
             # A state taken from the ranks' memory overwrites every value drawn.
             self.build(cfg, layout, draw=not (live and live.serves))
-        started = phases.clock()
+        started = phases.clock.monotonic()
         loaded = self.checkpointing.start(self.supervision.carried, live, layout)
         self.supervision.carried = None  # loaded: its memory goes back
         if loaded is not None:
-            phases.finished(loaded.phase, phases.clock() - started, loaded.nbytes)
+            phases.finished(loaded.phase, phases.clock.monotonic() - started, loaded.nbytes)
         self.saves = SaveSchedule(cfg, self.state.step, events=self.events, rank=layout.rank,
                                   last_saved=self.checkpointing.newest_saved_step()
                                   if live and live.serves else None)

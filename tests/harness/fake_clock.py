@@ -1,27 +1,42 @@
 """A clock that moves only when a test says so, and a thread CPU clock to
-match: the watchdog's judgement runs on them deterministically, whatever
-the machine's load."""
+match: time-dependent judgement (the watchdog's, live replacement's wait,
+the local tier's cadence) runs on them deterministically, whatever the
+machine's load."""
 from __future__ import annotations
 
 import threading
+from typing import Callable, Optional
 
 
 class FakeClock:
-    """The watchdog's Clock (monotonic + wait) on test time. A wait returns
-    when its event is set or when `advance` carries the time past its
-    deadline; nothing else moves the time."""
+    """megaresil.clock.Clock on test time. Nothing moves the time but
+    `advance`, `sleep` (which returns at once, after `on_sleep`: what the
+    test makes happen meanwhile), an assignment to `now`, and the reads
+    themselves when `tick` is given: each read returns the time, then moves
+    it on by `tick` (code that reads the clock once per step, a step `tick`
+    seconds). A wait returns when its event is set or when the time passes
+    its deadline."""
 
-    def __init__(self, now: float = 0.0):
-        self.now = now
+    def __init__(self, now: float = 0.0, tick: float = 0.0):
+        self.now, self.tick = now, tick
+        self.on_sleep: Optional[Callable[[], None]] = None
         self.moved = threading.Condition()
 
     def monotonic(self) -> float:
-        return self.now
+        now = self.now
+        if self.tick:
+            self.advance(self.tick)
+        return now
 
     def advance(self, seconds: float) -> None:
         with self.moved:
             self.now += seconds
             self.moved.notify_all()
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+        if self.on_sleep is not None:
+            self.on_sleep()
 
     def wait(self, event: threading.Event, timeout: float) -> bool:
         deadline = self.now + timeout

@@ -16,8 +16,9 @@ from megaresil.checkpoint.local.runs import other_runs, run_local_dir
 from megaresil.config import ConfigError, load_recipe, to_dict
 from megaresil.run_identity import read_run_id, run_id
 from tests.harness.dist import RECIPE, TINY
-from tests.unit.test_checkpoint_local_tier import (LAYOUT, RUN_ID, FakeClock, FakeState,
-                                                   flip_byte, run_steps, shard, single_tier)
+from tests.harness.fake_clock import FakeClock
+from tests.unit.test_checkpoint_local_tier import (LAYOUT, RUN_ID, FakeState, flip_byte,
+                                                   run_steps, shard, single_tier)
 
 ONE = {**LAYOUT, "dp": 1, "world_size": 1}  # the layout of single_tier's one rank
 OTHER_ID = "fedcba9876543210"

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megaresil.checkpoint.local.cadence import Cadence
+from megaresil.clock import Clock, SystemClock
 from megaresil.checkpoint.local.replication import Topology, complete_step, transfers
 from megaresil.checkpoint.local.shard import Shard, add_checksums, stage, unpack_into
 from megaresil.checkpoint.local.store import NodeStore
@@ -18,6 +19,7 @@ from megaresil.checkpoint.validation import shard_problem
 from megaresil.events import read_events, read_metrics
 from megaresil.ports import free_port
 from tests.harness.dist import spawn_ranks
+from tests.harness.fake_clock import FakeClock
 from tests.harness.journey import home, megaresil, with_demo_corpus  # noqa: F401  (home: a fixture)
 
 LAYOUT = {"tp": 1, "pp": 1, "dp": 2, "world_size": 2}
@@ -175,10 +177,8 @@ def test_retention_keeps_the_newest_steps_of_what_this_rank_writes(tmp_path):
     assert held[1] == held[2] == [1]  # another rank's shards are its own to retire
 
 
-def test_adaptive_interval_is_the_smallest_keeping_the_hold_within_five_percent(monkeypatch):
-    clock = iter(float(i) for i in range(100))  # due() is called one second apart
-    monkeypatch.setattr("megaresil.checkpoint.local.cadence.time.perf_counter", lambda: next(clock))
-    cadence = Cadence(interval=0)
+def test_adaptive_interval_is_the_smallest_keeping_the_hold_within_five_percent():
+    cadence = Cadence(interval=0, clock=FakeClock(tick=1.0))  # due() is called one second apart
     assert cadence.due(1)
     cadence.saving(1)
     cadence.agree([cadence.proposal, 1])
@@ -363,24 +363,16 @@ class FillingStore(NodeStore):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def single_tier(root: Path, monkeypatch, run_id: str = RUN_ID):
+def single_tier(root: Path, monkeypatch, run_id: str = RUN_ID, clock: Clock = SystemClock()):
     """A one-rank tier (no process group) of run `run_id` on a FillingStore,
-    saving every step."""
+    saving every step, timed on `clock`."""
     from megaresil.checkpoint.local.tier import LocalTier
 
     monkeypatch.setattr("megaresil.checkpoint.local.shard.training_rects",
                         lambda state, include_copies: rects(float(state.step)))
     events = Recorded()
     tier = LocalTier(root, run_id, Topology(1, 1, 1), group=None, interval=1, keep=2,
-                     events=events, device=torch.device("cpu"))
+                     events=events, device=torch.device("cpu"), clock=clock)
     tier.store = FillingStore(tier.store.root)
     return tier, events
 
@@ -401,8 +393,7 @@ def test_a_failed_local_save_is_removed_and_pauses_the_tier_which_retries_after_
     from megaresil.resilience.incidents import describe
 
     clock = FakeClock()
-    monkeypatch.setattr("megaresil.checkpoint.local.tier.time.perf_counter", clock)
-    tier, events = single_tier(tmp_path, monkeypatch)
+    tier, events = single_tier(tmp_path, monkeypatch, clock=clock)
     state = FakeState()
     run_steps(tier, state, clock, range(1, 3))
     tier.store.full = True

@@ -20,6 +20,7 @@ from megaresil.checkpoint.staging import StagingCopy
 from megaresil.config import RecipeConfig, WatchdogConfig, to_dict
 from megaresil.events import EventLog
 from megaresil.resilience.watchdog.monitor import Watchdog
+from tests.harness.fake_clock import FakeClock
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -95,13 +96,12 @@ class NeverDone:
 
 
 def test_a_copy_that_never_lands_is_given_up_on_after_its_bound():
-    clock = [0.0]
+    clock = FakeClock()
     copy = StagingCopy(torch.device("cpu"))
-    assert copy.landed_within(10.0, clock=lambda: clock[0])  # nothing enqueued: landed
+    assert copy.landed_within(10.0, clock=clock)  # nothing enqueued: landed
     copy.done = NeverDone()
-    assert not copy.landed_within(10.0, clock=lambda: clock[0],
-                                  sleep=lambda s: clock.__setitem__(0, clock[0] + s))
-    assert 10.0 < clock[0] < 10.1
+    assert not copy.landed_within(10.0, clock=clock)
+    assert 10.0 < clock.now < 10.1
 
 
 def test_watchdog_thread_works_on_the_trainers_device(tmp_path, monkeypatch):

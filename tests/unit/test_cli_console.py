@@ -16,6 +16,7 @@ from megaresil.config import ConfigError, DataConfig
 from megaresil.data.build import build_datasets, build_test_dataset
 from megaresil.observe.startup import StartupPhases, describe
 from megaresil.resilience.incidents import describe as incident_line
+from tests.harness.fake_clock import FakeClock
 from tests.unit.test_data_blend import numbered_documents
 
 
@@ -28,19 +29,11 @@ class Recorder:
         return self.emitted[-1]
 
 
-class FakeClock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 # --- start-up phase lines -------------------------------------------------------------------
 
 
 def test_a_phase_gets_a_line_only_when_it_passes_the_threshold():
-    events, clock = Recorder(), FakeClock()
+    events, clock = Recorder(), FakeClock(100.0)
     phases = StartupPhases(events, rank=0, clock=clock, threshold=2.0)
     with phases.phase("rendezvous"):
         clock.now += 1.9
@@ -56,7 +49,7 @@ def test_a_phase_gets_a_line_only_when_it_passes_the_threshold():
 
 
 def test_only_rank_0_reports_and_a_failed_phase_says_nothing():
-    events, clock = Recorder(), FakeClock()
+    events, clock = Recorder(), FakeClock(100.0)
     StartupPhases(events, rank=3, clock=clock, threshold=0.0).finished("rendezvous", 9.0)
     assert events.emitted == []
     phases = StartupPhases(events, rank=0, clock=clock, threshold=0.0)

@@ -38,8 +38,8 @@ FORBIDDEN = {
     "plan": {"model", "parallel", "data", "train", "checkpoint", "resilience"},
 }
 # Leaves: top-level modules any part may import, which import nothing of the
-# package (the errors' base, the worker's parsed environment).
-LEAVES = {"errors", "worker_env"}
+# package (the errors' base, the worker's parsed environment, the clock).
+LEAVES = {"clock", "errors", "worker_env"}
 # The wiring: the only parts that know every other part, so nothing else knows them.
 WIRING = {"launch", "cli", "__main__"}
 # Drills (chaos, soak, the fault-injection CLI) run the runtime from outside,

@@ -12,6 +12,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from megaresil.launch.admission import WAKE_SIGNAL, NodeExcluded, WaitingChecks
+from tests.harness.fake_clock import FakeClock
 
 
 class Checks:
@@ -39,25 +40,25 @@ def test_a_check_failing_while_the_node_waits_ends_the_wait():
 
 def test_a_node_admitted_after_a_long_wait_is_checked_once_more():
     checks = Checks(fit_for=0)
-    times = iter([0.0, 61.0])  # entered, left: a wait longer than the interval
+    clock = FakeClock(tick=61.0)  # entered, left: a wait longer than the interval
     with pytest.raises(NodeExcluded):
-        with WaitingChecks(checks, interval_s=60.0, clock=lambda: next(times)):
+        with WaitingChecks(checks, interval_s=60.0, clock=clock):
             pass
     assert checks.calls == 1
 
 
 def test_a_short_wait_runs_no_check_and_a_fit_node_goes_on():
     short, fit = Checks(fit_for=0), Checks(fit_for=1)
-    with WaitingChecks(short, interval_s=60.0, clock=iter([0.0, 5.0]).__next__):
+    with WaitingChecks(short, interval_s=60.0, clock=FakeClock(tick=5.0)):
         pass
-    with WaitingChecks(fit, interval_s=60.0, clock=iter([0.0, 61.0]).__next__):
+    with WaitingChecks(fit, interval_s=60.0, clock=FakeClock(tick=61.0)):
         pass
     assert (short.calls, fit.calls) == (0, 1)
 
 
 def test_an_error_in_the_rendezvous_is_not_hidden_by_the_checks():
     with pytest.raises(RuntimeError, match="rendezvous closed"):
-        with WaitingChecks(Checks(fit_for=0), interval_s=60.0, clock=iter([0.0, 99.0]).__next__):
+        with WaitingChecks(Checks(fit_for=0), interval_s=60.0, clock=FakeClock(tick=99.0)):
             raise RuntimeError("rendezvous closed")
 
 

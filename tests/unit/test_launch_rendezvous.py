@@ -12,6 +12,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousConnectionError,
                                                   RendezvousStateError)
 
 from megaresil.launch.rendezvous import AgentRendezvous, launch_backend
+from tests.harness.fake_clock import FakeClock
 
 
 class Inner:
@@ -31,15 +32,15 @@ class Inner:
 
 
 def test_an_unreachable_rendezvous_means_no_node_waits_said_once_and_its_return_said():
-    inner, said, now = Inner(), [], [100.0]
+    inner, said, clock = Inner(), [], FakeClock(100.0)
     handler = AgentRendezvous(inner, "etcd0:2379", said.append, rides_out_outages=True,
-                              clock=lambda: now[0])
+                              clock=clock)
     assert handler.num_nodes_waiting() == 1 and said == []
     inner.error = RendezvousConnectionError("The connection to etcd has failed.")
     assert [handler.num_nodes_waiting() for _ in range(3)] == [0, 0, 0]
     assert len(said) == 1 and "rendezvous at etcd0:2379 is out of reach" in said[0]
     assert "training goes on" in said[0]
-    inner.error, now[0] = None, 163.0
+    inner.error, clock.now = None, 163.0
     assert handler.num_nodes_waiting() == 1
     assert said[1] == ("megaresil: the rendezvous at etcd0:2379 answers again, after 63s out "
                        "of reach")

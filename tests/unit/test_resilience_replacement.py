@@ -12,22 +12,12 @@ from megaresil.resilience.coordination import JobStore
 from megaresil.resilience.replacement import (ENTERED_POLL_S, NOTICE_S, ReplacementFailed,
                                               await_members)
 from megaresil.train.handover import Held, live_plan
+from tests.harness.fake_clock import FakeClock
 
 # The protocol's steps, called as the functions they were before JobStore.
 announce_replacement, enter = JobStore.announce_replacement, JobStore.enter
 generation_to_join, lost_in_setup, set_up = (JobStore.generation_to_join, JobStore.lost_in_setup,
                                              JobStore.set_up)
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def set_pid(store, generation: int, rank: int, pid: int) -> None:
@@ -38,7 +28,7 @@ def test_the_wait_ends_when_every_rank_entered():
     store, clock = JobStore(dist.HashStore()), FakeClock()
     for rank in range(2):
         enter(store, 1, rank)
-    await_members(store, 1, 2, 60.0, clock=clock, sleep=clock.sleep)
+    await_members(store, 1, 2, 60.0, clock=clock)
     assert clock.now == 0.0
 
 
@@ -47,7 +37,7 @@ def test_a_lost_rank_nobody_replaces_ends_the_wait_after_the_notice():
     set_pid(store, 0, 1, 4242)  # rank 1's process of generation 0, lost
     enter(store, 1, 0)
     with pytest.raises(ReplacementFailed, match=r"no replacement was started for rank\(s\) \[1\]"):
-        await_members(store, 1, 2, 120.0, clock=clock, sleep=clock.sleep)
+        await_members(store, 1, 2, 120.0, clock=clock)
     assert NOTICE_S < clock.now < NOTICE_S + 1
 
 
@@ -57,7 +47,7 @@ def test_a_replacement_on_its_way_is_waited_for_up_to_the_join_timeout():
     announce_replacement(store, 4242, 4343)
     enter(store, 1, 0)
     with pytest.raises(ReplacementFailed, match="did not join within 30s"):
-        await_members(store, 1, 2, 30.0, clock=clock, sleep=clock.sleep)
+        await_members(store, 1, 2, 30.0, clock=clock)
     assert 30.0 < clock.now < 31.0
 
 
@@ -72,7 +62,7 @@ def test_a_replacement_lost_in_turn_is_looked_up_by_its_own_pid():
     announce_replacement(store, 2, 3)
     enter(store, 2, 0)
     with pytest.raises(ReplacementFailed, match="did not join"):
-        await_members(store, 2, 2, 20.0, clock=clock, sleep=clock.sleep)
+        await_members(store, 2, 2, 20.0, clock=clock)
 
 
 def test_a_replacement_joins_the_generation_after_the_one_its_predecessor_was_in():
@@ -224,13 +214,13 @@ def test_a_survivor_still_stuck_in_the_old_generation_is_waited_for():
     enter(store, 1, 0)
     beats = iter(range(10_000))
 
-    def sleep(seconds: float) -> None:
-        clock.sleep(seconds)
+    def meanwhile() -> None:
         store.store.set("hb/0/1", json.dumps({"beat": next(beats)}))
         if clock.now > 12.0:  # its collective timed out: it enters
             enter(store, 1, 1)
 
-    await_members(store, 1, 2, 120.0, clock=clock, sleep=sleep)
+    clock.on_sleep = meanwhile
+    await_members(store, 1, 2, 120.0, clock=clock)
     assert 12.0 < clock.now < 13.0
 
 
@@ -238,8 +228,7 @@ def test_a_rank_told_to_stop_stops_waiting():
     store, clock = JobStore(dist.HashStore()), FakeClock()
     enter(store, 1, 0)
     with pytest.raises(ReplacementFailed, match="told to stop"):
-        await_members(store, 1, 2, 120.0, stopping=lambda: clock.now > 1.0, clock=clock,
-                      sleep=clock.sleep)
+        await_members(store, 1, 2, 120.0, stopping=lambda: clock.now > 1.0, clock=clock)
 
 
 def test_the_wait_ends_within_a_count_poll_of_the_last_rank_entering():
@@ -248,12 +237,12 @@ def test_the_wait_ends_within_a_count_poll_of_the_last_rank_entering():
     store, clock = JobStore(dist.HashStore()), FakeClock()
     enter(store, 1, 0)
 
-    def sleep(seconds: float) -> None:
-        clock.sleep(seconds)
+    def meanwhile() -> None:
         if 0.13 < clock.now < 0.14:
             enter(store, 1, 1)
 
-    await_members(store, 1, 2, 60.0, clock=clock, sleep=sleep)
+    clock.on_sleep = meanwhile
+    await_members(store, 1, 2, 60.0, clock=clock)
     assert 0.13 < clock.now <= 0.14 + ENTERED_POLL_S
 
 
@@ -264,10 +253,10 @@ def test_a_rank_entered_twice_does_not_stand_in_for_a_missing_one():
     enter(store, 1, 0)
     enter(store, 1, 0)  # the count is 2 of 2, rank 1 is still missing
 
-    def sleep(seconds: float) -> None:
-        clock.sleep(seconds)
+    def meanwhile() -> None:
         if clock.now > 3.0:
             enter(store, 1, 1)
 
-    await_members(store, 1, 2, 60.0, clock=clock, sleep=sleep)
+    clock.on_sleep = meanwhile
+    await_members(store, 1, 2, 60.0, clock=clock)
     assert 3.0 < clock.now < 3.0 + 2 * ENTERED_POLL_S

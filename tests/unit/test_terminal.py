@@ -41,7 +41,7 @@ def test_prepare_says_how_far_each_pass_is(tmp_path, monkeypatch, capsys):
 
 def test_a_plain_line_every_interval_with_an_eta_from_the_share_done():
     clock, lines = FakeClock(), []
-    progress = SizedProgress("data prepare", 4_000_000, clock=clock.monotonic, say=lines.append,
+    progress = SizedProgress("data prepare", 4_000_000, clock=clock, say=lines.append,
                              interval=10, drawn=False)
     progress.update(1_000, documents=1, tokens=90)
     clock.advance(10)
@@ -53,7 +53,7 @@ def test_a_plain_line_every_interval_with_an_eta_from_the_share_done():
     clock.advance(5)
     progress.update(2_000_000, documents=2_400, tokens=600_000)
     assert lines[-1].endswith("50% of 4.0 MB read, ETA 20 s")
-    unknown = SizedProgress("x", None, clock=clock.monotonic, say=lines.append, interval=0,
+    unknown = SizedProgress("x", None, clock=clock, say=lines.append, interval=0,
                             drawn=False)
     unknown.update(10, documents=3)
     assert lines[-1] == "x: 3 documents"

@@ -2,15 +2,15 @@
 save (Pause, retry_step). Every rank must save at the same steps, since a
 save is collective: what each rank measures is agreed by the saves' own
 collectives."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
+
+from megaresil.clock import Clock, SystemClock
 
 BUDGET = 0.05  # the share of a step a local save may hold the loop for (interval 0)
 RETRY_FIRST_S, RETRY_MAX_S = 60.0, 1800.0  # a paused tier's back-off: doubling, capped
@@ -26,8 +26,8 @@ class Cadence:
     thread agrees on the largest (the slowest rank holds every rank's loop),
     and the next save applies it, once every rank has it."""
 
-    def __init__(self, interval: int):
-        self.fixed = interval
+    def __init__(self, interval: int, clock: Clock = SystemClock()):
+        self.fixed, self.clock = interval, clock
         self.every = max(1, interval)
         self.proposal = self.every  # this rank's measure, agreed on by the save in flight
         self.agreed: Optional[int] = None  # by every rank, at the last save
@@ -39,7 +39,7 @@ class Cadence:
 
     def due(self, step: int) -> bool:
         """Called once per step, after it."""
-        now = time.perf_counter()
+        now = self.clock.monotonic()
         if self.ticked is not None:
             self.step_s.append(now - self.ticked - self.held_since_tick)
         self.ticked, self.held_since_tick = now, 0.0
@@ -57,8 +57,8 @@ class Cadence:
         now, is this rank's next proposal."""
         if not self.fixed:
             self.every = self.agreed or self.every
-            if self.last is not None and self.step_s:
-                budget = BUDGET * self.step_seconds()
+            if self.last is not None and (step_s := self.step_seconds()) is not None:
+                budget = BUDGET * step_s
                 self.proposal = (max(1, math.ceil(self.held_by_save / budget))
                                  if budget > 0 else 1)
         self.last, self.held_by_save = step, 0.0

@@ -13,7 +13,6 @@ which reshards.
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -51,6 +50,7 @@ from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
 from megaresil.checkpoint.transfer import Outgoing, move
 from megaresil.checkpoint.validation import nonfinite_keys, nonfinite_refusal, shard_problem
+from megaresil.clock import Clock, SystemClock
 from megaresil.compat import detach_process_group
 from megaresil.fencing import Fence
 
@@ -72,12 +72,13 @@ class LocalTier(BackgroundSaves):
     """This rank's side of the local tier for run `run_id` (run_identity)
     under the local root `root`: its node's store in the run's own directory
     there (runs.py), its replicas' peers (`topology`) and the cadence of its
-    saves."""
+    saves, timed on `clock`."""
 
     def __init__(self, root: Path, run_id: str, topology: Topology, *,
                  group: Optional[dist.ProcessGroup], interval: int, keep: int, events,
-                 device: torch.device, fence: Optional[Fence] = None):
-        super().__init__("ckpt-local", group, device)
+                 device: torch.device, fence: Optional[Fence] = None,
+                 clock: Clock = SystemClock()):
+        super().__init__("ckpt-local", group, device, clock)
         self.device = device  # of the training state; the tier's thread works on it
         self.topology, self.keep, self.events = topology, keep, events
         self.rank = self.coll.rank
@@ -89,7 +90,7 @@ class LocalTier(BackgroundSaves):
         self.store = NodeStore(node_dir(self.root, topology.node_of(self.rank)),
                                admit=functools.partial(self.check_fence, fence) if fence else None)
         self.mine = [self.rank, *topology.sources(self.rank)]  # the shards this rank writes
-        self.cadence = Cadence(interval)
+        self.cadence = Cadence(interval, clock)
         self.buffer: Optional[torch.Tensor] = None  # staging, reused by every save
         self.recv_buffers: dict[int, torch.Tensor] = {}
         self.loaded: dict[int, Shard] = {}  # start-up: shards of the chosen step, by owner
@@ -105,7 +106,7 @@ class LocalTier(BackgroundSaves):
         written, replicated and committed on the tier's thread. Returns once
         this rank's own shard is committed, so a process killed from then on
         resumes from this step; replication goes on behind the loop."""
-        started = time.perf_counter()
+        started = self.clock.monotonic()
         self.wait()  # after it, every rank knows the same pause
         if self.pause is not None and self.pause.holds(step):
             return
@@ -114,12 +115,12 @@ class LocalTier(BackgroundSaves):
         # step draws from it. The rest is read on the tier's thread, before
         # the own shard is committed, which this call awaits.
         rng = state.rng_state()
-        report = SaveReport(self.events, "local_checkpoint_saved")
+        report = SaveReport(self.events, "local_checkpoint_saved", self.clock)
         failures = self.pause.failures + 1 if self.pause else 1
         retry = retry_step(step, failures, self.cadence.step_seconds())  # should this one fail
         self._submit(SaveRequest(StagingCopy(self.device), report), self._stage_write_replicate,
                      [state], rng, started, retry)
-        held = time.perf_counter() - started
+        held = self.clock.monotonic() - started
         report.loop_held(held)
         self._loop_held(held)
         # The wait every save's next update has, taken here: a rank killed
@@ -143,11 +144,11 @@ class LocalTier(BackgroundSaves):
         # Every rank goes through the replication and the final gather
         # whatever its writes did, so none waits on a peer that gave up; the
         # gather tells every rank whether the step stands.
-        replica_started = time.perf_counter()
+        replica_started = self.clock.monotonic()
         received = self._replicate(own)
         problem = problem or self._damaged(received) or self._written(received)
         outcome = Outcome(own.data.numel(), sum(s.data.numel() for s in received),
-                          time.perf_counter() - started, time.perf_counter() - replica_started,
+                          self.clock.monotonic() - started, self.clock.monotonic() - replica_started,
                           self.cadence.proposal, problem, *retry)
         gathered = self.coll.all_gather(outcome)
         if self.abandoned:

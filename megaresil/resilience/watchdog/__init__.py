@@ -10,5 +10,5 @@ abort (`abort`) dumps stacks, aborts NCCL and raises HangAbort in the
 training thread; a thread that abort cannot reach makes the process exit
 with HANG_EXIT_CODE (86) for a relaunch, and a stdlib-only guardian process
 catches a thread holding the GIL. `monitor.Watchdog` composes them on an
-injected clock (`clock`); `probes` reads this process.
+injected clock (megaresil/clock.py); `probes` reads this process.
 """

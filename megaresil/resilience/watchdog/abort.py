@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megaresil.clock import Clock
 from megaresil.compat import abort_process_groups, has_nccl_groups, process_groups, set_gloo_timeout
 from megaresil.events import EventLog
-from megaresil.resilience.watchdog.clock import Clock
 from megaresil.safe_files import open_nofollow, own_dir, write_atomic
 
 NCCL_WORKER_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}  # we abort NCCL ourselves

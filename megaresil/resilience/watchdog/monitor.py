@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megaresil.clock import Clock, SystemClock
 from megaresil.compat import collective_counts
 from megaresil.config import WatchdogConfig
 from megaresil.events import EventLog
@@ -36,7 +37,6 @@ from megaresil.resilience.watchdog.abort import (
     set_collective_timeouts,
 )
 from megaresil.resilience.watchdog.budgets import Budgets, what_differs
-from megaresil.resilience.watchdog.clock import Clock, SystemClock
 from megaresil.resilience.watchdog.judgement import (
     Alarm,
     PeerBeats,
