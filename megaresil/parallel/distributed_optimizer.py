@@ -16,6 +16,7 @@ travel back as bf16 in the all-gather.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -92,7 +93,7 @@ class DistributedOptimizer:
     then casts to bf16 (train.precision=bf16; train/precision.py)."""
 
     def __init__(self, param_groups: list[dict], optimizer_cls, optimizer_kwargs: dict, *,
-                 group: dist.ProcessGroup, dp: int, dp_rank: int,
+                 group: Optional[dist.ProcessGroup], dp: int, dp_rank: int,
                  bucket_bytes: int = 25 * 2**20, separate_main: bool = False):
         self.group, self.dp, self.dp_rank = group, dp, dp_rank
         self.separate_main = separate_main

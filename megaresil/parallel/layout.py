@@ -127,10 +127,14 @@ class ParallelLayout:
     def dp_rank(self) -> int:
         return self.coordinate("dp")
 
+    def index_over(self, axes: tuple[str, ...]) -> int:
+        """This rank's index in its group over `axes` (its rank in `group(*axes)`)."""
+        return self.shape.group_of(axes, self.coords).index(self.rank)
+
     @property
     def data_rank(self) -> int:
         """This rank's data shard: its index over DATA_AXES."""
-        return self.shape.group_of(DATA_AXES, self.coords).index(self.rank)
+        return self.index_over(DATA_AXES)
 
     @property
     def data_size(self) -> int:

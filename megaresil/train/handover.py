@@ -40,9 +40,9 @@ from megaresil.checkpoint.state import RunRecord, TrainingState
 from megaresil.compat import viewed
 from megaresil.config import RecipeConfig
 from megaresil.errors import MegaresilError
+from megaresil.parallel.grad_groups import shards_over_dp
 from megaresil.parallel.layout import ParallelLayout, use_device
 from megaresil.resilience.numerics import odd_ones_out
-from megaresil.train.optim import shards_over_dp
 from megaresil.train.replicas import Agreement, quick_checksum
 
 

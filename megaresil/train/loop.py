@@ -16,9 +16,8 @@ from megaresil.config import FP8, Precision, RecipeConfig, microbatches_per_step
 from megaresil.data import build_datasets
 from megaresil.data.sampler import collate, micro_batches, skip_past
 from megaresil.events import EventLog
-from megaresil.parallel.data_parallel import (AllReduceMean, GradBuffers,
-                                               all_reduce_sequence_parallel_grads)
-from megaresil.parallel.distributed_optimizer import DistributedOptimizer
+from megaresil.parallel.data_parallel import all_reduce_sequence_parallel_grads
+from megaresil.parallel.grad_groups import GroupedGrads, Held, grad_groups, shards_over_dp
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, sync_tied_embedding_grads
 from megaresil.resilience.supervision import Supervision
@@ -31,9 +30,9 @@ from megaresil.observe.sections import record_fields
 from megaresil.train.metrics import MetricsLog, StepFigures
 from megaresil.train.numerics import NumericsGuard, StepResult
 from megaresil.train.replicas import ReplicaCheck
-from megaresil.train.optim import (build_optimizer, clip_gradients, counted_here,
+from megaresil.train.optim import (build_optimizer, clip_gradients, counted_here, group_parts,
                                    local_grad_norm_squared, lr_at, reduce_grad_norm, set_lr,
-                                   shards_over_dp)
+                                   shards_state)
 from megaresil.train.precision import (ComputeContext, MainParams, logits_dtype,
                                        optimizer_params, resolve,
                                        shard_main_params)
@@ -106,9 +105,10 @@ class Trainer:
         fp8 = cfg.train.fp8 != FP8.none
         self.autocast = ComputeContext(self.precision, layout.device, fp8=fp8,
                                        amax_group=layout.stage_group() if fp8 else None)
-        self.optimizer = build_optimizer(self.opt_params, cfg.optimizer, layout,
+        groups = grad_groups(self.params, self.opt_params, layout)
+        self.optimizer = build_optimizer(groups, cfg.optimizer,
                                          separate_main=bf16 and self.main is None)
-        self.sharded_optimizer = isinstance(self.optimizer, DistributedOptimizer)
+        self.sharded_optimizer = shards_state(self.optimizer)
         if bf16 and self.sharded_optimizer:
             shard_main_params(self.optimizer)
         # After the bf16 cast (under ZeRO-1, shard_main_params's): a stage's
@@ -122,8 +122,7 @@ class Trainer:
                                   # bf16 grads have already moved to fp32.
                                   scale_grads=False)
                          if layout.pp > 1 else None)
-        self.grads = GradBuffers(self.params, self.opt_params, self.reducer(),
-                                 grad_dtype=torch.float32)
+        self.grads = GroupedGrads(groups, group_parts(self.optimizer), grad_dtype=torch.float32)
         self.state = Progress(skipped=configured_skips(cfg))
         self.checkpoint_state = LiveTrainingState(cfg, layout, list(self.named_state_parameters()),
                                              self.optimizer, self.state, self.supervision.watchdog,
@@ -139,15 +138,6 @@ class Trainer:
             self.main.copy_to_model()
         else:
             self.optimizer.gather_params()
-
-    def reducer(self):
-        """How grads are reduced over data parallelism: a reduce-scatter per
-        bucket into the distributed optimizer, an all-reduce, or nothing (dp=1)."""
-        if self.sharded_optimizer:
-            return self.optimizer
-        if self.layout.dp > 1:
-            return AllReduceMean(self.layout.group("dp"), self.layout.dp)
-        return None
 
     def named_state_parameters(self):
         """(layout-free key, what the checkpoint holds for it): the fp32 main
@@ -208,24 +198,24 @@ class Trainer:
             total += loss.detach()
         return total
 
-    def sync_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """Finish the grad reductions; returns (param, grad this rank steps on)."""
+    def sync_grads(self) -> list[Held]:
+        """Finish the grad reductions; returns per gradient group (param, grad
+        this rank steps on)."""
         self.grads.finish()  # DP mean, or under the distributed optimizer its row shards
-        if self.sharded_optimizer:
-            entries = [(s.param, s.view.grad) for s in self.optimizer.shards]
-        else:
-            entries = [(p, p.grad) for p in self.opt_params]
+        held = self.grads.held()
+        entries = [entry for group in held for entry in group]
         # Linear sums over TP / the embedding group: on whichever grads this
         # rank holds, the same rows on every rank of those groups.
         all_reduce_sequence_parallel_grads(entries, self.layout.group("tp")
                                            if self.layout.tp > 1 else None)
         sync_tied_embedding_grads(entries, self.layout.embedding_group)
-        return entries
+        return held
 
     def optimizer_step(self, step: int, loss: torch.Tensor) -> StepResult:
         """Check the step (resilience.numerics) and, when finite or unchecked,
         apply its update; the grads are zeroed either way."""
-        entries = self.sync_grads()
+        held = self.sync_grads()
+        entries = [entry for group in held for entry in group]
         faults = self.supervision.step_faults(step, self.state.consumed_samples)
         if faults.due:
             # A NaN into a grad the norm counts (not a tied embedding's copy,
@@ -233,10 +223,11 @@ class Trainer:
             names = {id(p): key for key, p in self.named_state_parameters()}
             faults.before_update([g for p, g in entries if counted_here(p, self.layout)],
                                  [(names.get(id(p), "?"), g) for p, g in entries])
-        local = local_grad_norm_squared(entries, self.layout)
-        norm, stage_loss = reduce_grad_norm(local, self.layout,
-                                            sharded_over_dp=self.sharded_optimizer, loss=loss,
+        squares = [local_grad_norm_squared(group, self.layout) for group in held]
+        norm, stage_loss = reduce_grad_norm(squares, self.layout,
+                                            sharded_over=self.grads.sharded_over(), loss=loss,
                                             loss_factor=faults.loss_factor())
+        local = sum(squares[1:], squares[0])
         # The norm rides in the loss's data-parallel mean: every rank sees any
         # rank's non-finite value (the loss rode in the norm's all-reduce).
         result = StepResult(dp_mean(stage_loss + norm.to(stage_loss.dtype) * 0.0, self.layout),

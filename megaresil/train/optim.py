@@ -1,10 +1,10 @@
 """AdamW, its state as a checkpoint holds it, the warmup + cosine LR
 schedule, and global-norm gradient clipping."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import math
-from typing import Optional
+from collections import ChainMap
+from typing import Optional, Sequence, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,7 @@ from megaresil.checkpoint.keys import HeldMoments, MainRowsOf, MomentsOf
 from megaresil.compat import foreach_mul_, foreach_norm
 from megaresil.config import OptimizerConfig
 from megaresil.parallel.distributed_optimizer import DistributedOptimizer
+from megaresil.parallel.grad_groups import GradGroup, GroupOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.sharding import spec_of
 
@@ -36,7 +37,8 @@ def fused_adam_class() -> type | None:
 
 def param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
     """Decay matrices; leave biases, norms (all 1-D tensors) undecayed, as GPT-2 does."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for param in params:
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
@@ -53,22 +55,73 @@ def adamw_class_and_kwargs(cfg: OptimizerConfig) -> tuple[type, dict]:
     return torch.optim.AdamW, {**kwargs, "fused": True}
 
 
-def shards_over_dp(cfg: OptimizerConfig, layout: ParallelLayout) -> bool:
-    return cfg.distributed and layout.dp > 1
-
-
-def build_optimizer(params: list[nn.Parameter], cfg: OptimizerConfig, layout: ParallelLayout, *,
-                    separate_main: bool = False):
-    """AdamW over `params` (the model's, or their fp32 main copies), sharded
-    over data parallelism when optimizer.distributed is on (`separate_main`:
-    its shards keep fp32 main rows of params about to become bf16)."""
-    groups = param_groups(params, cfg.weight_decay)
+def group_optimizer(group: GradGroup, cfg: OptimizerConfig, *,
+                    separate_main: bool = False) -> GroupOptimizer:
+    """AdamW over a gradient group's targets (the model's parameters, or their
+    fp32 main copies), sharded over the group's data-parallel ranks under its
+    ZeRO-1 rule (`separate_main`: its shards keep fp32 main rows of params
+    about to become bf16)."""
+    groups = param_groups(group.targets, cfg.weight_decay)
     cls, kwargs = adamw_class_and_kwargs(cfg)
-    if shards_over_dp(cfg, layout):
-        return DistributedOptimizer(groups, cls, kwargs, group=layout.group("dp"),
-                                    dp=layout.dp, dp_rank=layout.dp_rank,
-                                    separate_main=separate_main)
+    if group.zero1(cfg):
+        return DistributedOptimizer(groups, cls, kwargs, group=group.group, dp=group.size,
+                                    dp_rank=group.rank, separate_main=separate_main)
     return cls(groups, **kwargs)
+
+
+class ChainedOptimizer:
+    """The optimizers of several gradient groups, stepped as one in group order."""
+
+    def __init__(self, parts: list[GroupOptimizer]):
+        self.parts = parts
+
+    @property
+    def sharded(self) -> list[DistributedOptimizer]:
+        return [p for p in self.parts if isinstance(p, DistributedOptimizer)]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for part in self.parts for group in part.param_groups]
+
+    @property
+    def shards(self) -> list:
+        return [shard for part in self.sharded for shard in part.shards]
+
+    @property
+    def state(self) -> ChainMap:
+        """The unsharded parts' state by parameter."""
+        return ChainMap(*(p.state for p in self.parts if not isinstance(p, DistributedOptimizer)))
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+    def gather_params(self) -> None:
+        for part in self.sharded:
+            part.gather_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The sharded parts' grads; the others' are the grad buffers' views."""
+        for part in self.sharded:
+            part.zero_grad(set_to_none)
+
+
+def build_optimizer(groups: list[GradGroup], cfg: OptimizerConfig, *,
+                    separate_main: bool = False):
+    """One optimizer per gradient group (`group_optimizer`): with one group,
+    that optimizer itself, else a `ChainedOptimizer` of them."""
+    parts = [group_optimizer(g, cfg, separate_main=separate_main) for g in groups]
+    return parts[0] if len(parts) == 1 else ChainedOptimizer(parts)
+
+
+def group_parts(optimizer) -> list[GroupOptimizer]:
+    """Each gradient group's optimizer, in group order."""
+    return optimizer.parts if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+
+
+def shards_state(optimizer) -> bool:
+    """Whether some of `optimizer`'s state is row-sharded (ZeRO-1)."""
+    return any(isinstance(p, DistributedOptimizer) for p in group_parts(optimizer))
 
 
 def keeps_step_in_groups(optimizer: torch.optim.Optimizer) -> bool:
@@ -85,7 +138,7 @@ def keeps_step_in_groups(optimizer: torch.optim.Optimizer) -> bool:
                     "train/optim.keeps_step_in_groups about it")
 
 
-def like(tensor: Optional[torch.Tensor], param: torch.Tensor) -> bool:
+def like(tensor: Optional[torch.Tensor], param: torch.Tensor) -> TypeGuard[torch.Tensor]:
     """Whether `tensor` can stand in for `param`'s storage: same shape,
     dtype and device, contiguous."""
     return (tensor is not None and tensor.shape == param.shape and tensor.dtype == param.dtype
@@ -96,27 +149,41 @@ class AdamState:
     """The checkpoint's view of this run's AdamW (checkpoint.state.OptimizerState),
     whichever implementation steps and wherever it counts steps: the moments
     by parameter (under the distributed optimizer, this rank's row shard of
-    them) and one step count."""
+    them) and one step count. With several gradient groups (a
+    `ChainedOptimizer`), each group's optimizer holds its parameters' state."""
 
     def __init__(self, optimizer):
-        self.sharded = isinstance(optimizer, DistributedOptimizer)
-        self.separate_main = self.sharded and optimizer.separate_main
-        self.inner: torch.optim.Optimizer = optimizer.inner if self.sharded else optimizer
-        self.shards = {id(s.param): s for s in optimizer.shards} if self.sharded else {}
-        self.step_in_groups = keeps_step_in_groups(self.inner)
-        self.stepped = {id(p) for group in self.inner.param_groups for p in group["params"]}
+        parts = group_parts(optimizer)
+        sharded = [p for p in parts if isinstance(p, DistributedOptimizer)]
+        self.sharded = bool(sharded)
+        self.separate_main = any(p.separate_main for p in sharded)
+        self.inners: list[torch.optim.Optimizer] = [
+            p.inner if isinstance(p, DistributedOptimizer) else p for p in parts]
+        self.shards = {id(s.param): s for p in sharded for s in p.shards}
+        self.step_in_groups = keeps_step_in_groups(self.inners[0])
+        # id(what an optimizer steps) -> the optimizer holding its state
+        self.inner_of = {id(p): inner for inner in self.inners
+                         for group in inner.param_groups for p in group["params"]}
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The optimizer that steps a one-group model."""
+        inner, = self.inners
+        return inner
+
+    def state_of(self, stepped: torch.Tensor) -> dict:
+        return self.inner_of.get(id(stepped), self.inners[0]).state[stepped]
 
     def moments(self) -> MomentsOf:
         self._ensure_state()
-        state = self.inner.state
-        if not self.sharded:
-            return lambda param: (state[param], None)
 
-        def row_shard(param: nn.Parameter) -> Optional[HeldMoments]:
-            shard = self.shards[id(param)]
-            return None if shard.stop <= shard.start else (state[shard.view], shard)
+        def held(param: nn.Parameter) -> Optional[HeldMoments]:
+            shard = self.shards.get(id(param))
+            if shard is None:
+                return self.state_of(param), None
+            return None if shard.stop <= shard.start else (self.state_of(shard.view), shard)
 
-        return row_shard
+        return held
 
     def main_rows(self) -> MainRowsOf:
         """Under bf16 with ZeRO-1 the shards' fp32 rows are the weights this
@@ -129,14 +196,15 @@ class AdamState:
         """Zero state for every parameter that has none yet (both
         implementations create it at their first step), so that a
         checkpoint can be loaded into it."""
-        for group in self.inner.param_groups:
-            for p in group["params"]:
-                if not self.inner.state[p]:
-                    self._start_state(p, torch.zeros_like(p), torch.zeros_like(p))
+        for inner in self.inners:
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if not inner.state[p]:
+                        self._start_state(p, torch.zeros_like(p), torch.zeros_like(p))
 
     def _start_state(self, param: nn.Parameter, exp_avg: torch.Tensor,
                      exp_avg_sq: torch.Tensor) -> None:
-        state = self.inner.state[param]
+        state = self.state_of(param)
         state.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         if not self.step_in_groups:
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
@@ -146,26 +214,32 @@ class AdamState:
         state of a parameter that has none yet, instead of zeros a load then
         overwrites; nothing where they do not fit (live replacement keeps a
         rank's own moments this way: handover.py)."""
-        if self.sharded or id(param) not in self.stepped or self.inner.state[param]:
+        if (id(param) in self.shards or id(param) not in self.inner_of
+                or self.state_of(param)):
             return
-        if all(like(m, param) for m in moments.values()):
-            self._start_state(param, moments["exp_avg"], moments["exp_avg_sq"])
+        exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
+        if like(exp_avg, param) and like(exp_avg_sq, param):
+            self._start_state(param, exp_avg, exp_avg_sq)
 
     def step_count(self) -> int:
         if self.step_in_groups:
-            counts = [group["step"] for group in self.inner.param_groups if "step" in group]
+            counts = [group["step"] for inner in self.inners for group in inner.param_groups
+                      if "step" in group]
         else:
-            counts = [state["step"] for state in self.inner.state.values() if "step" in state]
+            counts = [state["step"] for inner in self.inners for state in inner.state.values()
+                      if "step" in state]
         return int(counts[0]) if counts else 0
 
     def set_step_count(self, steps: int) -> None:
         if self.step_in_groups:
-            for group in self.inner.param_groups:
-                group["step"] = steps
+            for inner in self.inners:
+                for group in inner.param_groups:
+                    group["step"] = steps
             return
         self._ensure_state()
-        for state in self.inner.state.values():
-            state["step"].fill_(float(steps))
+        for inner in self.inners:
+            for state in inner.state.values():
+                state["step"].fill_(float(steps))
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
@@ -211,29 +285,52 @@ def local_grad_norm_squared(entries: list[tuple[nn.Parameter, torch.Tensor]],
     return local_norm_squared([g for p, g in entries if counted_here(p, layout)], layout.device)
 
 
-def reduce_grad_norm(squared: torch.Tensor, layout: ParallelLayout, *, sharded_over_dp: bool,
-                     loss: torch.Tensor, loss_factor: float = 1.0
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def reduce_grad_norm(squares: Sequence[torch.Tensor], layout: ParallelLayout, *,
+                     sharded_over: Sequence[tuple[str, ...]] = (), loss: torch.Tensor,
+                     loss_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """L2 norm of the whole model's gradient from every rank's
-    `local_grad_norm_squared`, and the loss of this rank's data-parallel
-    replica (`loss` is this rank's; zero on stages that do not compute it).
+    `local_grad_norm_squared` of each gradient group (`squares`; a group
+    whose grads are row shards over mesh axes names them in `sharded_over`,
+    so its squares are summed over those axes too), and the loss of this
+    rank's data-parallel replica (`loss` is this rank's; zero on stages that
+    do not compute it).
     Both ride in one all-reduce: the loss, from TP rank 0 only, plus zeros
     (exact), so every stage learns it (the spike check); and 0 * loss in the
     norm, which adds exactly zero when the loss is finite and NaN when it is
     not, so one reduction checks both (resilience/numerics.py) and a finite
     run is bit-identical. `loss_factor` (an injected spike on any rank of
     the replica) rides along as factor - 1: 0 and an exact 1 without one."""
-    loss_dtype, loss = loss.dtype, loss.detach().to(squared.dtype)
-    packed = torch.stack([squared + loss * 0.0, loss if layout.tp_rank == 0 else loss * 0.0,
-                          torch.full_like(squared, loss_factor - 1.0)])
+    first, *others = squares
+    loss_dtype, loss = loss.dtype, loss.detach().to(first.dtype)
+    # Group 0's square, the loss, the spike; then the other groups' squares.
+    packed = torch.stack([first + loss * 0.0, loss if layout.tp_rank == 0 else loss * 0.0,
+                          torch.full_like(first, loss_factor - 1.0), *others])
     for dim in ("tp", "pp"):
-        if getattr(layout, dim) > 1:
+        if layout.size(dim) > 1:
             dist.all_reduce(packed, group=layout.group(dim))
     # Exact without a spike: the loss was of this dtype, and x * (1 + 0) is x.
     stage_loss = (packed[1] * (1.0 + packed[2])).to(loss_dtype)
-    if sharded_over_dp and layout.dp > 1:
-        dist.all_reduce(packed, group=layout.group("dp"))  # its loss is no longer one replica's
-    return packed[0].sqrt().float(), stage_loss
+    if sharded_over:
+        sum_over_shards(packed, list(sharded_over), layout)
+    return (packed[0] + packed[3:].sum() if others else packed[0]).sqrt().float(), stage_loss
+
+
+def sum_over_shards(packed: torch.Tensor, sharded_over: list[tuple[str, ...]],
+                    layout: ParallelLayout) -> None:
+    """Sum each ZeRO-1 group's square in `packed` over the axes its rows are
+    sharded along: one all-reduce per set of axes, of the whole vector when
+    every group shares them (the loss is read already)."""
+    slots = [0] + list(range(3, 2 + len(sharded_over)))
+    for axes in dict.fromkeys(a for a in sharded_over if a):
+        if layout.size(*axes) == 1:
+            continue
+        mine = [slot for slot, a in zip(slots, sharded_over) if a == axes]
+        if len(mine) == len(slots):
+            dist.all_reduce(packed, group=layout.group(*axes))
+            continue
+        part = packed[mine]
+        dist.all_reduce(part, group=layout.group(*axes))
+        packed[mine] = part
 
 
 def clip_gradients(grads: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:

@@ -53,8 +53,7 @@ def test_a_finite_loss_leaves_the_norm_bit_identical(loss):
     layout = ParallelLayout(device=torch.device("cpu"))
     squared = torch.tensor(1.2345678901234567, dtype=torch.float64)
     plain = squared.clone().sqrt().float()
-    folded, stage_loss = reduce_grad_norm(squared.clone(), layout, sharded_over_dp=False,
-                                          loss=torch.tensor(loss))
+    folded, stage_loss = reduce_grad_norm([squared.clone()], layout, loss=torch.tensor(loss))
     assert torch.equal(plain, folded) and plain.dtype == folded.dtype
     assert torch.equal(stage_loss, torch.tensor(loss))  # every stage learns the loss, exactly
 
@@ -62,8 +61,8 @@ def test_a_finite_loss_leaves_the_norm_bit_identical(loss):
 @pytest.mark.parametrize("loss", [NAN, INF, -INF])
 def test_a_nonfinite_loss_makes_the_norm_nan(loss):
     layout = ParallelLayout(device=torch.device("cpu"))
-    norm, _ = reduce_grad_norm(torch.tensor(4.0, dtype=torch.float64), layout,
-                               sharded_over_dp=False, loss=torch.tensor(loss))
+    norm, _ = reduce_grad_norm([torch.tensor(4.0, dtype=torch.float64)], layout,
+                               loss=torch.tensor(loss))
     assert math.isnan(norm.item())
 
 

@@ -3,7 +3,8 @@
 Each (pipeline rank, tensor rank) builds its model chunks on the meta device
 with the trainer's own code (`build_chunks`; the TP layers mark their shards),
 and each rank describes its state with the trainer's own function
-(`keys.state_rects`; the distributed optimizer's `make_shard` for moments),
+(`keys.state_rects`; for moments, each gradient group's ZeRO-1 rule and the
+distributed optimizer's `make_shard`),
 so a planned rank's rects are exactly what that rank would save.
 """
 from __future__ import annotations
@@ -19,7 +20,9 @@ from megaresil.checkpoint.state import layout_record
 from megaresil.config import RecipeConfig
 from megaresil.model.chunks import build_chunks
 from megaresil.parallel.distributed_optimizer import make_shard
+from megaresil.parallel.grad_groups import shards_over_dp, zero1
 from megaresil.parallel.layout import ParallelLayout
+from megaresil.parallel.sharding import spec_of
 
 
 def planned_ranks(cfg: RecipeConfig) -> list[ParallelLayout]:
@@ -28,8 +31,8 @@ def planned_ranks(cfg: RecipeConfig) -> list[ParallelLayout]:
 
 
 def distributed_optimizer(cfg: RecipeConfig) -> bool:
-    """Whether a trainer of this recipe shards its optimizer (as build_optimizer decides)."""
-    return cfg.optimizer.distributed and cfg.parallel.dp > 1
+    """Whether a trainer of this recipe shards its optimizer (as its gradient groups decide)."""
+    return shards_over_dp(cfg.optimizer, ParallelLayout.planned(cfg.parallel, 0))
 
 
 def recipe_layout(cfg: RecipeConfig) -> dict:
@@ -37,17 +40,19 @@ def recipe_layout(cfg: RecipeConfig) -> dict:
     return layout_record(planned_ranks(cfg)[0], distributed_optimizer(cfg))
 
 
-def _planned_moments(cfg: RecipeConfig, dp_rank: int) -> MomentsOf:
+def _planned_moments(cfg: RecipeConfig, rank: ParallelLayout) -> MomentsOf:
     """Moments shaped as the trainer's optimizer holds them: like the
-    parameter, or its DP row shard under the distributed optimizer."""
-    if not distributed_optimizer(cfg):
-        return lambda param: ({moment: param for moment in MOMENTS}, None)
+    parameter, or, where its gradient group shards (ZeRO-1), its row shard
+    over the group's data-parallel ranks."""
 
-    def row_shard(param: nn.Parameter) -> Optional[HeldMoments]:
-        shard = make_shard(param, cfg.parallel.dp, dp_rank)
+    def held(param: nn.Parameter) -> Optional[HeldMoments]:
+        axes = spec_of(param).replicated_over
+        if not zero1(cfg.optimizer, rank.size(*axes)):
+            return {moment: param for moment in MOMENTS}, None
+        shard = make_shard(param, rank.size(*axes), rank.index_over(axes))
         return None if shard.stop <= shard.start else ({m: shard.view for m in MOMENTS}, shard)
 
-    return row_shard
+    return held
 
 
 def _chunk_params(cfg: RecipeConfig, rank: ParallelLayout) -> list[tuple[str, nn.Parameter]]:
@@ -65,7 +70,7 @@ def planned_rects(cfg: RecipeConfig, *, weights_only: bool) -> list[list[Rect]]:
         where = (rank.pp_rank, rank.tp_rank)
         if where not in models:
             models[where] = _chunk_params(cfg, rank)
-        moments = None if weights_only else _planned_moments(cfg, rank.dp_rank)
+        moments = None if weights_only else _planned_moments(cfg, rank)
         per_rank.append(state_rects(models[where], cfg.model, moments, include_copies=False))
     return per_rank
 
