@@ -11,7 +11,6 @@ reproducing the single-process run without any rank ever holding a global
 tensor, and without drawing one either (init time is O(local), not O(model)).
 Values do not depend on what else the model holds.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import math
