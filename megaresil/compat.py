@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils import _python_dispatch
 
 # Oldest and newest (major, minor) torch this module was checked against.
 CHECKED_TORCH = ((2, 9), (2, 14))
@@ -312,12 +313,10 @@ def tree_map_only(kind: type, fn: Callable[[Any], Any], tree: Any) -> Any:
     return torch_tree_map_only(kind, fn, tree)
 
 
-def torch_dispatch_mode() -> type:
-    """The base class of Python dispatch modes (`torch.utils._python_dispatch`):
-    a mode sees every aten op, below autograd, with its outputs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    return TorchDispatchMode
+# The base class of Python dispatch modes: a mode sees every aten op, below
+# autograd, with its outputs. A class, not a function's result, so that
+# subclasses type-check; `import torch` imports its module anyway.
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 
 # --- torch.save's files and DCP's storage records -------------------------------------

@@ -6,7 +6,6 @@ failure excludes the node and ends its wait, so it leaves before the job
 needs it and the next spare is taken instead. A node admitted after a wait
 longer than the interval is checked once more before its workers start.
 docs/clusters.md#health-checks."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import _thread
@@ -15,7 +14,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Optional
+from types import FrameType
+from typing import Any, Optional, Union
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -58,7 +58,7 @@ class WaitingChecks:
         self.stopped = threading.Event()
         self.lock = threading.Lock()  # no interruption once the wait is over
         self.started = 0.0
-        self.previous = None
+        self.previous: Union[Callable[[int, Optional[FrameType]], Any], int, None] = None
         self.thread = threading.Thread(target=self._watch, name="megaresil-waiting-checks",
                                        daemon=True)
 
