@@ -11,7 +11,6 @@ A torch outside that range is refused when this module is imported, before a
 process group or worker exists (MEGARESIL_UNCHECKED_TORCH=1 allows a newer
 one). See docs/gpu.md ("PyTorch versions").
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib
@@ -25,6 +24,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils import _python_dispatch
 
 # Oldest and newest (major, minor) torch this module was checked against.
 CHECKED_TORCH = ((2, 9), (2, 14))
@@ -133,7 +133,7 @@ def lost_peer_message(text: str) -> bool:
     return any(m in text for m in _GLOO_LOST_PEER)
 
 
-def lost_peer_error(err: BaseException) -> bool:
+def lost_peer_error(err: Optional[BaseException]) -> bool:
     """Whether a collective failed because a peer process is gone, also when
     the failure arrives wrapped (torch.distributed.pipelining re-raises a
     stage's error as its own RuntimeError, chained to the original)."""
@@ -152,12 +152,14 @@ def collective_counts(exclude: set) -> dict[str, int]:
     group name (the same on every member). A group numbers its collectives
     in the same order on all members, so a member with a lower count has not
     yet joined a collective its peers started. Groups in `exclude` are left out."""
-    counts = {}
+    counts: dict[str, int] = {}
     for group in process_groups():
         if group in exclude:
             continue
         try:
-            counts[group.group_name] = group._get_sequence_number_for_group()
+            # Private, and absent from torch's stub.
+            count = group._get_sequence_number_for_group()  # type: ignore[attr-defined]
+            counts[group.group_name] = count
         except RuntimeError:  # a backend that does not number its collectives
             pass
     return counts
@@ -191,7 +193,9 @@ def tcp_store_listening_on(address: str) -> Callable[..., dist.TCPStore]:
                   **kwargs: Any) -> dist.TCPStore:
         if is_master:
             kwargs["master_listen_fd"], port = _listening_socket_fd(address, port)
-        return dist.TCPStore(host_name, port, *args, is_master=is_master, **kwargs)
+        # mypy cannot tell that `args` ends before is_master: its callers name it.
+        return dist.TCPStore(host_name, port, *args,  # type: ignore[misc]
+                             is_master=is_master, **kwargs)
     return tcp_store
 
 
@@ -215,13 +219,16 @@ def elastic_stores_listening_on(address: Optional[str]) -> Iterator[None]:
     def agent_store_server(_handler: Any, master_addr: str, master_port: int) -> dist.TCPStore:
         return tcp_store(master_addr, master_port, is_master=True, multi_tenant=True)
 
-    saved = (c10d_rendezvous_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server)
-    c10d_rendezvous_backend.TCPStore = tcp_store
-    DynamicRendezvousHandler._create_tcp_store_server = agent_store_server
+    # Patching torch's private names: mypy holds a class and a method fixed.
+    handler_class = DynamicRendezvousHandler
+    saved = (c10d_rendezvous_backend.TCPStore, handler_class._create_tcp_store_server)
+    c10d_rendezvous_backend.TCPStore = tcp_store  # type: ignore[misc, assignment]
+    handler_class._create_tcp_store_server = agent_store_server  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
-        c10d_rendezvous_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server = saved
+        c10d_rendezvous_backend.TCPStore = saved[0]  # type: ignore[misc]
+        handler_class._create_tcp_store_server = saved[1]  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -243,11 +250,13 @@ def workers_store_per_round() -> Iterator[None]:
         handler._shared_tcp_store_server = None
         return original(handler)
 
-    DynamicRendezvousHandler.next_rendezvous = next_rendezvous
+    # Patching a method of torch's: mypy holds methods fixed.
+    handler_class = DynamicRendezvousHandler
+    handler_class.next_rendezvous = next_rendezvous  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
-        DynamicRendezvousHandler.next_rendezvous = original
+        handler_class.next_rendezvous = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -258,12 +267,13 @@ def elastic_agent_class(factory: Callable[..., Any]) -> Iterator[None]:
     that class and offers no parameter for another."""
     from torch.distributed.launcher import api
 
+    # Patching the name launch_agent reads: mypy holds a class fixed.
     saved = api.LocalElasticAgent
-    api.LocalElasticAgent = factory
+    api.LocalElasticAgent = factory  # type: ignore[misc, assignment]
     try:
         yield
     finally:
-        api.LocalElasticAgent = saved
+        api.LocalElasticAgent = saved  # type: ignore[misc]
 
 
 def context_process(context: Any, index: int) -> Any:
@@ -302,7 +312,7 @@ def make_wrapper_subclass(cls: type, shape: torch.Size, dtype: torch.dtype,
                           device: str) -> torch.Tensor:
     """A tensor of subclass `cls` with this metadata and no storage (the
     constructor of `__torch_dispatch__` subclasses)."""
-    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=torch.device(device))
 
 
 def tree_map_only(kind: type, fn: Callable[[Any], Any], tree: Any) -> Any:
@@ -312,12 +322,10 @@ def tree_map_only(kind: type, fn: Callable[[Any], Any], tree: Any) -> Any:
     return torch_tree_map_only(kind, fn, tree)
 
 
-def torch_dispatch_mode() -> type:
-    """The base class of Python dispatch modes (`torch.utils._python_dispatch`):
-    a mode sees every aten op, below autograd, with its outputs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    return TorchDispatchMode
+# The base class of Python dispatch modes: a mode sees every aten op, below
+# autograd, with its outputs. A class, not a function's result, so that
+# subclasses type-check; `import torch` imports its module anyway.
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 
 # --- torch.save's files and DCP's storage records -------------------------------------
@@ -330,10 +338,14 @@ def torch_save_options(*, crc32: bool, alignment: Optional[int] = None) -> Itera
     (torch.utils.serialization.config, patched for this thread's saves)."""
     import torch.utils.serialization.config as serialization_config
 
+    # `patch` is what torch's config modules get at import (install_config_module):
+    # absent from the stub.
     with contextlib.ExitStack() as stack:
-        stack.enter_context(serialization_config.patch("save.compute_crc32", crc32))
+        stack.enter_context(serialization_config.patch(  # type: ignore[attr-defined]
+            "save.compute_crc32", crc32))
         if alignment is not None:
-            stack.enter_context(serialization_config.patch("save.storage_alignment", alignment))
+            stack.enter_context(serialization_config.patch(  # type: ignore[attr-defined]
+                "save.storage_alignment", alignment))
         yield
 
 

@@ -7,7 +7,6 @@ new), and so is another run directory that shares a directory with it (the
 local checkpoint tier's root). A copy of a run directory carries the id: up
 to the copy it is the same run. docs/local-tier.md ("Whose shards") says what
 reads it."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib
@@ -63,7 +62,9 @@ def run_id(run_dir: Path) -> str:
             os.link(drawn, path)
     finally:
         drawn.unlink(missing_ok=True)
-    return read_run_id(run_dir)
+    found = read_run_id(run_dir)
+    assert found is not None  # the link made it, or the rank that won the race did
+    return found
 
 
 def _unreadable(path: Path, problem: str) -> ConfigError:

@@ -6,13 +6,12 @@ group of its own (`own_group`, the thread's first act), and every collective
 on that group runs on that thread; a caller on another thread hands the
 collective over and waits for it in short slices (`wait_for`), so a hang
 abort can still reach the caller and no two threads pair the wrong calls."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,7 @@ def own_group(group: Optional[dist.ProcessGroup], device: torch.device) -> None:
     use_device(device)
 
 
-def owns(group: dist.ProcessGroup) -> bool:
+def owns(group: Optional[dist.ProcessGroup]) -> bool:
     """Whether the calling thread is the one that issues `group`'s collectives."""
     return getattr(_this_thread, "group", None) is group
 
@@ -107,5 +106,6 @@ class Collectives:
 
     def _posted(self, sends, recvs) -> list[dist.Work]:
         works = [dist.isend(t, dst=peer, group=self.group, tag=tag) for peer, tag, t in sends]
-        return works + [dist.irecv(t, src=peer, group=self.group, tag=tag)
-                        for peer, tag, t in recvs]
+        works += [dist.irecv(t, src=peer, group=self.group, tag=tag) for peer, tag, t in recvs]
+        # isend/irecv return None only to a rank outside the group; this one is in it.
+        return cast(list[dist.Work], works)

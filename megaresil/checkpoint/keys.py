@@ -10,7 +10,6 @@ Nothing here knows a trainer or an optimizer class: parameters come as
 (key, parameter) pairs and moments through `MomentsOf` (checkpoint/state.py
 says who provides them).
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping, Optional

@@ -14,7 +14,7 @@ implements it; checkpoint/ knows no trainer attribute and no optimizer class.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Protocol
+from typing import Iterable, Mapping, Optional, Protocol, Sequence
 
 import torch
 import torch.nn as nn
@@ -47,7 +47,9 @@ class RunRecord:
     recipe: dict  # the resolved recipe (config.to_dict); its `optimizer` is the hyper-state
     consumed_samples: int  # the data position: global samples consumed
     optimizer_steps: int  # the optimizer's own step count (AdamW's bias correction)
-    rank_states: list[dict] = field(default_factory=list)  # per-rank RNG states, in rank order
+    # Per-rank RNG states, in rank order; None for a rank whose state the
+    # record does not carry (a local shard holds its owner's only).
+    rank_states: Sequence[Optional[dict]] = field(default_factory=list)
     weights_only: bool = False  # no optimizer state: not a point to resume training from
     # Fields of other parts (the watchdog's calibration, a Hugging Face
     # import's origin), stored and carried over as given.

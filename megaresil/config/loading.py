@@ -6,14 +6,13 @@ YAML is read safely and without aliases. OmegaConf merges the pieces onto the
 structured schema, so an unknown key or a wrong type is refused with its full
 key name; `config.validation` then checks the rules that span fields.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import copy
 import difflib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence, cast
 
 import yaml
 from omegaconf import OmegaConf
@@ -197,7 +196,7 @@ def _header_line(path: Path) -> str:
     return ""
 
 
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipeConfig:
     """Compose a recipe and its overrides into a validated `RecipeConfig`."""
     recipe_path = Path(path)
     merged = OmegaConf.structured(RecipeConfig)
@@ -209,7 +208,9 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
             if OmegaConf.select(merged, key, default="__missing__") == "__missing__":
                 raise unknown_key(key)
             OmegaConf.update(merged, key, _typed_value(key, value), merge=False)
-        cfg = OmegaConf.to_object(merged)
+        # OmegaConf types to_object's result as any container; from a config
+        # structured on a dataclass it is that dataclass (and to_container's a dict).
+        cfg = cast(RecipeConfig, OmegaConf.to_object(merged))
     except OmegaConfBaseException as err:
         raise _explain_omegaconf(err) from None
     validate(cfg)
@@ -220,7 +221,8 @@ def from_dict(data: dict) -> RecipeConfig:
     """A `RecipeConfig` from a plain dict (e.g. the resolved recipe of a run)."""
     try:
         data = _typed(copy.deepcopy(data))
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RecipeConfig), data))
+        cfg = cast(RecipeConfig, OmegaConf.to_object(
+            OmegaConf.merge(OmegaConf.structured(RecipeConfig), data)))
     except OmegaConfBaseException as err:
         raise _explain_omegaconf(err) from None
     validate(cfg)
@@ -231,14 +233,15 @@ def model_from_dict(data: dict) -> ModelConfig:
     """A `ModelConfig` from plain `model.*` keys, the rest defaults (its
     rules against the rest of a recipe are not checked here)."""
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), data))
+        return cast(ModelConfig, OmegaConf.to_object(
+            OmegaConf.merge(OmegaConf.structured(ModelConfig), data)))
     except OmegaConfBaseException as err:
         raise _explain_omegaconf(err) from None
 
 
 def to_dict(cfg: RecipeConfig) -> dict:
     """Plain, YAML/JSON-safe dict of a resolved recipe; each fault as written."""
-    data = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    data = cast(dict, OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True))
     data["faults"] = [fault.to_dict() for fault in parse_faults(cfg.faults)]
     return _rename_aliased(data, to_fields=False)
 

@@ -8,7 +8,6 @@ with the full key name; the cross-field rules (heads divisible by tp, ...) live
 in `config.validation`. Every field carries its documentation in
 `metadata["doc"]`; `megaresil config docs` prints them (`field_docs`).
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses
@@ -308,7 +307,10 @@ def field_docs(cls: type = RecipeConfig, prefix: str = "") -> list[tuple[str, st
     rows = []
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        default = f.default
+        if default is dataclasses.MISSING:
+            assert f.default_factory is not dataclasses.MISSING  # every field has a default
+            default = f.default_factory()
         if dataclasses.is_dataclass(default):
             rows += field_docs(type(default), key + ".")
             continue

@@ -10,7 +10,6 @@ a temporary directory renamed into place), the others wait and reuse. Each
 document is tokenized and followed by eod, as Megatron's preprocess_data.py
 --append-eod does.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import collections
@@ -81,8 +80,9 @@ def prepare_dataset(data_cfg: DataConfig, vocab_size_limit: int | None = None) -
     if data_cfg.source == "indexed":
         raise ValueError("data.source: 'indexed' data is read as it is, not prepared.")
     _check_valid_fraction(data_cfg.valid_fraction)
-    data_cfg = dataclasses.replace(data_cfg, tokenizer=tokenizer_spec(data_cfg))
-    bpe_vocab = _bpe_vocab_size(data_cfg.tokenizer, vocab_size_limit)
+    tokenizer = tokenizer_spec(data_cfg)
+    data_cfg = dataclasses.replace(data_cfg, tokenizer=tokenizer)
+    bpe_vocab = _bpe_vocab_size(tokenizer, vocab_size_limit)
     cache_dir = Path(data_cfg.cache_dir).resolve()
     target = cache_dir / _cache_name(data_cfg, bpe_vocab)
     if not (target / _META).is_file():
@@ -109,6 +109,7 @@ def _bpe_vocab_size(tokenizer: str, vocab_size_limit: int | None) -> int | None:
 
 def _cache_name(data_cfg: DataConfig, bpe_vocab: int | None) -> str:
     tokenizer = data_cfg.tokenizer
+    assert tokenizer is not None  # prepare resolved it
     if tokenizer not in BUILTIN:  # a Hugging Face tokenizer: its file's identity
         file = hf_tokenizer_file(Path(tokenizer))
         tokenizer = f"{file.resolve()}:{file.stat().st_size}:{file.stat().st_mtime_ns}"
@@ -127,6 +128,7 @@ def _build_cache_entry(target: Path, data_cfg: DataConfig, bpe_vocab: int | None
         shutil.rmtree(stale, ignore_errors=True)
     temp = target.parent / f".{target.name}.tmp{os.getpid()}"
     temp.mkdir(parents=True)
+    assert data_cfg.tokenizer is not None  # prepare resolved it
     try:
         counts = _prepare_files(corpus_documents(data_cfg.source), data_cfg.tokenizer, bpe_vocab,
                                 data_cfg.valid_fraction, temp / "train", temp / "valid",
@@ -254,7 +256,7 @@ def prepare_main(inputs: Sequence[str], output_prefix: str, tokenizer: str = "bp
                                 inputs, json_key, max_record_bytes, read), read), progress))
     spec = (tokenizer, tokenizer_path)
     vocab = build_tokenizer(tokenizer, cache_path=tokenizer_path).vocab_size
-    skipped = collections.Counter()
+    skipped: collections.Counter[str] = collections.Counter()
     read = BytesRead()
     documents = _non_empty(_documents(inputs, json_key, max_record_bytes, read), skipped)
     workers = workers or min(8, os.cpu_count() or 1)

@@ -1,7 +1,6 @@
 """The plan simulator replayed on a soak (`megaresil soak`'s soak.json): the
 soak's own fault schedule as a trace, its run's measured costs
 (plan/costs.py), and the predicted goodput set beside the measured one."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 from megaresil.plan.costs import RunCosts
@@ -50,6 +49,9 @@ def episode_trace(faults: list[dict]) -> list[TraceFault]:
 
 
 def replay_soak(soak: dict, costs: RunCosts) -> Result:
+    if costs.interval is None:
+        raise ValueError("the soak's run committed fewer than two global checkpoints, so its "
+                         "save interval is unknown: there are no saves to replay")
     trace = [t for episode in soak["schedule"] for t in episode_trace(episode["faults"])]
     save = costs.saves["global"]
     setup = Setup(steps=soak["steps"], step_s=costs.step_s, interval=costs.interval,

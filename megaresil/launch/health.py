@@ -11,7 +11,6 @@ NVML cannot tell Xid errors that happened before it was asked (they arrive
 only as events to a process that registered for them); what they leave
 behind, uncorrectable ECC errors, retired pages and failed row remaps, is
 what is read here."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib
@@ -163,7 +162,7 @@ def said_by(raw: bytes) -> str:
     if not (isinstance(check, str) and isinstance(reason, str)):
         return "(its record cannot be read: no check and reason)"
     try:
-        if isinstance(when, bool) or not math.isfinite(when):
+        if not isinstance(when, (int, float)) or isinstance(when, bool) or not math.isfinite(when):
             raise TypeError
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
     except (TypeError, ValueError, OverflowError, OSError):  # not a time this host can show

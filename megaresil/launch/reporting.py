@@ -10,7 +10,6 @@ counts the relaunches it made (the workers may not have lived to record
 them), and says whether it runs the job's rank 0: on several nodes every
 launcher follows the same events.jsonl, and only that node's prints the
 job's lines. docs/fault-tolerance.md ("On the console")."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import os
@@ -23,6 +22,7 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import PContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from megaresil.compat import context_process
@@ -61,6 +61,12 @@ class ReportingAgent(LocalElasticAgent):
     def _process(self, local_rank: int) -> subprocess.Popen:
         return context_process(self._pcontext, local_rank)
 
+    def _workers(self) -> PContext:
+        """The workers' process context, which TorchElastic sets when it
+        starts them: every caller acts on workers that were started."""
+        assert self._pcontext is not None
+        return self._pcontext
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         """Each worker process polled. TorchElastic's own check, once one
         failed, stops the others and reports them failed as well (exit code
@@ -84,7 +90,7 @@ class ReportingAgent(LocalElasticAgent):
         report of its own recorded as `process_lost`."""
         failures = {worker_group.workers[lr].global_rank: ProcessFailure(
             local_rank=lr, pid=self._process(lr).pid, exitcode=code,
-            error_file=self._pcontext.envs[lr]["TORCHELASTIC_ERROR_FILE"])
+            error_file=self._workers().envs[lr]["TORCHELASTIC_ERROR_FILE"])
             for lr, code in lost.items()}
         for rank, failure in sorted(failures.items()):
             if without_report(failure):

@@ -13,7 +13,6 @@ generation's setup) goes to TorchElastic's relaunch of the group. A hot
 spare (launch/spares.py) never needed ends as a success when the rendezvous
 closes; one failing its health checks as it waits leaves (launch/admission.py).
 docs/fault-tolerance.md ("Live replacement")."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import os
@@ -23,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -125,6 +124,7 @@ class SupervisingAgent(ReportingAgent):
     def _start_standby(self, worker_group: WorkerGroup) -> None:
         if self.policy.standby and self.spent < self.policy.max_replacements:
             spec = worker_group.spec
+            assert isinstance(spec.entrypoint, str)  # megaresil's workers are a binary's processes
             self.standby = start_standby([spec.entrypoint, *spec.args])
 
     def _process(self, local_rank: int) -> subprocess.Popen:
@@ -151,8 +151,11 @@ class SupervisingAgent(ReportingAgent):
                 and self.spent + len(lost) <= self.policy.max_replacements):
             return None
         try:
-            worker_env = {**os.environ, **self._pcontext.envs[next(iter(lost))]}
-            store = JobStore.for_agent(worker_group.master_addr, worker_group.master_port,
+            worker_env = {**os.environ, **self._workers().envs[next(iter(lost))]}
+            # torch's WorkerGroup declares its store address by a bare None;
+            # the rendezvous set it before the workers started.
+            store = JobStore.for_agent(cast(str, worker_group.master_addr),
+                                       cast(int, worker_group.master_port),
                                        WorkerEnv.parse(worker_env))
             if any(store.lost_in_setup(worker_group.workers[lr].global_rank,
                                        self._process(lr).pid) for lr in lost):
@@ -169,14 +172,16 @@ class SupervisingAgent(ReportingAgent):
         worker = worker_group.workers[local_rank]
         lost_pid = self._process(local_rank).pid
         self.spent += 1
-        env = {**self._pcontext.envs[local_rank], REPLACEMENT_ENV: "1"}
+        workers = self._workers()
+        assert isinstance(workers.entrypoint, str)  # megaresil's workers are a binary's processes
+        env = {**workers.envs[local_rank], REPLACEMENT_ENV: "1"}
         standby, self.standby = self.standby, None
         if standby is not None and standby.poll() is not None:
             standby = None
         # A new process imports for seconds before it can join; the standby
         # joins at once, so it is told only once the restart is recorded.
         proc = standby or subprocess.Popen(
-            [self._pcontext.entrypoint, *self._pcontext.args[local_rank]], env={**os.environ, **env})
+            [workers.entrypoint, *workers.args[local_rank]], env={**os.environ, **env})
         # The waiting ranks read the store (a lost rank nobody replaces ends
         # their wait); they count restarts from the events once the
         # replacement has joined, so they all see this one (and every
@@ -189,6 +194,7 @@ class SupervisingAgent(ReportingAgent):
                          from_tier="live", standby=standby is not None, attempt=self.spent,
                          max_attempts=self.policy.max_replacements)
         if standby is not None:
+            assert standby.stdin is not None  # start_standby opens it as a pipe
             try:
                 standby.stdin.write(assignment(env))
                 standby.stdin.close()

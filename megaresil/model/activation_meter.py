@@ -11,7 +11,6 @@ torch frees it. Storages on another device than the meter's are host memory
 (offloaded activations on CUDA); buffers reused from an earlier step (the CPU
 host pool's) are allocated before the meter looks and so are not counted.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import gc
@@ -31,7 +30,7 @@ class MemoryReading:
     peak_host_bytes: int
 
 
-class ActivationMeter(compat.torch_dispatch_mode()):
+class ActivationMeter(compat.TorchDispatchMode):
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = torch.device(device)

@@ -9,13 +9,12 @@ Recomputation redraws the same dropout masks, so every variant gives the
 losses and grads of no recomputation. See docs/parallelism.md
 ("Activation memory").
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,7 @@ class HostPool:
 
     def __init__(self):
         self.stream: Optional[torch.cuda.Stream] = None  # made on first CUDA use
-        self.free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, object]]] = \
+        self.free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Optional[torch.cuda.Event]]]] = \
             defaultdict(list)
         self.bytes_in_use = 0
         self.peak_bytes = 0
@@ -88,7 +87,7 @@ class HostPool:
         self.peak_bytes = max(self.peak_bytes, self.bytes_in_use)
         return buffer
 
-    def give_back(self, buffer: torch.Tensor, last_read: Optional[object]) -> None:
+    def give_back(self, buffer: torch.Tensor, last_read: Optional[torch.cuda.Event]) -> None:
         self.bytes_in_use -= buffer.nbytes
         self.free[(buffer.numel(), buffer.dtype)].append((buffer, last_read))
 
@@ -98,7 +97,7 @@ class _Lease:
     """A pool buffer lent to one stored tensor, and (CUDA) the event after
     which its last copy out is done, so the next user may overwrite it."""
     buffer: torch.Tensor
-    last_read: Optional[object] = None
+    last_read: Optional[torch.cuda.Event] = None
 
 
 class Offloaded:
@@ -106,7 +105,7 @@ class Offloaded:
     drops the saved tensor (after backward, or with the graph)."""
 
     def __init__(self, pool: HostPool, buffer: torch.Tensor, shape: torch.Size,
-                 copied: Optional[object]):
+                 copied: Optional[torch.cuda.Event]):
         self.lease, self.shape, self.copied = _Lease(buffer), shape, copied
         lease = self.lease  # the finalizer must not hold `self`
         weakref.finalize(self, lambda: pool.give_back(lease.buffer, lease.last_read))
@@ -143,7 +142,7 @@ def gather_slices(part: torch.Tensor, tp: TPGroup, shape: torch.Size) -> torch.T
 
 @dataclass
 class _Packed:
-    stored: object  # a tensor (whole or this rank's slice) or its Offloaded host copy
+    stored: Union[torch.Tensor, Offloaded]  # a tensor (whole or this rank's slice) or its host copy
     shape: torch.Size
     device: torch.device
 
@@ -168,22 +167,21 @@ class CheckpointStore:
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             return checkpoint(layers, x, samples, use_reentrant=False)
 
-    def pack(self, t: torch.Tensor) -> object:
+    def pack(self, t: torch.Tensor) -> Union[torch.Tensor, _Packed]:
         if not t.is_floating_point():
             return t  # the global sample indices, a few bytes
-        stored = t.detach()
+        kept = t.detach()
         if self.partition is not None:
-            stored = own_slice(stored, self.partition)
-        if self.pool is not None:
-            stored = self.pool.store(stored)
+            kept = own_slice(kept, self.partition)
+        stored = self.pool.store(kept) if self.pool is not None else kept
         return _Packed(stored, t.shape, t.device)
 
-    def unpack(self, packed: object) -> torch.Tensor:
+    def unpack(self, packed: Union[torch.Tensor, _Packed]) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        t = packed.stored
-        if self.pool is not None:
-            t = t.load(packed.device)
+        # Offloaded exactly when there is a pool (pack).
+        stored = packed.stored
+        t = stored.load(packed.device) if isinstance(stored, Offloaded) else stored
         if self.partition is not None:
             t = gather_slices(t, self.partition, packed.shape)
         return t

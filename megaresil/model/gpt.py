@@ -3,7 +3,6 @@
 Parameter keys use global layer numbers (`layers.17.attn.qkv.weight` wherever
 layer 17 lives), so a checkpoint's keys do not depend on the parallel layout.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import functools

@@ -11,17 +11,19 @@ reproducing the single-process run without any rank ever holding a global
 tensor, and without drawing one either (init time is O(local), not O(model)).
 Values do not depend on what else the model holds.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import math
 import zlib
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
 
 from megaresil.config import ModelConfig
 from megaresil.parallel.sharding import carry_spec, spec_of
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 # Output projections of each residual branch get the GPT-2 scaled init.
 RESIDUAL_OUTPUTS = ("attn.proj.weight", "mlp.proj.weight", "mlp.down.weight")
@@ -122,8 +124,8 @@ def initialize(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
         initialize_parameter(param, key, cfg, seed)
 
 
-def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device,
-                draw: bool = True) -> nn.Module:
+def materialize(model: ModuleT, cfg: ModelConfig, seed: int, device: torch.device,
+                draw: bool = True) -> ModuleT:
     """Give a model built under `torch.device("meta")` storage on `device` for
     this rank's slices only, and initialise them there (with `draw`; without,
     they stay uninitialised, for a load to fill).

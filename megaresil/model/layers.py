@@ -5,7 +5,6 @@ tensor-parallel layers; what differs between flavours comes from their spec
 Shapes in comments: B batch, T sequence (T/tp when sequence parallel), C
 hidden, H heads, G kv heads (groups), D head dim; "local" counts are per TP rank.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import math
@@ -77,6 +76,8 @@ class RotaryEmbedding(nn.Module):
     The cos/sin tables cover the longest sequence seen so far, built on first
     use: a table of max_seq_len rows (131072 for Llama 3.2) per layer would
     cost far more memory than the sequences trained on need."""
+
+    inv_freq: torch.Tensor  # a buffer
 
     def __init__(self, head_dim: int, cfg: ModelConfig):
         super().__init__()

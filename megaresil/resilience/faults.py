@@ -7,7 +7,6 @@ each fires once per run directory; `generation` holds it back until that many
 restarts, `replacement` until a live replacement's process runs the rank.
 docs/fault-tolerance.md ("Injected faults", "How a fault fires") lists the
 kinds and what each does."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import ctypes
@@ -104,7 +103,7 @@ class FaultInjector:
                           for f in specs)
         self.hang_group = (dist.new_group(backend="gloo")
                            if wants_group and dist.is_initialized() else None)
-        self.actions: dict[FaultKind, Callable[[FaultSpec], None]] = {
+        self.actions: dict[FaultKind, Callable[[FaultSpec], object]] = {
             FaultKind.kill: lambda f: os.kill(os.getpid(), signal.SIGKILL),
             FaultKind.raise_: self._raise,
             FaultKind.hang: lambda f: hang(f.hang_mode, self.hang_group),
@@ -112,7 +111,7 @@ class FaultInjector:
             FaultKind.sigterm: lambda f: os.kill(os.getpid(), signal.SIGTERM),
             FaultKind.corrupt_checkpoint: lambda f: corrupt_newest(self.checkpoint_root),
             FaultKind.corrupt_local_checkpoint: self._corrupt_local,
-            FaultKind.lose_local_node: lambda f: lose_node(self.local_node_dir),
+            FaultKind.lose_local_node: lambda f: lose_node(self._node_dir()),
         }
 
     def on_section(self, section: str, step: int) -> None:
@@ -158,8 +157,13 @@ class FaultInjector:
         self.slow_seconds = fault.slow_seconds
         compute_for(self.slow_seconds)
 
+    def _node_dir(self) -> Path:
+        """The node's local directory, for the faults on the local tier."""
+        assert self.local_node_dir is not None  # config refuses them without a local tier
+        return self.local_node_dir
+
     def _corrupt_local(self, fault: FaultSpec) -> None:
-        for shard in own_local_shards(self.local_node_dir, self.rank):
+        for shard in own_local_shards(self._node_dir(), self.rank):
             try:
                 flip_middle_byte(shard / DATA)
             except FileNotFoundError:

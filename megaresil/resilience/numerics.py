@@ -16,7 +16,7 @@ import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 from megaresil.errors import MegaresilError
 
@@ -208,7 +208,7 @@ class WatchSizes:
 
 # --- replicas that differ (silent data corruption) ----------------------------------
 
-def odd_ones_out(digests: Sequence[int]) -> Optional[list[int]]:
+def odd_ones_out(digests: Sequence[Hashable]) -> Optional[list[int]]:
     """The replicas (indices) whose digest differs from the one most of them
     hold; [] when all agree. Two replicas that agree bit for bit are taken
     as healthy (two corruptions do not land on the same state), so at dp >= 3

@@ -3,7 +3,6 @@ were (the generation a restart opens), the relaunches without progress (the
 back-off), what ended the previous attempt, and the newest state a restart
 resumes from. Read from events.jsonl, metrics.jsonl and the checkpoints,
 which outlive every process and node store."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,7 +37,9 @@ def newest_step(cfg: RecipeConfig, world: int) -> tuple[Optional[int], Optional[
     Without a local tier there is no choice to name: the tier is None."""
     paths = RunPaths.of(cfg)
     committed = fmt.committed_checkpoints(paths.checkpoint_root)
-    newest_global = int(fmt.STEP_DIR.match(committed[0].name).group(1)) if committed else None
+    # committed_checkpoints lists step directories only: the newest one's name matches.
+    newest_name = fmt.STEP_DIR.match(committed[0].name) if committed else None
+    newest_global = int(newest_name.group(1)) if newest_name else None
     if not paths.local_enabled:
         return newest_global, None
     found = [(newest_global, "global")] if committed else []

@@ -6,7 +6,6 @@ each rank with the median of its pipeline stage's ranks, on CPU time, writes
 the window to run.dir/stragglers.jsonl and, after `straggler_windows` slow
 windows in a row, a `straggler_detected` event. Nothing is aborted.
 docs/fault-tolerance-stragglers.md says who is compared with whom, and why."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import json
@@ -14,6 +13,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -124,7 +124,7 @@ class StragglerDetector:
                 "sections": self.window.per_step(),
                 "mem_peak_mb": peak_memory_mb(this_device())}
         self.window = Window()
-        table = [mine]
+        table: list[Any] = [mine]  # all_gather_object fills it with every rank's
         if dist.is_initialized():
             table = [None] * dist.get_world_size()
             dist.all_gather_object(table, mine)

@@ -10,7 +10,6 @@ step, or none that is proven (dp = 1, all its replicas lost, a donor newer
 than the replicas' last agreement, or optimizer.distributed, whose optimizer
 shards live in one rank's memory only) the job resumes from the checkpoint
 tiers, and the event says why. docs/fault-tolerance.md ("Live replacement")."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -148,7 +147,10 @@ class LivePlan:
     replicated: bool = True  # every replica holds the whole state (a donor could send it)
 
     def agreement(self, rank: int) -> Optional[Agreement]:
-        return Agreement(self.step, self.proven[rank]) if rank in self.proven else None
+        if rank not in self.proven:
+            return None
+        assert self.step is not None  # a plan proves states only where it serves
+        return Agreement(self.step, self.proven[rank])
 
     @property
     def serves(self) -> bool:
@@ -175,9 +177,9 @@ def live_plan(held: list[Optional[Held]], groups: list[list[int]], replicated: b
         at_target = [r for r in group if steps[r] == target]
         truth = proof(at_target, held) if prove and replicated else None
         if prove and replicated:
-            plan.corrupted += [r for r in at_target if disproven(held[r], truth)]
+            plan.corrupted += [r for r in at_target if disproven(carried_by(held, r), truth)]
         if truth is not None:
-            trusted = [r for r in at_target if held[r].digest == truth]
+            trusted = [r for r in at_target if carried_by(held, r).digest == truth]
             plan.proven.update(dict.fromkeys(group, truth))
         elif prove and replicated and len(at_target) < len(group):
             trusted = []  # a state would move, and none is proven
@@ -200,6 +202,14 @@ def live_plan(held: list[Optional[Held]], groups: list[list[int]], replicated: b
     return plan
 
 
+def carried_by(held: list[Optional[Held]], rank: int) -> Held:
+    """What `rank` carries, for a rank known to carry something (one at a
+    step carried, or a holder the plan sends from)."""
+    found = held[rank]
+    assert found is not None
+    return found
+
+
 def disproven(held: Held, truth: Optional[int]) -> bool:
     """Whether a state at the newest step is shown corrupted: it differs from
     the proven one, or from the one its replicas agreed on at its step."""
@@ -213,10 +223,10 @@ def proof(at_target: list[int], held: list[Optional[Held]]) -> Optional[int]:
     the one their replicas agreed on at that step, else one two or more of
     them hold and no other as many (two replicas that computed the same
     bits are healthy); None when none can be shown."""
-    vouched = [held[r].digest for r in at_target if held[r].vouched]
+    vouched = [carried_by(held, r).digest for r in at_target if carried_by(held, r).vouched]
     if vouched:
         return vouched[0]
-    digests = [held[r].digest for r in at_target]
+    digests = [carried_by(held, r).digest for r in at_target]
     outliers = odd_ones_out(digests) if len(digests) >= 2 else None
     if outliers is None:
         return None
@@ -233,7 +243,7 @@ def why_lacking(at_target: list[int], held: list[Optional[Held]], target: int,
     if len(at_target) > 1:
         return f"the copies on ranks {at_target} differ and no replica check vouches for one"
     rank = at_target[0]
-    agreed = held[rank].agreed
+    agreed = carried_by(held, rank).agreed
     if agreed is not None and agreed[0] == target:
         return (f"rank {rank}'s copy differs from the one its replicas agreed on at that step "
                 "(silent data corruption since): a copy would spread it")
@@ -260,7 +270,7 @@ def plan_live_start(cfg: RecipeConfig, carried: Optional[Carried],
     plan = live_plan(held, layout.replica_groups(), replicated,
                      why_unreplicated="optimizer.distributed keeps each rank's optimizer shard "
                      "in its own memory only", prove=cfg.resilience.numerics.check_interval > 0)
-    plan.bytes_moved = sum(held[h].nbytes for o, h in plan.sources.items() if o != h)
+    plan.bytes_moved = sum(carried_by(held, h).nbytes for o, h in plan.sources.items() if o != h)
     plan.replicated = replicated
     return plan
 
@@ -273,18 +283,24 @@ def recover_live(state: TrainingState, carried: Optional[Carried], plan: LivePla
     tensors it carried (on the CPU) and copies in the rest (on a GPU, all of
     it) on a thread of its own, while it sends: both only read what it
     carries, and a receiver waits for the sending, not for the copy."""
+    assert plan.step is not None  # only a plan that serves is recovered from
+    # This rank's own state, where it serves it; then it receives nothing.
+    mine = carried if plan.sources[rank] == rank else None
     moves = transfers(plan.sources)
-    state.adopt(carried.whole if plan.sources[rank] == rank else blank_moments(state))
+    state.adopt(mine.whole if mine is not None else blank_moments(state))
     targets = shard_rects(state)
     members = sorted({r for move in moves for r in move})
     with ThreadPoolExecutor(1, initializer=use_device, initargs=(device,)) as copier:
-        own = copier.submit(fill_from, carried, targets) if plan.sources[rank] == rank else None
+        own = copier.submit(fill_from, mine, targets) if mine is not None else None
         received = None
         if rank in members:
             received = receive_or_send(carried, moves, members, rank, plan.step, targets, device)
         if own is not None:
             own.result()
-    saved = saved_run_record(received or carried.meta)
+    if not received:
+        assert mine is not None  # a rank that received nothing serves itself
+        received = mine.meta
+    saved = saved_run_record(received)
     state.restore(saved)
     return saved
 
@@ -343,8 +359,11 @@ def move_state(coll: Collectives, moves: list[tuple[int, int]], carried: Optiona
         landed_in.extend(target for _, target in matched(meta, targets))
         return [landing(target.tensor) for target in landed_in]
 
-    outgoing = {r: transfer.Outgoing(carried.meta, carried.tensors)
-                for h, r in moves if h == coll.rank}
+    outgoing: dict[int, transfer.Outgoing] = {}
+    for holder, receiver in moves:
+        if holder == coll.rank:
+            assert carried is not None  # the plan picks holders among the ranks that carry
+            outgoing[receiver] = transfer.Outgoing(carried.meta, carried.tensors)
     received = transfer.move(coll, moves, outgoing, land, "it")
     if not received:
         return None

@@ -1,7 +1,6 @@
 """A rank's model, built: its chunks of the recipe's model, initialised on
 its device, with reproducible randomness, and the names its parameters are
 checkpointed under."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import random

@@ -12,7 +12,6 @@
 - `amp`: fp32 parameters under bf16 autocast.
 - `auto`: fp32 on CPU, bf16 on CUDA.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib
@@ -91,7 +90,8 @@ def set_kernel_determinism(setting: Optional[bool], device: torch.device) -> Non
     # Deterministic kernels are the guarantee. Torch also NaN-fills every new
     # tensor's memory in this mode (a check against reading torch.empty's
     # garbage, which no kernel here does): ~900 fills per step of gpt-tiny.
-    torch.utils.deterministic.fill_uninitialized_memory = False
+    # A property of the module's class at runtime, absent from torch's stub.
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
 
 def logits_dtype(precision: Precision) -> torch.dtype:

@@ -11,7 +11,6 @@ it held was the corrupted one. With live replacement, each check also sums
 what a hand-over would send (`donated`), and the sum the replicas last agreed
 on is kept: a donor proves its state with it (train/handover.py).
 docs/numerics.md, docs/fault-tolerance.md#live-replacement."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -153,8 +152,10 @@ class ReplicaCheck:
         with self.section("optimizer", step):
             full = saving or self.replaying(step)
             verdicts = self.compare(step, full)
-            if not full and any(v != [] for v in verdicts.values()):
-                verdicts = self.compare(step, full=True)
+            if not full:
+                assert verdicts is not None  # only a full check finds no majority
+                if any(v != [] for v in verdicts.values()):
+                    verdicts = self.compare(step, full=True)
         if verdicts is None:
             self.forget()
             self.rollback(step, "silent_corruption")
@@ -175,8 +176,8 @@ class ReplicaCheck:
         tensors = [t for _, t in named]
         device = self.layout.device
         sums = checksums(tensors, device) if full else quick_checksum(tensors, device)
-        replaying = self.suspicion is not None and step == self.suspicion.step
-        changed = replaying and not torch.equal(sums, self.suspicion.sums)
+        replayed = self.suspicion if self.replaying(step) else None
+        changed = replayed is not None and not torch.equal(sums, replayed.sums)
         donated = (quick_checksum(self.donated(), device).reshape(1) if self.donated
                    else torch.zeros(0, dtype=torch.int64, device=device))
         mine = torch.cat([sums.sum(0), donated, torch.tensor([int(changed)], device=device)])
@@ -184,8 +185,8 @@ class ReplicaCheck:
         dist.all_gather(parts, mine)
         rows = [p.tolist() for p in parts]
         digests, changes = [tuple(r[:-1]) for r in rows], [r[-1] for r in rows]
-        if replaying:
-            self.attribute(step, changes)
+        if replayed is not None:
+            self.attribute(step, replayed, changes)
         verdicts = {tuple(g): odd_ones_out([digests[r] for r in g]) for g in self.groups}
         if all(v == [] for v in verdicts.values()):
             self.agree(step, digests, verdicts)
@@ -222,11 +223,11 @@ class ReplicaCheck:
         if self.layout.rank == 0:
             self.events.emit(event, **fields)
 
-    def attribute(self, step: int, changes: Sequence[int]) -> None:
+    def attribute(self, step: int, replayed: Suspicion, changes: Sequence[int]) -> None:
         """At the replay's step: the ranks whose state differs from what
         they held before the rollback were the corrupted ones, in the groups
         whose replicas differed (replay_culprits)."""
-        culprits, unresolved = replay_culprits(self.suspicion.groups, changes)
+        culprits, unresolved = replay_culprits(replayed.groups, changes)
         self.suspicion = None
         said = {}
         if unresolved:

@@ -5,10 +5,9 @@ The checkpoint sees the model chunks' parameters, the optimizer through
 `AdamState` (any AdamW implementation used here), the data position, this
 rank's RNG and the watchdog's calibration, and nothing else of the trainer.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -89,7 +88,8 @@ class LiveTrainingState:
         return layout_record(self.layout, self.optimizer.sharded)
 
     def run_record(self) -> RunRecord:
-        extra = {WATCHDOG: self.watchdog.calibration()} if self.watchdog is not None else {}
+        extra: dict[str, Any] = ({WATCHDOG: self.watchdog.calibration()}
+                                 if self.watchdog is not None else {})
         if self.position.skipped:
             extra[SKIPPED] = [[first, n] for first, n in sorted(self.position.skipped.items())]
         extra.update(watch_record(self.position.watch))
@@ -108,7 +108,7 @@ class LiveTrainingState:
         for key, param in self.named_params:
             self.optimizer.adopt(param, {m: whole.get(moment_key(m, key)) for m in MOMENTS})
             weight = whole.get(f"{WEIGHTS}{key}")
-            if like(weight, param):
+            if weight is not None and like(weight, param):
                 param.data = weight
 
     def rng_state(self) -> dict:

@@ -91,6 +91,16 @@ def test_simulator_predicts_the_soaks_goodput():
     assert predicted == pytest.approx(soak["goodput"], rel=0.10)
 
 
+def test_a_soak_whose_saves_show_no_interval_is_not_replayed():
+    """Under two global saves there is no interval to simulate saves at: a
+    ValueError that says so, not a TypeError from inside the simulator."""
+    soak = json.loads((RESULTS / "soak_30min.json").read_text())
+    measured = json.loads((RESULTS / "plan_soak_costs.json").read_text())
+    costs = RunCosts.from_dict({**measured, "interval": None})
+    with pytest.raises(ValueError, match="interval"):
+        replay_soak(soak, costs)
+
+
 @pytest.mark.slow
 def test_plan_on_a_real_run(cli_main, tmp_path):
     """A tiny run with a kill (a relaunch) and saves every 2 steps, then the command."""

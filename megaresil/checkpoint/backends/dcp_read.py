@@ -12,7 +12,6 @@ read); any other layout is read DCP's way.
 DCP's metadata file is a pickle; SafeReader reads it with an unpickler that
 admits only DCP's metadata classes, so loading never runs pickled code.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import io
@@ -21,7 +20,7 @@ import os
 import pathlib
 import pickle
 from pathlib import Path
-from typing import Any, BinaryIO, Optional, Sequence
+from typing import Any, BinaryIO, Optional, Sequence, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -38,9 +37,11 @@ LAYOUT_HEAD, LAYOUT_TAIL = 32 << 10, 16 << 10
 
 
 class FileSlice(io.RawIOBase):
-    """Bytes [start, start + length) of an open file, as a file of their own."""
+    """Bytes [start, start + length) of an open file, as a file of their own.
+    torch.load and zipfile read any such file object, though their stubs ask
+    for an IO[bytes]: `as_io` gives it them under that type."""
 
-    def __init__(self, file: BinaryIO, start: int, length: int):
+    def __init__(self, file: io.BufferedReader, start: int, length: int):
         super().__init__()
         self.file, self.start, self.length, self.position = file, start, length, 0
 
@@ -57,6 +58,9 @@ class FileSlice(io.RawIOBase):
 
     def tell(self) -> int:
         return self.position
+
+    def as_io(self) -> BinaryIO:
+        return cast(BinaryIO, self)
 
     def readinto(self, buffer) -> int:
         view = memoryview(buffer).cast("B")
@@ -83,10 +87,10 @@ def chunk_layout(chunk: FileSlice) -> tuple[torch.Tensor, Optional[tuple[int, in
     """The saved tensor on the meta device (size, stride, dtype), and where
     its bytes lie in the chunk when they can be read in place: row-major,
     one uncompressed record of exactly its bytes; else None."""
-    saved = torch.load(chunk, map_location="meta", weights_only=True)
+    saved = torch.load(chunk.as_io(), map_location="meta", weights_only=True)
     if not (saved.is_contiguous() and saved.storage_offset() == 0):
         return saved, None
-    record = torch_save_data_record(chunk)
+    record = torch_save_data_record(chunk.as_io())
     return saved, record if record is not None and record[1] == saved.nbytes else None
 
 
@@ -105,7 +109,7 @@ def prefetch_layouts(file: BinaryIO, chunks: list[tuple[int, int]]) -> None:
         os.posix_fadvise(file.fileno(), start + length - tail, tail, os.POSIX_FADV_WILLNEED)
 
 
-def read_region(file: BinaryIO, start: int, length: int, offsets: Sequence[int],
+def read_region(file: io.BufferedReader, start: int, length: int, offsets: Sequence[int],
                 lengths: Sequence[int], target: torch.Tensor) -> None:
     """Fill `target` with the region (`offsets`, `lengths`) of the chunk that
     DCP saved at bytes [start, start + length) of `file`."""
@@ -113,7 +117,7 @@ def read_region(file: BinaryIO, start: int, length: int, offsets: Sequence[int],
     saved, record = chunk_layout(chunk)
     if record is None or saved.dtype != target.dtype:
         chunk.seek(0)
-        whole = torch.load(chunk, map_location="cpu", weights_only=True)
+        whole = torch.load(chunk.as_io(), map_location="cpu", weights_only=True)
         target.copy_(narrowed(whole, offsets, lengths))
         return
     # A 0-d tensor is read as one row of one element.

@@ -8,11 +8,10 @@ plain `dcp.load` reads them, but a save costs none of DCP's four planning and
 result collectives; the checkpoint manager gathers the notes together with its
 own manifest records.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Optional, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -86,7 +85,9 @@ class RankWriter(dcp.FileSystemWriter):
         with open(Path(self.path) / name, "wb") as stream:
             writeback = EarlyWriteback(stream)
             for item in plan.items:
-                tensor = _compact(planner.resolve_data(item).detach())
+                data = planner.resolve_data(item)
+                assert isinstance(data, torch.Tensor)  # megaresil's states hold tensors only
+                tensor = _compact(data.detach())
                 aligned = tensor.nbytes >= _ALIGNED_FROM
                 if aligned:
                     stream.write(bytes(-stream.tell() % PAGE))
@@ -110,7 +111,8 @@ class _WriteErrorKept:
     which drops the errno (ENOSPC, EFBIG, ...)."""
 
     def __init__(self, stream: BinaryIO):
-        self.stream, self.error = stream, None
+        self.stream = stream
+        self.error: Optional[OSError] = None
 
     def write(self, data) -> int:
         try:
@@ -127,7 +129,7 @@ def _save_keeping_errno(tensor: torch.Tensor, stream: BinaryIO) -> None:
     """torch.save(tensor, stream), raising a failed write's own OSError."""
     kept = _WriteErrorKept(stream)
     try:
-        torch.save(tensor, kept)
+        torch.save(tensor, cast(BinaryIO, kept))  # any object with write and flush will do
     except RuntimeError:
         if kept.error is None:
             raise
@@ -149,7 +151,8 @@ def merged(notes: list[tuple[dict, list]]) -> tuple[Metadata, list[list]]:
         for fqn, saved in rank_tensors.items():
             tensors.setdefault(fqn, TensorStorageMetadata(saved.properties, saved.size, []))
             tensors[fqn].chunks.extend(saved.chunks)
-    return Metadata(state_dict_metadata=tensors), [results for _, results in notes]
+    # A copy: Metadata's field is a dict of either kind of entry (invariant).
+    return Metadata(state_dict_metadata=dict(tensors)), [results for _, results in notes]
 
 
 def fsynced_in_background(files: set[Path]) -> Callable[[], None]:

@@ -6,7 +6,6 @@ adds what every family shares (the output head, token ids, the checks).
 Works on full (unsharded, unpadded-vocab) tensors; the resharding path takes
 it from there.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import dataclasses

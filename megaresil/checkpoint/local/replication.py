@@ -10,7 +10,6 @@ A rank's replicas go to the rank with the same local rank on the next
 `replicas` nodes (ring order), so every node holds exactly `replicas` copies
 of each other node's shards and losing any `replicas` nodes loses no shard.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,9 +76,9 @@ def complete_step(reports: list[Holdings], world: int) -> Choice:
     """The newest step for which every owner rank has a valid shard on some
     rank; each owner takes its own copy when valid, else the lowest-ranked
     holder of a valid replica."""
-    skipped = []
+    skipped: list[str] = []
     for step in sorted({s for report in reports for s in report}, reverse=True):
-        holders = {owner: [] for owner in range(world)}
+        holders: dict[int, list[int]] = {owner: [] for owner in range(world)}
         problems = []
         for rank, report in enumerate(reports):
             for owner, problem in report.get(step, {}).items():

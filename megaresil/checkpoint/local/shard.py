@@ -2,7 +2,6 @@
 copy included) back to back in one byte buffer, and a meta record of each
 rect's place and checksum, the run state and the rank's RNG. A same-layout
 resume copies the bytes back with no resharding, so it is bit-exact."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import json
@@ -133,6 +132,7 @@ def saved_run_record(meta: dict) -> RunRecord:
     """A shard's run state (`meta`: its meta record), its owner's RNG state
     placed at the owner's rank (the only one a rank restores)."""
     saved = RunRecord.from_manifest(meta["run"])
-    saved.rank_states = [None] * meta["world"]
-    saved.rank_states[meta["owner"]] = meta["rank_state"]
+    rank_states: list[Optional[dict]] = [None] * meta["world"]
+    rank_states[meta["owner"]] = meta["rank_state"]
+    saved.rank_states = rank_states
     return saved

@@ -6,7 +6,6 @@ marked: a step counts only where the owner's shard, or a replica of it, is
 committed and passes its checksums. Nothing is written under the global
 checkpoint root.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import os
@@ -104,7 +103,7 @@ class NodeStore:
     def write_data(self, path: Path, data: torch.Tensor) -> None:
         """A shard's data.bin, durable before its meta.json names it."""
         with open(path, "wb") as f:
-            f.write(memoryview(data.numpy()))
+            f.write(data.numpy().data)
             f.flush()
             os.fsync(f.fileno())
 
@@ -132,7 +131,9 @@ class NodeStore:
         """{step: [owner ranks]} of the shard directories here (not validated)."""
         found: dict[int, list[int]] = {}
         for step_dir in fmt.committed_checkpoints(self.root):
-            step = int(fmt.STEP_DIR.match(step_dir.name).group(1))
+            named = fmt.STEP_DIR.match(step_dir.name)
+            assert named is not None  # committed_checkpoints lists step directories only
+            step = int(named.group(1))
             try:
                 names = [p.name for p in step_dir.iterdir()]
             except FileNotFoundError:

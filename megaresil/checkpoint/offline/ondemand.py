@@ -8,7 +8,6 @@ tensors, it would hold the whole checkpoint in memory. Handed an
 `OnDemandTensor`, it holds only this placeholder; the data exists while
 `torch.save` pickles it, which is what keeps an offline DCP save streamed.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 from typing import Callable
@@ -38,8 +37,10 @@ class OnDemandTensor(torch.Tensor):
         # ordinary tensor data that any reader (weights_only) loads.
         return self.produce().__reduce_ex__(protocol)
 
+    # torch's stub gives Tensor.__torch_dispatch__ as a plain function; the
+    # protocol (and torch's own subclasses) define it as a classmethod.
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         if func is torch.ops.aten.is_pinned.default:
             return False
         if func in _METADATA_OPS:
