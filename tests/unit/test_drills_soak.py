@@ -13,6 +13,7 @@ from megaresil.events import EventLog
 from megaresil.resilience.faults import FaultInjector, InjectedFault, fault_id
 from megaresil.drills.analyse import false_alarms
 from megaresil.drills.schedule import Calibration, episodes, first_fault_step, fit, schedule
+from megaresil.worker_env import WorkerEnv
 
 DEMO = ROOT / "recipes" / "gpt-tiny.yaml"
 
@@ -112,9 +113,9 @@ def test_a_replacement_fault_waits_for_a_replacements_process(tmp_path, monkeypa
     fault = {"kind": "raise", "rank": 0, "step": 0, "section": "setup", "replacement": True}
     events = EventLog(tmp_path, 0)
 
-    def injector():
+    def injector():  # in a process whose environment is parsed as a worker's is
         return FaultInjector([fault], rank=0, run_dir=tmp_path, checkpoint_root=tmp_path,
-                             events=events)
+                             events=events, replacement=WorkerEnv.parse().replacement)
 
     injector().on_section("setup", 0)  # the rank's first process: nothing fires
     monkeypatch.setenv("MEGARESIL_REPLACEMENT", "1")
