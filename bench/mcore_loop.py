@@ -1,28 +1,19 @@
 """Megatron-Core's GPTModel in a plain training loop on CPU: the third side of
 bench/train_throughput.py. One process per tensor-parallel rank, gloo.
 
-Mcore (megatron-core, bench-only, not a megaresil dependency) is written for
+Mcore (megatron-core, a test dependency, not a megaresil one) is written for
 CUDA; its own training loop (pretrain, DDP wrapper, optimizer) needs it. This
 side is Mcore's model with the local (non-Transformer-Engine) layer spec, its
 tensor-parallel layers, mappings and vocab-parallel cross-entropy, in a loop
 with torch's fused AdamW and Mcore's clipping rule written in torch ops. The
-CPU shim, applied in this process only, is the smallest that runs it:
-
-1. `torch.cuda.current_device` returns "cpu": Mcore allocates its scratch and
-   communication buffers with `device=torch.cuda.current_device()` (the
-   attention's score buffer from the global memory buffer,
-   dot_product_attention.py:189 via utils.py:631; the TP all-gather/
-   reduce-scatter outputs in tensor_parallel/mappings.py). The buffers are
-   the same, only on the CPU.
-2. `tensor_parallel.get_cuda_rng_tracker` returns a tracker whose `fork()`
-   does nothing: the attention forks the CUDA RNG around its probability
-   dropout (dot_product_attention.py:217) by reading and setting the CUDA
-   generator's state. Dropout is 0 in these sizes, so no random number is drawn
-   inside the fork; the fork would only move CUDA RNG state that does not exist.
-
-Not a patch: the causal mask is passed as an input (a bool (1, 1, T, T) tensor,
-as Megatron's own GPT data pipeline builds it), because Mcore's default mask
-(transformer/utils.py:35) is built with device="cuda".
+model and the CPU shim it runs under (applied in this process only) are
+tests/harness/mcore.py's, which the Megatron checkpoint tests build too: its
+docstring lists the patches. A recipe with `model.moe` becomes Mcore's MoE
+layer (`moe_config` there), with its "allgather" token dispatcher. At
+`--dp`/`--ep`, the grads are reduced over Mcore's data-parallel and
+expert-data-parallel groups as its DDP does (`sync_grads`). The causal mask
+is an input (a bool (1, 1, T, T) tensor, as Megatron's own GPT data pipeline
+builds it): Mcore's default mask is built with device="cuda".
 
 Clipping: Mcore's clip_grads.py makes its norm buffers with device="cuda", so
 the rule it implements is written here in torch ops: the sum of squared grad
@@ -36,94 +27,56 @@ recipe's train.precision, as megaresil resolves it) the parameters are bf16
 with fp32 main copies that AdamW steps, Megatron's mixed precision.
 
     python bench/mcore_loop.py SIZE --steps N [--tp 2 --rank R --port P]
-    python bench/mcore_loop.py recipe --steps N [--port P] -- RECIPE [KEY=VALUE ...]
-    (rank 0 prints {"step_s": median seconds per step, "peak_memory_mb": ...}
-    as its last line)
+    python bench/mcore_loop.py recipe --steps N [--tp T --dp D --ep E --rank R --port P]
+        -- RECIPE [KEY=VALUE ...]
+    (every rank prints {"step_s": median seconds per step, "peak_memory_mb": CUDA
+    peak or null, "peak_rss_mb": ...} as its last line)
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import resource
 import statistics
 import sys
 import time
-import types
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from train_throughput import SIZES, WARMUP_STEPS, recipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # Mcore as the tests build it
+from tests.harness.mcore import build_model, cpu_shim
 
 FROM_RECIPE = "recipe"  # the size named by a recipe and overrides after `--`
 
 
-def cpu_shim() -> None:
-    """The two patches of the docstring, in this process only."""
-    from megatron.core import tensor_parallel
-    torch.cuda.current_device = lambda: "cpu"
-    no_fork = types.SimpleNamespace(fork=lambda *args, **kwargs: contextlib.nullcontext())
-    tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: no_fork
-
-
-def build_model(cfg, device: torch.device):
-    """megaresil's model shape in Mcore's GPTModel, local layer spec. gpt2:
-    learned positions, LayerNorm, tanh GELU, biases, 4h MLP, tied embeddings.
-    llama: RoPE, RMSNorm, SwiGLU, no biases, grouped-query attention, untied
-    unless the recipe ties. No dropout; the recipe's precision (auto: fp32 on
-    CPU, bf16 on CUDA)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megaresil.config import Precision
-    from megaresil.train.precision import resolve
-
-    m = cfg.model
-    llama = m.flavour.value == "llama"
-    bf16 = resolve(cfg.train.precision, device) == Precision.bf16  # as megaresil reads it
-    flavour = dict(
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, num_query_groups=m.num_kv_heads or m.num_heads,
-        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
-    ) if llama else dict(
-        normalization="LayerNorm", add_bias_linear=True, ffn_hidden_size=4 * m.hidden_size,
-        activation_func=lambda x: F.gelu(x, approximate="tanh"))
-    config = TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
-        hidden_dropout=m.dropout, attention_dropout=m.attention_dropout,
-        layernorm_epsilon=m.norm_eps, init_method_std=m.init_std,
-        tensor_model_parallel_size=dist.get_world_size(),
-        use_cpu_initialization=device.type == "cpu", bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        # CUDA-only fusions off (each is a custom kernel; the unfused path is torch ops).
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        **flavour)
-    tied = m.tie_embeddings if m.tie_embeddings is not None else not llama
-    padded_vocab = -(-m.vocab_size // m.make_vocab_size_divisible_by) * m.make_vocab_size_divisible_by
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-                         normalization=config.normalization),
-                     vocab_size=padded_vocab, max_sequence_length=m.max_seq_len,
-                     share_embeddings_and_output_weights=tied,
-                     position_embedding_type="rope" if llama else "learned_absolute",
-                     rotary_base=int(m.rope_theta))
-    return model.to(device)
+def squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(torch._foreach_norm(grads)).square().sum()
 
 
 def clip_grads(params: list[torch.nn.Parameter], main: list[torch.nn.Parameter],
                max_norm: float) -> None:
     """Mcore's get_grad_norm_fp32 + clip_grad_by_total_norm_fp32, in torch ops,
-    on the main grads (`main[i]` is `params[i]`'s fp32 copy, or itself)."""
+    on the main grads (`main[i]` is `params[i]`'s fp32 copy, or itself). The
+    expert-parallel grads' squares are summed over the expert tensor x model
+    group, as its chained optimizer does."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     grads = [q.grad for q in main if q.grad is not None]
-    counted = [q.grad for p, q in zip(params, main) if q.grad is not None
-               and param_is_not_tensor_parallel_duplicate(p)]
-    total = torch.stack(torch._foreach_norm(counted)).square().sum()
+    counted = [(getattr(p, "allreduce", True), q.grad) for p, q in zip(params, main)
+               if q.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
+    total = squares([g for dense, g in counted if dense])
     dist.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
+    expert = [g for dense, g in counted if not dense]
+    if expert:
+        expert_total = squares(expert)
+        dist.all_reduce(expert_total,
+                        group=parallel_state.get_expert_tensor_and_model_parallel_group())
+        total += expert_total
     coeff = max_norm / (total.sqrt().item() + 1e-6)
     if coeff < 1.0:
         torch._foreach_mul_(grads, coeff)
@@ -164,11 +117,33 @@ class MainParams:
             torch._foreach_copy_(self.params, self.main)
 
 
-def mcore_loop(cfg, steps: int, device: torch.device) -> list[float]:
+def sync_grads(params: list[torch.nn.Parameter], dp: int) -> None:
+    """Data parallelism as Mcore's DDP reduces: every grad divided by dp and
+    summed in one flat buffer per group, the dense ones over the data-parallel
+    group, the expert-parallel ones (Mcore marks them `allreduce=False`) over
+    the expert-data-parallel group (their grads already hold the tokens of
+    the whole expert-parallel group)."""
     from megatron.core import parallel_state
 
-    tp = dist.get_world_size()
-    parallel_state.initialize_model_parallel(tp, 1)
+    dense = [p for p in params if getattr(p, "allreduce", True)]
+    experts = [p for p in params if not getattr(p, "allreduce", True)]
+    for group, members in ((parallel_state.get_data_parallel_group(), dense),
+                           (parallel_state.get_expert_data_parallel_group(), experts)):
+        grads = [p.grad for p in members if p.grad is not None]
+        if not grads or dist.get_world_size(group) == 1 and dp == 1:
+            continue
+        flat = torch.cat([g.flatten() for g in grads]).div_(dp)
+        dist.all_reduce(flat, group=group)
+        pieces = flat.split([g.numel() for g in grads])
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(pieces, grads)])
+
+
+def mcore_loop(cfg, steps: int, device: torch.device, tp: int = 1, ep: int = 1) -> list[float]:
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    dp = dist.get_world_size() // tp
+    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
     if device.type == "cuda":  # Mcore's GPU init draws inside its CUDA RNG tracker's fork
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(cfg.train.seed)
@@ -183,11 +158,14 @@ def mcore_loop(cfg, steps: int, device: torch.device) -> list[float]:
     optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   fused=True)
     micro, seq = cfg.train.micro_batch_size, cfg.data.seq_len
-    accum = cfg.train.global_batch_size // micro
+    accum = cfg.train.global_batch_size // (micro * dp)
+    # The routing losses' grads are scaled as the main loss is (Mcore's schedule sets it).
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / accum, device=device))
     positions = torch.arange(seq, device=device).unsqueeze(0).expand(micro, -1)
     causal_mask = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1).view(
         1, 1, seq, seq)
-    generator = torch.Generator(device).manual_seed(0)  # same tokens on every TP rank
+    # Same tokens on every TP rank, each data-parallel rank its own.
+    generator = torch.Generator(device).manual_seed(parallel_state.get_data_parallel_rank())
     seconds = []
     for _ in range(steps):
         started = time.perf_counter()
@@ -196,6 +174,7 @@ def mcore_loop(cfg, steps: int, device: torch.device) -> list[float]:
                                    device=device)
             loss = micro_batch_loss(model, tokens, positions, causal_mask, tp) / accum
             loss.backward()
+        sync_grads(params, dp)
         state.grads_up()
         clip_grads(params, state.main, o.grad_clip)
         optimizer.step()
@@ -206,6 +185,11 @@ def mcore_loop(cfg, steps: int, device: torch.device) -> list[float]:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - started)
     return seconds
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def recipe_of(args, recipe_args: list[str]):
@@ -220,6 +204,8 @@ def main() -> None:
     parser.add_argument("size", choices=[*SIZES, FROM_RECIPE])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (divides dp)")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
     argv = sys.argv[1:]  # after `--`: the recipe and its overrides, megaresil's own syntax
@@ -232,13 +218,12 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=f"tcp://127.0.0.1:{args.port}",
-                            rank=args.rank, world_size=args.tp)
-    seconds = mcore_loop(recipe_of(args, recipe_args), args.steps, device)
+                            rank=args.rank, world_size=args.tp * args.dp)
+    seconds = mcore_loop(recipe_of(args, recipe_args), args.steps, device, args.tp, args.ep)
     dist.destroy_process_group()
-    if args.rank == 0:
-        peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-        print(json.dumps({"step_s": statistics.median(seconds[WARMUP_STEPS:]),
-                          "peak_memory_mb": peak}), flush=True)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+    print(json.dumps({"step_s": statistics.median(seconds[WARMUP_STEPS:]),
+                      "peak_memory_mb": peak, "peak_rss_mb": peak_rss_mb()}), flush=True)
 
 
 if __name__ == "__main__":

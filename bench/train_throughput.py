@@ -11,10 +11,11 @@ and each keeps its best round (a shared machine can only make a run slower).
 Layouts: 1x1x1 (one worker) and tp=2 (two workers), each worker with one
 thread, against the same single-process, single-thread plain loop.
 
-The third side, when megatron-core is installed (bench-only, optional; skipped
+The third side, when megatron-core is installed (a test dependency; skipped
 with a one-line reason otherwise): Megatron-Core's GPTModel at the same sizes,
-tp=1 and tp=2 (gloo), in bench/mcore_loop.py, which lists its two-patch CPU
-shim (torch.cuda.current_device -> "cpu"; a no-op CUDA RNG-tracker fork).
+tp=1 and tp=2 (gloo), in bench/mcore_loop.py, under the CPU shim that
+tests/harness/mcore.py lists (torch.cuda.current_device -> "cpu"; a no-op CUDA
+RNG-tracker fork).
 
     python bench/train_throughput.py [--sizes tiny small] [--steps 8] [--rounds 2]
         [--out bench/results]
@@ -104,14 +105,16 @@ def plain_loop(size: str, steps: int) -> dict:
 SIDE_DEADLINE_S = 900
 
 
-def run_side(commands: list[list[str]], deadline_s: float = SIDE_DEADLINE_S) -> list[str]:
-    """Run one side's processes (one per rank), each in a session of its own;
-    their stdouts. When one fails, or the deadline passes, every process tree
-    of the side is killed (a rank left waiting on a dead peer never ends)."""
+def run_side(commands: list[list[str]], deadline_s: float = SIDE_DEADLINE_S,
+             env: dict | None = None) -> list[str]:
+    """Run one side's processes (one per rank), each in a session of its own,
+    with `env` (default: one intra-op thread); their stdouts. When one fails,
+    or the deadline passes, every process tree of the side is killed (a rank
+    left waiting on a dead peer never ends)."""
     with tempfile.TemporaryDirectory() as logs:
         outs = [open(Path(logs) / f"{i}.out", "w+") for i in range(len(commands))]
         errs = [open(Path(logs) / f"{i}.err", "w+") for i in range(len(commands))]
-        procs = [subprocess.Popen(command, env=ONE_THREAD, cwd=ROOT, stdout=out, stderr=err,
+        procs = [subprocess.Popen(command, env=env or ONE_THREAD, cwd=ROOT, stdout=out, stderr=err,
                                   text=True, start_new_session=True)
                  for command, out, err in zip(commands, outs, errs)]
         try:
@@ -144,7 +147,7 @@ def run_plain(size: str, steps: int) -> float:
 
 def mcore_missing() -> str:
     """Why the Megatron-Core side cannot run here ("" when it can): megatron-core
-    is a bench-only, optional package."""
+    is a test dependency, not a megaresil one."""
     try:
         with warnings.catch_warnings():  # its CUDA-extension fallbacks warn on import
             warnings.simplefilter("ignore")

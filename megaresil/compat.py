@@ -110,6 +110,12 @@ def release_failed_backward(device: torch.device) -> None:
         torch.ones(1, device=device, requires_grad=True).sum().backward()
 
 
+def in_backward() -> bool:
+    """Whether this thread runs inside autograd's backward (a graph task is
+    current): there, a forward is activation recomputation's second pass."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def viewed(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor `tensor` is a view of (its `_base`), or itself."""
     return tensor if tensor._base is None else tensor._base

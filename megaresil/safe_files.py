@@ -161,11 +161,13 @@ def refuse_links(run_dir: Path, checkpoint_root: Path, local_roots: Iterable[Pat
                  ) -> None:
     """ConfigError (exit 2) naming every known path of the run that is a link:
     the run directory's files and directories, the checkpoint root's
-    `latest` and lock, and `local_roots`: the local tier's root (with the
+    `latest`, lock and step directories (a save replaces one of its step, a
+    load reads one), and `local_roots`: the local tier's root (with the
     directories above it that the run made, not a user-named one), the run's
     directory in it, and the lock and node directories in each."""
-    found = links_among(run_dir, RUN_DIR_ENTRIES) + links_among(checkpoint_root,
-                                                                CHECKPOINT_ROOT_ENTRIES)
+    steps = sorted(p.name for p in Path(checkpoint_root).glob("step_*"))
+    found = links_among(run_dir, RUN_DIR_ENTRIES) + links_among(
+        checkpoint_root, [*CHECKPOINT_ROOT_ENTRIES, *steps])
     for root in map(Path, local_roots):
         if root.is_symlink():
             found.append(f"{root} -> {os.readlink(root)}")

@@ -7,7 +7,6 @@ import pytest
 from tests.harness.cli import ROOT, SMALL, megaresil_cli
 
 
-
 @pytest.fixture
 def cli():
     return megaresil_cli
@@ -69,3 +68,19 @@ def demo_corpus(tmp_path_factory) -> Path:
     # indexes runs add beside them (.megaresil-index), nor other entries.
     shutil.copytree(entry, cache / entry.name, ignore=shutil.ignore_patterns(".megaresil-index"))
     return cache
+
+
+@pytest.fixture(scope="session")
+def mcore_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Checkpoints Megatron-Core saved itself (tests/harness/mcore.py): llama
+    and gpt2 at tp=1 and tp=2, llama at pp=2, llama with experts at ep=1 and
+    ep=2, each with its logits; saved once a session (one 2-rank group,
+    ~1 min on two cores)."""
+    from tests.harness import mcore
+
+    reason = mcore.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    saves = [mcore.Saved(flavour, tp=tp) for flavour in ("llama", "gpt2") for tp in (1, 2)]
+    saves += [mcore.Saved("llama", pp=2), mcore.Saved("moe"), mcore.Saved("moe", ep=2)]
+    return mcore.save_checkpoints(saves, tmp_path_factory.mktemp("mcore"))

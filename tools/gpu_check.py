@@ -1,6 +1,6 @@
 """The GPU path in one run: correctness, precision, throughput/MFU, checkpoint I/O, offload, a hang drill.
 
-Run by tools/gpu_check.sh on a CUDA machine (the call: 7 minutes on one H200,
+Run by tools/gpu_check.sh on a CUDA machine (the call: 7.5 minutes on one H200,
 every check with its own deadline from tools/gpu_check_budget.py); writes
 --out/gpu_check.json after each check and prints a short table last. Each
 check is independent: one that fails (or passes its deadline) records its
@@ -287,6 +287,59 @@ def throughput_1b(check: Check) -> dict:
             "ok": ours > 0}
 
 
+MOE_RECIPE = ROOT / "recipes" / "moe-tiny.yaml"
+# Experts in the toy (dry run) and the GPU check: a dense first layer, then top-2 of 8.
+MOE_TOY = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.first_dense_layers=1",
+           "model.moe.aux_loss_coeff=0.01"]
+# ~0.39B parameters: 16 experts (top-2) 1024 wide, 8 layers (the first dense), seq 1024.
+MOE_SIZES = ["model.num_layers=8", "model.hidden_size=1024", "model.num_heads=16",
+             "model.num_kv_heads=4", "model.ffn_hidden_size=2816", "model.moe.num_experts=16",
+             "model.moe.expert_ffn_hidden_size=1024", "data.seq_len=1024",
+             "model.max_seq_len=1024", "train.micro_batch_size=8", "train.global_batch_size=8",
+             "optimizer.warmup_steps=2"]
+
+
+def moe_logits_and_step(check: Check) -> dict:
+    """A mixture of experts on the GPU: fp32 logits equal the CPU's within
+    1e-5 (TF32 off; the grouped experts are torch's grouped_mm on both), then
+    a short bf16 run of a ~0.39B MoE: finite losses, tokens/s, MFU on the
+    active parameters and the routing's balance (metrics' moe_imbalance)."""
+    result = {}
+    if check.device.type == "cuda":
+        with tf32_off():
+            cfg = load_recipe(TINY_RECIPE, SINGLE + TOY + LLAMA_TOY + MOE_TOY).model
+            model = GPT(cfg)
+            initialize(model, cfg, seed=0)
+            tokens = torch.randint(cfg.vocab_size, (2, 32),
+                                   generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                cpu = model.logits(tokens)
+                gpu = model.to(check.device).logits(tokens.to(check.device)).cpu()
+            diff = (gpu - cpu).abs().max().item()
+            result["logits"] = {"max_abs_diff": diff, "ok": diff <= 1e-5}
+    steps = 3 if check.dry_run else 10
+    extra = (TOY + LLAMA_TOY + MOE_TOY if check.dry_run else MOE_SIZES) + [
+        "train.precision=bf16", f"train.steps={steps}"]
+    path = TINY_RECIPE if check.dry_run else MOE_RECIPE
+    cfg = load_recipe(path, [*SINGLE, *extra, f"run.dir={check.workdir / 'moe'}"])
+    reset_peak_memory(check)
+    trainer = check.trainer(cfg)
+    trainer.run()
+    del trainer
+    records = [r for r in read_metrics(Path(cfg.run.dir)) if "loss" in r]
+    losses = [r["loss"] for r in records]
+    timed = records[1:] or records
+    result["train"] = {
+        "losses_first_last": [losses[0], losses[-1]],
+        "tokens_per_s": median([r["tokens_per_s"] for r in timed]),
+        "mfu": median([r.get("mfu", 0.0) for r in timed]),
+        "moe_imbalance_last": records[-1].get("moe_imbalance"),
+        "peak_memory_mb": peak_memory_mb(check),
+        "ok": len(losses) == steps and all(l == l and abs(l) != float("inf") for l in losses)}
+    result["ok"] = all(r["ok"] for r in result.values())
+    return result
+
+
 def mcore_1b(check: Check) -> dict:
     """Megatron-Core's GPTModel at the same ~1B Llama shape, batch and steps
     (bench/mcore_loop.py in a process of its own; its CPU shims only on CPU)."""
@@ -494,7 +547,8 @@ DRILL_UNPROVEN = (
 
 
 CHECKS = [logits_cuda_vs_cpu, bf16_vs_fp32_loss, te_vs_local, throughput_1b, mcore_1b,
-          checkpoint_io, activation_offload, nccl_hang_drill, not_on_this_device]
+          moe_logits_and_step, checkpoint_io, activation_offload, nccl_hang_drill,
+          not_on_this_device]
 
 
 class PastDeadline(Exception):

@@ -102,15 +102,23 @@ def _moment_block(key: str, shard: RowShard, moment: torch.Tensor, cfg: ModelCon
     return shape, (offset[0] + shard.start, *offset[1:]), moment[: stop - shard.start]
 
 
+def buffer_rects(named_buffers: Iterable[tuple[str, torch.Tensor]]) -> list[Rect]:
+    """State held outside the parameters (the expert biases): whole on
+    every rank that holds it, under `model/` keys like the weights."""
+    return [Rect(f"{WEIGHTS}{key}", tuple(t.shape), (0,) * t.dim(), t)
+            for key, t in named_buffers]
+
+
 def state_rects(named_params: Iterable[tuple[str, nn.Parameter]], cfg: ModelConfig,
                 moments_of: Optional[MomentsOf], include_copies: bool,
-                main_rows: Optional[MainRowsOf] = None) -> list[Rect]:
+                main_rows: Optional[MainRowsOf] = None,
+                named_buffers: Iterable[tuple[str, torch.Tensor]] = ()) -> list[Rect]:
     """Every tensor of one rank's training state: the weights (`main_rows`:
-    see `model_rects`), then the AdamW moments (none when `moments_of` is
-    None). The live trainer and the offline converter (which plans ranks that
-    do not run) both describe a rank here."""
+    see `model_rects`) and the state buffers, then the AdamW moments (none
+    when `moments_of` is None). The live trainer and the offline converter
+    (which plans ranks that do not run) both describe a rank here."""
     params = [(key, p) for key, p in named_params if not skip(p, include_copies)]
-    rects = model_rects(params, cfg, main_rows)
+    rects = model_rects(params, cfg, main_rows) + buffer_rects(named_buffers)
     if moments_of is None:
         return rects
     for key, param in params:

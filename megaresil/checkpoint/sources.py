@@ -8,6 +8,7 @@ resuming trainer uses; a Hugging Face model's files serve the same interface
 """
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, TypeVar
 
@@ -15,6 +16,7 @@ import torch
 
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.backends import get_backend
+from megaresil.checkpoint.backends.dcp_read import narrowed
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.validation import read_manifest, verify_shards
 from megaresil.terminal import progress_bar
@@ -38,6 +40,16 @@ def byte_batches(items: Iterable[T], nbytes: Callable[[T], int]) -> Iterator[lis
         size += nbytes(item)
     if batch:
         yield batch
+
+
+def fill_from_full(targets: list[Rect], full: Callable[[str], torch.Tensor]) -> None:
+    """Fill each target rect from its key's global tensor, made once per key
+    by `full` (a source that builds whole tensors: HF's, Megatron's)."""
+    ordered = sorted(targets, key=lambda t: t.key)
+    for key, group in itertools.groupby(ordered, key=lambda t: t.key):
+        whole = full(key)
+        for target in group:
+            target.tensor.copy_(narrowed(whole, target.offset, target.shape))
 
 
 class TensorSource(Protocol):

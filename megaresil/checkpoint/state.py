@@ -6,8 +6,8 @@ hyper-state and step count, per-rank RNG states, the recipe), typed. It is the o
 manifest or reads it back; whoever saves (the trainer, the converter, the
 Hugging Face import) builds one.
 
-`TrainingState` is all the checkpoint sees of a trainer: its parameters by
-layout-free key, its optimizer's state through `OptimizerState` (whatever the
+`TrainingState` is all the checkpoint sees of a trainer: its parameters
+and state buffers by layout-free key, its optimizer's state through `OptimizerState` (whatever the
 implementation keeps where), its run state and RNG. train/state.py
 implements it; checkpoint/ knows no trainer attribute and no optimizer class.
 """
@@ -109,12 +109,20 @@ class TrainingState(Protocol):
     """A trainer's state as the checkpoint sees it (train/state.py)."""
 
     model_config: ModelConfig
-    optimizer: OptimizerState
+
+    # Read-only: an implementation's own optimizer view may offer more.
+    @property
+    def optimizer(self) -> OptimizerState:
+        """The optimizer's state as the checkpoint holds it."""
 
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         """(layout-free key, parameter) over this rank's model chunks, each
         with its `ShardSpec` (parallel/sharding.py): where its block lies, and
         whether it is the last stage's copy of a tied embedding."""
+
+    def named_buffers(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """(layout-free key, tensor) of the state held outside the
+        parameters (the expert biases): whole, no optimizer state."""
 
     def layout_record(self) -> dict:
         """This rank's layout as the manifest records it (`layout_record`)."""
@@ -138,7 +146,7 @@ def training_rects(state: TrainingState, *, include_copies: bool = False) -> lis
     """Every tensor of a trainer's state on this rank; `include_copies` adds
     the tied-embedding copy (a load target, never saved)."""
     return state_rects(state.named_parameters(), state.model_config, state.optimizer.moments(),
-                       include_copies, state.optimizer.main_rows())
+                       include_copies, state.optimizer.main_rows(), state.named_buffers())
 
 
 def weight_rects(state: TrainingState) -> list[Rect]:

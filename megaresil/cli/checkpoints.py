@@ -14,11 +14,19 @@ if TYPE_CHECKING:
 
 def cmd_ckpt_inspect(args: argparse.Namespace) -> int:
     import json
+    from pathlib import Path
 
-    from megaresil.checkpoint.offline.inspect import format_summary, summary
+    from megaresil.checkpoint.megatron.directory import is_megatron_checkpoint
 
-    info = summary(checkpoint_argument(args.path))
-    print(json.dumps(info, indent=1) if args.json else format_summary(info, args.tensors))
+    if is_megatron_checkpoint(Path(args.path)):
+        from megaresil.checkpoint.megatron import reading
+        info = reading.summary(Path(args.path))
+        text = reading.format_summary(info, args.tensors)
+    else:
+        from megaresil.checkpoint.offline import inspect
+        info = inspect.summary(checkpoint_argument(args.path))
+        text = inspect.format_summary(info, args.tensors)
+    print(json.dumps(info, indent=1) if args.json else text)
     return 0
 
 
@@ -38,7 +46,7 @@ def _convert_target(args: argparse.Namespace) -> Target:
     from megaresil.checkpoint.offline.convert import Target
 
     distributed = None if args.distributed_optimizer is None else args.distributed_optimizer == "on"
-    return Target(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp,
+    return Target(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, ep=args.ep,
                   distributed_optimizer=distributed, backend=args.backend,
                   weights_only=args.weights_only, overrides=args.set)
 
@@ -48,23 +56,32 @@ def _convert_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     from pathlib import Path
 
     paths = [Path(p) for p in args.paths]
-    if args.to_hf and args.from_hf:
-        parser.error("give either --to-hf or --from-hf, not both")
+    if sum(bool(form) for form in (args.to_hf, args.from_hf, args.from_megatron,
+                                   args.to_megatron)) > 1:
+        parser.error("give one of --to-hf, --from-hf, --from-megatron and --to-megatron")
     expected, form = ((1, "convert SRC --to-hf DIR") if args.to_hf else
                       (1, "convert --from-hf DIR DST") if args.from_hf else
+                      (1, "convert --from-megatron SRC DST") if args.from_megatron else
+                      (1, "convert SRC --to-megatron DIR") if args.to_megatron else
                       (2, "convert SRC DST"))
     if len(paths) != expected:
         parser.error(f"expected {form}; got {len(paths)} path(s)")
-    if args.recipe and not args.from_hf:
-        parser.error("--recipe applies to --from-hf only (a checkpoint carries its recipe)")
-    layout_options = [args.tp, args.pp, args.dp, args.vpp, args.distributed_optimizer,
+    if args.recipe and not (args.from_hf or args.from_megatron):
+        parser.error("--recipe applies to --from-hf and --from-megatron only (a checkpoint "
+                     "carries its recipe)")
+    layout_options = [args.tp, args.pp, args.dp, args.vpp, args.ep, args.distributed_optimizer,
                       args.backend, args.weights_only or None, args.set or None]
     if args.to_hf and any(option is not None for option in layout_options):
         parser.error("--to-hf exports the weights alone: layout, backend, --weights-only and "
                      "--set do not apply")
-    export_options = [args.tokenizer, args.max_shard_size, args.dtype]
+    if args.to_megatron and any(option is not None for option in layout_options):
+        parser.error("--to-megatron exports the weights alone at tp=1, pp=1 (Megatron reshards "
+                     "on load): layout, backend, --weights-only and --set do not apply")
+    export_options = [None if args.from_megatron else args.tokenizer, args.max_shard_size,
+                      None if args.to_megatron else args.dtype]
     if not args.to_hf and any(option is not None for option in export_options):
-        parser.error("--tokenizer, --max-shard-size and --dtype apply to --to-hf only")
+        parser.error("--tokenizer applies to --to-hf and --from-megatron, --max-shard-size "
+                     "to --to-hf only, --dtype to --to-hf and --to-megatron")
     return paths
 
 
@@ -83,6 +100,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
         written = export_to_hf(checkpoint_argument(str(paths[0])), Path(args.to_hf), overwrite=args.overwrite,
                                tokenizer=args.tokenizer, max_shard_bytes=shard_bytes,
                                dtype=args.dtype)
+    elif args.to_megatron:
+        from megaresil.checkpoint.megatron.writing import export_to_megatron
+
+        written = export_to_megatron(checkpoint_argument(str(paths[0])), Path(args.to_megatron),
+                                     overwrite=args.overwrite, dtype=args.dtype)
+    elif args.from_megatron:
+        from megaresil.checkpoint.megatron.reading import import_from_megatron
+
+        written = import_from_megatron(Path(args.from_megatron), paths[0], _convert_target(args),
+                                       recipe=Path(args.recipe) if args.recipe else None,
+                                       tokenizer=args.tokenizer, overwrite=args.overwrite)
     elif args.from_hf:
         written = import_from_hf(Path(args.from_hf), paths[0], _convert_target(args),
                                  recipe=Path(args.recipe) if args.recipe else None,
@@ -135,12 +163,15 @@ def add_convert_parser(sub) -> None:
         "convert", help="convert a checkpoint to another layout or backend, or to/from Hugging "
         "Face (single process)",
         description="megaresil convert SRC DST [layout options]  |  megaresil convert SRC --to-hf "
-        "DIR  |  megaresil convert --from-hf DIR DST [layout options] [--recipe RECIPE]. "
+        "DIR  |  megaresil convert --from-hf DIR DST [layout options] [--recipe RECIPE]  |  "
+        "megaresil convert --from-megatron SRC DST [layout options] [--recipe RECIPE] "
+        "[--tokenizer SPEC]  |  megaresil convert SRC --to-megatron DIR. "
         "Unset options keep the source's value.")
-    convert.add_argument("paths", nargs="*", metavar="PATH", help="SRC DST, SRC (--to-hf) or DST "
-                         "(--from-hf); SRC may be a run directory, its checkpoints/ or "
+    convert.add_argument("paths", nargs="*", metavar="PATH", help="SRC DST, SRC (--to-hf, "
+                         "--to-megatron) or DST (--from-hf, --from-megatron); SRC may be a run "
+                         "directory, its checkpoints/ or "
                          "checkpoints/latest (the newest valid checkpoint)")
-    for name in ("tp", "pp", "dp", "vpp"):
+    for name in ("tp", "pp", "dp", "vpp", "ep"):
         convert.add_argument(f"--{name}", type=int, help=f"target parallel.{name}")
     convert.add_argument("--distributed-optimizer", choices=["on", "off"],
                          help="target optimizer.distributed (moments as DP row shards)")
@@ -156,17 +187,26 @@ def add_convert_parser(sub) -> None:
                          "model directory (config.json, safetensors weights, tokenizer files)")
     convert.add_argument("--tokenizer", metavar="SPEC", help="with --to-hf: the tokenizer to "
                          "write (a tokenizer.json, a model directory, gpt2, bpe or byte); "
-                         "default: the recipe's data.tokenizer")
+                         "default: the recipe's data.tokenizer. With --from-megatron: the "
+                         "tokenizer to record; default: Megatron-LM's args' when megaresil "
+                         "reads it")
     convert.add_argument("--max-shard-size", metavar="SIZE", help="with --to-hf: largest "
                          "safetensors file (e.g. 5GB, the default); more weights are split into "
                          "shards with model.safetensors.index.json")
     convert.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                         help="with --to-hf: the exported weights' dtype (default: as stored, "
-                         "float32)")
-    convert.add_argument("--from-hf", metavar="DIR", help="import a transformers GPT-2 or Llama "
-                         "model directory as a weights-only checkpoint")
-    convert.add_argument("--recipe", help="with --from-hf: training keys from this recipe "
-                         "(default: the schema defaults); model.* comes from config.json")
+                         help="with --to-hf or --to-megatron: the exported weights' dtype "
+                         "(default: as stored, float32)")
+    convert.add_argument("--from-hf", metavar="DIR", help="import a transformers GPT-2, Llama, "
+                         "Mixtral or Qwen3-MoE model directory as a weights-only checkpoint")
+    convert.add_argument("--from-megatron", metavar="SRC", help="import a Megatron-LM / "
+                         "Megatron-Core torch_dist checkpoint (a save directory or one iter_* "
+                         "directory; GPT-2 or Llama shaped) as a weights-only checkpoint")
+    convert.add_argument("--recipe", help="with --from-hf or --from-megatron: training keys from "
+                         "this recipe (default: the schema defaults); model.* comes from "
+                         "config.json or Megatron-LM's args, from the recipe when there are none")
+    convert.add_argument("--to-megatron", metavar="DIR", help="export the weights as a "
+                         "Megatron-LM checkpoint directory (--load DIR): torch_dist at tp=1, "
+                         "pp=1, Megatron-Core's keys, args and latest_checkpointed_iteration.txt")
     convert.set_defaults(func=cmd_convert, parser=convert)
 
 

@@ -52,8 +52,9 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 def cmd_soak(args: argparse.Namespace) -> int:
     from megaresil.drills.soak import format_report, run_soak
 
-    report = run_soak(args.recipe, args.overrides, minutes=args.minutes, seed=args.seed,
-                      hogs=args.hogs, local=args.local_tier, hosts=args.hosts)
+    report = run_soak(args.recipe, args.overrides, minutes=args.minutes,
+                      episodes=args.episodes, seed=args.seed, hogs=args.hogs,
+                      local=args.local_tier, hosts=args.hosts)
     print(format_report(report))
     return 0 if report["ok"] else 1
 
@@ -95,10 +96,15 @@ def add_soak_parser(sub) -> None:
                           description="Writes calibration/, faulted/, reference/ and soak.json "
                           "under run.dir.")
     add_recipe_args(soak)
-    soak.add_argument("--minutes", type=float, required=True,
-                      help="wall-time budget of the faulted run; steps and faults are fitted "
-                           "to it from a short calibration run (the calibration and the "
-                           "reference come on top)")
+    length = soak.add_mutually_exclusive_group(required=True)
+    length.add_argument("--minutes", type=float,
+                        help="wall-time budget of the faulted run; steps and faults are fitted "
+                             "to it from a short calibration run (the calibration and the "
+                             "reference come on top)")
+    length.add_argument("--episodes", type=int, metavar="N",
+                        help="instead of --minutes: exactly N episodes, the first N a budget "
+                             "would choose (with --hosts netns the first two are the link's), "
+                             "over the fewest steps that hold them")
     soak.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     soak.add_argument("--hogs", type=int, default=0,
                       help="busy CPU processes beside the calibration and faulted runs")

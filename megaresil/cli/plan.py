@@ -3,8 +3,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Optional
 
-from megaresil.config import NON_NEGATIVE, POSITIVE, ConfigError
+from megaresil.config import (
+    NON_NEGATIVE,
+    POSITIVE,
+    ConfigError,
+    NoLiveCopy,
+    load_recipe,
+    no_live_copy,
+)
 
 # The values each number `plan` takes admits (config.Bounds; None: not given).
 PLAN_NUMBERS = {"--gpus": POSITIVE, "--mtbf-hours": POSITIVE, "--replacement-s": NON_NEGATIVE,
@@ -23,9 +32,21 @@ def check_plan_numbers(args: argparse.Namespace) -> None:
                               f"give {option} a value {bounds}.")
 
 
+def run_layout_gap(source: Path) -> Optional[NoLiveCopy]:
+    """What the run's layout lacks for live replacement, from the recipe a
+    run directory keeps (None without one: a `plan --json` file, an older
+    run); ValueError naming a recipe that does not load."""
+    recipe = source / "recipe.yaml"
+    if not recipe.is_file():
+        return None
+    try:
+        return no_live_copy(load_recipe(recipe))
+    except ConfigError as err:
+        raise ValueError(f"{recipe}, whose layout the plan needs, does not load: {err}") from None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from megaresil.plan.profile import failure_kinds, load_profile
     from megaresil.plan.recovery import DEFAULT_GPUS_PER_NODE, REFERENCE_GPUS, Spares
@@ -44,12 +65,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         spares = Spares(args.spare_every, args.gpus_per_node or
                         profile["observed"].get("gpus_per_node", DEFAULT_GPUS_PER_NODE))
         costs = read_run_costs(Path(args.run_dir))
+        gap = run_layout_gap(Path(args.run_dir))
         report = plan(costs, kinds, gpus=args.gpus,
                       replacement_s=(args.replacement_s if args.replacement_s is not None else
                                      profile.get("node_replacement_extra_s", 0.0)),
                       reference_kinds=reference_kinds, spares=spares, scale=scale,
                       step_s=args.step_s, simulate_days=args.days if args.simulate else None,
-                      seed=args.seed)
+                      seed=args.seed, no_live_copy=gap)
     except ValueError as err:  # a run that cannot be planned from: say why, no traceback
         print(f"megaresil: error: {err}", file=sys.stderr)
         return 2
@@ -68,7 +90,8 @@ def add_plan_parser(sub) -> None:
                        "Llama 3 405B's, megaresil/plan/profiles/llama3_405b.yaml). The "
                        "recovery policies (relaunch, live replacement, hot spares) are "
                        f"projected at --gpus and at {REFERENCE_GPUS:,} GPUs.")
-    p.add_argument("run_dir", help="a run directory (or a JSON written by plan --json)")
+    p.add_argument("run_dir", help="a run directory (its records, and its recipe.yaml for the "
+                   "layout) or a JSON written by plan --json")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--mtbf-hours", type=float, help="mean time between failures of one GPU")
     p.add_argument("--failure-trace", help='JSON lines {"hours": T, "path": in_process|'

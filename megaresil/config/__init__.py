@@ -57,6 +57,7 @@ from megaresil.config.schema import (
                                      DataConfig,
                                      Flavour,
                                      ModelConfig,
+                                     MoEConfig,
                                      OptimizerConfig,
                                      ParallelConfig,
                                      PipelineSchedule,
@@ -66,12 +67,20 @@ from megaresil.config.schema import (
                                      RecomputePolicy,
                                      RopeScalingConfig,
                                      RopeScalingType,
+                                     RouterScore,
                                      TrainConfig,
+                                     attention_head_dim,
                                      field_docs,
                                      microbatches_per_step,
                                      resolved_schedule,
 )
-from megaresil.config.validation import numeric_fields, validate, validate_world_size
+from megaresil.config.validation import (
+    NoLiveCopy,
+    no_live_copy,
+    numeric_fields,
+    validate,
+    validate_world_size,
+)
 
 __all__ = [
     "FAULT_KINDS", "HANG_MODES", "SECTIONS", "STEP_FAULT_KINDS", "FaultKind", "FaultSpec",
@@ -84,8 +93,8 @@ __all__ = [
     "LoggingConfig", "MlflowConfig", "ProfileConfig", "ReplacementConfig", "ResilienceConfig", "RunConfig",
     "SpikePolicy", "WandbConfig", "WatchdogConfig",
     "FP8", "ActivationOffload", "Backend", "DataConfig", "Flavour", "ModelConfig",
-    "OptimizerConfig", "ParallelConfig", "PipelineSchedule", "Precision", "RecipeConfig",
-    "Recompute", "RecomputePolicy", "RopeScalingConfig", "RopeScalingType", "TrainConfig",
-    "field_docs", "microbatches_per_step", "resolved_schedule",
-    "numeric_fields", "validate", "validate_world_size",
+    "MoEConfig", "OptimizerConfig", "ParallelConfig", "PipelineSchedule", "Precision", "RecipeConfig",
+    "Recompute", "RecomputePolicy", "RopeScalingConfig", "RopeScalingType", "RouterScore", "TrainConfig",
+    "attention_head_dim", "field_docs", "microbatches_per_step", "resolved_schedule",
+    "NoLiveCopy", "no_live_copy", "numeric_fields", "validate", "validate_world_size",
 ]

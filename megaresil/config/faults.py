@@ -43,9 +43,14 @@ class FaultKind(str, enum.Enum):
     # step's update (memory at rest); `target: grad`, in the gradient its
     # optimizer steps on, after the data-parallel reduction.
     bitflip = "bitflip"
+    # A NaN in the routing scores of the rank's first layer with experts, in
+    # every forward pass of the step's first attempt: one token's score for
+    # its first choice, which top-k keeps choosing, so its combine weight is
+    # NaN too (a recipe with experts only).
+    router_nan = "router_nan"
 
 # The kinds that act on a step's numbers where the trainer asks, not at a section's start.
-STEP_FAULT_KINDS = (FaultKind.nan, FaultKind.spike, FaultKind.bitflip)
+STEP_FAULT_KINDS = (FaultKind.nan, FaultKind.spike, FaultKind.bitflip, FaultKind.router_nan)
 
 
 class FlipTarget(str, enum.Enum):
@@ -91,7 +96,10 @@ class FaultSpec:
     @property
     def fires_in(self) -> str:
         """The section whose start fires it (nan, spike, bitflip: the
-        optimizer section, once the grads are reduced)."""
+        optimizer section, once the grads are reduced; router_nan: the
+        forward pass)."""
+        if self.kind == FaultKind.router_nan:
+            return "forward_backward"
         return self.section or ("optimizer" if self.kind in STEP_FAULT_KINDS else "data")
 
     @property

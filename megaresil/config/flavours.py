@@ -1,5 +1,5 @@
 """What a recipe may ask of each model flavour: the capabilities validation
-checks (grouped-query attention, RoPE), one row per `Flavour`.
+checks (grouped-query attention, RoPE, experts, sliding windows), one row per `Flavour`.
 
 The flavour modules (`megaresil/model/flavours/`) take their traits from this
 table and the model registry refuses a spec whose traits are not its row, so
@@ -17,11 +17,45 @@ from megaresil.config.schema import Flavour
 class FlavourTraits:
     grouped_query: bool  # num_kv_heads may be below num_heads
     rope: bool  # rotary positions, which RoPE scaling acts on
+    experts: bool  # model.moe may replace its MLP by experts (SwiGLU experts)
+    needs_experts: bool  # a mixture-of-experts family: model.moe.num_experts must be set
+    sliding_window: bool  # model.sliding_window may be set (its transformers model has one)
 
 
 TRAITS: dict[Flavour, FlavourTraits] = {
-    Flavour.gpt2: FlavourTraits(grouped_query=False, rope=False),
-    Flavour.llama: FlavourTraits(grouped_query=True, rope=True),
+    Flavour.gpt2: FlavourTraits(grouped_query=False, rope=False, experts=False,
+                                needs_experts=False, sliding_window=False),
+    Flavour.llama: FlavourTraits(grouped_query=True, rope=True, experts=True, needs_experts=False,
+                                 sliding_window=False),
+    Flavour.mixtral: FlavourTraits(grouped_query=True, rope=True, experts=True,
+                                   needs_experts=True, sliding_window=False),
+    Flavour.qwen3_moe: FlavourTraits(grouped_query=True, rope=True, experts=True,
+                                     needs_experts=True, sliding_window=False),
+    Flavour.qwen2: FlavourTraits(grouped_query=True, rope=True, experts=False,
+                                 needs_experts=False, sliding_window=True),
+    Flavour.qwen3: FlavourTraits(grouped_query=True, rope=True, experts=False,
+                                 needs_experts=False, sliding_window=True),
+    Flavour.mistral: FlavourTraits(grouped_query=True, rope=True, experts=False,
+                                   needs_experts=False, sliding_window=True),
+}
+
+
+@dataclass(frozen=True)
+class MegatronForm:
+    """How Megatron-LM's args say a flavour's model, for the flavours
+    Megatron-Core's GPTModel computes as megaresil does: the only ones
+    `checkpoint/megatron/` reads and writes."""
+    swiglu: bool  # a SwiGLU MLP; else GELU (Megatron's exact GELU unless openai_gelu)
+    normalization: str  # Megatron's name: RMSNorm or LayerNorm
+    position_embedding_type: str  # rope or learned_absolute
+    add_bias_linear: bool  # biases on every linear layer (none on q/k/v alone)
+
+
+MEGATRON: dict[Flavour, MegatronForm] = {
+    Flavour.gpt2: MegatronForm(swiglu=False, normalization="LayerNorm",
+                               position_embedding_type="learned_absolute", add_bias_linear=True),
+    Flavour.llama: MegatronForm(swiglu=True, normalization="RMSNorm",
+                                position_embedding_type="rope", add_bias_linear=False),
 }
 
 

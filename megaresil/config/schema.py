@@ -30,6 +30,11 @@ from megaresil.config.run import (
 class Flavour(str, enum.Enum):
     gpt2 = "gpt2"
     llama = "llama"
+    mixtral = "mixtral"
+    qwen3_moe = "qwen3_moe"
+    qwen2 = "qwen2"
+    qwen3 = "qwen3"
+    mistral = "mistral"
 
 
 class Recompute(str, enum.Enum):
@@ -60,6 +65,11 @@ class PipelineSchedule(str, enum.Enum):
 class RopeScalingType(str, enum.Enum):
     none = "none"
     llama3 = "llama3"
+
+
+class RouterScore(str, enum.Enum):
+    softmax = "softmax"
+    sigmoid = "sigmoid"
 
 
 class Precision(str, enum.Enum):
@@ -96,16 +106,77 @@ class RopeScalingConfig:
 
 
 @dataclass
+class MoEConfig:
+    num_experts: int = doc(0, "Routed experts per mixture-of-experts layer; 0: a dense model (the "
+                           "flavour's MLP in every layer). Needs a flavour with experts (llama, "
+                           "mixtral, qwen3_moe: SwiGLU experts); mixtral and qwen3_moe need "
+                           "them.", bounds=NON_NEGATIVE)
+    top_k: int = doc(2, "Experts each token is sent to.", bounds=POSITIVE)
+    expert_ffn_hidden_size: Optional[int] = doc(None, "Each expert's inner width; null means the "
+                                                "flavour's FFN width (model.ffn_hidden_size or "
+                                                "its default).", bounds=POSITIVE)
+    score_function: RouterScore = doc(RouterScore.softmax, "How router logits become scores "
+                                      "(in fp32): softmax over the experts (Mixtral, Qwen3) or "
+                                      "an independent sigmoid per expert (DeepSeek-V3).")
+    normalize_top_k: bool = doc(True, "Divide a token's top-k scores by their sum, so its weights "
+                                "add to 1 (Mixtral, Qwen3's norm_topk_prob, DeepSeek-V3). With "
+                                "top_k=1 the weight is then always 1.")
+    routed_scaling_factor: float = doc(1.0, "Multiplies the routed experts' weights (DeepSeek-V3's "
+                                       "routed_scaling_factor).", bounds=POSITIVE)
+    aux_loss_coeff: float = doc(0.0, "Weight of the load-balancing loss E * sum_i f_i * P_i over a "
+                                "micro-batch's tokens (f_i: share of the top-k choices that went "
+                                "to expert i; P_i: expert i's mean normalised score); 0: off. "
+                                "1e-2 is a common start.", bounds=NON_NEGATIVE)
+    z_loss_coeff: float = doc(0.0, "Weight of the router z-loss, the mean over tokens of "
+                              "logsumexp(router logits)^2 (ST-MoE); 0: off.", bounds=NON_NEGATIVE)
+    shared_expert_hidden_size: int = doc(0, "Inner width of a shared expert every token passes "
+                                         "through beside its routed ones (a SwiGLU MLP, "
+                                         "DeepSeek-style); 0: none.", bounds=NON_NEGATIVE)
+    first_dense_layers: int = doc(0, "The first this many layers keep the dense MLP "
+                                  "(DeepSeek-V3's first_k_dense_replace).", bounds=NON_NEGATIVE)
+    every_n_layers: int = doc(1, "From layer first_dense_layers on, every n-th layer has experts "
+                              "(the others the dense MLP); 1: all of them.", bounds=POSITIVE)
+    capacity_factor: Optional[float] = doc(None, "null: dropless (every choice is computed). "
+                                           "Set: each expert takes at most ceil(factor * tokens "
+                                           "* top_k / num_experts) of a micro-batch's choices; "
+                                           "the rest are dropped, later tokens first (the order "
+                                           "of the micro-batch, whatever the layout).",
+                                           bounds=POSITIVE)
+    bias_update_rate: float = doc(0.0, "Aux-loss-free balancing (DeepSeek-V3): a per-layer "
+                                  "expert bias added to the scores for the top-k choice only "
+                                  "(never to the weights), moved after each applied step by "
+                                  "rate * sign(mean load - load) over the step's tokens on all "
+                                  "data-parallel ranks; 0: off. 1e-3 is DeepSeek-V3's.",
+                                  bounds=NON_NEGATIVE)
+
+
+@dataclass
 class ModelConfig:
     flavour: Flavour = doc(Flavour.gpt2, "gpt2: learned positions, LayerNorm, GELU, biases, tied "
                            "embeddings. llama: RoPE, RMSNorm, SwiGLU, no biases, GQA, untied "
-                           "head by default.")
+                           "head by default. mixtral, qwen3_moe: llama with experts in "
+                           "every layer (model.moe), Hugging Face's Mixtral and Qwen3-MoE; "
+                           "qwen3_moe adds a per-head RMSNorm of queries and keys. qwen2 "
+                           "(Qwen2, Qwen2.5): llama with biases on the q/k/v projections. "
+                           "qwen3: dense Qwen3, llama with qwen3_moe's q/k norms. mistral: "
+                           "llama with model.sliding_window.")
     num_layers: int = doc(4, "Number of transformer blocks.", bounds=POSITIVE)
     hidden_size: int = doc(128, "Model width (d_model).", bounds=POSITIVE)
-    num_heads: int = doc(4, "Attention (query) heads; must divide hidden_size.", bounds=POSITIVE)
+    num_heads: int = doc(4, "Attention (query) heads; must divide hidden_size unless "
+                         "head_dim is given.", bounds=POSITIVE)
     num_kv_heads: Optional[int] = doc(None, "Key/value heads for grouped-query attention; "
                                       "null means num_heads (plain multi-head attention).",
                                       bounds=POSITIVE)
+    head_dim: Optional[int] = doc(None, "Width of each attention head: queries are "
+                                  "num_heads * head_dim wide, keys and values num_kv_heads * "
+                                  "head_dim (config.json's head_dim, as Qwen3's models set it); null "
+                                  "means hidden_size / num_heads.", bounds=POSITIVE)
+    sliding_window: Optional[int] = doc(None, "Sliding-window attention: each token attends "
+                                        "to at most the last sliding_window positions, itself "
+                                        "included (config.json's sliding_window, as Mistral's "
+                                        "and Hugging Face's mask count them); null means every "
+                                        "earlier position. Flavours mistral, qwen2 and qwen3; "
+                                        "backend=local.", bounds=POSITIVE)
     ffn_hidden_size: Optional[int] = doc(None, "MLP inner width; null means 4*hidden for gpt2 and "
                                          "the Llama rule (2/3 * 4h rounded up to 64) for llama.",
                                          bounds=POSITIVE)
@@ -154,6 +225,7 @@ class ModelConfig:
                                                 "layer inputs to host memory during forward (pinned, "
                                                 "copied on a side stream on CUDA; a host buffer pool "
                                                 "on CPU) and back for backward. Needs recompute=full.")
+    moe: MoEConfig = section(MoEConfig, "Mixture of experts (docs/moe.md).")
 
 
 @dataclass
@@ -161,6 +233,8 @@ class ParallelConfig:
     tp: int = doc(1, "Tensor-parallel size.", bounds=POSITIVE)
     pp: int = doc(1, "Pipeline-parallel size.", bounds=POSITIVE)
     dp: int = doc(1, "Data-parallel size. World size must equal tp*pp*dp.", bounds=POSITIVE)
+    ep: int = doc(1, "Expert-parallel size: the experts split over groups of ep data-parallel "
+                  "ranks (ep divides dp and model.moe.num_experts).", bounds=POSITIVE)
     vpp: int = doc(1, "Virtual pipeline chunks per stage (interleaved schedule when > 1).",
                    bounds=POSITIVE)
     sequence_parallel: bool = doc(False, "Shard norms/dropout along the sequence within the "
@@ -295,6 +369,11 @@ def resolved_schedule(p: ParallelConfig) -> PipelineSchedule:
     if p.schedule != PipelineSchedule.auto:
         return p.schedule
     return PipelineSchedule.interleaved_1f1b if p.vpp > 1 else PipelineSchedule.one_f_one_b
+
+
+def attention_head_dim(m: ModelConfig) -> int:
+    """The width of one attention head, model.head_dim resolved."""
+    return m.head_dim or m.hidden_size // m.num_heads
 
 
 def microbatches_per_step(cfg: RecipeConfig) -> int:

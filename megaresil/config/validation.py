@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any, Iterator, Optional
 
-from megaresil.config.faults import LOCAL_FAULT_KINDS, parse_faults
+from megaresil.config.faults import LOCAL_FAULT_KINDS, FaultKind, parse_faults
 from megaresil.config.fields import Bounds, public_key, require
 from megaresil.config.flavours import TRAITS, flavours_with
 from megaresil.config.run import SUPERVISION_BOUNDS, CheckpointConfig
@@ -15,6 +15,7 @@ from megaresil.config.schema import (
     ActivationOffload,
     Backend,
     ModelConfig,
+    MoEConfig,
     OptimizerConfig,
     ParallelConfig,
     PipelineSchedule,
@@ -22,6 +23,7 @@ from megaresil.config.schema import (
     Recompute,
     RecomputePolicy,
     RopeScalingType,
+    attention_head_dim,
     microbatches_per_step,
     resolved_schedule,
 )
@@ -54,9 +56,13 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
 
 
 def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
-    require(m.hidden_size % m.num_heads == 0, "model.num_heads",
+    require(m.head_dim is not None or m.hidden_size % m.num_heads == 0, "model.num_heads",
             f"{m.num_heads} heads do not divide hidden_size {m.hidden_size}.",
-            "choose num_heads dividing model.hidden_size.")
+            "choose num_heads dividing model.hidden_size, or set model.head_dim.")
+    # RoPE rotates each head's two halves against each other.
+    require(not TRAITS[m.flavour].rope or attention_head_dim(m) % 2 == 0, "model.head_dim",
+            f"RoPE needs an even head width, got {attention_head_dim(m)}.",
+            "choose model.head_dim (or hidden_size / num_heads) even.")
     kv = m.num_kv_heads or m.num_heads
     require(m.num_heads % kv == 0, "model.num_kv_heads",
             f"{kv} kv heads do not divide num_heads {m.num_heads}.",
@@ -79,6 +85,102 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
                 f"leave num_kv_heads null for {name}, or use {_flavour_choice('grouped_query')}.")
 
 
+# grouped_mm needs 16-byte strides: bf16 rows of a multiple of 8 elements.
+GROUPED_MM_ALIGN = 8
+
+
+def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
+    e = m.moe
+    require(e.num_experts > 0 or not TRAITS[m.flavour].needs_experts, "model.moe.num_experts",
+            f"the {m.flavour.value} flavour is a mixture of experts.",
+            "set model.moe.num_experts (and the rest of model.moe), or flavour=llama.")
+    if e.num_experts == 0:
+        return
+    require(TRAITS[m.flavour].experts, "model.moe.num_experts",
+            f"the {m.flavour.value} flavour has no experts.",
+            f"set model.{_flavour_choice('experts')}, or model.moe.num_experts=0.")
+    require(e.top_k <= e.num_experts, "model.moe.top_k",
+            f"{e.top_k} exceeds num_experts={e.num_experts}.",
+            f"choose top_k between 1 and {e.num_experts}.")
+    require(e.first_dense_layers < m.num_layers, "model.moe.first_dense_layers",
+            f"{e.first_dense_layers} leaves none of the {m.num_layers} layers with experts.",
+            f"choose first_dense_layers below {m.num_layers}, or model.moe.num_experts=0.")
+    require(m.backend == Backend.local, "model.moe.num_experts",
+            "experts have no Transformer Engine layers yet.", "set model.backend=local.")
+    require(m.hidden_size % GROUPED_MM_ALIGN == 0, "model.hidden_size",
+            f"{m.hidden_size} is not a multiple of {GROUPED_MM_ALIGN}, which the experts' "
+            "grouped matmul needs.", f"choose hidden_size a multiple of {GROUPED_MM_ALIGN}.")
+    require(not (e.bias_update_rate and m.recompute == Recompute.full),
+            "model.moe.bias_update_rate", "the expert bias counts each token once per forward, "
+            "and full recomputation runs the forward again.", "set model.recompute=none or "
+            "selective, or model.moe.bias_update_rate=0.")
+    _require_expert_width(e, m.ffn_hidden_size, p.tp)
+
+
+def _validate_expert_parallel(e: MoEConfig, p: ParallelConfig) -> None:
+    if p.ep == 1:
+        return
+    require(e.num_experts > 0, "parallel.ep", "expert parallelism needs experts.",
+            "set parallel.ep=1, or model.moe.num_experts > 0.")
+    require(p.dp % p.ep == 0, "parallel.ep", f"{p.ep} does not divide dp={p.dp}: the "
+            "expert-parallel groups are carved from the data-parallel ranks.",
+            f"choose parallel.ep among the divisors of {p.dp}.")
+    require(e.num_experts % p.ep == 0, "parallel.ep", f"{p.ep} does not divide "
+            f"num_experts={e.num_experts}.", f"choose parallel.ep dividing {e.num_experts}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoLiveCopy:
+    """Why no live rank holds a copy of a lost rank's whole state, which live
+    replacement takes from a data-parallel peer's memory (a rank's peers with
+    the same state: its edp group, ParallelLayout.whole_state_groups).
+    `refused`: the recipe may not turn live replacement on at all; otherwise
+    a replacement resumes from the newest checkpoint."""
+    why: str
+    refused: bool
+
+
+def no_live_copy(cfg: RecipeConfig) -> Optional[NoLiveCopy]:
+    """The one rule of what live replacement needs, for every layout: an edp
+    group of two or more ranks (dp / ep > 1) whose optimizer state is not
+    sharded over them. None where the layout has such a copy."""
+    p = cfg.parallel
+    if p.dp == 1:
+        return NoLiveCopy("at dp=1 no data-parallel peer holds a copy of a rank's state", False)
+    if p.ep == p.dp:
+        return NoLiveCopy(f"at ep = dp = {p.dp} each rank holds the only copy of its experts",
+                          True)
+    if cfg.optimizer.distributed:
+        return NoLiveCopy("optimizer.distributed=true keeps each optimizer shard in one rank's "
+                          "memory only", False)
+    return None
+
+
+def _validate_expert_parallel_composes(cfg: RecipeConfig) -> None:
+    """What expert parallelism does not compose with yet."""
+    gap = no_live_copy(cfg)
+    if gap and gap.refused:
+        require(not cfg.resilience.replacement.enabled, "resilience.replacement.enabled",
+                f"{gap.why}, so no live peer could hand them to a replacement.",
+                f"set parallel.ep below {cfg.parallel.dp}, or resilience.replacement.enabled="
+                "false and checkpoint.local.enabled=true (the node-local tier keeps every "
+                "rank's state).")
+
+
+def _require_expert_width(e: MoEConfig, ffn: Optional[int], tp: int) -> None:
+    """Each tp rank's slice of an expert's (or the shared expert's) width is
+    whole and a multiple of GROUPED_MM_ALIGN (the flavours' default widths are
+    multiples of 64)."""
+    unit = GROUPED_MM_ALIGN * tp
+    widths = [("model.moe.expert_ffn_hidden_size", e.expert_ffn_hidden_size or ffn),
+              ("model.moe.shared_expert_hidden_size", e.shared_expert_hidden_size or None)]
+    for key, width in widths:
+        require(width is None or width % unit == 0, key,
+                f"{width} does not split into tp={tp} slices of a multiple of "
+                f"{GROUPED_MM_ALIGN} (the grouped matmul's alignment).",
+                f"choose a multiple of {unit}.")
+
+
 def _flavour_choice(trait: str) -> str:
     """`flavour=NAME` for each flavour with `trait`, as a fix offers them."""
     return " or ".join(f"flavour={name}" for name in flavours_with(trait))
@@ -95,6 +197,18 @@ def _validate_rope_scaling(m: ModelConfig) -> None:
         require(r.high_freq_factor > r.low_freq_factor, "model.rope_scaling.high_freq_factor",
                 f"{r.high_freq_factor} must exceed low_freq_factor={r.low_freq_factor}.",
                 "use Llama 3's values (low 1, high 4) or others with high > low.")
+
+
+def _validate_sliding_window(m: ModelConfig) -> None:
+    if m.sliding_window is None:
+        return
+    require(TRAITS[m.flavour].sliding_window, "model.sliding_window",
+            f"the {m.flavour.value} flavour has no sliding-window attention (its Hugging Face "
+            "model attends to every earlier position).",
+            f"set model.{_flavour_choice('sliding_window')}, or model.sliding_window=null.")
+    require(m.backend == Backend.local, "model.sliding_window",
+            "the Transformer Engine backend's attention is not given the window yet.",
+            "set model.backend=local, or model.sliding_window=null.")
 
 
 def _validate_token_ids(m: ModelConfig) -> None:
@@ -231,9 +345,17 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_optimizer(cfg.optimizer)
     _validate_model(cfg.model, cfg.parallel)
     _validate_rope_scaling(cfg.model)
+    _validate_sliding_window(cfg.model)
     _validate_token_ids(cfg.model)
+    _validate_moe(cfg.model, cfg.parallel)
+    _validate_expert_parallel(cfg.model.moe, cfg.parallel)
+    _validate_expert_parallel_composes(cfg)
     _validate_batch(cfg)
     _validate_pipeline(cfg)
+    router_faults = [f for f in parse_faults(cfg.faults) if f.kind == FaultKind.router_nan]
+    require(cfg.model.moe.num_experts > 0 or not router_faults, "faults",
+            "router_nan acts on a router's scores, and this model has no experts.",
+            "give the model experts (model.moe.num_experts), or drop the fault.")
     local_faults = [f.kind.value for f in parse_faults(cfg.faults) if f.kind in LOCAL_FAULT_KINDS]
     require(cfg.checkpoint.local.enabled or not local_faults, "faults",
             f"{local_faults[0] if local_faults else ''} acts on the local checkpoint tier, "

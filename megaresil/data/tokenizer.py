@@ -155,7 +155,8 @@ def _token_id(model: tokenizers.Tokenizer, token: str) -> int:
     return token_id
 
 
-BUILTIN = ("bpe", "gpt2", "byte")
+GPT2_BPE = "gpt2"  # GPT-2's byte-level BPE (tiktoken's r50k), not the model flavour
+BUILTIN = ("bpe", GPT2_BPE, "byte")
 
 
 def build_tokenizer(kind: str, *, corpus_text: str | Iterable[str] | None = None,

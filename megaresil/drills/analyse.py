@@ -21,7 +21,7 @@ DETECTIONS = ("hang_detected", "worker_error", "preempted", "nonfinite_detected"
 # The numerical checks' alarms, which need no restart.
 NUMERIC_ALARMS = ("nonfinite_detected", "loss_spike", "silent_corruption_detected")
 ALARMS = ("hang_detected", "worker_error", *NUMERIC_ALARMS)
-NUMERIC_KINDS = ("nan", "spike", "bitflip")
+NUMERIC_KINDS = ("nan", "spike", "bitflip", "router_nan")
 # What says a fault of each kind was noticed (a restart also counts, except
 # for a corrupted checkpoint: only skipping it on a load shows it was seen).
 # A corrupted local shard is seen where the load takes its rank's shard from
@@ -30,7 +30,8 @@ NUMERIC_KINDS = ("nan", "spike", "bitflip")
 DETECTED_BY = {"kill": DETECTIONS, "raise": ("worker_error",), "hang": ("hang_detected",),
                "sigterm": ("preempted",), "corrupt_checkpoint": ("checkpoint_skipped",),
                "slow": (), "lose_local_node": DETECTIONS, "corrupt_local_checkpoint": (),
-               "nan": ("nonfinite_detected",), "spike": ("loss_spike",),
+               "nan": ("nonfinite_detected",), "router_nan": ("nonfinite_detected",),
+               "spike": ("loss_spike",),
                "bitflip": ("silent_corruption_detected", "nonfinite_detected", "loss_spike")}
 CORRUPTIONS = ("corrupt_checkpoint", "corrupt_local_checkpoint")  # no restart of their own
 NO_ALARM_KINDS = ("slow", "slow-link")  # slow, not hung: any alarm is a false one

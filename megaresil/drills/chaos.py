@@ -66,6 +66,9 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     if hosts == "netns" and scenario.lose_simulated_node:
         scenario = on_real_nodes(scenario)
     check_fits(scenario, cfg, fault_step)
+    # The faulted run's own recipe, refused here in one line: its workers
+    # would each raise the ConfigError, relaunched until the budget is spent.
+    load_recipe(recipe, overrides + fault_overrides(scenario))
     check_hosts(scenario, hosts, rendezvous)
     check_reference(reference)
     check_device_faults(scenario.faults, visible_gpus())

@@ -127,7 +127,7 @@ def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
     With `sick_spare`, a waiting spare's health check fails first (the
     nodes' check reads scenarios.SICK_NODES_FILE) and it leaves."""
     deadline = None if timeout_s is None else time.time() + timeout_s
-    agents = start_agents(recipe, overrides, run_dir, world, hosts, rendezvous, spares)
+    agents = start_formed(recipe, overrides, run_dir, world, hosts, rendezvous, spares)
     # The rendezvous host is the node after the training ones and the spares.
     struck = len(agents) if fault == "rendezvous-outage" else 0 if first else 1
     other = agents[0 if struck else 1]
@@ -140,6 +140,50 @@ def run_node_fault(recipe: str, overrides: list[str], run_dir: Path, world: int,
         struck = next(i for i in range(1, len(agents)) if runs_workers(agents[i]))
     strike_node(hosts, struck, fault, run_dir, other)
     return wait_until(other, deadline), struck_at
+
+
+# How many times a node drill starts its job before it gives up on forming it
+# at its full size.
+FORMING_ATTEMPTS = 3
+
+
+def start_formed(recipe: str, overrides: list[str], run_dir: Path, world: int, hosts,
+                 rendezvous: Rendezvous, spares: int) -> list[subprocess.Popen]:
+    """start_agents, until the job's first generation forms with all `world`
+    ranks. With `--nnodes 1:2` and the rendezvous' 5 s last call, an agent
+    that a loaded machine starts late misses the first round and the job
+    forms on the other node alone; a drill's fault would then strike a node
+    the job does not have (CI saw a partition blame nobody, and a rendezvous
+    outage outlast a job that had ended). Such a start is undone (its
+    processes killed, the run directory emptied) and made again, said in a
+    line; a job that ends before it forms is left to the caller."""
+    for attempt in range(1, FORMING_ATTEMPTS + 1):
+        agents = start_agents(recipe, overrides, run_dir, world, hosts, rendezvous, spares)
+        formed = formed_world(run_dir, agents[0])
+        if formed is None or formed == world:
+            return agents
+        print(f"megaresil chaos: the job formed with {formed} of {world} ranks (an agent "
+              f"joined after the rendezvous' last call; start {attempt} of "
+              f"{FORMING_ATTEMPTS}): starting it again", file=sys.stderr, flush=True)
+        for agent in agents:
+            kill_tree(agent.pid)
+            agent.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    raise RuntimeError(f"the drill's job formed with fewer than its {world} ranks "
+                       f"{FORMING_ATTEMPTS} times: an agent joins too late on this machine")
+
+
+def formed_world(run_dir: Path, agent: subprocess.Popen) -> Optional[int]:
+    """The world size the job's first generation formed with, once it has
+    started; None when `agent` ended first."""
+    def first_start() -> Optional[dict]:
+        return next((e for e in read_events(run_dir) if e["event"] == "generation_started"),
+                    None)
+    if not poll_until(agent, lambda: first_start() is not None):
+        return None
+    started = first_start()
+    assert started is not None  # poll_until saw it
+    return started.get("world_size")
 
 
 def sicken_a_spare(hosts, agents: list[subprocess.Popen], run_dir: Path,

@@ -6,6 +6,7 @@ each lands: seeded, so the same seed, steps and episodes always give the same
 schedule (see soak.py)."""
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Callable
@@ -290,6 +291,12 @@ def episode_order(rng: random.Random, count: int, cfg: RecipeConfig,
     return order[:count]
 
 
+def steps_to_hold(cfg: RecipeConfig, count: int) -> int:
+    """The fewest steps that hold `count` episodes: SPACING steps of room
+    each from the first fault step, then the last step."""
+    return first_fault_step(cfg) + count * SPACING + 1
+
+
 def fit(cal: Calibration, cfg: RecipeConfig, minutes: float, seed: int,
         nodes: bool = False) -> tuple[int, int]:
     """(episodes, steps) that fit the budget: the first start, then steps and
@@ -298,12 +305,29 @@ def fit(cal: Calibration, cfg: RecipeConfig, minutes: float, seed: int,
     costs = estimate_costs(cal, cfg)
     chosen, spent = 0, 0.0
     for episode in episode_order(random.Random(seed), 1000, cfg, nodes):
-        steps_needed = first_fault_step(cfg) + (chosen + 1) * SPACING + 1
+        steps_needed = steps_to_hold(cfg, chosen + 1)
         if chosen and spent + episode.cost(costs) + steps_needed * cal.step_s > budget:
             break
         chosen, spent = chosen + 1, spent + episode.cost(costs)
-    floor = first_fault_step(cfg) + chosen * SPACING + 1
-    return chosen, max(floor, int((budget - spent) / cal.step_s))
+    return chosen, max(steps_to_hold(cfg, chosen), int((budget - spent) / cal.step_s))
+
+
+def fit_episodes(cal: Calibration, cfg: RecipeConfig, count: int, seed: int,
+                 nodes: bool = False) -> tuple[int, float]:
+    """(steps, minutes) of a soak of exactly `count` episodes (`--episodes`),
+    the same ones a budget holding `count` would choose: the fewest steps
+    that hold them, and the budget they are estimated to take (the first
+    start, the steps, the recoveries). A slow link's steps go on while it is
+    capped, and a soak that ends under the cap cannot show the job got over
+    it: with one among them, as many more steps as the cap lasts at full
+    speed (schedule() spreads them over the slots)."""
+    chosen = episode_order(random.Random(seed), count, cfg, nodes)
+    costs = estimate_costs(cal, cfg)
+    tail = (math.ceil(SLOW_LINK_S / cal.step_s)
+            if any(e.name == "slow-link" for e in chosen) else 0)
+    steps = steps_to_hold(cfg, count) + tail
+    spent = sum(e.cost(costs) for e in chosen)
+    return steps, (cal.startup_s + spent + steps * cal.step_s) / 60
 
 
 def schedule(cfg: RecipeConfig, seed: int, steps: int, count: int,

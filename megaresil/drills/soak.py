@@ -3,7 +3,7 @@ steps and sections, then a fault-free reference to the same step; proof
 over time, not scenarios.
 
 A short calibration run sizes the steps and the episodes (schedule.py) to
---minutes; the faulted run is requeued after a preemption, with CPU hogs
+--minutes, or the steps to --episodes; the faulted run is requeued after a preemption, with CPU hogs
 beside it if asked, and the local tier on unless `local=False`. The report
 (console and soak.json) counts faults injected, detected and recovered, false
 alarms, steps and time lost, goodput, and whether the final checkpoint and
@@ -17,8 +17,9 @@ import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
-from megaresil.config import load_recipe
+from megaresil.config import ConfigError, load_recipe
 from megaresil.drills.analyse import NO_ALARM_KINDS, analyse_soak
 from megaresil.drills.run import Launch, start_hogs, step_records
 from megaresil.drills.scenarios import local_tier_settings
@@ -29,6 +30,7 @@ from megaresil.drills.schedule import (
     Calibration,
     catalogue,
     fit,
+    fit_episodes,
     gil_timeout,
     schedule,
 )
@@ -75,11 +77,16 @@ def _log(run_dir: Path, name: str) -> Path:
     return run_dir / name
 
 
-def run_soak(recipe: str, overrides: list[str], *, minutes: float, seed: int,
-             hogs: int = 0, local: bool = True, hosts: str = "local") -> dict:
+def run_soak(recipe: str, overrides: list[str], *, minutes: Optional[float] = None,
+             episodes: Optional[int] = None, seed: int, hogs: int = 0, local: bool = True,
+             hosts: str = "local") -> dict:
     """Calibrate, run the faulted job (hogs beside it), then the reference,
     all with the local tier when `local`, all on `hosts` (soak_nodes.py);
-    the report is also written to RUN_DIR/soak.json."""
+    sized to `minutes` or to exactly `episodes` (one of them). The report is
+    also written to RUN_DIR/soak.json."""
+    if episodes is not None and episodes < 1:
+        raise ConfigError("--episodes", f"a soak runs at least one episode, not {episodes}",
+                          "give --episodes 1 or more")
     if local:
         p = load_recipe(recipe, overrides).parallel
         overrides = [*local_tier_settings(p.world_size), *overrides]
@@ -93,7 +100,7 @@ def run_soak(recipe: str, overrides: list[str], *, minutes: float, seed: int,
         try:
             cal = calibrate(jobs, recipe, overrides + soak_settings(len(catalogue(cfg, nodes))),
                             root / "calibration")
-            count, steps = fit(cal, cfg, minutes, seed, nodes)
+            count, steps, minutes = size_soak(cal, cfg, minutes, episodes, seed, nodes)
             placed = schedule(cfg, seed, steps, count, nodes)
             faults = [f for p in placed for f in p["faults"] if not is_node_fault(f)]
             node_faults = [f for p in placed for f in p["faults"] if is_node_fault(f)]
@@ -126,6 +133,16 @@ def run_soak(recipe: str, overrides: list[str], *, minutes: float, seed: int,
     report["report"] = str(write_report(root / "faulted", [reference], root / "report"))
     write_atomic(root / "soak.json", json.dumps(report, indent=1))
     return report
+
+
+def size_soak(cal: Calibration, cfg, minutes: Optional[float], episodes: Optional[int],
+              seed: int, nodes: bool) -> tuple[int, int, float]:
+    """(episodes, steps, minutes): fitted to the minutes, or the steps and
+    the estimated minutes of exactly `episodes`."""
+    if episodes is None:
+        assert minutes is not None, "a soak is sized by --minutes or --episodes"
+        return *fit(cal, cfg, minutes, seed, nodes), minutes
+    return episodes, *fit_episodes(cal, cfg, episodes, seed, nodes)
 
 
 def run_faulted(jobs, recipe: str, overrides: list[str], run_dir: Path, faults: list[dict],

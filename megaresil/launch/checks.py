@@ -11,7 +11,7 @@ from megaresil.checkpoint.local.runs import link_checked
 from megaresil.checkpoint.offline.inspect import verify
 from megaresil.checkpoint.paths import RunPaths
 from megaresil.checkpoint.recipe_check import newest_manifest
-from megaresil.config import ConfigError, RecipeConfig
+from megaresil.config import ConfigError, RecipeConfig, no_live_copy
 from megaresil.events import read_events, read_metrics
 from megaresil.fencing import FenceDamaged, read_fence
 from megaresil.resilience.records import restarts_recorded
@@ -98,15 +98,10 @@ def replacement_warning(cfg: RecipeConfig) -> Optional[str]:
     """Live replacement where no live rank holds a copy of another's state:
     a lost process is started again, but its state can only come from the
     checkpoint tiers (docs/fault-tolerance.md, Live replacement)."""
-    if not cfg.resilience.replacement.enabled:
+    gap = no_live_copy(cfg)
+    if not cfg.resilience.replacement.enabled or gap is None:
         return None
-    if cfg.parallel.dp == 1:
-        why = "at dp=1 no data-parallel peer holds a copy of a rank's state"
-    elif cfg.optimizer.distributed:
-        why = "optimizer.distributed=true keeps each optimizer shard in one rank's memory only"
-    else:
-        return None
-    return (f"megaresil: warning: resilience.replacement.enabled: {why}, so a lost process is "
+    return (f"megaresil: warning: resilience.replacement.enabled: {gap.why}, so a lost process is "
             "replaced but resumes from the newest checkpoint (the local tier, then the global) "
             "and loses the steps since. Fix: parallel.dp=2 or more (with optimizer.distributed="
             "false) for state from memory, or a local tier saving every step "

@@ -55,9 +55,11 @@ def resolve_from_hf(hf_dir: Path, recipe: str, overrides: list[str]) -> FromHF:
     overrides; the user's own KEY=VALUE overrides still win."""
     from megaresil.checkpoint.format import CheckpointError
     from megaresil.checkpoint.hf.io import hf_model_keys
+    from megaresil.checkpoint.hf.mapping import refuse_unmapped
     from megaresil.checkpoint.hf.tokenizer import check_hf_tokenizer
     from megaresil.config import parse_override, to_dict
 
+    recipe_cfg = load_recipe(recipe, overrides)
     hf_dir = hf_dir.resolve()
     given = {parse_override(text)[0] for text in overrides}
     try:  # every file of DIR read here, before any worker: a bad one is a usage error
@@ -70,12 +72,13 @@ def resolve_from_hf(hf_dir: Path, recipe: str, overrides: list[str]) -> FromHF:
     if tokenizer:
         wanted["data.tokenizer"] = str(hf_dir)
     wanted["checkpoint.init_from"] = str(hf_dir)
-    recipe_values = _flat_keys("", to_dict(load_recipe(recipe, overrides)))
+    recipe_values = _flat_keys("", to_dict(recipe_cfg))
     replaced = [(key, recipe_values[key], value) for key, value in wanted.items()
                 if key not in given and key in recipe_values and recipe_values[key] != value
                 and key != "checkpoint.init_from"]
     hf_overrides = [f"{key}={_yaml_scalar(value)}" for key, value in wanted.items()
                     if key not in given]
+    refuse_unmapped(load_recipe(recipe, hf_overrides + overrides).model, "--from-hf")
     return FromHF(hf_overrides + overrides, replaced, notes)
 
 
@@ -97,12 +100,13 @@ def check_hf_init(cfg: RecipeConfig, from_hf: bool) -> None:
     describes the recipe's model (only the settings the model uses count,
     e.g. no RoPE scaling factor without scaling)."""
     from megaresil.checkpoint.hf.io import hf_model_keys, is_hf_directory
-    from megaresil.checkpoint.hf.mapping import model_differences
+    from megaresil.checkpoint.hf.mapping import model_differences, refuse_unmapped
     from megaresil.config import model_from_dict
 
     path = cfg.checkpoint.init_from
     if not path or not is_hf_directory(Path(path)) or not is_new_run(cfg):
         return
+    refuse_unmapped(cfg.model, f"checkpoint.init_from={path}")
     differences = model_differences(model_from_dict(hf_model_keys(Path(path))[0]), cfg.model)
     if not differences:
         return

@@ -23,6 +23,6 @@ def build_chunks(cfg: ModelConfig, layout: ParallelLayout, seed: int) -> list[GP
     """This rank's model chunks, in virtual-stage order (uninitialised, on the
     current default device)."""
     last = layout.pp * layout.vpp - 1
-    return [GPT(cfg, tp=layout.tensor_parallel(), seed=seed, layer_ids=stage_layers(cfg, layout, v),
+    return [GPT(cfg, tp=layout.tensor_parallel(), ep=layout.expert_parallel(), seed=seed, layer_ids=stage_layers(cfg, layout, v),
                 first=v == 0, last=v == last)
             for v in virtual_stages(layout)]

@@ -16,6 +16,8 @@ from megaresil.model.activations import CheckpointStore, recompute_segments
 from megaresil.model.flavours import spec_of_model
 from megaresil.model.init import global_shape
 from megaresil.model.layers import Block, make_norm, sequence_dropout
+from megaresil.model.moe import MoELossScale
+from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.sharding import EMBEDDING_TIE, with_spec
 from megaresil.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -81,8 +83,9 @@ class GPT(nn.Module):
     copies equal by summing their grads, as Megatron does.
     """
 
-    def __init__(self, cfg: ModelConfig, *, tp: TPGroup = TPGroup(), seed: int = 0,
-                 layer_ids: Optional[range] = None, first: bool = True, last: bool = True):
+    def __init__(self, cfg: ModelConfig, *, tp: TPGroup = TPGroup(), ep: EPGroup = EPGroup(),
+                 seed: int = 0, layer_ids: Optional[range] = None, first: bool = True,
+                 last: bool = True):
         super().__init__()
         self.cfg, self.tp, self.first, self.last = cfg, tp, first, last
         self.padded_vocab = padded_vocab_size(cfg, tp.size)
@@ -92,7 +95,11 @@ class GPT(nn.Module):
         if self.tied and first != last:
             with_spec(self.embed.tokens.weight, tie=EMBEDDING_TIE, pipeline_copy=not first)
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, index=i, seed=seed) for i in layer_ids})
+        # What the trainer's backward scales this chunk's loss by (MoELossScale).
+        self.moe_loss_scale = MoELossScale()
+        self.layers = nn.ModuleDict({str(i): Block(cfg, tp, index=i, seed=seed,
+                                                   moe_scale=self.moe_loss_scale, ep=ep)
+                                     for i in layer_ids})
         self.segments = recompute_segments(cfg, layer_ids)
         self.checkpoints = CheckpointStore.for_model(cfg, tp)
         # The blocks' activation layout: (B, T, C), or (T, B, C) once model/te.py

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import TypeVar
+from typing import Optional, TypeVar
 
 import torch
 import torch.nn as nn
 
 from megaresil.config import ModelConfig
-from megaresil.parallel.sharding import carry_spec, spec_of
+from megaresil.parallel.sharding import ShardSpec, carry_spec, spec_of
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 # Output projections of each residual branch get the GPT-2 scaled init.
-RESIDUAL_OUTPUTS = ("attn.proj.weight", "mlp.proj.weight", "mlp.down.weight")
+RESIDUAL_OUTPUTS = ("attn.proj.weight", "mlp.proj.weight", "mlp.down.weight",
+                    "mlp.experts.down", "mlp.shared.down.weight")
 
 # Torch's CPU generator keeps only the low 32 bits of a seed, so every block
 # seed is one draw from 2^32: blocks of 256 units keep a 70B model near 35k
@@ -66,18 +67,20 @@ def unit_dim(param: torch.Tensor) -> int:
     return spec_of(param).unit_dim
 
 
-def local_units(param: torch.Tensor) -> range:
+def local_units(param: torch.Tensor, spec: Optional[ShardSpec] = None) -> range:
     """The global indices along `unit_dim` this rank's slice covers (past the
     real vocabulary for padded vocab rows)."""
-    dim = unit_dim(param)
-    start = spec_of(param).offset(param.shape)[dim]
+    spec = spec or spec_of(param)
+    dim = spec.unit_dim
+    start = spec.offset(param.shape)[dim]
     return range(start, start + param.shape[dim])
 
 
-def _local_block(values: torch.Tensor, dim: int, param: torch.Tensor) -> torch.Tensor:
+def _local_block(values: torch.Tensor, dim: int, param: torch.Tensor,
+                 spec: ShardSpec) -> torch.Tensor:
     """A unit-major block of the global tensor, cut to this rank's slice along
     every dim but the unit dim (whole along dims nothing cuts)."""
-    offset = spec_of(param).offset(param.shape)
+    offset = spec.offset(param.shape)
     others = [d for d in range(param.ndim) if d != dim]
     for axis, d in enumerate(others, start=1):
         values = values.narrow(axis, offset[d], param.shape[d])
@@ -88,14 +91,27 @@ def _local_block(values: torch.Tensor, dim: int, param: torch.Tensor) -> torch.T
 def draw_normal(param: torch.Tensor, key: str, cfg: ModelConfig, seed: int) -> None:
     """Fill `param` with its slice of the global N(0, std) tensor for `key`,
     one block at a time (host memory: one block); units past the real
-    vocabulary are zero."""
-    dim = unit_dim(param)
-    shape = global_shape(key, param, cfg)
+    vocabulary are zero. A stack of experts draws each expert as a tensor of
+    its own, keyed `key.<expert>`: its values do not depend on how many
+    experts a rank holds, and no block spans experts."""
+    spec, std = spec_of(param), init_std(key, cfg)
+    if not spec.stacks_experts:
+        _draw_blocks(param, spec, key, global_shape(key, param, cfg), std, seed)
+        return
+    inner = spec.per_expert()
+    for expert, values in zip(local_units(param, spec), param):
+        _draw_blocks(values, inner, f"{key}.{expert}", inner.global_shape(values.shape), std,
+                     seed)
+
+
+def _draw_blocks(param: torch.Tensor, spec: ShardSpec, key: str, shape: torch.Size, std: float,
+                 seed: int) -> None:
+    dim = spec.unit_dim
     units, unit_shape = shape[dim], shape[:dim] + shape[dim + 1:]
     target = param.movedim(dim, 0)  # a view: unit-major
-    mine = local_units(param)
+    mine = local_units(param, spec)
     target[max(units, mine.start) - mine.start:].zero_()
-    generator, std = torch.Generator(), init_std(key, cfg)
+    generator = torch.Generator()
     stop = min(mine.stop, units)
     blocks = (range(mine.start // UNITS_PER_DRAW, -(-stop // UNITS_PER_DRAW))
               if stop > mine.start else range(0))  # all padding: nothing to draw
@@ -103,7 +119,7 @@ def draw_normal(param: torch.Tensor, key: str, cfg: ModelConfig, seed: int) -> N
         lo, hi = block * UNITS_PER_DRAW, min((block + 1) * UNITS_PER_DRAW, units)
         generator.manual_seed(block_seed(seed, key, block))
         values = torch.empty(hi - lo, *unit_shape).normal_(generator=generator).mul_(std)
-        values = _local_block(values, dim, param)
+        values = _local_block(values, dim, param, spec)
         first, last = max(lo, mine.start), min(hi, stop)
         target[first - mine.start:last - mine.start].copy_(values[first - lo:last - lo])
 

@@ -15,9 +15,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megaresil.config import ModelConfig, Recompute, RopeScalingType
+from megaresil.config import ModelConfig, Recompute, RopeScalingType, attention_head_dim
 from megaresil.model.flavours import spec_of_model
+from megaresil.model.moe import MoEBlock, MoELossScale, has_experts
+from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.random import LayoutDropout
+from megaresil.parallel.sharding import ShardSpec, set_spec
 from megaresil.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -33,6 +36,14 @@ def ffn_size(cfg: ModelConfig) -> int:
 def make_norm(cfg: ModelConfig, tp: TPGroup) -> nn.Module:
     norm = spec_of_model(cfg).make_norm(cfg)
     mark_replicated(norm.parameters(), tp)
+    return norm
+
+
+def head_norm(head_dim: int, cfg: ModelConfig, tp: TPGroup) -> nn.Module:
+    """An RMSNorm over each head's features. A tp rank holds its own heads,
+    so its weight's gradient is that rank's share: summed over tp."""
+    norm = nn.RMSNorm(head_dim, eps=cfg.norm_eps)
+    set_spec(norm.weight, ShardSpec(grad_sum_axes=("tp",) if tp.active else ()))
     return norm
 
 
@@ -114,6 +125,19 @@ def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int,
     return q, qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
 
 
+def sliding_window_mask(T: int, window: Optional[int],
+                        device: torch.device) -> Optional[torch.Tensor]:
+    """Which keys each of T queries sees, (T, T), True where seen: the
+    causal mask with each query limited to the last `window` positions, its
+    own included (key > query - window, as transformers' Mistral masks).
+    None where that is every earlier position (no window, or one of T or
+    more), which SDPA's is_causal computes without a mask."""
+    if window is None or window >= T:
+        return None
+    ones = torch.ones(T, T, dtype=torch.bool, device=device)
+    return ones.tril() & ones.triu(1 - window)
+
+
 class Attention(nn.Module):
     """Causal self-attention with one fused, column-parallel QKV projection.
 
@@ -125,21 +149,25 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, *, site: str, seed: int):
         super().__init__()
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.head_dim = attention_head_dim(cfg)
         kv_heads = cfg.num_kv_heads or cfg.num_heads
         self.local_heads, self.local_kv_heads = cfg.num_heads // tp.size, kv_heads // tp.size
         spec = spec_of_model(cfg)
         bias = spec.linear_biases
         qkv_rows = (cfg.num_heads + 2 * kv_heads) * self.head_dim
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, tp, bias=bias)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_rows, tp,
+                                        bias=bias or spec.qkv_bias)
         self.proj = RowParallelLinear(cfg.num_heads * self.head_dim, cfg.hidden_size, tp, bias=bias)
         self.rope = RotaryEmbedding(self.head_dim, cfg) if spec.traits.rope else None
+        self.q_norm = head_norm(self.head_dim, cfg, tp) if spec.qk_norm else None
+        self.k_norm = head_norm(self.head_dim, cfg, tp) if spec.qk_norm else None
         # Attention-probability dropout drawn over all heads, sliced to ours.
         self.prob_dropout = LayoutDropout(
             cfg.attention_dropout, site + ".attn_probs", seed,
             full_shape=lambda s: torch.Size((s[0] * tp.size, *s[1:])),
             local_slice=lambda m: m.chunk(tp.size, dim=0)[tp.rank])
         self.recompute_core = cfg.recompute == Recompute.selective
+        self.window = cfg.sliding_window
 
     def split_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = split_heads(self.qkv(x), self.local_heads, self.local_kv_heads, self.head_dim)
@@ -148,21 +176,27 @@ class Attention(nn.Module):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              samples: Optional[torch.Tensor]) -> torch.Tensor:
         gqa = self.local_heads != self.local_kv_heads
+        T = q.shape[-2]
+        window = sliding_window_mask(T, self.window, q.device)
         if not (self.training and self.prob_dropout.p > 0):
+            if window is not None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=gqa)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         # SDPA draws its dropout from the global RNG; a layout-independent mask
         # needs the probabilities in hand.
         if gqa:
             repeat = self.local_heads // self.local_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        T = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        seen = (window if window is not None else
+                torch.ones(T, T, dtype=torch.bool, device=q.device).tril())
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)
         return self.prob_dropout(probs, samples) @ v
 
     def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
         q, k, v = self.split_qkv(x)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(q), self.rope(k)
         if self.recompute_core and self.training:
@@ -173,16 +207,32 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
+def make_mlp(cfg: ModelConfig, tp: TPGroup, index: int, moe_scale: MoELossScale,
+             ep: EPGroup) -> nn.Module:
+    """Layer `index`'s feed-forward block: experts where model.moe puts them,
+    else the flavour's MLP."""
+    if has_experts(cfg.moe, index):
+        return MoEBlock(cfg, tp, moe_scale, ffn=ffn_size(cfg), ep=ep)
+    return spec_of_model(cfg).make_mlp(cfg, tp, index)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block; `index` is the global layer number."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, *, index: int, seed: int):
+    # The TE backend swaps these for sequence-first modules of the same call
+    # (model/te.py make_sequence_first).
+    attn: nn.Module
+    attn_dropout: nn.Module
+    mlp_dropout: nn.Module
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, *, index: int, seed: int,
+                 moe_scale: MoELossScale, ep: EPGroup = EPGroup()):
         super().__init__()
         site = f"layers.{index}"
         self.norm1 = make_norm(cfg, tp)
         self.attn = Attention(cfg, tp, site=site, seed=seed)
         self.norm2 = make_norm(cfg, tp)
-        self.mlp = spec_of_model(cfg).make_mlp(cfg, tp, index)
+        self.mlp = make_mlp(cfg, tp, index, moe_scale, ep)
         self.attn_dropout = sequence_dropout(cfg.dropout, site + ".attn_out", seed, tp)
         self.mlp_dropout = sequence_dropout(cfg.dropout, site + ".mlp_out", seed, tp)
 

@@ -10,12 +10,11 @@ Written against TE's documented API and untested until a CUDA machine with TE
 runs `pytest -m gpu`. `import transformer_engine` without CUDA raises
 RuntimeError, not ImportError, hence the broad except. See docs/gpu.md.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Optional
+from typing import Any, Callable, Optional, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -26,9 +25,14 @@ from megaresil.model.flavours import FLAVOURS, spec_of_model
 from megaresil.model.flavours.base import FlavourSpec
 from megaresil.model.gpt import GPT
 from megaresil.model.layers import Attention, Block, split_heads
-from megaresil.parallel.random import LayoutDropout
+from megaresil.model.mlp import GeluMLP, SwiGLUMLP
 from megaresil.parallel.sharding import ShardSpec, carry_spec, has_spec, set_spec, spec_of
-from megaresil.parallel.tensor_parallel import TPGroup, swap_batch_and_sequence
+from megaresil.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    swap_batch_and_sequence,
+)
 
 _IMPORT_ERROR: Optional[str] = None
 try:
@@ -37,6 +41,10 @@ try:
 except Exception as err:  # noqa: BLE001 (ImportError, or RuntimeError without CUDA)
     te = None
     _IMPORT_ERROR = f"{type(err).__name__}: {err}"
+
+# A module TE builds: transformer_engine ships no types (pyproject.toml's mypy
+# overrides), so the parameters it names (layer_norm_weight, fc1_weight, ...) are unchecked.
+TEModule = Any
 
 
 def available() -> bool:
@@ -60,7 +68,7 @@ def device_context(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _carry(old: nn.Parameter, new: nn.Parameter) -> None:
+def _carry(old: torch.Tensor, new: torch.Tensor) -> None:
     """Same values and the `ShardSpec` the parallel code and checkpoints read."""
     with torch.no_grad():
         new.copy_(old)
@@ -105,6 +113,13 @@ def local_key(key: str, flavour: str) -> str:
 # --- modules -------------------------------------------------------------------------
 
 
+class _Norm(Protocol):
+    """What TE takes of a flavour's norm (FlavourSpec.make_norm's module, typed
+    nn.Module there), besides its bias where it has one."""
+    weight: torch.Tensor
+    eps: Optional[float]
+
+
 def _parallel(tp: TPGroup, mode: str) -> dict:
     """TE's tensor-parallel arguments for a layer cut `mode`-wise over `tp`."""
     if not tp.active:
@@ -113,13 +128,14 @@ def _parallel(tp: TPGroup, mode: str) -> dict:
                 sequence_parallel=tp.sequence_parallel)
 
 
-def _copy_norm(norm: nn.Module, module: nn.Module) -> None:
+def _copy_norm(norm: _Norm, module: TEModule) -> None:
     _carry(norm.weight, module.layer_norm_weight)
-    if getattr(norm, "bias", None) is not None:
-        _carry(norm.bias, module.layer_norm_bias)
+    bias = getattr(norm, "bias", None)
+    if bias is not None:
+        _carry(bias, module.layer_norm_bias)
 
 
-def _te_row_linear(layer: nn.Module, tp: TPGroup, device: torch.device) -> nn.Module:
+def _te_row_linear(layer: RowParallelLinear, tp: TPGroup, device: torch.device) -> TEModule:
     """TE Linear holding the same local shard as a RowParallelLinear."""
     out_features, local_in = layer.weight.shape
     linear = te.Linear(local_in * tp.size, out_features, bias=layer.bias is not None,
@@ -130,8 +146,8 @@ def _te_row_linear(layer: nn.Module, tp: TPGroup, device: torch.device) -> nn.Mo
     return linear
 
 
-def _te_norm_linear(norm: nn.Module, normalization: str, weight: torch.Tensor, bias: bool,
-                    tp: TPGroup, device: torch.device, **split) -> nn.Module:
+def _te_norm_linear(norm: _Norm, normalization: str, weight: torch.Tensor, bias: bool,
+                    tp: TPGroup, device: torch.device, **split: Any) -> TEModule:
     """`norm` (TE's `normalization`) then a column-parallel linear whose local
     weight is shaped as `weight`, fused (the norm's values copied); `split`:
     TE's parameters_split."""
@@ -143,8 +159,8 @@ def _te_norm_linear(norm: nn.Module, normalization: str, weight: torch.Tensor, b
     return fused
 
 
-def _fuse_norm_qkv(norm: nn.Module, normalization: str, qkv: nn.Module, tp: TPGroup,
-                   device: torch.device) -> nn.Module:
+def _fuse_norm_qkv(norm: _Norm, normalization: str, qkv: ColumnParallelLinear, tp: TPGroup,
+                   device: torch.device) -> TEModule:
     fused = _te_norm_linear(norm, normalization, qkv.weight, qkv.bias is not None, tp, device)
     _carry(qkv.weight, fused.weight)
     if qkv.bias is not None:
@@ -152,12 +168,13 @@ def _fuse_norm_qkv(norm: nn.Module, normalization: str, qkv: nn.Module, tp: TPGr
     return fused
 
 
-def _te_norm(norm: nn.Module, normalization: str, device: torch.device) -> nn.Module:
+def _te_norm(norm: _Norm, normalization: str, device: torch.device) -> TEModule:
     """TE's module of that name (te.LayerNorm, te.RMSNorm) holding `norm`'s values."""
     module = getattr(te, normalization)
     new = module(norm.weight.shape[0], eps=norm.eps, params_dtype=norm.weight.dtype, device=device)
-    if getattr(norm, "bias", None) is not None:
-        _carry(norm.bias, new.bias)
+    bias = getattr(norm, "bias", None)
+    if bias is not None:
+        _carry(bias, new.bias)
     _carry(norm.weight, new.weight)
     return new
 
@@ -165,7 +182,7 @@ def _te_norm(norm: nn.Module, normalization: str, device: torch.device) -> nn.Mo
 class FusedGeluMLP(nn.Module):
     """GPT-2's norm2 + MLP as one TE LayerNormMLP (gelu: TE's tanh form, GPT-2's gelu_new)."""
 
-    def __init__(self, norm: nn.Module, normalization: str, mlp: nn.Module, tp: TPGroup,
+    def __init__(self, norm: _Norm, normalization: str, mlp: GeluMLP, tp: TPGroup,
                  device: torch.device):
         super().__init__()
         ffn_local, hidden = mlp.fc.weight.shape
@@ -177,7 +194,9 @@ class FusedGeluMLP(nn.Module):
                                          "sequence_parallel": tp.sequence_parallel}
                                         if tp.active else {}))
         _copy_norm(norm, self.fused)
+        local: ColumnParallelLinear | RowParallelLinear
         for local, name in ((mlp.fc, "fc1"), (mlp.proj, "fc2")):
+            assert local.bias is not None  # GeluMLP's linears have biases
             _carry(local.weight, getattr(self.fused, f"{name}_weight"))
             _carry(local.bias, getattr(self.fused, f"{name}_bias"))
 
@@ -188,7 +207,7 @@ class FusedGeluMLP(nn.Module):
 class FusedSwiGLUMLP(nn.Module):
     """Llama's norm2 + gate/up projections as one TE LayerNormLinear, then down."""
 
-    def __init__(self, norm: nn.Module, normalization: str, mlp: nn.Module, tp: TPGroup,
+    def __init__(self, norm: _Norm, normalization: str, mlp: SwiGLUMLP, tp: TPGroup,
                  device: torch.device):
         super().__init__()
         # Local weight [gate rows; up rows], exposed as two Parameters.
@@ -214,16 +233,20 @@ class SequenceFirstAttention(nn.Module):
     def __init__(self, attn: Attention, qkv: nn.Module, proj: nn.Module, core: nn.Module):
         super().__init__()
         self.qkv, self.proj, self.core, self.rope = qkv, proj, core, attn.rope
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm  # over D: any layout
         self.heads, self.kv_heads = attn.local_heads, attn.local_kv_heads
         self.head_dim = attn.head_dim
         self.recompute_core = attn.recompute_core
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """RoPE on (T, B, heads, D), through the local RotaryEmbedding's (B, heads, T, D)."""
+        assert self.rope is not None  # forward rotates only with RoPE
         return self.rope(x.permute(1, 2, 0, 3)).permute(2, 0, 1, 3)
 
     def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
         q, k, v = split_heads(self.qkv(x), self.heads, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rotate(q), self.rotate(k)
         # Contiguous sbhd: a layout every TE version's DotProductAttention takes.
@@ -236,7 +259,7 @@ class SequenceFirstDropout(nn.Module):
     """A block's LayoutDropout on (T, B, C) activations: its masks are drawn per
     sample, so it runs on the batch-first view and keeps the local backend's masks."""
 
-    def __init__(self, dropout: LayoutDropout):
+    def __init__(self, dropout: nn.Module):
         super().__init__()
         self.dropout = dropout
 
@@ -248,9 +271,15 @@ def make_sequence_first(block: Block, qkv: nn.Module, proj: nn.Module, core: nn.
     """Make `block` run on (T, B, C): the attention with `qkv`, `proj` and the
     attention `core` (DotProductAttention's contract), the dropouts on the
     batch-first view. The norms and the MLP act on the last dim: any layout."""
-    block.attn = SequenceFirstAttention(block.attn, qkv, proj, core)
+    block.attn = SequenceFirstAttention(_local_attention(block), qkv, proj, core)
     block.attn_dropout = SequenceFirstDropout(block.attn_dropout)
     block.mlp_dropout = SequenceFirstDropout(block.mlp_dropout)
+
+
+def _local_attention(block: Block) -> Attention:
+    """`block`'s own attention: a block is made sequence-first once."""
+    assert isinstance(block.attn, Attention)
+    return block.attn
 
 
 def _dot_product_attention(attn: Attention, tp: TPGroup) -> nn.Module:
@@ -263,16 +292,18 @@ def _dot_product_attention(attn: Attention, tp: TPGroup) -> nn.Module:
                                   attn_mask_type="causal", **parallel)
 
 
-# The fused norm + MLP module standing for each FlavourSpec.te_mlp.
-_FUSED_MLP = {"gelu": FusedGeluMLP, "swiglu": FusedSwiGLUMLP}
+# The fused norm + MLP module standing for each FlavourSpec.te_mlp, built
+# from the MLP module that flavour's make_mlp builds.
+_FUSED_MLP: dict[str, Callable[..., nn.Module]] = {"gelu": FusedGeluMLP, "swiglu": FusedSwiGLUMLP}
 
 
 def convert_block(block: Block, spec: FlavourSpec, tp: TPGroup, device: torch.device) -> None:
     """Swap a block's norms, linears and attention core for TE's modules, in
     place; the block then runs on (T, B, C)."""
-    qkv = _fuse_norm_qkv(block.norm1, spec.te_norm, block.attn.qkv, tp, device)
-    proj = _te_row_linear(block.attn.proj, tp, device)
-    make_sequence_first(block, qkv, proj, _dot_product_attention(block.attn, tp))
+    attn = _local_attention(block)
+    qkv = _fuse_norm_qkv(cast(_Norm, block.norm1), spec.te_norm, attn.qkv, tp, device)
+    proj = _te_row_linear(attn.proj, tp, device)
+    make_sequence_first(block, qkv, proj, _dot_product_attention(attn, tp))
     block.mlp = _FUSED_MLP[spec.te_mlp](block.norm2, spec.te_norm, block.mlp, tp, device)
     # The norms now live inside the fused modules.
     block.norm1, block.norm2 = nn.Identity(), nn.Identity()
@@ -301,10 +332,11 @@ def convert(model: GPT, device: torch.device) -> GPT:
     marked = sequence_parallel_names(model, model.cfg.flavour.value)
     spec = spec_of_model(model.cfg)
     for block in model.layers.values():
+        assert isinstance(block, Block)  # what GPT's layers hold
         convert_block(block, spec, model.tp, device)
     model.sequence_first = True
     if model.last:
-        model.norm = _te_norm(model.norm, spec.te_norm, device)
+        model.norm = _te_norm(cast(_Norm, model.norm), spec.te_norm, device)
     set_sequence_parallel_marks(model, marked)
     return model
 

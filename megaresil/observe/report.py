@@ -5,7 +5,8 @@ directories' own records: metrics.jsonl, events.jsonl, stragglers.jsonl.
 Panels: loss and eval loss (every run overlaid), throughput and MFU over
 wall time, a timeline of the first run (steps over time with restarts,
 checkpoints, faults, alarms and stragglers marked), its per-rank straggler
-heat map, and the goodput breakdown of every run."""
+heat map, the goodput breakdown of every run and, for a mixture of experts,
+the first run's load per layer and expert (`experts`)."""
 from __future__ import annotations
 
 import base64
@@ -28,6 +29,7 @@ from megaresil.run_records import events_of, metrics_of, windows_of
 from megaresil.safe_files import own_dir, write_atomic
 
 PANELS = ("loss", "throughput", "timeline", "stragglers", "goodput")
+MOE_PANEL = "experts"  # after PANELS, where the first run has experts
 MARKS = {  # event -> (label, colour, marker)
     "fault_injected": ("fault", "black", "x"),
     "hang_detected": ("hang detected", "red", "v"),
@@ -215,6 +217,31 @@ def goodput_panel(runs: list[Run]):
     return figure(draw, height=2.4 + 0.6 * len(runs))
 
 
+def expert_load(run: Run) -> tuple[list[str], list[list[float]]]:
+    """(MoE layer ids, per layer each expert's tokens over the run's
+    `moe_load` lines over the layer's mean: 1.0 balanced, 0 never chosen)."""
+    totals: dict[str, list[float]] = {}
+    for record in run.steps:
+        for layer, counts in record.get("moe_load", {}).items():
+            row = totals.setdefault(layer, [0.0] * len(counts))
+            totals[layer] = [a + b for a, b in zip(row, counts)]
+    layers = sorted(totals, key=int)
+    return layers, [[c / (statistics.mean(totals[k]) or 1.0) for c in totals[k]]
+                    for k in layers]
+
+
+def experts_panel(run: Run):
+    layers, cells = expert_load(run)
+
+    def draw(ax):
+        image = ax.imshow(cells, aspect="auto", cmap="magma", vmin=0.0,
+                          vmax=max(2.0, max(max(row) for row in cells)))
+        ax.set_yticks(range(len(layers)), [f"layer {k}" for k in layers], fontsize=7)
+        ax.set(xlabel="expert", title=f"Tokens per expert over the run / layer mean: {run.name}")
+        plt.colorbar(image, ax=ax, label="load / mean (1 balanced)")
+    return figure(draw, height=max(2.5, 0.25 * len(layers) + 1.5))
+
+
 def summary_rows(runs: list[Run]) -> list[dict]:
     rows = []
     for run in runs:
@@ -286,6 +313,8 @@ def write_report(run_dir: Path, compare: Sequence[Path] = (), out: Path | None =
     figures = {"loss": loss_panel(runs), "throughput": throughput_panel(runs),
                "timeline": timeline_panel(runs[0]), "stragglers": straggler_panel(runs[0]),
                "goodput": goodput_panel(runs)}
+    if expert_load(runs[0])[0]:
+        figures[MOE_PANEL] = experts_panel(runs[0])
     images = {}
     for name, fig in figures.items():
         png = io.BytesIO()

@@ -9,7 +9,6 @@ index order so every rank issues the same collectives in the same order.
 docs/parallelism.md ("How it works") explains why, and which thread issues
 these collectives.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 from typing import Optional, Protocol
@@ -66,21 +65,44 @@ class AllReduceMean:
         pass  # reduced in place: the grads already are the views
 
 
+class Mean:
+    """Divide every bucket by the batches its grads were summed over, with
+    no collective (a group of one rank whose grads hold several ranks'
+    batches: experts with every data-parallel rank in their ep group)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def launch(self, bucket: Bucket) -> Optional[dist.Work]:
+        bucket.buffer.div_(self.size)
+        return None
+
+    def landed(self, bucket: Bucket) -> None:
+        pass
+
+
 def make_buckets(params: list[nn.Parameter], targets: list[nn.Parameter],
                  dtype: torch.dtype, bucket_bytes: int) -> list[Bucket]:
     """Buckets of about `bucket_bytes` of `dtype` grads, filled in reverse
     order of definition, the order in which backward makes grads ready."""
-    buckets, current, used = [], [], 0
+    buckets: list[Bucket] = []
+    current: list[tuple[nn.Parameter, nn.Parameter]] = []
+    used = 0
     size = torch.empty((), dtype=dtype).element_size()
     for param, target in reversed(list(zip(params, targets))):
         current.append((param, target))
         used += param.numel() * size
         if used >= bucket_bytes:
-            buckets.append(Bucket(*map(list, zip(*current)), dtype))
+            buckets.append(_bucket(current, dtype))
             current, used = [], 0
     if current:
-        buckets.append(Bucket(*map(list, zip(*current)), dtype))
+        buckets.append(_bucket(current, dtype))
     return buckets
+
+
+def _bucket(pairs: list[tuple[nn.Parameter, nn.Parameter]], dtype: torch.dtype) -> Bucket:
+    """The bucket of `pairs` of (param, target), in their order."""
+    return Bucket([param for param, _ in pairs], [target for _, target in pairs], dtype)
 
 
 class GradBuffers:
@@ -166,6 +188,7 @@ class GradBuffers:
                 bucket.buffer.div_(divisor)
 
     def _launch(self, bucket: Bucket) -> None:
+        assert self.reducer is not None  # launches happen armed, or in finish() with a reducer
         bucket.work = self.reducer.launch(bucket)
         self.next_launch += 1
 

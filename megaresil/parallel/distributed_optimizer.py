@@ -94,8 +94,10 @@ class DistributedOptimizer:
 
     def __init__(self, param_groups: list[dict], optimizer_cls, optimizer_kwargs: dict, *,
                  group: Optional[dist.ProcessGroup], dp: int, dp_rank: int,
-                 bucket_bytes: int = 25 * 2**20, separate_main: bool = False):
+                 bucket_bytes: int = 25 * 2**20, separate_main: bool = False,
+                 mean_over: Optional[int] = None):
         self.group, self.dp, self.dp_rank = group, dp, dp_rank
+        self.mean_over = mean_over or dp  # the batches the summed grads came from
         self.separate_main = separate_main
         self.shards: list[RowShard] = []
         inner_groups = []
@@ -118,12 +120,13 @@ class DistributedOptimizer:
     # --- Reducer: grads ---------------------------------------------------------------
 
     def launch(self, bucket) -> dist.Work:
-        """Reduce-scatter a grad bucket: rank r receives the DP mean of every
-        parameter's r-th row block, laid end to end."""
+        """Reduce-scatter a grad bucket: rank r receives the mean over
+        `mean_over` batches of every parameter's r-th row block, laid end to
+        end."""
         shards = [self.shard_of[p] for p in bucket.params]
         # (dp, sum of row blocks): row r holds every parameter's r-th block.
         staged = torch.cat([_padded_rows(_rows(view), s.rows_per_rank * self.dp).reshape(self.dp, -1)
-                            for s, view in zip(shards, bucket.views)], dim=1).div_(self.dp)
+                            for s, view in zip(shards, bucket.views)], dim=1).div_(self.mean_over)
         out = torch.empty_like(staged[0])
         self.scattered[id(bucket)] = out
         return dist.reduce_scatter(out, list(staged.unbind(0)), group=self.group, async_op=True)

@@ -3,11 +3,11 @@
 The layout is an explicit object handed to whatever needs a process group; no
 module keeps one in a global, so a restart can drop a layout and build another.
 The arithmetic of ranks and coordinates is its `MeshShape`'s (parallel/mesh.py:
-axes (pp, dp, tp), tp innermost); a planned layout (`ParallelLayout.planned`)
+axes (pp, dp, tp), tp innermost, dp cut into (edp, ep) under expert
+parallelism); a planned layout (`ParallelLayout.planned`)
 has coordinates and no process group, for tools that describe ranks that do
 not run.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megaresil.config import ParallelConfig
+from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.mesh import MeshShape
 from megaresil.parallel.tensor_parallel import TPGroup
 
@@ -72,16 +73,18 @@ class ParallelLayout:
     embedding_group: Optional[dist.ProcessGroup] = None
     planned_rank: int = 0  # the rank of a layout without a mesh
     groups_over: dict[tuple[str, ...], Optional[dist.ProcessGroup]] = field(default_factory=dict)
+    ep: int = 1
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, device: torch.device) -> "ParallelLayout":
         """Build the mesh over the already-initialised default process group."""
-        layout = cls(cfg.tp, cfg.pp, cfg.dp, cfg.vpp, cfg.sequence_parallel, device)
+        layout = cls(cfg.tp, cfg.pp, cfg.dp, cfg.vpp, cfg.sequence_parallel, device, ep=cfg.ep)
         if dist.is_initialized():
             layout.mesh = init_device_mesh(device.type, layout.shape.sizes,
                                            mesh_dim_names=layout.shape.names)
             layout.embedding_group = layout._new_embedding_group()
-            layout.groups_over = {axes: layout._new_group_over(axes) for axes in GROUPS_NEEDED}
+            layout.groups_over = {axes: layout._new_group_over(axes)
+                                  for axes in layout._groups_over_several_axes()}
         elif layout.world_size != 1:
             raise RuntimeError("a multi-rank layout needs torch.distributed to be initialised")
         return layout
@@ -90,7 +93,8 @@ class ParallelLayout:
     def planned(cls, cfg: ParallelConfig, rank: int) -> "ParallelLayout":
         """Rank `rank` of `cfg`'s layout, without processes: coordinates and
         shapes only, `group()` is None."""
-        return cls(cfg.tp, cfg.pp, cfg.dp, cfg.vpp, cfg.sequence_parallel, planned_rank=rank)
+        return cls(cfg.tp, cfg.pp, cfg.dp, cfg.vpp, cfg.sequence_parallel, planned_rank=rank,
+                   ep=cfg.ep)
 
     @property
     def shape(self) -> MeshShape:
@@ -112,8 +116,8 @@ class ParallelLayout:
         return self.shape.coords_of(self.rank)
 
     def coordinate(self, axis: str) -> int:
-        """This rank's index along mesh axis `axis`."""
-        return self.coords[axis]
+        """This rank's index along mesh axis `axis` (or joined name, as "dp")."""
+        return self.index_over((axis,))
 
     @property
     def tp_rank(self) -> int:
@@ -129,7 +133,7 @@ class ParallelLayout:
 
     def index_over(self, axes: tuple[str, ...]) -> int:
         """This rank's index in its group over `axes` (its rank in `group(*axes)`)."""
-        return self.shape.group_of(axes, self.coords).index(self.rank)
+        return self.shape.index_of(self.rank, axes)
 
     @property
     def data_rank(self) -> int:
@@ -141,16 +145,38 @@ class ParallelLayout:
         return self.size(*DATA_AXES)
 
     def group(self, *axes: str) -> Optional[dist.ProcessGroup]:
-        """Process group over mesh axes `axes` (one, or a GROUPS_NEEDED
-        combination); None when there is no mesh."""
+        """Process group over mesh axes `axes` (one, a joined name such as
+        "dp", or a GROUPS_NEEDED combination); None when there is no mesh."""
         if self.mesh is None:
             return None
-        return self.mesh.get_group(axes[0]) if len(axes) == 1 else self.groups_over[axes]
+        spanned = self.shape.expand(axes)
+        if not spanned:
+            raise ValueError(f"{axes} spans no mesh axis in this layout (size 1): no group to use")
+        return self.mesh.get_group(spanned[0]) if len(spanned) == 1 else self.groups_over[spanned]
 
     def replica_groups(self, axes: tuple[str, ...] = ("dp",)) -> list[list[int]]:
         """Every group of ranks that hold replicas of one another over `axes`
         (rank lists, in mesh order)."""
         return self.shape.groups(axes)
+
+    def replica_axes(self) -> list[tuple[str, ...]]:
+        """The data-parallel axes parameters are replicated over here
+        (ShardSpec.replicated_over), widest first: dp, and under expert
+        parallelism edp (the experts, alike only on ranks of the same ep
+        coordinate)."""
+        return [("dp",), ("edp",)] if self.ep > 1 else [("dp",)]
+
+    def whole_state_groups(self) -> list[list[int]]:
+        """The groups of ranks whose whole state (dense parameters and
+        experts) is alike: those that differ in edp alone (dp at ep = 1)."""
+        return self.replica_groups(("edp",))
+
+    def _groups_over_several_axes(self) -> list[tuple[str, ...]]:
+        """GROUPS_NEEDED and the joined names (as dp over (edp, ep)) that span
+        several mesh axes, in that order: the groups the DeviceMesh lacks."""
+        named = GROUPS_NEEDED + tuple((name,) for name, _ in self.shape.joined)
+        spans = [self.shape.expand(axes) for axes in named]
+        return list(dict.fromkeys(axes for axes in spans if len(axes) > 1))
 
     def _new_group_over(self, axes: tuple[str, ...]) -> Optional[dist.ProcessGroup]:
         return self._own_group(self.shape.groups(axes))
@@ -183,6 +209,10 @@ class ParallelLayout:
     def tensor_parallel(self) -> TPGroup:
         return TPGroup(self.group("tp"), self.tp, self.tp_rank, self.sequence_parallel)
 
+    def expert_parallel(self) -> EPGroup:
+        group = self.group("ep") if self.ep > 1 else None
+        return EPGroup(group, self.ep, self.coordinate("ep"))
+
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
@@ -194,5 +224,8 @@ class ParallelLayout:
         return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
 
     def describe(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "vpp": self.vpp,
+        # ep only where it is used, so a dense layout's description (kept in
+        # every checkpoint) is the one it always was.
+        expert = {"ep": self.ep} if self.ep > 1 else {}
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **expert, "vpp": self.vpp,
                 "sequence_parallel": self.sequence_parallel, "world_size": self.world_size}

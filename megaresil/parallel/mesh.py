@@ -2,9 +2,14 @@
 a global rank and its coordinates, with no process group.
 
 Axes are listed outermost first and ranks are numbered in mixed radix over
-them, the last axis innermost: today (pp, dp, tp), so TP peers get adjacent
-ranks (on a GPU node they share NVLink), as in Megatron. A new parallelism is
-a new axis name (one of size 1 changes no rank's number), not new arithmetic.
+them, the last axis innermost: (pp, dp, tp), so TP peers get adjacent ranks
+(on a GPU node they share NVLink), as in Megatron. A new parallelism is a new
+axis name, not new arithmetic. A *joined* name stands for adjacent axes taken
+together in mixed radix: with expert parallelism the axes are
+(pp, edp, ep, tp) and "dp" is the pair (edp, ep), ep innermost, so every
+rank's number and every dp index (edp * ep + ep index) are those of the
+(pp, dp, tp) mesh. Without it the axes stay (pp, dp, tp), "edp" is "dp" and
+"ep" is no axis at all (size 1).
 """
 from __future__ import annotations
 
@@ -20,15 +25,21 @@ class Degrees(Protocol):
     tp: int
     pp: int
     dp: int
+    ep: int
 
 
 @dataclass(frozen=True)
 class MeshShape:
     axes: tuple[tuple[str, int], ...]  # (name, size), outermost first
+    joined: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (name, the adjacent axes it stands for)
 
     @classmethod
     def of(cls, cfg: Degrees) -> "MeshShape":
-        return cls((("pp", cfg.pp), ("dp", cfg.dp), ("tp", cfg.tp)))
+        if cfg.ep == 1:
+            return cls((("pp", cfg.pp), ("dp", cfg.dp), ("tp", cfg.tp)),
+                       (("edp", ("dp",)), ("ep", ())))
+        return cls((("pp", cfg.pp), ("edp", cfg.dp // cfg.ep), ("ep", cfg.ep), ("tp", cfg.tp)),
+                   (("dp", ("edp", "ep")),))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -38,12 +49,22 @@ class MeshShape:
     def sizes(self) -> tuple[int, ...]:
         return tuple(size for _, size in self.axes)
 
+    def expand(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """`axes` with each joined name replaced by its axes, in mesh order."""
+        parts = dict(self.joined)
+        named = {axis for name in axes for axis in parts.get(name, (name,))}
+        unknown = named - set(self.names)
+        if unknown:
+            raise KeyError(f"no mesh axis {sorted(unknown)} in {self.names}")
+        return tuple(name for name in self.names if name in named)
+
     def size(self, *axes: str) -> int:
         """The product of the sizes of `axes` (of every axis when none are named)."""
         sizes = dict(self.axes)
-        return math.prod(sizes[axis] for axis in axes or self.names)
+        return math.prod(sizes[axis] for axis in (self.expand(axes) if axes else self.names))
 
     def coords_of(self, rank: int) -> dict[str, int]:
+        """`rank`'s coordinate on each axis (joined names: see `index_of`)."""
         coords = {}
         for name, size in reversed(self.axes):
             rank, coords[name] = divmod(rank, size)
@@ -55,16 +76,22 @@ class MeshShape:
             rank = rank * size + coords[name]
         return rank
 
+    def index_of(self, rank: int, axes: tuple[str, ...]) -> int:
+        """`rank`'s index in its group over `axes`: its coordinates on them in
+        mixed radix (a joined name's coordinate)."""
+        return self.group_of(axes, self.coords_of(rank)).index(rank)
+
     def group_of(self, axes: tuple[str, ...], at: Mapping[str, int]) -> list[int]:
         """The ranks that share `at`'s coordinates on every axis but `axes`,
         in rank order."""
-        axes = tuple(name for name in self.names if name in axes)
+        axes = self.expand(axes)
         return [self.rank_of({**at, **dict(zip(axes, values))})
                 for values in itertools.product(*(range(self.size(a)) for a in axes))]
 
     def groups(self, axes: tuple[str, ...]) -> list[list[int]]:
         """Every group varying `axes`, the other axes' coordinates taken in
         mixed radix (the order every rank must create them in)."""
-        others = tuple(name for name in self.names if name not in axes)
-        return [self.group_of(axes, dict(zip(others, values)))
+        varying = self.expand(axes)
+        others = tuple(name for name in self.names if name not in varying)
+        return [self.group_of(varying, dict(zip(others, values)))
                 for values in itertools.product(*(range(self.size(a)) for a in others))]

@@ -9,7 +9,6 @@ function). The model's chunk factory is `megaresil.model.chunks`.
 Pipeline rank r holds virtual stages r, r+pp, r+2pp, ... (Megatron's
 interleaved assignment, which is also the library's default stage-to-rank map).
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 from typing import Optional, Protocol, Sequence
@@ -143,6 +142,7 @@ class Pipeline:
                             scale_grads=scale_grads)
 
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert self.last_chunk is not None  # the schedule computes the loss on the last stage only
         return self.last_chunk.loss(output, targets)
 
     def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor,

@@ -7,13 +7,12 @@ under sequence parallelism, its heads under tensor parallelism). So dropout is
 identical for every tp/dp/pp layout, a recomputed forward redraws the same
 mask, and resuming needs no dropout RNG state at all.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 import base64
 import random
 import zlib
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import numpy as np
 import torch
@@ -72,7 +71,10 @@ def capture_rng_state() -> dict:
     JSON-safe values. Dropout does not draw from them (see LayoutDropout);
     they are kept so that any other use of the global RNGs resumes exactly."""
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # numpy's stub types the no-argument call as the new dict form; it returns
+    # the legacy tuple (legacy=True is the default).
+    name, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float],
+                                              np.random.get_state())
     state = {"python": [version, list(internal), gauss],
              "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
              "torch": _bytes_to_text(torch.get_rng_state())}

@@ -21,6 +21,10 @@ import torch
 # The tie of the token embedding with its copy on the last pipeline stage.
 EMBEDDING_TIE = "embedding"
 
+# The mesh axis a stack of experts is cut along, dim 0 of its parameters
+# (size 1 until expert parallelism carves it from dp).
+EXPERT_AXIS = "ep"
+
 # Not `_`-prefixed: copies of a parameter's attributes skip private ones.
 _ATTRIBUTE = "shard_spec"
 
@@ -70,6 +74,19 @@ class ShardSpec:
     def unit_dim(self) -> int:
         """The dim init draws its units along: the first cut one, else 0."""
         return self.shards[0].dim if self.shards else 0
+
+    @property
+    def stacks_experts(self) -> bool:
+        """Whether dim 0 indexes experts: each is a tensor of its own."""
+        return bool(self.shards) and self.shards[0].axis == EXPERT_AXIS and self.shards[0].dim == 0
+
+    def per_expert(self) -> ShardSpec:
+        """The spec of one expert of a stack: the expert cut left out, the
+        dims after it one lower."""
+        if not self.stacks_experts or any(s.dim == 0 for s in self.shards[1:]):
+            raise ValueError(f"{self} does not stack experts along dim 0 alone")
+        inner = tuple(dataclasses.replace(s, dim=s.dim - 1) for s in self.shards[1:])
+        return dataclasses.replace(self, shards=inner)
 
     @property
     def sharded_axes(self) -> tuple[str, ...]:

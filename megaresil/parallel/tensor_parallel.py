@@ -9,7 +9,6 @@ regions are sharded along T (dim 1): an all-gather enters a column-parallel
 region and a reduce-scatter leaves a row-parallel one, in place of Megatron's
 identity / all-reduce pair.
 """
-# mypy: ignore-errors
 from __future__ import annotations
 
 from dataclasses import dataclass

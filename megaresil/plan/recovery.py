@@ -6,13 +6,17 @@ data-parallel peer's memory: no completed step lost; a lost node as today),
 and live replacement + hot spares (a waiting spare node takes a lost node's
 place: a relaunch without the wait; the spares are idle GPUs, which goodput
 per GPU counts). Job-scope failures take their own path under every policy.
-docs/clusters.md ("The goodput planner") says it for users."""
+Where the run's layout holds no live copy of a lost rank's state
+(config.no_live_copy, read from its recipe) a replacement resumes from the
+newest save, and where its recipe refuses live replacement (ep = dp) the live
+policies give way to hot spares alone. docs/clusters.md ("The goodput planner") says it for users."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from megaresil.config import NoLiveCopy
 from megaresil.plan.costs import RunCosts, SaveCost
 from megaresil.plan.model import Policy
 from megaresil.plan.simulate import Kind, Setup, simulate
@@ -41,6 +45,8 @@ class RecoveryPolicy:
 POLICIES = (RecoveryPolicy("relaunch (today)", "relaunch", "node_replacement", False),
             RecoveryPolicy("live replacement", "replace", "node_replacement", False),
             RecoveryPolicy("live replacement + hot spares", "replace", "relaunch", True))
+# Where live replacement is refused, spares still take a lost node's place.
+SPARES_ALONE = RecoveryPolicy("hot spares", "relaunch", "relaunch", True)
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,19 @@ class Projection:
     spares: Spares
     simulate_days: Optional[float] = None
     seed: int = 0
+    no_live_copy: Optional[NoLiveCopy] = None  # the run's layout's, where its recipe says
+
+    @property
+    def policies(self) -> tuple[RecoveryPolicy, ...]:
+        if self.no_live_copy and self.no_live_copy.refused:
+            return POLICIES[0], SPARES_ALONE
+        return POLICIES
+
+    @property
+    def live_paths(self) -> set[str]:
+        """The paths that resume at the step reached: none where no live rank
+        holds a copy of a lost rank's state."""
+        return set() if self.no_live_copy else LIVE_PATHS
 
     def at(self, gpus: int, kinds: list[Kind], save: SaveCost) -> dict:
         """The policies at `gpus` GPUs failing as `kinds`, saving at `save`'s cost."""
@@ -111,14 +130,14 @@ class Projection:
                 "failures_per_day": {s: per_day(kinds, s) for s in ("process", "node", "job")},
                 "spare_nodes": spare_nodes, "spare_gpus": self.spares.gpus(gpus),
                 "spare_days_of_repair": spare_nodes / node_per_day if node_per_day else None,
-                "policies": [self.row(p, gpus, kinds, save) for p in POLICIES]}
+                "policies": [self.row(p, gpus, kinds, save) for p in self.policies]}
 
     def row(self, policy: RecoveryPolicy, gpus: int, kinds: list[Kind], save: SaveCost) -> dict:
         mapped = recovered_by(policy, kinds, self.restart_s)
         rate = sum(k.per_s for k in mapped)
         model = Policy(policy.name, save.blocking_s, save.total_s,
                        mean_downtime(mapped, self.restart_s),
-                       rollback=sum(k.per_s for k in mapped if k.path not in LIVE_PATHS) / rate)
+                       rollback=sum(k.per_s for k in mapped if k.path not in self.live_paths) / rate)
         tau = model.best_interval(1 / rate, self.step_s)
         idle = self.spares.gpus(gpus) if policy.hot_spares else 0
         busy = gpus / (gpus + idle)  # spares hold GPUs that train nothing
@@ -131,7 +150,7 @@ class Projection:
             setup = Setup(steps=int(self.simulate_days * 86400 / self.step_s),
                           step_s=self.step_s, interval=round(tau / self.step_s),
                           blocking_s=save.blocking_s, total_s=save.total_s,
-                          restart_s=self.restart_s, live_paths=LIVE_PATHS)
+                          restart_s=self.restart_s, live_paths=self.live_paths)
             result = simulate(setup, mapped, seed=self.seed)
             row["simulated"] = {**result.to_dict(), "goodput_per_gpu": result.goodput * busy}
         return row
@@ -140,21 +159,38 @@ class Projection:
 def format_recovery(recovery: dict) -> list[str]:
     """The recovery section of the plan's text."""
     replace_, relaunch = recovery["costs"]["replace"], recovery["costs"]["relaunch"]
-    lines = [f"live replacement (resilience.replacement.enabled): {describe(replace_)}; "
-             f"relaunch: {describe(relaunch)}"]
-    if not replace_["measured"]:
-        lines.append(f"the run has no live replacement: its downtime is unmeasured and the "
-                     f"relaunch's stands in; to measure it: {replace_['measure']}")
-    elif replace_["steps_lost"]:
-        lines.append(f"the run's replacement lost {replace_['steps_lost']:.1f} steps (no live "
-                     "peer held the state: dp = 1 or optimizer.distributed); the projection "
-                     "assumes a data-parallel peer holds it (0 steps lost)")
+    gap = recovery.get("no_live_copy")
+    if gap and gap["refused"]:
+        lines = [f"relaunch: {describe(relaunch)}",
+                 f"the run's layout refuses live replacement ({gap['why']}): its policies "
+                 "are left out; hot spares alone relaunch a lost process"]
+    else:
+        lines = [f"live replacement (resilience.replacement.enabled): {describe(replace_)}; "
+                 f"relaunch: {describe(relaunch)}", *replacement_caveats(replace_, gap)]
     spares = recovery["spares"]
     lines.append(f"recovery policies (saves: {recovery['save_tier']} tier; hot spares: 1 node "
                  f"of {spares['gpus_per_node']} GPUs per {spares['every_nodes']} nodes, "
                  "--spare-every):")
     for at in recovery["projections"]:
         lines += format_projection(at)
+    return lines
+
+
+def replacement_caveats(replace_: dict, gap: Optional[dict]) -> list[str]:
+    """What the projection of a live replacement rests on, where it is
+    allowed: the layout's copies (`gap`: none to take state from) and the
+    run's own measure of it."""
+    lines = []
+    if gap:
+        lines.append(f"the run's layout: {gap['why']}, so a live replacement resumes from the "
+                     "newest save (projected so: its rollback)")
+    if not replace_["measured"]:
+        lines.append(f"the run has no live replacement: its downtime is unmeasured and the "
+                     f"relaunch's stands in; to measure it: {replace_['measure']}")
+    elif replace_["steps_lost"] and not gap:
+        lines.append(f"the run's replacement lost {replace_['steps_lost']:.1f} steps (no live "
+                     "peer held the state: dp = 1 or optimizer.distributed); the projection "
+                     "assumes a data-parallel peer holds it (0 steps lost)")
     return lines
 
 

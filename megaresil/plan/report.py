@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from megaresil.config import NoLiveCopy
 from megaresil.plan.costs import RunCosts, SaveCost
 from megaresil.plan.model import Policy, daly_interval, young_interval
 from megaresil.plan.profile import scope_of
@@ -98,9 +99,12 @@ def relaunch_is_estimated(costs: RunCosts) -> bool:
 def plan(costs: RunCosts, kinds: list[Kind], *, gpus: int, replacement_s: float,
          reference_kinds: Optional[list[Kind]] = None, spares: Spares = DEFAULT_SPARES,
          scale: Optional[Scale] = None, step_s: Optional[float] = None,
-         simulate_days: Optional[float] = None, seed: int = 0) -> dict:
+         simulate_days: Optional[float] = None, seed: int = 0,
+         no_live_copy: Optional[NoLiveCopy] = None) -> dict:
     """The plan on `gpus` GPUs failing as `kinds`; `reference_kinds`: the
-    failures at REFERENCE_GPUS, to project the recovery policies there too."""
+    failures at REFERENCE_GPUS, to project the recovery policies there too;
+    `no_live_copy`: the run's layout's, where its recipe is known (else the
+    projection takes a data-parallel peer to hold a lost rank's state)."""
     measured = costs
     if scale:
         # replace, not a new RunCosts: the measured start-up (a relaunch's
@@ -133,7 +137,7 @@ def plan(costs: RunCosts, kinds: list[Kind], *, gpus: int, replacement_s: float,
         at_reference = replace(scale, gpus=REFERENCE_GPUS) if scale else None
         save = at_reference.save(measured.saves[tier]) if at_reference else costs.saves[tier]
         sizes.insert(0, (REFERENCE_GPUS, reference_kinds, save))
-    projection = Projection(restart_s, step, spares, simulate_days, seed)
+    projection = Projection(restart_s, step, spares, simulate_days, seed, no_live_copy)
     return {"step_s": step, "job_mtbf_h": mtbf / 3600, "restart_s": restart_s,
             "saves": {t: vars(s) for t, s in costs.saves.items()},
             "relaunch_estimated": relaunch_is_estimated(costs),
@@ -141,6 +145,7 @@ def plan(costs: RunCosts, kinds: list[Kind], *, gpus: int, replacement_s: float,
             "in_process_measured": "in_process" in costs.restart_s(), "policies": rows,
             "recovery": {"costs": replacement_cost(costs, restart_s), "save_tier": tier,
                          "spares": vars(spares),
+                         "no_live_copy": vars(no_live_copy) if no_live_copy else None,
                          "projections": [projection.at(*size) for size in sizes]}}
 
 

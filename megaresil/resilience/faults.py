@@ -138,7 +138,8 @@ class FaultInjector:
                 self.bad_batches[position] = fault
             if fault.steps is not None:
                 self.lasting.append(fault)
-        announced = [f for f in due if f.kind != FaultKind.bitflip]  # bit flips say what they hit
+        # Bit flips and router NaNs say what they hit when they hit it.
+        announced = [f for f in due if f.kind not in (FaultKind.bitflip, FaultKind.router_nan)]
         for fault in announced:
             self.announce(fault, step, persistent=fault.every_attempt)
         if position in self.bad_batches and self.bad_batches[position] not in due:

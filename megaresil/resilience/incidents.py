@@ -133,8 +133,10 @@ def _ranks(ranks) -> str:
 
 
 def _nonfinite(e: dict) -> str:
-    return (f"non-finite {e.get('what')} at step {e.get('step')} from {_ranks(e.get('ranks'))}; "
-            f"{e.get('next')}")
+    began = "".join(f" (routing scores first at {layer} on rank {rank})"
+                    for rank, layer in e.get("routers", []))
+    return (f"non-finite {e.get('what')} at step {e.get('step')} from {_ranks(e.get('ranks'))}"
+            f"{began}; {e.get('next')}")
 
 
 def _replayed(e: dict) -> str:

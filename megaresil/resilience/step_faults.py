@@ -1,12 +1,13 @@
-"""The faults that act on a step's numbers (kinds nan, spike, bitflip): what
-one attempt of a step gets, applied where the trainer hands over its loss,
-gradients and parameters (Trainer.optimizer_step)."""
+"""The faults that act on a step's numbers (kinds nan, spike, bitflip,
+router_nan): what one attempt of a step gets, applied where the trainer
+hands over its loss, gradients and parameters (Trainer.optimizer_step), or
+its routers' scores (train/routing_watch.py)."""
 from __future__ import annotations
 
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -35,6 +36,18 @@ class StepFaults:
             poison_with_nan(counted_grads)
         for fault in self.of(FaultKind.bitflip, FlipTarget.grad):
             self.fired(fault, **flip_bit(own_grads, fault.flip_seed, fault.bit))
+
+    def routing_poison(self) -> Optional[Callable[[str], None]]:
+        """With a router_nan fault due: what records it as injected in a
+        layer (the caller poisons that layer's routing scores)."""
+        due = self.of(FaultKind.router_nan)
+        if not due:
+            return None
+
+        def fired_in(layer: str) -> None:
+            for fault in due:
+                self.fired(fault, layer=layer)
+        return fired_in
 
     def loss_factor(self) -> float:
         """What this rank's spike faults multiply its replica's loss by, as the

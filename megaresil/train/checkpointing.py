@@ -20,6 +20,9 @@ from megaresil.checkpoint.local.replication import Choice, Topology, ranks_per_n
 from megaresil.checkpoint.local.tier import LocalTier
 from megaresil.checkpoint.location import NoValidCheckpoint
 from megaresil.checkpoint.manager import Checkpointer
+from megaresil.checkpoint.megatron.arguments import model_keys as megatron_model_keys
+from megaresil.checkpoint.megatron.directory import is_megatron_checkpoint
+from megaresil.checkpoint.megatron.reading import MegatronTensorSource, open_megatron
 from megaresil.checkpoint.paths import RunPaths
 from megaresil.checkpoint.sources import CheckpointSource
 from megaresil.checkpoint.state import TrainingState
@@ -345,7 +348,8 @@ class TrainCheckpointing:
             self.global_tier.load_weights(source, self.state)
             step, saved_layout = 0, manifest["layout"] if manifest else None
         self.emit("initialized_from", path=str(path), step=step,
-                  source="checkpoint" if manifest else "hugging_face",
+                  source=("checkpoint" if manifest else
+                          "megatron" if is_megatron_checkpoint(path) else "hugging_face"),
                   optimizer=with_optimizer, saved_layout=saved_layout,
                   layout=self.state.layout_record())
 
@@ -360,6 +364,8 @@ class TrainCheckpointing:
             model_keys, _ = hf_model_keys(path)
             _require_same_model(path, model_from_dict(model_keys), ours)
             return hf_source(path, ours), None
+        if is_megatron_checkpoint(path):
+            return _megatron_source(path, ours, self.cfg.checkpoint.init_from_optimizer), None
         try:
             source = CheckpointSource(path)
         except fmt.CheckpointError as err:
@@ -377,6 +383,20 @@ class TrainCheckpointing:
                                       "take. Fix: drop init_from_optimizer, or give a full "
                                       "checkpoint.")
         return source, source.manifest
+
+
+def _megatron_source(path: Path, ours: ModelConfig, with_optimizer: bool):
+    """A Megatron checkpoint's weights, checked against this run's model."""
+    if with_optimizer:
+        raise fmt.CheckpointError(f"checkpoint.init_from={path} is a Megatron checkpoint, whose "
+                                  "optimizer state megaresil does not read. Fix: drop "
+                                  "checkpoint.init_from_optimizer.")
+    ckpt = open_megatron(path)
+    if ckpt.args is not None:
+        saved = megatron_model_keys(ckpt.args, [])
+        saved["vocab_size"] = ours.vocab_size  # the run's real vocabulary cuts Megatron's padding
+        _require_same_model(path, model_from_dict(saved), ours)
+    return MegatronTensorSource(ckpt, ours)
 
 
 def _require_same_model(path: Path, saved: ModelConfig, ours: ModelConfig) -> None:

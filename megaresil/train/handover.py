@@ -1,8 +1,9 @@
 """Live replacement, the trainer's side: a rank that lost a peer keeps its
 state in host memory for the next generation (its tensors, described as a
 local-tier shard), and the next generation takes every rank's state from memory, its own or a
-data-parallel peer's, at the newest step the job completed: no completed
-step is lost. A state that moves to another rank must be proven first
+data-parallel peer's (under expert parallelism one of the same ep
+coordinate: it holds the same experts), at the newest step the job
+completed: no completed step is lost. A state that moves to another rank must be proven first
 (`proof`): the one its replicas last agreed on, or one its live replicas
 agree on now; copied unproven, a corruption would reach every replica and no
 check could see it again. Where no live rank holds a rank's state at that
@@ -160,8 +161,9 @@ class LivePlan:
 def live_plan(held: list[Optional[Held]], groups: list[list[int]], replicated: bool,
               why_unreplicated: str = "", prove: bool = False) -> LivePlan:
     """`held[r]`: what rank r carries (None: nothing: a replacement, or a
-    rank caught mid-update); `groups`: the data-parallel groups, whose
-    members hold the same state at the same step when `replicated`. Every
+    rank caught mid-update); `groups`: the data-parallel groups
+    (ParallelLayout.whole_state_groups), whose members hold the same state
+    at the same step when `replicated`. Every
     rank takes the newest carried step: its own state when it is there,
     else that of the lowest-ranked member of its group that is. With
     `prove` (the replica check runs) only a proven state moves, and a
@@ -267,7 +269,7 @@ def plan_live_start(cfg: RecipeConfig, carried: Optional[Carried],
     held: list[Optional[Held]] = [None] * layout.world_size
     dist.all_gather_object(held, Held.of(carried) if carried else None)
     replicated = not shards_over_dp(cfg.optimizer, layout)
-    plan = live_plan(held, layout.replica_groups(), replicated,
+    plan = live_plan(held, layout.whole_state_groups(), replicated,
                      why_unreplicated="optimizer.distributed keeps each rank's optimizer shard "
                      "in its own memory only", prove=cfg.resilience.numerics.check_interval > 0)
     plan.bytes_moved = sum(carried_by(held, h).nbytes for o, h in plan.sources.items() if o != h)

@@ -56,12 +56,14 @@ def peak_tflops(cfg: RecipeConfig, device: torch.device) -> float:
 
 
 def console_line(record: dict[str, Any], total_steps: int) -> str:
-    """step, loss, lr, grad norm, tok/s, MFU, step time."""
+    """step, loss, lr, grad norm, tok/s, MFU, step time; a mixture of
+    experts adds its worst layer's busiest expert over the mean load."""
     mfu = f"{100 * record['mfu']:.2f}%" if "mfu" in record else "-"
+    moe = f" | moe max/mean {record['moe_imbalance']:.2f}" if "moe_imbalance" in record else ""
     return (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "
             f"lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f} | "
             f"{record['tokens_per_s']:,.0f} tok/s | MFU {mfu} | "
-            f"step {record.get('step_time_s', 0.0):.3f} s")
+            f"step {record.get('step_time_s', 0.0):.3f} s{moe}")
 
 
 class Console:
@@ -81,8 +83,11 @@ class Console:
             self._print(f"step {step}: eval_loss {record['eval_loss']:.4f}")
         elif self.bar is not None:
             mfu = f"{100 * record['mfu']:.2f}%" if "mfu" in record else "-"
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                 tok_s=f"{record['tokens_per_s']:.0f}", mfu=mfu, refresh=False)
+            postfix = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
+                       "tok_s": f"{record['tokens_per_s']:.0f}", "mfu": mfu}
+            if "moe_imbalance" in record:
+                postfix["moe_max_mean"] = f"{record['moe_imbalance']:.2f}"
+            self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(step - self.bar.n)
         elif step % self.interval == 0 or step == self.total:
             self._print(console_line(record, self.total))

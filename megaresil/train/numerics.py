@@ -2,10 +2,10 @@
 update (train/optim.reduce_grad_norm, Trainer.optimizer_step); a non-finite
 step is replayed once from the same samples and RNG state, and one that stays
 non-finite rolls the run back to its newest checkpoint and skips the step's
-global batch. A loss spike is warned of, skipped, or rolled back with its
-data window skipped (on_spike). The decisions are resilience/numerics.py's;
+global batch; the layer where routing scores went non-finite is named
+(train/routing_watch.py). A loss spike is warned of, skipped, or rolled
+back with its data window skipped (on_spike). The decisions are resilience/numerics.py's;
 docs/numerics.md tells the whole story."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import math
@@ -35,6 +35,7 @@ from megaresil.resilience.numerics import (
 )
 from megaresil.train.checkpointing import TrainCheckpointing
 from megaresil.train.progress import Progress
+from megaresil.train.routing_watch import RoutingWatch
 from megaresil.train.state import configured_skips
 
 Section = Callable[[str, int], ContextManager]
@@ -89,6 +90,18 @@ def gather_figures(result: StepResult, layout: ParallelLayout) -> list[Figures]:
     return [Figures(*p.tolist()) for p in parts]
 
 
+def gather_nonfinite_routing(watch: RoutingWatch) -> list[list]:
+    """[rank, layer] for each rank whose routing scores went non-finite in
+    the attempt, at that layer (RoutingWatch.first_nonfinite): an
+    all-gather over the world, on the non-finite path only."""
+    mine = watch.first_nonfinite()
+    every: list[Optional[str]] = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    return [[rank, layer] for rank, layer in enumerate(every) if layer is not None]
+
+
 class NumericsGuard:
     """Runs each step through the check: `run(step, attempt)` returns the
     applied attempt, or None after a rollback (the caller goes on from the
@@ -96,10 +109,13 @@ class NumericsGuard:
     figures."""
 
     def __init__(self, cfg: RecipeConfig, layout: ParallelLayout, progress: Progress,
-                 checkpointing: TrainCheckpointing, events, section: Section):
+                 checkpointing: TrainCheckpointing, events, section: Section,
+                 routing_watch: Optional[RoutingWatch] = None):
         """`section`: the supervision's (the rollback's load runs in a
-        checkpoint section, under the checkpoint's watchdog budget)."""
+        checkpoint section, under the checkpoint's watchdog budget);
+        `routing_watch`: the routers' notes, on every rank of a model with experts."""
         self.cfg, self.layout, self.progress = cfg, layout, progress
+        self.routing_watch = routing_watch
         self.checkpointing, self.events, self.section = checkpointing, events, section
         self.settings = cfg.resilience.numerics
         self.rollbacks = 0  # made by this trainer: its metrics lines say so
@@ -137,13 +153,17 @@ class NumericsGuard:
         rng = rng_snapshot() if self.settings.enabled else None
         first = attempt()
         if first.spike is not None:
-            return self.after_spike(step, first)
+            return self.after_spike(step, first, first.spike)
         if first.applied or not self.settings.enabled:
             return self.applied(step, first)
         before = gather_figures(first, self.layout)
-        self.emit("nonfinite_detected", step=step, what=what_is_nonfinite(before),
-                  ranks=nonfinite_ranks(before), samples=self.samples(),
-                  next=f"update not applied; replaying step {step}")
+        what, where = what_is_nonfinite(before), {}
+        routers = gather_nonfinite_routing(self.routing_watch) if self.routing_watch is not None else []
+        if routers:
+            what, where = f"routing scores, {what}", {"routers": routers}
+        self.emit("nonfinite_detected", step=step, what=what, ranks=nonfinite_ranks(before),
+                  **where, samples=self.samples(), next=f"update not applied; replaying step {step}")
+        assert rng is not None  # taken: the checks are enabled
         restore_rng(rng)
         second = attempt()  # the same samples: the position moves only once a step is applied
         again = gather_figures(second, self.layout)
@@ -172,8 +192,8 @@ class NumericsGuard:
                       f"losses; spikes are measured once it holds {self.sizes.window}")
         return result
 
-    def after_spike(self, step: int, result: StepResult) -> Optional[StepResult]:
-        policy, spike = self.settings.on_spike, result.spike
+    def after_spike(self, step: int, result: StepResult, spike: Spike) -> Optional[StepResult]:
+        policy = self.settings.on_spike
         state_caused = self.watch.state_caused(step)
         fields = dict(step=step, loss=spike.loss, median=spike.median,
                       deviations=round(spike.deviations, 2),

@@ -65,7 +65,8 @@ def group_optimizer(group: GradGroup, cfg: OptimizerConfig, *,
     cls, kwargs = adamw_class_and_kwargs(cfg)
     if group.zero1(cfg):
         return DistributedOptimizer(groups, cls, kwargs, group=group.group, dp=group.size,
-                                    dp_rank=group.rank, separate_main=separate_main)
+                                    dp_rank=group.rank, separate_main=separate_main,
+                                    mean_over=group.batches)
     return cls(groups, **kwargs)
 
 
@@ -89,8 +90,12 @@ class ChainedOptimizer:
 
     @property
     def state(self) -> ChainMap:
-        """The unsharded parts' state by parameter."""
-        return ChainMap(*(p.state for p in self.parts if not isinstance(p, DistributedOptimizer)))
+        """The unsharded parts' state by parameter, read only."""
+        # Plain dicts: a lookup in a ChainMap tries each map in turn, and a
+        # part's defaultdict would make an empty entry for another part's
+        # parameter (which its step count then lacks) and answer with it.
+        return ChainMap(*(dict(p.state) for p in self.parts
+                          if not isinstance(p, DistributedOptimizer)))
 
     def step(self) -> None:
         for part in self.parts:

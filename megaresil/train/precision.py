@@ -111,12 +111,14 @@ def cast_to_bf16(params: list[nn.Parameter]) -> None:
 
 
 class MainParams:
-    """Whole fp32 main copies of a model's parameters, which are cast to bf16
-    here (every rank holds them all: no distributed optimizer)."""
+    """Whole fp32 main copies of some of a model's parameters (those whose
+    gradient group keeps whole optimizer state: every rank holds them all),
+    which are cast to bf16 here."""
 
     def __init__(self, params: list[nn.Parameter]):
         self.model = params
         self.main = [main_copy(p) for p in params]
+        self.copy_of = {id(p): m for p, m in zip(params, self.main)}
         cast_to_bf16(params)
 
     @torch.no_grad()
@@ -127,9 +129,12 @@ class MainParams:
 
 
 def optimizer_params(params: list[nn.Parameter], main: MainParams | None) -> list[nn.Parameter]:
-    """What the optimizer steps and the checkpoint holds: the fp32 main copies
-    under bf16, else the parameters themselves."""
-    return main.main if main is not None else params
+    """What the optimizer steps and the checkpoint holds for each parameter:
+    its fp32 main copy where `main` keeps one, else the parameter itself
+    (under ZeRO-1 its shard keeps the fp32 rows: shard_main_params)."""
+    if main is None:
+        return params
+    return [main.copy_of.get(id(p), p) for p in params]
 
 
 def shard_main_params(optimizer: DistributedOptimizer) -> None:

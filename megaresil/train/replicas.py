@@ -1,20 +1,21 @@
 """Silent data corruption: after an update every data-parallel replica holds
 the same parameters (and, unless optimizer.distributed, the same optimizer
-state). Every resilience.numerics.check_interval steps each rank sums its
-weights' bit patterns (any one changed element changes the sum), and before
-every save, or once those sums differ, its whole replicated state's, per
-tensor, with their squares; one world all-gather compares the replicas. A
-replica outvoted by a majority (dp >= 3) gets the tensors that differ from a
-healthy one; with no majority (dp = 2) the run rolls back to its newest
-checkpoint and replays: the replica whose replayed state differs from what
-it held was the corrupted one. With live replacement, each check also sums
-what a hand-over would send (`donated`), and the sum the replicas last agreed
-on is kept: a donor proves its state with it (train/handover.py).
+state): dense parameters over dp, experts over edp (same ep coordinate).
+Every resilience.numerics.check_interval steps each rank sums its weights'
+bit patterns (any one changed element changes the sum), and before every
+save, or once those sums differ, its whole replicated state's, per tensor,
+with their squares; one world all-gather compares each group's replicas.
+A replica outvoted by a majority (3 or more replicas) gets the tensors that
+differ from a healthy one; with no majority (2) the run rolls back to its
+newest checkpoint and replays: the replica whose replayed state differs from
+what it held was the corrupted one. With live replacement, each check also
+sums what a hand-over would send (`donated`), and the sum the replicas last
+agreed on is kept: a donor proves its state with it (train/handover.py).
 docs/numerics.md, docs/fault-tolerance.md#live-replacement."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional, Sequence
+from typing import Callable, ContextManager, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,10 @@ from megaresil.resilience.numerics import odd_ones_out
 from megaresil.resilience.step_faults import INT_VIEWS
 
 Named = Sequence[tuple[str, torch.Tensor]]
+# A rank's replicated tensors, named, by the data-parallel axes they are replicated over.
+Replicated = Mapping[tuple[str, ...], Named]
+# A replica group's verdict, by (its axes, its ranks).
+Verdicts = dict[tuple[tuple[str, ...], tuple[int, ...]], Optional[list[int]]]
 Section = Callable[[str, int], ContextManager]
 
 
@@ -85,6 +90,19 @@ class Agreement:
 
 
 @dataclass
+class Part:
+    """This rank's tensors replicated over `axes`, their sums, and the
+    replica groups over `axes`."""
+    axes: tuple[str, ...]
+    groups: list[list[int]]
+    named: Named
+    sums: torch.Tensor  # (tensors, 2) in a full check, else (1, 1)
+
+    def group_of(self, rank: int) -> list[int]:
+        return next(g for g in self.groups if rank in g)
+
+
+@dataclass
 class Suspicion:
     """A mismatch with no majority, waiting for the replay to reach its step."""
     step: int
@@ -119,22 +137,23 @@ class ReplicaCheck:
     """`check(step)` compares the replicas; True when it rolled the run back
     (the caller goes on from the checkpoint's step)."""
 
-    def __init__(self, interval: int, layout: ParallelLayout, state: Callable[[bool], Named],
+    def __init__(self, interval: int, layout: ParallelLayout, state: Callable[[bool], Replicated],
                  events, rollback: Callable[[int, str], None], section: Section, *,
                  donated: Optional[Callable[[], Sequence[torch.Tensor]]] = None,
                  agreement: Optional[Agreement] = None):
         """`state(full)`: this rank's replicated tensors, named, in the same
-        order on every replica: the weights, and with `full` their optimizer
-        state too; `rollback(step, reason)`: back to the newest
+        order on every replica, by the axes they are replicated over
+        (ParallelLayout.replica_axes): the weights, and with `full` their
+        optimizer state too; `rollback(step, reason)`: back to the newest
         checkpoint (it raises when there is none); `section`: the
         supervision's (the comparison's collectives run under the watchdog);
         `donated`: what a hand-over would send (live replacement), compared
-        at every check and kept as `agreement` once the group agrees on it;
+        at every check within the groups whose whole state is alike (the
+        last axes') and kept as `agreement` once the group agrees on it;
         `agreement`: where a generation starts from a proven state."""
         self.interval, self.layout, self.state = interval, layout, state
         self.events, self.rollback, self.section = events, rollback, section
         self.donated, self.agreement = donated, agreement
-        self.groups = layout.replica_groups()
         self.suspicion: Optional[Suspicion] = None
 
     def due(self, step: int, saving: bool) -> bool:
@@ -168,54 +187,88 @@ class ReplicaCheck:
         so no agreement holds until the next check."""
         self.agreement = None
 
-    def compare(self, step: int, full: bool) -> Optional[dict]:
+    def compare(self, step: int, full: bool) -> Optional[Verdicts]:
         """The replica groups' verdicts, after restoring outvoted replicas
         (full checks only); None when some group has no majority (a replay
         must tell)."""
-        named = list(self.state(full))
-        tensors = [t for _, t in named]
+        parts = self.parts(full)
         device = self.layout.device
-        sums = checksums(tensors, device) if full else quick_checksum(tensors, device)
+        sums = torch.cat([part.sums for part in parts])
         replayed = self.suspicion if self.replaying(step) else None
         changed = replayed is not None and not torch.equal(sums, replayed.sums)
         donated = (quick_checksum(self.donated(), device).reshape(1) if self.donated
                    else torch.zeros(0, dtype=torch.int64, device=device))
-        mine = torch.cat([sums.sum(0), donated, torch.tensor([int(changed)], device=device)])
-        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, mine)
-        rows = [p.tolist() for p in parts]
-        digests, changes = [tuple(r[:-1]) for r in rows], [r[-1] for r in rows]
+        mine = torch.cat([part.sums.sum(0) for part in parts]
+                         + [donated, torch.tensor([int(changed)], device=device)])
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        rows = [g.tolist() for g in gathered]
         if replayed is not None:
-            self.attribute(step, replayed, changes)
-        verdicts = {tuple(g): odd_ones_out([digests[r] for r in g]) for g in self.groups}
+            self.attribute(step, replayed, [row[-1] for row in rows])
+        verdicts = self.verdicts(parts, rows, width=2 if full else 1)
         if all(v == [] for v in verdicts.values()):
-            self.agree(step, digests, verdicts)
+            self.agree(step, parts[-1], rows, verdicts)
         if all(v == [] for v in verdicts.values()) or not full:
             return verdicts
         if all(v is not None for v in verdicts.values()):
-            self.restore(step, named, sums, verdicts)
-            self.agree(step, digests, verdicts)
+            for part in parts:
+                group = part.group_of(self.layout.rank)
+                self.restore(step, part, group, verdicts[part.axes, tuple(group)])
+            self.agree(step, parts[-1], rows, verdicts)
             return verdicts
-        bad = [list(g) for g, v in verdicts.items() if v != []]
+        bad = [list(g) for (_, g), v in verdicts.items() if v != []]
         self.suspicion = Suspicion(step, sums, bad)
         self.emit_once("silent_corruption_detected", step=step, culprit=None, replicas=bad,
                        how="no majority", next=f"rolling back to replay up to step {step} and "
                        "tell which replica is wrong")
         return None
 
-    def agree(self, step: int, digests: Sequence[tuple], verdicts: dict) -> None:
+    def parts(self, full: bool) -> list[Part]:
+        """This rank's replicated state by the axes it is replicated over,
+        each with its sums; axes of one rank (experts at ep = dp) hold no
+        replica and are left out."""
+        state, device = self.state(full), self.layout.device
+        parts = []
+        for axes in self.layout.replica_axes():
+            if self.layout.size(*axes) == 1:
+                continue
+            named = list(state.get(axes, ()))
+            tensors = [t for _, t in named]
+            sums = checksums(tensors, device) if full else quick_checksum(tensors, device)
+            parts.append(Part(axes, self.layout.replica_groups(axes), named, sums))
+        return parts
+
+    @staticmethod
+    def verdicts(parts: Sequence[Part], rows: Sequence[list[int]], width: int) -> Verdicts:
+        """Each group's odd ones out (numerics.odd_ones_out) by its part's
+        columns of the gathered rows (`width` per part); the last part's
+        digest takes what a hand-over would send too: the whole state, alike
+        only within its groups."""
+        verdicts: Verdicts = {}
+        for i, part in enumerate(parts):
+            end = (i + 1) * width if i < len(parts) - 1 else -1
+            digests = [tuple(row[i * width:end]) for row in rows]
+            for group in part.groups:
+                verdicts[part.axes, tuple(group)] = odd_ones_out([digests[r] for r in group])
+        return verdicts
+
+    def agree(self, step: int, whole: Part, rows: Sequence[list[int]],
+              verdicts: Verdicts) -> None:
         """Keep what this rank's group agreed on at `step` (after any
-        restore: what its healthy replicas hold) for a donor's proof."""
+        restore: what its healthy replicas hold) for a donor's proof; `whole`:
+        the part whose groups hold the whole state alike."""
         if self.donated is None:
             return
-        group = next(g for g in verdicts if self.layout.rank in g)
-        healthy = next(r for i, r in enumerate(group) if i not in verdicts[group])
-        self.agreement = Agreement(step, digests[healthy][-1])
+        group = whole.group_of(self.layout.rank)
+        outvoted = verdicts[whole.axes, tuple(group)] or []
+        healthy = next(r for i, r in enumerate(group) if i not in outvoted)
+        self.agreement = Agreement(step, rows[healthy][-2])
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        """`tensor` := src's, through the device (NCCL takes no host tensor)."""
+    def broadcast(self, tensor: torch.Tensor, src: int, axes: tuple[str, ...]) -> None:
+        """`tensor` := src's, within its group over `axes`, through the
+        device (NCCL takes no host tensor)."""
         on_device = tensor.detach().to(self.layout.device)
-        dist.broadcast(on_device, src=src, group=self.layout.group("dp"))
+        dist.broadcast(on_device, src=src, group=self.layout.group(*axes))
         if on_device.data_ptr() != tensor.data_ptr():
             tensor.detach().copy_(on_device)
 
@@ -239,25 +292,23 @@ class ReplicaCheck:
         self.emit_once("silent_corruption_attributed", step=step, culprit=culprits, how="replay",
                        **said, next="the rollback restored every replica; training on")
 
-    def restore(self, step: int, named: Named, sums: torch.Tensor,
-                verdicts: dict[tuple[int, ...], Optional[list[int]]]) -> None:
-        """Each outvoted replica gets the tensors that differ from a healthy
-        one of its group, by broadcast on the group's own data-parallel
-        group (the ranks of the other groups take no part)."""
-        group = next(g for g in verdicts if self.layout.rank in g)
-        outvoted = verdicts[group]
-        if outvoted:
-            everyone = [torch.empty_like(sums) for _ in group]
-            dist.all_gather(everyone, sums, group=self.layout.group("dp"))
-            healthy = next(i for i in range(len(group)) if i not in outvoted)
-            differ = [i for i in range(len(named))
-                      if any(not torch.equal(everyone[o][i], everyone[healthy][i])
-                             for o in outvoted)]
-            for i in differ:
-                self.broadcast(named[i][1], src=group[healthy])
-            if self.layout.rank == group[healthy]:  # each group's own report
-                self.events.emit("silent_corruption_detected", step=step,
-                                 culprit=[group[o] for o in outvoted],
-                                 tensors=[named[i][0] for i in differ][:8],
-                                 differing_tensors=len(differ), how="majority",
-                                 next=f"restored from rank {group[healthy]}; training on")
+    def restore(self, step: int, part: Part, group: list[int],
+                outvoted: Optional[list[int]]) -> None:
+        """Each outvoted replica of this rank's `group` gets the tensors of
+        `part` that differ from a healthy one's, by broadcast on the group's
+        own process group (the ranks of the other groups take no part)."""
+        if not outvoted:
+            return
+        everyone = [torch.empty_like(part.sums) for _ in group]
+        dist.all_gather(everyone, part.sums, group=self.layout.group(*part.axes))
+        healthy = next(i for i in range(len(group)) if i not in outvoted)
+        differ = [i for i in range(len(part.named))
+                  if any(not torch.equal(everyone[o][i], everyone[healthy][i]) for o in outvoted)]
+        for i in differ:
+            self.broadcast(part.named[i][1], src=group[healthy], axes=part.axes)
+        if self.layout.rank == group[healthy]:  # each group's own report
+            self.events.emit("silent_corruption_detected", step=step,
+                             culprit=[group[o] for o in outvoted],
+                             tensors=[part.named[i][0] for i in differ][:8],
+                             differing_tensors=len(differ), how="majority",
+                             next=f"restored from rank {group[healthy]}; training on")

@@ -7,7 +7,7 @@ rank's RNG and the watchdog's calibration, and nothing else of the trainer.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -69,11 +69,14 @@ class LiveTrainingState:
     def __init__(self, cfg: RecipeConfig, layout: ParallelLayout,
                  named_params: list[tuple[str, nn.Parameter]], optimizer, position: Progress,
                  watchdog: Optional[Watchdog] = None,
-                 after_load: Optional[Callable[[], None]] = None):
+                 after_load: Optional[Callable[[], None]] = None,
+                 named_buffers: Sequence[tuple[str, torch.Tensor]] = ()):
         """`named_params`: what is saved under each key (under bf16, the fp32
         main copies); `after_load` runs once loaded tensors are in place (it
-        copies main weights into a bf16 model)."""
+        copies main weights into a bf16 model); `named_buffers`: the state
+        held outside the parameters (the expert biases)."""
         self.cfg, self.layout, self.named_params = cfg, layout, named_params
+        self.buffers = list(named_buffers)
         self.after_load = after_load
         self.model_config = cfg.model
         self.optimizer = AdamState(optimizer)
@@ -83,6 +86,9 @@ class LiveTrainingState:
 
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         return iter(self.named_params)
+
+    def named_buffers(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return iter(self.buffers)
 
     def layout_record(self) -> dict:
         return layout_record(self.layout, self.optimizer.sharded)

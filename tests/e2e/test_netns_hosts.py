@@ -343,16 +343,19 @@ def test_a_soak_on_nodes_strikes_their_links_and_ends_bit_equal(cli, tmp_path):
     """`megaresil soak --hosts netns` on the test job, one rank on each of
     two nodes (dp=2): the calibration, the faulted run and the reference all
     run as two agents, so the final states compare bit for bit. The node
-    episodes come first in the schedule, so even this short soak strikes a
-    link (how many the minutes hold follows the machine's speed): each is
-    struck and got over (a flap seen as a hang and restarted in place, or
-    ridden out; a slow link with no alarm), with no false alarm."""
-    result = cli("soak", *SMALL, "--minutes", "1.5", "--seed", "1", "--hosts", "netns",
+    episodes come first in the catalogue, so two episodes are one strike of
+    each link kind, whatever the machine's speed; seed 0 strikes the slow
+    link first, a slot of steps before the flap (which stalls the job until
+    healed), so the run goes on past the cap.
+    Each is struck and got over (a flap seen as a hang and restarted in
+    place, or ridden out; a slow link with no alarm), with no false alarm."""
+    result = cli("soak", *SMALL, "--episodes", "2", "--seed", "0", "--hosts", "netns",
                  f"run.dir={tmp_path}", timeout=900, check=False)
     report = json.loads((tmp_path / "soak.json").read_text())
     assert report["hosts"] == "netns" and "hosts netns" in result.stdout
     nodes = [f for f in report["faults"] if f["rank"] is None]
     assert nodes and {f["kind"] for f in nodes} <= {"flap-link", "slow-link"}, report["schedule"]
+    assert [f["kind"] for f in nodes] == ["slow-link", "flap-link"], report["schedule"]
     assert len(report["strikes"]) == len(nodes)
     assert all(f["injected"] and f["recovered"] for f in report["faults"]), report["faults"]
     for f in nodes:

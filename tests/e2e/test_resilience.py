@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.cli import FLOOR_S, ROOT, SMALL
+from tests.harness.cli import FLOOR_S, ROOT, SMALL, megaresil_cli
 from tests.harness.run_records import assert_goodput_adds_up
 from megaresil.config import ConfigError, load_recipe
+from megaresil.drills.chaos import run_scenario
 from megaresil.events import read_events
 from megaresil.events import read_metrics
 from megaresil.observe.goodput import run_goodput
@@ -139,6 +140,50 @@ def test_chaos_scenario_recovers_exactly(cli_main, chaos_root, chaos_reference, 
         assert_replaced_live(report, events)
     if scenario == "corrupt-donor-replace":
         assert_donor_refused(report, events)
+
+
+# moe-tiny at the cheapest expert-parallel layout with a replica of each
+# expert: dp4 ep2 (edp pairs [0, 2] and [1, 3]), 4 ranks.
+MOE_EP2 = ["recipes/moe-tiny.yaml", "parallel.tp=1", "parallel.pp=1", "parallel.dp=4",
+           "parallel.ep=2", *SMALL[4:], "train.micro_batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("moe-reference")
+    megaresil_cli("train", *MOE_EP2, "checkpoint.interval=2", f"run.dir={run_dir}",
+                  "logging.progress=false", timeout=300)
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["kill-rank-replace", "kill-rank"])
+def test_chaos_at_ep2_recovers_exactly(cli_main, chaos_root, moe_reference, scenario):
+    """The last rank (3) killed as step 5 begins: replaced from the memory
+    of its edp peer (rank 1, the same experts), or every worker relaunched
+    from step 4's checkpoint; both end bit-equal to the fault-free run."""
+    cli_main("chaos", *MOE_EP2, f"run.dir={chaos_root / 'ep2'}", "--scenario", scenario,
+             "--reference", str(moe_reference), "--timeout", "240")
+    report = json.loads((chaos_root / "ep2" / f"chaos-{scenario}.json").read_text())
+    assert report["recovered"] and report["final_loss_equal"], report
+    assert report["restart_kind"] == EXPECTED[scenario].restart_kind
+    if scenario == "kill-rank-replace":
+        events = read_events(report["faulted"])
+        loads = [(e["tier"], e["step"], e["from_peers"]) for e in events
+                 if e["event"] == "checkpoint_loaded"]
+        assert loads == [("live", 4, {"3": 1})], loads
+        assert report["steps_lost"] == 0 and report["relaunches"] == 0, report
+
+
+def test_chaos_refuses_a_scenario_its_recipe_cannot_run_before_any_worker(tmp_path):
+    """At ep = dp no rank holds a copy of another's experts: the faulted
+    run's recipe (live replacement on) is refused before the reference trains."""
+    with pytest.raises(ConfigError) as err:
+        run_scenario(str(ROOT / MOE_EP2[0]), [*MOE_EP2[1:], "parallel.dp=2",
+                                              f"run.dir={tmp_path}"],
+                     "kill-rank-replace", reference=None, rank=None, step=None)
+    assert err.value.key == "resilience.replacement.enabled", err.value
+    assert "set parallel.ep below 2" in str(err.value) and not list(tmp_path.iterdir())
 
 
 def assert_replaced_live(report: dict, events: list[dict]) -> None:

@@ -28,7 +28,11 @@ RECIPE = ["recipes/gpt-tiny.yaml", "parallel.tp=1", "parallel.pp=1", "parallel.d
           "logging.progress=false", "logging.tensorboard=false",
           # From step 4 on, 2 s a step (computing, not changing the math): the
           # job still runs when the same command is given again after a kill.
-          "faults=[{kind: slow, rank: 0, step: 4, seconds: 2}]"]
+          # A fault fires once per run directory and slows only its process,
+          # so the relaunched generation is slowed again: the old job still
+          # runs while the second command starts, however slowly it starts.
+          "faults=[{kind: slow, rank: 0, step: 4, seconds: 2},"
+          " {kind: slow, rank: 0, step: 5, seconds: 2, generation: 1}]"]
 
 
 def command(run_dir: Path, *extra: str) -> tuple[list[str], dict]:

@@ -37,6 +37,11 @@ TINY = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "data.source=syntheti
         "logging.progress=false", "logging.tensorboard=false",
         "checkpoint.interval=0"]  # saves only where a case asks (exit_at_step, an interval)
 LLAMA = ["model.flavour=llama", "model.num_kv_heads=4", "model.ffn_hidden_size=96"]
+# A mixture of experts: a dense first layer, then 4 experts (top-2, 48 wide
+# per tp=2 rank) with a shared expert, the routing losses and the expert bias on.
+MOE = LLAMA + ["model.moe.num_experts=4", "model.moe.first_dense_layers=1",
+               "model.moe.shared_expert_hidden_size=32", "model.moe.aux_loss_coeff=0.01",
+               "model.moe.z_loss_coeff=0.001", "model.moe.bias_update_rate=0.01"]
 
 
 @dataclass
@@ -80,15 +85,17 @@ def train_case(case: Case, run_dir: Path, layout: ParallelLayout) -> Trainer:
 
 
 def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter's grad as the global tensor (TP shards joined, vocab
-    padding cut), after the step's grad reductions."""
+    """Every parameter's grad as the global tensor (TP and EP shards joined,
+    vocab padding cut), after the step's grad reductions."""
     trainer.sync_grads()
-    if trainer.sharded_optimizer:  # put the DP row shards back together
+    layout = trainer.layout
+    if trainer.sharded_optimizer:  # put the DP (experts: EDP) row shards back together
         for shard in trainer.optimizer.shards:
             rows = torch.zeros(shard.rows_per_rank, *shard.param.shape[1:])
             rows[: shard.stop - shard.start] = shard.view.grad
-            gathered = [torch.empty_like(rows) for _ in range(trainer.layout.dp)]
-            dist.all_gather(gathered, rows, group=trainer.layout.group("dp"))
+            replicas = spec_of(shard.param).replicated_over
+            gathered = [torch.empty_like(rows) for _ in range(layout.size(*replicas))]
+            dist.all_gather(gathered, rows, group=layout.group(*replicas))
             shard.param.grad = torch.cat(gathered)[: shard.param.shape[0]].reshape(shard.param.shape)
     grads = {}
     for key, param in trainer.named_parameters():
@@ -97,9 +104,9 @@ def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
             continue
         grad = param.grad
         for shard in spec.shards:
-            if shard.axis == "tp" and trainer.layout.tp > 1:
-                parts = [torch.empty_like(grad) for _ in range(trainer.layout.tp)]
-                dist.all_gather(parts, grad.contiguous(), group=trainer.layout.group("tp"))
+            if shard.axis in ("tp", "ep") and layout.size(shard.axis) > 1:
+                parts = [torch.empty_like(grad) for _ in range(layout.size(shard.axis))]
+                dist.all_gather(parts, grad.contiguous(), group=layout.group(shard.axis))
                 grad = torch.cat(parts, dim=shard.dim)
         if key in ("embed.tokens.weight", "head.weight"):
             grad = grad[: trainer.cfg.model.vocab_size]
@@ -153,11 +160,16 @@ def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
                        nprocs=nprocs, join=True, start_method="forkserver")
 
 
-def _worker(rank: int, world: int, port: int, cases: list[Case], out: str) -> None:
+def join_group(rank: int, world: int, port: int) -> None:
+    """A spawned rank joins the `world`-rank gloo group on `port`, one thread each."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _worker(rank: int, world: int, port: int, cases: list[Case], out: str) -> None:
+    join_group(rank, world, port)
     try:
         for case in cases:
             run_case(case, Path(out))

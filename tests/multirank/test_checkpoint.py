@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.harness.dist import Case, recipe_for, run_cases
+from tests.harness.dist import MOE, Case, recipe_for, run_cases
 from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.validation import read_manifest
 from megaresil.checkpoint.manager import Checkpointer
@@ -63,8 +63,16 @@ def exact(tmp_path_factory):
     out = tmp_path_factory.mktemp("exact")
     run_cases(1, [Case("straight1")] + exact_cases(1, EXACT_1), out)
     run_cases(8, [Case("straight8_adam", THREE_D), Case("straight8_zero1", THREE_D + DISTOPT)]
-              + exact_cases(8, EXACT_3D), out)
+              + exact_cases(8, EXACT_3D) + moe_cases(), out)
     return out
+
+
+def moe_cases() -> list[Case]:
+    """A mixture of experts, straight and resumed (3-D expert stacks, ZeRO-1, async)."""
+    opts = THREE_D + DISTOPT + MOE
+    return [Case("straight8_moe", opts),
+            Case("exact8_moe", opts + ckpt_opts("torch_dist", True) + ["train.exit_at_step=4"],
+                 resume=True)]
 
 
 @pytest.mark.parametrize("world,backend,asynchronous,distopt",
@@ -88,6 +96,16 @@ def test_resume_is_bit_identical(exact, world, backend, asynchronous, distopt):
     else:
         assert saved["blocking_seconds"] == saved["seconds"]
     assert len(saved["bytes_per_rank"]) == world and sum(saved["bytes_per_rank"]) == saved["bytes"]
+
+
+def test_a_mixture_of_experts_resumes_bit_identically(exact):
+    straight, resumed = losses(exact / "straight8_moe"), losses(exact / "exact8_moe")
+    assert sorted(resumed) == list(range(1, 11))
+    for step in range(5, 11):
+        assert resumed[step] == straight[step], f"step {step}"
+    tensors = read_manifest(exact / "exact8_moe" / "checkpoints" / "step_0000004")["tensors"]
+    assert tensors["model/layers.1.mlp.experts.gate"]["global_shape"] == [4, 96, 64]
+    assert tensors["model/layers.1.mlp.router.expert_bias"]["global_shape"] == [4]
 
 
 def test_replicas_share_the_writing(exact):

@@ -1,4 +1,4 @@
-"""Every TP/PP/DP layout reproduces the single-process run: losses within 1e-5
+"""Every TP/PP/DP/EP layout reproduces the single-process run: losses within 1e-5
 relative per step over 10 steps (fp32), and the same gradients after a step.
 Layouts with activation recomputation, partitioned or offloaded checkpoints
 are held to the reference without recomputation."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness.dist import LLAMA, Case, load_grads, run_cases, run_reference
+from tests.harness.dist import LLAMA, MOE, Case, load_grads, run_cases, run_reference
 from megaresil.events import read_metrics
 
 DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]
@@ -18,11 +18,20 @@ VARIANTS = {
     "gpt2_dropout": DROPOUT,
     "gpt2_untied": ["model.tie_embeddings=false"],
     "llama_tied": LLAMA + ["model.tie_embeddings=true"],
+    "llama_moe": MOE,
+    "qwen3_moe": MOE + ["model.flavour=qwen3_moe"],  # q/k norms over each rank's heads
+    # Heads 12 wide in a 64-wide model (8 heads): q is 96 wide, as Qwen3's 128 at hidden 2048.
+    "qwen3_moe_head_dim": MOE + ["model.flavour=qwen3_moe", "model.head_dim=12"],
+    # q/k/v biases split over tp; a window of 5 of the 16 positions (the mask
+    # over the whole sequence, which SP gathers before attention).
+    "qwen2_window": LLAMA + ["model.flavour=qwen2", "model.sliding_window=5"],
 }
 TP = ["parallel.tp=2"]
 SP = ["parallel.sequence_parallel=true"]
 DISTOPT = ["optimizer.distributed=true"]
 THREE_D = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2"]
+EP2, EP4 = ["parallel.ep=2"], ["parallel.ep=4"]
+FP32 = ["train.precision=fp32"]  # ep = dp with ZeRO-1 refuses bf16, so auto too
 FULL = ["model.recompute=full"]
 PARTITION = FULL + ["model.activation_partition=true"]
 OFFLOAD = ["model.activation_offload=cpu"]
@@ -31,12 +40,14 @@ OFFLOAD = ["model.activation_offload=cpu"]
 LAYOUTS = {
     2: [("tp2", TP, ["gpt2", "llama"]),
         ("dp2", ["parallel.dp=2"], ["gpt2", "llama"]),
-        ("tp2_sp", TP + SP, ["gpt2", "llama", "gpt2_dropout"]),
-        ("dp2_distopt", ["parallel.dp=2"] + DISTOPT, ["gpt2", "llama"]),
+        ("tp2_sp", TP + SP, ["gpt2", "llama", "gpt2_dropout", "llama_moe", "qwen3_moe",
+                             "qwen3_moe_head_dim", "qwen2_window"]),
+        ("dp2_distopt", ["parallel.dp=2"] + DISTOPT, ["gpt2", "llama", "llama_moe"]),
         ("dp2", ["parallel.dp=2"], ["gpt2_dropout"]),
         ("pp2_1f1b", ["parallel.pp=2"], ["gpt2", "llama", "gpt2_dropout"]),
         ("pp2_gpipe", ["parallel.pp=2", "parallel.schedule=gpipe"], ["gpt2", "llama"]),
-        ("pp2_vpp2", ["parallel.pp=2", "parallel.vpp=2"], ["gpt2", "llama", "gpt2_dropout"]),
+        ("pp2_vpp2", ["parallel.pp=2", "parallel.vpp=2"],
+         ["gpt2", "llama", "gpt2_dropout", "llama_moe"]),
         ("pp2_vpp2_zero_bubble", ["parallel.pp=2", "parallel.vpp=2",
                                   "parallel.schedule=interleaved_zero_bubble"], ["gpt2"]),
         ("tp2_partition_offload", TP + PARTITION + OFFLOAD, ["gpt2_dropout"]),
@@ -48,9 +59,14 @@ LAYOUTS = {
     4: [("tp4", ["parallel.tp=4"], ["gpt2", "llama"]),
         ("dp4", ["parallel.dp=4"], ["gpt2", "llama"]),
         ("tp2_dp2", TP + ["parallel.dp=2"], ["gpt2", "llama"]),
-        ("pp4_1f1b", ["parallel.pp=4"], ["gpt2", "llama"])],
-    8: [("tp2_pp2_dp2", THREE_D, ["gpt2", "llama", "gpt2_untied", "llama_tied"]),
+        ("pp4_1f1b", ["parallel.pp=4"], ["gpt2", "llama"]),
+        ("dp4_ep4_distopt", ["parallel.dp=4"] + EP4 + DISTOPT + FP32, ["llama_moe"]),
+        ("tp2_dp2_ep2_sp", TP + SP + ["parallel.dp=2"] + EP2, ["llama_moe"]),
+        ("pp2_vpp2_dp2_ep2_distopt", ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2"]
+         + EP2 + DISTOPT + FP32, ["llama_moe"])],
+    8: [("tp2_pp2_dp2", THREE_D, ["gpt2", "llama", "gpt2_untied", "llama_tied", "llama_moe"]),
         ("tp2_pp2_dp2_sp_distopt", THREE_D + SP + DISTOPT, ["gpt2", "llama"]),
+        ("tp2_dp4_ep2_distopt", TP + ["parallel.dp=4"] + EP2 + DISTOPT, ["llama_moe"]),
         ("tp2_pp2_dp2_partition_uniform2", THREE_D + PARTITION + ["model.recompute_layers=2"],
          ["gpt2_dropout"])],
 }
@@ -110,3 +126,24 @@ def test_distributed_optimizer_shards_state(runs, flavour):
     whole = state_bytes(f"dp2_{flavour}")[0]
     for got in state_bytes(f"dp2_distopt_{flavour}"):
         assert abs(got - whole / 2) <= 0.1 * whole / 2, (got, whole)
+
+
+MOE_CASES = [c for c in ALL_CASES if variant_of(c) == "llama_moe"]
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_routing_figures_are_the_single_process_runs(runs, case):
+    """The step's summed routing counters (train/routing_figures.py) at
+    every layout: each layer, whichever pipeline stage holds it, its tokens
+    per expert summed over the data-parallel ranks (the expert-parallel ones
+    too), as one process counts them."""
+    expected = [r for r in read_metrics(runs / "ref_llama_moe") if "loss" in r]
+    got = [r for r in read_metrics(runs / case) if "loss" in r]
+    tokens = 8 * 16 * 2  # global batch x seq_len x top_k, per layer
+    assert {layer: sum(counts) for layer, counts in got[-1]["moe_load"].items()} == \
+        {"1": tokens, "2": tokens, "3": tokens}
+    assert got[-1]["moe_load"] == expected[-1]["moe_load"]
+    for e, g in zip(expected, got):
+        assert g["moe_dropped_share"] == 0.0
+        for key in ("moe_aux_loss", "moe_z_loss", "moe_imbalance"):
+            assert g[key] == pytest.approx(e[key], rel=1e-5), (g["step"], key)

@@ -5,19 +5,18 @@ fp64 rounding, and the same weights after the update, with an all-reduce
 and with ZeRO-1."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import megaresil.train.loop as loop
+import megaresil.train.build as build
 from megaresil.parallel.grad_groups import GradGroup
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.ports import free_port
 from megaresil.train.loop import Trainer
-from tests.harness.dist import Case, recipe_for, spawn_ranks
+from tests.harness.dist import Case, join_group, recipe_for, spawn_ranks
 
 WORLD = 2
 REDUCTIONS = {"all_reduce": ["parallel.dp=2"],
@@ -53,15 +52,12 @@ def one_step(name: str, overrides: list[str], out: Path) -> dict:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_group(rank, WORLD, port)
     try:
-        by_spec = loop.grad_groups
+        by_spec = build.grad_groups
         for reduction, overrides in REDUCTIONS.items():
             for split, groups in (("one", by_spec), ("two", two_groups)):
-                loop.grad_groups = groups
+                build.grad_groups = groups
                 name = f"{reduction}_{split}"
                 torch.save(one_step(name, overrides, Path(out)), Path(out) / f"{name}.{rank}.pt")
     finally:

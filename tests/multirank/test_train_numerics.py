@@ -11,6 +11,7 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.validation import read_manifest
 from megaresil.events import read_metrics
 
+from tests.harness.dist import MOE
 from tests.harness.faulted import events, losses, run_cases
 
 DP2 = ["parallel.dp=2"]
@@ -68,6 +69,9 @@ CASES = {
     "reference_longer": DP2 + LONGER,
     "spike_skipped_from_start_longer": DP2 + SPIKE + LONGER + [
         "resilience.numerics.on_spike=rollback", "resilience.numerics.skip_batches=[[64, 8]]"],
+    # A NaN in rank 1's routing scores (its first layer with experts) at step 5.
+    "reference_moe": DP2 + MOE,
+    "router_nan": DP2 + MOE + ['faults=[{kind: router_nan, rank: 1, step: 5}]'],
     # A genuine divergence: after step 1 (lr 1e29) the weights overflow every
     # forward pass, on every rank and batch.
     "divergence": DP2 + ["checkpoint.interval=1", "optimizer.lr=1e30",
@@ -92,6 +96,20 @@ def test_a_transient_nan_is_replayed_bit_equal(runs, variant):
     replayed, = events(run, "step_replayed")
     assert replayed["outcome"] == "transient" and replayed["differed_ranks"] == [1], replayed
     assert not events(run, "rolled_back") and not events(reference, "nonfinite_detected")
+
+
+def test_a_nan_in_routing_scores_is_caught_with_its_layer_named_and_replayed(runs):
+    run, reference = runs / "router_nan", runs / "reference_moe"
+    injected, = events(run, "fault_injected")
+    assert injected["rank"] == 1 and injected["layer"] == "layers.1.mlp.router", injected
+    # Every rank's grads took the NaN in their data-parallel mean: the
+    # router says where it began.
+    detected, = events(run, "nonfinite_detected")
+    assert detected["step"] == 5 and detected["routers"] == [[1, "layers.1.mlp.router"]], detected
+    assert detected["what"].startswith("routing scores, loss"), detected
+    replayed, = events(run, "step_replayed")
+    assert replayed["outcome"] == "transient", replayed
+    assert losses(run) == losses(reference) and not events(reference, "nonfinite_detected")
 
 
 def test_a_persistent_nan_rolls_back_and_skips_its_batch(runs):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness.dist import Case, recipe_for, run_cases, train_case
+from tests.harness.dist import MOE, Case, recipe_for, run_cases, train_case
 from megaresil.config import ModelConfig
 from megaresil.events import read_events, read_metrics
 from megaresil.model.gpt import GPT
@@ -112,3 +112,31 @@ def test_bf16_zero1_trains_through_a_pipeline(tmp_path):
     zero1, whole = losses(tmp_path / "zero1"), losses(tmp_path / "whole")
     assert len(zero1) == len(whole) == 10
     assert max(abs(a - b) / b for a, b in zip(zero1, whole)) < 2e-3, (zero1, whole)
+
+
+@pytest.mark.slow
+def test_bf16_zero1_at_ep_equal_dp_keeps_whole_main_copies_of_the_experts(tmp_path):
+    """At ep = dp the experts' gradient group has one rank (edp = 1): it does
+    not shard, so the experts keep whole fp32 main copies beside the dense
+    group's ZeRO-1 rows (once they stepped their bf16 weights). It tracks
+    the same run without ZeRO-1 within bf16's rounding, resumes bit for bit,
+    and its checkpoint holds fp32 experts."""
+    expert = MOE + BF16 + ["parallel.dp=2", "parallel.ep=2"]
+    run_cases(2, [Case("zero1", expert + ["optimizer.distributed=true"]),
+                  Case("resumed", expert + ["optimizer.distributed=true", "train.exit_at_step=5"],
+                       resume=True),
+                  Case("whole", expert)], tmp_path)
+    zero1, whole = losses(tmp_path / "zero1"), losses(tmp_path / "whole")
+    assert len(zero1) == len(whole) == 10
+    assert max(abs(a - b) / b for a, b in zip(zero1, whole)) < 2e-3, (zero1, whole)
+    assert losses(tmp_path / "resumed") == zero1
+    # The ep=2 save at step 5, resumed in fp32 at 1x1x1: the experts come
+    # back as fp32 main weights (bf16-rounded values would survive a cast).
+    back = Trainer(recipe_for(Case("resumed", MOE + ["train.precision=fp32"]),
+                              tmp_path / "resumed"), CPU)
+    try:
+        assert back.state.step == 5
+        gate = dict(back.named_state_parameters())["layers.1.mlp.experts.gate"]
+        assert not torch.equal(gate, gate.bfloat16().float())
+    finally:
+        back.close()

@@ -10,18 +10,22 @@ import json
 import re
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.harness.cli import ROOT
 from tests.harness.hf import llama32_style, megaresil_model
 from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.hf import io as hf_io
 from megaresil.checkpoint.hf.io import HFTensorSource, HFWeights, hf_model_keys
 from megaresil.checkpoint.sharded import Rect
 from megaresil.cli import main
-from megaresil.config import from_dict
+from megaresil.config import ConfigError, from_dict, load_recipe, to_dict
 from megaresil.data.tokenizer import ByteTokenizer, build_tokenizer
 from megaresil.events import read_events, read_metrics
+from megaresil.launch.from_hf import check_hf_init, resolve_from_hf
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -163,3 +167,31 @@ def test_megaresils_tokenizers_export_as_the_same_encoding(tmp_path, kind, vocab
     assert exported.eos_token_id == ours.eod_id
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["eos_token_id"] == config["bos_token_id"] == ours.eod_id
+
+
+MOE_RECIPE = ROOT / "recipes" / "moe-tiny.yaml"
+MOE_REFUSED = "model.moe: .* of a mixture of experts is not supported yet"
+
+
+def test_an_moe_recipe_is_refused_from_hugging_face_weights(tmp_path, capsys):
+    llama32_style().save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConfigError, match=MOE_REFUSED):
+        resolve_from_hf(tmp_path / "hf", str(MOE_RECIPE), [])
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt"),
+                 "--recipe", str(MOE_RECIPE)]) == 2
+    assert len(re.findall(MOE_REFUSED, capsys.readouterr().err)) == 1
+    assert not (tmp_path / "ckpt").exists()
+    cfg = load_recipe(MOE_RECIPE, [f"checkpoint.init_from={tmp_path / 'hf'}",
+                                   f"run.dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=MOE_REFUSED):
+        check_hf_init(cfg, from_hf=False)
+
+
+def test_an_moe_checkpoint_is_refused_by_hugging_face_export(tmp_path, monkeypatch):
+    recipe = to_dict(load_recipe(MOE_RECIPE))
+    source = SimpleNamespace(manifest={"recipe": recipe}, verify=lambda: None)
+    monkeypatch.setattr(hf_io, "open_source", lambda src: source)
+    with pytest.raises(fmt.CheckpointError, match="is a mixture of experts, which Hugging Face "
+                                                  "export does not convert yet"):
+        hf_io.export_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

@@ -179,6 +179,15 @@ def test_ckpt_inspect_never_imports_torch(tmp_path):
     assert result.stdout.strip().endswith("torch imported: False"), result.stdout
 
 
+def test_ckpt_inspects_model_line_shows_the_experts():
+    from megaresil.checkpoint.offline.inspect import format_model
+
+    dense = {"flavour": "llama", "num_layers": 4, "moe": {"num_experts": 0, "top_k": 2}}
+    assert format_model(dense) == "flavour=llama num_layers=4"
+    moe = {**dense, "moe": {"num_experts": 8, "top_k": 2}}
+    assert format_model(moe) == "flavour=llama num_layers=4 experts=8 top_k=2"
+
+
 def test_a_manifest_dtype_is_checked_without_torch():
     assert fmt.region_bytes([3, 4], "bfloat16") == 24
     assert fmt.torch_dtype("bfloat16") is torch.bfloat16

@@ -40,6 +40,7 @@ BAD = [
     (["model.hiden_size=3"], "model.hiden_size"),
     (["train.steps=many"], "train.steps"),
     (["model.num_heads=5"], "model.num_heads"),
+    (["model.flavour=llama", "model.head_dim=15"], "model.head_dim"),  # RoPE rotates halves
     (["parallel.tp=4"], "parallel.tp"),  # 6 heads
     (["parallel.pp=3"], "model.num_layers"),
     (["train.global_batch_size=20"], "train.global_batch_size"),
@@ -56,6 +57,12 @@ def test_bad_recipe_names_the_key(overrides, key):
         load_recipe(TINY, overrides)
     assert str(err.value).startswith(key)
     assert "Fix:" in str(err.value)
+
+
+def test_a_head_dim_frees_the_heads_from_dividing_the_width():
+    with pytest.raises(ConfigError, match="10 heads do not divide hidden_size"):
+        load_recipe(TINY, ["model.num_heads=10"])
+    assert load_recipe(TINY, ["model.num_heads=10", "model.head_dim=16"]).model.head_dim == 16
 
 
 def test_world_size_mismatch_names_the_fix():

@@ -37,6 +37,10 @@ BAD = [
     ("model.rope_theta=0", "model.rope_theta"),
     ("model.num_kv_heads=-2", "model.num_kv_heads"),
     ("model.ffn_hidden_size=0", "model.ffn_hidden_size"),
+    ("model.moe.num_experts=-1", "model.moe.num_experts"),
+    ("model.moe.top_k=0", "model.moe.top_k"),
+    ("model.moe.capacity_factor=0", "model.moe.capacity_factor"),
+    ("model.moe.every_n_layers=0", "model.moe.every_n_layers"),
     ("data.valid_fraction=1.0", "data.valid_fraction"),
     ("train.seed=-1", "train.seed"),
     ("train.micro_batch_size=-4", "train.micro_batch_size"),
@@ -54,6 +58,7 @@ BAD = [
     ("resilience.watchdog.calibration_steps=0", "resilience.watchdog.calibration_steps"),
     ("resilience.watchdog.gil_timeout_s=-1", "resilience.watchdog.gil_timeout_s"),
     ("faults=[{kind: slow, rank: 0, step: 1, seconds: -1}]", "faults[0].seconds"),
+    ("model.head_dim=0", "model.head_dim"),
 ]
 
 
@@ -131,11 +136,13 @@ def _all_numbers_set() -> RecipeConfig:
     """The schema's defaults with its optional numbers given values, so each
     appears in `numeric_fields`."""
     cfg = RecipeConfig()
-    cfg.model.num_kv_heads = cfg.model.ffn_hidden_size = 1
+    cfg.model.num_kv_heads = cfg.model.ffn_hidden_size = cfg.model.head_dim = 1
+    cfg.model.sliding_window = 1
     cfg.model.bos_token_id = cfg.model.eos_token_id = 1
     cfg.optimizer.decay_steps = cfg.train.exit_at_step = 1
     cfg.logging.peak_tflops = cfg.resilience.mtbf_hours = 1.0
     cfg.checkpoint.interval = 1  # auto by default
+    cfg.model.moe.expert_ffn_hidden_size = cfg.model.moe.capacity_factor = 1
     return cfg
 
 
@@ -148,3 +155,47 @@ def test_a_string_that_yaml_read_as_a_mapping_says_to_quote_it():
         "recipe file.")
     quoted = load_recipe(TINY, ["resilience.health.command='grep -q \"Mode: On\" /etc/x'"])
     assert quoted.resilience.health.command == 'grep -q "Mode: On" /etc/x'
+
+
+MOE = ["model.flavour=llama", "model.moe.num_experts=4"]
+
+
+@pytest.mark.parametrize("overrides,key,fix", [
+    (["model.moe.num_experts=4"], "model.moe.num_experts", "set model.flavour=llama"),
+    (MOE + ["model.moe.top_k=5"], "model.moe.top_k", "choose top_k between 1 and 4"),
+    (MOE + ["model.moe.first_dense_layers=4"], "model.moe.first_dense_layers",
+     "choose first_dense_layers below 4"),
+    (MOE + ["model.moe.expert_ffn_hidden_size=100", "parallel.tp=1"],
+     "model.moe.expert_ffn_hidden_size", "choose a multiple of 8"),
+    (MOE + ["model.ffn_hidden_size=40"], "model.moe.expert_ffn_hidden_size",
+     "choose a multiple of 16"),  # the recipe's tp=2
+    (MOE + ["model.moe.shared_expert_hidden_size=24"], "model.moe.shared_expert_hidden_size",
+     "choose a multiple of 16"),
+    (MOE + ["model.hidden_size=196", "model.num_heads=2", "model.num_kv_heads=2",
+            "model.moe.expert_ffn_hidden_size=64"], "model.hidden_size",
+     "choose hidden_size a multiple of 8"),
+    (MOE + ["model.backend=te"], "model.moe.num_experts", "set model.backend=local"),
+    (["parallel.ep=2"], "parallel.ep", "set parallel.ep=1, or model.moe.num_experts > 0"),
+    (MOE + ["parallel.ep=4"], "parallel.ep", "choose parallel.ep among the divisors of 2"),
+    (MOE + ["parallel.dp=6", "parallel.ep=3"], "parallel.ep", "choose parallel.ep dividing 4"),
+    (MOE + ["parallel.ep=2", "resilience.replacement.enabled=true"],
+     "resilience.replacement.enabled", "set parallel.ep below 2, or "
+     "resilience.replacement.enabled=false and checkpoint.local.enabled=true"),
+    (MOE + ["model.moe.bias_update_rate=0.001", "model.recompute=full"],
+     "model.moe.bias_update_rate", "set model.recompute=none or selective"),
+    (['faults=[{kind: router_nan, rank: 0, step: 2}]'], "faults",
+     "give the model experts (model.moe.num_experts), or drop the fault"),
+])
+def test_a_mixture_of_experts_the_model_cannot_build_is_refused(overrides, key, fix):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(TINY, overrides)
+    assert err.value.key == key and f"Fix: {fix}" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_default_is_dense_and_a_llama_may_have_experts():
+    assert load_recipe(TINY).model.moe.num_experts == 0
+    assert load_recipe(TINY, MOE).model.moe.top_k == 2
+    assert load_recipe(TINY, MOE + ["parallel.ep=2"]).parallel.ep == 2
+    # bf16 under ZeRO-1 at ep = dp: the experts' group of one rank keeps whole main copies.
+    assert load_recipe(TINY, MOE + ["parallel.ep=2", "optimizer.distributed=true",
+                                    "train.precision=bf16"]).parallel.ep == 2

@@ -270,3 +270,46 @@ def test_a_node_episode_is_told_from_the_runs_records():
     assert row["injected"] and row["recovered"] and not row["detected"]
     assert len(false_alarms([row], events, records)) == 1
     assert not node_row(flap, "flap-link", [], events, records, 1.0)["injected"]
+
+
+def test_a_soak_of_n_episodes_runs_the_first_n_a_budget_would_choose_over_the_fewest_steps():
+    """--episodes N: the same episodes a budget holding N chooses, the same
+    schedule for the same steps; the steps hold them and no more, except
+    that a slow link's cap is outlasted at full speed after the last slot;
+    the minutes are what fit() would need for them. On nodes two give one
+    strike of each link kind."""
+    from megaresil.drills.schedule import NODE_KINDS, SLOW_LINK_S, fit_episodes, steps_to_hold
+
+    cfg, cal = demo_cfg(), Calibration(startup_s=15.0, step_s=0.5)
+    steps, minutes = fit_episodes(cal, cfg, 3, seed=0)
+    assert steps == steps_to_hold(cfg, 3) == first_fault_step(cfg) + 3 * 8 + 1
+    assert fit(cal, cfg, minutes, seed=0) == (3, steps)  # the budget they need holds them
+    placed = schedule(cfg, 0, steps, 3)
+    assert sorted(p["episode"] for p in placed) == ["nan", "raise", "slow"]  # cheapest first
+    steps, minutes = fit_episodes(cal, cfg, 2, seed=0, nodes=True)
+    assert steps == steps_to_hold(cfg, 2) + SLOW_LINK_S / cal.step_s
+    struck = [f for p in schedule(cfg, 0, steps, 2, nodes=True) for f in p["faults"]]
+    assert [f["kind"] for f in struck] == ["slow-link", "flap-link"]  # one of each
+    assert set(NODE_KINDS) == {"slow-link", "flap-link"}
+    # Struck first, here the cap is outlasted even were the steps under it no slower.
+    assert (steps - struck[0]["step"]) * cal.step_s >= SLOW_LINK_S
+    # slow (SPACING x SLOW_S) and raise (an in-process restart, 5 steps recomputed)
+    spent = 8 * 0.5 + max(3.0, 15.0 / 4) + 5 * 0.5
+    assert fit_episodes(cal, cfg, 2, seed=1) == (steps_to_hold(cfg, 2), pytest.approx(
+        (cal.startup_s + spent + steps_to_hold(cfg, 2) * cal.step_s) / 60))
+
+
+def test_a_soak_is_sized_by_minutes_or_episodes_never_both_never_none(cli_main, capfd,
+                                                                    tmp_path):
+    from megaresil.cli import build_parser
+
+    job = ["soak", str(DEMO), *SOAK_JOB, f"run.dir={tmp_path}"]
+    for length, error in ((["--minutes", "1", "--episodes", "2"], "not allowed with argument"),
+                          ([], "one of the arguments --minutes --episodes is required")):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args([*job, *length])
+        assert exc.value.code == 2 and error in capfd.readouterr().err
+    none = cli_main(*job, "--episodes", "0", check=False)
+    assert none.returncode == 2
+    assert "--episodes: a soak runs at least one episode, not 0" in none.stderr
+    assert not list(tmp_path.iterdir())  # refused before anything ran

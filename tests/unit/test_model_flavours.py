@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from megaresil.checkpoint.hf import mapping as hf
-from megaresil.config import Flavour, ModelConfig
+from megaresil.config import Flavour, ModelConfig, MoEConfig
 from megaresil.config.flavours import TRAITS
 from megaresil.model import te
 from megaresil.model.flavours import (
@@ -38,7 +38,9 @@ from tests.harness.cli import ROOT
 
 
 def small(flavour: str, **extra) -> ModelConfig:
-    kv = {"num_kv_heads": 2} if flavour == "llama" else {}
+    kv = {"num_kv_heads": 2} if TRAITS[Flavour(flavour)].grouped_query else {}
+    if TRAITS[Flavour(flavour)].needs_experts:
+        extra.setdefault("moe", MoEConfig(num_experts=4, top_k=2))
     return ModelConfig(flavour=Flavour(flavour), num_layers=2, hidden_size=64, num_heads=4,
                        vocab_size=300, **kv, **extra)
 
@@ -67,7 +69,32 @@ GOLDEN = {
         for name in ("norm1.weight", "attn.qkv.weight", "attn.proj.weight", "norm2.weight",
                      "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")
     ] + ["norm.weight", "head.weight"],
+    "mixtral": ["embed.tokens.weight"] + [
+        f"layers.{i}.{name}" for i in range(2)
+        for name in ("norm1.weight", "attn.qkv.weight", "attn.proj.weight", "norm2.weight",
+                     "mlp.router.weight", "mlp.experts.gate", "mlp.experts.up",
+                     "mlp.experts.down")
+    ] + ["norm.weight", "head.weight"],
+    "qwen3_moe": ["embed.tokens.weight"] + [
+        f"layers.{i}.{name}" for i in range(2)
+        for name in ("norm1.weight", "attn.qkv.weight", "attn.proj.weight",
+                     "attn.q_norm.weight", "attn.k_norm.weight", "norm2.weight",
+                     "mlp.router.weight", "mlp.experts.gate", "mlp.experts.up",
+                     "mlp.experts.down")
+    ] + ["norm.weight", "head.weight"],
+    "qwen2": ["embed.tokens.weight"] + [
+        f"layers.{i}.{name}" for i in range(2)
+        for name in ("norm1.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
+                     "norm2.weight", "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")
+    ] + ["norm.weight", "head.weight"],
+    "qwen3": ["embed.tokens.weight"] + [
+        f"layers.{i}.{name}" for i in range(2)
+        for name in ("norm1.weight", "attn.qkv.weight", "attn.proj.weight",
+                     "attn.q_norm.weight", "attn.k_norm.weight", "norm2.weight",
+                     "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")
+    ] + ["norm.weight", "head.weight"],
 }
+GOLDEN["mistral"] = GOLDEN["llama"]  # its window is a mask, not a parameter
 
 
 @pytest.mark.parametrize("flavour", sorted(GOLDEN))
@@ -83,7 +110,9 @@ def test_the_registry_holds_every_flavour_consistently():
         assert named(flavour.value) is spec is spec_of_model(small(flavour.value))
         assert by_architecture(spec.hf.architecture) is spec
     assert by_architecture("BertModel") is None
-    assert architectures() == ["GPT2LMHeadModel", "LlamaForCausalLM"]
+    assert architectures() == ["GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM",
+                               "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                               "Qwen3MoeForCausalLM"]
 
 
 def test_the_registry_names_what_is_inconsistent():
@@ -91,7 +120,9 @@ def test_the_registry_names_what_is_inconsistent():
     problems = registry_problems(swapped)
     assert "gpt2's spec is llama's" in problems and "llama's spec is gpt2's" in problems
     assert "gpt2's traits are not config/flavours.py's" in problems
-    assert registry_problems({Flavour.gpt2: gpt2.SPEC}) == ["llama has no spec"]
+    assert registry_problems({Flavour.gpt2: gpt2.SPEC}) == [
+        "llama has no spec", "mixtral has no spec", "qwen3_moe has no spec",
+        "qwen2 has no spec", "qwen3 has no spec", "mistral has no spec"]
 
 
 @pytest.mark.parametrize("flavour", sorted(GOLDEN))
@@ -188,6 +219,23 @@ def test_a_new_family_is_its_spec_and_a_registration(monkeypatch):
                                             + c * padded_vocab_size(cfg, 1))
 
 
+def test_flops_count_the_attention_weights_a_head_dim_gives():
+    """4 heads of 24 in a 64-wide model: the model's q/k/v/o weights are
+    what the FLOPs count, and the score products span 4 * 24 features."""
+    narrow, wide = small("llama"), small("llama", head_dim=24)
+
+    def attention_weights(cfg: ModelConfig) -> int:
+        attn = drawn(cfg).layers["0"].attn
+        return attn.qkv.weight.numel() + attn.proj.weight.numel()
+
+    grown = attention_weights(wide) - attention_weights(narrow)
+    assert grown == 64 * (4 + 2 * 2) * 8 + 4 * 8 * 64
+    assert flops.matmul_parameters(wide) - flops.matmul_parameters(narrow) == 2 * grown
+    T = 32
+    assert (flops.flops_per_token(wide, T) - flops.flops_per_token(narrow, T)
+            == 6 * 2 * grown + 12 * 2 * T * 4 * 8)
+
+
 # --- no flavour branch outside the flavours -----------------------------------------------
 
 PACKAGE = ROOT / "megaresil"
@@ -202,7 +250,7 @@ BRANCH = re.compile(r"\bFlavour\.[a-z]\w*"
 FLAVOUR_NAMES = {flavour.value for flavour in Flavour}
 # Lines that name a flavour without branching on it.
 NOT_BRANCHES = {
-    "megaresil/config/schema.py": re.compile(r'^\s+(gpt2|llama) = "\1"$'  # the enum
+    "megaresil/config/schema.py": re.compile(r'^\s+(\w+) = "\1"$'  # the enum
                                              r"|flavour: Flavour = doc\(Flavour\.gpt2,"),
     # The tokenizer called gpt2 (GPT-2's BPE), not the model flavour.
     "megaresil/data/tokenizer.py": re.compile(r'"gpt2"'),

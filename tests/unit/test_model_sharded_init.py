@@ -3,7 +3,7 @@ and they are exactly the single-process values."""
 import pytest
 import torch
 
-from megaresil.config import Flavour, ModelConfig
+from megaresil.config import Flavour, ModelConfig, MoEConfig
 from megaresil.model import init
 from megaresil.model.gpt import GPT
 from megaresil.parallel.sharding import spec_of
@@ -12,7 +12,9 @@ from tests.harness.model import local_slice
 
 
 def config(flavour: str) -> ModelConfig:
-    extra = {"num_kv_heads": 4} if flavour == "llama" else {}
+    extra: dict = {"num_kv_heads": 4} if flavour.startswith("llama") else {}
+    if flavour == "llama_moe":  # 3 experts drawn one by one, cut along their width by tp
+        flavour, extra["moe"] = "llama", MoEConfig(num_experts=3, shared_expert_hidden_size=32)
     # vocab 300 pads to 384 at tp=1 and to 512 at tp=2 and 4: rank 3 of 4 holds padding only.
     return ModelConfig(flavour=Flavour(flavour), num_layers=2, hidden_size=48, num_heads=4,
                        vocab_size=300, max_seq_len=16, make_vocab_size_divisible_by=128, **extra)
@@ -30,7 +32,7 @@ def small_draws(monkeypatch):
     monkeypatch.setattr(init, "UNITS_PER_DRAW", 7)
 
 
-@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+@pytest.mark.parametrize("flavour", ["gpt2", "llama", "llama_moe"])
 def test_every_rank_holds_its_slice_of_the_single_process_values(flavour, small_draws):
     cfg = config(flavour)
     reference = {key: p.detach() for key, p in sharded_model(cfg, 1, 0).named_parameters()}

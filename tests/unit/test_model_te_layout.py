@@ -23,8 +23,8 @@ from megaresil.parallel.tensor_parallel import TPGroup, seq_shard, swap_batch_an
 
 
 def config(flavour: str, **extra) -> ModelConfig:
-    if flavour == "llama":
-        extra.update(flavour="llama", num_kv_heads=2)
+    if flavour != "gpt2":
+        extra.update(flavour=flavour, num_kv_heads=2)
     return ModelConfig(num_layers=2, hidden_size=32, num_heads=4, vocab_size=64, max_seq_len=16,
                        **extra)
 
@@ -53,10 +53,13 @@ def test_a_sequence_shard_transposes_to_te_dim0_shard():
                                    swap_batch_and_sequence(x).chunk(2, dim=0)[rank], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("flavour,recompute", [("gpt2", Recompute.none), ("llama", Recompute.full)])
+@pytest.mark.parametrize("flavour,recompute", [("gpt2", Recompute.none), ("llama", Recompute.full),
+                                               ("qwen2", Recompute.none),
+                                               ("qwen3", Recompute.none)])
 def test_sequence_first_blocks_give_the_local_loss_and_grads(flavour, recompute):
     """Dropout on (its masks must be the local ones); Llama with GQA and RoPE,
-    under full recomputation (the stored group inputs are sequence-first)."""
+    under full recomputation (the stored group inputs are sequence-first);
+    Qwen2's q/k/v biases; Qwen3's q/k norms, in (T, B, heads, D) too."""
     cfg = config(flavour, dropout=0.1, recompute=recompute)
     local = GPT(cfg)
     initialize(local, cfg, seed=0)

@@ -11,10 +11,11 @@ import torch
 
 from megaresil.config import ConfigError, LoggingConfig, load_recipe
 from megaresil.model.gpt import GPT
+from megaresil.model.layers import ffn_size
 from megaresil.observe import flops, peak
 from megaresil.observe.goodput import compute_goodput
-from megaresil.observe.report import (PANELS, Run, broken_at_launches, event_step, summary_rows,
-                                      write_report)
+from megaresil.observe.report import (MOE_PANEL, PANELS, Run, broken_at_launches, event_step,
+                                      expert_load, summary_rows, write_report)
 from megaresil.observe.sections import SectionTime
 from megaresil.resilience.stragglers import StragglerDetector, judge
 from megaresil.train.metrics import MetricsLog, StepFigures, console_line
@@ -23,6 +24,7 @@ from tests.harness.cli import ROOT
 from tests.harness.run_records import assert_goodput_adds_up
 
 TINY = str(ROOT / "recipes/gpt-tiny.yaml")
+MOE = str(ROOT / "recipes/moe-tiny.yaml")
 
 
 def test_flops_of_gpt_tiny_equal_the_stated_formula():
@@ -32,6 +34,15 @@ def test_flops_of_gpt_tiny_equal_the_stated_formula():
     assert flops.matmul_parameters(cfg.model) == n
     tokens = cfg.train.global_batch_size * T
     assert flops.flops_per_step(cfg) == tokens * (6 * n + 12 * L * T * C)
+
+
+def test_a_sliding_window_shorter_than_the_sequence_bounds_the_attention_flops():
+    base = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "model.flavour=mistral"]
+    L, C, T = 4, 192, 128  # gpt-tiny: layers, width, seq
+    full = flops.flops_per_token(load_recipe(TINY, base).model, T)
+    for window, keys in ((32, 32), (T, T), (1000, T)):
+        cfg = load_recipe(TINY, [*base, f"model.sliding_window={window}"]).model
+        assert full - flops.flops_per_token(cfg, T) == 12 * L * (T - keys) * C
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.flavour=llama", "model.num_kv_heads=2"]])
@@ -44,6 +55,23 @@ def test_matmul_parameters_are_the_models_matrices(overrides):
     counted = sum(p.numel() for name, p in model.named_parameters()
                   if p.dim() == 2 and name not in lookups)
     assert flops.matmul_parameters(cfg.model) == counted
+
+
+def test_a_layer_with_experts_counts_its_active_parameters():
+    """Per token: top_k routed experts, the shared expert and the router;
+    moe-tiny's first layer is dense."""
+    cfg = load_recipe(MOE, ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1",
+                            "model.moe.shared_expert_hidden_size=64"])
+    L, C, V, E, k, Fe, Fs = 4, 128, 4096, 8, 2, 128, 64  # moe-tiny, a shared expert of 64
+    attention = C * (4 + 2 * 2) * (C // 4) + C * C  # 4 heads, 2 kv heads
+    dense = 3 * C * ffn_size(cfg.model)
+    active = k * 3 * C * Fe + 3 * C * Fs + E * C
+    assert flops.matmul_parameters(cfg.model) == L * attention + dense + (L - 1) * active + C * V
+    model = GPT(cfg.model)
+    held = {name: p.numel() for name, p in model.named_parameters()
+            if p.dim() >= 2 and (model.tied or name != "embed.tokens.weight")}
+    routed = sum(n for name, n in held.items() if ".experts." in name)
+    assert flops.matmul_parameters(cfg.model) == sum(held.values()) - routed + routed * k // E
 
 
 def test_step_figures_are_tflops_per_device_over_the_peak():
@@ -222,6 +250,21 @@ def test_report_renders_every_panel(tmp_path):
     summary = json.loads((faulted / "report" / "summary.json").read_text())
     assert [r["run"] for r in summary["runs"]] == ["faulted", "reference"]
     assert summary["ranks"][1]["worst ratio"] == 9.0 and summary["ranks"][1]["in section"] == "data"
+    assert not (faulted / "report" / f"{MOE_PANEL}.png").exists()  # no experts
+
+
+def test_report_draws_the_expert_load_of_a_mixture_of_experts(tmp_path):
+    run = fake_run(tmp_path / "moe", restart=False, seed=0.0)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    steps[0]["moe_load"] = {"1": [6, 2, 0, 0], "3": [2, 2, 2, 2]}
+    steps[1]["moe_load"] = {"1": [2, 2, 4, 0], "3": [1, 3, 2, 2]}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert expert_load(Run.read(run)) == (["1", "3"], [[2.0, 1.0, 1.0, 0.0],
+                                                       [0.75, 1.25, 1.0, 1.0]])
+    write_report(run)
+    assert (run / "report" / f"{MOE_PANEL}.png").read_bytes()[:4] == b"\x89PNG"
+    assert (run / "report" / "index.html").read_text().count("data:image/png") == len(PANELS) + 1
 
 
 def test_report_cli_writes_where_told(tmp_path, capsys):
@@ -238,6 +281,13 @@ def test_console_line_has_every_figure():
                          "tokens_per_s": 12345.0, "mfu": 0.0123, "step_time_s": 0.25}, 100)
     assert line == ("step 10/100 | loss 3.2500 | lr 1.00e-03 | grad norm 0.500 | "
                     "12,345 tok/s | MFU 1.23% | step 0.250 s")
+
+
+def test_a_mixture_of_experts_console_line_shows_its_balance():
+    line = console_line({"step": 10, "loss": 3.25, "lr": 1e-3, "grad_norm": 0.5,
+                         "tokens_per_s": 12345.0, "step_time_s": 0.25, "moe_imbalance": 1.3449},
+                        100)
+    assert line.endswith("| step 0.250 s | moe max/mean 1.34")
 
 
 def test_trackers_continue_the_same_run_after_a_restart(tmp_path, monkeypatch):

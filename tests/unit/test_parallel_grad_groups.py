@@ -52,6 +52,17 @@ def test_params_are_grouped_by_their_specs_axes_in_first_appearance_order():
     assert [(g.group, g.size, g.rank) for g in groups] == [(None, 1, 0), (None, 1, 0)]
 
 
+def test_an_expert_group_averages_over_every_data_rank_and_sums_its_norm_over_ep():
+    layout = ParallelLayout.planned(load_recipe(ROOT / "recipes" / "gpt-tiny.yaml", [
+        "parallel.tp=1", "parallel.pp=1", "parallel.dp=8", "train.micro_batch_size=2",
+        "model.flavour=llama",
+        "model.moe.num_experts=4", "parallel.ep=2"]).parallel, rank=3)
+    params = spec_params(DENSE, ("edp",))
+    dense, experts = grad_groups(params, params, layout)
+    assert (dense.size, dense.batches, dense.split_over) == (8, 8, ())
+    assert (experts.size, experts.rank, experts.batches, experts.split_over) == (4, 1, 8, ("ep",))
+
+
 def test_every_parameter_of_todays_models_is_one_group():
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     params = [set_spec(p, ShardSpec()) for p in model.parameters()]
@@ -129,6 +140,10 @@ def test_several_groups_step_as_one_optimizer_and_share_one_state_view():
     for param, copy in zip(params, copies):
         held, shard = moments(param)
         assert shard is None and torch.equal(held["exp_avg"], one.state[copy]["exp_avg"])
+    # A lookup of the second part's parameter answers its state, and leaves
+    # no entry in the first part's (whose step count would lack it).
+    assert torch.equal(chained.state.get(params[1], {})["exp_avg"],
+                       one.state[copies[1]]["exp_avg"])
     state.set_step_count(7)
     assert state.step_count() == 7
     assert {id(p) for p in chained.state} == {id(p) for p in params}

@@ -69,6 +69,58 @@ def test_a_layout_without_a_mesh_is_rank_0_of_one():
     assert layout.replica_groups() == [[0]] and layout.group("dp") is None
 
 
+# (tp, pp, dp, ep): expert-parallel layouts.
+EXPERT_LAYOUTS = [(1, 1, 2, 2), (2, 1, 4, 2), (1, 2, 4, 4), (2, 2, 4, 2), (1, 3, 8, 2)]
+
+
+def expert_shape(tp: int, pp: int, dp: int, ep: int) -> MeshShape:
+    return MeshShape.of(ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep))
+
+
+@pytest.mark.parametrize("tp,pp,dp,ep", EXPERT_LAYOUTS)
+def test_expert_parallelism_cuts_dp_and_renumbers_nothing(tp, pp, dp, ep):
+    g, mesh = grid(tp, pp, dp), expert_shape(tp, pp, dp, ep)
+    assert mesh.names == ("pp", "edp", "ep", "tp") and mesh.size("dp") == dp
+    assert mesh.groups(("dp",)) == shape(tp, pp, dp).groups(("dp",))
+    assert mesh.groups(("dp", "tp")) == shape(tp, pp, dp).groups(("dp", "tp"))
+    for rank in range(tp * pp * dp):
+        p, d, t = (int(x) for x in (g == rank).nonzero()[0])
+        assert mesh.coords_of(rank) == {"pp": p, "edp": d // ep, "ep": d % ep, "tp": t}
+        assert mesh.index_of(rank, ("dp",)) == d
+    # ep: consecutive dp indices; edp: every ep-th, at the same ep index
+    assert sorted(mesh.groups(("ep",))) == sorted(line[i:i + ep] for line in mesh.groups(("dp",))
+                                                  for i in range(0, dp, ep))
+    assert sorted(mesh.groups(("edp",))) == sorted(line[i::ep] for line in mesh.groups(("dp",))
+                                                   for i in range(ep))
+
+
+@pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
+def test_without_expert_parallelism_edp_is_dp_and_ep_is_one_rank(tp, pp, dp):
+    mesh = shape(tp, pp, dp)
+    assert mesh.names == ("pp", "dp", "tp")
+    assert mesh.groups(("edp",)) == mesh.groups(("dp",)) and mesh.size("ep") == 1
+    assert all(mesh.group_of(("ep",), mesh.coords_of(r)) == [r] for r in range(mesh.size()))
+
+
+def test_a_planned_expert_layout_names_its_ep_and_its_data_rank():
+    cfg = ParallelConfig(tp=2, pp=1, dp=4, ep=2)
+    layout = ParallelLayout.planned(cfg, 5)  # pp 0, dp 2 (edp 1, ep 0), tp 1
+    assert (layout.dp_rank, layout.coordinate("edp"), layout.coordinate("ep")) == (2, 1, 0)
+    assert (layout.data_rank, layout.data_size, layout.tp_rank) == (2, 4, 1)
+    assert layout.describe()["ep"] == 2 and layout.group("ep") is None
+
+
+def test_experts_are_replicas_within_edp_and_a_ranks_whole_state_too():
+    """dp4 ep2: dense parameters alike over dp, experts (and so a rank's
+    whole state) only on ranks of one ep coordinate; at ep=1 both are dp."""
+    layout = ParallelLayout.planned(ParallelConfig(tp=1, pp=1, dp=4, ep=2), 0)
+    assert layout.replica_axes() == [("dp",), ("edp",)]
+    assert layout.replica_groups(("edp",)) == layout.whole_state_groups() == [[0, 2], [1, 3]]
+    dense = ParallelLayout.planned(ParallelConfig(tp=2, pp=1, dp=2), 0)
+    assert dense.replica_axes() == [("dp",)]
+    assert dense.whole_state_groups() == dense.replica_groups() == [[0, 2], [1, 3]]
+
+
 def test_the_model_parallel_size_is_every_axis_but_dp():
     cfg = ParallelConfig(tp=2, pp=3, dp=4)
     assert cfg.model_parallel_size == 6 and cfg.world_size == 24

@@ -174,6 +174,50 @@ def test_a_live_replacement_is_measured_from_its_restart_event(cli_main, tmp_pat
     assert text.strip().splitlines()[-1].startswith("checkpoint.interval=")
 
 
+def plan_at_layout(cli_main, run, *overrides: str) -> tuple[dict, str]:
+    """The plan (JSON and text) of the run with a replacement, its recipe.yaml
+    the MoE demo's at `overrides`, as training writes it."""
+    from megaresil.config import load_recipe, to_yaml
+
+    recipe = load_recipe(ROOT / "recipes" / "moe-tiny.yaml", ["parallel.tp=1", "parallel.pp=1",
+                                                              *overrides])
+    (run / "recipe.yaml").write_text(to_yaml(recipe))
+    args = ("plan", str(run), "--gpus", "1024")
+    return json.loads(cli_main(*args, "--json").stdout), cli_main(*args).stdout
+
+
+def test_plan_projects_live_replacement_as_the_runs_layout_allows(cli_main, tmp_path):
+    """ep = dp: live replacement is refused (no rank holds a copy of another's
+    experts), so it is left out and hot spares relaunch a lost process; dp = 1:
+    a replacement resumes from the newest save; ep < dp: from a peer."""
+    run = tmp_path / "run"
+    write_run_with_a_replacement(run, downtime_s=3.0)
+    refused, text = plan_at_layout(cli_main, run, "parallel.dp=2", "parallel.ep=2")
+    assert refused["recovery"]["no_live_copy"]["refused"]
+    for rows in recovery_rows(refused).values():
+        assert list(rows) == ["relaunch (today)", "hot spares"]
+        assert (rows["hot spares"]["process"], rows["hot spares"]["rollback_share"]) == \
+            ("relaunch", 1.0)
+    assert "the run's layout refuses live replacement (at ep = dp = 2 each rank holds the " \
+        "only copy of its experts)" in text
+    alone, text = plan_at_layout(cli_main, run, "parallel.dp=1")
+    for rows in recovery_rows(alone).values():
+        assert rows["live replacement"]["rollback_share"] == 1.0
+    assert "the run's layout: at dp=1 no data-parallel peer holds a copy" in text
+    replicated, text = plan_at_layout(cli_main, run, "parallel.dp=4", "parallel.ep=2")
+    assert replicated["recovery"]["no_live_copy"] is None and "run's layout" not in text
+    for rows in recovery_rows(replicated).values():
+        assert rows["live replacement"]["rollback_share"] < 1.0
+
+
+def test_a_run_whose_recipe_does_not_load_is_not_planned(cli_main, tmp_path):
+    run = tmp_path / "run"
+    write_run_with_a_replacement(run, downtime_s=3.0)
+    (run / "recipe.yaml").write_text("parallel: {dp: 0}\n")
+    result = cli_main("plan", str(run), "--gpus", "8", check=False)
+    assert result.returncode == 2 and "recipe.yaml, whose layout the plan needs" in result.stderr
+
+
 def test_a_run_without_a_replacement_says_how_to_measure_one():
     from megaresil.plan.costs import SaveCost
     from megaresil.plan.report import format_plan, plan

@@ -126,8 +126,11 @@ def test_each_numerics_event_is_one_console_line():
         {"event": "rolled_back", "step": 6, "to_step": 4, "rollback": 1, "max_rollbacks": 3,
          "next": "training again from step 5"},
         {"event": "samples_skipped", "step": 6, "samples": [40, 48], "next": "go on"},
-        {"event": "checkpoint_refused", "step": 4, "reason": "non-finite values"}]]
+        {"event": "checkpoint_refused", "step": 4, "reason": "non-finite values"},
+        {"event": "nonfinite_detected", "step": 5, "what": "routing scores, loss",
+         "ranks": [0, 1], "routers": [[1, "layers.1.mlp.router"]], "next": "replaying"}]]
     assert all(line.startswith("megaresil: ") and "\n" not in line for line in lines)
+    assert "routing scores first at layers.1.mlp.router on rank 1" in lines[6], lines[6]
     assert "rank(s) [1]" in lines[0] and "step 5" in lines[0] and "replaying" in lines[0]
     assert "transient" in lines[1] and "persistent" in lines[2] and "no single rank" in lines[2]
     assert "step 4" in lines[3] and "samples 40..47" in lines[4]

@@ -349,10 +349,13 @@ def test_train_refuses_a_run_directory_with_planted_links_naming_them(home):
 
 
 @pytest.mark.journey
-@pytest.mark.parametrize("planted", ["checkpoints", "checkpoints/latest"])
+@pytest.mark.parametrize("planted", ["checkpoints", "checkpoints/latest",
+                                     "checkpoints/step_0000002"])
 def test_train_refuses_a_planted_checkpoint_root_or_latest(home, planted):
+    """A planted step directory: once the save of its step failed in every
+    relaunch (rmtree of a link) before the job gave up."""
     target = outside_files(home, "root")["root"]
-    if planted == "checkpoints":
+    if planted != "checkpoints/latest":
         target = target.parent  # a directory elsewhere, where the saves would land
     plant(home / "run" / planted, target)
     result = megaresil("train", "gpt-tiny", *SMALL, "run.dir=run", cwd=home, check=False)

@@ -83,11 +83,22 @@ def _read_exactly(chunk: FileSlice, tensor: torch.Tensor) -> None:
                               "shorter than its metadata says (truncated file)")
 
 
+def _damaged(chunk: FileSlice, err: Exception) -> CheckpointError:
+    """A chunk torch.load cannot read: files that carry no digest (a
+    Megatron checkpoint's) reach here damaged, megaresil's are verified first."""
+    return CheckpointError(f"a DCP chunk in {getattr(chunk.file, 'name', 'a file')} is "
+                           f"unreadable ({str(err).splitlines()[0]}): the file is damaged. "
+                           "Fix: copy the checkpoint again.")
+
+
 def chunk_layout(chunk: FileSlice) -> tuple[torch.Tensor, Optional[tuple[int, int]]]:
     """The saved tensor on the meta device (size, stride, dtype), and where
     its bytes lie in the chunk when they can be read in place: row-major,
     one uncompressed record of exactly its bytes; else None."""
-    saved = torch.load(chunk.as_io(), map_location="meta", weights_only=True)
+    try:
+        saved = torch.load(chunk.as_io(), map_location="meta", weights_only=True)
+    except (RuntimeError, EOFError) as err:
+        raise _damaged(chunk, err) from None
     if not (saved.is_contiguous() and saved.storage_offset() == 0):
         return saved, None
     record = torch_save_data_record(chunk.as_io())
@@ -117,7 +128,10 @@ def read_region(file: io.BufferedReader, start: int, length: int, offsets: Seque
     saved, record = chunk_layout(chunk)
     if record is None or saved.dtype != target.dtype:
         chunk.seek(0)
-        whole = torch.load(chunk.as_io(), map_location="cpu", weights_only=True)
+        try:
+            whole = torch.load(chunk.as_io(), map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError) as err:
+            raise _damaged(chunk, err) from None
         target.copy_(narrowed(whole, offsets, lengths))
         return
     # A 0-d tensor is read as one row of one element.
@@ -155,21 +169,31 @@ def _allowed_global(module: str, name: str) -> Any:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata dataclasses, torch dtypes/Size and paths; nothing
-    that can run code."""
+    """Admits DCP's metadata dataclasses, torch dtypes/Size and paths (and
+    `extra`, more such data classes by name); nothing that can run code."""
+
+    def __init__(self, file: BinaryIO, extra: dict[tuple[str, str], Any]):
+        super().__init__(file)
+        self.extra = extra
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.extra:
+            return self.extra[module, name]
         return _allowed_global(module, name)
 
 
 class SafeReader(dcp.FileSystemReader):
     """DCP's file reader with metadata unpickled safely, names kept inside the
-    checkpoint, and each overlap's bytes read straight into its target."""
+    checkpoint, and each overlap's bytes read straight into its target. A
+    reader of another writer's files admits that writer's data classes too
+    (`extra_globals`)."""
+
+    extra_globals: dict[tuple[str, str], Any] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         raw = Path(self.path, ".metadata").read_bytes()
         try:
-            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+            metadata = _MetadataUnpickler(io.BytesIO(raw), self.extra_globals).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
             raise CheckpointError(f"DCP metadata of {self.path} is unreadable: {err}") from None
         for relative in {str(info.relative_path) for info in (metadata.storage_data or {}).values()}:

@@ -42,7 +42,7 @@ from megaresil.checkpoint.format import CheckpointError, inside, naming_write_er
 from megaresil.checkpoint.sharded import Rect
 
 
-class _Chunks:
+class Chunks:
     """All of one key's rects on this rank, in DCP's chunk vocabulary."""
 
     def __init__(self, rects: list[Rect]):
@@ -62,14 +62,17 @@ class _Chunks:
                 for offset, t in self.by_offset.items()]
 
 
-def _group(rects: list[Rect]) -> dict[str, _Chunks]:
-    by_key: dict[str, list[Rect]] = {}
+def by_key(rects: list[Rect]) -> dict[str, Chunks]:
+    """Rects grouped into each key's Chunks: the state dict DCP saves or loads."""
+    grouped: dict[str, list[Rect]] = {}
     for rect in rects:
-        by_key.setdefault(rect.key, []).append(rect)
-    return {key: _Chunks(group) for key, group in by_key.items()}
+        grouped.setdefault(rect.key, []).append(rect)
+    return {key: Chunks(group) for key, group in grouped.items()}
 
 
-class _SavePlanner(DefaultSavePlanner):
+class ChunkSavePlanner(DefaultSavePlanner):
+    """Saves a `by_key` state dict: each chunk where its rect lies."""
+
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
@@ -110,7 +113,7 @@ class _LoadPlanner(LoadPlanner):
 
 
 @contextlib.contextmanager
-def _quiet_single_process():
+def quiet_single_process():
     """DCP warns whenever it runs without a process group, which is our
     intent for single-process saves and for every read."""
     with warnings.catch_warnings():
@@ -119,7 +122,7 @@ def _quiet_single_process():
 
 
 @contextlib.contextmanager
-def _own_errors():
+def own_errors():
     """A failure inside dcp.save or dcp.load as itself: DCP wraps it, with its
     traceback as text, in a CheckpointException, a BaseException that
     `except Exception` misses; a write error (RankWriter's CheckpointError)
@@ -143,9 +146,9 @@ class TorchDistBackend:
 
     def write(self, directory: Path, rects: list[Rect], rank: int) -> Written:
         writer = RankWriter(directory / "dcp", rank)
-        with _quiet_single_process(), _own_errors():
-            metadata = dcp.save(_group([r for r in rects if r.tensor.numel()]),
-                                storage_writer=writer, planner=_SavePlanner(), no_dist=True)
+        with quiet_single_process(), own_errors():
+            metadata = dcp.save(by_key([r for r in rects if r.tensor.numel()]),
+                                storage_writer=writer, planner=ChunkSavePlanner(), no_dist=True)
         files = {directory / "dcp" / result.storage_data.relative_path for result in writer.results}
         return Written({r.identity(): "dcp" for r in rects},
                        note=(metadata.state_dict_metadata, writer.results),
@@ -158,9 +161,13 @@ class TorchDistBackend:
             dcp.FileSystemWriter(str(directory / "dcp"), sync_files=True).finish(metadata, results)
 
     def read(self, directory: Path, manifest: dict, targets: list[Rect]) -> None:
-        targets = [t for t in targets if t.tensor.numel()]
-        if not targets:
-            return
-        with _quiet_single_process(), _own_errors():  # each rank reads what it needs on its own
-            dcp.load(_group(targets), storage_reader=SafeReader(str(inside(directory, "dcp"))),
-                     planner=_LoadPlanner(), no_dist=True)
+        read_dcp(SafeReader(str(inside(directory, "dcp"))), targets)
+
+
+def read_dcp(reader: SafeReader, targets: list[Rect]) -> None:
+    """Fill the target rects from the DCP files `reader` reads."""
+    targets = [t for t in targets if t.tensor.numel()]
+    if not targets:
+        return
+    with quiet_single_process(), own_errors():  # each rank reads what it needs on its own
+        dcp.load(by_key(targets), storage_reader=reader, planner=_LoadPlanner(), no_dist=True)

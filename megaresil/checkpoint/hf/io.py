@@ -13,7 +13,6 @@ does not account for.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import re
 import sys
@@ -23,7 +22,6 @@ from typing import Iterator, Optional
 import torch
 
 from megaresil.checkpoint import format as fmt
-from megaresil.checkpoint.backends.dcp_read import narrowed
 from megaresil.checkpoint.hf import mapping as hf
 from megaresil.checkpoint.hf.tokenizer import (
     check_hf_tokenizer,
@@ -34,11 +32,10 @@ from megaresil.checkpoint.hf.tokenizer import (
 from megaresil.checkpoint.manager import move_into_place
 from megaresil.checkpoint.offline.convert import (
     Target,
-    fresh_rank_states,
+    imported_state,
     open_source,
     target_recipe,
 )
-from megaresil.checkpoint.offline.planning import recipe_layout
 from megaresil.checkpoint.offline.writer import (
     partial_dir,
     refuse_existing,
@@ -46,8 +43,7 @@ from megaresil.checkpoint.offline.writer import (
     write_checkpoint,
 )
 from megaresil.checkpoint.sharded import Rect
-from megaresil.checkpoint.sources import CheckpointSource, full_tensors
-from megaresil.checkpoint.state import RunRecord
+from megaresil.checkpoint.sources import CheckpointSource, fill_from_full, full_tensors
 from megaresil.config import ModelConfig, RecipeConfig, from_dict, load_recipe, to_dict
 
 CONFIG = "config.json"
@@ -142,6 +138,13 @@ def export_to_hf(src: Path, out: Path, *, overwrite: bool = False, tokenizer: Op
     source.verify()
     recipe = from_dict(source.manifest["recipe"])
     cfg = recipe.model
+    refusals = hf.hf_refusals(cfg)
+    if refusals:
+        raise fmt.CheckpointError(f"{src} is a mixture of experts, which Hugging Face export "
+                                  f"does not convert yet for flavour {cfg.flavour.value}: "
+                                  f"transformers' model does not hold {'; '.join(refusals)}. "
+                                  "Fix: convert it to another layout with `megaresil convert "
+                                  "SRC DST` instead.")
     tok = load_export_tokenizer(tokenizer, recipe.data, cfg.vocab_size)
     if tok is None:
         print("megaresil: no tokenizer exported: the run trained on synthetic data; pass "
@@ -250,7 +253,8 @@ class HFTensorSource:
 
     def __init__(self, weights: HFWeights, cfg: ModelConfig):
         self.weights = weights
-        self.mapping = {f"model/{key}": m for key, m in hf.hf_mapping(cfg).items()}
+        self.mapping = {f"model/{key}": m
+                        for key, m in hf.hf_mapping(cfg, weights.shapes).items()}
         self._check_keys(cfg)
         self.tensors = {key: {"global_shape": list(self._meta(m).shape), "dtype": "float32"}
                         for key, m in self.mapping.items()}
@@ -284,11 +288,7 @@ class HFTensorSource:
         return m.combine(*(self.weights.get(source) for source in m.sources)).float()
 
     def read(self, targets: list[Rect]) -> None:
-        ordered = sorted(targets, key=lambda t: t.key)
-        for key, group in itertools.groupby(ordered, key=lambda t: t.key):
-            full = self.full(key)
-            for target in group:
-                target.tensor.copy_(narrowed(full, target.offset, target.shape))
+        fill_from_full(targets, self.full)
 
 
 def hf_model_keys(directory: Path) -> tuple[dict, list[str]]:
@@ -312,13 +312,6 @@ def hf_source(directory: Path, cfg: ModelConfig) -> HFTensorSource:
     return HFTensorSource(HFWeights(directory), cfg)
 
 
-def _fresh_state(cfg: RecipeConfig, origin: dict) -> RunRecord:
-    """The non-tensor state of a checkpoint that no training wrote: step 0."""
-    return RunRecord(step=0, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=0,
-                    optimizer_steps=0, rank_states=fresh_rank_states(cfg), weights_only=True,
-                    extra={"origin": origin})
-
-
 def import_from_hf(hf_dir: Path, dst: Path, target: Target, *, recipe: Optional[Path] = None,
                    overwrite: bool = False) -> Path:
     """Write a transformers model directory as a weights-only checkpoint at
@@ -333,8 +326,9 @@ def import_from_hf(hf_dir: Path, dst: Path, target: Target, *, recipe: Optional[
     if check_hf_tokenizer(hf_dir, model_keys["vocab_size"]):  # what --to-hf exports again
         base["data"]["tokenizer"] = str(hf_dir.resolve())
     cfg = target_recipe(base, target)
+    hf.refuse_unmapped(cfg.model, "--from-hf")
     origin = {"hugging_face": str(hf_dir),
               "architecture": read_hf_config(hf_dir)["architectures"][0]}
     return write_checkpoint(hf_source(hf_dir, cfg.model), cfg, dst,
                             backend=cfg.checkpoint.backend.value, weights_only=True,
-                            state=_fresh_state(cfg, origin), overwrite=overwrite)
+                            state=imported_state(cfg, origin), overwrite=overwrite)

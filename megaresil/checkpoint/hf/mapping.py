@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Collection, Iterator, Optional
 
 import torch
 
 from megaresil.checkpoint.format import CheckpointError
-from megaresil.config import ModelConfig, RopeScalingType
+from megaresil.config import ConfigError, ModelConfig, RopeScalingType
 from megaresil.model.flavours import FLAVOURS, architectures, by_architecture, named, spec_of_model
 from megaresil.model.flavours.hf_common import Mapped, UnsupportedVariant
 from megaresil.model.gpt import ties_embeddings
@@ -27,31 +27,36 @@ NOT_WEIGHTS = tuple(suffix for spec in FLAVOURS.values() for suffix in spec.hf.n
 TIED_HEAD = "lm_head.weight"  # the output head, in every family (tied or not)
 
 
-def hf_mapping(cfg: ModelConfig) -> dict[str, Mapped]:
+def hf_mapping(cfg: ModelConfig, held: Collection[str] = ()) -> dict[str, Mapped]:
     """Each of megaresil's full, layout-free tensors, as made from a
-    transformers state dict's tensors."""
+    transformers state dict's tensors: in the Hub's names, or in the
+    family's stacked spelling where `held` (the file's keys) has it."""
     hf = spec_of_model(cfg).hf
     out = hf.top_from_hf(cfg)
     if not ties_embeddings(cfg):
         out["head.weight"] = Mapped((TIED_HEAD,))
     for i in range(cfg.num_layers):
         out.update(hf.layer_from_hf(i, cfg))
+        stacked = hf.stacked_layer_from_hf(i, cfg)
+        if stacked and all(source in held for m in stacked.values() for source in m.sources):
+            out.update(stacked)
     return out
 
 
-def unused_hf_keys(held: Iterable[str], cfg: ModelConfig) -> list[str]:
+def unused_hf_keys(held: Collection[str], cfg: ModelConfig) -> list[str]:
     """The weights of a transformers model that the mapping would not use
     (so the model is not the one the config describes), beyond buffers; a
     tied head is the caller's to compare with the embedding."""
-    used = {source for m in hf_mapping(cfg).values() for source in m.sources}
+    used = {source for m in hf_mapping(cfg, held).values() for source in m.sources}
     return sorted(key for key in held if key not in used and not key.endswith(NOT_WEIGHTS)
                   and not (key == TIED_HEAD and ties_embeddings(cfg)))
 
 
 def from_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A transformers state dict → megaresil's full, layout-free state dict."""
+    """A transformers state dict (either spelling) → megaresil's full,
+    layout-free state dict."""
     return {key: m.combine(*(sd[source] for source in m.sources))
-            for key, m in hf_mapping(cfg).items()}
+            for key, m in hf_mapping(cfg, sd).items()}
 
 
 def to_hf_parts(cfg: ModelConfig) -> Iterator[tuple[list[str], Callable[[dict], dict]]]:
@@ -105,14 +110,46 @@ def architecture(m: ModelConfig) -> dict:
     load checks itself), with defaults resolved."""
     return {"flavour": m.flavour.value, "norm_eps": m.norm_eps, "num_heads": m.num_heads,
             "num_kv_heads": m.num_kv_heads or m.num_heads, **rope_fields(m),
-            "tied": ties_embeddings(m), "ffn_hidden_size": ffn_size(m)}
+            "tied": ties_embeddings(m), "ffn_hidden_size": ffn_size(m),
+            "sliding_window": m.sliding_window, **_experts(m)}
+
+
+def _experts(m: ModelConfig) -> dict:
+    """What the experts compute: their number alone when there are none."""
+    e = m.moe
+    if not e.num_experts:
+        return {"moe.num_experts": 0}
+    return {"moe.num_experts": e.num_experts, "moe.top_k": e.top_k,
+            "moe.expert_width": e.expert_ffn_hidden_size or ffn_size(m),
+            "moe.score_function": e.score_function.value,
+            "moe.normalize_top_k": e.normalize_top_k,
+            "moe.routed_scaling_factor": e.routed_scaling_factor,
+            "moe.shared_expert_hidden_size": e.shared_expert_hidden_size,
+            "moe.first_dense_layers": e.first_dense_layers,
+            "moe.every_n_layers": e.every_n_layers}
+
+
+def hf_refusals(cfg: ModelConfig) -> list[str]:
+    """What of the model its family's transformers model cannot hold."""
+    return spec_of_model(cfg).hf.refusals(cfg)
+
+
+def refuse_unmapped(cfg: ModelConfig, action: str) -> None:
+    """A recipe whose model its transformers family cannot hold cannot be
+    started from Hugging Face weights (one line naming what)."""
+    refusals = hf_refusals(cfg)
+    if refusals:
+        raise ConfigError("model.moe", f"{action} of a mixture of experts is not supported yet "
+                          f"for flavour {cfg.flavour.value}: transformers' model does not hold "
+                          f"{'; '.join(refusals)}.", "drop those settings, or start from a "
+                          "megaresil checkpoint.")
 
 
 def model_differences(saved: ModelConfig, ours: ModelConfig) -> list[str]:
     """One `key=saved (this recipe: ours)` per architecture setting that differs."""
     theirs, mine = architecture(saved), architecture(ours)
-    return [f"{key}={theirs[key]} (this recipe: {mine[key]})"
-            for key in theirs if theirs[key] != mine[key]]
+    return [f"{key}={theirs[key]} (this recipe: {mine.get(key)})"
+            for key in theirs if theirs[key] != mine.get(key)]
 
 
 class UnsupportedModel(CheckpointError):

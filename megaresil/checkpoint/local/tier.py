@@ -125,9 +125,9 @@ class LocalTier(BackgroundSaves):
         self._loop_held(held)
         # The wait every save's next update has, taken here: a rank killed
         # in the next step's forward or backward, before that update, would
-        # otherwise lose this step with its process (issue 33: killed at step
-        # 7, it resumed from step 5). The work stays on the tier's thread,
-        # which owns the staging stream on a GPU.
+        # otherwise lose this step with its process and resume from the save
+        # before it. The work stays on the tier's thread, which owns the
+        # staging stream on a GPU.
         self.before_update()
 
     def _loop_held(self, seconds: float) -> None:

@@ -42,6 +42,7 @@ class Target:
     pp: Optional[int] = None
     dp: Optional[int] = None
     vpp: Optional[int] = None
+    ep: Optional[int] = None
     distributed_optimizer: Optional[bool] = None
     backend: Optional[str] = None
     weights_only: bool = False
@@ -49,7 +50,8 @@ class Target:
 
     def recipe_changes(self) -> list[tuple[str, Any]]:
         named = [("parallel.tp", self.tp), ("parallel.pp", self.pp), ("parallel.dp", self.dp),
-                 ("parallel.vpp", self.vpp), ("optimizer.distributed", self.distributed_optimizer),
+                 ("parallel.vpp", self.vpp), ("parallel.ep", self.ep),
+                 ("optimizer.distributed", self.distributed_optimizer),
                  ("checkpoint.backend", self.backend)]
         given = [(key, value) for key, value in named if value is not None]
         return given + [parse_override(text) for text in self.overrides]
@@ -88,6 +90,14 @@ def fresh_rank_states(cfg: RecipeConfig) -> list[dict]:
     fresh = capture_rng_state()
     restore_rng_state(saved)
     return [fresh] * cfg.parallel.world_size
+
+
+def imported_state(cfg: RecipeConfig, origin: dict, step: int = 0) -> RunRecord:
+    """The non-tensor state of a checkpoint that megaresil's training did not
+    write (imported weights): `step` (the source's count), nothing consumed."""
+    return RunRecord(step=step, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=0,
+                     optimizer_steps=0, rank_states=fresh_rank_states(cfg), weights_only=True,
+                     extra={"origin": origin})
 
 
 def converted_state(manifest: dict, cfg: RecipeConfig, weights_only: bool) -> RunRecord:

@@ -39,7 +39,11 @@ def format_model(model: dict) -> str:
     """The model config's shape-defining fields, on one line."""
     shown = ("flavour", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size",
              "max_seq_len")
-    return " ".join(f"{k}={model[k]}" for k in shown if model.get(k) is not None)
+    line = " ".join(f"{k}={model[k]}" for k in shown if model.get(k) is not None)
+    moe = model.get("moe", {})
+    if moe.get("num_experts"):
+        line += f" experts={moe['num_experts']} top_k={moe['top_k']}"
+    return line
 
 
 def format_summary(info: dict, tensors: bool = False) -> str:

@@ -19,6 +19,7 @@ from megaresil.checkpoint.sharded import Rect, assign_writers
 from megaresil.checkpoint.state import layout_record
 from megaresil.config import RecipeConfig
 from megaresil.model.chunks import build_chunks
+from megaresil.model.moe import named_state_buffers
 from megaresil.parallel.distributed_optimizer import make_shard
 from megaresil.parallel.grad_groups import shards_over_dp, zero1
 from megaresil.parallel.layout import ParallelLayout
@@ -55,23 +56,31 @@ def _planned_moments(cfg: RecipeConfig, rank: ParallelLayout) -> MomentsOf:
     return held
 
 
-def _chunk_params(cfg: RecipeConfig, rank: ParallelLayout) -> list[tuple[str, nn.Parameter]]:
+RankState = tuple[list[tuple[str, nn.Parameter]], list[tuple[str, torch.Tensor]]]
+
+
+def _chunk_state(cfg: RecipeConfig, rank: ParallelLayout) -> RankState:
+    """A rank's (parameters, state buffers), by key."""
     with torch.device("meta"):  # shapes and TP marks only, no memory
         chunks = build_chunks(cfg.model, rank, cfg.train.seed)
-    return [named for chunk in chunks for named in chunk.named_parameters()]
+    return ([named for chunk in chunks for named in chunk.named_parameters()],
+            list(named_state_buffers(chunks)))
 
 
 def planned_rects(cfg: RecipeConfig, *, weights_only: bool) -> list[list[Rect]]:
     """Per global rank, the rects it would save (meta tensors: shapes only).
-    Ranks that differ only in their DP coordinate share one model build."""
-    models: dict[tuple[int, int], list[tuple[str, nn.Parameter]]] = {}
+    Ranks that differ only in their expert-data-parallel coordinate (edp:
+    dp at ep = 1) share one model build."""
+    models: dict[tuple[int, int, int], RankState] = {}
     per_rank = []
     for rank in planned_ranks(cfg):
-        where = (rank.pp_rank, rank.tp_rank)
+        where = (rank.pp_rank, rank.tp_rank, rank.coordinate("ep"))
         if where not in models:
-            models[where] = _chunk_params(cfg, rank)
+            models[where] = _chunk_state(cfg, rank)
+        params, buffers = models[where]
         moments = None if weights_only else _planned_moments(cfg, rank)
-        per_rank.append(state_rects(models[where], cfg.model, moments, include_copies=False))
+        per_rank.append(state_rects(params, cfg.model, moments, include_copies=False,
+                                    named_buffers=buffers))
     return per_rank
 
 

@@ -1,4 +1,5 @@
-"""The model families, one module each (`gpt2.py`, `llama.py`), registered
+"""The model families, one module each (`gpt2.py`, `llama.py`, `mixtral.py`,
+`qwen3_moe.py`, `qwen2.py`, `qwen3.py`, `mistral.py`), registered
 here by their `Flavour`. A new family is its module, a row in FLAVOURS, and
 its `Flavour` member with its traits (`megaresil/config/flavours.py`);
 nothing generic changes. The registry refuses, at import, a spec filed
@@ -9,10 +10,14 @@ from typing import Optional
 
 from megaresil.config import Flavour, ModelConfig
 from megaresil.config.flavours import TRAITS
-from megaresil.model.flavours import gpt2, llama
+from megaresil.model.flavours import gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from megaresil.model.flavours.base import FlavourSpec
 
-FLAVOURS: dict[Flavour, FlavourSpec] = {Flavour.gpt2: gpt2.SPEC, Flavour.llama: llama.SPEC}
+FLAVOURS: dict[Flavour, FlavourSpec] = {Flavour.gpt2: gpt2.SPEC, Flavour.llama: llama.SPEC,
+                                        Flavour.mixtral: mixtral.SPEC,
+                                        Flavour.qwen3_moe: qwen3_moe.SPEC,
+                                        Flavour.qwen2: qwen2.SPEC, Flavour.qwen3: qwen3.SPEC,
+                                        Flavour.mistral: mistral.SPEC}
 
 
 def registry_problems(flavours: dict[Flavour, FlavourSpec]) -> list[str]:

@@ -17,6 +17,14 @@ from megaresil.model.flavours.hf_common import Mapped
 from megaresil.parallel.tensor_parallel import TPGroup
 
 
+def no_mapping(layer: int, cfg: ModelConfig) -> dict[str, Mapped]:
+    return {}
+
+
+def nothing_refused(cfg: ModelConfig) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True)
 class HFSpec:
     """The family's transformers model. Top-level maps leave out the output
@@ -37,6 +45,13 @@ class HFSpec:
     # config.json -> megaresil's model.* keys (less vocab_size and init_std);
     # appends to the notes, raises UnsupportedVariant or KeyError.
     config_from_hf: Callable[[dict, list[str]], dict]
+    # Layer i's tensors a file may hold in another spelling (transformers'
+    # in-memory stacked experts, where layer_from_hf reads the Hub's one tensor
+    # per expert): they replace layer_from_hf's where the file holds them all.
+    stacked_layer_from_hf: Callable[[int, ModelConfig], dict[str, Mapped]] = no_mapping
+    # What of a model this family's transformers model cannot hold, a phrase
+    # each (e.g. experts in a family without them); empty when it converts.
+    refusals: Callable[[ModelConfig], list[str]] = nothing_refused
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,8 @@ class FlavourSpec:
     make_mlp: Callable[[ModelConfig, TPGroup, int], nn.Module]  # (cfg, tp, global layer)
     default_ffn: Callable[[int], int]  # hidden size -> FFN width when the recipe sets none
     linear_biases: bool  # attention projections
+    qkv_bias: bool  # a bias on the q/k/v projection alone, the output's without (Qwen2)
+    qk_norm: bool  # an RMSNorm over each head's queries and keys, before RoPE (Qwen3)
     learned_positions: bool  # a position embedding table beside the token embedding
     tied_by_default: bool  # the output head is the token embedding
     mlp_matrices: int  # weight matrices of hidden x FFN per MLP, for the FLOPs count

@@ -110,7 +110,9 @@ def _config_from_hf(hf: dict, notes: list[str]) -> dict:
 SPEC = FlavourSpec(
     flavour=Flavour.gpt2, traits=TRAITS[Flavour.gpt2],
     make_norm=_norm, make_mlp=_mlp, default_ffn=lambda hidden: 4 * hidden,
-    linear_biases=True, learned_positions=True, tied_by_default=True, mlp_matrices=2,
+    linear_biases=True, qkv_bias=False, qk_norm=False,
+    learned_positions=True, tied_by_default=True,
+    mlp_matrices=2,
     te_norm="LayerNorm", te_mlp="gelu",
     te_names=(("norm1.weight", "attn.qkv.layer_norm_weight"),
               ("norm1.bias", "attn.qkv.layer_norm_bias"),

@@ -1,6 +1,6 @@
 """The pieces every flavour's Hugging Face mapping is made of: a mapped
-tensor, the fused-QKV layout both ways, and the config.json checks that
-refuse a variant megaresil's model cannot represent.
+tensor, the fused-QKV layout both ways, a layer's experts both ways, and the
+config.json checks that refuse a variant megaresil's model cannot represent.
 
 Pure torch and dicts; `checkpoint/hf/mapping.py` drives them (model does not
 import checkpoint, so a refusal is an `UnsupportedVariant` that the mapping
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from megaresil.config import ModelConfig
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
@@ -49,6 +51,59 @@ class Mapped:
 def transposed(source: str) -> Mapped:
     """A Conv1D weight (GPT-2 stores (in, out)) as nn.Linear's (out, in)."""
     return Mapped((source,), lambda t: t.t())
+
+
+@dataclass(frozen=True)
+class HubExperts:
+    """A family's names for a layer's experts. Hub files (and transformers'
+    save_pretrained, which writes them) hold one matrix per expert,
+    `{block}experts.{j}.{gate|up|down}.weight`; transformers holds them
+    stacked in memory, `mlp.experts.gate_up_proj` (E, 2F, C: gate rows
+    first) and `mlp.experts.down_proj` (E, C, F), as a file may too. Ours
+    are stacked per projection, `mlp.experts.{gate,up,down}`; the router is
+    `{block}gate.weight` on the Hub, `mlp.gate.weight` in memory."""
+    block: str  # the experts' module in Hub names, e.g. "block_sparse_moe."
+    gate: str  # an expert's projection names in Hub names, e.g. "w1"
+    up: str
+    down: str
+
+    def from_hf(self, h: str, o: str, cfg: ModelConfig) -> dict[str, Mapped]:
+        """Layer prefix `h`'s experts (Hub names) as ours at prefix `o`."""
+        experts = range(cfg.moe.num_experts)
+        out = {o + "mlp.router.weight": Mapped((f"{h}{self.block}gate.weight",))}
+        for ours, theirs in (("gate", self.gate), ("up", self.up), ("down", self.down)):
+            names = tuple(f"{h}{self.block}experts.{j}.{theirs}.weight" for j in experts)
+            out[o + f"mlp.experts.{ours}"] = Mapped(names, _stacked)
+        return out
+
+    def stacked_from_hf(self, h: str, o: str) -> dict[str, Mapped]:
+        """The same, from transformers' in-memory names."""
+        stack = h + "mlp.experts."
+        return {o + "mlp.router.weight": Mapped((h + "mlp.gate.weight",)),
+                o + "mlp.experts.gate": Mapped((stack + "gate_up_proj",), _first_half),
+                o + "mlp.experts.up": Mapped((stack + "gate_up_proj",), _second_half),
+                o + "mlp.experts.down": Mapped((stack + "down_proj",))}
+
+    def to_hf(self, ours: dict, h: str, o: str) -> dict:
+        """Our experts at prefix `o` in Hub names at `h` (what save_pretrained writes)."""
+        out = {f"{h}{self.block}gate.weight": ours[o + "mlp.router.weight"]}
+        for name, theirs in (("gate", self.gate), ("up", self.up), ("down", self.down)):
+            for j, matrix in enumerate(ours[o + f"mlp.experts.{name}"].unbind(0)):
+                # A copy: safetensors refuses tensors that share storage.
+                out[f"{h}{self.block}experts.{j}.{theirs}.weight"] = matrix.clone()
+        return out
+
+
+def _stacked(*matrices: torch.Tensor) -> torch.Tensor:
+    return torch.stack(matrices)
+
+
+def _first_half(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up[:, :gate_up.shape[1] // 2]
+
+
+def _second_half(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up[:, gate_up.shape[1] // 2:]
 
 
 class UnsupportedVariant(ValueError):

@@ -2,7 +2,6 @@
 judgement and the abort beside it; it owns the clock, the store traffic
 (resilience/coordination.py's keys) and the generation's state. See the
 package docstring and docs/watchdog.md."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import json
@@ -80,7 +79,9 @@ class Watchdog:
         self.leaving: int | None = None  # the generation pause() has yet to publish "left" in
         self.aborted = False
         self.exit_timer = ExitTimer(clock)  # armed by an abort
-        self.main_thread = threading.main_thread().ident
+        main_thread = threading.main_thread().ident
+        assert main_thread is not None  # the main thread has always started
+        self.main_thread = main_thread
         self.progress = ProgressMeter(cpu_clock or thread_cpu_clock(self.main_thread),
                                       clock.monotonic())
         # Bytes its peer connections move (probes.peer_bytes_counter): a rank

@@ -1,7 +1,6 @@
 """What the watchdog reads of its own process: the training thread's CPU
 clock and where it waits, the bytes its peer connections move, and the kind
 of machine a calibration holds on."""
-# mypy: ignore-errors
 from __future__ import annotations
 
 import fcntl
@@ -98,23 +97,23 @@ class NodeTraffic:
         if path is not None:
             try:
                 remove_unheld(private_dir(path.parent))
-                self.fd = self._open_held()
+                self.fd = self._open_held(path)
             except OSError as err:
                 self.path = None
                 if local_rank == 0:  # once per node
                     print(f"megaresil: warning: the watchdog counts each rank's own traffic, "
                           f"not its node's: {err}", file=sys.stderr, flush=True)
 
-    def _open_held(self) -> int:
-        """A descriptor of the file (made 0600, never through a link) under
+    def _open_held(self, path: Path) -> int:
+        """A descriptor of `path` (made 0600, never through a link) under
         a shared lock, the file still in place once the lock is held."""
         for _ in range(self.OPEN_ATTEMPTS):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             fcntl.flock(fd, fcntl.LOCK_SH)
-            if same_file(fd, self.path):
+            if same_file(fd, path):
                 return fd
             os.close(fd)  # another rank removed it as unheld before we locked it
-        raise OSError(f"{self.path} kept being removed while opened")
+        raise OSError(f"{path} kept being removed while opened")
 
     def __call__(self) -> int:
         value = self.own()
@@ -128,6 +127,7 @@ class NodeTraffic:
     def close(self) -> None:
         if self.fd is None:
             return
+        assert self.path is not None  # a file was opened: its path stands
         os.pwrite(self.fd, self.SLOT.pack(0), self.offset)
         remove_if_unheld(self.fd, self.path)
         os.close(self.fd)
@@ -175,7 +175,7 @@ def node_traffic_path(store_port: int | None, node_rank: int) -> Path | None:
 
 
 def socket_fds() -> list[int]:
-    fds = []
+    fds: list[int] = []
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:

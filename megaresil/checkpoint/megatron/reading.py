@@ -1,0 +1,389 @@
+"""Megatron-LM / Megatron-Core checkpoints (torch_dist) read as megaresil's
+weights: `convert --from-megatron`, `ckpt inspect` of one, and a run's
+initial weights (`checkpoint.init_from`); docs/checkpoints.md, "From Megatron".
+
+SRC is a save directory or one `iter_NNNNNNN/` in it: the common state from
+`common.pt` or DCP's `common_state` object, the model's shape from Megatron-LM's args in it (else a
+recipe), the tensors from DCP's files at whatever tp x pp they were saved,
+through names.py's table. Weights only. Untrusted input: `common.pt` loads
+with torch.load(weights_only=True), admitting argparse.Namespace, BytesIO and, for
+Megatron's own classes in it (enums, configs), an inert stand-in that runs
+nothing; DCP's metadata admits, beyond megaresil's list, the planner data
+classes Mcore caches in it (`all_local_plans`).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import math
+import pickle
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed.checkpoint.planner as planner_classes
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from megaresil.checkpoint import format as fmt
+from megaresil.checkpoint.backends.dcp_read import SafeReader
+from megaresil.checkpoint.backends.torch_dist import read_dcp
+from megaresil.checkpoint.megatron import names
+from megaresil.checkpoint.megatron.arguments import model_keys, tokenizer_of
+from megaresil.checkpoint.megatron.directory import iteration_dir
+from megaresil.checkpoint.megatron.names import Name
+from megaresil.checkpoint.offline.convert import Target, imported_state, target_recipe
+from megaresil.checkpoint.offline.writer import refuse_existing, write_checkpoint
+from megaresil.checkpoint.sharded import Rect
+from megaresil.checkpoint.sources import fill_from_full
+from megaresil.config import ModelConfig, RecipeConfig, load_recipe, to_dict
+from megaresil.model.gpt import layout_free_shapes
+
+COMMON = "common.pt"
+# The DCP key of the common state in later Mcores: ShardedObject("common_state",
+# data, (1,), (0,)).unique_key, the object pickled in a one-element list.
+COMMON_STATE = "common_state/shard_0_1"
+OPTIMIZER = "optimizer."  # the optimizer state's keys (Megatron-LM's sharded_state_dict)
+_UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_MAX_STAND_INS = 256  # distinct Megatron classes one common state may name
+
+
+class MegatronValue:
+    """An object of one of Megatron's own classes in the common state (an
+    enum, a config dataclass), kept inert: its pickled arguments and state."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"MegatronValue{self.args!r}"
+
+
+class MegatronReader(SafeReader):
+    """SafeReader of Mcore's files: its cached plans admitted, and the
+    metadata unpickled once for every read of the checkpoint (DCP asks for
+    it on each load, and a model's import is a load per tensor)."""
+
+    extra_globals = {(planner_classes.__name__, name): getattr(planner_classes, name)
+                     for name in ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")}
+    _metadata: Optional[Metadata] = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        return self._metadata
+
+
+def _unpickled_common(data: bytes, where: str, wrapped: bool = True) -> dict:
+    """A torch.save'd common state, weights only; Megatron's classes as
+    MegatronValue. Inside DCP's files it is wrapped twice (`wrapped`): DCP
+    saved the bytes of a BytesIO into which Mcore saved a list of one state."""
+    allowed: list = [argparse.Namespace, io.BytesIO]
+    for _ in range(_MAX_STAND_INS):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            found = _UNSUPPORTED_GLOBAL.search(str(err))
+            if not (found and found[1].startswith("megatron.")):
+                raise fmt.CheckpointError(f"{where} names {found[1] if found else err}, which is "
+                                          "not Megatron's: refusing to unpickle it. Fix: give "
+                                          "a checkpoint that Megatron saved.") from None
+            allowed.append((MegatronValue, found[1]))
+            continue
+        except (RuntimeError, EOFError, ValueError) as err:
+            raise fmt.CheckpointError(f"{where} is unreadable ({err}). Fix: copy the "
+                                      "checkpoint again.") from None
+        if wrapped and isinstance(state, io.BytesIO):
+            return _unpickled_common(state.getvalue(), where, wrapped=False)
+        state = state[0] if isinstance(state, list) and len(state) == 1 else state
+        if not isinstance(state, dict):
+            raise fmt.CheckpointError(f"{where} holds a {type(state).__name__}, not a state dict")
+        return state
+    raise fmt.CheckpointError(f"{where} names more than {_MAX_STAND_INS} Megatron classes")
+
+
+def read_common(directory: Path, metadata: Metadata) -> dict:
+    """The common state: common.pt, else (Megatron-Core after Megatron-LM
+    PR #5160) the `common_state` object inside DCP's files."""
+    if (directory / COMMON).is_file():
+        return _unpickled_common((directory / COMMON).read_bytes(), str(directory / COMMON),
+                                 wrapped=False)
+    stored = metadata.storage_data.get(MetadataIndex(COMMON_STATE))
+    if stored is None:
+        raise fmt.CheckpointError(f"{directory} has no common state ({COMMON}, or "
+                                  f"{COMMON_STATE} in DCP's files). Fix: give a torch_dist "
+                                  "checkpoint directory that Megatron saved whole.")
+    if getattr(stored, "transform_descriptors", None):
+        raise fmt.CheckpointError(f"{directory}: its {COMMON_STATE} is stored transformed "
+                                  f"({stored.transform_descriptors}), which megaresil does not "
+                                  "read. Fix: save without checkpoint compression.")
+    with open(fmt.inside(directory, str(stored.relative_path)), "rb") as file:
+        file.seek(stored.offset)
+        data = file.read(stored.length)
+    if len(data) != stored.length:
+        raise fmt.CheckpointError(f"{directory}: {stored.relative_path} is shorter than DCP's "
+                                  "metadata says (truncated file). Fix: copy it again.")
+    return _unpickled_common(data, f"{directory}'s {COMMON_STATE}")
+
+
+def _reader(directory: Path) -> MegatronReader:
+    if (directory / fmt.MARKER).exists():
+        raise fmt.CheckpointError(f"{directory} is a megaresil checkpoint, not Megatron's. Fix: "
+                                  "convert it with `megaresil convert SRC DST`.")
+    if not (directory / ".metadata").is_file():
+        raise fmt.CheckpointError(f"{directory} has no DCP .metadata: not a torch_dist "
+                                  "checkpoint (the legacy torch format, mp_rank_XX/, is not "
+                                  "read). Fix: save it with --ckpt-format torch_dist.")
+    reader = MegatronReader(str(directory))
+    reader.read_metadata()
+    return reader
+
+
+@dataclass
+class MegatronCheckpoint:
+    """What a Megatron checkpoint holds: its iteration, Megatron-LM's args
+    (None when the common state has none), and each tensor's global shape
+    and dtype (`_extra_state` entries left out)."""
+    directory: Path
+    iteration: int
+    args: Optional[argparse.Namespace]
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+    skipped: list[str]
+    reader: MegatronReader
+
+
+def open_megatron(path: Path) -> MegatronCheckpoint:
+    directory = iteration_dir(path)
+    reader = _reader(directory)
+    metadata = reader.read_metadata()
+    common = read_common(directory, metadata)
+    shapes, dtypes, skipped = {}, {}, []
+    for key, meta in metadata.state_dict_metadata.items():
+        if key == COMMON_STATE:
+            continue
+        if key.startswith(OPTIMIZER) or not isinstance(meta, TensorStorageMetadata):
+            skipped.append(key)  # optimizer state, _extra_state, RNG state: no weights
+            continue
+        shapes[key], dtypes[key] = tuple(meta.size), meta.properties.dtype
+    args = common.get("args")
+    iteration = common.get("iteration", getattr(args, "iteration", 0))
+    return MegatronCheckpoint(directory, int(iteration) if isinstance(iteration, int) else 0,
+                              args if isinstance(args, argparse.Namespace) else None,
+                              shapes, dtypes, skipped, reader)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one megaresil tensor lies in the Megatron checkpoint: its key,
+    the layer of a stacked tensor (None: the whole tensor), the SwiGLU half."""
+    key: str
+    layer: Optional[int]
+    half: Optional[int]
+    experts: bool = False
+
+
+def _spelling(name: Name, held: dict, layer: Optional[int]) -> Optional[Source]:
+    for theirs in name.theirs:
+        if layer is not None and names.per_layer(layer, theirs) in held:
+            return Source(names.per_layer(layer, theirs), None, name.half, name.experts)
+        key = names.stacked(theirs) if layer is not None else theirs
+        if key in held:
+            return Source(key, layer, name.half, name.experts)
+        halves = [key + suffix for suffix in names.HALF_SUFFIXES]
+        if name.half is not None and all(h in held for h in halves):
+            return Source(halves[name.half], layer, None, name.experts)
+    return None
+
+
+def sources(ckpt: MegatronCheckpoint, cfg: ModelConfig) -> dict[str, Source]:
+    """Each of the model's `model/*` keys, where it lies in the checkpoint;
+    CheckpointError naming what is missing or held beyond the model."""
+    ours = layout_free_shapes(cfg)
+    top, layer = names.names_of(set(ours))
+    found: dict[str, Optional[Source]] = {n.ours: _spelling(n, ckpt.shapes, None) for n in top}
+    for i, n in itertools.product(range(cfg.num_layers), layer):
+        if f"layers.{i}.{n.ours}" in ours:  # a dense layer among expert layers lacks some
+            found[f"layers.{i}.{n.ours}"] = _spelling(n, ckpt.shapes, i)
+    missing = sorted(key for key, s in found.items() if s is None)
+    if missing:
+        raise fmt.CheckpointError(f"{ckpt.directory} lacks the tensors of {_listed(missing)} "
+                                  "that the model needs. Fix: give --recipe (or args) with the "
+                                  "model it holds.")
+    used = {s.key for s in found.values() if s is not None}
+    unused = sorted(set(ckpt.shapes) - used)
+    if unused:
+        raise fmt.CheckpointError(f"{ckpt.directory} holds {_listed(unused)} that a "
+                                  f"{cfg.flavour.value} model does not use. Fix: give --recipe "
+                                  "with the model it holds.")
+    return {f"model/{key}": s for key, s in found.items() if s is not None}
+
+
+def _listed(keys: list[str]) -> str:
+    return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
+class MegatronTensorSource:
+    """A Megatron checkpoint's weights as megaresil's `model/*` global
+    tensors (fp32 master weights), read from DCP's files when asked: a
+    TensorSource for the offline writer and for a run's initial weights."""
+
+    def __init__(self, ckpt: MegatronCheckpoint, cfg: ModelConfig):
+        self.ckpt, self.cfg = ckpt, cfg
+        self.sources = sources(ckpt, cfg)
+        # The last block read, by (key, layer): a SwiGLU fc1, a layer's largest
+        # tensor, serves two of megaresil's (gate, up), asked one after the other.
+        self._last: Optional[tuple[tuple[str, Optional[int]], torch.Tensor]] = None
+        shapes = layout_free_shapes(cfg)
+        self.tensors = {key: {"global_shape": list(shapes[key.removeprefix("model/")]),
+                              "dtype": "float32"} for key in self.sources}
+        self._check_shapes(shapes)
+
+    def _stored_shape(self, source: Source) -> tuple[int, ...]:
+        shape = self.ckpt.shapes[source.key]
+        shape = shape[1:] if source.layer is not None else shape
+        if source.half is None:
+            return shape
+        rows = 1 if source.experts else 0
+        return (*shape[:rows], shape[rows] // 2, *shape[rows + 1:])
+
+    def _check_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        for key, source in self.sources.items():
+            want, held = shapes[key.removeprefix("model/")], self._stored_shape(source)
+            vocab = key.removeprefix("model/") in names.VOCAB_KEYS
+            if held != want and not (vocab and held[1:] == want[1:] and held[0] >= want[0]):
+                raise fmt.CheckpointError(
+                    f"{self.ckpt.directory}: {source.key} has shape "
+                    f"{list(self.ckpt.shapes[source.key])}, but the model needs {list(want)} "
+                    f"for {key}. Fix: give --recipe (or args) with the model it holds.")
+
+    def _block(self, source: Source) -> torch.Tensor:
+        """The stored tensor of `source` (one layer's, of a stacked one)."""
+        where = (source.key, source.layer)
+        if self._last is not None and self._last[0] == where:
+            return self._last[1]
+        self._last = None  # freed before the next read
+        shape, layer = self.ckpt.shapes[source.key], source.layer
+        offset = (layer or 0, *[0] * (len(shape) - 1))
+        block = torch.empty((1, *shape[1:]) if layer is not None else shape,
+                            dtype=self.ckpt.dtypes[source.key])
+        read_dcp(self.ckpt.reader, [Rect(source.key, shape, offset, block)])
+        self._last = (where, block[0] if layer is not None else block)
+        return self._last[1]
+
+    def full(self, key: str) -> torch.Tensor:
+        source = self.sources[key]
+        tensor = self._block(source)
+        if source.half is not None:
+            tensor = names.swiglu_halves(tensor, source.experts)[source.half]
+        if key.removeprefix("model/") in names.VOCAB_KEYS:
+            tensor = names.unpadded(tensor, self.cfg.vocab_size)
+        return tensor.float().contiguous()
+
+    def read(self, targets: list[Rect]) -> None:
+        fill_from_full(targets, self.full)
+
+
+def import_from_megatron(src: Path, dst: Path, target: Target, *,
+                         recipe: Optional[Path] = None, tokenizer: Optional[str] = None,
+                         overwrite: bool = False) -> Path:
+    """Write a Megatron checkpoint's weights as a weights-only megaresil
+    checkpoint at the target layout, its iteration as the step; the recipe
+    is `recipe` (or the defaults) with the model from Megatron-LM's args
+    (else the recipe's own model) and the tokenizer `tokenizer` (else args')."""
+    refuse_existing(dst, overwrite)
+    ckpt = open_megatron(src)
+    notes: list[str] = []
+    base = to_dict(load_recipe(recipe) if recipe else RecipeConfig())
+    base["model"].update(megatron_model(ckpt, recipe is not None, notes))
+    _fit_sequences(base, notes)
+    spec = tokenizer or tokenizer_of(ckpt.args, notes)
+    if spec:
+        base["data"]["tokenizer"] = spec
+    notes.append(f"weights only: {skipped_note(ckpt)}")
+    for note in notes:
+        print(f"megaresil: {note}", file=sys.stderr)
+    cfg = target_recipe(base, target)
+    origin = {"megatron": str(src), "iteration": ckpt.iteration}
+    return write_checkpoint(MegatronTensorSource(ckpt, cfg.model), cfg, dst,
+                            backend=cfg.checkpoint.backend.value, weights_only=True,
+                            state=imported_state(cfg, origin, ckpt.iteration), overwrite=overwrite)
+
+
+def skipped_note(ckpt: MegatronCheckpoint) -> str:
+    """What of the checkpoint is not read, counted."""
+    optimizer = sum(key.startswith(OPTIMIZER) for key in ckpt.skipped)
+    extra = sum(names.is_extra_state(key) for key in ckpt.skipped)
+    other = len(ckpt.skipped) - optimizer - extra
+    return (f"skipped {optimizer} optimizer-state entries (not carried over), {extra} "
+            f"_extra_state entries (Transformer Engine's FP8 metadata, no weights) and {other} "
+            "other objects (RNG state)")
+
+
+def megatron_model(ckpt: MegatronCheckpoint, recipe_given: bool, notes: list[str]) -> dict:
+    """The model.* keys that Megatron-LM's args say ({} to keep a given
+    recipe's model when there are none); refused when neither says it."""
+    if ckpt.args is not None:
+        return model_keys(ckpt.args, notes)
+    if recipe_given:
+        return {}
+    raise fmt.CheckpointError(f"{ckpt.directory}'s common state has no Megatron-LM args to say "
+                              "the model's shape. Fix: give --recipe RECIPE with its model.*.")
+
+
+def _fit_sequences(recipe: dict, notes: list[str]) -> None:
+    """data.seq_len no longer than the model's positions."""
+    longest = recipe["model"]["max_seq_len"]
+    if recipe["data"]["seq_len"] > longest:
+        notes.append(f"data.seq_len {recipe['data']['seq_len']} lowered to the model's "
+                     f"max_seq_len {longest}")
+        recipe["data"]["seq_len"] = longest
+
+
+def summary(path: Path) -> dict:
+    """What `ckpt inspect` says of a Megatron checkpoint."""
+    ckpt = open_megatron(path)
+    notes: list[str] = []
+    try:
+        model = model_keys(ckpt.args, notes) if ckpt.args is not None else {}
+    except fmt.CheckpointError as err:
+        model, notes = {}, [str(err)]
+    tensors = {key: {"shape": list(shape), "dtype": str(ckpt.dtypes[key]).removeprefix("torch."),
+                     "bytes": math.prod(shape) * ckpt.dtypes[key].itemsize}
+               for key, shape in ckpt.shapes.items()}
+    args = ckpt.args
+    return {"path": str(ckpt.directory), "format": "megatron torch_dist",
+            "iteration": ckpt.iteration,
+            "tp": getattr(args, "tensor_model_parallel_size", None),
+            "pp": getattr(args, "pipeline_model_parallel_size", None),
+            "model": model, "notes": [*notes, skipped_note(ckpt)], "tensors": tensors,
+            "import": f"megaresil convert --from-megatron {path} DST"
+                      + ("" if args is not None else " --recipe RECIPE")}
+
+
+def format_summary(info: dict, tensors: bool = False) -> str:
+    from megaresil.checkpoint.offline.inspect import format_model
+
+    saved_at = (f"tp={info['tp']} pp={info['pp']}" if info["tp"] else
+                "unknown (no Megatron-LM args)")
+    total = sum(t["bytes"] for t in info["tensors"].values())
+    lines = [f"megatron    {info['path']}  ({info['format']}, weights read by megaresil)",
+             f"iteration   {info['iteration']}",
+             f"saved at    {saved_at}",
+             f"model       {format_model(info['model']) or 'not in args: give --recipe'}",
+             f"tensors     {len(info['tensors'])}, {total / 2**20:.2f} MiB"
+             + ("" if tensors else "  (list them with --tensors)"),
+             *(f"note        {note}" for note in info["notes"]),
+             f"import      {info['import']}"]
+    if tensors:
+        width = max(len(k) for k in info["tensors"])
+        lines += [""] + [f"  {key:<{width}}  {str(tuple(t['shape'])):<16} {t['dtype']}"
+                         for key, t in info["tensors"].items()]
+    return "\n".join(lines)
