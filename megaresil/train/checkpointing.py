@@ -387,11 +387,15 @@ class TrainCheckpointing:
 
 def _megatron_source(path: Path, ours: ModelConfig, with_optimizer: bool):
     """A Megatron checkpoint's weights, checked against this run's model."""
-    if with_optimizer:
-        raise fmt.CheckpointError(f"checkpoint.init_from={path} is a Megatron checkpoint, whose "
-                                  "optimizer state megaresil does not read. Fix: drop "
-                                  "checkpoint.init_from_optimizer.")
     ckpt = open_megatron(path)
+    if with_optimizer:
+        carried = ckpt.carried()
+        fix = (f"convert it first (megaresil convert --from-megatron {path} DST) and start "
+               "from DST" if carried.moments else
+               f"drop checkpoint.init_from_optimizer ({carried.note})")
+        raise fmt.CheckpointError(f"checkpoint.init_from={path} is a Megatron checkpoint, "
+                                  "whose optimizer state a run takes from its import only. "
+                                  f"Fix: {fix}.")
     if ckpt.args is not None:
         saved = megatron_model_keys(ckpt.args, [])
         saved["vocab_size"] = ours.vocab_size  # the run's real vocabulary cuts Megatron's padding

@@ -31,6 +31,19 @@ layer, a fourth for its checkpoint save):
    device (strategies/filesystem_async.py:230); on the CPU the copies are
    done when made, and there is no device to wait for.
 
+Its optimizer (`optimizer_shim`, applied only in a process that trains with it)
+needs three more, each where Mcore assumes a GPU rather than computes on one:
+
+5. `Tensor.type()` without arguments names the CUDA type: the optimizers sort
+   parameters into fp32 and fp16/bf16 groups by that name
+   (distrib_optimizer.py:419, "torch.cuda.FloatTensor").
+6. In the optimizer modules and utils' multi-tensor fallback, `torch.tensor`,
+   `zeros`, `empty` and `ones` given `device="cuda"` make the tensor on the
+   CPU (the found-inf flag, the unit loss scale, the norm's scratch:
+   optimizer.py:473-485, clip_grads.py:90-207, utils.py:1207).
+7. `Tensor.cuda()` returns the tensor (the gather of the optimizer state to
+   model space copies its buffers to the device, distrib_optimizer.py:1089).
+
 Not a patch: the causal mask is passed as an input (a bool (1, 1, T, T) tensor,
 as Megatron's own GPT data pipeline builds it), because Mcore's default mask
 (transformer/utils.py:35) is built with device="cuda".
@@ -76,6 +89,35 @@ def cpu_shim() -> None:
     if not moe_utils.HAVE_TE:
         moe_utils.te_general_gemm = None
     torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+def optimizer_shim() -> None:
+    """The optimizer's patches of the docstring (5-7), in this process only
+    (once: a second call leaves them as they are)."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as plain_optimizer
+
+    def on_the_cpu(make):
+        def made(*args, **kwargs):
+            if kwargs.get("device") == "cuda":
+                kwargs["device"] = "cpu"
+            return make(*args, **kwargs)
+        return made
+
+    cpu_torch = types.SimpleNamespace(**{name: getattr(torch, name) for name in dir(torch)
+                                         if not name.startswith("__")})
+    for name in ("tensor", "zeros", "empty", "ones"):
+        setattr(cpu_torch, name, on_the_cpu(getattr(torch, name)))
+    if isinstance(utils.torch, types.SimpleNamespace):
+        return
+    for module in (plain_optimizer, clip_grads, distrib_optimizer, utils):
+        module.torch = cpu_torch
+    type_name = torch.Tensor.type
+    torch.Tensor.type = lambda self, *args, **kwargs: (  # type: ignore[method-assign]
+        type_name(self, *args, **kwargs) if args or kwargs
+        else type_name(self).replace("torch.", "torch.cuda.", 1))
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
 
 
 def moe_config(m) -> dict:
@@ -195,10 +237,13 @@ class Saved:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    # With its distributed optimizer's state, after TRAINED_STEPS, in this format.
+    optimizer: Optional[str] = None
 
     @property
     def name(self) -> str:
-        return f"{self.flavour}-tp{self.tp}-pp{self.pp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+        return (f"{self.flavour}-tp{self.tp}-pp{self.pp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+                + (f"-{self.optimizer}" if self.optimizer else ""))
 
     def recipe(self):
         return load_recipe(RECIPE, TINY + FLAVOURS[self.flavour])
@@ -241,12 +286,16 @@ def megatron_args(cfg, tp: int, pp: int) -> argparse.Namespace:
 
 
 def save_megatron_lm(model, args: argparse.Namespace, save_dir: Path,
-                     iteration: int = ITERATION) -> Path:
+                     iteration: int = ITERATION, optimizer=None,
+                     sharding: Optional[str] = None) -> Path:
     """The model saved with Mcore's own dist_checkpointing.save (torch_dist)
     as Megatron-LM's save_checkpoint lays it out: `iter_NNNNNNN/` with the
     model's sharded state under "model" and args, checkpoint_version and
     iteration beside it (the common state, common.pt), then
-    latest_checkpointed_iteration.txt. Every rank calls it."""
+    latest_checkpointed_iteration.txt; with `optimizer`, its sharded state
+    under "optimizer" in the distributed optimizer's `sharding` format
+    (Megatron-LM's --dist-ckpt-optim-fully-reshardable: "fully_reshardable",
+    else "dp_reshardable"). Every rank calls it."""
     from megatron.core import dist_checkpointing
 
     iteration_dir = save_dir / f"iter_{iteration:07d}"
@@ -255,6 +304,9 @@ def save_megatron_lm(model, args: argparse.Namespace, save_dir: Path,
     dist.barrier()
     state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0,
              "iteration": iteration, "num_floating_point_operations_so_far": 0}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state["model"], metadata={"distrib_optim_sharding_type": sharding})
     dist_checkpointing.save(state, str(iteration_dir))
     if dist.get_rank() == 0:
         (save_dir / "latest_checkpointed_iteration.txt").write_text(str(iteration))
@@ -292,6 +344,59 @@ def stage_logits(model, cfg, tokens: torch.Tensor) -> Optional[torch.Tensor]:
     return torch.cat(pieces, dim=-1) if ps.get_tensor_model_parallel_rank() == 0 else None
 
 
+TRAINED_STEPS = 2  # Adam's step count in a save with optimizer state (its iteration: ITERATION)
+
+
+def trained(model, cfg):
+    """Mcore's distributed optimizer (AdamW, ZeRO over the data-parallel
+    ranks, no clipping) after TRAINED_STEPS steps of `model` on
+    `fixed_tokens`, each rank on the same batch (pipeline parallelism aside)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    optimizer_shim()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True,
+        bf16=False, fp16=False, clip_grad=0.0), [ddp])
+    tokens = fixed_tokens(cfg)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).view(1, 1, SEQ, SEQ)
+    for _ in range(TRAINED_STEPS):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        ddp(tokens, positions, mask, labels=tokens.roll(-1, 1)).float().mean().backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+    return optimizer
+
+
+@torch.no_grad()
+def moment_as_weights(model, optimizer, moment: str) -> None:
+    """Each parameter of `model` overwritten with its `moment` as Mcore's
+    optimizer gives it in model space: saved as a model, a checkpoint whose
+    weights are where Mcore itself puts each parameter's moment."""
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    model_state = model.sharded_state_dict()
+    params = {_where(sharded, ""): sharded.data
+              for sharded in extract_sharded_tensors_and_factories(model_state)[0].values()}
+    state = optimizer.sharded_state_dict(
+        model_state, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    for tensors in state["param_state"].values():
+        params[_where(tensors[moment], f"optimizer.state.{moment}.")].copy_(tensors[moment].data)
+
+
+def _where(sharded, key_prefix: str) -> tuple:
+    """Which parameter a sharded tensor (or the factory of a SwiGLU fc1) is
+    of: a stacked key names every layer's, told apart by the offset (by the
+    factory's build function, which holds it and which the optimizer's copy keeps)."""
+    offset = getattr(sharded, "global_offset", None)
+    return (sharded.key.removeprefix(key_prefix),
+            offset if offset is not None else id(sharded.build_fn))
+
+
 def _save_one(saved: Saved, out: Path) -> None:
     from megatron.core import parallel_state as ps
 
@@ -302,10 +407,17 @@ def _save_one(saved: Saved, out: Path) -> None:
         model = build_model(cfg, torch.device("cpu"), megatron_padded_vocab(cfg, saved.tp),
                             pre_process=ps.is_pipeline_first_stage(),
                             post_process=ps.is_pipeline_last_stage())
-        save_megatron_lm(model, megatron_args(cfg, saved.tp, saved.pp), out / saved.name)
+        optimizer = trained(model, cfg) if saved.optimizer else None
+        args = megatron_args(cfg, saved.tp, saved.pp)
+        save_megatron_lm(model, args, out / saved.name, optimizer=optimizer,
+                         sharding=saved.optimizer)
         logits = stage_logits(model, cfg, fixed_tokens(cfg))
         if logits is not None:
             torch.save(logits, out / saved.name / "logits.pt")
+        if saved.optimizer == "fully_reshardable":
+            for moment in ("exp_avg", "exp_avg_sq"):
+                moment_as_weights(model, optimizer, moment)
+                save_megatron_lm(model, args, out / saved.name / moment)
         dist.barrier()
     finally:
         ps.destroy_model_parallel()

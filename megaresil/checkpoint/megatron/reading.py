@@ -5,7 +5,8 @@ initial weights (`checkpoint.init_from`); docs/checkpoints.md, "From Megatron".
 SRC is a save directory or one `iter_NNNNNNN/` in it: the common state from
 `common.pt` or DCP's `common_state` object, the model's shape from Megatron-LM's args in it (else a
 recipe), the tensors from DCP's files at whatever tp x pp they were saved,
-through names.py's table. Weights only. Untrusted input: `common.pt` loads
+through names.py's table; the optimizer state too where Megatron saved it in
+model space (optimizer_state.py). Untrusted input: `common.pt` loads
 with torch.load(weights_only=True), admitting argparse.Namespace, BytesIO and, for
 Megatron's own classes in it (enums, configs), an inert stand-in that runs
 nothing; DCP's metadata admits, beyond megaresil's list, the planner data
@@ -14,6 +15,7 @@ classes Mcore caches in it (`all_local_plans`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import itertools
 import math
@@ -35,6 +37,13 @@ from megaresil.checkpoint.megatron import names
 from megaresil.checkpoint.megatron.arguments import model_keys, tokenizer_of
 from megaresil.checkpoint.megatron.directory import iteration_dir
 from megaresil.checkpoint.megatron.names import Name
+from megaresil.checkpoint.megatron.optimizer_state import (
+    MOMENTS,
+    CarriedState,
+    carried_state,
+    held_under,
+    prefix,
+)
 from megaresil.checkpoint.offline.convert import Target, imported_state, target_recipe
 from megaresil.checkpoint.offline.writer import refuse_existing, write_checkpoint
 from megaresil.checkpoint.sharded import Rect
@@ -149,15 +158,26 @@ def _reader(directory: Path) -> MegatronReader:
 @dataclass
 class MegatronCheckpoint:
     """What a Megatron checkpoint holds: its iteration, Megatron-LM's args
-    (None when the common state has none), and each tensor's global shape
-    and dtype (`_extra_state` entries left out)."""
+    (None when the common state has none), each weight's global shape
+    (`shapes`), every tensor's, the optimizer's included (`stored`), their
+    dtypes, the common state's optimizer entry, and what is never read."""
     directory: Path
     iteration: int
     args: Optional[argparse.Namespace]
     shapes: dict[str, tuple[int, ...]]
+    stored: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
+    optimizer: dict
     skipped: list[str]
     reader: MegatronReader
+
+    def carried(self) -> CarriedState:
+        """What of its optimizer state an import takes."""
+        return carried_state(self.shapes, self.stored, self.optimizer, self.iteration)
+
+    @property
+    def consumed_samples(self) -> int:
+        return int(getattr(self.args, "consumed_train_samples", 0) or 0)
 
 
 def open_megatron(path: Path) -> MegatronCheckpoint:
@@ -165,19 +185,22 @@ def open_megatron(path: Path) -> MegatronCheckpoint:
     reader = _reader(directory)
     metadata = reader.read_metadata()
     common = read_common(directory, metadata)
-    shapes, dtypes, skipped = {}, {}, []
+    stored, dtypes, skipped = {}, {}, []
     for key, meta in metadata.state_dict_metadata.items():
         if key == COMMON_STATE:
             continue
-        if key.startswith(OPTIMIZER) or not isinstance(meta, TensorStorageMetadata):
-            skipped.append(key)  # optimizer state, _extra_state, RNG state: no weights
+        if not isinstance(meta, TensorStorageMetadata):
+            skipped.append(key)  # _extra_state, RNG state, bucket-space optimizer objects
             continue
-        shapes[key], dtypes[key] = tuple(meta.size), meta.properties.dtype
+        stored[key], dtypes[key] = tuple(meta.size), meta.properties.dtype
+    shapes = {key: shape for key, shape in stored.items() if not key.startswith(OPTIMIZER)}
     args = common.get("args")
     iteration = common.get("iteration", getattr(args, "iteration", 0))
+    optimizer = common.get("optimizer")
     return MegatronCheckpoint(directory, int(iteration) if isinstance(iteration, int) else 0,
                               args if isinstance(args, argparse.Namespace) else None,
-                              shapes, dtypes, skipped, reader)
+                              shapes, stored, dtypes,
+                              optimizer if isinstance(optimizer, dict) else {}, skipped, reader)
 
 
 @dataclass(frozen=True)
@@ -203,51 +226,73 @@ def _spelling(name: Name, held: dict, layer: Optional[int]) -> Optional[Source]:
     return None
 
 
-def sources(ckpt: MegatronCheckpoint, cfg: ModelConfig) -> dict[str, Source]:
-    """Each of the model's `model/*` keys, where it lies in the checkpoint;
-    CheckpointError naming what is missing or held beyond the model."""
+def sources(held: dict[str, tuple[int, ...]], cfg: ModelConfig, where: Path,
+            key_prefix: str = "") -> dict[str, Source]:
+    """Each of the model's parameters (by its megaresil key), where it lies
+    among `held` (a checkpoint's tensors under `key_prefix`, by the rest of
+    their key); CheckpointError naming what is missing or held beyond the model."""
     ours = layout_free_shapes(cfg)
     top, layer = names.names_of(set(ours))
-    found: dict[str, Optional[Source]] = {n.ours: _spelling(n, ckpt.shapes, None) for n in top}
+    found: dict[str, Optional[Source]] = {n.ours: _spelling(n, held, None) for n in top}
     for i, n in itertools.product(range(cfg.num_layers), layer):
         if f"layers.{i}.{n.ours}" in ours:  # a dense layer among expert layers lacks some
-            found[f"layers.{i}.{n.ours}"] = _spelling(n, ckpt.shapes, i)
+            found[f"layers.{i}.{n.ours}"] = _spelling(n, held, i)
     missing = sorted(key for key, s in found.items() if s is None)
     if missing:
-        raise fmt.CheckpointError(f"{ckpt.directory} lacks the tensors of {_listed(missing)} "
-                                  "that the model needs. Fix: give --recipe (or args) with the "
-                                  "model it holds.")
+        raise fmt.CheckpointError(f"{where} lacks the tensors of {_listed(missing)} "
+                                  f"{'that the model needs' if not key_prefix else key_prefix}. "
+                                  "Fix: give --recipe (or args) with the model it holds.")
     used = {s.key for s in found.values() if s is not None}
-    unused = sorted(set(ckpt.shapes) - used)
+    unused = sorted(set(held) - used)
     if unused:
-        raise fmt.CheckpointError(f"{ckpt.directory} holds {_listed(unused)} that a "
+        raise fmt.CheckpointError(f"{where} holds {_listed(unused)} that a "
                                   f"{cfg.flavour.value} model does not use. Fix: give --recipe "
                                   "with the model it holds.")
-    return {f"model/{key}": s for key, s in found.items() if s is not None}
+    return {key: dataclasses.replace(s, key=key_prefix + s.key)
+            for key, s in found.items() if s is not None}
 
 
 def _listed(keys: list[str]) -> str:
     return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
 
+def _parameter(key: str) -> str:
+    """The parameter of a `model/<p>` or `optim/<moment>/<p>` key."""
+    return key.removeprefix("model/") if key.startswith("model/") else key.split("/", 2)[2]
+
+
 class MegatronTensorSource:
     """A Megatron checkpoint's weights as megaresil's `model/*` global
-    tensors (fp32 master weights), read from DCP's files when asked: a
-    TensorSource for the offline writer and for a run's initial weights."""
+    tensors (fp32: its fp32 main weights where `carried` takes them), and
+    with `carried` moments AdamW's as `optim/<moment>/*`, read from DCP's
+    files when asked: a TensorSource for the offline writer and for a run's
+    initial weights."""
 
-    def __init__(self, ckpt: MegatronCheckpoint, cfg: ModelConfig):
+    def __init__(self, ckpt: MegatronCheckpoint, cfg: ModelConfig,
+                 carried: Optional[CarriedState] = None):
         self.ckpt, self.cfg = ckpt, cfg
-        self.sources = sources(ckpt, cfg)
+        self.sources = {f"model/{key}": s
+                        for key, s in sources(ckpt.shapes, cfg, ckpt.directory).items()}
+        if carried is not None and carried.main is not None:
+            self.sources.update(self._under(carried.main, "model/"))
+        if carried is not None and carried.moments:
+            for moment in MOMENTS:
+                self.sources.update(self._under(prefix(moment), f"optim/{moment}/"))
         # The last block read, by (key, layer): a SwiGLU fc1, a layer's largest
         # tensor, serves two of megaresil's (gate, up), asked one after the other.
         self._last: Optional[tuple[tuple[str, Optional[int]], torch.Tensor]] = None
         shapes = layout_free_shapes(cfg)
-        self.tensors = {key: {"global_shape": list(shapes[key.removeprefix("model/")]),
+        self.tensors = {key: {"global_shape": list(shapes[_parameter(key)]),
                               "dtype": "float32"} for key in self.sources}
         self._check_shapes(shapes)
 
+    def _under(self, key_prefix: str, ours: str) -> dict[str, Source]:
+        held = held_under(self.ckpt.stored, key_prefix)
+        return {ours + key: s for key, s in
+                sources(held, self.cfg, self.ckpt.directory, key_prefix).items()}
+
     def _stored_shape(self, source: Source) -> tuple[int, ...]:
-        shape = self.ckpt.shapes[source.key]
+        shape = self.ckpt.stored[source.key]
         shape = shape[1:] if source.layer is not None else shape
         if source.half is None:
             return shape
@@ -256,12 +301,12 @@ class MegatronTensorSource:
 
     def _check_shapes(self, shapes: dict[str, tuple[int, ...]]) -> None:
         for key, source in self.sources.items():
-            want, held = shapes[key.removeprefix("model/")], self._stored_shape(source)
-            vocab = key.removeprefix("model/") in names.VOCAB_KEYS
+            want, held = shapes[_parameter(key)], self._stored_shape(source)
+            vocab = _parameter(key) in names.VOCAB_KEYS
             if held != want and not (vocab and held[1:] == want[1:] and held[0] >= want[0]):
                 raise fmt.CheckpointError(
                     f"{self.ckpt.directory}: {source.key} has shape "
-                    f"{list(self.ckpt.shapes[source.key])}, but the model needs {list(want)} "
+                    f"{list(self.ckpt.stored[source.key])}, but the model needs {list(want)} "
                     f"for {key}. Fix: give --recipe (or args) with the model it holds.")
 
     def _block(self, source: Source) -> torch.Tensor:
@@ -270,7 +315,7 @@ class MegatronTensorSource:
         if self._last is not None and self._last[0] == where:
             return self._last[1]
         self._last = None  # freed before the next read
-        shape, layer = self.ckpt.shapes[source.key], source.layer
+        shape, layer = self.ckpt.stored[source.key], source.layer
         offset = (layer or 0, *[0] * (len(shape) - 1))
         block = torch.empty((1, *shape[1:]) if layer is not None else shape,
                             dtype=self.ckpt.dtypes[source.key])
@@ -283,7 +328,7 @@ class MegatronTensorSource:
         tensor = self._block(source)
         if source.half is not None:
             tensor = names.swiglu_halves(tensor, source.experts)[source.half]
-        if key.removeprefix("model/") in names.VOCAB_KEYS:
+        if _parameter(key) in names.VOCAB_KEYS:
             tensor = names.unpadded(tensor, self.cfg.vocab_size)
         return tensor.float().contiguous()
 
@@ -294,10 +339,13 @@ class MegatronTensorSource:
 def import_from_megatron(src: Path, dst: Path, target: Target, *,
                          recipe: Optional[Path] = None, tokenizer: Optional[str] = None,
                          overwrite: bool = False) -> Path:
-    """Write a Megatron checkpoint's weights as a weights-only megaresil
-    checkpoint at the target layout, its iteration as the step; the recipe
-    is `recipe` (or the defaults) with the model from Megatron-LM's args
-    (else the recipe's own model) and the tokenizer `tokenizer` (else args')."""
+    """Write a Megatron checkpoint as a megaresil checkpoint at the target
+    layout, its iteration as the step: a full one (AdamW's moments, Adam's
+    step, Megatron's consumed samples as the data position) where Megatron
+    saved its optimizer state in model space and the target is not weights
+    only, else weights only, said in a note. The recipe is `recipe` (or the
+    defaults) with the model from Megatron-LM's args (else the recipe's own
+    model) and the tokenizer `tokenizer` (else args')."""
     refuse_existing(dst, overwrite)
     ckpt = open_megatron(src)
     notes: list[str] = []
@@ -307,24 +355,36 @@ def import_from_megatron(src: Path, dst: Path, target: Target, *,
     spec = tokenizer or tokenizer_of(ckpt.args, notes)
     if spec:
         base["data"]["tokenizer"] = spec
-    notes.append(f"weights only: {skipped_note(ckpt)}")
+    carried = ckpt.carried()
+    if target.weights_only and carried.moments:
+        carried = dataclasses.replace(carried, moments=False,
+                                      note="optimizer state left out (--weights-only)")
+    notes += [carried.note if carried.moments else f"weights only: {carried.note}",
+              skipped_note(ckpt, carried)]
+    if carried.moments:
+        notes.append(f"data position: {ckpt.consumed_samples} samples consumed, as Megatron "
+                     "counted them (megaresil's sample order is its own)")
     for note in notes:
         print(f"megaresil: {note}", file=sys.stderr)
     cfg = target_recipe(base, target)
     origin = {"megatron": str(src), "iteration": ckpt.iteration}
-    return write_checkpoint(MegatronTensorSource(ckpt, cfg.model), cfg, dst,
-                            backend=cfg.checkpoint.backend.value, weights_only=True,
-                            state=imported_state(cfg, origin, ckpt.iteration), overwrite=overwrite)
+    state = (imported_state(cfg, origin, ckpt.iteration) if not carried.moments else
+             imported_state(cfg, origin, ckpt.iteration, adam_step=carried.adam_step,
+                            consumed_samples=ckpt.consumed_samples))
+    return write_checkpoint(MegatronTensorSource(ckpt, cfg.model, carried), cfg, dst,
+                            backend=cfg.checkpoint.backend.value,
+                            weights_only=not carried.moments, state=state, overwrite=overwrite)
 
 
-def skipped_note(ckpt: MegatronCheckpoint) -> str:
+def skipped_note(ckpt: MegatronCheckpoint, carried: CarriedState) -> str:
     """What of the checkpoint is not read, counted."""
-    optimizer = sum(key.startswith(OPTIMIZER) for key in ckpt.skipped)
+    optimizer = sum(key.startswith(OPTIMIZER) for key in ckpt.stored if not carried.moments)
+    optimizer += sum(key.startswith(OPTIMIZER) for key in ckpt.skipped)
     extra = sum(names.is_extra_state(key) for key in ckpt.skipped)
-    other = len(ckpt.skipped) - optimizer - extra
-    return (f"skipped {optimizer} optimizer-state entries (not carried over), {extra} "
-            f"_extra_state entries (Transformer Engine's FP8 metadata, no weights) and {other} "
-            "other objects (RNG state)")
+    other = len(ckpt.skipped) - extra - sum(key.startswith(OPTIMIZER) for key in ckpt.skipped)
+    return (f"skipped {optimizer} optimizer-state entries, {extra} _extra_state entries "
+            f"(Transformer Engine's FP8 metadata, no weights) and {other} other objects "
+            "(RNG state)")
 
 
 def megatron_model(ckpt: MegatronCheckpoint, recipe_given: bool, notes: list[str]) -> dict:
@@ -363,7 +423,9 @@ def summary(path: Path) -> dict:
             "iteration": ckpt.iteration,
             "tp": getattr(args, "tensor_model_parallel_size", None),
             "pp": getattr(args, "pipeline_model_parallel_size", None),
-            "model": model, "notes": [*notes, skipped_note(ckpt)], "tensors": tensors,
+            "model": model, "notes": [*notes, ckpt.carried().note,
+                                      skipped_note(ckpt, ckpt.carried())],
+            "tensors": tensors,
             "import": f"megaresil convert --from-megatron {path} DST"
                       + ("" if args is not None else " --recipe RECIPE")}
 

@@ -92,12 +92,15 @@ def fresh_rank_states(cfg: RecipeConfig) -> list[dict]:
     return [fresh] * cfg.parallel.world_size
 
 
-def imported_state(cfg: RecipeConfig, origin: dict, step: int = 0) -> RunRecord:
+def imported_state(cfg: RecipeConfig, origin: dict, step: int = 0, *,
+                   adam_step: Optional[int] = None, consumed_samples: int = 0) -> RunRecord:
     """The non-tensor state of a checkpoint that megaresil's training did not
-    write (imported weights): `step` (the source's count), nothing consumed."""
-    return RunRecord(step=step, layout=recipe_layout(cfg), recipe=to_dict(cfg), consumed_samples=0,
-                     optimizer_steps=0, rank_states=fresh_rank_states(cfg), weights_only=True,
-                     extra={"origin": origin})
+    write: `step` (the source's count); weights only unless the source's
+    optimizer came too (`adam_step`, with its data position)."""
+    return RunRecord(step=step, layout=recipe_layout(cfg), recipe=to_dict(cfg),
+                     consumed_samples=consumed_samples if adam_step is not None else 0,
+                     optimizer_steps=adam_step or 0, rank_states=fresh_rank_states(cfg),
+                     weights_only=adam_step is None, extra={"origin": origin})
 
 
 def converted_state(manifest: dict, cfg: RecipeConfig, weights_only: bool) -> RunRecord:
