@@ -31,8 +31,16 @@ def cmd_ckpt_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt_verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megaresil.checkpoint.megatron.directory import is_megatron_checkpoint
     from megaresil.checkpoint.offline.inspect import verify
 
+    if is_megatron_checkpoint(Path(args.path)):
+        from megaresil.checkpoint.megatron import verifying
+        valid, said = verifying.verify(Path(args.path))
+        print(f"{'OK' if valid else 'INVALID'} {args.path}: {said}")
+        return 0 if valid else 1
     path = checkpoint_argument(args.path)
     reason = verify(path)
     if reason:
@@ -137,7 +145,7 @@ def add_ckpt_parser(sub) -> None:
     ckpt = sub.add_parser("ckpt", help="inspect and verify checkpoints")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
     where = ("a checkpoint directory, a run directory, its checkpoints/ or checkpoints/latest "
-             "(the newest valid checkpoint, named on stderr)")
+             "(the newest valid checkpoint, named on stderr), or a Megatron save directory")
     inspect = ckpt_sub.add_parser("inspect", help="a summary: step, layout, backend, parameters, "
                                   "model, tensors count, bytes per rank (--tensors: each tensor)")
     inspect.add_argument("path", help=where)
@@ -146,7 +154,9 @@ def add_ckpt_parser(sub) -> None:
                          "tensor included)")
     inspect.set_defaults(func=cmd_ckpt_inspect)
     verify = ckpt_sub.add_parser("verify", help="exit 0 when every shard is present and its "
-                                 "checksum matches, else 1 with the reason")
+                                 "checksum matches, else 1 with the reason (a Megatron "
+                                 "checkpoint, which has no checksums: every tensor read whole "
+                                 "and finite)")
     verify.add_argument("path", help=where)
     verify.set_defaults(func=cmd_ckpt_verify)
     diff = ckpt_sub.add_parser("diff", help="compare two checkpoints tensor by tensor, whatever "
@@ -200,7 +210,8 @@ def add_convert_parser(sub) -> None:
                          "Mixtral or Qwen3-MoE model directory as a weights-only checkpoint")
     convert.add_argument("--from-megatron", metavar="SRC", help="import a Megatron-LM / "
                          "Megatron-Core torch_dist checkpoint (a save directory or one iter_* "
-                         "directory; GPT-2 or Llama shaped) as a weights-only checkpoint")
+                         "directory; GPT-2 or Llama shaped): with its optimizer state when "
+                         "Megatron saved it in model space (fully_reshardable), else weights only")
     convert.add_argument("--recipe", help="with --from-hf or --from-megatron: training keys from "
                          "this recipe (default: the schema defaults); model.* comes from "
                          "config.json or Megatron-LM's args, from the recipe when there are none")

@@ -148,3 +148,26 @@ def test_a_run_starts_from_one(mcore_checkpoints, tmp_path):
     Trainer(cfg, ParallelLayout(device=torch.device("cpu"))).run()
     started = [e for e in read_events(tmp_path) if e["event"] == "initialized_from"]
     assert [e["source"] for e in started] == ["megatron"]
+
+
+def test_verify_reads_every_tensor_whole(mcore_checkpoints, tmp_path, cli_main):
+    """Megatron saves no checksums: `ckpt verify` reads each tensor and says
+    so; a truncated file, or a NaN in a weight, is INVALID (exit 1)."""
+    ok = cli_main("ckpt", "verify", str(mcore_checkpoints["llama-tp2-pp1"]))
+    assert "read whole, every value finite; Megatron saves no checksums" in ok.stdout
+    save = mcore_checkpoints["llama-tp1-pp1"]
+    iteration = save / f"iter_{ITERATION:07d}"
+    ckpt = open_megatron(save)
+    tensors = {key: torch.empty(shape, dtype=ckpt.dtypes[key]) for key, shape in ckpt.shapes.items()}
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(iteration)), no_dist=True)
+    tensors["decoder.final_layernorm.weight"][3] = float("nan")
+    nan = tmp_path / "nan"
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(nan / iteration.name)), no_dist=True)
+    shutil.copy(iteration / "common.pt", nan / iteration.name / "common.pt")
+    (nan / TRACKER).write_text(str(ITERATION))
+    bad = cli_main("ckpt", "verify", str(nan), check=False)
+    assert bad.returncode == 1
+    assert "INVALID" in bad.stdout and "decoder.final_layernorm.weight (1)" in bad.stdout
+    chunk = sorted((nan / iteration.name).glob("*.distcp"))[0]
+    os.truncate(chunk, chunk.stat().st_size - 100)
+    assert "is unreadable" in cli_main("ckpt", "verify", str(nan), check=False).stdout
