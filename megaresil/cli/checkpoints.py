@@ -19,9 +19,9 @@ def cmd_ckpt_inspect(args: argparse.Namespace) -> int:
     from megaresil.checkpoint.megatron.directory import is_megatron_checkpoint
 
     if is_megatron_checkpoint(Path(args.path)):
-        from megaresil.checkpoint.megatron import reading
-        info = reading.summary(Path(args.path))
-        text = reading.format_summary(info, args.tensors)
+        from megaresil.checkpoint.megatron import inspection
+        info = inspection.summary(Path(args.path))
+        text = inspection.format_summary(info, args.tensors)
     else:
         from megaresil.checkpoint.offline import inspect
         info = inspect.summary(checkpoint_argument(args.path))
@@ -37,8 +37,8 @@ def cmd_ckpt_verify(args: argparse.Namespace) -> int:
     from megaresil.checkpoint.offline.inspect import verify
 
     if is_megatron_checkpoint(Path(args.path)):
-        from megaresil.checkpoint.megatron import verifying
-        valid, said = verifying.verify(Path(args.path))
+        from megaresil.checkpoint.megatron import inspection
+        valid, said = inspection.verify(Path(args.path))
         print(f"{'OK' if valid else 'INVALID'} {args.path}: {said}")
         return 0 if valid else 1
     path = checkpoint_argument(args.path)

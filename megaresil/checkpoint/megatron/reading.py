@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import io
 import itertools
-import math
 import pickle
 import re
 import sys
@@ -405,47 +404,3 @@ def _fit_sequences(recipe: dict, notes: list[str]) -> None:
         notes.append(f"data.seq_len {recipe['data']['seq_len']} lowered to the model's "
                      f"max_seq_len {longest}")
         recipe["data"]["seq_len"] = longest
-
-
-def summary(path: Path) -> dict:
-    """What `ckpt inspect` says of a Megatron checkpoint."""
-    ckpt = open_megatron(path)
-    notes: list[str] = []
-    try:
-        model = model_keys(ckpt.args, notes) if ckpt.args is not None else {}
-    except fmt.CheckpointError as err:
-        model, notes = {}, [str(err)]
-    tensors = {key: {"shape": list(shape), "dtype": str(ckpt.dtypes[key]).removeprefix("torch."),
-                     "bytes": math.prod(shape) * ckpt.dtypes[key].itemsize}
-               for key, shape in ckpt.shapes.items()}
-    args = ckpt.args
-    return {"path": str(ckpt.directory), "format": "megatron torch_dist",
-            "iteration": ckpt.iteration,
-            "tp": getattr(args, "tensor_model_parallel_size", None),
-            "pp": getattr(args, "pipeline_model_parallel_size", None),
-            "model": model, "notes": [*notes, ckpt.carried().note,
-                                      skipped_note(ckpt, ckpt.carried())],
-            "tensors": tensors,
-            "import": f"megaresil convert --from-megatron {path} DST"
-                      + ("" if args is not None else " --recipe RECIPE")}
-
-
-def format_summary(info: dict, tensors: bool = False) -> str:
-    from megaresil.checkpoint.offline.inspect import format_model
-
-    saved_at = (f"tp={info['tp']} pp={info['pp']}" if info["tp"] else
-                "unknown (no Megatron-LM args)")
-    total = sum(t["bytes"] for t in info["tensors"].values())
-    lines = [f"megatron    {info['path']}  ({info['format']}, weights read by megaresil)",
-             f"iteration   {info['iteration']}",
-             f"saved at    {saved_at}",
-             f"model       {format_model(info['model']) or 'not in args: give --recipe'}",
-             f"tensors     {len(info['tensors'])}, {total / 2**20:.2f} MiB"
-             + ("" if tensors else "  (list them with --tensors)"),
-             *(f"note        {note}" for note in info["notes"]),
-             f"import      {info['import']}"]
-    if tensors:
-        width = max(len(k) for k in info["tensors"])
-        lines += [""] + [f"  {key:<{width}}  {str(tuple(t['shape'])):<16} {t['dtype']}"
-                         for key, t in info["tensors"].items()]
-    return "\n".join(lines)
