@@ -8,7 +8,7 @@ family adds its `Flavour` member and its row here, beside its model module.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megaresil.config.schema import Flavour
 
@@ -48,14 +48,25 @@ class MegatronForm:
     swiglu: bool  # a SwiGLU MLP; else GELU (Megatron's exact GELU unless openai_gelu)
     normalization: str  # Megatron's name: RMSNorm or LayerNorm
     position_embedding_type: str  # rope or learned_absolute
-    add_bias_linear: bool  # biases on every linear layer (none on q/k/v alone)
+    add_bias_linear: bool  # biases on every linear layer
+    add_qkv_bias: bool = False  # biases on q, k and v alone (in a model without the others)
+    qk_layernorm: bool = False  # a norm over each head's queries and keys
 
 
+_LLAMA = MegatronForm(swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
+                      add_bias_linear=False)
+# Two flavours may share a form (qwen3 and qwen3_moe): the one whose traits
+# allow experts is read when the args have them, the other otherwise.
 MEGATRON: dict[Flavour, MegatronForm] = {
     Flavour.gpt2: MegatronForm(swiglu=False, normalization="LayerNorm",
                                position_embedding_type="learned_absolute", add_bias_linear=True),
-    Flavour.llama: MegatronForm(swiglu=True, normalization="RMSNorm",
-                                position_embedding_type="rope", add_bias_linear=False),
+    Flavour.llama: _LLAMA,
+    Flavour.qwen2: replace(_LLAMA, add_qkv_bias=True),
+    Flavour.qwen3: replace(_LLAMA, qk_layernorm=True),
+    Flavour.qwen3_moe: replace(_LLAMA, qk_layernorm=True),
+    # Llama's form: written as Llama, read back as llama (with experts or not).
+    Flavour.mistral: _LLAMA,
+    Flavour.mixtral: _LLAMA,
 }
 
 

@@ -143,12 +143,25 @@ def moe_config(m) -> dict:
 
 
 def is_llama(cfg) -> bool:
-    return cfg.model.flavour.value == "llama"
+    """Llama's form (RoPE, RMSNorm, SwiGLU): every flavour but gpt2."""
+    return cfg.model.flavour.value != "gpt2"
 
 
 def ties(cfg) -> bool:
-    m = cfg.model
-    return m.tie_embeddings if m.tie_embeddings is not None else not is_llama(cfg)
+    from megaresil.model.gpt import ties_embeddings
+
+    return ties_embeddings(cfg.model)
+
+
+def attention_extras(m) -> dict:
+    """What qwen2 and qwen3 add to Llama's attention, in TransformerConfig's
+    terms (Megatron-LM's args use the same names)."""
+    from megaresil.config.flavours import MEGATRON
+    from megaresil.config.schema import attention_head_dim
+
+    form = MEGATRON[m.flavour]
+    return {"add_qkv_bias": form.add_qkv_bias, "qk_layernorm": form.qk_layernorm,
+            "kv_channels": attention_head_dim(m)}
 
 
 def build_model(cfg, device: torch.device, padded_vocab: Optional[int] = None,
@@ -177,7 +190,7 @@ def build_model(cfg, device: torch.device, padded_vocab: Optional[int] = None,
     flavour = dict(
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, num_query_groups=m.num_kv_heads or m.num_heads,
-        ffn_hidden_size=ffn_size(m),
+        ffn_hidden_size=ffn_size(m), **attention_extras(m),
     ) if is_llama(cfg) else dict(
         normalization="LayerNorm", add_bias_linear=True, ffn_hidden_size=4 * m.hidden_size,
         activation_func=lambda x: F.gelu(x, approximate="tanh"))
@@ -200,7 +213,9 @@ def build_model(cfg, device: torch.device, padded_vocab: Optional[int] = None,
         padded_vocab = -(-m.vocab_size // multiple) * multiple
     spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                        normalization=config.normalization)
-            if m.moe.num_experts else get_gpt_layer_local_spec(normalization=config.normalization))
+            if m.moe.num_experts else
+            get_gpt_layer_local_spec(normalization=config.normalization,
+                                     qk_layernorm=config.qk_layernorm))
     model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=padded_vocab, max_sequence_length=m.max_seq_len,
                      pre_process=pre_process, post_process=post_process,
@@ -226,6 +241,16 @@ FLAVOURS = {"gpt2": ["model.flavour=gpt2"],
 FLAVOURS["moe"] = FLAVOURS["llama"] + [
     "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.first_dense_layers=1",
     "model.moe.shared_expert_hidden_size=32"]
+# Qwen2: q/k/v biases. Qwen3: each head's queries and keys normalised, heads
+# 32 wide (4 x 32 > hidden 64). Qwen3-MoE: Qwen3's attention, 4 experts in each layer.
+FLAVOURS["qwen2"] = ["model.flavour=qwen2", *FLAVOURS["llama"][1:]]
+FLAVOURS["qwen3"] = ["model.flavour=qwen3", *FLAVOURS["llama"][1:], "model.head_dim=32"]
+FLAVOURS["mistral"] = ["model.flavour=mistral", *FLAVOURS["llama"][1:]]
+FLAVOURS["mixtral"] = ["model.flavour=mixtral", *FLAVOURS["llama"][1:],
+                       "model.moe.num_experts=4", "model.moe.top_k=2"]
+FLAVOURS["qwen3moe"] = ["model.flavour=qwen3_moe", *FLAVOURS["qwen3"][1:],
+                        "model.moe.num_experts=4", "model.moe.top_k=2",
+                        "model.moe.expert_ffn_hidden_size=48"]
 BATCH, SEQ = 2, 16
 
 
@@ -268,14 +293,15 @@ def megatron_args(cfg, tp: int, pp: int) -> argparse.Namespace:
         **experts,
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=heads,
         group_query_attention=llama, num_query_groups=(m.num_kv_heads or heads) if llama else 1,
-        kv_channels=m.hidden_size // heads,
+        **(attention_extras(m) if llama else {"kv_channels": m.hidden_size // heads,
+                                              "add_qkv_bias": False, "qk_layernorm": False}),
         ffn_hidden_size=ffn_size(m) if llama else 4 * m.hidden_size, swiglu=llama,
         normalization="RMSNorm" if llama else "LayerNorm", norm_epsilon=m.norm_eps,
         position_embedding_type="rope" if llama else "learned_absolute",
         add_position_embedding=not llama, rotary_base=int(m.rope_theta), rotary_percent=1.0,
         max_position_embeddings=m.max_seq_len, seq_length=cfg.data.seq_len,
         untie_embeddings_and_output_weights=not ties(cfg), add_bias_linear=not llama,
-        add_qkv_bias=False, qk_layernorm=False, openai_gelu=not llama,
+        openai_gelu=not llama,
         vocab_size=m.vocab_size, padded_vocab_size=megatron_padded_vocab(cfg, tp),
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         tokenizer_type="NullTokenizer", tokenizer_model=None, init_method_std=m.init_std,

@@ -1,7 +1,8 @@
 """Megatron checkpoints in (checkpoint/megatron/): checkpoints that
 Megatron-Core saved with its own dist_checkpointing (the session's
 `mcore_checkpoints`: llama and gpt2 at tp=1, tp=2 and pp=2, llama with
-experts at ep=1 and ep=2) imported by
+experts at ep=1 and ep=2, qwen2's q/k/v biases and qwen3's q/k norms at
+tp=2, qwen3-moe at ep=2) imported by
 `megaresil convert --from-megatron` give Megatron-Core's logits, at any
 layout; `ckpt inspect` recognises them; bad input is one line."""
 from __future__ import annotations
@@ -31,7 +32,8 @@ from tests.harness.hf import megaresil_model
 from tests.harness.mcore import FLAVOURS, ITERATION, RECIPE, TINY, Saved, fixed_tokens
 
 SAVED = ["llama-tp1-pp1", "llama-tp2-pp1", "gpt2-tp1-pp1", "gpt2-tp2-pp1", "llama-tp1-pp2",
-         "moe-tp1-pp1", "moe-tp1-pp1-ep2"]
+         "moe-tp1-pp1", "moe-tp1-pp1-ep2", "qwen2-tp2-pp1", "qwen3-tp2-pp1",
+         "qwen3moe-tp1-pp1-ep2"]
 TP1 = Target(tp=1, pp=1, dp=1)
 
 

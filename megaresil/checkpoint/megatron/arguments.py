@@ -27,19 +27,28 @@ def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 
 def _form(form: MegatronForm) -> str:
     return (f"{form.normalization}, {'swiglu' if form.swiglu else 'GELU'}, "
-            f"{form.position_embedding_type}")
+            f"{form.position_embedding_type}" + (", qkv bias" if form.add_qkv_bias else "")
+            + (", qk_layernorm" if form.qk_layernorm else ""))
 
 
 def _flavour(args: argparse.Namespace) -> Flavour:
-    """The flavour whose Megatron form the args say."""
+    """The flavour whose Megatron form the args say (of two with one form,
+    the one that takes experts when the args have them)."""
+    biases = bool(_get(args, "add_bias_linear", True))
     said = MegatronForm(swiglu=bool(_get(args, "swiglu", False)),
                         normalization=_get(args, "normalization", "LayerNorm"),
                         position_embedding_type=_get(args, "position_embedding_type",
                                                      "learned_absolute"),
-                        add_bias_linear=False)
-    for candidate, form in MEGATRON.items():
-        if _form(form) == _form(said):
+                        add_bias_linear=False,
+                        add_qkv_bias=bool(_get(args, "add_qkv_bias", False)) and not biases,
+                        qk_layernorm=bool(_get(args, "qk_layernorm", False)))
+    matching = [f for f, form in MEGATRON.items() if _form(form) == _form(said)]
+    experts = bool(_get(args, "num_experts"))
+    for candidate in matching:
+        if TRAITS[candidate].experts >= experts and TRAITS[candidate].needs_experts <= experts:
             return candidate
+    if matching:
+        return matching[0]
     known = "; ".join(f"{f.value} ({_form(form)})" for f, form in MEGATRON.items())
     raise UnsupportedMegatron(
         f"args say {_form(said)}; megaresil reads these models from Megatron: {known}. Fix: "
@@ -58,14 +67,13 @@ def _refusals(args: argparse.Namespace, flavour: Flavour) -> list[str]:
         (_get(args, "moe_router_num_groups"), "moe_router_num_groups (group-limited routing)"),
         (_get(args, "moe_router_load_balancing_type", "aux_loss") not in ("aux_loss", "none"),
          f"moe_router_load_balancing_type={_get(args, 'moe_router_load_balancing_type')}"),
-        (_get(args, "qk_layernorm", False), "qk_layernorm"),
         (_get(args, "rotary_percent", 1.0) != 1.0, f"rotary_percent={args.rotary_percent}"),
         (_get(args, "use_rope_scaling", False), "use_rope_scaling"),
         (biases != form.add_bias_linear,
          f"add_bias_linear={biases} in a {flavour.value} model, whose Megatron form has "
          f"{form.add_bias_linear}"),
-        (_get(args, "add_qkv_bias", False) and not form.add_bias_linear,
-         f"add_qkv_bias in a {flavour.value} model"),
+        (_get(args, "window_size") is not None, f"window_size={_get(args, 'window_size')} "
+         "(a sliding window: not read from Megatron yet)"),
     ]
     return [what for failed, what in checks if failed]
 
@@ -111,7 +119,24 @@ def model_keys(args: argparse.Namespace, notes: list[str]) -> dict:
         keys["rope_theta"] = float(_get(args, "rotary_base", 10000))
     if _get(args, "num_experts"):
         keys["moe"] = _experts(args, keys["num_layers"])
+        keys["flavour"] = _family_of_experts(keys, flavour).value
     return keys
+
+
+def _family_of_experts(keys: dict, flavour: Flavour) -> Flavour:
+    """Of the mixture-of-experts flavours with `flavour`'s Megatron form, the
+    first whose Hugging Face family holds the model (a Mixtral-shaped
+    mixture reads back as mixtral, so `--to-hf` writes it); else `flavour`,
+    which computes the same."""
+    from megaresil.config.loading import model_from_dict
+    from megaresil.model.flavours import named
+
+    for candidate, form in MEGATRON.items():
+        if form == MEGATRON[flavour] and TRAITS[candidate].needs_experts:
+            model = model_from_dict({**keys, "flavour": candidate.value})
+            if not named(candidate.value).hf.refusals(model):
+                return candidate
+    return flavour
 
 
 def _expert_layers(args: argparse.Namespace, layers: int) -> list[int]:

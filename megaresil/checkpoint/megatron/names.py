@@ -56,6 +56,8 @@ LAYER = (
     Name("norm1.bias", ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias")),
     Name("attn.qkv.weight", ("self_attention.linear_qkv.weight",)),
     Name("attn.qkv.bias", ("self_attention.linear_qkv.bias",)),
+    Name("attn.q_norm.weight", ("self_attention.q_layernorm.weight",)),
+    Name("attn.k_norm.weight", ("self_attention.k_layernorm.weight",)),
     Name("attn.proj.weight", ("self_attention.linear_proj.weight",)),
     Name("attn.proj.bias", ("self_attention.linear_proj.bias",)),
     Name("norm2.weight", ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")),

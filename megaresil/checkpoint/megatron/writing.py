@@ -89,8 +89,11 @@ def refusals(cfg: ModelConfig) -> list[str]:
     or the export does not convert yet."""
     if cfg.flavour not in MEGATRON:
         return [f"flavour {cfg.flavour.value} (the export converts "
-                f"{' and '.join(f.value for f in MEGATRON)}, with or without experts)"]
+                f"{', '.join(f.value for f in MEGATRON)})"]
     out = []
+    if cfg.sliding_window is not None:
+        out.append(f"model.sliding_window={cfg.sliding_window} (not exported yet: Megatron's "
+                   "window_size needs its flash attention)")
     if cfg.moe.bias_update_rate > 0:
         out.append("an expert bias (model.moe.bias_update_rate > 0): not exported yet")
     if not float(cfg.rope_theta).is_integer():
@@ -161,7 +164,8 @@ def megatron_args(recipe: RecipeConfig, iteration: int, consumed_samples: int,
         apply_layernorm_1p=False, swiglu=form.swiglu, squared_relu=False,
         openai_gelu=not form.swiglu,  # megaresil's GELU is the tanh one
         untie_embeddings_and_output_weights=not ties_embeddings(m),
-        add_bias_linear=form.add_bias_linear, add_qkv_bias=False, qk_layernorm=False,
+        add_bias_linear=form.add_bias_linear, add_qkv_bias=form.add_qkv_bias,
+        qk_layernorm=form.qk_layernorm,
         apply_query_key_layer_scaling=False, hidden_dropout=m.dropout,
         attention_dropout=m.attention_dropout, init_method_std=m.init_std,
         **experts_args(m), vocab_size=m.vocab_size, padded_vocab_size=padded_vocab_size(m, 1),
