@@ -153,6 +153,14 @@ def ties(cfg) -> bool:
     return ties_embeddings(cfg.model)
 
 
+def rope_scaling(m) -> dict:
+    """Llama 3's RoPE scaling in GPTModel's and Megatron-LM's terms."""
+    from megaresil.config.schema import RopeScalingType
+
+    return {"rope_scaling": m.rope_scaling.type == RopeScalingType.llama3,
+            "rope_scaling_factor": m.rope_scaling.factor}
+
+
 def attention_extras(m) -> dict:
     """What qwen2 and qwen3 add to Llama's attention, in TransformerConfig's
     terms (Megatron-LM's args use the same names)."""
@@ -221,7 +229,7 @@ def build_model(cfg, device: torch.device, padded_vocab: Optional[int] = None,
                      pre_process=pre_process, post_process=post_process,
                      share_embeddings_and_output_weights=ties(cfg),
                      position_embedding_type="rope" if is_llama(cfg) else "learned_absolute",
-                     rotary_base=int(m.rope_theta))
+                     rotary_base=int(m.rope_theta), **rope_scaling(m))
     return model.to(device)
 
 
@@ -245,6 +253,9 @@ FLAVOURS["moe"] = FLAVOURS["llama"] + [
 # 32 wide (4 x 32 > hidden 64). Qwen3-MoE: Qwen3's attention, 4 experts in each layer.
 FLAVOURS["qwen2"] = ["model.flavour=qwen2", *FLAVOURS["llama"][1:]]
 FLAVOURS["qwen3"] = ["model.flavour=qwen3", *FLAVOURS["llama"][1:], "model.head_dim=32"]
+# Llama 3's RoPE scaling (Mcore's fixed low/high factors and original length).
+FLAVOURS["llama3"] = FLAVOURS["llama"] + ["model.rope_scaling.type=llama3",
+                                          "model.rope_scaling.factor=8"]
 FLAVOURS["mistral"] = ["model.flavour=mistral", *FLAVOURS["llama"][1:]]
 FLAVOURS["mixtral"] = ["model.flavour=mixtral", *FLAVOURS["llama"][1:],
                        "model.moe.num_experts=4", "model.moe.top_k=2"]
@@ -299,6 +310,8 @@ def megatron_args(cfg, tp: int, pp: int) -> argparse.Namespace:
         normalization="RMSNorm" if llama else "LayerNorm", norm_epsilon=m.norm_eps,
         position_embedding_type="rope" if llama else "learned_absolute",
         add_position_embedding=not llama, rotary_base=int(m.rope_theta), rotary_percent=1.0,
+        use_rope_scaling=rope_scaling(m)["rope_scaling"],
+        rope_scaling_factor=rope_scaling(m)["rope_scaling_factor"],
         max_position_embeddings=m.max_seq_len, seq_length=cfg.data.seq_len,
         untie_embeddings_and_output_weights=not ties(cfg), add_bias_linear=not llama,
         openai_gelu=not llama,

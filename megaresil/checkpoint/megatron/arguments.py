@@ -15,6 +15,10 @@ from megaresil.config import Flavour
 from megaresil.config.flavours import MEGATRON, TRAITS, MegatronForm
 from megaresil.data.tokenizer import GPT2_BPE
 
+# Mcore's Llama 3 RoPE scaling (use_rope_scaling) takes the factor alone; these are fixed.
+MCORE_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_seq_len": 8192}
+
 
 class UnsupportedMegatron(CheckpointError):
     """A Megatron model that megaresil's model cannot represent."""
@@ -68,7 +72,6 @@ def _refusals(args: argparse.Namespace, flavour: Flavour) -> list[str]:
         (_get(args, "moe_router_load_balancing_type", "aux_loss") not in ("aux_loss", "none"),
          f"moe_router_load_balancing_type={_get(args, 'moe_router_load_balancing_type')}"),
         (_get(args, "rotary_percent", 1.0) != 1.0, f"rotary_percent={args.rotary_percent}"),
-        (_get(args, "use_rope_scaling", False), "use_rope_scaling"),
         (biases != form.add_bias_linear,
          f"add_bias_linear={biases} in a {flavour.value} model, whose Megatron form has "
          f"{form.add_bias_linear}"),
@@ -117,6 +120,9 @@ def model_keys(args: argparse.Namespace, notes: list[str]) -> dict:
         attention_dropout=float(_get(args, "attention_dropout", 0.0)))
     if traits.rope:
         keys["rope_theta"] = float(_get(args, "rotary_base", 10000))
+    if traits.rope and _get(args, "use_rope_scaling", False):
+        keys["rope_scaling"] = {"type": "llama3", **MCORE_ROPE_SCALING,
+                                "factor": float(_get(args, "rope_scaling_factor", 8.0))}
     if _get(args, "num_experts"):
         keys["moe"] = _experts(args, keys["num_layers"])
         keys["flavour"] = _family_of_experts(keys, flavour).value

@@ -34,6 +34,7 @@ from megaresil.checkpoint.backends.torch_dist import (
     quiet_single_process,
 )
 from megaresil.checkpoint.manager import move_into_place
+from megaresil.checkpoint.megatron.arguments import MCORE_ROPE_SCALING
 from megaresil.checkpoint.megatron.directory import TRACKER
 from megaresil.checkpoint.megatron.names import (
     LAYER,
@@ -72,9 +73,6 @@ CHECKPOINT_VERSION = 3.0  # Megatron-LM's, since its distributed checkpoints
 # What Megatron-LM's save records about how its sharded state dicts were made
 # (training/checkpointing.py _build_sharded_state_dict_metadata, no distributed optimizer).
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-# Mcore's Llama 3 RoPE scaling takes the factor alone; these are fixed.
-MCORE_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_seq_len": 8192}
 FILE_MODE, DIR_MODE = 0o644, 0o755  # an export is for others to read
 
 # The modules of a layer whose `_extra_state` Mcore's load asks for: the
