@@ -74,8 +74,8 @@ def demo_corpus(tmp_path_factory) -> Path:
 def mcore_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Checkpoints Megatron-Core saved itself (tests/harness/mcore.py): llama
     and gpt2 at tp=1 and tp=2, llama at pp=2, llama with experts at ep=1 and
-    ep=2, qwen2, qwen3 and llama with Llama 3's RoPE scaling at tp=2, qwen3-moe at
-    ep=2, each with its logits; llama trained two steps with Mcore's
+    ep=2, qwen2, qwen3 and llama with Llama 3's RoPE scaling at tp=2, qwen3-moe and
+    experts with an expert bias at ep=2, each with its logits; llama trained two steps with Mcore's
     distributed optimizer and saved with its state (fully_reshardable at
     tp=1 and tp=2, dp_reshardable); saved once a session (one 2-rank group,
     ~1 min on two cores)."""
@@ -87,7 +87,7 @@ def mcore_checkpoints(tmp_path_factory) -> dict[str, Path]:
     saves = [mcore.Saved(flavour, tp=tp) for flavour in ("llama", "gpt2") for tp in (1, 2)]
     saves += [mcore.Saved("llama", pp=2), mcore.Saved("moe"), mcore.Saved("moe", ep=2)]
     saves += [mcore.Saved("qwen2", tp=2), mcore.Saved("qwen3", tp=2), mcore.Saved("qwen3moe", ep=2),
-              mcore.Saved("llama3", tp=2)]
+              mcore.Saved("llama3", tp=2), mcore.Saved("moebias", ep=2)]
     # Last: training with Mcore's optimizer patches the saving processes for good.
     saves += [mcore.Saved("llama", tp=tp, optimizer="fully_reshardable") for tp in (1, 2)]
     saves += [mcore.Saved("llama", optimizer="dp_reshardable")]

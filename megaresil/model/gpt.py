@@ -48,6 +48,16 @@ def layout_free_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {key: tuple(global_shape(key, param, cfg)) for key, param in model.named_parameters()}
 
 
+def layout_free_buffer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each state buffer's shape in a checkpoint (the expert biases: whole
+    on every rank), read off the whole model built on the meta device."""
+    from megaresil.model.moe.balance import named_state_buffers
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return {key: tuple(buffer.shape) for key, buffer in named_state_buffers([model])}
+
+
 def ties_embeddings(cfg: ModelConfig) -> bool:
     if cfg.tie_embeddings is not None:
         return cfg.tie_embeddings

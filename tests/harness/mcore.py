@@ -129,17 +129,13 @@ def moe_config(m) -> dict:
     its device-to-host copies in its constructor, token_dispatcher.py:445);
     the local spec runs the experts as a SequentialMLP (one SwiGLU MLP per
     local expert, in a loop), since its grouped GEMM needs the CUDA-only
-    grouped_gemm package. The expert bias, which the export refuses, is
-    Mcore's own here (the bench runs it)."""
+    grouped_gemm package."""
     from megaresil.checkpoint.megatron.writing import experts_args
 
     args = experts_args(m)
     if args["num_experts"] is None:
         return {}
-    return {"num_moe_experts": args.pop("num_experts"), **args,
-            "moe_router_enable_expert_bias": m.moe.bias_update_rate > 0,
-            "moe_router_bias_update_rate": m.moe.bias_update_rate or 1e-3,
-            "moe_router_dtype": "fp32", "moe_token_dispatcher_type": "allgather"}
+    return {"num_moe_experts": args.pop("num_experts"), **args, "moe_router_dtype": "fp32", "moe_token_dispatcher_type": "allgather"}
 
 
 def is_llama(cfg) -> bool:
@@ -249,6 +245,9 @@ FLAVOURS = {"gpt2": ["model.flavour=gpt2"],
 FLAVOURS["moe"] = FLAVOURS["llama"] + [
     "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.first_dense_layers=1",
     "model.moe.shared_expert_hidden_size=32"]
+# Aux-loss-free balancing: sigmoid scores with an expert bias (random in a save).
+FLAVOURS["moebias"] = FLAVOURS["moe"] + ["model.moe.score_function=sigmoid",
+                                         "model.moe.bias_update_rate=0.001"]
 # Qwen2: q/k/v biases. Qwen3: each head's queries and keys normalised, heads
 # 32 wide (4 x 32 > hidden 64). Qwen3-MoE: Qwen3's attention, 4 experts in each layer.
 FLAVOURS["qwen2"] = ["model.flavour=qwen2", *FLAVOURS["llama"][1:]]
@@ -436,6 +435,16 @@ def _where(sharded, key_prefix: str) -> tuple:
             offset if offset is not None else id(sharded.build_fn))
 
 
+@torch.no_grad()
+def _random_expert_biases(model) -> None:
+    """Every expert bias of `model` drawn at random (seeded): a fresh one is
+    zero, which would not show where an import puts it."""
+    draw = torch.Generator().manual_seed(3)
+    for name, buffer in model.named_buffers():
+        if name.endswith("expert_bias"):
+            buffer.copy_(0.5 * torch.randn(buffer.shape, generator=draw))
+
+
 def _save_one(saved: Saved, out: Path) -> None:
     from megatron.core import parallel_state as ps
 
@@ -446,6 +455,7 @@ def _save_one(saved: Saved, out: Path) -> None:
         model = build_model(cfg, torch.device("cpu"), megatron_padded_vocab(cfg, saved.tp),
                             pre_process=ps.is_pipeline_first_stage(),
                             post_process=ps.is_pipeline_last_stage())
+        _random_expert_biases(model)
         optimizer = trained(model, cfg) if saved.optimizer else None
         args = megatron_args(cfg, saved.tp, saved.pp)
         save_megatron_lm(model, args, out / saved.name, optimizer=optimizer,

@@ -31,11 +31,21 @@ def assign_full(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def load_full_state(model: nn.Module, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
-    """Load global, layout-free tensors (e.g. from Hugging Face) into `model`."""
+    """Load global, layout-free tensors (e.g. from Hugging Face) into `model`:
+    every parameter, and the state buffers (expert biases) held by `tensors`."""
+    from megaresil.model.moe.balance import named_state_buffers
+
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(tensors))
     if missing:
         raise KeyError(f"no tensor for parameter(s) {missing[:5]}")
+    buffers = dict(named_state_buffers([model]))
+    unknown = sorted(set(tensors) - set(params) - set(buffers))
+    if unknown:
+        raise KeyError(f"tensor(s) {unknown[:5]} that the model does not hold")
+    with torch.no_grad():
+        for key in set(buffers) & set(tensors):
+            buffers[key].copy_(tensors[key])
     for key, param in params.items():
         expected = global_shape(key, param, cfg)
         if tensors[key].shape != expected:

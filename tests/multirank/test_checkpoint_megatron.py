@@ -33,7 +33,7 @@ from tests.harness.mcore import FLAVOURS, ITERATION, RECIPE, TINY, Saved, fixed_
 
 SAVED = ["llama-tp1-pp1", "llama-tp2-pp1", "gpt2-tp1-pp1", "gpt2-tp2-pp1", "llama-tp1-pp2",
          "moe-tp1-pp1", "moe-tp1-pp1-ep2", "qwen2-tp2-pp1", "qwen3-tp2-pp1",
-         "qwen3moe-tp1-pp1-ep2", "llama3-tp2-pp1"]
+         "qwen3moe-tp1-pp1-ep2", "llama3-tp2-pp1", "moebias-tp1-pp1-ep2"]
 TP1 = Target(tp=1, pp=1, dp=1)
 
 

@@ -2,7 +2,8 @@
 against Megatron-Core itself: a random megaresil model saved at tp=2 and
 exported loads with Mcore's own `dist_checkpointing.load` into its GPTModel
 at tp=1 and tp=2 with megaresil's logits (gpt2, llama, llama with experts
-and a shared expert, mistral, mixtral, qwen2, qwen3, qwen3-moe), under exactly the
+and a shared expert, with an expert bias, mistral, mixtral, qwen2, qwen3, qwen3-moe), under
+exactly the
 keys and shapes Mcore's own save writes; the files beside the tensors are
 what Mcore and Megatron-LM read (metadata.json, the common state twice, the
 args, the tracker); what Mcore's GPT cannot hold is refused in one line."""
@@ -241,8 +242,9 @@ def test_what_mcores_gpt_cannot_hold_is_refused(monkeypatch):
     monkeypatch.delitem(MEGATRON, Flavour.mixtral)  # a flavour Mcore's GPT would not compute
     mixtral = load_recipe(ROOT / "recipes" / "mixtral-8x7b.yaml").model
     assert refusals(mixtral)[0].startswith("flavour mixtral (the export converts gpt2, llama,")
-    bias = recipe("moe", "model.moe.bias_update_rate=0.001").model
-    assert refusals(bias) == ["an expert bias (model.moe.bias_update_rate > 0): not exported yet"]
+    bias = recipe("moe", "model.moe.bias_update_rate=0.001").model  # softmax scores
+    assert refusals(bias) == ["an expert bias over softmax scores (Megatron's expert bias takes "
+                              "model.moe.score_function=sigmoid only)"]
     odd = recipe("llama", "model.rope_theta=10000.5", "model.rope_scaling.type=llama3",
                  "model.rope_scaling.original_max_seq_len=64").model
     assert [r.split(" ")[0] for r in refusals(odd)] == ["model.rope_theta=10000.5",

@@ -65,8 +65,6 @@ def _refusals(args: argparse.Namespace, flavour: Flavour) -> list[str]:
     checks = [
         (_get(args, "num_experts") and not TRAITS[flavour].experts,
          f"experts in a {flavour.value} model"),
-        (_get(args, "moe_router_enable_expert_bias", False),
-         "moe_router_enable_expert_bias (the expert bias is not read from Megatron yet)"),
         (_get(args, "moe_shared_expert_gate", False), "moe_shared_expert_gate"),
         (_get(args, "moe_router_num_groups"), "moe_router_num_groups (group-limited routing)"),
         (_get(args, "moe_router_load_balancing_type", "aux_loss") not in ("aux_loss", "none"),
@@ -179,7 +177,10 @@ def _experts(args: argparse.Namespace, layers: int) -> dict:
             "routed_scaling_factor": float(_get(args, "moe_router_topk_scaling_factor", 1.0)),
             "aux_loss_coeff": float(_get(args, "moe_aux_loss_coeff", 0.0)) if balancing else 0.0,
             "z_loss_coeff": float(_get(args, "moe_z_loss_coeff", 0.0)),
-            "capacity_factor": _get(args, "moe_expert_capacity_factor")}
+            "capacity_factor": _get(args, "moe_expert_capacity_factor"),
+            # Aux-loss-free balancing: Mcore's update is megaresil's, rate * sign(mean - load).
+            "bias_update_rate": (float(_get(args, "moe_router_bias_update_rate", 1e-3))
+                                 if _get(args, "moe_router_enable_expert_bias", False) else 0.0)}
 
 
 def tokenizer_of(args: Optional[argparse.Namespace], notes: list[str]) -> Optional[str]:

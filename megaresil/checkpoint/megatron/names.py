@@ -73,6 +73,7 @@ LAYER = (
     # and TEGroupedMLP's keys alike: one tensor per projection over the
     # global expert axis), the shared expert.
     Name("mlp.router.weight", ("mlp.router.weight",)),
+    Name("mlp.router.expert_bias", ("mlp.router.expert_bias",)),  # a state buffer
     Name("mlp.experts.gate", ("mlp.experts.experts.linear_fc1.weight",), half=0, experts=True),
     Name("mlp.experts.up", ("mlp.experts.experts.linear_fc1.weight",), half=1, experts=True),
     Name("mlp.experts.down", ("mlp.experts.experts.linear_fc2.weight",), experts=True),

@@ -48,7 +48,7 @@ from megaresil.checkpoint.offline.writer import refuse_existing, write_checkpoin
 from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.sources import fill_from_full
 from megaresil.config import ModelConfig, RecipeConfig, load_recipe, to_dict
-from megaresil.model.gpt import layout_free_shapes
+from megaresil.model.gpt import layout_free_buffer_shapes, layout_free_shapes
 
 COMMON = "common.pt"
 # The DCP key of the common state in later Mcores: ShardedObject("common_state",
@@ -226,11 +226,12 @@ def _spelling(name: Name, held: dict, layer: Optional[int]) -> Optional[Source]:
 
 
 def sources(held: dict[str, tuple[int, ...]], cfg: ModelConfig, where: Path,
-            key_prefix: str = "") -> dict[str, Source]:
-    """Each of the model's parameters (by its megaresil key), where it lies
-    among `held` (a checkpoint's tensors under `key_prefix`, by the rest of
-    their key); CheckpointError naming what is missing or held beyond the model."""
-    ours = layout_free_shapes(cfg)
+            key_prefix: str = "", buffers: bool = False) -> dict[str, Source]:
+    """Each of the model's parameters (by its megaresil key), with `buffers`
+    its state buffers too (the expert biases), where it lies among `held` (a
+    checkpoint's tensors under `key_prefix`, by the rest of their key);
+    CheckpointError naming what is missing or held beyond the model."""
+    ours = {**layout_free_shapes(cfg), **(layout_free_buffer_shapes(cfg) if buffers else {})}
     top, layer = names.names_of(set(ours))
     found: dict[str, Optional[Source]] = {n.ours: _spelling(n, held, None) for n in top}
     for i, n in itertools.product(range(cfg.num_layers), layer):
@@ -270,8 +271,8 @@ class MegatronTensorSource:
     def __init__(self, ckpt: MegatronCheckpoint, cfg: ModelConfig,
                  carried: Optional[CarriedState] = None):
         self.ckpt, self.cfg = ckpt, cfg
-        self.sources = {f"model/{key}": s
-                        for key, s in sources(ckpt.shapes, cfg, ckpt.directory).items()}
+        self.sources = {f"model/{key}": s for key, s in
+                        sources(ckpt.shapes, cfg, ckpt.directory, buffers=True).items()}
         if carried is not None and carried.main is not None:
             self.sources.update(self._under(carried.main, "model/"))
         if carried is not None and carried.moments:
@@ -280,7 +281,7 @@ class MegatronTensorSource:
         # The last block read, by (key, layer): a SwiGLU fc1, a layer's largest
         # tensor, serves two of megaresil's (gate, up), asked one after the other.
         self._last: Optional[tuple[tuple[str, Optional[int]], torch.Tensor]] = None
-        shapes = layout_free_shapes(cfg)
+        shapes = {**layout_free_shapes(cfg), **layout_free_buffer_shapes(cfg)}
         self.tensors = {key: {"global_shape": list(shapes[_parameter(key)]),
                               "dtype": "float32"} for key in self.sources}
         self._check_shapes(shapes)

@@ -57,6 +57,7 @@ from megaresil.config import (
     ModelConfig,
     RecipeConfig,
     RopeScalingType,
+    RouterScore,
     attention_head_dim,
     from_dict,
 )
@@ -92,8 +93,9 @@ def refusals(cfg: ModelConfig) -> list[str]:
     if cfg.sliding_window is not None:
         out.append(f"model.sliding_window={cfg.sliding_window} (not exported yet: Megatron's "
                    "window_size needs its flash attention)")
-    if cfg.moe.bias_update_rate > 0:
-        out.append("an expert bias (model.moe.bias_update_rate > 0): not exported yet")
+    if cfg.moe.bias_update_rate > 0 and cfg.moe.score_function != RouterScore.sigmoid:
+        out.append("an expert bias over softmax scores (Megatron's expert bias takes "
+                   "model.moe.score_function=sigmoid only)")
     if not float(cfg.rope_theta).is_integer():
         out.append(f"model.rope_theta={cfg.rope_theta} (Megatron's rotary_base is an integer)")
     scaling = cfg.rope_scaling
@@ -134,7 +136,9 @@ def experts_args(m: ModelConfig) -> dict:
                                         if e.routed_scaling_factor != 1.0 else None),
         moe_router_load_balancing_type="aux_loss" if e.aux_loss_coeff else "none",
         moe_aux_loss_coeff=e.aux_loss_coeff, moe_z_loss_coeff=e.z_loss_coeff or None,
-        moe_expert_capacity_factor=e.capacity_factor, moe_router_enable_expert_bias=False,
+        moe_expert_capacity_factor=e.capacity_factor,
+        moe_router_enable_expert_bias=e.bias_update_rate > 0,
+        moe_router_bias_update_rate=e.bias_update_rate or 1e-3,
         moe_grouped_gemm=False)
 
 
