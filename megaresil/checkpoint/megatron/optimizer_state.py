@@ -14,10 +14,14 @@ said in one line with the fix.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
 STATE = "optimizer.state."
+# An optimizer entry's key: a chained optimizer (its param groups apart, as
+# for experts) prefixes `chained_<i>.` unless its save said chained_optim_avoid_prefix.
+_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the same names as megaresil's (checkpoint/keys.py)
 MAIN_WEIGHTS = ("param", "fp32_param")  # fully_reshardable's name, the plain optimizer's
 FIX = "save with --dist-ckpt-optim-fully-reshardable to carry it"
@@ -40,6 +44,10 @@ class CarriedState:
     moments: bool
     adam_step: Optional[int]
     note: str
+
+
+def is_optimizer_key(key: str) -> bool:
+    return bool(_OPTIMIZER_KEY.match(key))
 
 
 def prefix(name: str) -> str:
@@ -90,7 +98,7 @@ def carried_state(model: dict[str, tuple[int, ...]], stored: dict[str, tuple[int
 
 
 def _why_not(stored: dict[str, tuple[int, ...]], common_optimizer: dict) -> str:
-    if not any(key.startswith("optimizer.") for key in stored) and not common_optimizer:
+    if not any(is_optimizer_key(key) for key in stored) and not common_optimizer:
         return "no optimizer state in the checkpoint (saved with --no-save-optim)"
     kind = str(common_optimizer.get("param_state_sharding_type") or "unnamed")
     saved_as = NOT_MODEL_SPACE.get(kind, f"a form megaresil does not read ({kind})")

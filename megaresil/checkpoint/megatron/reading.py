@@ -41,6 +41,7 @@ from megaresil.checkpoint.megatron.optimizer_state import (
     CarriedState,
     carried_state,
     held_under,
+    is_optimizer_key,
     prefix,
 )
 from megaresil.checkpoint.offline.convert import Target, imported_state, target_recipe
@@ -54,7 +55,6 @@ COMMON = "common.pt"
 # The DCP key of the common state in later Mcores: ShardedObject("common_state",
 # data, (1,), (0,)).unique_key, the object pickled in a one-element list.
 COMMON_STATE = "common_state/shard_0_1"
-OPTIMIZER = "optimizer."  # the optimizer state's keys (Megatron-LM's sharded_state_dict)
 _UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 _MAX_STAND_INS = 256  # distinct Megatron classes one common state may name
 
@@ -192,7 +192,7 @@ def open_megatron(path: Path) -> MegatronCheckpoint:
             skipped.append(key)  # _extra_state, RNG state, bucket-space optimizer objects
             continue
         stored[key], dtypes[key] = tuple(meta.size), meta.properties.dtype
-    shapes = {key: shape for key, shape in stored.items() if not key.startswith(OPTIMIZER)}
+    shapes = {key: shape for key, shape in stored.items() if not is_optimizer_key(key)}
     args = common.get("args")
     iteration = common.get("iteration", getattr(args, "iteration", 0))
     optimizer = common.get("optimizer")
@@ -378,10 +378,10 @@ def import_from_megatron(src: Path, dst: Path, target: Target, *,
 
 def skipped_note(ckpt: MegatronCheckpoint, carried: CarriedState) -> str:
     """What of the checkpoint is not read, counted."""
-    optimizer = sum(key.startswith(OPTIMIZER) for key in ckpt.stored if not carried.moments)
-    optimizer += sum(key.startswith(OPTIMIZER) for key in ckpt.skipped)
+    optimizer = sum(is_optimizer_key(key) for key in ckpt.stored if not carried.moments)
+    optimizer += sum(is_optimizer_key(key) for key in ckpt.skipped)
     extra = sum(names.is_extra_state(key) for key in ckpt.skipped)
-    other = len(ckpt.skipped) - extra - sum(key.startswith(OPTIMIZER) for key in ckpt.skipped)
+    other = len(ckpt.skipped) - extra - sum(is_optimizer_key(key) for key in ckpt.skipped)
     return (f"skipped {optimizer} optimizer-state entries, {extra} _extra_state entries "
             f"(Transformer Engine's FP8 metadata, no weights) and {other} other objects "
             "(RNG state)")
