@@ -210,7 +210,8 @@ def add_convert_parser(sub) -> None:
                          "Mixtral or Qwen3-MoE model directory as a weights-only checkpoint")
     convert.add_argument("--from-megatron", metavar="SRC", help="import a Megatron-LM / "
                          "Megatron-Core torch_dist checkpoint (a save directory or one iter_* "
-                         "directory; GPT-2 or Llama shaped): with its optimizer state when "
+                         "directory; gpt2, llama, qwen2, qwen3 or their mixtures of experts): "
+                         "with its optimizer state when "
                          "Megatron saved it in model space (fully_reshardable), else weights only")
     convert.add_argument("--recipe", help="with --from-hf or --from-megatron: training keys from "
                          "this recipe (default: the schema defaults); model.* comes from "

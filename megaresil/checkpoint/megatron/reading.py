@@ -225,13 +225,12 @@ def _spelling(name: Name, held: dict, layer: Optional[int]) -> Optional[Source]:
     return None
 
 
-def sources(held: dict[str, tuple[int, ...]], cfg: ModelConfig, where: Path,
-            key_prefix: str = "", buffers: bool = False) -> dict[str, Source]:
-    """Each of the model's parameters (by its megaresil key), with `buffers`
-    its state buffers too (the expert biases), where it lies among `held` (a
+def sources(held: dict[str, tuple[int, ...]], ours: dict[str, tuple[int, ...]],
+            cfg: ModelConfig, where: Path, key_prefix: str = "") -> dict[str, Source]:
+    """Each of `ours` (megaresil keys of the model's tensors: its parameters,
+    and for the weights its state buffers too), where it lies among `held` (a
     checkpoint's tensors under `key_prefix`, by the rest of their key);
     CheckpointError naming what is missing or held beyond the model."""
-    ours = {**layout_free_shapes(cfg), **(layout_free_buffer_shapes(cfg) if buffers else {})}
     top, layer = names.names_of(set(ours))
     found: dict[str, Optional[Source]] = {n.ours: _spelling(n, held, None) for n in top}
     for i, n in itertools.product(range(cfg.num_layers), layer):
@@ -271,8 +270,11 @@ class MegatronTensorSource:
     def __init__(self, ckpt: MegatronCheckpoint, cfg: ModelConfig,
                  carried: Optional[CarriedState] = None):
         self.ckpt, self.cfg = ckpt, cfg
+        # One meta build each: the parameters have moments, the buffers do not.
+        self._params = layout_free_shapes(cfg)
+        shapes = {**self._params, **layout_free_buffer_shapes(cfg)}
         self.sources = {f"model/{key}": s for key, s in
-                        sources(ckpt.shapes, cfg, ckpt.directory, buffers=True).items()}
+                        sources(ckpt.shapes, shapes, cfg, ckpt.directory).items()}
         if carried is not None and carried.main is not None:
             self.sources.update(self._under(carried.main, "model/"))
         if carried is not None and carried.moments:
@@ -281,7 +283,6 @@ class MegatronTensorSource:
         # The last block read, by (key, layer): a SwiGLU fc1, a layer's largest
         # tensor, serves two of megaresil's (gate, up), asked one after the other.
         self._last: Optional[tuple[tuple[str, Optional[int]], torch.Tensor]] = None
-        shapes = {**layout_free_shapes(cfg), **layout_free_buffer_shapes(cfg)}
         self.tensors = {key: {"global_shape": list(shapes[_parameter(key)]),
                               "dtype": "float32"} for key in self.sources}
         self._check_shapes(shapes)
@@ -289,7 +290,7 @@ class MegatronTensorSource:
     def _under(self, key_prefix: str, ours: str) -> dict[str, Source]:
         held = held_under(self.ckpt.stored, key_prefix)
         return {ours + key: s for key, s in
-                sources(held, self.cfg, self.ckpt.directory, key_prefix).items()}
+                sources(held, self._params, self.cfg, self.ckpt.directory, key_prefix).items()}
 
     def _stored_shape(self, source: Source) -> tuple[int, ...]:
         shape = self.ckpt.stored[source.key]
