@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -140,6 +141,7 @@ def test_chaos_scenario_recovers_exactly(cli_main, chaos_root, chaos_reference, 
         assert_replaced_live(report, events)
     if scenario == "corrupt-donor-replace":
         assert_donor_refused(report, events)
+    drop_passed_run(report)
 
 
 # moe-tiny at the cheapest expert-parallel layout with a replica of each
@@ -173,6 +175,7 @@ def test_chaos_at_ep2_recovers_exactly(cli_main, chaos_root, moe_reference, scen
                  if e["event"] == "checkpoint_loaded"]
         assert loads == [("live", 4, {"3": 1})], loads
         assert report["steps_lost"] == 0 and report["relaunches"] == 0, report
+    drop_passed_run(report)
 
 
 def test_chaos_refuses_a_scenario_its_recipe_cannot_run_before_any_worker(tmp_path):
@@ -184,6 +187,13 @@ def test_chaos_refuses_a_scenario_its_recipe_cannot_run_before_any_worker(tmp_pa
                      "kill-rank-replace", reference=None, rank=None, step=None)
     assert err.value.key == "resilience.replacement.enabled", err.value
     assert "set parallel.ep below 2" in str(err.value) and not list(tmp_path.iterdir())
+
+
+def drop_passed_run(report: dict) -> None:
+    """Remove a passed scenario's faulted run (~90 MB of checkpoints): the
+    module's runs together would otherwise hold gigabytes of disk until the
+    session ends. A failed scenario's run stays for its post-mortem."""
+    shutil.rmtree(report["faulted"])
 
 
 def assert_replaced_live(report: dict, events: list[dict]) -> None:
