@@ -176,6 +176,7 @@ class Trainer:
     def attempt_step(self, step: int) -> StepResult:
         """One attempt of a step from the current data position."""
         section = self.supervision.section
+        self.supervision.batch_share(self.global_batch() / self.cfg.train.global_batch_size)
         with section("data", step):
             batches = self.batches(self.train_data, self.state.consumed_samples,
                                    self.global_batch())

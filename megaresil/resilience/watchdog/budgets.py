@@ -8,7 +8,13 @@ and checkpoint have budgets of their own; the checkpoint section is also
 watched for silent peers from its calibrated budget (`silence_budget`). The hard limit, past which even a
 computing rank is hung, is `slow_limit_factor` x the budget (an aborted rank
 gets it to leave, setup's cut to SETUP_ABORT_S). A calibration holds only on
-what it was measured on (world, workload, machine kind)."""
+what it was measured on (world, workload, machine kind).
+
+The data and forward-backward sections grow with the step's global batch (a
+batch ramp, train.rampup_batch_size, trains smaller ones first): their
+durations are kept as a full batch's (`batch_share`, the step's batch over
+the full one) and their budgets are scaled to the step's, so a ramp that
+grows the batch 50-fold is neither a hang nor a budget 50 times too loose."""
 from __future__ import annotations
 
 from megaresil.config import WatchdogConfig
@@ -19,6 +25,8 @@ from megaresil.config import WatchdogConfig
 # group's formation for a peer that left it (a store wait no abort ends: 300 s
 # at the group's timeout, seen in a soak on nodes in namespaces).
 SETUP_ABORT_S = 30.0
+# The sections whose work is proportional to the step's global batch.
+BATCH_SECTIONS = ("data", "forward_backward")
 
 
 class Budgets:
@@ -27,11 +35,13 @@ class Budgets:
         self.measured_on = measured_on  # world size, the caller's workload, machine kind
         self.slowest: dict[str, float] = {}
         self.steps_seen = 0
+        self.batch_share = 1.0  # the current step's global batch over the full one
 
     def observe(self, section: str, step: int, seconds: float) -> None:
         """A section of `step` took `seconds`."""
         if step > 1:  # step 1 carries one-off warm-up costs
-            self.slowest[section] = max(self.slowest.get(section, 0.0), seconds)
+            full = seconds / self._share(section)
+            self.slowest[section] = max(self.slowest.get(section, 0.0), full)
 
     def step_done(self) -> None:
         self.steps_seen += 1
@@ -55,7 +65,14 @@ class Budgets:
     def _calibrated(self, section: str) -> float:
         if self.steps_seen < self.cfg.calibration_steps or section not in self.slowest:
             return self.cfg.initial_timeout_s
-        return max(self.cfg.floor_s, self.cfg.factor * self.slowest[section])
+        return max(self.cfg.floor_s,
+                   self.cfg.factor * self.slowest[section] * self._share(section))
+
+    def _share(self, section: str) -> float:
+        """What a section's duration is scaled by: the step's share of the
+        full batch where its work follows the batch, else 1. A step's fixed
+        costs scale with it, which leaves a ramp's budgets looser, not tighter."""
+        return self.batch_share if section in BATCH_SECTIONS else 1.0
 
     def slow_limit(self, section: str) -> float:
         """Past this even a computing culprit is hung; the collective timeout."""
