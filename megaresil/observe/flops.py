@@ -2,9 +2,8 @@
 
     FLOPs per step = tokens * (6 * N + 12 * L * T * A)
 
-tokens = the step's global batch * seq_len (train.rampup_batch_size's ramp
-trains smaller batches first); N the parameters
-that take part in matrix multiplies, counted as Megatron and nanoGPT do: every
+tokens = the step's global batch (a batch ramp's smaller) * seq_len; N the
+parameters of matrix multiplies, counted as Megatron and nanoGPT do: every
 block's attention (fused QKV, grouped kv heads, output projection) and MLP
 weights (the flavour's `mlp_matrices`; with experts, those a token uses),
 plus the output head over the padded vocabulary (with tied embeddings the

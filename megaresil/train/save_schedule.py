@@ -3,12 +3,8 @@ every N steps, never (0), or auto: after one measuring save (none on a
 resume: the run's records hold the cost), Young/Daly's sqrt(2 x save x
 MTBF), capped by checkpoint.max_minutes_at_risk and by a quarter of the run,
 and chosen again when a cost moves by more than 2x. train.exit_at_step
-always saves; except with 0, so does the last step.
-
-During a batch ramp (train.rampup_batch_size) each step's time is scaled to
-the full global batch before it is measured on (`full_batch_seconds`): the
-interval is in full-batch steps, so the ramp's shorter steps save more often
-than Young/Daly asks, never less.
+always saves; except with 0, so does the last step. A batch ramp's step is
+measured as a full-batch step (`full_batch_seconds`): its steps save sooner.
 
 Every rank must save at the same steps: the costs are the slowest rank's
 (an all-reduce MAX), combined at steps every rank knows. A generation that

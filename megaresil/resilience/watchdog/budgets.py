@@ -8,13 +8,9 @@ and checkpoint have budgets of their own; the checkpoint section is also
 watched for silent peers from its calibrated budget (`silence_budget`). The hard limit, past which even a
 computing rank is hung, is `slow_limit_factor` x the budget (an aborted rank
 gets it to leave, setup's cut to SETUP_ABORT_S). A calibration holds only on
-what it was measured on (world, workload, machine kind).
-
-The data and forward-backward sections grow with the step's global batch (a
-batch ramp, train.rampup_batch_size, trains smaller ones first): their
-durations are kept as a full batch's (`batch_share`, the step's batch over
-the full one) and their budgets are scaled to the step's, so a ramp that
-grows the batch 50-fold is neither a hang nor a budget 50 times too loose."""
+what it was measured on (world, workload, machine kind). The sections that
+follow the step's global batch (BATCH_SECTIONS; a batch ramp's grows) keep a
+full batch's durations and are budgeted for the step's (`batch_share`)."""
 from __future__ import annotations
 
 from megaresil.config import WatchdogConfig
