@@ -94,9 +94,13 @@ class Trainer:
         copy under bf16, else the parameter."""
         return named_state_parameters(self.chunks, self.checkpoint_key, self.opt_params)
 
-    def batches(self, dataset: SampleDataset, consumed: int, global_batch: int) -> list[Batch]:
+    def batches(self, dataset: SampleDataset, consumed: int,
+                global_batch: Optional[int] = None) -> list[Batch]:
         """This DP rank's micro-batches of the `global_batch` samples from
-        `consumed`: (inputs, targets, global sample indices)."""
+        `consumed` (by default the batch a training step there takes):
+        (inputs, targets, global sample indices)."""
+        if global_batch is None:
+            global_batch = global_batch_at(self.cfg.train, consumed)
         indices = micro_batches(consumed, global_batch, self.cfg.train.micro_batch_size,
                                 self.layout.data_rank, self.layout.data_size)
         device = self.layout.device
@@ -178,8 +182,7 @@ class Trainer:
         section = self.supervision.section
         self.supervision.batch_share(self.global_batch() / self.cfg.train.global_batch_size)
         with section("data", step):
-            batches = self.batches(self.train_data, self.state.consumed_samples,
-                                   self.global_batch())
+            batches = self.batches(self.train_data, self.state.consumed_samples)
         self.routing.begin_step()
         faults = self.supervision.step_faults(step, self.state.consumed_samples)
         if self.routing_watch is not None:

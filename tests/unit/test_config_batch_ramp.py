@@ -3,9 +3,12 @@ position as Megatron-LM's RampupBatchsizeNumMicroBatchesCalculator sets it,
 and a ramp that some step of it could not train is refused before any worker
 starts, in one line naming the key and the fix."""
 import pytest
+import torch
 
+from megaresil.checkpoint.megatron.writing import megatron_args
+from megaresil.checkpoint.recipe_check import recipe_changes
 from megaresil.config import (BatchRamp, ConfigError, batch_start_at_or_below, global_batch_at,
-                              load_recipe)
+                              load_recipe, to_dict)
 from megaresil.data.sampler import micro_batches, skip_past
 
 from tests.harness.cli import ROOT
@@ -105,3 +108,19 @@ def test_skip_batches_must_start_where_a_ramps_batch_starts():
     with pytest.raises(ConfigError, match="not a whole number of global batches"):
         recipe("train.rampup_batch_size=[8,8,64]", "resilience.numerics.skip_batches=[[24,8]]")
     recipe("train.rampup_batch_size=[8,8,64]", "resilience.numerics.skip_batches=[[24,32]]")
+
+
+def test_a_checkpoint_from_before_the_ramp_key_resumes_and_the_ramp_may_not_change():
+    """A saved recipe without the key reads as no ramp; changing the ramp on
+    a resume is refused as changing train.global_batch_size is."""
+    saved = to_dict(recipe())
+    del saved["train"]["rampup_batch_size"]
+    assert recipe_changes(saved, to_dict(recipe()), []) == []
+    changed = recipe_changes(saved, to_dict(recipe("train.rampup_batch_size=[8,8,64]")), [])
+    assert [key for key, _, _ in changed] == ["train.rampup_batch_size"]
+
+
+def test_a_megatron_export_carries_the_ramp_as_megatrons_parser_gives_it():
+    ramped = recipe("train.rampup_batch_size=[8,8,64]")
+    assert megatron_args(ramped, 3, 24, torch.float32).rampup_batch_size == ["8", "8", "64"]
+    assert megatron_args(recipe(), 3, 96, torch.float32).rampup_batch_size is None
