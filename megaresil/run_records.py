@@ -121,7 +121,20 @@ def checked(records: list, path: Path, shape_of: Callable[[dict], Optional[Shape
 # A step's time is its own (step_time_s), or its share of the tokens over their rate.
 STEP_RECORD = Shape({"step": STEP, "time": FINITE, "loss": NUMBER, "tokens_per_s": POSITIVE},
                     {"tokens": NON_NEGATIVE, "step_time_s": NON_NEGATIVE, "mfu": NUMBER,
-                     "tflops": NUMBER, "mem_peak_mb": NUMBER}, any_of=("step_time_s", "tokens"))
+                     "tflops": NUMBER, "mem_peak_mb": NUMBER,
+                     "global_batch_size": POSITIVE}, any_of=("step_time_s", "tokens"))
+
+
+def step_seconds(record: dict) -> float:
+    """A step record's own compute time: its step_time_s, or for records
+    without one its share of the tokens over their rate (tokens is
+    cumulative, so this holds only at a constant batch; a batch ramp's
+    records all have their own)."""
+    if "step_time_s" in record:
+        return record["step_time_s"]
+    return record["tokens"] / record["tokens_per_s"] / max(record["step"], 1)
+
+
 EVAL_RECORD = Shape({"step": COUNT, "eval_loss": NUMBER},
                     {"time": FINITE, "eval_time_s": NON_NEGATIVE})
 

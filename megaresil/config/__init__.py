@@ -1,6 +1,7 @@
 """The recipe: its typed schema (`schema`, `run`, `faults`, `fields`), how a recipe is
 composed from configs/ and overrides (`loading`), and the rules that span
 fields (`validation`). Everything a caller needs is importable from here."""
+from megaresil.config.batch import BatchRamp, batch_start_at_or_below, global_batch_at
 from megaresil.config.faults import (
                                      FAULT_KINDS,
                                      HANG_MODES,
@@ -96,5 +97,6 @@ __all__ = [
     "MoEConfig", "OptimizerConfig", "ParallelConfig", "PipelineSchedule", "Precision", "RecipeConfig",
     "Recompute", "RecomputePolicy", "RopeScalingConfig", "RopeScalingType", "RouterScore", "TrainConfig",
     "attention_head_dim", "field_docs", "microbatches_per_step", "resolved_schedule",
+    "BatchRamp", "batch_start_at_or_below", "global_batch_at",
     "NoLiveCopy", "no_live_copy", "numeric_fields", "validate", "validate_world_size",
 ]

@@ -196,8 +196,9 @@ class NumericsConfig:
                              "exit 1. 0: stop at the first.", bounds=NON_NEGATIVE)
     skip_batches: list[Any] = doc([], "Global batches to pass over, by hand: [[first_sample, "
                                   "samples], ...], each first_sample where a global batch starts "
-                                  "(train.global_batch_size times a step) and samples a multiple "
-                                  "of train.global_batch_size; an entry that could never match "
+                                  "(train.global_batch_size times a step; during a batch ramp "
+                                  "where the ramp's batches start) and samples whole batches "
+                                  "from there; an entry that could never match "
                                   "(elsewhere, or inside another) is refused. What a rollback "
                                   "records in its checkpoints, given up front: to skip a bad data "
                                   "window, or for a reference run that skips what a faulted one "

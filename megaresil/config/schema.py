@@ -316,7 +316,20 @@ class TrainConfig:
     micro_batch_size: int = doc(4, "Samples per micro-batch on one data-parallel rank.",
                                 bounds=POSITIVE)
     global_batch_size: int = doc(16, "Samples per optimizer step over all data-parallel ranks; "
-                                 "must be a multiple of micro_batch_size * dp.", bounds=POSITIVE)
+                                 "must be a multiple of micro_batch_size * dp. With "
+                                 "rampup_batch_size, the batch the ramp ends at.",
+                                 bounds=POSITIVE)
+    rampup_batch_size: Optional[list[int]] = doc(
+        None, "Batch-size ramp-up [START, INCREMENT, SAMPLES] (Megatron-LM's "
+        "--rampup-batch-size): the global batch starts at START and grows by INCREMENT every "
+        "SAMPLES / ((global_batch_size - START) / INCREMENT) samples consumed, reaching "
+        "global_batch_size after SAMPLES. Each step's batch follows the data position (the "
+        "samples consumed), so a resume, at this or another layout, continues the ramp "
+        "exactly; each step's micro-batches (gradient accumulation) follow its batch. START "
+        "and INCREMENT must be multiples of micro_batch_size * dp (for every dp the run may "
+        "resume at), and of pp times that with an interleaved schedule. train.steps counts "
+        "optimizer steps, the ramp's included, and the LR schedule stays by step. null: no "
+        "ramp.", recipe_type="[START, INCREMENT, SAMPLES]")
     seed: int = doc(1234, "Seed for init, data order and dropout.", bounds=SEED)
     eval_interval: int = doc(0, "Compute eval loss every this many steps (0: only at the end "
                              "when eval_batches > 0).", bounds=NON_NEGATIVE)
@@ -377,6 +390,7 @@ def attention_head_dim(m: ModelConfig) -> int:
 
 
 def microbatches_per_step(cfg: RecipeConfig) -> int:
+    """Micro-batches per data-parallel rank in a step of the full global batch."""
     t = cfg.train
     return t.global_batch_size // (t.micro_batch_size * cfg.parallel.dp)
 

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any, Iterator, Optional
 
+from megaresil.config.batch import batch_start_at_or_below, global_batch_at, validate_ramp
 from megaresil.config.faults import LOCAL_FAULT_KINDS, FaultKind, parse_faults
 from megaresil.config.fields import Bounds, public_key, require
 from megaresil.config.flavours import TRAITS, flavours_with
@@ -23,6 +24,7 @@ from megaresil.config.schema import (
     Recompute,
     RecomputePolicy,
     RopeScalingType,
+    TrainConfig,
     attention_head_dim,
     microbatches_per_step,
     resolved_schedule,
@@ -308,7 +310,7 @@ def _validate_observing(cfg: RecipeConfig) -> None:
 WANDB_MODES = ("online", "offline", "disabled")
 
 
-def _validate_skips(skips: list, global_batch: int) -> None:
+def _validate_skips(skips: list, train: TrainConfig) -> None:
     """Each entry whole global batches from where a batch starts, none inside
     another: the sampler only ever stands at a batch start (data/sampler.
     skip_past), so any other entry would skip nothing."""
@@ -321,15 +323,16 @@ def _validate_skips(skips: list, global_batch: int) -> None:
                 f"must be [first_sample, samples] (integers, samples > 0), got {skip!r}.",
                 "write e.g. [[40, 8]] to pass over samples 40..47.")
         first, samples = skip
-        below = first - first % global_batch
-        require(first % global_batch == 0, f"{key}[{i}]",
-                f"{list(skip)} does not start a global batch: batches start at multiples of "
-                f"train.global_batch_size={global_batch}, so it would skip nothing.",
-                f"start it at {below} or {below + global_batch}.")
-        require(samples % global_batch == 0, f"{key}[{i}]",
-                f"{list(skip)} is not a whole number of global batches of "
-                f"train.global_batch_size={global_batch}.",
-                f"skip {global_batch} samples a batch, e.g. [{first}, {global_batch}].")
+        below = batch_start_at_or_below(train, first)
+        require(first == below, f"{key}[{i}]",
+                f"{list(skip)} does not start a global batch: the batch there starts at "
+                f"{below} (train.global_batch_size, train.rampup_batch_size), so it would "
+                "skip nothing.", f"start it at {below} or {below + global_batch_at(train, below)}.")
+        end = batch_start_at_or_below(train, first + samples)
+        require(end == first + samples, f"{key}[{i}]",
+                f"{list(skip)} is not a whole number of global batches (the batch at "
+                f"{first} is {global_batch_at(train, first)} samples).",
+                f"end it where a batch starts, e.g. [{first}, {global_batch_at(train, first)}].")
     taken = sorted(((first, samples, i) for i, (first, samples) in enumerate(skips)))
     for (first, samples, _), (later, n, i) in zip(taken, taken[1:]):
         require(later >= first + samples, f"{key}[{i}]",
@@ -352,6 +355,7 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_expert_parallel_composes(cfg)
     _validate_batch(cfg)
     _validate_pipeline(cfg)
+    validate_ramp(cfg)
     router_faults = [f for f in parse_faults(cfg.faults) if f.kind == FaultKind.router_nan]
     require(cfg.model.moe.num_experts > 0 or not router_faults, "faults",
             "router_nan acts on a router's scores, and this model has no experts.",
@@ -370,7 +374,7 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_init_from(cfg.checkpoint)
     _validate_local_tier(cfg)
     _validate_data(cfg)
-    _validate_skips(cfg.resilience.numerics.skip_batches, cfg.train.global_batch_size)
+    _validate_skips(cfg.resilience.numerics.skip_batches, cfg.train)
     require(cfg.resilience.in_process or not cfg.resilience.replacement.enabled,
             "resilience.replacement.enabled", "live replacement keeps the other ranks in their "
             "processes, which needs in-process restarts.",

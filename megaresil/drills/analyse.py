@@ -149,9 +149,10 @@ def analyse_soak(faulted: Path, reference: Path, placed: list[dict], launches: l
 
 
 def _durations(records: list[dict], cfg: RecipeConfig) -> dict[int, float]:
-    """Seconds of each step's last (kept) computation, from its token rate."""
-    tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    return {r["step"]: tokens / r["tokens_per_s"] for r in records}
+    """Seconds of each step's last (kept) computation, from its token rate
+    and the global batch it trained (a batch ramp's grows)."""
+    return {r["step"]: r.get("global_batch_size", cfg.train.global_batch_size)
+            * cfg.data.seq_len / r["tokens_per_s"] for r in records}
 
 
 def fault_row(fault: dict, episode: str, events: list[dict], records: list[dict],

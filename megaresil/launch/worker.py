@@ -69,8 +69,9 @@ def adapt_to_world(cfg: RecipeConfig, world: int) -> RecipeConfig:
     except ConfigError as err:
         raise ConfigError("parallel.dp", f"the job re-formed with {world} ranks, so dp becomes "
                           f"{resized.parallel.dp}, which this recipe cannot use: {err}",
-                          "choose a train.global_batch_size divisible at every world size "
-                          "the job may shrink to.") from None
+                          "choose a train.global_batch_size (and a train.rampup_batch_size "
+                          "START and INCREMENT) divisible at every world size the job may "
+                          "shrink to.") from None
     return resized
 
 

@@ -2,8 +2,8 @@
 
     FLOPs per step = tokens * (6 * N + 12 * L * T * A)
 
-tokens = global_batch_size * seq_len per optimizer step; N the parameters
-that take part in matrix multiplies, counted as Megatron and nanoGPT do: every
+tokens = the step's global batch (a batch ramp's smaller) * seq_len; N the
+parameters of matrix multiplies, counted as Megatron and nanoGPT do: every
 block's attention (fused QKV, grouped kv heads, output projection) and MLP
 weights (the flavour's `mlp_matrices`; with experts, those a token uses),
 plus the output head over the padded vocabulary (with tied embeddings the
@@ -50,9 +50,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, tp: int = 1) -> int:
     return 6 * matmul_parameters(cfg, tp) + 12 * cfg.num_layers * keys * query_width
 
 
-def flops_per_step(cfg: RecipeConfig) -> int:
-    tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    return tokens * flops_per_token(cfg.model, cfg.data.seq_len, cfg.parallel.tp)
+def flops_per_sample(cfg: RecipeConfig) -> int:
+    """A training step's FLOPs per sample of its global batch."""
+    return cfg.data.seq_len * flops_per_token(cfg.model, cfg.data.seq_len, cfg.parallel.tp)
 
 
 def achieved_tflops(step_flops: float, seconds: float, devices: int) -> float:

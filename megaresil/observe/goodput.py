@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from megaresil.events import read_events, read_jsonl
+from megaresil.run_records import step_seconds
 from megaresil.safe_files import write_atomic
 
 INTENDED_STOPS = ("run_finished", "exited", "preempted", "interrupted")
@@ -26,12 +27,6 @@ BUCKETS = ("productive", "startup", "restarts", "failed", "recomputed", "checkpo
 # at each step line; the other states' time goes to one bucket each.
 TRAINING, STOPPED, STARTING, RESTARTING = "training", "stopped", "starting", "restarting"
 BOOKED = {STOPPED: "idle", STARTING: "startup", RESTARTING: "restarts"}
-
-
-def step_seconds(record: dict) -> float:
-    if "step_time_s" in record:
-        return record["step_time_s"]
-    return record["tokens"] / record["tokens_per_s"] / max(record["step"], 1)
 
 
 def launched_at(events: list[dict], records: list[dict]) -> Optional[float]:

@@ -11,7 +11,7 @@ interleaved assignment, which is also the library's default stage-to-rank map).
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -116,37 +116,65 @@ def example_io(chunk: StageChunk, micro_batch: int, seq_len: int, output_dtype: 
 
 
 class Pipeline:
+    """This rank's stage chunks under `schedule`, run for any number of
+    micro-batches: a step's count follows its global batch (a batch ramp's
+    grow), and torch's schedules and stages are built for one count, so one
+    set is built per count as it first comes (the stages then prepare their
+    buffers for it). The newest training count's set and the eval count's
+    are kept; a ramp only grows, so an older one is not needed again."""
+
     def __init__(self, chunks: Sequence[StageChunk], layout: ParallelLayout,
-                 schedule: PipelineSchedule, *, n_microbatches: int, micro_batch: int,
+                 schedule: PipelineSchedule, *, micro_batch: int,
                  seq_len: int, output_dtype: torch.dtype = torch.float32,
                  scale_grads: bool = True):
         """`output_dtype`: what the last chunk's output comes out as (under
         autocast, its dtype). `scale_grads`: leave the grads as the mean over
         micro-batches; off, as their sum (for a caller that scales them itself)."""
-        self.layout = layout
+        self.layout, self.chunks, self.kind = layout, list(chunks), schedule
+        self.micro_batch, self.seq_len, self.output_dtype = micro_batch, seq_len, output_dtype
+        self.scale_grads = scale_grads
         self.feeds = [SampleFeed() for _ in chunks]
         self.last_chunk = chunks[-1] if chunks[-1].last else None
         self.has_first = chunks[0].first
+        self.schedules: dict[int, Any] = {}  # micro-batches -> torch's schedule
+        self.trained: Optional[int] = None  # the micro-batches of the newest training step
+        self.evaluated: Optional[int] = None
+
+    def schedule_for(self, n_microbatches: int, *, training: bool) -> Any:
+        """torch's schedule over this rank's stages for `n_microbatches`."""
+        if training:
+            self.trained = n_microbatches
+        else:
+            self.evaluated = n_microbatches
+        for count in [c for c in self.schedules if c not in (self.trained, self.evaluated)]:
+            del self.schedules[count]
+        if n_microbatches not in self.schedules:
+            self.schedules[n_microbatches] = self._build(n_microbatches)
+        return self.schedules[n_microbatches]
+
+    def _build(self, n_microbatches: int) -> Any:
         from torch.distributed.pipelining import PipelineStage  # see schedule_class
         stages = []
-        for chunk, feed, v in zip(chunks, self.feeds, virtual_stages(layout)):
-            example_in, example_out = example_io(chunk, micro_batch, seq_len, output_dtype,
-                                                 layout.device)
+        for chunk, feed, v in zip(self.chunks, self.feeds, virtual_stages(self.layout)):
+            example_in, example_out = example_io(chunk, self.micro_batch, self.seq_len,
+                                                 self.output_dtype, self.layout.device)
             stages.append(PipelineStage(_StageModule(chunk, feed), stage_index=v,
-                                        num_stages=layout.pp * layout.vpp, device=layout.device,
-                                        input_args=example_in, output_args=example_out,
-                                        group=layout.group("pp")))
-        cls = schedule_class(schedule)
-        target = stages if schedule in MULTI_STAGE else stages[0]
-        self.schedule = cls(target, n_microbatches=n_microbatches, loss_fn=self._loss,
-                            scale_grads=scale_grads)
+                                        num_stages=self.layout.pp * self.layout.vpp,
+                                        device=self.layout.device, input_args=example_in,
+                                        output_args=example_out,
+                                        group=self.layout.group("pp")))
+        target = stages if self.kind in MULTI_STAGE else stages[0]
+        return schedule_class(self.kind)(target, n_microbatches=n_microbatches,
+                                         loss_fn=self._loss, scale_grads=self.scale_grads)
 
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         assert self.last_chunk is not None  # the schedule computes the loss on the last stage only
         return self.last_chunk.loss(output, targets)
 
-    def _run(self, run, inputs: torch.Tensor, targets: torch.Tensor,
+    def _run(self, training: bool, inputs: torch.Tensor, targets: torch.Tensor,
              samples: Optional[list[torch.Tensor]]) -> torch.Tensor:
+        schedule = self.schedule_for(len(targets) // self.micro_batch, training=training)
+        run = schedule.step if training else schedule.eval
         for feed in self.feeds:
             feed.load(samples or [])
         losses: list[torch.Tensor] = []
@@ -161,14 +189,14 @@ class Pipeline:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor,
                    samples: list[torch.Tensor]) -> torch.Tensor:
-        """Forward and backward of all micro-batches (grads scaled by 1/m
-        unless built with scale_grads=False);
+        """Forward and backward of all micro-batches, m = len(targets) /
+        micro_batch (grads scaled by 1/m unless built with scale_grads=False);
         returns the mean micro-batch loss (zero off the last stage)."""
-        return self._run(self.schedule.step, inputs, targets, samples)
+        return self._run(True, inputs, targets, samples)
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self._run(self.schedule.eval, inputs, targets, None)
+        return self._run(False, inputs, targets, None)
 
 
 def sync_tied_embedding_grads(entries: list[tuple[nn.Parameter, torch.Tensor]],

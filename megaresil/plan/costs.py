@@ -22,6 +22,7 @@ from megaresil.run_records import (
     events_of,
     metrics_of,
     one_of,
+    step_seconds,
 )
 
 # An outage's kind is its costliest recovery: a preemption requeues the whole
@@ -121,11 +122,6 @@ def costs_problem(d) -> Optional[str]:
         if problem:
             return where + problem
     return None
-
-
-def step_seconds(record: dict) -> float:
-    """A step's own compute time, from its token rate (tokens is cumulative)."""
-    return record["tokens"] / record["step"] / record["tokens_per_s"]
 
 
 def read_costs(run_dir: str | Path) -> RunCosts:

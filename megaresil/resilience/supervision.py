@@ -64,6 +64,12 @@ class Supervision:
             self._enter(name, step)
             yield
 
+    def batch_share(self, share: float) -> None:
+        """The coming step's global batch over the full one: the watchdog
+        scales the budgets of the sections that follow the batch."""
+        if self.watchdog is not None:
+            self.watchdog.batch_share(share)
+
     def _enter(self, name: str, step: int) -> None:
         if self.faults is not None:
             self.faults.on_section(name, step)

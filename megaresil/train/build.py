@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from megaresil.config import FP8, Precision, RecipeConfig, microbatches_per_step, resolved_schedule
+from megaresil.config import FP8, Precision, RecipeConfig, resolved_schedule
 from megaresil.data.build import Dataset, build_datasets
 from megaresil.events import EventLog
 from megaresil.model.gpt import GPT
@@ -94,7 +94,6 @@ def build_parts(cfg: RecipeConfig, layout: ParallelLayout, supervision: Supervis
     # After the bf16 cast (under ZeRO-1, shard_main_params's): a stage's
     # activations take the dtype of its parameters.
     pipeline = (Pipeline(chunks, layout, resolved_schedule(cfg.parallel),
-                         n_microbatches=microbatches_per_step(cfg),
                          micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
                          output_dtype=logits_dtype(precision),
                          # The mean is taken in the grad buffers, where bf16

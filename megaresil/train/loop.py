@@ -12,7 +12,7 @@ from typing import Iterator, Optional, Sequence, cast
 
 import torch
 
-from megaresil.config import RecipeConfig, to_yaml
+from megaresil.config import RecipeConfig, global_batch_at, to_yaml
 from megaresil.data.sampler import SampleDataset, collate, micro_batches, skip_past
 from megaresil.events import EventLog
 from megaresil.parallel.grad_groups import Held, zero1
@@ -94,10 +94,14 @@ class Trainer:
         copy under bf16, else the parameter."""
         return named_state_parameters(self.chunks, self.checkpoint_key, self.opt_params)
 
-    def batches(self, dataset: SampleDataset, consumed: int) -> list[Batch]:
-        """This DP rank's micro-batches: (inputs, targets, global sample indices)."""
-        t = self.cfg.train
-        indices = micro_batches(consumed, t.global_batch_size, t.micro_batch_size,
+    def batches(self, dataset: SampleDataset, consumed: int,
+                global_batch: Optional[int] = None) -> list[Batch]:
+        """This DP rank's micro-batches of the `global_batch` samples from
+        `consumed` (by default the batch a training step there takes):
+        (inputs, targets, global sample indices)."""
+        if global_batch is None:
+            global_batch = global_batch_at(self.cfg.train, consumed)
+        indices = micro_batches(consumed, global_batch, self.cfg.train.micro_batch_size,
                                 self.layout.data_rank, self.layout.data_size)
         device = self.layout.device
         batches = []
@@ -176,6 +180,7 @@ class Trainer:
     def attempt_step(self, step: int) -> StepResult:
         """One attempt of a step from the current data position."""
         section = self.supervision.section
+        self.supervision.batch_share(self.global_batch() / self.cfg.train.global_batch_size)
         with section("data", step):
             batches = self.batches(self.train_data, self.state.consumed_samples)
         self.routing.begin_step()
@@ -200,12 +205,13 @@ class Trainer:
             if result is None:
                 self.replicas.forget()
         self.supervision.step_done()
+        global_batch = self.global_batch()  # the step's, at the position it started from
         self.state.step = step
-        self.state.consumed_samples += self.cfg.train.global_batch_size
+        self.state.consumed_samples += global_batch
         self.state.settled = True
         seconds = time.perf_counter() - started
-        tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
-        record = {"step": step, "loss": result.loss,
+        tokens = global_batch * self.cfg.data.seq_len
+        record = {"step": step, "loss": result.loss, "global_batch_size": global_batch,
                   "lr": lr_at(step, self.cfg.optimizer, self.cfg.train.steps),
                   "grad_norm": result.grad_norm,
                   "tokens": self.state.consumed_samples * self.cfg.data.seq_len,
@@ -218,15 +224,21 @@ class Trainer:
             record["rollback"] = self.numerics.rollbacks
         return record
 
+    def global_batch(self) -> int:
+        """The global batch of the step at the current data position
+        (train.rampup_batch_size's ramp, else train.global_batch_size)."""
+        return global_batch_at(self.cfg.train, self.state.consumed_samples)
+
     @torch.no_grad()
     def evaluate(self, dataset: Optional[SampleDataset] = None) -> float:
         """Mean loss over a fixed held-out set (the first eval_batches global
-        batches of `dataset`, by default the valid split)."""
+        batches of `dataset`, by default the valid split): full batches of
+        train.global_batch_size, during a batch ramp too."""
         self.model.eval()
         g = self.cfg.train.global_batch_size
         # valid_data is None only without eval (train.eval_batches 0): no batch is read then.
         held_out = cast(SampleDataset, self.valid_data if dataset is None else dataset)
-        losses = [step_compute.forward_eval(self.parts, self.batches(held_out, i * g))
+        losses = [step_compute.forward_eval(self.parts, self.batches(held_out, i * g, g))
                   for i in range(self.cfg.train.eval_batches)]
         return dp_mean(torch.stack(losses).mean(), self.layout)
 
@@ -250,7 +262,7 @@ class Trainer:
                 if log:
                     log.write(record)
                 step = record["step"]
-                self.saves.step_done(step, record["step_time_s"],
+                self.saves.step_done(step, record["step_time_s"], record["global_batch_size"],
                                      first_of_process=self.supervision.steps == 1)
                 # The preemption flag on the training thread's own (world)
                 # group: the checkpoint group belongs to the save thread
@@ -333,7 +345,7 @@ class Trainer:
             goodput = write_goodput(self.run_dir)
             if outcome == "finished":
                 line = story.summary(self.cfg, self.checkpointing.root, self.state.step,
-                                     last_record, goodput)
+                                     self.state.consumed_samples, last_record, goodput)
                 self.events.emit("run_finished", step=self.state.step, goodput=goodput, line=line)
                 story.tell(line)
             else:  # exited (train.exit_at_step), preempted or interrupted

@@ -2,8 +2,9 @@
 W&B, MLflow) and the console (a progress bar, or a plain line every
 log_interval steps). Only the logging rank writes.
 
-Each step record gains the figures of observe/flops.py: `tflops` (model
-TFLOP/s per device) and `mfu` (tflops / the device's peak)."""
+Each step record gains the figures of observe/flops.py for the batch it
+trained (its `global_batch_size`): `tflops` (model TFLOP/s per device) and
+`mfu` (tflops / the device's peak)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from tqdm import tqdm
 from megaresil.config import LoggingConfig, Precision, RecipeConfig, to_dict
 from megaresil.events import repair_prefix
 from megaresil.fencing import Fence
-from megaresil.observe.flops import achieved_tflops, flops_per_step
+from megaresil.observe.flops import achieved_tflops, flops_per_sample
 from megaresil.observe.loggers import build_loggers
 from megaresil.observe.memory import peak_memory_mb
 from megaresil.observe.peak import cached_peak_tflops
@@ -28,18 +29,19 @@ from megaresil.terminal import draws_bars
 
 @dataclass
 class StepFigures:
-    """What turns a step's time into TFLOP/s and MFU."""
-    flops_per_step: int
+    """What turns a step's time and global batch into TFLOP/s and MFU."""
+    flops_per_sample: int
     devices: int
     peak_tflops: Optional[float]
     device: torch.device
 
     @classmethod
     def for_recipe(cls, cfg: RecipeConfig, device: torch.device) -> "StepFigures":
-        return cls(flops_per_step(cfg), cfg.parallel.world_size, peak_tflops(cfg, device), device)
+        return cls(flops_per_sample(cfg), cfg.parallel.world_size, peak_tflops(cfg, device),
+                   device)
 
-    def of(self, step_time_s: float) -> dict[str, float]:
-        tflops = achieved_tflops(self.flops_per_step, step_time_s, self.devices)
+    def of(self, step_time_s: float, global_batch: int) -> dict[str, float]:
+        tflops = achieved_tflops(self.flops_per_sample * global_batch, step_time_s, self.devices)
         figures = {"tflops": tflops, "mem_peak_mb": peak_memory_mb(self.device)}
         if self.peak_tflops:
             figures["mfu"] = tflops / self.peak_tflops
@@ -119,7 +121,7 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         """One JSON line per record; floats keep full precision (json uses repr)."""
         if "step_time_s" in record:
-            record.update(self.figures.of(record["step_time_s"]))
+            record.update(self.figures.of(record["step_time_s"], record["global_batch_size"]))
         record.setdefault("generation", self.generation)
         if self.fence is not None:
             self.fence.check(f"the metrics row of step {record['step']}")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megaresil.config import RecipeConfig, SpikePolicy
+from megaresil.config import RecipeConfig, SpikePolicy, global_batch_at
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.resilience.numerics import (
     Figures,
@@ -211,7 +211,7 @@ class NumericsGuard:
             self.emit("loss_spike", **fields, next="update not applied; skipping its batch")
             first = self.progress.consumed_samples
             self.progress.skipped = {**self.progress.skipped,
-                                     first: self.cfg.train.global_batch_size}
+                                     first: global_batch_at(self.cfg.train, first)}
             self.watch.cured_step = step
             self.emit("samples_skipped", step=step, samples=self.samples(),
                       next=f"step {step} trains on the next global batch")
@@ -237,7 +237,7 @@ class NumericsGuard:
     def samples(self) -> list[int]:
         """The global samples of the step at hand: [first, end)."""
         first = self.progress.consumed_samples
-        return [first, first + self.cfg.train.global_batch_size]
+        return [first, first + global_batch_at(self.cfg.train, first)]
 
     def skips_made(self) -> int:
         """Global batches skipped by rollbacks and spikes: those recorded,
@@ -248,7 +248,6 @@ class NumericsGuard:
         """Back to the newest checkpoint (restart-from-latest's own choice of
         tier and step), with the global batches starting at `skip_starts`
         recorded as skipped (those after the checkpoint's position)."""
-        size = self.cfg.train.global_batch_size
         skipped = dict(self.progress.skipped)
         with self.section("checkpoint", step):
             # The saves in flight are of earlier, checked steps: let them commit first.
@@ -260,7 +259,9 @@ class NumericsGuard:
                     f"step {step} needs a rollback ({reason}) and there is no checkpoint to roll "
                     "back to: stopping. Fix: save checkpoints (checkpoint.interval) so that a "
                     "rollback has somewhere to go")
-        new = {first: size for first in skip_starts if first >= self.progress.consumed_samples}
+        # Each the batch at its start: the batch a ramp trains there.
+        new = {first: global_batch_at(self.cfg.train, first) for first in skip_starts
+               if first >= self.progress.consumed_samples}
         # The checkpoint's record of skips, and these (not yet saved anywhere).
         self.progress.skipped = {**self.progress.skipped, **skipped, **new}
         self.rollbacks += 1
@@ -269,5 +270,5 @@ class NumericsGuard:
         self.emit("rolled_back", step=step, to_step=self.progress.step, reason=reason, **counts,
                   next=f"training again from step {self.progress.step + 1}")
         for first in sorted(new):
-            self.emit("samples_skipped", step=step, samples=[first, first + size],
+            self.emit("samples_skipped", step=step, samples=[first, first + new[first]],
                       next="the sampler passes over them")

@@ -3,7 +3,8 @@ every N steps, never (0), or auto: after one measuring save (none on a
 resume: the run's records hold the cost), Young/Daly's sqrt(2 x save x
 MTBF), capped by checkpoint.max_minutes_at_risk and by a quarter of the run,
 and chosen again when a cost moves by more than 2x. train.exit_at_step
-always saves; except with 0, so does the last step.
+always saves; except with 0, so does the last step. A batch ramp's step is
+measured as a full-batch step (`full_batch_seconds`): its steps save sooner.
 
 Every rank must save at the same steps: the costs are the slowest rank's
 (an all-reduce MAX), combined at steps every rank knows. A generation that
@@ -78,6 +79,13 @@ def never_saving_warning(cfg: RecipeConfig) -> Optional[str]:
     return ("megaresil: warning: checkpoint.interval=0: no checkpoint is saved, not even at "
             "the last step (only at train.exit_at_step, a preemption or Ctrl-C); a lost process "
             "loses all its work. Fix: leave checkpoint.interval at auto, or give N steps.")
+
+
+def full_batch_seconds(seconds: float, global_batch: int, full_batch: int) -> float:
+    """A step's time had it trained the full batch: linear in the samples.
+    A step's fixed costs scale up with it, so a ramp's step is over- rather
+    than underestimated (saves come sooner, never later)."""
+    return seconds * full_batch / global_batch
 
 
 @dataclass(frozen=True)
@@ -188,12 +196,15 @@ class SaveSchedule:
             return True
         return isinstance(self.interval, int) and step // self.interval * self.interval > after
 
-    def step_done(self, step: int, seconds: float, first_of_process: bool) -> None:
-        """Each step's time (but a process's first: its warm-up); a known
-        save cost is decided on after the calibration steps; every
-        RECHECK_STEPS steps an auto decision is checked against it."""
+    def step_done(self, step: int, seconds: float, global_batch: int,
+                  first_of_process: bool) -> None:
+        """Each step's time (but a process's first: its warm-up) and the
+        global batch it trained; a known save cost is decided on after the
+        calibration steps; every RECHECK_STEPS steps an auto decision is
+        checked against it."""
         if not first_of_process:
-            self.step_times = (self.step_times + [seconds])[-RECHECK_STEPS:]
+            full = full_batch_seconds(seconds, global_batch, self.cfg.train.global_batch_size)
+            self.step_times = (self.step_times + [full])[-RECHECK_STEPS:]
         if self.decision is None and self.save_s is not None and step == self.measure_at:
             self._measure(step)
         elif self.decision is not None and step - self.last_check >= RECHECK_STEPS:

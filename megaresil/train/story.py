@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from megaresil.checkpoint import format as fmt
-from megaresil.config import RecipeConfig
+from megaresil.config import BatchRamp, RecipeConfig
 from megaresil.model.gpt import GPT
 from megaresil.run_lock import HELD_ENV
 from megaresil.train.save_schedule import longest_interval, plural
@@ -28,9 +28,19 @@ def parameters(cfg: RecipeConfig) -> int:
         return sum(p.numel() for p in GPT(cfg.model).parameters())
 
 
+def batch_words(cfg: RecipeConfig) -> str:
+    """The tokens a step trains: the global batch's, or a ramp's from START up."""
+    t, tokens = cfg.train, cfg.train.global_batch_size * cfg.data.seq_len
+    ramp = BatchRamp.of(t)
+    if ramp is None:
+        return f"{tokens:,} tokens per step"
+    return (f"{ramp.start * cfg.data.seq_len:,} tokens per step ramping up to {tokens:,} "
+            f"(train.rampup_batch_size: batch {ramp.start} to {t.global_batch_size} by "
+            f"{ramp.increment} over {ramp.samples:,} samples)")
+
+
 def banner(cfg: RecipeConfig, start_step: int) -> str:
     p = cfg.parallel
-    tokens = cfg.train.global_batch_size * cfg.data.seq_len
     interval = cfg.checkpoint.interval
     longest = plural(longest_interval(cfg.train.steps), "step")
     policy = {"auto": f"auto (Young/Daly, at most {cfg.checkpoint.max_minutes_at_risk:g} min or "
@@ -38,7 +48,7 @@ def banner(cfg: RecipeConfig, start_step: int) -> str:
               0: "never (checkpoint.interval=0)"}.get(interval, f"every {interval} steps")
     start = f"resumes from step {start_step}" if start_step else "starts at step 0"
     return (f"training tp={p.tp} pp={p.pp} dp={p.dp}, {parameters(cfg) / 1e6:.1f}M "
-            f"parameters, {tokens:,} tokens per step, {cfg.train.steps} steps; run dir "
+            f"parameters, {batch_words(cfg)}, {cfg.train.steps} steps; run dir "
             f"{cfg.run.dir}; checkpoints {policy}; {threads()}; {start}")
 
 
@@ -53,12 +63,14 @@ def threads() -> str:
     return f"{said} (torch's default; OMP_NUM_THREADS chooses)"
 
 
-def summary(cfg: RecipeConfig, root: Path, steps: int, last: Optional[dict],
-            goodput: dict) -> str:
+def summary(cfg: RecipeConfig, root: Path, steps: int, consumed_samples: int,
+            last: Optional[dict], goodput: dict) -> str:
+    """`consumed_samples`: the data position (the batches trained, a ramp's
+    smaller ones too, and any passed over)."""
     newest = fmt.committed_checkpoints(root)
     loss = f"{last['loss']:.4f}" if last else "-"
-    return (f"done: {steps} steps, {steps * cfg.train.global_batch_size * cfg.data.seq_len:,} "
-            f"tokens, {goodput.get('wall_s', 0.0) / 60:.1f} min wall, goodput "
+    return (f"done: {steps} steps, {consumed_samples * cfg.data.seq_len:,} tokens, "
+            f"{goodput.get('wall_s', 0.0) / 60:.1f} min wall, goodput "
             f"{100 * goodput.get('goodput', 0.0):.1f}%, final loss {loss}; last checkpoint "
             f"{newest[0] if newest else 'none'}")
 

@@ -1,6 +1,7 @@
 """The pipeline runtime drives any chunk that keeps the `StageChunk` protocol:
 a toy model (no GPT) split over two gloo ranks gets the unpipelined loss and
-grads, and every chunk is handed its micro-batches' samples in order."""
+grads, and every chunk is handed its micro-batches' samples in order, at
+any micro-batch count from step to step (a batch ramp's) and in eval between."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,9 @@ from megaresil.ports import free_port
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline, virtual_stages
 
-VOCAB, WIDTH, MICRO_BATCH, SEQ, MICRO_BATCHES = 11, 8, 2, 5, 4
+VOCAB, WIDTH, MICRO_BATCH, SEQ = 11, 8, 2, 5
+# A step's micro-batches, as a batch ramp's steps have them, with an eval of 4 between.
+COUNTS = (2, 4, 6)
 
 
 class ToyChunk(nn.Module):
@@ -50,19 +53,19 @@ class ToyChunk(nn.Module):
         return (tokens if self.first else hidden), (logits if self.last else hidden)
 
 
-def batch() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    generator = torch.Generator().manual_seed(7)
-    shape = (MICRO_BATCH * MICRO_BATCHES, SEQ)
+def batch(micro_batches: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7 + micro_batches)
+    shape = (MICRO_BATCH * micro_batches, SEQ)
     inputs = torch.randint(VOCAB, shape, generator=generator)
     targets = torch.randint(VOCAB, shape, generator=generator)
-    samples = [torch.arange(i * MICRO_BATCH, (i + 1) * MICRO_BATCH) for i in range(MICRO_BATCHES)]
+    samples = [torch.arange(i * MICRO_BATCH, (i + 1) * MICRO_BATCH) for i in range(micro_batches)]
     return inputs, targets, samples
 
 
-def reference(stages: int) -> tuple[torch.Tensor, list[ToyChunk]]:
+def reference(stages: int, micro_batches: int) -> tuple[torch.Tensor, list[ToyChunk]]:
     """Mean micro-batch loss and its grads, all chunks in one process."""
     chunks = [ToyChunk(s, stages) for s in range(stages)]
-    inputs, targets, _ = batch()
+    inputs, targets, _ = batch(micro_batches)
     losses = []
     for x, y in zip(inputs.split(MICRO_BATCH), targets.split(MICRO_BATCH)):
         for chunk in chunks:
@@ -78,19 +81,28 @@ def check_schedule(schedule: PipelineSchedule, vpp: int) -> None:
     stages = layout.pp * vpp
     mine = virtual_stages(layout)
     chunks = [ToyChunk(s, stages) for s in mine]
-    pipeline = Pipeline(chunks, layout, schedule, n_microbatches=MICRO_BATCHES,
-                        micro_batch=MICRO_BATCH, seq_len=SEQ)
-    inputs, targets, samples = batch()
-    loss = pipeline.train_step(inputs, targets, samples)
-
-    expected_loss, expected = reference(stages)
-    if layout.is_last_stage:
-        torch.testing.assert_close(loss, expected_loss)
-    for stage, chunk in zip(mine, chunks):
-        assert [s.tolist() for s in chunk.seen] == [s.tolist() for s in samples], stage
-        for (name, param), want in zip(chunk.named_parameters(), expected[stage].parameters()):
-            where = f"{schedule.value}, stage {stage}, {name}"
-            torch.testing.assert_close(param.grad, want.grad, msg=lambda m: f"{where}: {m}")
+    pipeline = Pipeline(chunks, layout, schedule, micro_batch=MICRO_BATCH, seq_len=SEQ)
+    for micro_batches in COUNTS:
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=True)
+            chunk.seen.clear()
+        inputs, targets, samples = batch(micro_batches)
+        loss = pipeline.train_step(inputs, targets, samples)
+        expected_loss, expected = reference(stages, micro_batches)
+        if layout.is_last_stage:
+            torch.testing.assert_close(loss, expected_loss)
+        for stage, chunk in zip(mine, chunks):
+            assert [s.tolist() for s in chunk.seen] == [s.tolist() for s in samples], stage
+            for (name, param), want in zip(chunk.named_parameters(),
+                                           expected[stage].parameters()):
+                where = f"{schedule.value}, {micro_batches} micro-batches, stage {stage}, {name}"
+                torch.testing.assert_close(param.grad, want.grad, msg=lambda m: f"{where}: {m}")
+        inputs, targets, _ = batch(4)
+        for chunk in chunks:
+            chunk.eval()
+        pipeline.eval_step(inputs, targets)
+        for chunk in chunks:
+            chunk.train()
 
 
 def _worker(rank: int, port: int) -> None:

@@ -32,8 +32,7 @@ def test_flops_of_gpt_tiny_equal_the_stated_formula():
     L, C, T, V, F = 4, 192, 128, 4096, 4 * 192  # gpt-tiny: layers, width, seq, vocab, ffn
     n = L * (C * 3 * C + C * C + 2 * C * F) + C * V
     assert flops.matmul_parameters(cfg.model) == n
-    tokens = cfg.train.global_batch_size * T
-    assert flops.flops_per_step(cfg) == tokens * (6 * n + 12 * L * T * C)
+    assert flops.flops_per_sample(cfg) == T * (6 * n + 12 * L * T * C)
 
 
 def test_a_sliding_window_shorter_than_the_sequence_bounds_the_attention_flops():
@@ -75,11 +74,13 @@ def test_a_layer_with_experts_counts_its_active_parameters():
 
 
 def test_step_figures_are_tflops_per_device_over_the_peak():
-    figures = StepFigures(flops_per_step=6_000_000_000_000, devices=4, peak_tflops=2.0,
+    """Of the batch the step trained: a ramp's half batch is half the FLOPs."""
+    figures = StepFigures(flops_per_sample=375_000_000_000, devices=4, peak_tflops=2.0,
                           device=torch.device("cpu"))
-    out = figures.of(step_time_s=0.5)
+    out = figures.of(step_time_s=0.5, global_batch=16)
     assert out["tflops"] == 6e12 / 0.5 / 4 / 1e12 == 3.0
     assert out["mfu"] == 1.5
+    assert figures.of(step_time_s=0.5, global_batch=8)["tflops"] == 1.5
     assert out["mem_peak_mb"] > 10  # this process's peak resident set
 
 
@@ -305,7 +306,8 @@ def test_trackers_continue_the_same_run_after_a_restart(tmp_path, monkeypatch):
         log = MetricsLog(tmp_path, cfg, figures, start_step=2 * generation)
         for s in (1, 2):
             log.write({"step": 2 * generation + s, "loss": 1.0 / s, "lr": 1e-3, "grad_norm": 1.0,
-                       "tokens_per_s": 1.0, "step_time_s": 0.5, "time": 1.0})
+                       "tokens_per_s": 1.0, "step_time_s": 0.5, "global_batch_size": 1,
+                       "time": 1.0})
         log.close()
     run_id = (tmp_path / "mlflow_run_id").read_text()
     history = mlflow.MlflowClient(uri).get_metric_history(run_id, "mfu")
@@ -354,7 +356,8 @@ def test_a_run_records_its_figures_goodput_and_profile(cli, tmp_path):
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     for r in steps:
-        assert r["tflops"] == flops.flops_per_step(cfg) / r["step_time_s"] / 1 / 1e12
+        assert r["global_batch_size"] == 8
+        assert r["tflops"] == flops.flops_per_sample(cfg) * 8 / r["step_time_s"] / 1 / 1e12
         assert r["mfu"] == r["tflops"] / 0.5
         sections = sum(r[f"time_{s}_s"] for s in ("data", "forward_backward", "optimizer"))
         assert 0 < sections <= r["step_time_s"]
@@ -490,7 +493,8 @@ def test_every_metrics_row_names_its_generation(tmp_path):
         log = MetricsLog(tmp_path, cfg, figures, start_step=steps[0] - 1, generation=generation)
         for s in steps:
             log.write({"step": s, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0,
-                       "tokens_per_s": 1.0, "step_time_s": 0.5, "time": 1.0})
+                       "tokens_per_s": 1.0, "step_time_s": 0.5, "global_batch_size": 1,
+                       "time": 1.0})
         log.write({"step": steps[-1], "eval_loss": 1.0, "time": 1.0})
         log.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

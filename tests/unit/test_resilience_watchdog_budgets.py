@@ -31,6 +31,20 @@ def test_budgets_are_factor_times_the_slowest_observed_after_warm_up():
     assert budgets.slow_limit("forward_backward") == pytest.approx(5 * 5 * 0.9)
 
 
+def test_a_batch_ramps_sections_are_budgeted_for_the_steps_batch():
+    """Measured at a quarter of the full batch: the sections that follow the
+    batch are budgeted 4x at the full batch; the optimizer's is not."""
+    budgets = Budgets(WatchdogConfig(calibration_steps=1, factor=5.0, floor_s=0.1), EIGHT)
+    budgets.batch_share = 0.25
+    for section in ("forward_backward", "optimizer"):
+        budgets.observe(section, 2, 1.0)
+    budgets.step_done()
+    assert budgets.budget("forward_backward") == pytest.approx(5 * 1.0)
+    budgets.batch_share = 1.0
+    assert budgets.budget("forward_backward") == pytest.approx(5 * 4.0)
+    assert budgets.budget("optimizer") == pytest.approx(5 * 1.0)
+
+
 def test_budgets_before_calibration_and_of_setup_and_checkpoint():
     cfg = WatchdogConfig(calibration_steps=3, initial_timeout_s=60)
     budgets = Budgets(cfg, EIGHT)

@@ -12,10 +12,12 @@ def schedule(tmp_path, *overrides, start_step: int = 0):
     return SaveSchedule(cfg, start_step, events=EventLog(tmp_path, 0), rank=0)
 
 
-def saved_steps(s, steps, step_s=1.0, save_s=2.0, first=1):
+def saved_steps(s, steps, step_s=1.0, save_s=2.0, first=1, batch=None):
+    """`batch`: each step's global batch (the full one unless given)."""
     saved = []
     for step in range(first, steps + 1):
-        s.step_done(step, step_s, first_of_process=step == first)
+        s.step_done(step, step_s, batch or s.cfg.train.global_batch_size,
+                    first_of_process=step == first)
         if s.due(step):
             saved.append(step)
             s.saved(step, save_s)
@@ -37,8 +39,18 @@ def test_auto_is_capped_and_decides_again_when_a_cost_moves(tmp_path):
     saved_steps(s, 200)
     assert s.decision.steps == 60 and s.decision.capped
     for step in range(201, 300):  # steps become 3x slower
-        s.step_done(step, 3.0, first_of_process=False)
+        s.step_done(step, 3.0, s.cfg.train.global_batch_size, first_of_process=False)
     assert s.decision.steps == 20
+
+
+def test_auto_measures_a_batch_ramps_steps_as_full_batch_steps(tmp_path):
+    """Half-batch steps of 0.5 s decide as full steps of 1 s: the interval
+    holds once the ramp ends, and the ramp's steps save sooner."""
+    s = schedule(tmp_path, "resilience.mtbf_hours=1", "checkpoint.max_minutes_at_risk=60")
+    half = s.cfg.train.global_batch_size // 2
+    saved = saved_steps(s, 300, step_s=0.5, batch=half)
+    every = int(math.sqrt(2 * 2.0 * 3600))
+    assert s.decision.step_s == 1.0 and saved[:2] == [4, 4 + every]
 
 
 def test_an_integer_wins_and_zero_never_saves(tmp_path):

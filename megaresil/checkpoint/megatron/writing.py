@@ -180,6 +180,9 @@ def megatron_args(recipe: RecipeConfig, iteration: int, consumed_samples: int,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         micro_batch_size=recipe.train.micro_batch_size,
         global_batch_size=recipe.train.global_batch_size, iteration=iteration,
+        # As Megatron's parser gives --rampup-batch-size: strings, or None.
+        rampup_batch_size=(None if recipe.train.rampup_batch_size is None
+                           else [str(v) for v in recipe.train.rampup_batch_size]),
         consumed_train_samples=consumed_samples, consumed_valid_samples=0,
         skipped_train_samples=0, no_save_optim=True, no_save_rng=True)
 

@@ -8,7 +8,9 @@ and checkpoint have budgets of their own; the checkpoint section is also
 watched for silent peers from its calibrated budget (`silence_budget`). The hard limit, past which even a
 computing rank is hung, is `slow_limit_factor` x the budget (an aborted rank
 gets it to leave, setup's cut to SETUP_ABORT_S). A calibration holds only on
-what it was measured on (world, workload, machine kind)."""
+what it was measured on (world, workload, machine kind). The sections that
+follow the step's global batch (BATCH_SECTIONS; a batch ramp's grows) keep a
+full batch's durations and are budgeted for the step's (`batch_share`)."""
 from __future__ import annotations
 
 from megaresil.config import WatchdogConfig
@@ -19,6 +21,8 @@ from megaresil.config import WatchdogConfig
 # group's formation for a peer that left it (a store wait no abort ends: 300 s
 # at the group's timeout, seen in a soak on nodes in namespaces).
 SETUP_ABORT_S = 30.0
+# The sections whose work is proportional to the step's global batch.
+BATCH_SECTIONS = ("data", "forward_backward")
 
 
 class Budgets:
@@ -27,11 +31,13 @@ class Budgets:
         self.measured_on = measured_on  # world size, the caller's workload, machine kind
         self.slowest: dict[str, float] = {}
         self.steps_seen = 0
+        self.batch_share = 1.0  # the current step's global batch over the full one
 
     def observe(self, section: str, step: int, seconds: float) -> None:
         """A section of `step` took `seconds`."""
         if step > 1:  # step 1 carries one-off warm-up costs
-            self.slowest[section] = max(self.slowest.get(section, 0.0), seconds)
+            full = seconds / self._share(section)
+            self.slowest[section] = max(self.slowest.get(section, 0.0), full)
 
     def step_done(self) -> None:
         self.steps_seen += 1
@@ -55,7 +61,14 @@ class Budgets:
     def _calibrated(self, section: str) -> float:
         if self.steps_seen < self.cfg.calibration_steps or section not in self.slowest:
             return self.cfg.initial_timeout_s
-        return max(self.cfg.floor_s, self.cfg.factor * self.slowest[section])
+        return max(self.cfg.floor_s,
+                   self.cfg.factor * self.slowest[section] * self._share(section))
+
+    def _share(self, section: str) -> float:
+        """What a section's duration is scaled by: the step's share of the
+        full batch where its work follows the batch, else 1. A step's fixed
+        costs scale with it, which leaves a ramp's budgets looser, not tighter."""
+        return self.batch_share if section in BATCH_SECTIONS else 1.0
 
     def slow_limit(self, section: str) -> float:
         """Past this even a computing culprit is hung; the collective timeout."""

@@ -116,6 +116,10 @@ class Watchdog:
         yield
         self.budgets.observe(name, step, self.clock.monotonic() - started)
 
+    def batch_share(self, share: float) -> None:
+        """The coming step's global batch over the full one (budgets.py)."""
+        self.budgets.batch_share = share
+
     def exempt_group(self, group) -> None:
         self.exempt.add(group)
 
