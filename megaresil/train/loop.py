@@ -32,7 +32,8 @@ from megaresil.train.replicas import ReplicaCheck
 from megaresil.train.routing_figures import RoutingFigures
 from megaresil.train.routing_watch import RoutingWatch
 from megaresil.train import step as step_compute
-from megaresil.train.optim import clip_gradients, counted_here, lr_at, set_lr
+from megaresil.train.lr_schedule import lr_at
+from megaresil.train.optim import clip_gradients, counted_here, set_lr
 from megaresil.train.step import Batch, dp_mean
 from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.between_steps import EXITED, StepFacts, decide

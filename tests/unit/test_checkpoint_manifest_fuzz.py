@@ -256,6 +256,21 @@ def test_allowed_changes_resume(tmp_path):
                           "checkpoint.allow_recipe_change=[train.seed]") == ""
 
 
+def test_a_resume_may_change_train_steps_but_not_the_lr_schedule(tmp_path):
+    """The resume rule of the LR (docs/checkpoints.md): a step trains at
+    lr_at(step, the resumed recipe), so train.steps may change (a wsd run
+    extended in its stable phase goes on as the longer run); a schedule key
+    is refused unless allowed."""
+    wsd = ("optimizer.decay_style=wsd", "optimizer.wsd_decay_steps=20")
+    assert resume_refusal(tmp_path, *wsd, "train.steps=500", saved_with=wsd) == ""
+    refusal = resume_refusal(tmp_path / "knob", wsd[0], "optimizer.wsd_decay_steps=40",
+                             saved_with=wsd)
+    assert "optimizer.wsd_decay_steps: the checkpoint has 20, this recipe 40" in refusal
+    assert "allow_recipe_change=[optimizer.wsd_decay_steps]" in refusal
+    assert "optimizer.decay_style: the checkpoint has 'cosine', this recipe 'wsd'" in \
+        resume_refusal(tmp_path / "style", *wsd)
+
+
 def test_a_changed_recipe_is_refused_under_a_torchrun_of_the_users_own(tmp_path):
     """No megaresil launcher checked the recipe: the worker does, before it
     trains (it resumed the checkpoint's tensors into another run)."""
