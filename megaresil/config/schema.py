@@ -373,6 +373,10 @@ class TrainConfig:
     deterministic: Optional[bool] = doc(None, "Deterministic kernels (bit-identical reruns); "
                                         "null means true on CPU, false on CUDA (flash/cuDNN "
                                         "attention allowed).")
+    z_loss: float = doc(0.0, "Coefficient of the z-loss on the output logits: the loss adds "
+                        "z_loss * the mean over tokens of logsumexp(logits)^2 (fp32), keeping "
+                        "the logits small; 0: off. The metrics' loss stays the cross-entropy; "
+                        "the z-loss is reported as z_loss.", bounds=NON_NEGATIVE)
     exit_at_step: Optional[int] = doc(None, "Save a checkpoint after this step and exit 0; the "
                                       "LR schedule still follows train.steps, so running again "
                                       "without it continues exactly.", bounds=POSITIVE)
