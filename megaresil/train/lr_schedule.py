@@ -12,6 +12,7 @@ optimizer, so its k-th update uses `num_steps = k - 1`, one step behind."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from megaresil.config import DecayStyle, OptimizerConfig, WSDDecayStyle
 
@@ -58,3 +59,19 @@ def wsd_coefficient(ratio: float, style: WSDDecayStyle) -> float:
     if style == WSDDecayStyle.exponential:
         return (2.0 * math.pow(0.5, ratio)) - 1.0
     return 1.0 - math.sqrt(ratio)  # minus_sqrt
+
+
+def moved_by_steps_line(cfg: OptimizerConfig, step: int, saved_steps: int,
+                        steps: int) -> Optional[str]:
+    """One line when resuming after `step` with train.steps changed from
+    `saved_steps` to `steps` changes the LR the next step trains at (a decay
+    whose length follows train.steps is stretched or shrunk to the new end:
+    docs/checkpoints.md); None when that LR stays, or nothing is left to train."""
+    if step >= steps:
+        return None
+    before, now = lr_at(step + 1, cfg, saved_steps), lr_at(step + 1, cfg, steps)
+    if before == now:
+        return None
+    return (f"megaresil: train.steps is {steps}, the checkpoint's recipe had {saved_steps}: the "
+            f"LR schedule follows the new length, so step {step + 1} trains at {now:.3g} where "
+            f"the old one gave {before:.3g} (optimizer.decay_steps fixes the decay's length)")
