@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 
-from megaresil.config import ConfigError, OptimizerConfig, load_recipe
+from megaresil.config import ConfigError, DecayStyle, OptimizerConfig, WSDDecayStyle, load_recipe
 from megaresil.train.lr_schedule import lr_at
 from tests.harness.cli import ROOT
 
@@ -33,10 +33,10 @@ CASES = [
 
 
 def optimizer_cfg(**overrides) -> OptimizerConfig:
-    recipe = load_recipe(TINY, [f"train.steps={STEPS}", "optimizer.warmup_steps=7",
-                                "optimizer.lr=3e-3", "optimizer.min_lr=2e-4",
-                                *(f"optimizer.{k}={v}" for k, v in overrides.items())])
-    return recipe.optimizer
+    """The schedule's keys as a recipe of STEPS steps would hold them."""
+    styles = {"decay_style": DecayStyle, "wsd_decay_style": WSDDecayStyle}
+    typed = {k: styles[k](v) if k in styles else v for k, v in overrides.items()}
+    return OptimizerConfig(**{"lr": 3e-3, "min_lr": 2e-4, "warmup_steps": 7, **typed})
 
 
 @pytest.fixture(scope="module")
