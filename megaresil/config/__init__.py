@@ -34,6 +34,7 @@ from megaresil.config.loading import (
                                      to_dict,
                                      to_yaml,
 )
+from megaresil.config.optimizer import DecayStyle, OptimizerConfig, WSDDecayStyle
 from megaresil.config.run import (
                                      SUPERVISION_BOUNDS,
                                      CheckpointBackend,
@@ -55,11 +56,9 @@ from megaresil.config.schema import (
                                      ActivationOffload,
                                      Backend,
                                      DataConfig,
-                                     DecayStyle,
                                      Flavour,
                                      ModelConfig,
                                      MoEConfig,
-                                     OptimizerConfig,
                                      ParallelConfig,
                                      PipelineSchedule,
                                      Precision,
@@ -70,7 +69,6 @@ from megaresil.config.schema import (
                                      RopeScalingType,
                                      RouterScore,
                                      TrainConfig,
-                                     WSDDecayStyle,
                                      attention_head_dim,
                                      field_docs,
                                      microbatches_per_step,

@@ -9,15 +9,14 @@ from typing import Any, Iterator, Optional
 from megaresil.config.faults import LOCAL_FAULT_KINDS, FaultKind, parse_faults
 from megaresil.config.fields import Bounds, public_key, require
 from megaresil.config.flavours import TRAITS, flavours_with
+from megaresil.config.optimizer import DecayStyle, OptimizerConfig
 from megaresil.config.run import SUPERVISION_BOUNDS, CheckpointConfig
 from megaresil.config.schema import (
     FP8,
     ActivationOffload,
     Backend,
-    DecayStyle,
     ModelConfig,
     MoEConfig,
-    OptimizerConfig,
     ParallelConfig,
     PipelineSchedule,
     RecipeConfig,
