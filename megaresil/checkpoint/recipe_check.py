@@ -6,6 +6,7 @@ the launcher refuses it before workers start."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -43,10 +44,22 @@ def may_change(key: str, allowed: list[str]) -> bool:
 
 
 def differences(saved: dict, new: dict) -> list[tuple[str, object, object]]:
-    """(key, saved value, new value) for each difference."""
+    """(key, saved value, new value) for each difference. A key the saved
+    recipe predates is no difference at its default: a new key's default
+    keeps what the code did before it (a cosine schedule, no z-loss)."""
     old, now = flat(saved), flat(new)
     return [(key, old.get(key), now.get(key)) for key in sorted(set(old) | set(now))
-            if old.get(key) != now.get(key)]
+            if old.get(key) != now.get(key)
+            and not (key not in old and now.get(key) == _defaults().get(key, _NOT_A_KEY))]
+
+
+_NOT_A_KEY = object()
+
+
+@functools.cache
+def _defaults() -> dict[str, object]:
+    """Every recipe key's default, flat."""
+    return flat(to_dict(RecipeConfig()))
 
 
 def recipe_changes(saved: dict, new: dict, allowed: list[str]) -> list[tuple[str, object, object]]:

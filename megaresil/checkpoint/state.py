@@ -28,7 +28,7 @@ from megaresil.parallel.layout import ParallelLayout
 FORMAT_FIELDS = ("format", "version", "backend", "tensors")
 # Fields older checkpoints carry that nothing reads: they load, and are not
 # carried into new checkpoints. `lr_schedule`: the LR is a pure function of
-# the step and the recipe (train/optim.lr_at).
+# the step and the recipe (train/lr_schedule.lr_at).
 RETIRED_FIELDS = ("lr_schedule",)
 _RUN_FIELDS = ("step", "layout", "data", "optimizer", "recipe", "rank_states", "weights_only")
 

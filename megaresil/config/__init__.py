@@ -35,6 +35,7 @@ from megaresil.config.loading import (
                                      to_dict,
                                      to_yaml,
 )
+from megaresil.config.optimizer import DecayStyle, OptimizerConfig, WSDDecayStyle
 from megaresil.config.run import (
                                      SUPERVISION_BOUNDS,
                                      CheckpointBackend,
@@ -59,7 +60,6 @@ from megaresil.config.schema import (
                                      Flavour,
                                      ModelConfig,
                                      MoEConfig,
-                                     OptimizerConfig,
                                      ParallelConfig,
                                      PipelineSchedule,
                                      Precision,
@@ -93,9 +93,10 @@ __all__ = [
     "LocalCheckpointConfig",
     "LoggingConfig", "MlflowConfig", "ProfileConfig", "ReplacementConfig", "ResilienceConfig", "RunConfig",
     "SpikePolicy", "WandbConfig", "WatchdogConfig",
-    "FP8", "ActivationOffload", "Backend", "DataConfig", "Flavour", "ModelConfig",
+    "FP8", "ActivationOffload", "Backend", "DataConfig", "DecayStyle", "Flavour", "ModelConfig",
     "MoEConfig", "OptimizerConfig", "ParallelConfig", "PipelineSchedule", "Precision", "RecipeConfig",
     "Recompute", "RecomputePolicy", "RopeScalingConfig", "RopeScalingType", "RouterScore", "TrainConfig",
+    "WSDDecayStyle",
     "attention_head_dim", "field_docs", "microbatches_per_step", "resolved_schedule",
     "BatchRamp", "batch_start_at_or_below", "global_batch_at",
     "NoLiveCopy", "no_live_copy", "numeric_fields", "validate", "validate_world_size",

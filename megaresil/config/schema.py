@@ -1,6 +1,7 @@
 """The recipe's typed schema: the training sections (model, parallel layout,
-data, optimizer, training loop), their enums, and `RecipeConfig`, the root
-that holds them beside the run sections of `config.run`.
+data, training loop), their enums, and `RecipeConfig`, the root that holds
+them beside the optimizer's section (`config.optimizer`) and the run
+sections of `config.run`.
 
 The schema is a tree of dataclasses turned into an OmegaConf structured config
 (`config.loading`), so unknown keys and wrong types are rejected by OmegaConf
@@ -17,6 +18,7 @@ from typing import Any, Optional
 
 from megaresil.config.faults import FaultSpec
 from megaresil.config.fields import FRACTION, NON_NEGATIVE, POSITIVE, SEED, doc, public_key, section
+from megaresil.config.optimizer import OptimizerConfig
 from megaresil.config.run import (
     SUPERVISION_BOUNDS,
     CheckpointConfig,
@@ -293,24 +295,6 @@ class DataConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    lr: float = doc(1e-3, "Peak learning rate.", bounds=POSITIVE)
-    min_lr: float = doc(1e-4, "Learning rate at the end of cosine decay.", bounds=NON_NEGATIVE)
-    warmup_steps: int = doc(10, "Linear warmup steps from 0 to lr.", bounds=NON_NEGATIVE)
-    decay_steps: Optional[int] = doc(None, "Steps of cosine decay after warmup; null means "
-                                     "train.steps - warmup_steps.", bounds=POSITIVE)
-    weight_decay: float = doc(0.1, "AdamW weight decay (not applied to biases and norms).",
-                              bounds=NON_NEGATIVE)
-    beta1: float = doc(0.9, "AdamW beta1.", bounds=FRACTION)
-    beta2: float = doc(0.95, "AdamW beta2.", bounds=FRACTION)
-    eps: float = doc(1e-8, "AdamW epsilon.", bounds=POSITIVE)
-    grad_clip: float = doc(1.0, "Clip the global gradient norm to this; 0 disables clipping.",
-                           bounds=NON_NEGATIVE)
-    distributed: bool = doc(False, "ZeRO-1 distributed optimizer: AdamW state sharded over "
-                            "data-parallel ranks, each parameter cut along dim 0.")
-
-
-@dataclass
 class TrainConfig:
     steps: int = doc(100, "Optimizer steps to train (also fixes the LR schedule).", bounds=POSITIVE)
     micro_batch_size: int = doc(4, "Samples per micro-batch on one data-parallel rank.",
@@ -344,6 +328,10 @@ class TrainConfig:
     deterministic: Optional[bool] = doc(None, "Deterministic kernels (bit-identical reruns); "
                                         "null means true on CPU, false on CUDA (flash/cuDNN "
                                         "attention allowed).")
+    z_loss: float = doc(0.0, "Coefficient of the z-loss on the output logits: the loss adds "
+                        "z_loss * the mean over tokens of logsumexp(logits)^2 (fp32), keeping "
+                        "the logits small; 0: off. The metrics' loss stays the cross-entropy; "
+                        "the z-loss is reported as z_loss.", bounds=NON_NEGATIVE)
     exit_at_step: Optional[int] = doc(None, "Save a checkpoint after this step and exit 0; the "
                                       "LR schedule still follows train.steps, so running again "
                                       "without it continues exactly.", bounds=POSITIVE)

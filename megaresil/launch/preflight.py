@@ -13,7 +13,7 @@ from typing import Optional
 
 from megaresil.checkpoint.local.runs import other_runs_line
 from megaresil.checkpoint.paths import RunPaths
-from megaresil.checkpoint.recipe_check import check_resume_recipe
+from megaresil.checkpoint.recipe_check import check_resume_recipe, newest_manifest
 from megaresil.config import RecipeConfig
 from megaresil.events import EventLog
 from megaresil.launch.checks import (
@@ -29,6 +29,7 @@ from megaresil.launch.membership import Membership
 from megaresil.observe.startup import StartupPhases
 from megaresil.parallel.layout import visible_gpus
 from megaresil.resilience.faults import check_device_faults, check_fault_ranks
+from megaresil.train.lr_schedule import moved_by_steps_line
 from megaresil.train.save_schedule import never_saving_warning
 
 
@@ -71,6 +72,18 @@ def preflight(cfg: RecipeConfig, membership: Membership) -> Preflight:
     StartupPhases(EventLog(run_dir), 0, say=lambda line: print(line, file=sys.stderr)).finished(
         "data preparation", time.monotonic() - data_started)
     for warning in filter(None, (never_saving_warning(cfg), replacement_warning(cfg),
-                                 other_runs_line(cfg))):
+                                 other_runs_line(cfg), resumed_lr_line(cfg))):
         print(warning, file=sys.stderr)
     return flight
+
+
+def resumed_lr_line(cfg: RecipeConfig) -> Optional[str]:
+    """Whether resuming from the newest checkpoint under a changed
+    train.steps moves the LR (lr_schedule.moved_by_steps_line); the other
+    schedule keys cannot change unnoticed (the recipe check refuses them)."""
+    found = newest_manifest(cfg)
+    if found is None:
+        return None
+    _, manifest = found
+    saved_steps = manifest["recipe"].get("train", {}).get("steps", cfg.train.steps)
+    return moved_by_steps_line(cfg.optimizer, manifest["step"], saved_steps, cfg.train.steps)

@@ -19,10 +19,11 @@ def stage_layers(cfg: ModelConfig, layout: ParallelLayout, stage: int) -> range:
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
-def build_chunks(cfg: ModelConfig, layout: ParallelLayout, seed: int) -> list[GPT]:
+def build_chunks(cfg: ModelConfig, layout: ParallelLayout, seed: int, *,
+                 z_loss: float = 0.0) -> list[GPT]:
     """This rank's model chunks, in virtual-stage order (uninitialised, on the
-    current default device)."""
+    current default device); `z_loss`: the output z-loss's coefficient."""
     last = layout.pp * layout.vpp - 1
     return [GPT(cfg, tp=layout.tensor_parallel(), ep=layout.expert_parallel(), seed=seed, layer_ids=stage_layers(cfg, layout, v),
-                first=v == 0, last=v == last)
+                first=v == 0, last=v == last, z_loss=z_loss)
             for v in virtual_stages(layout)]

@@ -16,6 +16,7 @@ from megaresil.model.activations import CheckpointStore, recompute_segments
 from megaresil.model.flavours import spec_of_model
 from megaresil.model.init import global_shape
 from megaresil.model.layers import Block, make_norm, sequence_dropout
+from megaresil.model.losses import OutputZLoss
 from megaresil.model.moe import MoELossScale
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.sharding import EMBEDDING_TIE, with_spec
@@ -23,6 +24,7 @@ from megaresil.parallel.tensor_parallel import (
     ColumnParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
+    cross_entropy_and_logsumexp,
     enter_tp_region,
     gather_vocab,
     mark_replicated,
@@ -91,11 +93,13 @@ class GPT(nn.Module):
     With tied embeddings a last chunk that is not also first keeps its own copy
     of `embed.tokens.weight` (same key, same init); the pipeline keeps the two
     copies equal by summing their grads, as Megatron does.
+
+    `z_loss`: the coefficient of the z-loss on the output logits (train.z_loss).
     """
 
     def __init__(self, cfg: ModelConfig, *, tp: TPGroup = TPGroup(), ep: EPGroup = EPGroup(),
                  seed: int = 0, layer_ids: Optional[range] = None, first: bool = True,
-                 last: bool = True):
+                 last: bool = True, z_loss: float = 0.0):
         super().__init__()
         self.cfg, self.tp, self.first, self.last = cfg, tp, first, last
         self.padded_vocab = padded_vocab_size(cfg, tp.size)
@@ -118,6 +122,7 @@ class GPT(nn.Module):
         # (B, T, C) either way, so pipeline shapes, embedding and head do not change.
         self.sequence_first = False
         if last:
+            self.output_z_loss = OutputZLoss(z_loss)
             self.norm = make_norm(cfg, tp)
             self.head = (None if self.tied else
                          ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, tp, bias=False))
@@ -171,9 +176,16 @@ class GPT(nn.Module):
     def loss(self, local_logits: torch.Tensor, targets: torch.Tensor, *,
              overwrite_logits: bool = False) -> torch.Tensor:
         """Mean next-token cross-entropy over all B*T positions
-        (`overwrite_logits`: see vocab_parallel_cross_entropy)."""
-        return vocab_parallel_cross_entropy(local_logits, targets, real_vocab=self.cfg.vocab_size,
-                                            tp=self.tp, overwrite_logits=overwrite_logits)
+        (`overwrite_logits`: see vocab_parallel_cross_entropy); in training
+        with a z-loss, carrying its gradient (OutputZLoss.added_to)."""
+        if not self.output_z_loss.applies():
+            return vocab_parallel_cross_entropy(local_logits, targets,
+                                                real_vocab=self.cfg.vocab_size, tp=self.tp,
+                                                overwrite_logits=overwrite_logits)
+        loss, logsumexp = cross_entropy_and_logsumexp(local_logits, targets,
+                                                      real_vocab=self.cfg.vocab_size, tp=self.tp,
+                                                      overwrite_logits=overwrite_logits)
+        return self.output_z_loss.added_to(loss, logsumexp)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (B, T, V), padding cut (for inference and tests)."""

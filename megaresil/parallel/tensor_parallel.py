@@ -243,11 +243,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from logits split along the vocabulary, without
-    gathering the full-vocabulary logits on any rank (Megatron's algorithm)."""
+    """Per-token cross-entropy and logsumexp of the logits (the z-loss reads
+    it) from logits split along the vocabulary, without gathering the
+    full-vocabulary logits on any rank (Megatron's algorithm)."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, tp, overwrite):  # logits (N, V/tp), targets (N,)
+        ctx.set_materialize_grads(False)  # an unused logsumexp adds nothing to the backward
         logits = logits.float()
         max_logit = logits.max(dim=-1).values
         dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp.group)
@@ -264,15 +266,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         dist.all_reduce(target_logit, group=tp.group)
         dist.all_reduce(sum_exp, group=tp.group)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_targets, inside)
-        return sum_exp.log() - target_logit
+        log_sum_exp = sum_exp.log()
+        return log_sum_exp - target_logit, log_sum_exp + max_logit
 
     @staticmethod
-    def backward(ctx, grad):  # grad (N,)
+    def backward(ctx, grad, grad_logsumexp):  # each (N,), or None when unused
         softmax, local_targets, inside = ctx.saved_tensors
         rows = torch.arange(softmax.shape[0], device=softmax.device)
         grad_logits = softmax  # the saved softmax becomes the grad, in place
-        grad_logits[rows, local_targets] -= inside.to(softmax.dtype)
-        return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None, None
+        onehot = inside.to(softmax.dtype)
+        if grad is None:
+            grad = torch.zeros_like(onehot)
+        if grad_logsumexp is None:
+            grad_logits[rows, local_targets] -= onehot
+            return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None, None
+        # d logsumexp / d logits is the softmax: (softmax - onehot) * grad + softmax * grad_lse.
+        grad_logits.mul_((grad + grad_logsumexp).unsqueeze(-1))
+        grad_logits[rows, local_targets] -= onehot * grad
+        return grad_logits, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
@@ -293,12 +304,34 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
     split algorithm, which only pays off when the vocabulary is split."""
     if not tp.active:
         return F.cross_entropy(logits[..., :real_vocab].flatten(0, -2).float(), targets.flatten())
+    losses, _ = _split_vocab_losses(logits, targets, real_vocab, tp, overwrite_logits)
+    return losses.mean()
+
+
+def cross_entropy_and_logsumexp(logits: torch.Tensor, targets: torch.Tensor, *,
+                                real_vocab: int, tp: TPGroup, overwrite_logits: bool = False
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`vocab_parallel_cross_entropy`'s mean loss and each token's logsumexp
+    of its logits over the whole (real) vocabulary, (N,) fp32, from the same
+    softmax: the z-loss's input, at no second pass over the logits."""
+    if not tp.active:
+        logits = logits[..., :real_vocab].flatten(0, -2).float()  # (N, V)
+        logsumexp = torch.logsumexp(logits, dim=-1)
+        target_logit = logits.gather(-1, targets.flatten().unsqueeze(-1)).squeeze(-1)
+        return (logsumexp - target_logit).mean(), logsumexp
+    losses, logsumexp = _split_vocab_losses(logits, targets, real_vocab, tp, overwrite_logits)
+    return losses.mean(), logsumexp
+
+
+def _split_vocab_losses(logits: torch.Tensor, targets: torch.Tensor, real_vocab: int,
+                        tp: TPGroup, overwrite: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's loss and logsumexp, (N,) each, from this rank's
+    vocabulary slice, the padded columns masked out."""
     local_vocab = logits.shape[-1]
     start = tp.rank * local_vocab
     pad_from = max(0, real_vocab - start)
     if pad_from < local_vocab:
         logits = logits.clone()
         logits[..., pad_from:] = float("-inf")
-    losses = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), start, tp,
-                                              overwrite_logits)
-    return losses.mean()
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), start, tp,
+                                            overwrite)

@@ -31,8 +31,10 @@ from megaresil.train.numerics import NumericsGuard, StepResult
 from megaresil.train.replicas import ReplicaCheck
 from megaresil.train.routing_figures import RoutingFigures
 from megaresil.train.routing_watch import RoutingWatch
+from megaresil.train.z_loss_figure import ZLossFigure
 from megaresil.train import step as step_compute
-from megaresil.train.optim import clip_gradients, counted_here, lr_at, set_lr
+from megaresil.train.lr_schedule import lr_at
+from megaresil.train.optim import clip_gradients, counted_here, set_lr
 from megaresil.train.step import Batch, dp_mean
 from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.between_steps import EXITED, StepFacts, decide
@@ -68,6 +70,7 @@ class Trainer:
         self.state, self.checkpoint_state = parts.state, parts.checkpoint_state
         self.checkpointing = parts.checkpointing
         self.routing = RoutingFigures.of(cfg, layout, self.chunks)
+        self.z_loss = ZLossFigure.of(layout, self.chunks, cfg.train.z_loss)
         started = phases.clock.monotonic()
         loaded = self.checkpointing.start(carried, live, layout)
         self.supervision.carried = None  # loaded: its memory goes back
@@ -163,6 +166,7 @@ class Trainer:
         result = step_compute.step_figures(held, self.grads, self.layout, loss,
                                            loss_factor=faults.loss_factor())
         self.routing.reduce()
+        self.z_loss.reduce()
         if not self.numerics.holds_back(step, result):
             clip_gradients([g for _, g in entries], result.norm, self.cfg.optimizer.grad_clip)
             set_lr(self.optimizer, lr_at(step, self.cfg.optimizer, self.cfg.train.steps))
@@ -184,6 +188,7 @@ class Trainer:
         with section("data", step):
             batches = self.batches(self.train_data, self.state.consumed_samples)
         self.routing.begin_step()
+        self.z_loss.begin_step()
         faults = self.supervision.step_faults(step, self.state.consumed_samples)
         if self.routing_watch is not None:
             self.routing_watch.begin_attempt(faults.routing_poison())
@@ -217,6 +222,7 @@ class Trainer:
                   "tokens": self.state.consumed_samples * self.cfg.data.seq_len,
                   "tokens_per_s": tokens / seconds, "step_time_s": seconds,
                   **record_fields(self.supervision.step_times), **self.routing.fields(step),
+                  **self.z_loss.fields(),
                   "time": time.time()}
         if self.supervision.generation:
             record["restart"] = self.supervision.generation

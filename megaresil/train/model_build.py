@@ -31,7 +31,7 @@ def build_model(cfg: RecipeConfig, layout: ParallelLayout, draw: bool = True) ->
     state about to be loaded over them (drawing, with its first touch of the
     memory, is most of a 1 GB state's build on the CPU)."""
     with torch.device("meta"):
-        chunks = build_chunks(cfg.model, layout, cfg.train.seed)
+        chunks = build_chunks(cfg.model, layout, cfg.train.seed, z_loss=cfg.train.z_loss)
     chunks = [materialize(chunk, cfg.model, cfg.train.seed, layout.device, draw=draw)
               for chunk in chunks]
     if cfg.model.backend == Backend.te:

@@ -1,8 +1,7 @@
-"""AdamW, its state as a checkpoint holds it, the warmup + cosine LR
-schedule, and global-norm gradient clipping."""
+"""AdamW, its state as a checkpoint holds it, setting its LR (the schedule:
+train/lr_schedule.py), and global-norm gradient clipping."""
 from __future__ import annotations
 
-import math
 from collections import ChainMap
 from typing import Optional, Sequence, TypeGuard
 
@@ -245,18 +244,6 @@ class AdamState:
         for inner in self.inners:
             for state in inner.state.values():
                 state["step"].fill_(float(steps))
-
-
-def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
-    """LR for optimizer step `step` (1-based): linear warmup, then cosine to min_lr.
-
-    A pure function of the step, so a resumed run needs no scheduler state to
-    land on the same LR."""
-    if step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    decay_steps = cfg.decay_steps or max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -130,9 +130,17 @@ def test_gpt2_124m_recipe_runs_reduced(cli, tmp_path):
 
 @pytest.mark.slow
 def test_llama_1b_recipe_runs_reduced(cli, tmp_path):
+    """With a wsd schedule and the output z-loss on (neither moves step 1's
+    loss): the last step decays to min_lr, the z-loss is reported beside
+    the cross-entropy."""
     cli("train", "recipes/llama-1b.yaml", f"run.dir={tmp_path}", *REDUCED, "model.num_heads=4",
-        "model.num_kv_heads=2", "model.ffn_hidden_size=128", "parallel.dp=1", *QUIET)
+        "model.num_kv_heads=2", "model.ffn_hidden_size=128", "parallel.dp=1",
+        "optimizer.decay_style=wsd", "optimizer.wsd_decay_steps=1", "train.z_loss=1e-4", *QUIET)
     assert_sane_start(tmp_path, steps=2, vocab_size=50257)
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [r["lr"] for r in records] == [3e-4, 3e-5]  # the recipe's lr, then its min_lr
+    # A near-uniform start: each token's logsumexp is near ln V.
+    assert all(abs(math.sqrt(r["z_loss"]) - math.log(50257)) < 0.5 for r in records), records
 
 
 SMALL_DATA = ["model.vocab_size=4096", "model.bos_token_id=null", "model.eos_token_id=null",

@@ -256,6 +256,51 @@ def test_allowed_changes_resume(tmp_path):
                           "checkpoint.allow_recipe_change=[train.seed]") == ""
 
 
+def test_a_resume_may_change_train_steps_but_not_the_lr_schedule(tmp_path):
+    """The resume rule of the LR (docs/checkpoints.md): a step trains at
+    lr_at(step, the resumed recipe), so train.steps may change (a wsd run
+    extended in its stable phase goes on as the longer run); a schedule key
+    is refused unless allowed."""
+    wsd = ("optimizer.decay_style=wsd", "optimizer.wsd_decay_steps=20")
+    assert resume_refusal(tmp_path, *wsd, "train.steps=500", saved_with=wsd) == ""
+    refusal = resume_refusal(tmp_path / "knob", wsd[0], "optimizer.wsd_decay_steps=40",
+                             saved_with=wsd)
+    assert "optimizer.wsd_decay_steps: the checkpoint has 20, this recipe 40" in refusal
+    assert "allow_recipe_change=[optimizer.wsd_decay_steps]" in refusal
+    assert "optimizer.decay_style: the checkpoint has 'cosine', this recipe 'wsd'" in \
+        resume_refusal(tmp_path / "style", *wsd)
+
+
+def test_a_resume_that_moves_the_lr_by_train_steps_says_so(tmp_path):
+    """Saved at step 3 of 250: raised to 500 steps, a run still in its warmup
+    (20 steps) trains on alike (no line); one past it (2 steps) has its
+    cosine stretched (a line)."""
+    from megaresil.config import load_recipe
+    from megaresil.launch.preflight import resumed_lr_line
+
+    for warmup, moved in ((20, False), (2, True)):
+        saved = (f"run.dir={tmp_path / str(warmup)}", f"optimizer.warmup_steps={warmup}")
+        resume_refusal(tmp_path / str(warmup), saved_with=saved)  # the checkpoint, step 3
+        assert resumed_lr_line(load_recipe("recipes/gpt-tiny.yaml", list(saved))) is None
+        line = resumed_lr_line(load_recipe("recipes/gpt-tiny.yaml", [*saved, "train.steps=500"]))
+        assert (line is not None) == moved
+    assert "step 4 trains at" in line and "had 250" in line
+
+
+def test_a_key_the_checkpoint_predates_is_no_change_at_its_default():
+    """A checkpoint saved before train.z_loss and optimizer.decay_style
+    existed resumes under their defaults (what its code did), not under others."""
+    from megaresil.checkpoint.recipe_check import recipe_changes
+    from megaresil.config import load_recipe, to_dict
+
+    new = to_dict(load_recipe("recipes/gpt-tiny.yaml", []))
+    older = {**new, "train": dict(new["train"]), "optimizer": dict(new["optimizer"])}
+    del older["train"]["z_loss"], older["optimizer"]["decay_style"]
+    assert recipe_changes(older, new, []) == []
+    z_on = to_dict(load_recipe("recipes/gpt-tiny.yaml", ["train.z_loss=0.1"]))
+    assert recipe_changes(older, z_on, []) == [("train.z_loss", None, 0.1)]
+
+
 def test_a_changed_recipe_is_refused_under_a_torchrun_of_the_users_own(tmp_path):
     """No megaresil launcher checked the recipe: the worker does, before it
     trains (it resumed the checkpoint's tensors into another run)."""

@@ -139,7 +139,7 @@ def _all_numbers_set() -> RecipeConfig:
     cfg.model.num_kv_heads = cfg.model.ffn_hidden_size = cfg.model.head_dim = 1
     cfg.model.sliding_window = 1
     cfg.model.bos_token_id = cfg.model.eos_token_id = 1
-    cfg.optimizer.decay_steps = cfg.train.exit_at_step = 1
+    cfg.optimizer.decay_steps = cfg.optimizer.wsd_decay_steps = cfg.train.exit_at_step = 1
     cfg.logging.peak_tflops = cfg.resilience.mtbf_hours = 1.0
     cfg.checkpoint.interval = 1  # auto by default
     cfg.model.moe.expert_ffn_hidden_size = cfg.model.moe.capacity_factor = 1

@@ -12,7 +12,7 @@ from megaresil.config import Flavour, ModelConfig, MoEConfig, RouterScore
 from megaresil.model import init
 from megaresil.model.moe import MoEBlock, MoELossScale, has_experts
 from megaresil.model.moe.experts import GroupedExperts, dispatch_plan, expert_capacity
-from megaresil.model.moe.routing import Routing, load_balancing_loss, top_k_routing, z_loss
+from megaresil.model.moe.routing import Routing, load_balancing_loss, top_k_routing, router_z_loss
 from megaresil.parallel.tensor_parallel import TPGroup
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0],
@@ -59,7 +59,7 @@ def test_the_routing_losses_follow_their_formulas():
         expected = 4 * sum(share[i] * probs[:, i].mean() for i in range(4))
         torch.testing.assert_close(load_balancing_loss(routing, cfg), expected)
     lse = [math.log(sum(math.exp(v) for v in row)) for row in LOGITS.tolist()]
-    torch.testing.assert_close(z_loss(routing), torch.tensor(sum(v * v for v in lse) / 3))
+    torch.testing.assert_close(router_z_loss(routing), torch.tensor(sum(v * v for v in lse) / 3))
 
 
 def routing_of(experts: list[list[int]]) -> Routing:
@@ -146,7 +146,7 @@ def test_routing_losses_reach_the_grads_as_an_explicit_sum(score):
     block.eval()  # the plain output, the losses added by hand
     routing = block.router(x.reshape(-1, 16))
     explicit = (F.mse_loss(block(x), target)
-                + aux * load_balancing_loss(routing, block.moe) + zc * z_loss(routing))
+                + aux * load_balancing_loss(routing, block.moe) + zc * router_z_loss(routing))
     want = torch.autograd.grad(explicit * scale, params)
     for (name, _), g, w in zip(block.named_parameters(), got, want):
         torch.testing.assert_close(g, w, msg=name)

@@ -12,7 +12,7 @@ from megaresil.model import init
 from megaresil.model.moe import MoEBlock, MoELossScale
 from megaresil.model.moe.counting import AUX_LOSS, CALLS, DROPPED, Z_LOSS, RoutingCounter
 from megaresil.model.moe.experts import dispatch_plan
-from megaresil.model.moe.routing import Routing, load_balancing_loss, top_k_routing, z_loss
+from megaresil.model.moe.routing import Routing, load_balancing_loss, top_k_routing, router_z_loss
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.tensor_parallel import TPGroup
 from megaresil.train.loop import Trainer
@@ -40,7 +40,7 @@ def test_a_counter_counts_choices_and_the_capacitys_drops(capacity, dropped):
     kept = dispatch_plan(routing, 4, capacity).counts.sum()
     assert figures(counter)[DROPPED] == dropped == 8 - kept
     assert figures(counter)[AUX_LOSS] == load_balancing_loss(routing, CFG).double()
-    assert figures(counter)[Z_LOSS] == z_loss(routing).double()
+    assert figures(counter)[Z_LOSS] == router_z_loss(routing).double()
     assert figures(counter)[CALLS] == 1
     counter.reset()
     assert counter.totals.count_nonzero() == 0

@@ -25,7 +25,7 @@ from megaresil.model.moe.experts import (
     LocalDispatcher,
     expert_capacity,
 )
-from megaresil.model.moe.routing import Router, Routing, load_balancing_loss, z_loss
+from megaresil.model.moe.routing import Router, Routing, load_balancing_loss, router_z_loss
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.tensor_parallel import TPGroup, enter_tp_region, leave_tp_region
 
@@ -102,7 +102,7 @@ class MoEBlock(nn.Module):
         if self.moe.aux_loss_coeff:
             loss = loss + self.moe.aux_loss_coeff * load_balancing_loss(routing, self.moe)
         if self.moe.z_loss_coeff:
-            loss = loss + self.moe.z_loss_coeff * z_loss(routing)
+            loss = loss + self.moe.z_loss_coeff * router_z_loss(routing)
         return loss
 
     def with_routing_losses(self, y: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from megaresil.compat import in_backward
 from megaresil.config import MoEConfig
-from megaresil.model.moe.routing import Routing, load_balancing_loss, z_loss
+from megaresil.model.moe.routing import Routing, load_balancing_loss, router_z_loss
 
 # After the E choice counts in a counter's `totals`: choices dropped by the
 # capacity, the sums of the two losses (before their coefficients), and the
@@ -69,5 +69,5 @@ class RoutingCounter(nn.Module):
         if capacity is not None:
             figures[DROPPED] += (counts - capacity).clamp(min=0).sum()
         figures[AUX_LOSS] += load_balancing_loss(routing, self.cfg).double()
-        figures[Z_LOSS] += z_loss(routing).double()
+        figures[Z_LOSS] += router_z_loss(routing).double()
         figures[CALLS] += 1

@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megaresil.config import MoEConfig, RouterScore
+from megaresil.model.losses import z_loss
 from megaresil.parallel.sharding import ShardSpec, set_spec
 from megaresil.parallel.tensor_parallel import TPGroup
 
@@ -60,9 +61,9 @@ def load_balancing_loss(routing: Routing, cfg: MoEConfig) -> torch.Tensor:
     return cfg.num_experts * (share.to(probs.dtype) * probs.mean(0)).sum()
 
 
-def z_loss(routing: Routing) -> torch.Tensor:
-    """Mean over tokens of logsumexp(logits)^2 (ST-MoE): keeps logits small."""
-    return torch.logsumexp(routing.logits, dim=-1).square().mean()
+def router_z_loss(routing: Routing) -> torch.Tensor:
+    """The z-loss (model/losses.py) of the router's logits: keeps them small."""
+    return z_loss(torch.logsumexp(routing.logits, dim=-1))
 
 
 class Router(nn.Module):
