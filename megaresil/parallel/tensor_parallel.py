@@ -22,6 +22,9 @@ import torch.nn.functional as F
 from megaresil.parallel.sharding import AxisShard, ShardSpec, set_spec
 
 SEQ_DIM = 1
+# A target the loss leaves out (torch's cross-entropy default, so the tp=1
+# path needs nothing more): data.eod_mask_loss marks them (model/masks.py).
+IGNORE_TARGET = -100
 
 
 @dataclass(frozen=True)
@@ -278,7 +281,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
                                  real_vocab: int, tp: TPGroup,
                                  overwrite_logits: bool = False) -> torch.Tensor:
-    """Mean loss over tokens, in fp32 whatever the logits' dtype. Padded
+    """Mean loss over tokens, in fp32 whatever the logits' dtype; a target of
+    IGNORE_TARGET counts in neither the sum nor the number of tokens. Padded
     vocabulary columns (global index >= real_vocab) never enter the softmax.
 
     `overwrite_logits`: the logits are the caller's temporary, read by nothing
@@ -299,6 +303,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
     if pad_from < local_vocab:
         logits = logits.clone()
         logits[..., pad_from:] = float("-inf")
-    losses = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), start, tp,
+    targets = targets.flatten()
+    losses = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets, start, tp,
                                               overwrite_logits)
-    return losses.mean()
+    kept = targets != IGNORE_TARGET
+    return losses.masked_fill(~kept, 0.0).sum() / kept.sum()
