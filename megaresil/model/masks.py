@@ -27,7 +27,7 @@ from megaresil.parallel.tensor_parallel import IGNORE_TARGET
 # Consecutive documents shorter than this share one attention call, under a
 # mask that keeps them apart; a longer document gets a call of its own. Below
 # about this many tokens a call's fixed cost outweighs the cross-document
-# work it skips (bench/document_masking.py).
+# work it skips (bench/README.md, "Document masking").
 GROUP_TOKENS = 128
 
 
@@ -79,8 +79,9 @@ class Documents:
     ids: torch.Tensor  # (B, T) int64: each token's document, counted from 0 in its row
     # (B, T) each token's place in its document; None: 0..T-1 (reset_position_ids off)
     positions: Optional[torch.Tensor]
-    # The attention calls, row by row, that keep documents apart; None:
-    # attention crosses documents (reset_attention_mask off).
+    # The attention calls, row by row, that keep documents apart; None: one
+    # causal call over the window does (reset_attention_mask off, or no row
+    # holds a document's start after its first token).
     blocks: Optional[tuple[AttentionBlock, ...]]
 
     def to(self, device: torch.device) -> Documents:
@@ -116,10 +117,11 @@ def document_layout(tokens: torch.Tensor, eod_id: int, *, reset_position_ids: bo
     starts after each eod. Runs on the host copy (the blocks are host values)."""
     eod = (tokens == eod_id).long()
     ids = eod.cumsum(dim=1) - eod  # the eod belongs to the document it closes
-    places = torch.arange(tokens.shape[1]).expand_as(tokens)
+    places = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     starts = torch.cat([torch.ones_like(eod[:, :1]), eod[:, :-1]], dim=1).bool()
     first = torch.where(starts, places, torch.zeros_like(places)).cummax(dim=1).values
-    blocks = tuple(_blocks(ids)) if reset_attention_mask else None
+    separate = reset_attention_mask and bool(ids[:, -1].any())
+    blocks = tuple(_blocks(ids)) if separate else None
     return Documents(ids, places - first if reset_position_ids else None, blocks)
 
 

@@ -72,6 +72,9 @@ def test_short_documents_share_an_attention_call_and_long_ones_have_their_own():
     spans = [(b.start, b.length, b.one_document) for b in documents.blocks]
     run = 3 + 4 * short  # past GROUP_TOKENS with its fifth document
     assert spans == [(0, run, False), (run, long, True), (run + long, 7, False)]
+    one = document_layout(packed([[long]]), EOD, reset_position_ids=False,
+                          reset_attention_mask=True)
+    assert one.blocks is None  # no boundary in the window: one causal call
 
 
 def model(flavour: Flavour, **extra) -> GPT:
