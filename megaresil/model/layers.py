@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaresil.config import ModelConfig, Recompute, RopeScalingType, attention_head_dim
 from megaresil.model.flavours import spec_of_model
-from megaresil.model.masks import Documents, sliding_window_mask
+from megaresil.model.masks import Documents, causal_mask, sliding_window_mask
 from megaresil.model.moe import MoEBlock, MoELossScale, has_experts
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.random import LayoutDropout
@@ -204,9 +204,7 @@ class Attention(nn.Module):
         if documents is not None and documents.blocks is not None:
             seen = documents.dense_mask(self.window)  # (B, 1, T, T)
         else:
-            window = sliding_window_mask(T, self.window, q.device)
-            seen = (window if window is not None else
-                    torch.ones(T, T, dtype=torch.bool, device=q.device).tril())
+            seen = causal_mask(T, self.window, q.device)  # (T, T)
         probs = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)
         return self.prob_dropout(probs, samples) @ v
 

@@ -48,15 +48,19 @@ def visible(queries: torch.Tensor, keys: torch.Tensor, window: Optional[int], *,
     return seen & (query_documents[..., :, None] == key_documents[..., None, :])
 
 
-def sliding_window_mask(T: int, window: Optional[int],
-                        device: torch.device) -> Optional[torch.Tensor]:
-    """Which keys each of T queries sees, (T, T), True where seen; None where
-    that is every earlier position (no window, or one of T or more), which
-    SDPA's is_causal computes without a mask."""
-    if window is None or window >= T:
-        return None
+def causal_mask(T: int, window: Optional[int], device: torch.device) -> torch.Tensor:
+    """Which keys each of T queries sees, (T, T), True where seen."""
     places = torch.arange(T, device=device)
     return visible(places, places, window)
+
+
+def sliding_window_mask(T: int, window: Optional[int],
+                        device: torch.device) -> Optional[torch.Tensor]:
+    """`causal_mask`, or None where that is every earlier position (no
+    window, or one of T or more), which SDPA's is_causal computes without a mask."""
+    if window is None or window >= T:
+        return None
+    return causal_mask(T, window, device)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]
 CORPUS = "CORPUS"
 DOCUMENTS = ["data.source=indexed", f"data.path={CORPUS}", "data.tokenizer=byte",
              "data.reset_position_ids=true", "data.reset_attention_mask=true",
-             "data.eod_mask_loss=true"]
+             "data.eod_mask_loss=true", "train.eval_batches=1"]  # eval masks alike
 # Model variants; each has its own single-process reference run.
 VARIANTS = {
     "gpt2": [],
@@ -93,7 +93,7 @@ def cases(world: int, corpus: str = CORPUS) -> list[Case]:
 
 def write_documents(prefix: Path) -> None:
     """Short documents of a few words, each closed by the byte tokenizer's eod."""
-    words = random.Random(0).choices(["the", "cat", "sat", "on", "a", "mat", "ran"], k=600)
+    words = random.Random(0).choices(["the", "cat", "sat", "on", "a", "mat", "ran"], k=900)
     tokenizer = ByteTokenizer()
     with IndexedDatasetWriter(prefix, "uint16") as writer:
         for i in range(0, len(words), 3):
@@ -154,6 +154,16 @@ def test_distributed_optimizer_shards_state(runs, flavour):
     whole = state_bytes(f"dp2_{flavour}")[0]
     for got in state_bytes(f"dp2_distopt_{flavour}"):
         assert abs(got - whole / 2) <= 0.1 * whole / 2, (got, whole)
+
+
+def test_masked_eval_matches_single_process(runs):
+    """Eval masks the held-out windows as training does, on every stage."""
+    def evals(case: str) -> list[float]:
+        return [r["eval_loss"] for r in read_metrics(runs / case) if "eval_loss" in r]
+
+    expected, got = evals("ref_gpt2_documents"), evals("tp2_pp2_dp2_sp_distopt_gpt2_documents")
+    assert len(got) == len(expected) == 1
+    assert abs(got[0] - expected[0]) <= 1e-5 * abs(expected[0]), (got, expected)
 
 
 MOE_CASES = [c for c in ALL_CASES if variant_of(c) == "llama_moe"]
