@@ -292,6 +292,27 @@ class DataConfig:
     index_cache: Optional[str] = doc(None, "Where shuffle indices are cached (built once, "
                                      "memory-mapped by every rank); null: a .megaresil-index "
                                      "directory beside the data.")
+    reset_position_ids: bool = doc(False, "Positions restart at 0 after each end-of-document "
+                                   "token (Megatron's --reset-position-ids): learned positions "
+                                   "and RoPE see each document's own places. Needs data whose "
+                                   "documents end with the tokenizer's end-of-document token "
+                                   "(not 'synthetic').")
+    reset_attention_mask: bool = doc(False, "Attention never crosses an end-of-document token "
+                                     "inside a training window (Megatron's "
+                                     "--reset-attention-mask): each document sees only its own "
+                                     "tokens, through block-diagonal attention. Training and its "
+                                     "eval alike; `generate` runs one document. Needs data whose "
+                                     "documents end with the end-of-document token, and "
+                                     "model.backend=local.")
+    eod_mask_loss: bool = doc(False, "Leave out of the loss each target whose input token is "
+                              "the end-of-document token (Megatron's --eod-mask-loss): the "
+                              "next document's first token, predicted across the boundary. "
+                              "A micro-batch's loss is the mean over the targets kept.")
+
+    @property
+    def masks_documents(self) -> bool:
+        """Whether any of document masking's three switches is on."""
+        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
 
 
 @dataclass

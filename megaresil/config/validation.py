@@ -396,6 +396,7 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_init_from(cfg.checkpoint)
     _validate_local_tier(cfg)
     _validate_data(cfg)
+    _validate_document_masking(cfg)
     _validate_skips(cfg.resilience.numerics.skip_batches, cfg.train)
     require(cfg.resilience.in_process or not cfg.resilience.replacement.enabled,
             "resilience.replacement.enabled", "live replacement keeps the other ranks in their "
@@ -423,6 +424,21 @@ def _validate_data(cfg: RecipeConfig) -> None:
         require(not (data.path or data.paths), "data.source",
                 f"data.path/data.paths are read only by source 'indexed', not {data.source!r}.",
                 "set data.source=indexed, or drop data.path/data.paths.")
+
+
+def _validate_document_masking(cfg: RecipeConfig) -> None:
+    data = cfg.data
+    switch = next((f"data.{name}" for name in ("reset_attention_mask", "reset_position_ids",
+                                               "eod_mask_loss") if getattr(data, name)), None)
+    if switch is None:
+        return
+    require(data.source != "synthetic", switch, "synthetic data has no documents: no "
+            "end-of-document token to find.", "train on a corpus or indexed data, or turn "
+            "document masking off.")
+    require(not data.reset_attention_mask or cfg.model.backend == Backend.local,
+            "data.reset_attention_mask", "the Transformer Engine backend's attention is not "
+            "given the documents yet.", "set model.backend=local, or "
+            "data.reset_attention_mask=false.")
 
 
 def validate_world_size(cfg: RecipeConfig, world_size: int) -> None:

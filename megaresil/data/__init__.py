@@ -3,7 +3,7 @@ indices and resumable batching."""
 from __future__ import annotations
 
 from megaresil.data.blend import BlendedDataset
-from megaresil.data.build import build_datasets, recipe_tokenizer
+from megaresil.data.build import build_datasets, end_of_document_id, recipe_tokenizer
 from megaresil.data.dataset import GPTDataset, SyntheticDataset
 from megaresil.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megaresil.data.prepare import PreparedData, prepare_dataset, prepare_main
@@ -12,4 +12,4 @@ from megaresil.data.tokenizer import build_tokenizer
 
 __all__ = ["BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetWriter",
            "PreparedData", "SyntheticDataset", "build_datasets", "build_tokenizer", "collate",
-           "micro_batches", "prepare_dataset", "prepare_main", "recipe_tokenizer"]
+           "end_of_document_id", "micro_batches", "prepare_dataset", "prepare_main", "recipe_tokenizer"]

@@ -1,7 +1,8 @@
 """The recipe's datasets: `build_datasets` turns `data.*` into train and valid
 datasets indexed by global sample index, `build_test_dataset` gives the
-held-out test split (`megaresil eval --split test`), and `recipe_tokenizer`
-gives the tokenizer the data was made with.
+held-out test split (`megaresil eval --split test`), `recipe_tokenizer`
+gives the tokenizer the data was made with, and `end_of_document_id` the
+token that ends each document (document masking).
 
 How each source is split into train, valid and test (data.split,
 PREFIX_valid/_test, data.valid_fraction; a prepared corpus's held-out
@@ -222,6 +223,37 @@ def recipe_tokenizer(data_cfg: DataConfig, model_vocab_size: int) -> Tokenizer:
                           f"{path}, which is missing.",
                           "set data.tokenizer to the tokenizer the data was prepared with.")
     return build_tokenizer("bpe", cache_path=path)
+
+
+# How many documents of each indexed dataset `end_of_document_id` reads the
+# last token of: enough to tell data prepared without an eod after each
+# document, few enough to read at every start.
+EOD_CHECKED_DOCUMENTS = 64
+
+
+def end_of_document_id(data_cfg: DataConfig, model_vocab_size: int) -> int:
+    """The token that ends each document of the recipe's corpus or indexed
+    data (its tokenizer's eod, which `data prepare` appends after every
+    document), for document masking. ConfigError naming the fix when an
+    indexed dataset's first documents do not all end with it: data prepared
+    without Megatron's --append-eod has no boundary to find."""
+    if data_cfg.source != "indexed":
+        eod = _prepared(data_cfg, model_vocab_size).eod_id
+        assert eod is not None  # a prepared corpus records its tokenizer's
+        return eod
+    eod = recipe_tokenizer(data_cfg, model_vocab_size).eod_id
+    for _, prefix in blend_of(data_cfg):
+        indexed = IndexedDataset(prefix)
+        documents = (indexed[i] for i in range(min(len(indexed), EOD_CHECKED_DOCUMENTS)))
+        if any(len(tokens) and int(tokens[-1]) != eod for tokens in documents):
+            raise ConfigError("data.paths" if data_cfg.paths else "data.path",
+                              f"the documents of {prefix} do not all end with the "
+                              f"end-of-document token {eod} of its tokenizer "
+                              f"({tokenizer_spec(data_cfg)}): document masking has no "
+                              "boundaries to find.", "prepare the data with `megaresil data "
+                              "prepare` (or Megatron's --append-eod), or turn document masking "
+                              "off.")
+    return eod
 
 
 def _check_tokenizer(data_cfg: DataConfig, model_vocab_size: int) -> None:

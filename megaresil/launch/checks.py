@@ -61,12 +61,16 @@ def check_run_records(run_dir: Path) -> None:
 def check_data(cfg: RecipeConfig) -> None:
     """Build the recipe's datasets once here, before any worker starts: data
     too small for one sample, or a model.vocab_size below the tokenizer's, is
-    a recipe error (exit 2) instead of the same failure in every worker. It
-    only moves the cost: the workers find the prepared data cached."""
-    from megaresil.data import build_datasets
+    a recipe error (exit 2) instead of the same failure in every worker; so
+    is document masking over data whose documents end with no
+    end-of-document token. It only moves the cost: the workers find the
+    prepared data cached."""
+    from megaresil.data import build_datasets, end_of_document_id
 
     build_datasets(cfg.data, cfg.model.vocab_size, cfg.train.seed,
                    need_valid=cfg.train.eval_batches > 0)
+    if cfg.data.masks_documents:
+        end_of_document_id(cfg.data, cfg.model.vocab_size)
 
 
 def check_backend(cfg: RecipeConfig) -> None:

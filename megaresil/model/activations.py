@@ -169,7 +169,7 @@ class CheckpointStore:
 
     def pack(self, t: torch.Tensor) -> Union[torch.Tensor, _Packed]:
         if not t.is_floating_point():
-            return t  # the global sample indices, a few bytes
+            return t  # sample indices, document ids and masks: small, and not activations
         kept = t.detach()
         if self.partition is not None:
             kept = own_slice(kept, self.partition)

@@ -17,6 +17,7 @@ from megaresil.model.flavours import spec_of_model
 from megaresil.model.init import global_shape
 from megaresil.model.layers import Block, make_norm, sequence_dropout
 from megaresil.model.losses import OutputZLoss
+from megaresil.model.masks import Documents
 from megaresil.model.moe import MoELossScale
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.sharding import EMBEDDING_TIE, with_spec
@@ -78,11 +79,15 @@ class Embedding(nn.Module):
             mark_replicated(self.positions.parameters(), tp)
         self.dropout = sequence_dropout(cfg.dropout, "embed", seed, tp)
 
-    def forward(self, tokens: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, samples: Optional[torch.Tensor],
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`positions` (B, T): each token's place in its document (None: 0..T-1)."""
         x = self.tokens(tokens)  # (B, T, C), or (B, T/tp, C) under SP
         if self.positions is not None:
-            pos = self.positions(torch.arange(tokens.shape[1], device=tokens.device))
-            x = x + (seq_shard(pos.unsqueeze(0), self.tp) if self.tp.sequence_parallel else pos)
+            if positions is None:
+                positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+            pos = self.positions(positions)  # (B or 1, T, C)
+            x = x + (seq_shard(pos, self.tp) if self.tp.sequence_parallel else pos)
         return self.dropout(x, samples)
 
 
@@ -127,18 +132,21 @@ class GPT(nn.Module):
             self.head = (None if self.tied else
                          ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, tp, bias=False))
 
-    def stage_forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
+    def stage_forward(self, x: torch.Tensor, samples: Optional[torch.Tensor],
+                      documents: Optional[Documents] = None) -> torch.Tensor:
         """tokens (first chunk) or hidden states in; hidden states or this
-        rank's vocabulary slice of the logits (last chunk) out."""
+        rank's vocabulary slice of the logits (last chunk) out. `documents`:
+        the micro-batch's documents under document masking (model/masks.py)."""
         if self.first:
-            x = self.embed(x, samples)  # (B, T, C), or (B, T/tp, C) under SP
+            positions = None if documents is None else documents.positions
+            x = self.embed(x, samples, positions)  # (B, T, C), or (B, T/tp, C) under SP
         x = self.blocks_layout(x)
         for layer_ids, recompute in self.segments:
+            run = functools.partial(self.run_layers, layer_ids, documents=documents)
             if recompute and self.training:
-                run = functools.partial(self.run_layers, layer_ids)
                 x = self.checkpoints.run(run, x, samples)
             else:
-                x = self.run_layers(layer_ids, x, samples)
+                x = run(x, samples)
         x = self.blocks_layout(x)
         if not self.last:
             return x
@@ -153,10 +161,10 @@ class GPT(nn.Module):
         input as 2-D."""
         return swap_batch_and_sequence(x).contiguous() if self.sequence_first else x
 
-    def run_layers(self, layer_ids: list[int], x: torch.Tensor,
-                   samples: Optional[torch.Tensor]) -> torch.Tensor:
+    def run_layers(self, layer_ids: list[int], x: torch.Tensor, samples: Optional[torch.Tensor],
+                   *, documents: Optional[Documents]) -> torch.Tensor:
         for i in layer_ids:
-            x = self.layers[str(i)](x, samples)
+            x = self.layers[str(i)](x, samples, documents)
         return x
 
     def example_io(self, micro_batch: int, seq_len: int, output_dtype: torch.dtype,
@@ -175,7 +183,8 @@ class GPT(nn.Module):
 
     def loss(self, local_logits: torch.Tensor, targets: torch.Tensor, *,
              overwrite_logits: bool = False) -> torch.Tensor:
-        """Mean next-token cross-entropy over all B*T positions
+        """Mean next-token cross-entropy over the B*T positions but those
+        whose target is IGNORE_TARGET (data.eod_mask_loss)
         (`overwrite_logits`: see vocab_parallel_cross_entropy); in training
         with a z-loss, carrying its gradient (OutputZLoss.added_to)."""
         if not self.output_z_loss.applies():
@@ -187,14 +196,16 @@ class GPT(nn.Module):
                                                       overwrite_logits=overwrite_logits)
         return self.output_z_loss.added_to(loss, logsumexp)
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
         """Full-vocabulary logits (B, T, V), padding cut (for inference and tests)."""
-        local = self.stage_forward(tokens, None)
+        local = self.stage_forward(tokens, None, documents)
         return gather_vocab(local, self.tp)[..., : self.cfg.vocab_size]
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
-                samples: Optional[torch.Tensor] = None) -> torch.Tensor:
+                samples: Optional[torch.Tensor] = None,
+                documents: Optional[Documents] = None) -> torch.Tensor:
         """Loss of the whole (unpipelined) model. `samples` are the global sample
         indices of the batch (they seed dropout)."""
         # The logits are this call's own temporary: the loss may overwrite them.
-        return self.loss(self.stage_forward(tokens, samples), targets, overwrite_logits=True)
+        return self.loss(self.stage_forward(tokens, samples, documents), targets,
+                         overwrite_logits=True)

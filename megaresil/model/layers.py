@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaresil.config import ModelConfig, Recompute, RopeScalingType, attention_head_dim
 from megaresil.model.flavours import spec_of_model
+from megaresil.model.masks import Documents, causal_mask, sliding_window_mask
 from megaresil.model.moe import MoEBlock, MoELossScale, has_experts
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.random import LayoutDropout
@@ -105,8 +106,12 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.tables
         return cos[:T], sin[:T]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, heads, T, D)
+    def forward(self, x: torch.Tensor,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:  # x: (B, heads, T, D)
+        """`positions` (B, T): each token's place in its document (None: 0..T-1)."""
         cos, sin = self.cos_sin(x.shape[-2], x.device)
+        if positions is not None:  # (B, 1, T, D), broadcast over the heads
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -123,19 +128,6 @@ def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int,
     qkv = qkv.view(a, b, kv_heads, per_group + 2, head_dim)
     q = qkv[:, :, :, :per_group].reshape(a, b, heads, head_dim)
     return q, qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
-
-
-def sliding_window_mask(T: int, window: Optional[int],
-                        device: torch.device) -> Optional[torch.Tensor]:
-    """Which keys each of T queries sees, (T, T), True where seen: the
-    causal mask with each query limited to the last `window` positions, its
-    own included (key > query - window, as transformers' Mistral masks).
-    None where that is every earlier position (no window, or one of T or
-    more), which SDPA's is_causal computes without a mask."""
-    if window is None or window >= T:
-        return None
-    ones = torch.ones(T, T, dtype=torch.bool, device=device)
-    return ones.tril() & ones.triu(1 - window)
 
 
 class Attention(nn.Module):
@@ -174,35 +166,60 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             samples: Optional[torch.Tensor]) -> torch.Tensor:
+             samples: Optional[torch.Tensor], documents: Optional[Documents]) -> torch.Tensor:
+        if self.training and self.prob_dropout.p > 0:
+            return self.core_with_dropout(q, k, v, samples, documents)
+        if documents is None or documents.blocks is None:
+            return self.attend(q, k, v, sliding_window_mask(q.shape[-2], self.window, q.device))
+        # Block-diagonal: each row's documents attend apart, alone or in runs
+        # of short ones under a mask that keeps them apart (model/masks.py).
+        rows = []
+        for blocks in documents.rows():
+            parts = []
+            for b in blocks:
+                span = (slice(b.row, b.row + 1), slice(None), slice(b.start, b.end))
+                parts.append(self.attend(q[span], k[span], v[span],
+                                         documents.block_mask(b, self.window)))
+            rows.append(torch.cat(parts, dim=2))
+        return torch.cat(rows, dim=0)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """SDPA under `mask` (True where seen), or causal where it is None."""
         gqa = self.local_heads != self.local_kv_heads
-        T = q.shape[-2]
-        window = sliding_window_mask(T, self.window, q.device)
-        if not (self.training and self.prob_dropout.p > 0):
-            if window is not None:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=window, enable_gqa=gqa)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        # SDPA draws its dropout from the global RNG; a layout-independent mask
-        # needs the probabilities in hand.
-        if gqa:
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    def core_with_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          samples: Optional[torch.Tensor],
+                          documents: Optional[Documents]) -> torch.Tensor:
+        """SDPA draws its dropout from the global RNG; a layout-independent
+        mask needs the probabilities in hand, so the (B, H, T, T) scores are."""
+        if self.local_heads != self.local_kv_heads:
             repeat = self.local_heads // self.local_kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        T = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
-        seen = (window if window is not None else
-                torch.ones(T, T, dtype=torch.bool, device=q.device).tril())
+        if documents is not None and documents.blocks is not None:
+            seen = documents.dense_mask(self.window)  # (B, 1, T, T)
+        else:
+            seen = causal_mask(T, self.window, q.device)  # (T, T)
         probs = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)
         return self.prob_dropout(probs, samples) @ v
 
-    def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor],
+                documents: Optional[Documents] = None) -> torch.Tensor:
         q, k, v = self.split_qkv(x)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
-            q, k = self.rope(q), self.rope(k)
+            positions = None if documents is None else documents.positions
+            q, k = self.rope(q, positions), self.rope(k, positions)
         if self.recompute_core and self.training:
-            y = checkpoint(self.core, q, k, v, samples, use_reentrant=False)
+            y = checkpoint(self.core, q, k, v, samples, documents, use_reentrant=False)
         else:
-            y = self.core(q, k, v, samples)  # (B, local H, T, D)
+            y = self.core(q, k, v, samples, documents)  # (B, local H, T, D)
         B, _, T, _ = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -236,7 +253,8 @@ class Block(nn.Module):
         self.attn_dropout = sequence_dropout(cfg.dropout, site + ".attn_out", seed, tp)
         self.mlp_dropout = sequence_dropout(cfg.dropout, site + ".mlp_out", seed, tp)
 
-    def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor] = None,
+                documents: Optional[Documents] = None) -> torch.Tensor:
         # Full recomputation wraps whole groups of blocks (model/activations.py).
-        x = x + self.attn_dropout(self.attn(self.norm1(x), samples), samples)
+        x = x + self.attn_dropout(self.attn(self.norm1(x), samples, documents), samples)
         return x + self.mlp_dropout(self.mlp(self.norm2(x)), samples)

@@ -25,6 +25,7 @@ from megaresil.model.flavours import FLAVOURS, spec_of_model
 from megaresil.model.flavours.base import FlavourSpec
 from megaresil.model.gpt import GPT
 from megaresil.model.layers import Attention, Block, split_heads
+from megaresil.model.masks import Documents
 from megaresil.model.mlp import GeluMLP, SwiGLUMLP
 from megaresil.parallel.sharding import ShardSpec, carry_spec, has_spec, set_spec, spec_of
 from megaresil.parallel.tensor_parallel import (
@@ -238,17 +239,21 @@ class SequenceFirstAttention(nn.Module):
         self.head_dim = attn.head_dim
         self.recompute_core = attn.recompute_core
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
         """RoPE on (T, B, heads, D), through the local RotaryEmbedding's (B, heads, T, D)."""
         assert self.rope is not None  # forward rotates only with RoPE
-        return self.rope(x.permute(1, 2, 0, 3)).permute(2, 0, 1, 3)
+        return self.rope(x.permute(1, 2, 0, 3), positions).permute(2, 0, 1, 3)
 
-    def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor],
+                documents: Optional[Documents] = None) -> torch.Tensor:
+        """`documents` reset RoPE's positions only: the recipe's validation
+        refuses document-separated attention with this backend."""
         q, k, v = split_heads(self.qkv(x), self.heads, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
-            q, k = self.rotate(q), self.rotate(k)
+            positions = None if documents is None else documents.positions
+            q, k = self.rotate(q, positions), self.rotate(k, positions)
         # Contiguous sbhd: a layout every TE version's DotProductAttention takes.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         y = self.core(q, k, v, checkpoint_core_attention=self.recompute_core and self.training)

@@ -54,10 +54,13 @@ class StageChunk(Protocol):
     last: bool  # its output is what `loss` reads
     training: bool
 
-    def stage_forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
+    def stage_forward(self, x: torch.Tensor, samples: Optional[torch.Tensor],
+                      documents: Any) -> torch.Tensor:
         """The previous stage's output (the model's inputs when first) in,
         this stage's output out; `samples`, the micro-batch's global sample
-        indices (None in eval), seed dropout."""
+        indices (None in eval), seed dropout; `documents`, where the
+        micro-batch's documents lie (None without document masking), the
+        same on every stage."""
 
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss of one micro-batch, from a last chunk's output."""
@@ -68,39 +71,44 @@ class StageChunk(Protocol):
         micro-batch (a last chunk's output in `output_dtype`)."""
 
 
-class SampleFeed:
-    """Hands a chunk the global sample indices of the micro-batch it is about
-    to run (they seed dropout). Every schedule runs a chunk's forwards in
-    micro-batch order, so a cursor suffices; `finish` checks none was skipped."""
+# What a micro-batch brings a chunk besides the stage's input: its global
+# sample indices (None in eval) and its documents (None without document masking).
+Extras = tuple[Optional[torch.Tensor], Any]
+
+
+class MicroBatchFeed:
+    """Hands a chunk the extras of the micro-batch it is about to run. Every
+    schedule runs a chunk's forwards in micro-batch order, so a cursor
+    suffices; `finish` checks none was skipped."""
 
     def __init__(self) -> None:
-        self.batches: list[torch.Tensor] = []
+        self.extras: list[Extras] = []
         self.cursor = 0
 
-    def load(self, batches: list[torch.Tensor]) -> None:
-        self.batches, self.cursor = batches, 0
+    def load(self, extras: list[Extras]) -> None:
+        self.extras, self.cursor = extras, 0
 
-    def next(self) -> torch.Tensor:
-        samples = self.batches[self.cursor]
+    def next(self) -> Extras:
+        extras = self.extras[self.cursor]
         self.cursor += 1
-        return samples
+        return extras
 
     def finish(self) -> None:
-        if self.cursor != len(self.batches):
+        if self.cursor != len(self.extras):
             raise RuntimeError(f"pipeline ran {self.cursor} forwards for "
-                               f"{len(self.batches)} micro-batches")
+                               f"{len(self.extras)} micro-batches")
 
 
 class _StageModule(nn.Module):
-    """What a PipelineStage runs: one chunk, fed its micro-batch's samples."""
+    """What a PipelineStage runs: one chunk, fed its micro-batch's extras."""
 
-    def __init__(self, chunk: StageChunk, feed: SampleFeed):
+    def __init__(self, chunk: StageChunk, feed: MicroBatchFeed):
         super().__init__()
         self.chunk, self.feed = chunk, feed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        samples = self.feed.next() if self.chunk.training else None
-        return self.chunk.stage_forward(x, samples)
+        samples, documents = self.feed.next()
+        return self.chunk.stage_forward(x, samples, documents)
 
 
 def example_io(chunk: StageChunk, micro_batch: int, seq_len: int, output_dtype: torch.dtype,
@@ -133,7 +141,7 @@ class Pipeline:
         self.layout, self.chunks, self.kind = layout, list(chunks), schedule
         self.micro_batch, self.seq_len, self.output_dtype = micro_batch, seq_len, output_dtype
         self.scale_grads = scale_grads
-        self.feeds = [SampleFeed() for _ in chunks]
+        self.feeds = [MicroBatchFeed() for _ in chunks]
         self.last_chunk = chunks[-1] if chunks[-1].last else None
         self.has_first = chunks[0].first
         self.schedules: dict[int, Any] = {}  # micro-batches -> torch's schedule
@@ -172,31 +180,33 @@ class Pipeline:
         return self.last_chunk.loss(output, targets)
 
     def _run(self, training: bool, inputs: torch.Tensor, targets: torch.Tensor,
-             samples: Optional[list[torch.Tensor]]) -> torch.Tensor:
+             extras: list[Extras]) -> torch.Tensor:
         schedule = self.schedule_for(len(targets) // self.micro_batch, training=training)
         run = schedule.step if training else schedule.eval
         for feed in self.feeds:
-            feed.load(samples or [])
+            feed.load(extras)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         run(*args, target=targets if self.last_chunk is not None else None, losses=losses)
-        if samples is not None:
-            for feed in self.feeds:
-                feed.finish()
+        for feed in self.feeds:
+            feed.finish()
         if not losses:  # only the last stage computes the loss
             return torch.zeros((), device=self.layout.device)
         return torch.stack([loss.detach() for loss in losses]).mean()
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor,
-                   samples: list[torch.Tensor]) -> torch.Tensor:
+                   samples: Sequence[torch.Tensor], documents: Sequence[Any]) -> torch.Tensor:
         """Forward and backward of all micro-batches, m = len(targets) /
-        micro_batch (grads scaled by 1/m unless built with scale_grads=False);
-        returns the mean micro-batch loss (zero off the last stage)."""
-        return self._run(True, inputs, targets, samples)
+        micro_batch (grads scaled by 1/m unless built with scale_grads=False),
+        each with its samples and documents; returns the mean micro-batch loss
+        (zero off the last stage)."""
+        return self._run(True, inputs, targets, list(zip(samples, documents)))
 
     @torch.no_grad()
-    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self._run(False, inputs, targets, None)
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor,
+                  documents: Sequence[Any]) -> torch.Tensor:
+        return self._run(False, inputs, targets,
+                         [(None, micro_batch) for micro_batch in documents])
 
 
 def sync_tied_embedding_grads(entries: list[tuple[nn.Parameter, torch.Tensor]],

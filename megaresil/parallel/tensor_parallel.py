@@ -22,6 +22,9 @@ import torch.nn.functional as F
 from megaresil.parallel.sharding import AxisShard, ShardSpec, set_spec
 
 SEQ_DIM = 1
+# A target the loss leaves out (torch's cross-entropy default, so the tp=1
+# path needs nothing more): data.eod_mask_loss marks them (model/masks.py).
+IGNORE_TARGET = -100
 
 
 @dataclass(frozen=True)
@@ -289,7 +292,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
                                  real_vocab: int, tp: TPGroup,
                                  overwrite_logits: bool = False) -> torch.Tensor:
-    """Mean loss over tokens, in fp32 whatever the logits' dtype. Padded
+    """Mean loss over tokens, in fp32 whatever the logits' dtype; a target of
+    IGNORE_TARGET counts in neither the sum nor the number of tokens. Padded
     vocabulary columns (global index >= real_vocab) never enter the softmax.
 
     `overwrite_logits`: the logits are the caller's temporary, read by nothing
@@ -305,22 +309,25 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
     if not tp.active:
         return F.cross_entropy(logits[..., :real_vocab].flatten(0, -2).float(), targets.flatten())
     losses, _ = _split_vocab_losses(logits, targets, real_vocab, tp, overwrite_logits)
-    return losses.mean()
+    return _kept_mean(losses, targets)
 
 
 def cross_entropy_and_logsumexp(logits: torch.Tensor, targets: torch.Tensor, *,
                                 real_vocab: int, tp: TPGroup, overwrite_logits: bool = False
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`vocab_parallel_cross_entropy`'s mean loss and each token's logsumexp
-    of its logits over the whole (real) vocabulary, (N,) fp32, from the same
-    softmax: the z-loss's input, at no second pass over the logits."""
-    if not tp.active:
+    """`vocab_parallel_cross_entropy`'s mean loss and the logsumexp of the
+    logits over the whole (real) vocabulary of each token the loss counts
+    (those whose target is not IGNORE_TARGET), fp32, from the same softmax:
+    the z-loss's input, at no second pass over the logits."""
+    if tp.active:
+        losses, logsumexp = _split_vocab_losses(logits, targets, real_vocab, tp, overwrite_logits)
+    else:
         logits = logits[..., :real_vocab].flatten(0, -2).float()  # (N, V)
         logsumexp = torch.logsumexp(logits, dim=-1)
-        target_logit = logits.gather(-1, targets.flatten().unsqueeze(-1)).squeeze(-1)
-        return (logsumexp - target_logit).mean(), logsumexp
-    losses, logsumexp = _split_vocab_losses(logits, targets, real_vocab, tp, overwrite_logits)
-    return losses.mean(), logsumexp
+        # An ignored target (negative) reads column 0; its loss is left out below.
+        picked = targets.flatten().clamp(min=0).unsqueeze(-1)
+        losses = logsumexp - logits.gather(-1, picked).squeeze(-1)
+    return _kept_mean(losses, targets), logsumexp[targets.flatten() != IGNORE_TARGET]
 
 
 def _split_vocab_losses(logits: torch.Tensor, targets: torch.Tensor, real_vocab: int,
@@ -335,3 +342,9 @@ def _split_vocab_losses(logits: torch.Tensor, targets: torch.Tensor, real_vocab:
         logits[..., pad_from:] = float("-inf")
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), start, tp,
                                             overwrite)
+
+
+def _kept_mean(losses: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean of the per-token `losses` (N,) over the targets not IGNORE_TARGET."""
+    kept = targets.flatten() != IGNORE_TARGET
+    return losses.masked_fill(~kept, 0.0).sum() / kept.sum()

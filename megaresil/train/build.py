@@ -13,9 +13,10 @@ import torch
 import torch.nn as nn
 
 from megaresil.config import FP8, Precision, RecipeConfig, resolved_schedule
-from megaresil.data.build import Dataset, build_datasets
+from megaresil.data.build import Dataset, build_datasets, end_of_document_id
 from megaresil.events import EventLog
 from megaresil.model.gpt import GPT
+from megaresil.model.masks import DocumentMasking
 from megaresil.model.moe import named_state_buffers
 from megaresil.observe.startup import process_times
 from megaresil.parallel.grad_groups import GroupedGrads, grad_groups, shards_its_group
@@ -44,6 +45,7 @@ class TrainerParts:
     """One rank's training objects, as `build_parts` makes them."""
     train_data: Dataset
     valid_data: Optional[Dataset]  # None when train.eval_batches is 0
+    masking: Optional[DocumentMasking]  # None when the recipe masks no documents
     chunks: list[GPT]  # this rank's model chunks (several under virtual pipeline stages)
     checkpoint_key: KeyMap  # a parameter's name -> its layout-free checkpoint key
     model: nn.ModuleList  # the chunks, as one module
@@ -70,6 +72,7 @@ def build_parts(cfg: RecipeConfig, layout: ParallelLayout, supervision: Supervis
     make_deterministic(cfg, layout.device)
     train_data, valid_data, _ = build_datasets(
         cfg.data, cfg.model.vocab_size, cfg.train.seed, need_valid=cfg.train.eval_batches > 0)
+    masking = document_masking(cfg)
     chunks = build_model(cfg, layout, draw=draw)
     checkpoint_key = checkpoint_key_map(cfg)
     model = nn.ModuleList(chunks)
@@ -110,9 +113,20 @@ def build_parts(cfg: RecipeConfig, layout: ParallelLayout, supervision: Supervis
         cfg, checkpoint_state, events, watchdog=supervision.watchdog, device=layout.device,
         fence=supervision.fence, rank=layout.rank, job_started=process_times()["launched_at"],
         local_world=supervision.local_world)
-    return TrainerParts(train_data, valid_data, chunks, checkpoint_key, model, params, precision,
+    return TrainerParts(train_data, valid_data, masking, chunks, checkpoint_key, model, params, precision,
                         main, opt_params, autocast, optimizer, sharded_optimizer, pipeline, grads,
                         state, checkpoint_state, checkpointing)
+
+
+def document_masking(cfg: RecipeConfig) -> Optional[DocumentMasking]:
+    """The recipe's document masking over its data's end-of-document token."""
+    data = cfg.data
+    if not data.masks_documents:
+        return None
+    return DocumentMasking(end_of_document_id(data, cfg.model.vocab_size),
+                           reset_position_ids=data.reset_position_ids,
+                           reset_attention_mask=data.reset_attention_mask,
+                           eod_mask_loss=data.eod_mask_loss)
 
 
 def named_parameters(chunks: Iterable[nn.Module],

@@ -100,8 +100,8 @@ class Trainer:
     def batches(self, dataset: SampleDataset, consumed: int,
                 global_batch: Optional[int] = None) -> list[Batch]:
         """This DP rank's micro-batches of the `global_batch` samples from
-        `consumed` (by default the batch a training step there takes):
-        (inputs, targets, global sample indices)."""
+        `consumed` (by default the batch a training step there takes), their
+        documents found (model/masks.py) on the host before they move to the device."""
         if global_batch is None:
             global_batch = global_batch_at(self.cfg.train, consumed)
         indices = micro_batches(consumed, global_batch, self.cfg.train.micro_batch_size,
@@ -110,7 +110,11 @@ class Trainer:
         batches = []
         for idx in indices:
             inputs, targets = collate(dataset, idx)
-            batches.append((inputs.to(device), targets.to(device), torch.tensor(idx)))
+            documents = None
+            if self.parts.masking is not None:
+                targets, documents = self.parts.masking.apply(inputs, targets)
+            batches.append(Batch(inputs.to(device), targets.to(device), torch.tensor(idx),
+                                 None if documents is None else documents.to(device)))
         return batches
 
     def replicated_state(self, full: bool) -> dict[tuple[str, ...], list[tuple[str, torch.Tensor]]]:

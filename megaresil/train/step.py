@@ -4,11 +4,12 @@ global figures (loss and grad norm) and the eval forward. What is checked,
 applied and recorded around them is the trainer's (train/loop.py)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megaresil.model.masks import Documents
 from megaresil.parallel.data_parallel import all_reduce_sequence_parallel_grads
 from megaresil.parallel.grad_groups import GroupedGrads, Held
 from megaresil.parallel.layout import ParallelLayout
@@ -17,8 +18,13 @@ from megaresil.train.build import TrainerParts
 from megaresil.train.numerics import StepResult
 from megaresil.train.optim import local_grad_norm_squared, reduce_grad_norm
 
-# One micro-batch: (inputs, targets, global sample indices)
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+class Batch(NamedTuple):
+    """One micro-batch on this rank's device."""
+    inputs: torch.Tensor  # (B, T) token ids
+    targets: torch.Tensor  # (B, T) token ids; IGNORE_TARGET where data.eod_mask_loss leaves one out
+    samples: torch.Tensor  # (B,) global sample indices
+    documents: Optional[Documents]  # where its documents lie; None without document masking
 
 
 def dp_mean(value: torch.Tensor, layout: ParallelLayout) -> float:
@@ -36,20 +42,22 @@ def forward_backward(parts: TrainerParts, batches: Sequence[Batch],
     (zero on pipeline stages that do not compute it)."""
     if parts.pipeline is not None:
         set_moe_loss_scale(parts, 1.0)  # the schedule's backward takes each loss whole
-        inputs, targets, samples = zip(*batches)
+        inputs, targets, samples, documents = zip(*batches)
         with parts.autocast:
-            loss = parts.pipeline.train_step(torch.cat(inputs), torch.cat(targets), list(samples))
+            loss = parts.pipeline.train_step(torch.cat(inputs), torch.cat(targets), samples,
+                                             documents)
         # The schedule sums the micro-batches' grads; make them the mean.
         parts.grads.fold_all(divisor=len(batches))
         return loss
     model = parts.chunks[0]
     set_moe_loss_scale(parts, 1.0 / len(batches))
     total = torch.zeros((), device=device)
-    for i, (x, y, ids) in enumerate(batches):
+    for i, batch in enumerate(batches):
         if i == len(batches) - 1:
             parts.grads.arm()  # overlap the DP reduction with the last backward
         with parts.autocast:
-            loss = model(x, y, ids) / len(batches)
+            loss = model(batch.inputs, batch.targets, batch.samples, batch.documents)
+            loss = loss / len(batches)
         loss.backward()
         total += loss.detach()
     return total
@@ -98,8 +106,9 @@ def zero_grads(parts: TrainerParts) -> None:
 
 def forward_eval(parts: TrainerParts, batches: Sequence[Batch]) -> torch.Tensor:
     """The mean loss over `batches`, without grads' bookkeeping."""
-    inputs, targets, _ = zip(*batches)
+    inputs, targets, _, documents = zip(*batches)
     with parts.autocast:
         if parts.pipeline is not None:
-            return parts.pipeline.eval_step(torch.cat(inputs), torch.cat(targets))
-        return torch.stack([parts.chunks[0](x, y) for x, y in zip(inputs, targets)]).mean()
+            return parts.pipeline.eval_step(torch.cat(inputs), torch.cat(targets), documents)
+        return torch.stack([parts.chunks[0](x, y, None, d)
+                            for x, y, d in zip(inputs, targets, documents)]).mean()

@@ -4,13 +4,24 @@ Layouts with activation recomputation, partitioned or offloaded checkpoints
 are held to the reference without recomputation."""
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.harness.dist import LLAMA, MOE, Case, load_grads, run_cases, run_reference
+from megaresil.data.indexed import IndexedDatasetWriter
+from megaresil.data.tokenizer import ByteTokenizer
 from megaresil.events import read_metrics
 
 DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]
+# Documents of 1 to 12 bytes, so each 16-token window holds several; the
+# fixture writes them and puts their prefix in place of CORPUS.
+CORPUS = "CORPUS"
+DOCUMENTS = ["data.source=indexed", f"data.path={CORPUS}", "data.tokenizer=byte",
+             "data.reset_position_ids=true", "data.reset_attention_mask=true",
+             "data.eod_mask_loss=true", "train.eval_batches=1"]  # eval masks alike
 # Model variants; each has its own single-process reference run.
 VARIANTS = {
     "gpt2": [],
@@ -25,6 +36,8 @@ VARIANTS = {
     # q/k/v biases split over tp; a window of 5 of the 16 positions (the mask
     # over the whole sequence, which SP gathers before attention).
     "qwen2_window": LLAMA + ["model.flavour=qwen2", "model.sliding_window=5"],
+    # Learned positions reset per document, then cut along the sequence under SP.
+    "gpt2_documents": DOCUMENTS,
 }
 TP = ["parallel.tp=2"]
 SP = ["parallel.sequence_parallel=true"]
@@ -65,16 +78,28 @@ LAYOUTS = {
         ("pp2_vpp2_dp2_ep2_distopt", ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2"]
          + EP2 + DISTOPT + FP32, ["llama_moe"])],
     8: [("tp2_pp2_dp2", THREE_D, ["gpt2", "llama", "gpt2_untied", "llama_tied", "llama_moe"]),
-        ("tp2_pp2_dp2_sp_distopt", THREE_D + SP + DISTOPT, ["gpt2", "llama"]),
+        ("tp2_pp2_dp2_sp_distopt", THREE_D + SP + DISTOPT, ["gpt2", "llama", "gpt2_documents"]),
         ("tp2_dp4_ep2_distopt", TP + ["parallel.dp=4"] + EP2 + DISTOPT, ["llama_moe"]),
         ("tp2_pp2_dp2_partition_uniform2", THREE_D + PARTITION + ["model.recompute_layers=2"],
          ["gpt2_dropout"])],
 }
 
 
-def cases(world: int) -> list[Case]:
-    return [Case(f"{name}_{variant}", overrides + VARIANTS[variant], dump_grads=True)
+def cases(world: int, corpus: str = CORPUS) -> list[Case]:
+    return [Case(f"{name}_{variant}", [o.replace(CORPUS, corpus) for o in
+                                       overrides + VARIANTS[variant]], dump_grads=True)
             for name, overrides, variants in LAYOUTS[world] for variant in variants]
+
+
+def write_documents(prefix: Path) -> None:
+    """Short documents of a few words, each closed by the byte tokenizer's eod."""
+    words = random.Random(0).choices(["the", "cat", "sat", "on", "a", "mat", "ran"], k=900)
+    tokenizer = ByteTokenizer()
+    with IndexedDatasetWriter(prefix, "uint16") as writer:
+        for i in range(0, len(words), 3):
+            text = " ".join(words[i:i + 3])[:random.Random(i).randint(1, 11)]
+            writer.add_document(tokenizer.encode(text) + [tokenizer.eod_id])
+        writer.finalize()
 
 
 ALL_CASES = [c.name for world in LAYOUTS for c in cases(world)]
@@ -87,10 +112,13 @@ def variant_of(case: str) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("equivalence")
+    corpus = str(out / "documents")
+    write_documents(Path(corpus))
     for variant, overrides in VARIANTS.items():
+        overrides = [o.replace(CORPUS, corpus) for o in overrides]
         run_reference(Case(f"ref_{variant}", overrides, dump_grads=True), out)
     for world in LAYOUTS:
-        run_cases(world, cases(world), out)
+        run_cases(world, cases(world, corpus), out)
     return out
 
 
@@ -126,6 +154,16 @@ def test_distributed_optimizer_shards_state(runs, flavour):
     whole = state_bytes(f"dp2_{flavour}")[0]
     for got in state_bytes(f"dp2_distopt_{flavour}"):
         assert abs(got - whole / 2) <= 0.1 * whole / 2, (got, whole)
+
+
+def test_masked_eval_matches_single_process(runs):
+    """Eval masks the held-out windows as training does, on every stage."""
+    def evals(case: str) -> list[float]:
+        return [r["eval_loss"] for r in read_metrics(runs / case) if "eval_loss" in r]
+
+    expected, got = evals("ref_gpt2_documents"), evals("tp2_pp2_dp2_sp_distopt_gpt2_documents")
+    assert len(got) == len(expected) == 1
+    assert abs(got[0] - expected[0]) <= 1e-5 * abs(expected[0]), (got, expected)
 
 
 MOE_CASES = [c for c in ALL_CASES if variant_of(c) == "llama_moe"]

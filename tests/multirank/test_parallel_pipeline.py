@@ -1,7 +1,7 @@
 """The pipeline runtime drives any chunk that keeps the `StageChunk` protocol:
 a toy model (no GPT) split over two gloo ranks gets the unpipelined loss and
-grads, and every chunk is handed its micro-batches' samples in order, at
-any micro-batch count from step to step (a batch ramp's) and in eval between."""
+grads, and every chunk is handed its micro-batches' samples and documents in
+order, at any micro-batch count from step to step (a batch ramp's) and in eval between."""
 from __future__ import annotations
 
 import os
@@ -32,11 +32,12 @@ class ToyChunk(nn.Module):
         self.embed = nn.Embedding(VOCAB, WIDTH) if self.first else None
         self.mix = nn.Linear(WIDTH, WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB) if self.last else None
-        self.seen: list[torch.Tensor] = []
+        self.seen: list[tuple[torch.Tensor, object]] = []  # (samples, documents) fed
 
-    def stage_forward(self, x: torch.Tensor, samples: Optional[torch.Tensor]) -> torch.Tensor:
+    def stage_forward(self, x: torch.Tensor, samples: Optional[torch.Tensor],
+                      documents: object = None) -> torch.Tensor:
         if samples is not None:
-            self.seen.append(samples)
+            self.seen.append((samples, documents))
         if self.embed is not None:
             x = self.embed(x)
         x = torch.tanh(self.mix(x))
@@ -87,12 +88,15 @@ def check_schedule(schedule: PipelineSchedule, vpp: int) -> None:
             chunk.zero_grad(set_to_none=True)
             chunk.seen.clear()
         inputs, targets, samples = batch(micro_batches)
-        loss = pipeline.train_step(inputs, targets, samples)
+        # Opaque to the runtime: each chunk is handed its micro-batch's own.
+        documents = [f"documents of micro-batch {i}" for i in range(micro_batches)]
+        loss = pipeline.train_step(inputs, targets, samples, documents)
         expected_loss, expected = reference(stages, micro_batches)
         if layout.is_last_stage:
             torch.testing.assert_close(loss, expected_loss)
         for stage, chunk in zip(mine, chunks):
-            assert [s.tolist() for s in chunk.seen] == [s.tolist() for s in samples], stage
+            assert [(s.tolist(), d) for s, d in chunk.seen] == \
+                [(s.tolist(), d) for s, d in zip(samples, documents)], stage
             for (name, param), want in zip(chunk.named_parameters(),
                                            expected[stage].parameters()):
                 where = f"{schedule.value}, {micro_batches} micro-batches, stage {stage}, {name}"
@@ -100,7 +104,7 @@ def check_schedule(schedule: PipelineSchedule, vpp: int) -> None:
         inputs, targets, _ = batch(4)
         for chunk in chunks:
             chunk.eval()
-        pipeline.eval_step(inputs, targets)
+        pipeline.eval_step(inputs, targets, [None] * 4)
         for chunk in chunks:
             chunk.train()
 

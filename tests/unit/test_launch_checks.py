@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.harness.cli import SMALL
+from megaresil.data.indexed import IndexedDatasetWriter
 from megaresil.events import read_events, read_metrics
 from megaresil.resilience.guardian import stopped, why_no_progress
 
@@ -182,3 +183,22 @@ def test_a_local_tier_inside_the_checkpoint_root_is_refused_before_any_worker(cl
     assert line.startswith("megaresil: error: checkpoint.local.dir: ")
     assert "lies inside the global checkpoint root" in line
     assert not run_dir.exists()  # no worker started: none made the run directory
+
+
+def test_document_masking_without_documents_to_find_is_refused(cli_main, tmp_path):
+    """Synthetic data has no documents; indexed data prepared without an eod
+    after each document (Megatron's --append-eod off) has no boundaries."""
+    masked = ["data.reset_attention_mask=true", f"run.dir={tmp_path / 'run'}"]
+    line = refused(cli_main, "train", *TINY, "data.source=synthetic", *masked)
+    assert line.startswith("megaresil: error: data.reset_attention_mask: synthetic data has no "
+                           "documents")
+    prefix = tmp_path / "plain"
+    with IndexedDatasetWriter(prefix, "uint16") as writer:
+        for i in range(200):
+            writer.add_document([1 + i % 7] * 9)  # no eod (256) after any of them
+        writer.finalize()
+    line = refused(cli_main, "train", *TINY, "data.source=indexed", f"data.path={prefix}",
+                   "data.tokenizer=byte", "data.seq_len=16", *masked)
+    assert line.startswith(f"megaresil: error: data.path: the documents of {prefix} do not all "
+                           "end with the end-of-document token 256")
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # no worker started
