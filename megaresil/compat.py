@@ -334,6 +334,15 @@ def tree_map_only(kind: type, fn: Callable[[Any], Any], tree: Any) -> Any:
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 
+def storage_identity(storage: torch.UntypedStorage) -> int:
+    """A number naming `storage` while it lives: the address of its C++
+    storage object (`_cdata`). Unlike `data_ptr()` it tells apart storages
+    with no memory (every meta storage's data pointer is 0), and unlike
+    `id()` of the Python wrapper it is the same for every wrapper of one
+    storage."""
+    return storage._cdata
+
+
 # --- torch.save's files and DCP's storage records -------------------------------------
 
 
