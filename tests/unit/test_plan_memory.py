@@ -1,0 +1,75 @@
+"""The memory estimate before launch (`plan --memory`) against the peak a
+CPU run measures: every tensor storage a trainer allocates from its build
+through two steps, counted by `ActivationMeter`, within ESTIMATE_ERROR
+(docs/planning.md, "Memory before launch")."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megaresil.config import PipelineSchedule, load_recipe
+from megaresil.model.activation_meter import ActivationMeter
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.plan.memory import in_flight_microbatches
+from megaresil.train.loop import Trainer
+from megaresil.train.memory_census import estimate
+from tests.harness.cli import megaresil_cli
+from tests.harness.dist import RECIPE, TINY
+
+ESTIMATE_ERROR = 0.15  # the bound docs/planning.md states
+# Long enough windows that activations are most of the peak.
+SHAPE = ["data.seq_len=128", "model.max_seq_len=128", "train.micro_batch_size=4",
+         "train.global_batch_size=8", "model.num_heads=4"]
+
+
+def measured_peak(cfg) -> int:
+    meter = ActivationMeter(torch.device("cpu"))
+    with meter:
+        trainer = Trainer(cfg, ParallelLayout(device=torch.device("cpu")))
+        for _ in range(2):  # the first step makes the optimizer's moments
+            trainer.train_step()
+        return meter.reading().peak_device_bytes
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.recompute=full"],
+                                       ["model.recompute=selective"]])
+def test_estimate_is_within_the_stated_error_of_the_measured_peak(tmp_path, overrides):
+    cfg = load_recipe(RECIPE, TINY + SHAPE + overrides + [f"run.dir={tmp_path}"])
+    (rank,) = estimate(cfg, "cpu")
+    measured = measured_peak(cfg)
+    assert abs(rank.peak - measured) / measured <= ESTIMATE_ERROR, (rank, measured)
+
+
+def test_layouts_split_the_state_as_their_rules_say(tmp_path):
+    base = TINY + SHAPE + [f"run.dir={tmp_path}"]
+    (whole,) = estimate(load_recipe(RECIPE, base), "cpu")
+    tp2 = estimate(load_recipe(RECIPE, base + ["parallel.tp=2"]), "cpu")
+    assert [r.ranks for r in tp2] == [(0, 1)]
+    assert tp2[0].params < 0.6 * whole.params  # all but the norms and biases halve
+    zero = estimate(load_recipe(RECIPE, base + ["parallel.dp=2", "train.global_batch_size=8",
+                                                "optimizer.distributed=true"]), "cpu")
+    assert sum(r.optimizer * len(r.ranks) for r in zero) == pytest.approx(whole.optimizer,
+                                                                          rel=0.02)
+    pp2 = estimate(load_recipe(RECIPE, base + ["parallel.pp=2"]), "cpu")
+    assert [(r.stage, r.in_flight) for r in pp2] == [(0, 2), (1, 1)]  # 1F1B
+
+
+def test_in_flight_microbatches_follow_the_schedule():
+    def held(schedule, vpp=1, stage=0):
+        return in_flight_microbatches(schedule, pp=4, vpp=vpp, stage=stage, microbatches=8)
+    assert held(PipelineSchedule.one_f_one_b) == 4
+    assert held(PipelineSchedule.one_f_one_b, stage=3) == 1
+    assert held(PipelineSchedule.gpipe, stage=3) == 8
+    assert held(PipelineSchedule.interleaved_1f1b, vpp=2) == (4 + 6 + 1) / 2
+
+
+def test_plan_memory_through_the_cli():
+    result = megaresil_cli("plan", "--memory", str(RECIPE), "parallel.tp=2", "parallel.pp=2",
+                           "parallel.dp=2", "--json")
+    report = json.loads(result.stdout)
+    assert [r["ranks"] for r in report["ranks"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert report["peak"] == max(r["peak"] for r in report["ranks"])
+    table = megaresil_cli("plan", "--memory", str(RECIPE)).stdout
+    assert "peak" in table and "0-3" in table
