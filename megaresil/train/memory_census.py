@@ -14,10 +14,13 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-from megaresil.config import Precision, RecipeConfig, microbatches_per_step, resolved_schedule
+from megaresil.config import (
+    Precision,
+    RecipeConfig,
+    microbatches_per_step,
+    resolved_schedule,
+)
 from megaresil.model.activation_meter import ActivationMeter
 from megaresil.model.chunks import build_chunks
 from megaresil.model.gpt import GPT
@@ -26,6 +29,7 @@ from megaresil.parallel.grad_groups import zero1
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.sharding import spec_of
 from megaresil.plan.memory import RankMemory, in_flight_microbatches
+from megaresil.train.memory_shapes import MetaStandIns, balance_routing
 from megaresil.train.precision import logits_dtype, resolve
 
 META = torch.device("meta")
@@ -46,7 +50,8 @@ def estimate(cfg: RecipeConfig, device_type: str = "cuda") -> list[RankMemory]:
     """Every kind of rank of the recipe's layout, each with the global ranks
     alike. Ranks differ by pipeline stage, expert rank and (under ZeRO-1)
     data-parallel index; tensor-parallel ranks hold equal shares, so one
-    build per (stage, expert rank) serves them all."""
+    build per (stage, expert rank) serves them all: the last tensor rank's,
+    whose vocabulary slice holds the padding (its loss copies its logits)."""
     precision = resolve(cfg.train.precision, torch.device(device_type))
     built: dict[tuple[int, int], tuple[RankMemory, list[nn.Parameter]]] = {}
     kinds: dict[RankMemory, list[int]] = {}
@@ -54,9 +59,10 @@ def estimate(cfg: RecipeConfig, device_type: str = "cuda") -> list[RankMemory]:
         layout = ParallelLayout.planned(cfg.parallel, rank)
         where = (layout.pp_rank, layout.coordinate("ep"))
         if where not in built:
-            params = [p for chunk in meta_chunks(cfg, layout) for p in chunk.parameters()
+            last_tp = ParallelLayout.planned(cfg.parallel, rank + layout.tp - 1 - layout.tp_rank)
+            params = [p for chunk in meta_chunks(cfg, last_tp) for p in chunk.parameters()
                       if p.requires_grad]
-            built[where] = rank_memory(cfg, layout, params, precision), params
+            built[where] = rank_memory(cfg, last_tp, params, precision), params
         memory, params = built[where]
         moments, main = optimizer_bytes(cfg, params, layout, precision)
         kinds.setdefault(replace(memory, optimizer=moments, main=main), []).append(rank)
@@ -113,10 +119,12 @@ def microbatch_activations(cfg: RecipeConfig, layout: ParallelLayout,
     kept = transient = 0
     for chunk in meta_chunks(cfg, layout):
         chunk.train()
+        balance_routing(chunk)
+        chunk.to(META)  # the buffers a meta build keeps on the CPU (the routers')
         if precision == Precision.bf16:
             chunk.to(torch.bfloat16)
         meter = ActivationMeter(META)
-        with meter, FusedAttention():
+        with meter, MetaStandIns():
             x, _ = chunk.example_io(cfg.train.micro_batch_size, cfg.data.seq_len,
                                     logits_dtype(precision), META)
             x = x.requires_grad_(x.is_floating_point())
@@ -131,31 +139,3 @@ def microbatch_activations(cfg: RecipeConfig, layout: ParallelLayout,
     return kept, transient
 
 
-
-class _FusedAttentionMemory(torch.autograd.Function):
-    """What a fused attention kernel (flash, memory-efficient; what a GPU or
-    CPU run uses without attention dropout) keeps for backward: its inputs,
-    its output and the (B, H, T) fp32 log-sum-exp, no (T, T) probabilities.
-    Shapes only."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):  # (B, H, T, D), keys and values (B, H_kv, T, D)
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError("the memory estimate runs no backward")
-
-
-class FusedAttention(TorchFunctionMode):
-    """Counts `scaled_dot_product_attention` as a fused kernel keeps it: on
-    the meta device torch decomposes it into the math kernel, which would
-    count the (T, T) probabilities a real run never holds."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            return _FusedAttentionMemory.apply(*args[:3])
-        return func(*args, **(kwargs or {}))

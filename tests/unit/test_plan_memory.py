@@ -8,6 +8,8 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from megaresil.config import PipelineSchedule, load_recipe
 from megaresil.model.activation_meter import ActivationMeter
@@ -16,7 +18,8 @@ from megaresil.plan.memory import in_flight_microbatches
 from megaresil.train.loop import Trainer
 from megaresil.train.memory_census import estimate
 from tests.harness.cli import megaresil_cli
-from tests.harness.dist import RECIPE, TINY
+from megaresil.ports import free_port
+from tests.harness.dist import MOE, RECIPE, TINY, join_group, spawn_ranks
 
 ESTIMATE_ERROR = 0.15  # the bound docs/planning.md states
 # Long enough windows that activations are most of the peak.
@@ -25,21 +28,55 @@ SHAPE = ["data.seq_len=128", "model.max_seq_len=128", "train.micro_batch_size=4"
 
 
 def measured_peak(cfg) -> int:
+    """This rank's peak: every storage its trainer allocates, build and two steps."""
     meter = ActivationMeter(torch.device("cpu"))
     with meter:
-        trainer = Trainer(cfg, ParallelLayout(device=torch.device("cpu")))
+        layout = (ParallelLayout.from_config(cfg.parallel, torch.device("cpu"))
+                  if dist.is_initialized() else ParallelLayout(device=torch.device("cpu")))
+        trainer = Trainer(cfg, layout)
         for _ in range(2):  # the first step makes the optimizer's moments
             trainer.train_step()
         return meter.reading().peak_device_bytes
 
 
+def estimate_error(cfg, measured: int, rank: int) -> float:
+    (kind,) = [k for k in estimate(cfg, "cpu") if rank in k.ranks]
+    return (kind.peak - measured) / measured
+
+
 @pytest.mark.parametrize("overrides", [[], ["model.recompute=full"],
-                                       ["model.recompute=selective"]])
-def test_estimate_is_within_the_stated_error_of_the_measured_peak(tmp_path, overrides):
+                                       ["model.recompute=selective"], MOE])
+def test_one_rank_estimate_is_within_the_stated_error(tmp_path, overrides):
     cfg = load_recipe(RECIPE, TINY + SHAPE + overrides + [f"run.dir={tmp_path}"])
-    (rank,) = estimate(cfg, "cpu")
-    measured = measured_peak(cfg)
-    assert abs(rank.peak - measured) / measured <= ESTIMATE_ERROR, (rank, measured)
+    error = estimate_error(cfg, measured_peak(cfg), 0)
+    assert abs(error) <= ESTIMATE_ERROR, error
+
+
+# Two-rank layouts, one spawned group: a stage of each kind, TP, ZeRO-1.
+TWO_RANKS = {"tp2": ["parallel.tp=2"],
+             "pp2-1f1b": ["parallel.pp=2", "parallel.schedule=1f1b"],
+             "dp2-zero1": ["parallel.dp=2", "optimizer.distributed=true"],
+             "tp2-sp-full": ["parallel.tp=2", "parallel.sequence_parallel=true",
+                             "model.recompute=full"]}
+
+
+def _two_rank_worker(rank: int, port: int, out_dir: str, errors: dict) -> None:
+    join_group(rank, 2, port)
+    try:
+        for name, overrides in TWO_RANKS.items():
+            cfg = load_recipe(RECIPE, TINY + SHAPE + overrides + [f"run.dir={out_dir}/{name}"])
+            errors[(name, rank)] = estimate_error(cfg, measured_peak(cfg), rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_rank_estimates_are_within_the_stated_error(tmp_path):
+    with mp.Manager() as manager:
+        errors = manager.dict()
+        spawn_ranks(_two_rank_worker, (free_port(), str(tmp_path), errors), 2)
+        errors = dict(errors)
+    assert len(errors) == 2 * len(TWO_RANKS)
+    assert all(abs(e) <= ESTIMATE_ERROR for e in errors.values()), errors
 
 
 def test_layouts_split_the_state_as_their_rules_say(tmp_path):
