@@ -11,14 +11,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megaresil.config import PipelineSchedule, load_recipe
+from megaresil.config import ConfigError, PipelineSchedule, load_recipe
+from megaresil.launch.preflight import check_device_memory
 from megaresil.model.activation_meter import ActivationMeter
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.plan.memory import in_flight_microbatches
+from megaresil.plan.memory import format_memory, in_flight_microbatches
+from megaresil.ports import free_port
 from megaresil.train.loop import Trainer
 from megaresil.train.memory_census import estimate
 from tests.harness.cli import megaresil_cli
-from megaresil.ports import free_port
 from tests.harness.dist import MOE, RECIPE, TINY, join_group, spawn_ranks
 
 ESTIMATE_ERROR = 0.15  # the bound docs/planning.md states
@@ -108,5 +109,29 @@ def test_plan_memory_through_the_cli():
     report = json.loads(result.stdout)
     assert [r["ranks"] for r in report["ranks"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert report["peak"] == max(r["peak"] for r in report["ranks"])
-    table = megaresil_cli("plan", "--memory", str(RECIPE)).stdout
-    assert "peak" in table and "0-3" in table
+    assert report["layout"].startswith("tp=2 pp=2 dp=2")
+
+
+def test_the_table_has_a_row_per_kind_of_rank(tmp_path):
+    cfg = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}", "parallel.pp=2"])
+    table = format_memory(estimate(cfg), "pp=2").splitlines()
+    assert table[1].split() == ["ranks", "stage", "params", "grads", "optimizer", "main",
+                                "activations", "peak"]
+    assert [line.split()[:2] for line in table[2:4]] == [["0", "0"], ["1", "1"]]
+
+
+# --- the launcher's refusal (an injected device-memory reader: no GPU here) ---------------
+
+
+def test_a_layout_that_cannot_fit_its_gpus_is_refused_with_changes_that_fit(tmp_path):
+    cfg = load_recipe(RECIPE, TINY + SHAPE + [f"run.dir={tmp_path}", "parallel.dp=2",
+                                              "train.global_batch_size=8"])
+    peak = max(r.peak for r in estimate(cfg, "cuda"))
+    check_device_memory(cfg, 0, lambda: 1)  # no GPU on the node: no check
+    check_device_memory(cfg, 2, lambda: None)  # memory unknown: no refusal
+    check_device_memory(cfg, 2, lambda: 2 * peak)
+    with pytest.raises(ConfigError) as refused:
+        check_device_memory(cfg, 2, lambda: int(peak * 0.8))
+    line = str(refused.value)
+    assert "\n" not in line and "needs an estimated" in line and "device's" in line
+    assert "fits with: model.recompute=full | train.micro_batch_size=2" in line, line
