@@ -11,6 +11,7 @@ from megaresil.config import (
     POSITIVE,
     ConfigError,
     NoLiveCopy,
+    find_recipe,
     load_recipe,
     no_live_copy,
 )
@@ -52,7 +53,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from megaresil.plan.memory import format_memory, memory_json
     from megaresil.train.memory_census import estimate, layout_line
 
-    cfg = load_recipe(args.run_dir, args.overrides)
+    cfg = load_recipe(find_recipe(args.run_dir), args.overrides)
     ranks = estimate(cfg, "cuda")
     print(json.dumps(memory_json(ranks, layout_line(cfg)), indent=1) if args.json
           else format_memory(ranks, layout_line(cfg)))
@@ -116,9 +117,10 @@ def add_plan_parser(sub) -> None:
                        "optimizer state, fp32 main copies, activations (x the micro-batches "
                        "its pipeline schedule holds) and peak, in bytes of a GPU run "
                        "(precision auto: bf16), counted from the model built on the meta "
-                       "device; within 15% of the peak measured on the CPU (docs/planning.md).")
+                       "device; within 15% of the peak measured on the CPU (docs/clusters.md).")
     p.add_argument("run_dir", help="a run directory (its records, and its recipe.yaml for the "
-                   "layout) or a JSON written by plan --json; with --memory, a recipe")
+                   "layout) or a JSON written by plan --json; with --memory, a recipe (a "
+                   "path or a packaged name)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="with --memory: recipe overrides, as train takes them")
     p.add_argument("--memory", action="store_true",

@@ -1,7 +1,7 @@
 """A run's memory per rank before launch: the arithmetic over what one rank
 holds (`RankMemory`, counted from the trainer's own modules by
 train/memory_census.py) and how the pipeline schedule multiplies a
-micro-batch's activations. See docs/planning.md ("Memory before launch").
+micro-batch's activations. See docs/clusters.md ("Memory before launch").
 
 A rank's peak is its state (parameters, gradient buffers, optimizer
 moments, fp32 main copies) plus the activations of the micro-batches its

@@ -5,7 +5,7 @@ buffers, each gradient group's optimizer moments and main copies as its
 ZeRO-1 rule (`zero1`, `make_shard`) keeps them, and one micro-batch's
 activations as `ActivationMeter` counts them in a forward (and loss) of
 the rank's chunks. plan/memory.py does the arithmetic over these counts;
-see docs/planning.md ("Memory before launch").
+see docs/clusters.md ("Memory before launch").
 """
 from __future__ import annotations
 

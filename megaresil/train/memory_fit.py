@@ -1,6 +1,6 @@
 """Whether a recipe's layout fits its devices, and the layout changes at the
 same world size that would: the launcher's memory check before any worker
-starts (launch/preflight.py). See docs/planning.md ("Memory before launch").
+starts (launch/preflight.py). See docs/clusters.md ("Memory before launch").
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The memory estimate before launch (`plan --memory`) against the peak a
 CPU run measures: every tensor storage a trainer allocates from its build
 through two steps, counted by `ActivationMeter`, within ESTIMATE_ERROR
-(docs/planning.md, "Memory before launch")."""
+(docs/clusters.md, "Memory before launch")."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megaresil.cli import build_parser
 from megaresil.config import ConfigError, PipelineSchedule, load_recipe
 from megaresil.launch.preflight import check_device_memory
 from megaresil.model.activation_meter import ActivationMeter
@@ -22,7 +23,7 @@ from megaresil.train.memory_census import estimate
 from tests.harness.cli import megaresil_cli
 from tests.harness.dist import MOE, RECIPE, TINY, join_group, spawn_ranks
 
-ESTIMATE_ERROR = 0.15  # the bound docs/planning.md states
+ESTIMATE_ERROR = 0.15  # the bound docs/clusters.md states
 # Long enough windows that activations are most of the peak.
 SHAPE = ["data.seq_len=128", "model.max_seq_len=128", "train.micro_batch_size=4",
          "train.global_batch_size=8", "model.num_heads=4"]
@@ -135,3 +136,13 @@ def test_a_layout_that_cannot_fit_its_gpus_is_refused_with_changes_that_fit(tmp_
     line = str(refused.value)
     assert "\n" not in line and "needs an estimated" in line and "device's" in line
     assert "fits with: model.recompute=full | train.micro_batch_size=2" in line, line
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["plan", "runs/x"], "--gpus: is required"),
+    (["plan", "runs/x", "parallel.tp=2", "--gpus", "8"], "only with --memory"),
+])
+def test_plan_without_memory_says_what_it_needs(argv, match):
+    args = build_parser().parse_args(argv)
+    with pytest.raises(ConfigError, match=match):
+        args.func(args)
