@@ -47,16 +47,19 @@ def run_layout_gap(source: Path) -> Optional[NoLiveCopy]:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    """`plan --memory RECIPE [KEY=VALUE ...]`: each kind of rank's memory."""
+    """`plan --memory RECIPE [KEY=VALUE ...]`: each kind of rank's memory,
+    against this node's GPU where one is readable."""
     import json
 
+    from megaresil.launch.device_memory import read_device_memory
     from megaresil.plan.memory import format_memory, memory_json
     from megaresil.train.memory_census import estimate, layout_line
 
     cfg = load_recipe(find_recipe(args.run_dir), args.overrides)
     ranks = estimate(cfg, "cuda")
-    print(json.dumps(memory_json(ranks, layout_line(cfg)), indent=1) if args.json
-          else format_memory(ranks, layout_line(cfg)))
+    device_bytes = read_device_memory()
+    print(json.dumps(memory_json(ranks, layout_line(cfg), device_bytes), indent=1) if args.json
+          else format_memory(ranks, layout_line(cfg), device_bytes))
     return 0
 
 

@@ -58,7 +58,7 @@ def in_flight_microbatches(schedule: PipelineSchedule, *, pp: int, vpp: int, sta
     make one micro-batch; GPipe: all of them. Never more than the step's."""
     if pp == 1:
         return 1
-    if schedule in (PipelineSchedule.gpipe,):
+    if schedule == PipelineSchedule.gpipe:
         return microbatches
     if vpp == 1 or schedule == PipelineSchedule.one_f_one_b:
         return min(microbatches, pp - stage)
@@ -103,9 +103,11 @@ def rank_span(ranks: tuple[int, ...]) -> str:
     return ",".join(map(str, ranks[:4])) + (",…" if len(ranks) > 4 else "")
 
 
-def memory_json(ranks: list[RankMemory], layout: str) -> dict:
-    """The estimate for tools: every field in bytes, per kind of rank."""
-    return {"layout": layout, "headroom": HEADROOM,
+def memory_json(ranks: list[RankMemory], layout: str,
+                device_bytes: Optional[int] = None) -> dict:
+    """The estimate for tools: every field in bytes, per kind of rank, and
+    the device's memory (None where unknown)."""
+    return {"layout": layout, "headroom": HEADROOM, "device_bytes": device_bytes,
             "ranks": [asdict(r) | {"activations": r.activations, "peak": r.peak}
                       for r in ranks],
             "peak": max(r.peak for r in ranks)}

@@ -115,10 +115,14 @@ def test_plan_memory_through_the_cli():
 
 def test_the_table_has_a_row_per_kind_of_rank(tmp_path):
     cfg = load_recipe(RECIPE, TINY + [f"run.dir={tmp_path}", "parallel.pp=2"])
-    table = format_memory(estimate(cfg), "pp=2").splitlines()
+    ranks = estimate(cfg)
+    table = format_memory(ranks, "pp=2").splitlines()
     assert table[1].split() == ["ranks", "stage", "params", "grads", "optimizer", "main",
                                 "activations", "peak"]
     assert [line.split()[:2] for line in table[2:4]] == [["0", "0"], ["1", "1"]]
+    peak = max(r.peak for r in ranks)
+    assert format_memory(ranks, "pp=2", peak).endswith("does not fit")  # 90% of it is usable
+    assert format_memory(ranks, "pp=2", 2 * peak).endswith("fits")
 
 
 # --- the launcher's refusal (an injected device-memory reader: no GPU here) ---------------
