@@ -51,9 +51,12 @@ def estimate(cfg: RecipeConfig, device_type: str = "cuda") -> list[RankMemory]:
     alike. Ranks differ by pipeline stage, expert rank and (under ZeRO-1)
     data-parallel index; tensor-parallel ranks hold equal shares, so one
     build per (stage, expert rank) serves them all: the last tensor rank's,
-    whose vocabulary slice holds the padding (its loss copies its logits)."""
+    whose vocabulary slice holds the padding (its loss copies its logits).
+    Expert ranks of a stage run the same shapes (a balanced routing): one
+    forward per stage counts their activations."""
     precision = resolve(cfg.train.precision, torch.device(device_type))
     built: dict[tuple[int, int], tuple[RankMemory, list[nn.Parameter]]] = {}
+    activations: dict[int, tuple[int, int]] = {}  # by stage: (kept, transient)
     kinds: dict[RankMemory, list[int]] = {}
     for rank in range(cfg.parallel.world_size):
         layout = ParallelLayout.planned(cfg.parallel, rank)
@@ -62,7 +65,10 @@ def estimate(cfg: RecipeConfig, device_type: str = "cuda") -> list[RankMemory]:
             last_tp = ParallelLayout.planned(cfg.parallel, rank + layout.tp - 1 - layout.tp_rank)
             params = [p for chunk in meta_chunks(cfg, last_tp) for p in chunk.parameters()
                       if p.requires_grad]
-            built[where] = rank_memory(cfg, last_tp, params, precision), params
+            if layout.pp_rank not in activations:
+                activations[layout.pp_rank] = microbatch_activations(cfg, last_tp, precision)
+            built[where] = rank_memory(cfg, last_tp, params, precision,
+                                       activations[layout.pp_rank]), params
         memory, params = built[where]
         moments, main = optimizer_bytes(cfg, params, layout, precision)
         kinds.setdefault(replace(memory, optimizer=moments, main=main), []).append(rank)
@@ -75,11 +81,12 @@ def meta_chunks(cfg: RecipeConfig, layout: ParallelLayout) -> list[GPT]:
 
 
 def rank_memory(cfg: RecipeConfig, layout: ParallelLayout, params: list[nn.Parameter],
-                precision: Precision) -> RankMemory:
-    """One rank's figures (ranks, optimizer and main copies left to `estimate`)."""
+                precision: Precision, activations: tuple[int, int]) -> RankMemory:
+    """One rank's figures (ranks, optimizer and main copies left to
+    `estimate`); `activations`: one micro-batch's (kept, transient)."""
     numel = sum(p.numel() for p in params)
     width = 2 if precision == Precision.bf16 else FP32
-    kept, transient = microbatch_activations(cfg, layout, precision)
+    kept, transient = activations
     in_flight = in_flight_microbatches(
         resolved_schedule(cfg.parallel), pp=layout.pp, vpp=layout.vpp, stage=layout.pp_rank,
         microbatches=microbatches_per_step(cfg))

@@ -11,8 +11,9 @@ from megaresil.config import ConfigError, RecipeConfig, Recompute, validate
 from megaresil.plan.memory import HEADROOM, mib, usable
 from megaresil.train.memory_census import estimate, layout_line
 
-# Alternatives tried before giving up, and how many that fit are named.
-MAX_TRIED = 24
+# Alternatives tried before giving up (each is an estimate: seconds for a
+# large model's stage), and how many that fit are named.
+MAX_TRIED = 12
 MAX_NAMED = 3
 
 Change = dict[str, Any]  # dotted recipe key -> value
