@@ -95,6 +95,19 @@ def test_layouts_split_the_state_as_their_rules_say(tmp_path):
     assert [(r.stage, r.in_flight) for r in pp2] == [(0, 2), (1, 1)]  # 1F1B
 
 
+def test_state_bytes_per_parameter_are_megatrons(tmp_path):
+    """bf16 weights, fp32 grads, fp32 main copies and Adam moments: 18 bytes
+    a parameter; ZeRO-1 spreads the last 12 over dp (6 + 12/dp)."""
+    base = TINY + [f"run.dir={tmp_path}", "train.precision=bf16"]
+
+    def per_param(overrides):
+        (rank, *_) = estimate(load_recipe(RECIPE, base + overrides))
+        return (rank.params + rank.grads + rank.optimizer + rank.main) / (rank.params / 2)
+    assert per_param([]) == 18
+    assert per_param(["parallel.dp=4", "optimizer.distributed=true"]) == pytest.approx(
+        6 + 12 / 4, rel=0.02)
+
+
 def test_in_flight_microbatches_follow_the_schedule():
     def held(schedule, vpp=1, stage=0):
         return in_flight_microbatches(schedule, pp=4, vpp=vpp, stage=stage, microbatches=8)
