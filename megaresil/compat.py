@@ -334,6 +334,21 @@ def tree_map_only(kind: type, fn: Callable[[Any], Any], tree: Any) -> Any:
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
 
 
+def is_grouped_mm(func: Any) -> bool:
+    """Whether a function mode's `func` is the op `F.grouped_mm` calls
+    (torch._grouped_mm): a mode sees that op, not the public function."""
+    return func is torch._grouped_mm
+
+
+def storage_identity(storage: torch.UntypedStorage) -> int:
+    """A number naming `storage` while it lives: the address of its C++
+    storage object (`_cdata`). Unlike `data_ptr()` it tells apart storages
+    with no memory (every meta storage's data pointer is 0), and unlike
+    `id()` of the Python wrapper it is the same for every wrapper of one
+    storage."""
+    return storage._cdata
+
+
 # --- torch.save's files and DCP's storage records -------------------------------------
 
 

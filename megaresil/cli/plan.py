@@ -11,6 +11,7 @@ from megaresil.config import (
     POSITIVE,
     ConfigError,
     NoLiveCopy,
+    find_recipe,
     load_recipe,
     no_live_copy,
 )
@@ -45,9 +46,34 @@ def run_layout_gap(source: Path) -> Optional[NoLiveCopy]:
         raise ValueError(f"{recipe}, whose layout the plan needs, does not load: {err}") from None
 
 
+def cmd_memory(args: argparse.Namespace) -> int:
+    """`plan --memory RECIPE [KEY=VALUE ...]`: each kind of rank's memory,
+    against this node's GPU where one is readable."""
+    import json
+
+    from megaresil.launch.device_memory import read_device_memory
+    from megaresil.plan.memory import format_memory, memory_json
+    from megaresil.train.memory_census import estimate, layout_line
+
+    cfg = load_recipe(find_recipe(args.run_dir), args.overrides)
+    ranks = estimate(cfg, "cuda")
+    device_bytes = read_device_memory()
+    print(json.dumps(memory_json(ranks, layout_line(cfg), device_bytes), indent=1) if args.json
+          else format_memory(ranks, layout_line(cfg), device_bytes))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
+    if args.memory:
+        return cmd_memory(args)
+    if args.overrides:
+        raise ConfigError("plan", f"takes KEY=VALUE overrides only with --memory, got "
+                          f"{' '.join(args.overrides)}.", "add --memory, or drop them.")
+    if args.gpus is None:
+        raise ConfigError("--gpus", "is required to plan from a run's costs.",
+                          "give --gpus N (or --memory RECIPE for the memory estimate).")
     from megaresil.plan.profile import failure_kinds, load_profile
     from megaresil.plan.recovery import DEFAULT_GPUS_PER_NODE, REFERENCE_GPUS, Spares
     from megaresil.plan.report import Scale, format_plan, plan, read_run_costs, trace_kinds
@@ -89,10 +115,20 @@ def add_plan_parser(sub) -> None:
                        "kinds), or --failure-trace, else the profile's own rates (default: "
                        "Llama 3 405B's, megaresil/plan/profiles/llama3_405b.yaml). The "
                        "recovery policies (relaunch, live replacement, hot spares) are "
-                       f"projected at --gpus and at {REFERENCE_GPUS:,} GPUs.")
+                       f"projected at --gpus and at {REFERENCE_GPUS:,} GPUs. --memory RECIPE "
+                       "[KEY=VALUE ...]: instead, each kind of rank's parameters, gradients, "
+                       "optimizer state, fp32 main copies, activations (x the micro-batches "
+                       "its pipeline schedule holds) and peak, in bytes of a GPU run "
+                       "(precision auto: bf16), counted from the model built on the meta "
+                       "device; within 15% of the peak measured on the CPU (docs/clusters.md).")
     p.add_argument("run_dir", help="a run directory (its records, and its recipe.yaml for the "
-                   "layout) or a JSON written by plan --json")
-    p.add_argument("--gpus", type=int, required=True)
+                   "layout) or a JSON written by plan --json; with --memory, a recipe (a "
+                   "path or a packaged name)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="with --memory: recipe overrides, as train takes them")
+    p.add_argument("--memory", action="store_true",
+                   help="estimate memory per rank of RECIPE's layout before launch")
+    p.add_argument("--gpus", type=int)
     p.add_argument("--mtbf-hours", type=float, help="mean time between failures of one GPU")
     p.add_argument("--failure-trace", help='JSON lines {"hours": T, "path": in_process|'
                    'relaunch|node_replacement, "scope": process|node|job (optional)}')

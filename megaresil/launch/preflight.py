@@ -14,7 +14,7 @@ from typing import Optional
 from megaresil.checkpoint.local.runs import other_runs_line
 from megaresil.checkpoint.paths import RunPaths
 from megaresil.checkpoint.recipe_check import check_resume_recipe, newest_manifest
-from megaresil.config import RecipeConfig
+from megaresil.config import ConfigError, RecipeConfig
 from megaresil.events import EventLog
 from megaresil.launch.checks import (
     check_backend,
@@ -24,6 +24,7 @@ from megaresil.launch.checks import (
     check_run_records,
     replacement_warning,
 )
+from megaresil.launch.device_memory import DeviceMemoryReader, read_device_memory
 from megaresil.launch.health import admission_refusal
 from megaresil.launch.membership import Membership
 from megaresil.observe.startup import StartupPhases
@@ -45,12 +46,15 @@ class Preflight:
     refusal: Optional[str] = None
 
 
-def preflight(cfg: RecipeConfig, membership: Membership) -> Preflight:
+def preflight(cfg: RecipeConfig, membership: Membership, *,
+              device_memory: DeviceMemoryReader = read_device_memory) -> Preflight:
     """Run the checks (each raises its one-line error), create the run
-    directory, admit the node and print the launch's warnings."""
+    directory, admit the node and print the launch's warnings.
+    `device_memory`: what reads this node's GPU memory."""
     nproc = membership.nproc_per_node or cfg.parallel.world_size
     gpus = visible_gpus()
     check_local_gpus(nproc, gpus)
+    check_device_memory(cfg, gpus, device_memory)
     check_backend(cfg)
     check_links(cfg)
     check_run_records(Path(cfg.run.dir))
@@ -87,3 +91,19 @@ def resumed_lr_line(cfg: RecipeConfig) -> Optional[str]:
     _, manifest = found
     saved_steps = manifest["recipe"].get("train", {}).get("steps", cfg.train.steps)
     return moved_by_steps_line(cfg.optimizer, manifest["step"], saved_steps, cfg.train.steps)
+
+
+def check_device_memory(cfg: RecipeConfig, gpus: int, device_memory: DeviceMemoryReader) -> None:
+    """On a GPU node, a layout whose estimated peak does not fit the node's
+    smallest GPU is refused (ConfigError, one line with the changes that
+    fit); skipped on the CPU and where the memory cannot be read."""
+    if not gpus:
+        return
+    device_bytes = device_memory()
+    if device_bytes is None:
+        return
+    from megaresil.train.memory_fit import memory_refusal  # builds meta models: only on GPUs
+
+    refusal = memory_refusal(cfg, device_bytes)
+    if refusal:
+        raise ConfigError("parallel", refusal)

@@ -10,6 +10,8 @@ allocated it (a view or an in-place op makes none), and stops counting when
 torch frees it. Storages on another device than the meter's are host memory
 (offloaded activations on CUDA); buffers reused from an earlier step (the CPU
 host pool's) are allocated before the meter looks and so are not counted.
+On the meta device the same count is the memory a run would allocate,
+with none allocated (the memory estimate's forward).
 """
 from __future__ import annotations
 
@@ -34,21 +36,21 @@ class ActivationMeter(compat.TorchDispatchMode):
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = torch.device(device)
-        self.live: dict[int, tuple[int, bool]] = {}  # data_ptr -> (bytes, on device)
+        self.live: dict[int, tuple[int, bool]] = {}  # storage identity -> (bytes, on device)
         self.now = {True: 0, False: 0}  # by "on device"
         self.peak = {True: 0, False: 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         existing = set()
-        compat.tree_map_only(torch.Tensor, lambda t: existing.add(t.untyped_storage().data_ptr()),
+        compat.tree_map_only(torch.Tensor, lambda t: existing.add(compat.storage_identity(t.untyped_storage())),
                              (args, kwargs))
         compat.tree_map_only(torch.Tensor, lambda t: self._allocated(t, existing), out)
         return out
 
     def _allocated(self, t: torch.Tensor, existing: set) -> None:
         storage = t.untyped_storage()
-        key, size = storage.data_ptr(), storage.nbytes()
+        key, size = compat.storage_identity(storage), storage.nbytes()
         if size == 0 or key in existing or key in self.live:
             return
         on_device = storage.device.type == self.device.type

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from megaresil.config import ActivationOffload, ModelConfig, Recompute, RecomputePolicy
-from megaresil.parallel.tensor_parallel import TPGroup
+from megaresil.parallel.tensor_parallel import TPGroup, has_values
 
 Segment = tuple[list[int], bool]  # (global layer ids, recomputed?)
 
@@ -64,7 +64,8 @@ class HostPool:
     def store(self, t: torch.Tensor) -> "Offloaded":
         buffer = self._take(t.numel(), t.dtype, pinned=t.is_cuda)
         if not t.is_cuda:
-            buffer.copy_(t.reshape(-1))
+            if has_values(t):  # a meta tensor (the memory estimate's) has no values to copy
+                buffer.copy_(t.reshape(-1))
             return Offloaded(self, buffer, t.shape, None)
         self.stream = self.stream or torch.cuda.Stream(t.device)
         self.stream.wait_stream(torch.cuda.current_stream(t.device))

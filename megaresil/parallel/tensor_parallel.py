@@ -27,6 +27,14 @@ SEQ_DIM = 1
 IGNORE_TARGET = -100
 
 
+def has_values(x: torch.Tensor) -> bool:
+    """Whether a collective on `x` has anything to exchange. A meta tensor
+    (the memory estimate's shapes-only forward) has none, and every
+    collective here writes into buffers the caller already shaped, so
+    skipping it leaves the shapes of the real run."""
+    return not x.is_meta
+
+
 @dataclass(frozen=True)
 class TPGroup:
     group: Optional[dist.ProcessGroup] = None
@@ -44,20 +52,23 @@ class TPGroup:
 
 def _all_gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     shards = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(shards, x.contiguous(), group=tp.group)
+    if has_values(x):
+        dist.all_gather(shards, x.contiguous(), group=tp.group)
     return torch.cat(shards, dim=SEQ_DIM)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     chunks = [c.contiguous() for c in x.chunk(tp.size, dim=SEQ_DIM)]
     out = torch.empty_like(chunks[0])
-    dist.reduce_scatter(out, chunks, group=tp.group)
+    if has_values(x):
+        dist.reduce_scatter(out, chunks, group=tp.group)
     return out
 
 
 def _all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     x = x.clone()
-    dist.all_reduce(x, group=tp.group)
+    if has_values(x):
+        dist.all_reduce(x, group=tp.group)
     return x
 
 
@@ -133,7 +144,8 @@ class _GatherVocabRegion(torch.autograd.Function):
     def forward(ctx, x, tp):
         ctx.tp = tp
         shards = [torch.empty_like(x) for _ in range(tp.size)]
-        dist.all_gather(shards, x.contiguous(), group=tp.group)
+        if has_values(x):
+            dist.all_gather(shards, x.contiguous(), group=tp.group)
         return torch.cat(shards, dim=-1)
 
     @staticmethod
@@ -255,7 +267,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused logsumexp adds nothing to the backward
         logits = logits.float()
         max_logit = logits.max(dim=-1).values
-        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp.group)
+        if has_values(logits):
+            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp.group)
         shifted = (logits.sub_(max_logit.unsqueeze(-1)) if overwrite
                    else logits - max_logit.unsqueeze(-1))
         local_targets = targets - vocab_start
@@ -266,8 +279,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # exp, then softmax, in the buffer of `shifted`: no second (N, V/tp) tensor.
         exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(target_logit, group=tp.group)
-        dist.all_reduce(sum_exp, group=tp.group)
+        if has_values(logits):
+            dist.all_reduce(target_logit, group=tp.group)
+            dist.all_reduce(sum_exp, group=tp.group)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_targets, inside)
         log_sum_exp = sum_exp.log()
         return log_sum_exp - target_logit, log_sum_exp + max_logit
