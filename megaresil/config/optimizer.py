@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
-from megaresil.config.fields import FRACTION, NON_NEGATIVE, POSITIVE, doc
+from megaresil.config.fields import FRACTION, NON_NEGATIVE, POSITIVE, doc, require
 
 
 class DecayStyle(str, enum.Enum):
@@ -67,3 +67,32 @@ class OptimizerConfig:
                            bounds=NON_NEGATIVE)
     distributed: bool = doc(False, "ZeRO-1 distributed optimizer: AdamW state sharded over "
                             "data-parallel ranks, each parameter cut along dim 0.")
+
+
+def validate_optimizer(o: OptimizerConfig, train_steps: int) -> None:
+    """The section's rules: a schedule that falls, and wsd's knobs."""
+    require(o.min_lr <= o.lr, "optimizer.min_lr",
+            f"{o.min_lr} exceeds the peak optimizer.lr={o.lr}; the schedule would rise.",
+            "give min_lr between 0 and optimizer.lr.")
+    _validate_wsd(o, train_steps)
+
+
+def _validate_wsd(o: OptimizerConfig, train_steps: int) -> None:
+    """The wsd knobs belong to decay_style=wsd, which needs its decay's length,
+    a part of the decay steps (the stable phase is the rest)."""
+    wsd = o.decay_style == DecayStyle.wsd
+    for key, value in (("wsd_decay_style", o.wsd_decay_style),
+                       ("wsd_decay_steps", o.wsd_decay_steps)):
+        require(wsd or value is None, f"optimizer.{key}",
+                f"is set but optimizer.decay_style={o.decay_style.value}, which ignores it.",
+                f"set optimizer.decay_style=wsd, or leave optimizer.{key} unset.")
+    if not wsd:
+        return
+    horizon = o.decay_horizon(train_steps)
+    require(o.wsd_decay_steps is not None, "optimizer.wsd_decay_steps",
+            "decay_style=wsd needs the length of its final decay.",
+            f"give optimizer.wsd_decay_steps, at most the {horizon} decay steps.")
+    require((o.wsd_decay_steps or 0) <= horizon, "optimizer.wsd_decay_steps",
+            f"{o.wsd_decay_steps} exceeds the {horizon} decay steps after warmup "
+            f"(optimizer.decay_steps, or train.steps - warmup_steps).",
+            f"give at most {horizon}, or raise optimizer.decay_steps or train.steps.")

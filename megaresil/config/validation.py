@@ -10,7 +10,7 @@ from megaresil.config.batch import batch_start_at_or_below, global_batch_at, val
 from megaresil.config.faults import LOCAL_FAULT_KINDS, FaultKind, parse_faults
 from megaresil.config.fields import Bounds, public_key, require
 from megaresil.config.flavours import TRAITS, flavours_with
-from megaresil.config.optimizer import DecayStyle, OptimizerConfig
+from megaresil.config.optimizer import validate_optimizer
 from megaresil.config.run import SUPERVISION_BOUNDS, CheckpointConfig
 from megaresil.config.schema import (
     FP8,
@@ -49,34 +49,6 @@ def _validate_bounds(cfg: RecipeConfig) -> None:
         if bounds is not None:
             require(bounds.admits(value), key, f"must be {bounds}, got {value}.",
                     f"give a value {bounds}.")
-
-
-def _validate_optimizer(o: OptimizerConfig, train_steps: int) -> None:
-    require(o.min_lr <= o.lr, "optimizer.min_lr",
-            f"{o.min_lr} exceeds the peak optimizer.lr={o.lr}; the schedule would rise.",
-            "give min_lr between 0 and optimizer.lr.")
-    _validate_wsd(o, train_steps)
-
-
-def _validate_wsd(o: OptimizerConfig, train_steps: int) -> None:
-    """The wsd knobs belong to decay_style=wsd, which needs its decay's length,
-    a part of the decay steps (the stable phase is the rest)."""
-    wsd = o.decay_style == DecayStyle.wsd
-    for key, value in (("wsd_decay_style", o.wsd_decay_style),
-                       ("wsd_decay_steps", o.wsd_decay_steps)):
-        require(wsd or value is None, f"optimizer.{key}",
-                f"is set but optimizer.decay_style={o.decay_style.value}, which ignores it.",
-                f"set optimizer.decay_style=wsd, or leave optimizer.{key} unset.")
-    if not wsd:
-        return
-    horizon = o.decay_horizon(train_steps)
-    require(o.wsd_decay_steps is not None, "optimizer.wsd_decay_steps",
-            "decay_style=wsd needs the length of its final decay.",
-            f"give optimizer.wsd_decay_steps, at most the {horizon} decay steps.")
-    require((o.wsd_decay_steps or 0) <= horizon, "optimizer.wsd_decay_steps",
-            f"{o.wsd_decay_steps} exceeds the {horizon} decay steps after warmup "
-            f"(optimizer.decay_steps, or train.steps - warmup_steps).",
-            f"give at most {horizon}, or raise optimizer.decay_steps or train.steps.")
 
 
 def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
@@ -367,7 +339,7 @@ def validate(cfg: RecipeConfig) -> None:
     """Cross-field rules; raises `ConfigError` naming the key and the fix."""
     _validate_bounds(cfg)
     _validate_observing(cfg)
-    _validate_optimizer(cfg.optimizer, cfg.train.steps)
+    validate_optimizer(cfg.optimizer, cfg.train.steps)
     _validate_model(cfg.model, cfg.parallel)
     _validate_rope_scaling(cfg.model)
     _validate_sliding_window(cfg.model)
