@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from megaresil.cli.common import checkpoint_argument
+from megaresil.config import ConfigError
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -11,10 +13,43 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from megaresil.inference import evaluate
 
-    result = evaluate(checkpoint_argument(args.path), args.batches, args.split, tp=args.tp)
+    if args.data is not None:
+        return eval_documents(args)
+    if args.per_document is not None:
+        raise ConfigError("--per-document", "needs --data: the documents it lists.",
+                          "pass --data PREFIX_OR_JSONL too.")
+    split = args.split or "valid"
+    result = evaluate(checkpoint_argument(args.path), args.batches, split, tp=args.tp)
     print(json.dumps(result) if args.json else
           f"step {result['step']}: {result['split']} loss {result['loss']:.4f}, perplexity "
           f"{result['perplexity']:.2f} ({result['batches']} batches, {result['checkpoint']})")
+    return 0
+
+
+def eval_documents(args: argparse.Namespace) -> int:
+    """`eval --data`: the summary on stdout, every document's figures in --per-document."""
+    import json
+
+    from megaresil.inference_documents import evaluate_documents
+    from megaresil.safe_files import write_atomic
+
+    for flag, value in (("--batches", args.batches), ("--split", args.split)):
+        if value is not None:
+            raise ConfigError(flag, "does not apply with --data: every document of it is "
+                              "scored.", f"drop {flag}.")
+    out = None if args.per_document is None else Path(args.per_document)
+    if out is not None and not out.parent.is_dir():
+        raise ConfigError("--per-document", f"{out.parent}: no such directory.",
+                          "name a file in an existing directory.")
+    result = evaluate_documents(checkpoint_argument(args.path), args.data, tp=args.tp)
+    if out is not None:
+        write_atomic(out, json.dumps(result, indent=1) + "\n")
+    summary = {key: value for key, value in result.items() if key != "per_document"}
+    loss = "n/a" if result["loss"] is None else (f"{result['loss']:.4f}, perplexity "
+                                                 f"{result['perplexity']:.2f}")
+    print(json.dumps(summary) if args.json else
+          f"step {result['step']}: {args.data} loss {loss} ({result['documents']} documents, "
+          f"{result['tokens']} tokens in windows of {result['window']}, {result['checkpoint']})")
     return 0
 
 
@@ -42,9 +77,15 @@ def add_checkpoint_use_parsers(sub) -> None:
                           "directory (its newest checkpoint)")
     evaluate.add_argument("--batches", type=int, help="global batches (default: the run's "
                           "train.eval_batches)")
-    evaluate.add_argument("--split", choices=("valid", "test"), default="valid",
+    evaluate.add_argument("--split", choices=("valid", "test"),
                           help="valid (the default: the run's own eval batches) or test (held "
                           "out from both training and eval; how it is carved: docs/data.md, Splits)")
+    evaluate.add_argument("--data", metavar="PREFIX_OR_JSONL", help="score these documents "
+                          "instead: an indexed prefix (PREFIX.bin/.idx) or a .jsonl file of "
+                          "{\"text\": ...} records (the run's tokenizer reads them); each "
+                          "document alone, in windows of data.seq_len (docs/inference.md)")
+    evaluate.add_argument("--per-document", metavar="OUT.json", help="with --data: write "
+                          "every document's index, tokens, loss and perplexity there, as JSON")
     evaluate.add_argument("--json", action="store_true")
     evaluate.add_argument("--tp", type=int, default=1, help=TP_HELP)
     evaluate.set_defaults(func=cmd_eval)

@@ -76,3 +76,89 @@ def test_eval_and_generate_on_a_checkpoint_with_live_replacement_on(cli_main, ru
     prompt = ("--prompt", "KING", "--max-new-tokens", "4")
     assert (result("generate", live, *prompt)["token_ids"]
             == result("generate", run_dir, *prompt)["token_ids"])
+
+
+# Three documents for `eval --data`: one over two windows of data.seq_len
+# (32), one of a few tokens, and an empty one (nothing to predict).
+DOCUMENTS = ["ROMEO: But soft, what light through yonder window breaks? It is the east, and "
+             "Juliet is the sun. Arise, fair sun, and kill the envious moon, who is already "
+             "sick and pale with grief.", "KING HENRY: Once more unto the breach", ""]
+
+
+def write_jsonl(path, texts) -> str:
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return str(path)
+
+
+def eval_data(cli_main, run_dir, data: str, out) -> dict:
+    cli_main("eval", str(run_dir), "--data", data, "--per-document", str(out))
+    return json.loads(out.read_text())
+
+
+def model_losses(run_dir, documents: list[list[int]]) -> list[float]:
+    """Each document's mean loss by the model's own training loss, window by
+    window as docs/inference.md says `eval --data` scores."""
+    from megaresil.inference import Use, run_on_model
+
+    def job(trainer, checkpoint, step):
+        trainer.model.eval()
+        L, losses = trainer.cfg.data.seq_len, []
+        with torch.no_grad():
+            for ids in documents:
+                pieces = [torch.tensor([ids[s:s + L + 1]]) for s in range(0, len(ids) - 1, L)]
+                total = sum(float(trainer.chunks[0](p[:, :-1], p[:, 1:])) * (p.shape[1] - 1)
+                            for p in pieces)
+                losses.append(total / (len(ids) - 1))
+        return {"losses": losses}
+    return run_on_model(run_dir / "checkpoints/step_0000004", 1, Use(eval_batches=0), job)["losses"]
+
+
+def test_eval_data_scores_each_document_as_the_model_does(cli_main, run_dir, tmp_path):
+    from megaresil.checkpoint.validation import read_manifest
+    from megaresil.config import from_dict
+    from megaresil.data.build import recipe_tokenizer
+    from megaresil.data.documents import run_tokenizer
+
+    result = eval_data(cli_main, run_dir, write_jsonl(tmp_path / "d.jsonl", DOCUMENTS),
+                       tmp_path / "per.json")
+    per = result["per_document"]
+    assert [d["index"] for d in per] == [0, 1, 2] and per[2]["tokens"] == 0
+    assert per[2]["loss"] is None and per[0]["tokens"] > 32  # scored over two windows
+    assert result["tokens"] == per[0]["tokens"] + per[1]["tokens"]
+    weighted = sum(d["loss"] * d["tokens"] for d in per[:2]) / result["tokens"]
+    assert result["loss"] == pytest.approx(weighted, rel=1e-6)
+    recipe = from_dict(read_manifest(run_dir / "checkpoints/step_0000004")["recipe"])
+    tokenizer = recipe_tokenizer(recipe.data, recipe.model.vocab_size)
+    ids = [tokenizer.encode(text) + [tokenizer.eod_id] for text in DOCUMENTS[:2]]
+    assert [d["tokens"] for d in per[:2]] == [len(i) - 1 for i in ids]
+    assert [d["loss"] for d in per[:2]] == pytest.approx(model_losses(run_dir, ids), rel=1e-5)
+    alone = eval_data(cli_main, run_dir, write_jsonl(tmp_path / "one.jsonl", DOCUMENTS[1:2]),
+                      tmp_path / "one.json")
+    assert alone["per_document"][0] == {**per[1], "index": 0}
+    # The same texts prepared with the run's tokenizer (data prepare skips the
+    # empty one): the same figures.
+    cli_main("data", "prepare", "--input", str(tmp_path / "d.jsonl"), "--output",
+             str(tmp_path / "same"), "--tokenizer",
+             run_tokenizer(recipe.data, recipe.model.vocab_size)[1])
+    indexed = eval_data(cli_main, run_dir, str(tmp_path / "same"), tmp_path / "idx.json")
+    assert indexed["loss"] == result["loss"] and indexed["documents"] == 2
+    assert [d["loss"] for d in indexed["per_document"]] == [d["loss"] for d in per[:2]]
+
+
+def test_eval_data_refusals_name_the_fix_and_write_nothing(cli_main, run_dir, tmp_path):
+    (tmp_path / "half.bin").write_bytes(b"")
+    cli_main("data", "prepare", "--input", write_jsonl(tmp_path / "d.jsonl", DOCUMENTS[:2]),
+             "--output", str(tmp_path / "bytes"), "--tokenizer", "byte")
+    (tmp_path / "bad.jsonl").write_text('{"body": "KING"}\n')
+    out = tmp_path / "per.json"
+    for data, problem in ((tmp_path / "missing.jsonl", "no such file"),
+                          (tmp_path / "half", "half.idx: no such file"),
+                          (tmp_path / "bad.jsonl", 'line 1 has no "text"'),
+                          (tmp_path / "bytes", "was prepared with byte")):
+        done = cli_main("eval", str(run_dir), "--data", str(data), "--per-document", str(out),
+                        check=False)
+        error = done.stderr.strip().splitlines()[-1]
+        assert done.returncode == 2 and problem in error and "Fix:" in error, done.stderr
+        assert not out.exists()
+    done = cli_main("eval", str(run_dir), "--per-document", str(out), check=False)
+    assert done.returncode == 2 and "needs --data" in done.stderr and not out.exists()
