@@ -1,7 +1,8 @@
 """The output z-loss under tensor parallelism: with the vocabulary split
 over tp=2 (padding in the last slice), the cross-entropy, each token's
 logsumexp (across both slices) and the gradients of cross-entropy plus
-z-loss are those of the whole vocabulary on one rank."""
+z-loss are those of the whole vocabulary on one rank, with targets left
+out of the loss (data.eod_mask_loss) left out of the z-loss too."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from megaresil.model.losses import z_loss
 from megaresil.parallel.tensor_parallel import (
+    IGNORE_TARGET,
     TPGroup,
     cross_entropy_and_logsumexp,
     vocab_parallel_cross_entropy,
@@ -23,8 +25,8 @@ WORLD, TOKENS, VOCAB, PADDED, COEFF = 2, 12, 30, 32, 0.5
 def reference(logits: torch.Tensor, targets: torch.Tensor, coeff: float):
     """Loss, logsumexp and logits' grad on the whole vocabulary, one rank."""
     whole = logits[:, :VOCAB].clone().requires_grad_()
-    loss = F.cross_entropy(whole, targets)
-    logsumexp = torch.logsumexp(whole, -1)
+    loss = F.cross_entropy(whole, targets, ignore_index=IGNORE_TARGET)
+    logsumexp = torch.logsumexp(whole, -1)[targets != IGNORE_TARGET]
     (loss + coeff * logsumexp.square().mean()).backward()
     return loss.detach(), logsumexp.detach(), whole.grad
 
@@ -33,10 +35,12 @@ def _worker(rank: int, port: int) -> None:
     join_group(rank, WORLD, port)
     try:
         g = torch.Generator().manual_seed(0)
-        logits, targets = torch.randn(TOKENS, PADDED, generator=g), torch.randint(0, VOCAB, (TOKENS,), generator=g)
+        logits, every = torch.randn(TOKENS, PADDED, generator=g), torch.randint(0, VOCAB, (TOKENS,), generator=g)
+        some = every.clone()
+        some[[2, 7]] = IGNORE_TARGET
         tp = TPGroup(dist.group.WORLD, WORLD, rank)
         cut = slice(rank * PADDED // WORLD, (rank + 1) * PADDED // WORLD)
-        for coeff in (COEFF, 0.0):
+        for coeff, targets in ((COEFF, every), (0.0, every), (COEFF, some), (0.0, some)):
             local = logits[:, cut].clone().requires_grad_()
             if coeff:
                 loss, logsumexp = cross_entropy_and_logsumexp(local, targets, real_vocab=VOCAB, tp=tp)

@@ -11,7 +11,8 @@ from megaresil.model.gpt import GPT
 from megaresil.model.init import initialize
 from megaresil.model.losses import z_loss
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.parallel.tensor_parallel import TPGroup, cross_entropy_and_logsumexp
+from megaresil.parallel.tensor_parallel import (IGNORE_TARGET, TPGroup,
+                                                cross_entropy_and_logsumexp)
 from megaresil.train.z_loss_figure import ZLossFigure
 
 CFG = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, vocab_size=50, max_seq_len=8)
@@ -33,6 +34,17 @@ def test_the_cross_entropy_and_its_logsumexp_at_tp1():
     loss, logsumexp = cross_entropy_and_logsumexp(padded, targets, real_vocab=16, tp=TPGroup())
     torch.testing.assert_close(loss, F.cross_entropy(logits, targets))
     torch.testing.assert_close(logsumexp, torch.logsumexp(logits, -1))
+
+
+def test_ignored_targets_count_in_neither_the_loss_nor_the_z_loss():
+    """data.eod_mask_loss's IGNORE_TARGET leaves a token out of both means."""
+    logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 16, (6,), generator=torch.Generator().manual_seed(1))
+    targets[[1, 4]] = IGNORE_TARGET
+    kept = targets != IGNORE_TARGET
+    loss, logsumexp = cross_entropy_and_logsumexp(logits, targets, real_vocab=16, tp=TPGroup())
+    torch.testing.assert_close(loss, F.cross_entropy(logits[kept], targets[kept]))
+    torch.testing.assert_close(logsumexp, torch.logsumexp(logits[kept], -1))
 
 
 def model(z: float) -> GPT:
