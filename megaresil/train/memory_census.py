@@ -38,12 +38,18 @@ FP32 = 4
 
 
 def layout_line(cfg: RecipeConfig) -> str:
+    """The settings an estimate depends on, precision resolved as on a GPU
+    (where the estimate matters): `auto` is counted as bf16 and says so."""
     p = cfg.parallel
+    precision = resolve(cfg.train.precision, torch.device("cuda")).value
+    if cfg.train.precision == Precision.auto:
+        precision += " (auto, as on a GPU)"
     parts = [f"tp={p.tp}", f"pp={p.pp}", f"dp={p.dp}"] + [f"{k}={v}" for k, v in
                                                          (("vpp", p.vpp), ("ep", p.ep)) if v > 1]
     return " ".join(parts + (["sp"] if p.sequence_parallel else []) +
                     [f"mbs={cfg.train.micro_batch_size}", f"recompute={cfg.model.recompute.value}",
-                     f"zero1={'on' if cfg.optimizer.distributed else 'off'}"])
+                     f"zero1={'on' if cfg.optimizer.distributed else 'off'}",
+                     f"precision={precision}"])
 
 
 def estimate(cfg: RecipeConfig, device_type: str = "cuda") -> list[RankMemory]:

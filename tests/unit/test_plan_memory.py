@@ -124,6 +124,7 @@ def test_plan_memory_through_the_cli():
     assert [r["ranks"] for r in report["ranks"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert report["peak"] == max(r["peak"] for r in report["ranks"])
     assert report["layout"].startswith("tp=2 pp=2 dp=2")
+    assert report["layout"].endswith("precision=bf16 (auto, as on a GPU)"), report["layout"]
 
 
 def test_the_table_has_a_row_per_kind_of_rank(tmp_path):
