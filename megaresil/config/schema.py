@@ -55,6 +55,12 @@ class ActivationOffload(str, enum.Enum):
     cpu = "cpu"
 
 
+class ContextComm(str, enum.Enum):
+    """How context-parallel ranks share keys and values (parallel/context_attention.py)."""
+    allgather = "allgather"
+    p2p = "p2p"
+
+
 class PipelineSchedule(str, enum.Enum):
     auto = "auto"
     gpipe = "gpipe"
@@ -234,7 +240,15 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = doc(1, "Tensor-parallel size.", bounds=POSITIVE)
     pp: int = doc(1, "Pipeline-parallel size.", bounds=POSITIVE)
-    dp: int = doc(1, "Data-parallel size. World size must equal tp*pp*dp.", bounds=POSITIVE)
+    dp: int = doc(1, "Data-parallel size. World size must equal tp*pp*cp*dp.", bounds=POSITIVE)
+    cp: int = doc(1, "Context-parallel size: each sequence split over cp ranks, two head-tail "
+                  "chunks each (zig-zag), attention exchanging keys and values "
+                  "(parallel.cp_comm_type); data.seq_len must be a multiple of 2*cp.",
+                  bounds=POSITIVE)
+    cp_comm_type: ContextComm = doc(ContextComm.allgather, "How context-parallel attention "
+                                    "gets the other ranks' keys and values: allgather (one "
+                                    "all-gather per layer, recomputed in backward) or p2p (a "
+                                    "ring of cp-1 exchanges, Megatron's default).")
     ep: int = doc(1, "Expert-parallel size: the experts split over groups of ep data-parallel "
                   "ranks (ep divides dp and model.moe.num_experts).", bounds=POSITIVE)
     vpp: int = doc(1, "Virtual pipeline chunks per stage (interleaved schedule when > 1).",
@@ -248,11 +262,11 @@ class ParallelConfig:
     @property
     def model_parallel_size(self) -> int:
         """The ranks one model replica spans: the product of every axis but dp."""
-        return self.tp * self.pp
+        return self.tp * self.pp * self.cp
 
     @property
     def world_size(self) -> int:
-        """The ranks the layout needs: tp * pp * dp."""
+        """The ranks the layout needs: tp * pp * cp * dp."""
         return self.model_parallel_size * self.dp
 
 

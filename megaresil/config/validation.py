@@ -7,6 +7,7 @@ import math
 from typing import Any, Iterator, Optional
 
 from megaresil.config.batch import batch_start_at_or_below, global_batch_at, validate_ramp
+from megaresil.config.context import validate_context_parallel
 from megaresil.config.faults import LOCAL_FAULT_KINDS, FaultKind, parse_faults
 from megaresil.config.fields import Bounds, public_key, require
 from megaresil.config.flavours import TRAITS, flavours_with
@@ -138,10 +139,11 @@ class NoLiveCopy:
 
 def no_live_copy(cfg: RecipeConfig) -> Optional[NoLiveCopy]:
     """The one rule of what live replacement needs, for every layout: an edp
-    group of two or more ranks (dp / ep > 1) whose optimizer state is not
-    sharded over them. None where the layout has such a copy."""
+    group of two or more ranks (dp / ep > 1, or cp > 1: context-parallel
+    peers hold the same state) whose optimizer state is not sharded over
+    them. None where the layout has such a copy."""
     p = cfg.parallel
-    if p.dp == 1:
+    if p.dp == 1 and p.cp == 1:
         return NoLiveCopy("at dp=1 no data-parallel peer holds a copy of a rank's state", False)
     if p.ep == p.dp:
         return NoLiveCopy(f"at ep = dp = {p.dp} each rank holds the only copy of its experts",
@@ -347,6 +349,7 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_moe(cfg.model, cfg.parallel)
     _validate_expert_parallel(cfg.model.moe, cfg.parallel)
     _validate_expert_parallel_composes(cfg)
+    validate_context_parallel(cfg)
     _validate_batch(cfg)
     _validate_pipeline(cfg)
     validate_ramp(cfg)
@@ -417,8 +420,15 @@ def validate_world_size(cfg: RecipeConfig, world_size: int) -> None:
     p = cfg.parallel
     need = p.world_size
     require(need == world_size, "parallel",
-            f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {need} but the world size is {world_size}.",
-            f"launch {need} processes, or {fitting_change(p.tp * p.pp, world_size)}.")
+            f"{_product_text(p)} = {need} but the world size is {world_size}.",
+            f"launch {need} processes, or {fitting_change(p.model_parallel_size, world_size)}.")
+
+
+def _product_text(p: ParallelConfig) -> str:
+    """"tp*pp*dp = 2*1*2" (cp named where it is used, as the layout's axes)."""
+    if p.cp == 1:
+        return f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp}"
+    return f"tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp}"
 
 
 def fitting_change(tp_pp: int, world_size: int) -> str:

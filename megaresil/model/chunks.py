@@ -24,6 +24,7 @@ def build_chunks(cfg: ModelConfig, layout: ParallelLayout, seed: int, *,
     """This rank's model chunks, in virtual-stage order (uninitialised, on the
     current default device); `z_loss`: the output z-loss's coefficient."""
     last = layout.pp * layout.vpp - 1
-    return [GPT(cfg, tp=layout.tensor_parallel(), ep=layout.expert_parallel(), seed=seed, layer_ids=stage_layers(cfg, layout, v),
+    return [GPT(cfg, tp=layout.tensor_parallel(), ep=layout.expert_parallel(),
+                cp=layout.context_parallel(), seed=seed, layer_ids=stage_layers(cfg, layout, v),
                 first=v == 0, last=v == last, z_loss=z_loss)
             for v in virtual_stages(layout)]

@@ -19,6 +19,7 @@ from megaresil.model.layers import Block, make_norm, sequence_dropout
 from megaresil.model.losses import OutputZLoss
 from megaresil.model.masks import Documents
 from megaresil.model.moe import MoELossScale
+from megaresil.parallel.context_parallel import CPGroup
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.sharding import EMBEDDING_TIE, with_spec
 from megaresil.parallel.tensor_parallel import (
@@ -69,23 +70,24 @@ def ties_embeddings(cfg: ModelConfig) -> bool:
 
 class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, padded_vocab: int, seed: int, *,
-                 positions: bool = True):
+                 positions: bool = True, cp: CPGroup = CPGroup()):
         super().__init__()
-        self.tp = tp
+        self.tp, self.cp = tp, cp
         self.tokens = VocabParallelEmbedding(padded_vocab, cfg.hidden_size, tp)
         self.positions = (nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
                           if spec_of_model(cfg).learned_positions and positions else None)
         if self.positions is not None:
             mark_replicated(self.positions.parameters(), tp)
-        self.dropout = sequence_dropout(cfg.dropout, "embed", seed, tp)
+        self.dropout = sequence_dropout(cfg.dropout, "embed", seed, tp, cp)
 
     def forward(self, tokens: torch.Tensor, samples: Optional[torch.Tensor],
                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`positions` (B, T): each token's place in its document (None: 0..T-1)."""
+        """`positions` (B, T): each token's place in its document (None: its
+        place in the sequence, this rank's chunks' under context parallelism)."""
         x = self.tokens(tokens)  # (B, T, C), or (B, T/tp, C) under SP
         if self.positions is not None:
             if positions is None:
-                positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+                positions = self.cp.positions(tokens.shape[1], tokens.device).unsqueeze(0)
             pos = self.positions(positions)  # (B or 1, T, C)
             x = x + (seq_shard(pos, self.tp) if self.tp.sequence_parallel else pos)
         return self.dropout(x, samples)
@@ -103,21 +105,21 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, tp: TPGroup = TPGroup(), ep: EPGroup = EPGroup(),
-                 seed: int = 0, layer_ids: Optional[range] = None, first: bool = True,
-                 last: bool = True, z_loss: float = 0.0):
+                 cp: CPGroup = CPGroup(), seed: int = 0, layer_ids: Optional[range] = None,
+                 first: bool = True, last: bool = True, z_loss: float = 0.0):
         super().__init__()
-        self.cfg, self.tp, self.first, self.last = cfg, tp, first, last
+        self.cfg, self.tp, self.cp, self.first, self.last = cfg, tp, cp, first, last
         self.padded_vocab = padded_vocab_size(cfg, tp.size)
         self.tied = ties_embeddings(cfg)
         if first or (last and self.tied):
-            self.embed = Embedding(cfg, tp, self.padded_vocab, seed, positions=first)
+            self.embed = Embedding(cfg, tp, self.padded_vocab, seed, positions=first, cp=cp)
         if self.tied and first != last:
             with_spec(self.embed.tokens.weight, tie=EMBEDDING_TIE, pipeline_copy=not first)
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         # What the trainer's backward scales this chunk's loss by (MoELossScale).
         self.moe_loss_scale = MoELossScale()
         self.layers = nn.ModuleDict({str(i): Block(cfg, tp, index=i, seed=seed,
-                                                   moe_scale=self.moe_loss_scale, ep=ep)
+                                                   moe_scale=self.moe_loss_scale, ep=ep, cp=cp)
                                      for i in layer_ids})
         self.segments = recompute_segments(cfg, layer_ids)
         self.checkpoints = CheckpointStore.for_model(cfg, tp)
@@ -173,6 +175,7 @@ class GPT(nn.Module):
         micro-batch: token ids or hidden states in; hidden states or logits
         (in `output_dtype`) out. Hidden states are sequence-sharded under SP and
         in the parameters' dtype (bf16 under train.precision=bf16)."""
+        seq_len //= self.cp.size  # this rank's chunks of each sequence
         seq = seq_len // self.tp.size if self.tp.sequence_parallel else seq_len
         hidden = torch.empty(micro_batch, seq, self.cfg.hidden_size, device=device,
                              dtype=next(self.parameters()).dtype)
@@ -186,15 +189,18 @@ class GPT(nn.Module):
         """Mean next-token cross-entropy over the B*T positions but those
         whose target is IGNORE_TARGET (data.eod_mask_loss)
         (`overwrite_logits`: see vocab_parallel_cross_entropy); in training
-        with a z-loss, carrying its gradient (OutputZLoss.added_to)."""
+        with a z-loss, carrying its gradient (OutputZLoss.added_to). Under
+        context parallelism, this rank's share of the whole sequences' mean
+        (CPGroup.share_of_mean): the cp ranks' losses sum to it."""
         if not self.output_z_loss.applies():
-            return vocab_parallel_cross_entropy(local_logits, targets,
+            loss = vocab_parallel_cross_entropy(local_logits, targets,
                                                 real_vocab=self.cfg.vocab_size, tp=self.tp,
                                                 overwrite_logits=overwrite_logits)
+            return self.cp.share_of_mean(loss, targets)
         loss, logsumexp = cross_entropy_and_logsumexp(local_logits, targets,
                                                       real_vocab=self.cfg.vocab_size, tp=self.tp,
                                                       overwrite_logits=overwrite_logits)
-        return self.output_z_loss.added_to(loss, logsumexp)
+        return self.cp.share_of_mean(self.output_z_loss.added_to(loss, logsumexp), targets)
 
     def logits(self, tokens: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
         """Full-vocabulary logits (B, T, V), padding cut (for inference and tests)."""

@@ -16,9 +16,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megaresil.config import ModelConfig, Recompute, RopeScalingType, attention_head_dim
+from megaresil.model.context_attention import context_attention
 from megaresil.model.flavours import spec_of_model
 from megaresil.model.masks import Documents, causal_mask, sliding_window_mask
 from megaresil.model.moe import MoEBlock, MoELossScale, has_experts
+from megaresil.parallel.context_parallel import CPGroup
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.random import LayoutDropout
 from megaresil.parallel.sharding import ShardSpec, set_spec
@@ -48,13 +50,16 @@ def head_norm(head_dim: int, cfg: ModelConfig, tp: TPGroup) -> nn.Module:
     return norm
 
 
-def sequence_dropout(p: float, site: str, seed: int, tp: TPGroup) -> LayoutDropout:
-    """Dropout on (B, T, C) activations, which are sequence shards under SP."""
-    if not tp.sequence_parallel:
+def sequence_dropout(p: float, site: str, seed: int, tp: TPGroup,
+                     cp: CPGroup = CPGroup()) -> LayoutDropout:
+    """Dropout on (B, T, C) activations: this rank's context-parallel
+    chunks of each sequence, and of those its sequence shard under SP."""
+    sp = tp.size if tp.sequence_parallel else 1
+    if sp == 1 and not cp.active:
         return LayoutDropout(p, site, seed)
     return LayoutDropout(p, site, seed,
-                         full_shape=lambda s: torch.Size((s[0] * tp.size, *s[1:])),
-                         local_slice=lambda m: m.chunk(tp.size, dim=0)[tp.rank])
+                         full_shape=lambda s: torch.Size((s[0] * sp * cp.size, *s[1:])),
+                         local_slice=lambda m: cp.slice_sequence(m, dim=0).chunk(sp)[tp.rank % sp])
 
 
 def rope_frequencies(head_dim: int, cfg: ModelConfig) -> torch.Tensor:
@@ -106,10 +111,11 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.tables
         return cos[:T], sin[:T]
 
-    def forward(self, x: torch.Tensor,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:  # x: (B, heads, T, D)
-        """`positions` (B, T): each token's place in its document (None: 0..T-1)."""
-        cos, sin = self.cos_sin(x.shape[-2], x.device)
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                length: Optional[int] = None) -> torch.Tensor:  # x: (B, heads, T, D)
+        """`positions` (B or 1, T): each token's place in its document or in
+        the whole sequence of `length` tokens (None: 0..T-1)."""
+        cos, sin = self.cos_sin(length or x.shape[-2], x.device)
         if positions is not None:  # (B, 1, T, D), broadcast over the heads
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
@@ -139,8 +145,10 @@ class Attention(nn.Module):
     requires tp to divide num_kv_heads.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, *, site: str, seed: int):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, *, site: str, seed: int,
+                 cp: CPGroup = CPGroup()):
         super().__init__()
+        self.cp = cp
         self.head_dim = attention_head_dim(cfg)
         kv_heads = cfg.num_kv_heads or cfg.num_heads
         self.local_heads, self.local_kv_heads = cfg.num_heads // tp.size, kv_heads // tp.size
@@ -167,6 +175,8 @@ class Attention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              samples: Optional[torch.Tensor], documents: Optional[Documents]) -> torch.Tensor:
+        if self.cp.active:  # config/context.py refuses its dropout and documents
+            return context_attention(q, k, v, self.cp, self.window, 1 / math.sqrt(self.head_dim))
         if self.training and self.prob_dropout.p > 0:
             return self.core_with_dropout(q, k, v, samples, documents)
         if documents is None or documents.blocks is None:
@@ -215,7 +225,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             positions = None if documents is None else documents.positions
-            q, k = self.rope(q, positions), self.rope(k, positions)
+            if self.cp.active:
+                positions = self.cp.positions(q.shape[-2], q.device).unsqueeze(0)
+            length = q.shape[-2] * self.cp.size
+            q, k = self.rope(q, positions, length), self.rope(k, positions, length)
         if self.recompute_core and self.training:
             y = checkpoint(self.core, q, k, v, samples, documents, use_reentrant=False)
         else:
@@ -243,15 +256,15 @@ class Block(nn.Module):
     mlp_dropout: nn.Module
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, *, index: int, seed: int,
-                 moe_scale: MoELossScale, ep: EPGroup = EPGroup()):
+                 moe_scale: MoELossScale, ep: EPGroup = EPGroup(), cp: CPGroup = CPGroup()):
         super().__init__()
         site = f"layers.{index}"
         self.norm1 = make_norm(cfg, tp)
-        self.attn = Attention(cfg, tp, site=site, seed=seed)
+        self.attn = Attention(cfg, tp, site=site, seed=seed, cp=cp)
         self.norm2 = make_norm(cfg, tp)
         self.mlp = make_mlp(cfg, tp, index, moe_scale, ep)
-        self.attn_dropout = sequence_dropout(cfg.dropout, site + ".attn_out", seed, tp)
-        self.mlp_dropout = sequence_dropout(cfg.dropout, site + ".mlp_out", seed, tp)
+        self.attn_dropout = sequence_dropout(cfg.dropout, site + ".attn_out", seed, tp, cp)
+        self.mlp_dropout = sequence_dropout(cfg.dropout, site + ".mlp_out", seed, tp, cp)
 
     def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor] = None,
                 documents: Optional[Documents] = None) -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""`ParallelLayout`: this rank's place in the pp x dp x tp grid, over a DeviceMesh.
+"""`ParallelLayout`: this rank's place in the pp x dp x cp x tp grid, over a DeviceMesh.
 
 The layout is an explicit object handed to whatever needs a process group; no
 module keeps one in a global, so a restart can drop a layout and build another.
 The arithmetic of ranks and coordinates is its `MeshShape`'s (parallel/mesh.py:
 axes (pp, dp, tp), tp innermost, dp cut into (edp, ep) under expert
-parallelism); a planned layout (`ParallelLayout.planned`)
+parallelism, cp before tp under context parallelism); a planned layout (`ParallelLayout.planned`)
 has coordinates and no process group, for tools that describe ranks that do
 not run.
 """
@@ -17,12 +17,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from megaresil.config import ParallelConfig
+from megaresil.config import ContextComm, ParallelConfig
+from megaresil.parallel.context_parallel import CPGroup
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.mesh import MeshShape
+from megaresil.parallel.sharding import DENSE_REPLICAS
 from megaresil.parallel.tensor_parallel import TPGroup
 
 # The axes that split the data: a rank's data shard is its index over them.
+# Context-parallel peers read the same samples, each its own slice of them.
 DATA_AXES = ("dp",)
 # Groups over several axes, created by every rank in this order at start.
 GROUPS_NEEDED: tuple[tuple[str, ...], ...] = ()
@@ -74,11 +77,14 @@ class ParallelLayout:
     planned_rank: int = 0  # the rank of a layout without a mesh
     groups_over: dict[tuple[str, ...], Optional[dist.ProcessGroup]] = field(default_factory=dict)
     ep: int = 1
+    cp: int = 1
+    cp_comm: ContextComm = ContextComm.allgather
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, device: torch.device) -> "ParallelLayout":
         """Build the mesh over the already-initialised default process group."""
-        layout = cls(cfg.tp, cfg.pp, cfg.dp, cfg.vpp, cfg.sequence_parallel, device, ep=cfg.ep)
+        layout = cls(cfg.tp, cfg.pp, cfg.dp, cfg.vpp, cfg.sequence_parallel, device, ep=cfg.ep,
+                     cp=cfg.cp, cp_comm=cfg.cp_comm_type)
         if dist.is_initialized():
             layout.mesh = init_device_mesh(device.type, layout.shape.sizes,
                                            mesh_dim_names=layout.shape.names)
@@ -94,7 +100,7 @@ class ParallelLayout:
         """Rank `rank` of `cfg`'s layout, without processes: coordinates and
         shapes only, `group()` is None."""
         return cls(cfg.tp, cfg.pp, cfg.dp, cfg.vpp, cfg.sequence_parallel, planned_rank=rank,
-                   ep=cfg.ep)
+                   ep=cfg.ep, cp=cfg.cp, cp_comm=cfg.cp_comm_type)
 
     @property
     def shape(self) -> MeshShape:
@@ -160,21 +166,23 @@ class ParallelLayout:
         return self.shape.groups(axes)
 
     def replica_axes(self) -> list[tuple[str, ...]]:
-        """The data-parallel axes parameters are replicated over here
-        (ShardSpec.replicated_over), widest first: dp, and under expert
-        parallelism edp (the experts, alike only on ranks of the same ep
-        coordinate)."""
-        return [("dp",), ("edp",)] if self.ep > 1 else [("dp",)]
+        """The axes parameters are replicated over here
+        (ShardSpec.replicated_over), widest first: dp and cp, and under
+        expert parallelism edp (the experts, alike only on ranks of the same
+        ep coordinate)."""
+        return [DENSE_REPLICAS, ("edp",)] if self.ep > 1 else [DENSE_REPLICAS]
 
     def whole_state_groups(self) -> list[list[int]]:
         """The groups of ranks whose whole state (dense parameters and
-        experts) is alike: those that differ in edp alone (dp at ep = 1)."""
-        return self.replica_groups(("edp",))
+        experts) is alike: those that differ in edp (dp at ep = 1) and cp
+        alone."""
+        return self.replica_groups(("edp", "cp"))
 
     def _groups_over_several_axes(self) -> list[tuple[str, ...]]:
         """GROUPS_NEEDED and the joined names (as dp over (edp, ep)) that span
         several mesh axes, in that order: the groups the DeviceMesh lacks."""
-        named = GROUPS_NEEDED + tuple((name,) for name, _ in self.shape.joined)
+        named = (GROUPS_NEEDED + tuple((name,) for name, _ in self.shape.joined)
+                 + tuple(self.replica_axes()) + (("edp", "cp"),))
         spans = [self.shape.expand(axes) for axes in named]
         return list(dict.fromkeys(axes for axes in spans if len(axes) > 1))
 
@@ -209,6 +217,10 @@ class ParallelLayout:
     def tensor_parallel(self) -> TPGroup:
         return TPGroup(self.group("tp"), self.tp, self.tp_rank, self.sequence_parallel)
 
+    def context_parallel(self) -> CPGroup:
+        group = self.group("cp") if self.cp > 1 else None
+        return CPGroup(group, self.cp, self.coordinate("cp"), self.cp_comm)
+
     def expert_parallel(self) -> EPGroup:
         group = self.group("ep") if self.ep > 1 else None
         return EPGroup(group, self.ep, self.coordinate("ep"))
@@ -221,11 +233,13 @@ class ParallelLayout:
     def is_logging_rank(self) -> bool:
         """The one rank that writes metrics: first TP/DP rank of the last stage,
         since only the last stage computes the loss."""
-        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+        return (self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+                and self.coordinate("cp") == 0)
 
     def describe(self) -> dict:
         # ep only where it is used, so a dense layout's description (kept in
         # every checkpoint) is the one it always was.
         expert = {"ep": self.ep} if self.ep > 1 else {}
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **expert, "vpp": self.vpp,
+        context = {"cp": self.cp} if self.cp > 1 else {}
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **expert, **context, "vpp": self.vpp,
                 "sequence_parallel": self.sequence_parallel, "world_size": self.world_size}

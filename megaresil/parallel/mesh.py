@@ -9,7 +9,9 @@ together in mixed radix: with expert parallelism the axes are
 (pp, edp, ep, tp) and "dp" is the pair (edp, ep), ep innermost, so every
 rank's number and every dp index (edp * ep + ep index) are those of the
 (pp, dp, tp) mesh. Without it the axes stay (pp, dp, tp), "edp" is "dp" and
-"ep" is no axis at all (size 1).
+"ep" is no axis at all (size 1). Context parallelism adds "cp" between dp
+and tp, (pp, dp, cp, tp) as Megatron orders them; at cp = 1 "cp" is no axis
+either, so a layout without it numbers and groups its ranks as it always did.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class Degrees(Protocol):
     pp: int
     dp: int
     ep: int
+    cp: int
 
 
 @dataclass(frozen=True)
@@ -35,11 +38,13 @@ class MeshShape:
 
     @classmethod
     def of(cls, cfg: Degrees) -> "MeshShape":
+        context = (("cp", cfg.cp),) if cfg.cp > 1 else ()
+        no_context = (("cp", ()),) if cfg.cp == 1 else ()
         if cfg.ep == 1:
-            return cls((("pp", cfg.pp), ("dp", cfg.dp), ("tp", cfg.tp)),
-                       (("edp", ("dp",)), ("ep", ())))
-        return cls((("pp", cfg.pp), ("edp", cfg.dp // cfg.ep), ("ep", cfg.ep), ("tp", cfg.tp)),
-                   (("dp", ("edp", "ep")),))
+            return cls((("pp", cfg.pp), ("dp", cfg.dp), *context, ("tp", cfg.tp)),
+                       (("edp", ("dp",)), ("ep", ()), *no_context))
+        return cls((("pp", cfg.pp), ("edp", cfg.dp // cfg.ep), ("ep", cfg.ep), *context,
+                    ("tp", cfg.tp)), (("dp", ("edp", "ep")), *no_context))
 
     @property
     def names(self) -> tuple[str, ...]:

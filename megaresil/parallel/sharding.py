@@ -25,6 +25,11 @@ EMBEDDING_TIE = "embedding"
 # (size 1 until expert parallelism carves it from dp).
 EXPERT_AXIS = "ep"
 
+# The axes a dense parameter is replicated over: the data-parallel ranks and
+# the context-parallel ones, which hold the same tensors and see different
+# slices of the same sequences (cp is no mesh axis at cp = 1).
+DENSE_REPLICAS = ("dp", "cp")
+
 # Not `_`-prefixed: copies of a parameter's attributes skip private ones.
 _ATTRIBUTE = "shard_spec"
 
@@ -51,7 +56,7 @@ class ShardSpec:
     never saved nor counted."""
 
     shards: tuple[AxisShard, ...] = ()
-    replicated_over: tuple[str, ...] = ("dp",)
+    replicated_over: tuple[str, ...] = DENSE_REPLICAS
     grad_sum_axes: tuple[str, ...] = ()
     tie: Optional[str] = None
     pipeline_copy: bool = False

@@ -100,19 +100,22 @@ class Trainer:
     def batches(self, dataset: SampleDataset, consumed: int,
                 global_batch: Optional[int] = None) -> list[Batch]:
         """This DP rank's micro-batches of the `global_batch` samples from
-        `consumed` (by default the batch a training step there takes), their
-        documents found (model/masks.py) on the host before they move to the device."""
+        `consumed` (by default the batch a training step there takes; under
+        context parallelism this rank's chunks of them), their documents found (model/masks.py) on the host before they move to the device."""
         if global_batch is None:
             global_batch = global_batch_at(self.cfg.train, consumed)
         indices = micro_batches(consumed, global_batch, self.cfg.train.micro_batch_size,
                                 self.layout.data_rank, self.layout.data_size)
         device = self.layout.device
+        context = self.layout.context_parallel()
         batches = []
         for idx in indices:
             inputs, targets = collate(dataset, idx)
             documents = None
             if self.parts.masking is not None:
                 targets, documents = self.parts.masking.apply(inputs, targets)
+            # Context parallelism: this rank's chunks of each sequence.
+            inputs, targets = context.slice_sequence(inputs), context.slice_sequence(targets)
             batches.append(Batch(inputs.to(device), targets.to(device), torch.tensor(idx),
                                  None if documents is None else documents.to(device)))
         return batches

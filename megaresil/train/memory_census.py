@@ -45,7 +45,7 @@ def layout_line(cfg: RecipeConfig) -> str:
     if cfg.train.precision == Precision.auto:
         precision += " (auto, as on a GPU)"
     parts = [f"tp={p.tp}", f"pp={p.pp}", f"dp={p.dp}"] + [f"{k}={v}" for k, v in
-                                                         (("vpp", p.vpp), ("ep", p.ep)) if v > 1]
+                                                         (("vpp", p.vpp), ("ep", p.ep), ("cp", p.cp)) if v > 1]
     return " ".join(parts + (["sp"] if p.sequence_parallel else []) +
                     [f"mbs={cfg.train.micro_batch_size}", f"recompute={cfg.model.recompute.value}",
                      f"zero1={'on' if cfg.optimizer.distributed else 'off'}",

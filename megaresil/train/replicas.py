@@ -157,7 +157,7 @@ class ReplicaCheck:
         self.suspicion: Optional[Suspicion] = None
 
     def due(self, step: int, saving: bool) -> bool:
-        if self.interval == 0 or self.layout.dp == 1:
+        if self.interval == 0 or self.layout.size(*self.layout.replica_axes()[0]) == 1:
             return False
         return saving or step % self.interval == 0 or self.replaying(step)
 

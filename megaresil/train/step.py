@@ -39,7 +39,8 @@ def dp_mean(value: torch.Tensor, layout: ParallelLayout) -> float:
 def forward_backward(parts: TrainerParts, batches: Sequence[Batch],
                      device: torch.device) -> torch.Tensor:
     """Accumulate grads over micro-batches; returns this rank's mean loss
-    (zero on pipeline stages that do not compute it)."""
+    (zero on pipeline stages that do not compute it), of whole sequences
+    under context parallelism."""
     if parts.pipeline is not None:
         set_moe_loss_scale(parts, 1.0)  # the schedule's backward takes each loss whole
         inputs, targets, samples, documents = zip(*batches)
@@ -48,7 +49,7 @@ def forward_backward(parts: TrainerParts, batches: Sequence[Batch],
                                              documents)
         # The schedule sums the micro-batches' grads; make them the mean.
         parts.grads.fold_all(divisor=len(batches))
-        return loss
+        return whole_sequences(parts, loss)
     model = parts.chunks[0]
     set_moe_loss_scale(parts, 1.0 / len(batches))
     total = torch.zeros((), device=device)
@@ -60,7 +61,13 @@ def forward_backward(parts: TrainerParts, batches: Sequence[Batch],
             loss = loss / len(batches)
         loss.backward()
         total += loss.detach()
-    return total
+    return whole_sequences(parts, total)
+
+
+def whole_sequences(parts: TrainerParts, loss: torch.Tensor) -> torch.Tensor:
+    """A loss of this rank's slices as the whole sequences' (summed over the
+    context-parallel ranks, whose losses are shares: GPT.loss)."""
+    return parts.chunks[0].cp.sum(loss)
 
 
 def set_moe_loss_scale(parts: TrainerParts, value: float) -> None:
@@ -109,6 +116,8 @@ def forward_eval(parts: TrainerParts, batches: Sequence[Batch]) -> torch.Tensor:
     inputs, targets, _, documents = zip(*batches)
     with parts.autocast:
         if parts.pipeline is not None:
-            return parts.pipeline.eval_step(torch.cat(inputs), torch.cat(targets), documents)
-        return torch.stack([parts.chunks[0](x, y, None, d)
-                            for x, y, d in zip(inputs, targets, documents)]).mean()
+            loss = parts.pipeline.eval_step(torch.cat(inputs), torch.cat(targets), documents)
+        else:
+            loss = torch.stack([parts.chunks[0](x, y, None, d)
+                                for x, y, d in zip(inputs, targets, documents)]).mean()
+    return whole_sequences(parts, loss)

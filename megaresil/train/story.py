@@ -47,7 +47,8 @@ def banner(cfg: RecipeConfig, start_step: int) -> str:
                       f"{longest} apart)",
               0: "never (checkpoint.interval=0)"}.get(interval, f"every {interval} steps")
     start = f"resumes from step {start_step}" if start_step else "starts at step 0"
-    return (f"training tp={p.tp} pp={p.pp} dp={p.dp}, {parameters(cfg) / 1e6:.1f}M "
+    context = f" cp={p.cp} ({p.cp_comm_type.value})" if p.cp > 1 else ""
+    return (f"training tp={p.tp} pp={p.pp} dp={p.dp}{context}, {parameters(cfg) / 1e6:.1f}M "
             f"parameters, {batch_words(cfg)}, {cfg.train.steps} steps; run dir "
             f"{cfg.run.dir}; checkpoints {policy}; {threads()}; {start}")
 

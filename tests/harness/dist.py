@@ -129,7 +129,8 @@ def run_case(case: Case, out: Path) -> None:
         trainer = Trainer(cfg, layout)
         trainer.forward_backward(trainer.batches(trainer.train_data, 0))
         grads = gather_full_grads(trainer)
-        if layout.tp_rank == 0 and layout.dp_rank == 0:  # one file per pipeline stage
+        if layout.tp_rank == 0 and layout.dp_rank == 0 and layout.coordinate("cp") == 0:
+            # one file per pipeline stage
             torch.save(grads, run_dir / f"grads.{layout.pp_rank}.pt")
         trainer.optimizer.zero_grad(set_to_none=True)
     trainer = train_case(case, run_dir, layout)

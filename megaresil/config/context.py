@@ -1,0 +1,34 @@
+"""The rules of context parallelism (parallel.cp): what a sequence split over
+cp ranks needs of the recipe, and what does not compose with it yet."""
+from __future__ import annotations
+
+from megaresil.config.fields import require
+from megaresil.config.schema import Backend, RecipeConfig
+
+
+def validate_context_parallel(cfg: RecipeConfig) -> None:
+    p, m, data = cfg.parallel, cfg.model, cfg.data
+    if p.cp == 1:
+        return
+    chunks = 2 * p.cp
+    require(data.seq_len % chunks == 0, "data.seq_len",
+            f"{data.seq_len} does not split into 2*cp = {chunks} equal chunks (each cp rank "
+            "holds a head and a tail chunk, for causal attention's balance).",
+            f"choose data.seq_len a multiple of {chunks}.")
+    local = data.seq_len // p.cp
+    require(not p.sequence_parallel or local % p.tp == 0, "data.seq_len",
+            f"each cp rank's {local} tokens do not split over tp={p.tp} under sequence "
+            "parallelism.", f"choose data.seq_len a multiple of {p.cp * p.tp}.")
+    require(m.backend == Backend.local, "parallel.cp", "Transformer Engine's attention is not "
+            "given the context-parallel slice yet.", "set model.backend=local, or parallel.cp=1.")
+    require(m.moe.num_experts == 0, "parallel.cp", "the experts' routing and balance losses "
+            "do not see the whole sequence across cp ranks yet.",
+            "set parallel.cp=1 for a mixture-of-experts model.")
+    require(m.attention_dropout == 0.0, "model.attention_dropout", "context-parallel attention "
+            "never holds a row's whole attention probabilities, which this dropout masks.",
+            "set model.attention_dropout=0, or parallel.cp=1.")
+    masking = [key for key, on in (("data.reset_position_ids", data.reset_position_ids),
+                                   ("data.reset_attention_mask", data.reset_attention_mask)) if on]
+    require(not masking, masking[0] if masking else "", "document masking does not cross "
+            "context-parallel chunks yet.", "set parallel.cp=1, or turn it off "
+            "(data.eod_mask_loss alone works with cp).")

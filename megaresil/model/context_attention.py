@@ -1,0 +1,270 @@
+"""Causal attention over a sequence split across context-parallel ranks
+(parallel/context_parallel.py: each rank holds a head and a tail chunk).
+
+Each query chunk attends to the key chunks at or before it, block by block,
+with an online softmax: every block gives its output and its rows'
+logsumexp, and the blocks merge by their logsumexps, so no rank ever holds
+a row's whole attention. The backward recomputes each block's
+probabilities from the merged logsumexp (FlashAttention's recurrence), so
+what a layer keeps for its backward is the rank's own q, k, v, output and
+logsumexp, whatever cp is. Written by hand: torch's experimental
+`context_parallel` works on DTensors and CUDA's fused kernels and takes no
+sliding window; this runs on any device and backend (gloo included).
+
+How a rank gets the other ranks' keys and values (parallel.cp_comm_type):
+- allgather: one all-gather of k and v per layer, again in the backward
+  (nothing gathered is kept), whose key and value grads go back to their
+  owners by one reduce-scatter. One collective each way, volume
+  2(cp-1)/cp of the sequence's k and v per rank; small under GQA, where k
+  and v have fewer heads than q (Llama 3's choice for its long context).
+- p2p: the k and v blocks pass around the ring, cp-1 exchanges of one
+  block each, each overlapping a block's compute; the backward passes the
+  blocks round again with their grads, which arrive home after the last
+  hop. The same volume in cp-1 messages (Megatron-Core's default).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megaresil.config import ContextComm
+from megaresil.model.masks import visible
+from megaresil.parallel.context_parallel import CPGroup
+
+# (k and v stacked: (2, B, G, chunk, D), the global chunk number)
+KeyChunk = tuple[torch.Tensor, int]
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup,
+                      window: Optional[int], scale: float) -> torch.Tensor:
+    """Causal attention of this rank's queries q (B, H, T/cp, D) over the
+    whole sequence's keys, whose local part is k, v (B, G, T/cp, D), G
+    dividing H (grouped-query attention); `window`: the sliding window."""
+    function = _RingAttention if cp.comm == ContextComm.p2p else _GatheredAttention
+    with _no_autocast(q):
+        out = function.apply(q.float(), k.float(), v.float(), cp, window, scale)
+    return out.to(q.dtype)
+
+
+def _no_autocast(x: torch.Tensor) -> torch.autocast:
+    return torch.autocast(x.device.type, enabled=False)
+
+
+def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v (..., G, T, D) repeated to `heads` heads, as SDPA's enable_gqa."""
+    return x if x.shape[-3] == heads else x.repeat_interleave(heads // x.shape[-3], dim=-3)
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The grad of `_repeat`: (B, H, T, D) summed back to G heads."""
+    B, H, T, D = grad.shape
+    return grad if H == groups else grad.view(B, groups, H // groups, T, D).sum(dim=2)
+
+
+class _Span:
+    """The attention of one query chunk (global chunk `index`, `size`
+    tokens) over key chunks, one block at a time."""
+
+    def __init__(self, index: int, size: int, window: Optional[int], scale: float):
+        self.index, self.size, self.window, self.scale = index, size, window, scale
+
+    def places(self, chunk: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(chunk * self.size, (chunk + 1) * self.size, device=device)
+
+    def sees(self, chunk: int) -> bool:
+        """Whether any query of this chunk sees a key of chunk `chunk`."""
+        if chunk > self.index:
+            return False
+        if self.window is None:
+            return True
+        return (self.index - chunk - 1) * self.size + 1 < self.window
+
+    def seen(self, chunk: int, device: torch.device) -> torch.Tensor:
+        return visible(self.places(self.index, device), self.places(chunk, device), self.window)
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, chunk: int) -> torch.Tensor:
+        s = (q @ _repeat(k, q.shape[1]).transpose(-2, -1)) * self.scale
+        return s.masked_fill(~self.seen(chunk, q.device), float("-inf"))
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor,
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, logsumexp) of the queries over one key chunk's keys."""
+        s = self.scores(q, kv[0], chunk)
+        lse = torch.logsumexp(s, dim=-1)
+        probs = torch.exp(s - _finite(lse).unsqueeze(-1))
+        return probs @ _repeat(kv[1], q.shape[1]), lse
+
+    def backward(self, q: torch.Tensor, kv: torch.Tensor, chunk: int, dout: torch.Tensor,
+                 lse: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dq, dkv) of one block, from the row's merged logsumexp and
+        delta = rowsum(dout * out)."""
+        heads, groups = q.shape[1], kv.shape[2]
+        probs = torch.exp(self.scores(q, kv[0], chunk) - _finite(lse).unsqueeze(-1))
+        dv = probs.transpose(-2, -1) @ dout
+        dscores = probs * (dout @ _repeat(kv[1], heads).transpose(-2, -1) - delta.unsqueeze(-1))
+        dq = (dscores @ _repeat(kv[0], heads)) * self.scale
+        dk = (dscores.transpose(-2, -1) @ q) * self.scale
+        return dq, torch.stack([_fold(dk, groups), _fold(dv, groups)])
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """The logsumexp with rows that see nothing (-inf) at 0, so their
+    probabilities come out 0 rather than NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions of the same rows as one (online softmax)."""
+    if out is None or lse is None:
+        return block_out, block_lse
+    merged = torch.logaddexp(lse, block_lse)
+    base = _finite(merged)
+    return (out * torch.exp(lse - base).unsqueeze(-1)
+            + block_out * torch.exp(block_lse - base).unsqueeze(-1)), merged
+
+
+def _spans(cp: CPGroup, local_len: int, window: Optional[int], scale: float) -> list[_Span]:
+    return [_Span(index, local_len // 2, window, scale) for index in cp.chunk_ids()]
+
+
+def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    head, tail = x.chunk(2, dim=-2)
+    return head, tail
+
+
+def _forward(q: torch.Tensor, spans: list[_Span],
+             chunks: Iterator[KeyChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and logsumexp of the local queries over the key chunks as
+    `chunks` yields them (each chunk's k and v, its global number)."""
+    outs: list[Optional[torch.Tensor]] = [None, None]
+    lses: list[Optional[torch.Tensor]] = [None, None]
+    queries = _halves(q)
+    for kv, chunk in chunks:
+        for i, span in enumerate(spans):
+            if span.sees(chunk):
+                outs[i], lses[i] = _merge(outs[i], lses[i], *span.forward(queries[i], kv, chunk))
+    assert all(o is not None for o in outs), "every chunk sees itself"
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)  # type: ignore[arg-type]
+
+
+def _key_grads(q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+               spans: list[_Span], kv: torch.Tensor, chunk: int,
+               dq: list[torch.Tensor]) -> torch.Tensor:
+    """One key chunk's (dk, dv) from every local query chunk that sees it;
+    the queries' grads added into `dq` (per query chunk)."""
+    dkv = torch.zeros_like(kv)
+    delta = (dout * out).sum(dim=-1)
+    parts = zip(_halves(q), _halves(dout), lse.chunk(2, dim=-1), delta.chunk(2, dim=-1))
+    for i, (span, (q_i, dout_i, lse_i, delta_i)) in enumerate(zip(spans, parts)):
+        if span.sees(chunk):
+            dq_block, dkv_block = span.backward(q_i, kv, chunk, dout_i, lse_i, delta_i)
+            dq[i] += dq_block
+            dkv += dkv_block
+    return dkv
+
+
+# Both functions compute in fp32, autocast off: the logsumexps and the
+# merged outputs are sums over the whole sequence, which bf16 would round
+# at every merge (FlashAttention keeps them in fp32 too).
+
+
+class _GatheredAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup,
+                window: Optional[int], scale: float) -> torch.Tensor:
+        spans = _spans(cp, q.shape[-2], window, scale)
+        out, lse = _forward(q, spans, _gathered_chunks(torch.stack([k, v]), cp))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.spans = cp, spans
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        cp: CPGroup = ctx.cp
+        dq = [torch.zeros_like(half) for half in _halves(q)]
+        with _no_autocast(q):  # a pipeline schedule runs backward inside the forward's autocast
+            grads = {chunk: _key_grads(q, out, dout.float(), lse, ctx.spans, kv, chunk, dq)
+                     for kv, chunk in _gathered_chunks(torch.stack([k, v]), cp)}
+        # Each rank's two chunks' grads, in rank order, summed on their owner.
+        sends = [torch.cat([grads[c] for c in cp.chunk_ids(rank)], dim=-2).contiguous()
+                 for rank in range(cp.size)]
+        dkv = torch.empty_like(sends[0])
+        dist.reduce_scatter(dkv, sends, group=cp.group)
+        return torch.cat(dq, dim=-2), dkv[0], dkv[1], None, None, None
+
+
+def _gathered_chunks(kv: torch.Tensor, cp: CPGroup) -> Iterator[KeyChunk]:
+    """Every rank's k and v, chunk by chunk in sequence order."""
+    ranks = [torch.empty_like(kv) for _ in range(cp.size)]
+    dist.all_gather(ranks, kv.contiguous(), group=cp.group)
+    for chunk in range(2 * cp.size):
+        rank, half = cp.owner(chunk)
+        yield _halves(ranks[rank])[half], chunk
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup,
+                window: Optional[int], scale: float) -> torch.Tensor:
+        spans = _spans(cp, q.shape[-2], window, scale)
+        out, lse = _forward(q, spans, _ring_chunks(torch.stack([k, v]), cp))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.spans = cp, spans
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        cp: CPGroup = ctx.cp
+        dq = [torch.zeros_like(half) for half in _halves(q)]
+        kv = torch.stack([k, v])
+        dkv = torch.zeros_like(kv)
+        # The block held at step s is rank (r - s)'s; its grads travel with
+        # it, so after the last step's hop they are home.
+        for step in range(cp.size):
+            if step > 0:
+                kv, dkv = _pass_on(torch.stack([kv, dkv]), cp)
+            owner = (cp.rank - step) % cp.size
+            with _no_autocast(q):
+                blocks = [_key_grads(q, out, dout.float(), lse, ctx.spans, half, chunk, dq)
+                          for half, chunk in zip(_halves(kv), cp.chunk_ids(owner))]
+            dkv = dkv + torch.cat(blocks, dim=-2)
+        (dkv,) = _pass_on(dkv.unsqueeze(0), cp)
+        return torch.cat(dq, dim=-2), dkv[0], dkv[1], None, None, None
+
+
+def _ring_chunks(kv: torch.Tensor, cp: CPGroup) -> Iterator[KeyChunk]:
+    """The k and v blocks as they come round the ring, this rank's first,
+    the next block's exchange started before this one's compute."""
+    for step in range(cp.size):
+        pending = _start_pass(kv, cp) if step < cp.size - 1 else None
+        owner = (cp.rank - step) % cp.size
+        for half, chunk in zip(_halves(kv), cp.chunk_ids(owner)):
+            yield half, chunk
+        if pending is not None:
+            kv = _finish_pass(*pending)
+
+
+def _start_pass(x: torch.Tensor, cp: CPGroup) -> tuple[torch.Tensor, list]:
+    """Send `x` to the next rank of the ring and receive the previous one's."""
+    received = torch.empty_like(x)
+    assert cp.group is not None, "an active CPGroup has its process group"
+    nxt = dist.get_global_rank(cp.group, (cp.rank + 1) % cp.size)
+    prev = dist.get_global_rank(cp.group, (cp.rank - 1) % cp.size)
+    ops = [dist.P2POp(dist.isend, x.contiguous(), nxt, cp.group),
+           dist.P2POp(dist.irecv, received, prev, cp.group)]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _finish_pass(received: torch.Tensor, requests: list) -> torch.Tensor:
+    for request in requests:
+        request.wait()
+    return received
+
+
+def _pass_on(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    return _finish_pass(*_start_pass(x, cp))
