@@ -27,8 +27,3 @@ def validate_context_parallel(cfg: RecipeConfig) -> None:
     require(m.attention_dropout == 0.0, "model.attention_dropout", "context-parallel attention "
             "never holds a row's whole attention probabilities, which this dropout masks.",
             "set model.attention_dropout=0, or parallel.cp=1.")
-    masking = [key for key, on in (("data.reset_position_ids", data.reset_position_ids),
-                                   ("data.reset_attention_mask", data.reset_attention_mask)) if on]
-    require(not masking, masking[0] if masking else "", "document masking does not cross "
-            "context-parallel chunks yet.", "set parallel.cp=1, or turn it off "
-            "(data.eod_mask_loss alone works with cp).")

@@ -38,13 +38,17 @@ KeyChunk = tuple[torch.Tensor, int]
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup,
-                      window: Optional[int], scale: float) -> torch.Tensor:
+                      window: Optional[int], scale: float,
+                      documents: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of this rank's queries q (B, H, T/cp, D) over the
     whole sequence's keys, whose local part is k, v (B, G, T/cp, D), G
-    dividing H (grouped-query attention); `window`: the sliding window."""
+    dividing H (grouped-query attention); `window`: the sliding window;
+    `documents` (B, T): each token of the whole window's document, a query
+    seeing only keys of its own (document masking, model/masks.py)."""
     function = _RingAttention if cp.comm == ContextComm.p2p else _GatheredAttention
     with _no_autocast(q):
-        out = function.apply(q.float(), k.float(), v.float(), cp, window, scale)
+        out = function.apply(q.float(), k.float(), v.float(), cp,
+                             _Mask(window, scale, documents))
     return out.to(q.dtype)
 
 
@@ -63,12 +67,21 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad if H == groups else grad.view(B, groups, H // groups, T, D).sum(dim=2)
 
 
+class _Mask:
+    """What decides which keys a query sees, besides causality: the
+    window, the documents (B, T) or none; and the scores' scale."""
+
+    def __init__(self, window: Optional[int], scale: float, documents: Optional[torch.Tensor]):
+        self.window, self.scale, self.documents = window, scale, documents
+
+
 class _Span:
     """The attention of one query chunk (global chunk `index`, `size`
     tokens) over key chunks, one block at a time."""
 
-    def __init__(self, index: int, size: int, window: Optional[int], scale: float):
-        self.index, self.size, self.window, self.scale = index, size, window, scale
+    def __init__(self, index: int, size: int, mask: _Mask):
+        self.index, self.size = index, size
+        self.window, self.scale, self.documents = mask.window, mask.scale, mask.documents
 
     def places(self, chunk: int, device: torch.device) -> torch.Tensor:
         return torch.arange(chunk * self.size, (chunk + 1) * self.size, device=device)
@@ -82,7 +95,12 @@ class _Span:
         return (self.index - chunk - 1) * self.size + 1 < self.window
 
     def seen(self, chunk: int, device: torch.device) -> torch.Tensor:
-        return visible(self.places(self.index, device), self.places(chunk, device), self.window)
+        """(Q, K), or (B, 1, Q, K) under document masking."""
+        queries, keys = self.places(self.index, device), self.places(chunk, device)
+        if self.documents is None:
+            return visible(queries, keys, self.window)
+        return visible(queries, keys, self.window, query_documents=self.documents[:, queries],
+                       key_documents=self.documents[:, keys]).unsqueeze(1)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor, chunk: int) -> torch.Tensor:
         s = (q @ _repeat(k, q.shape[1]).transpose(-2, -1)) * self.scale
@@ -126,8 +144,8 @@ def _merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], block_out: 
             + block_out * torch.exp(block_lse - base).unsqueeze(-1)), merged
 
 
-def _spans(cp: CPGroup, local_len: int, window: Optional[int], scale: float) -> list[_Span]:
-    return [_Span(index, local_len // 2, window, scale) for index in cp.chunk_ids()]
+def _spans(cp: CPGroup, local_len: int, mask: _Mask) -> list[_Span]:
+    return [_Span(index, local_len // 2, mask) for index in cp.chunk_ids()]
 
 
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,8 +192,8 @@ def _key_grads(q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torc
 class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup,
-                window: Optional[int], scale: float) -> torch.Tensor:
-        spans = _spans(cp, q.shape[-2], window, scale)
+                mask: _Mask) -> torch.Tensor:
+        spans = _spans(cp, q.shape[-2], mask)
         out, lse = _forward(q, spans, _gathered_chunks(torch.stack([k, v]), cp))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.spans = cp, spans
@@ -194,7 +212,7 @@ class _GatheredAttention(torch.autograd.Function):
                  for rank in range(cp.size)]
         dkv = torch.empty_like(sends[0])
         dist.reduce_scatter(dkv, sends, group=cp.group)
-        return torch.cat(dq, dim=-2), dkv[0], dkv[1], None, None, None
+        return torch.cat(dq, dim=-2), dkv[0], dkv[1], None, None
 
 
 def _gathered_chunks(kv: torch.Tensor, cp: CPGroup) -> Iterator[KeyChunk]:
@@ -209,8 +227,8 @@ def _gathered_chunks(kv: torch.Tensor, cp: CPGroup) -> Iterator[KeyChunk]:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup,
-                window: Optional[int], scale: float) -> torch.Tensor:
-        spans = _spans(cp, q.shape[-2], window, scale)
+                mask: _Mask) -> torch.Tensor:
+        spans = _spans(cp, q.shape[-2], mask)
         out, lse = _forward(q, spans, _ring_chunks(torch.stack([k, v]), cp))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.spans = cp, spans
@@ -234,7 +252,7 @@ class _RingAttention(torch.autograd.Function):
                           for half, chunk in zip(_halves(kv), cp.chunk_ids(owner))]
             dkv = dkv + torch.cat(blocks, dim=-2)
         (dkv,) = _pass_on(dkv.unsqueeze(0), cp)
-        return torch.cat(dq, dim=-2), dkv[0], dkv[1], None, None, None
+        return torch.cat(dq, dim=-2), dkv[0], dkv[1], None, None
 
 
 def _ring_chunks(kv: torch.Tensor, cp: CPGroup) -> Iterator[KeyChunk]:

@@ -175,8 +175,10 @@ class Attention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              samples: Optional[torch.Tensor], documents: Optional[Documents]) -> torch.Tensor:
-        if self.cp.active:  # config/context.py refuses its dropout and documents
-            return context_attention(q, k, v, self.cp, self.window, 1 / math.sqrt(self.head_dim))
+        if self.cp.active:  # config/context.py refuses its dropout
+            separate = documents is not None and documents.blocks is not None
+            return context_attention(q, k, v, self.cp, self.window, 1 / math.sqrt(self.head_dim),
+                                     documents.ids if separate and documents else None)
         if self.training and self.prob_dropout.p > 0:
             return self.core_with_dropout(q, k, v, samples, documents)
         if documents is None or documents.blocks is None:
@@ -225,7 +227,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             positions = None if documents is None else documents.positions
-            if self.cp.active:
+            if positions is None and self.cp.active:
                 positions = self.cp.positions(q.shape[-2], q.device).unsqueeze(0)
             length = q.shape[-2] * self.cp.size
             q, k = self.rope(q, positions, length), self.rope(k, positions, length)

@@ -10,9 +10,10 @@ window's first document may have begun in an earlier window and counts as
 starting at the window's start. `DocumentMasking.apply` finds the documents
 in a micro-batch's input tokens once, before the micro-batch reaches the
 model, and every pipeline stage and tensor-parallel rank is handed the
-result (`Documents`); a context-parallel rank calls `document_layout` on the
-whole window and slices its ids and positions (docs/architecture.md,
-"Document masking").
+result (`Documents`); a context-parallel rank finds them on the whole
+window too and keeps its chunks' positions and every token's document,
+which its attention compares across chunks (`Documents.context_slice`;
+docs/architecture.md, "Document masking").
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from megaresil.parallel.context_parallel import CPGroup
 from megaresil.parallel.tensor_parallel import IGNORE_TARGET
 
 # Consecutive documents shorter than this share one attention call, under a
@@ -87,6 +89,15 @@ class Documents:
     # causal call over the window does (reset_attention_mask off, or no row
     # holds a document's start after its first token).
     blocks: Optional[tuple[AttentionBlock, ...]]
+
+    def context_slice(self, cp: CPGroup) -> Documents:
+        """What a context-parallel rank's model reads: its chunks'
+        positions, and the whole window's documents (its queries' and
+        every key's, wherever the key lives), one attention over them."""
+        if not cp.active:
+            return self
+        positions = None if self.positions is None else cp.slice_sequence(self.positions)
+        return replace(self, positions=positions)
 
     def to(self, device: torch.device) -> Documents:
         positions = None if self.positions is None else self.positions.to(device)

@@ -116,6 +116,7 @@ class Trainer:
                 targets, documents = self.parts.masking.apply(inputs, targets)
             # Context parallelism: this rank's chunks of each sequence.
             inputs, targets = context.slice_sequence(inputs), context.slice_sequence(targets)
+            documents = None if documents is None else documents.context_slice(context)
             batches.append(Batch(inputs.to(device), targets.to(device), torch.tensor(idx),
                                  None if documents is None else documents.to(device)))
         return batches
