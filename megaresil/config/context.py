@@ -21,9 +21,11 @@ def validate_context_parallel(cfg: RecipeConfig) -> None:
             "parallelism.", f"choose data.seq_len a multiple of {p.cp * p.tp}.")
     require(m.backend == Backend.local, "parallel.cp", "Transformer Engine's attention is not "
             "given the context-parallel slice yet.", "set model.backend=local, or parallel.cp=1.")
-    require(m.moe.num_experts == 0, "parallel.cp", "the experts' routing and balance losses "
-            "do not see the whole sequence across cp ranks yet.",
-            "set parallel.cp=1 for a mixture-of-experts model.")
+    require(m.moe.num_experts == 0 or m.moe.capacity_factor is None, "model.moe.capacity_factor",
+            "a capacity drops the choices past it in each rank's token order, and a "
+            "context-parallel rank holds only its chunks of the sequence, so other choices "
+            "would drop than at cp=1.", "set model.moe.capacity_factor=null (dropless), or "
+            "parallel.cp=1.")
     require(m.attention_dropout == 0.0, "model.attention_dropout", "context-parallel attention "
             "never holds a row's whole attention probabilities, which this dropout masks.",
             "set model.attention_dropout=0, or parallel.cp=1.")

@@ -145,7 +145,7 @@ def no_live_copy(cfg: RecipeConfig) -> Optional[NoLiveCopy]:
     p = cfg.parallel
     if p.dp == 1 and p.cp == 1:
         return NoLiveCopy("at dp=1 no data-parallel peer holds a copy of a rank's state", False)
-    if p.ep == p.dp:
+    if p.ep == p.dp and p.cp == 1:
         return NoLiveCopy(f"at ep = dp = {p.dp} each rank holds the only copy of its experts",
                           True)
     if cfg.optimizer.distributed:

@@ -191,16 +191,17 @@ class GPT(nn.Module):
         (`overwrite_logits`: see vocab_parallel_cross_entropy); in training
         with a z-loss, carrying its gradient (OutputZLoss.added_to). Under
         context parallelism, this rank's share of the whole sequences' mean
-        (CPGroup.share_of_mean): the cp ranks' losses sum to it."""
+        (CPGroup.token_share): the cp ranks' losses sum to it."""
+        share = self.cp.token_share(targets)
         if not self.output_z_loss.applies():
             loss = vocab_parallel_cross_entropy(local_logits, targets,
                                                 real_vocab=self.cfg.vocab_size, tp=self.tp,
                                                 overwrite_logits=overwrite_logits)
-            return self.cp.share_of_mean(loss, targets)
+            return loss if share is None else loss * share
         loss, logsumexp = cross_entropy_and_logsumexp(local_logits, targets,
                                                       real_vocab=self.cfg.vocab_size, tp=self.tp,
                                                       overwrite_logits=overwrite_logits)
-        return self.cp.share_of_mean(self.output_z_loss.added_to(loss, logsumexp), targets)
+        return self.output_z_loss.added_to(loss, logsumexp, share)
 
     def logits(self, tokens: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
         """Full-vocabulary logits (B, T, V), padding cut (for inference and tests)."""

@@ -240,11 +240,11 @@ class Attention(nn.Module):
 
 
 def make_mlp(cfg: ModelConfig, tp: TPGroup, index: int, moe_scale: MoELossScale,
-             ep: EPGroup) -> nn.Module:
+             ep: EPGroup, cp: CPGroup) -> nn.Module:
     """Layer `index`'s feed-forward block: experts where model.moe puts them,
     else the flavour's MLP."""
     if has_experts(cfg.moe, index):
-        return MoEBlock(cfg, tp, moe_scale, ffn=ffn_size(cfg), ep=ep)
+        return MoEBlock(cfg, tp, moe_scale, ffn=ffn_size(cfg), ep=ep, cp=cp)
     return spec_of_model(cfg).make_mlp(cfg, tp, index)
 
 
@@ -264,7 +264,7 @@ class Block(nn.Module):
         self.norm1 = make_norm(cfg, tp)
         self.attn = Attention(cfg, tp, site=site, seed=seed, cp=cp)
         self.norm2 = make_norm(cfg, tp)
-        self.mlp = make_mlp(cfg, tp, index, moe_scale, ep)
+        self.mlp = make_mlp(cfg, tp, index, moe_scale, ep, cp)
         self.attn_dropout = sequence_dropout(cfg.dropout, site + ".attn_out", seed, tp, cp)
         self.mlp_dropout = sequence_dropout(cfg.dropout, site + ".mlp_out", seed, tp, cp)
 

@@ -2,7 +2,7 @@
 chunk) and a mixture-of-experts router's (model/moe/routing.py)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -27,7 +27,7 @@ class OutputZLoss(nn.Module):
         super().__init__()
         self.coefficient = coefficient
         self.total: Optional[torch.Tensor] = None
-        self.calls = 0
+        self.calls: Union[int, torch.Tensor] = 0  # a tensor once shares are counted
 
     def reset(self) -> None:
         self.total, self.calls = None, 0
@@ -37,16 +37,21 @@ class OutputZLoss(nn.Module):
         cross-entropy alone)."""
         return bool(self.coefficient) and self.training and torch.is_grad_enabled()
 
-    def added_to(self, loss: torch.Tensor, logsumexp: torch.Tensor) -> torch.Tensor:
+    def added_to(self, loss: torch.Tensor, logsumexp: torch.Tensor,
+                 share: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`loss` (a micro-batch's mean cross-entropy) carrying the gradient of
         coefficient * z_loss(logsumexp), its value unchanged: the reported
         loss stays the cross-entropy, comparable to eval and to a run without
         the z-loss, and the z-loss is reported on its own. A non-finite z-loss
-        still makes the value NaN (x - x), for the numerics checks to see."""
+        still makes the value NaN (x - x), for the numerics checks to see.
+        `share`: a context-parallel rank's share of the counted tokens
+        (CPGroup.token_share): both losses, and the record, are that share
+        of the whole sequences' (the cp ranks' records add up to one call's)."""
         z = z_loss(logsumexp)
         with torch.no_grad():
-            figure = z.double()
+            figure = z.double() if share is None else z.double() * share.double()
             self.total = figure if self.total is None else self.total + figure
-            self.calls += 1
+            self.calls = self.calls + (1 if share is None else share.double())
         term = self.coefficient * z
-        return loss + (term - term.detach())
+        total = loss + (term - term.detach())
+        return total if share is None else total * share

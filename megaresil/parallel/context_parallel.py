@@ -57,20 +57,21 @@ class CPGroup:
         return torch.cat([torch.arange(i * c, (i + 1) * c, device=device)
                           for i in self.chunk_ids(rank)])
 
-    def share_of_mean(self, mean: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the whole sequences' mean loss, from `mean`
-        over its own counted targets: mean * its count / every cp rank's
-        count, so the cp ranks' shares (and their grads, which the dp x cp
-        gradient group sums) add up to the mean over every counted token
-        whatever share of them each rank holds. (A rank none of whose
-        tokens count, every one an eod under data.eod_mask_loss, has a 0/0
-        mean: a non-finite loss, which the numerics check refuses.)"""
+    def token_share(self, targets: torch.Tensor) -> Optional[torch.Tensor]:
+        """This rank's share of the counted targets of the whole sequences
+        (fp32; None without context parallelism). A mean over the rank's
+        own counted tokens times its share is its part of the mean over
+        every counted token, so the cp ranks' parts (and their grads, which
+        the dp x cp gradient group sums) add up to it, whatever share each
+        rank holds. (A rank none of whose tokens count, every one an eod
+        under data.eod_mask_loss, has a 0/0 mean: a non-finite loss, which
+        the numerics check refuses.)"""
         if not self.active:
-            return mean
-        kept = (targets != IGNORE_TARGET).sum().to(mean.dtype)
+            return None
+        kept = (targets != IGNORE_TARGET).sum().to(torch.float32)
         total = kept.clone()
         dist.all_reduce(total, group=self.group)
-        return mean * (kept / total)
+        return kept / total
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """`value` summed over the cp ranks (a copy; no grad)."""

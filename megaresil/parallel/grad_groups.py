@@ -4,7 +4,7 @@ process group, its grad buffers and reducer, and its own ZeRO-1 decision.
 
 A dense parameter is replicated over ("dp",): one group, whose buckets,
 collectives and their order are those of a single set of grad buffers.
-Parameters replicated over other axes (experts over ("edp",), a dp x cp
+Parameters replicated over other axes (experts over ("edp", "cp"), a dp x cp
 group over ("dp", "cp")) form a group of their own through the same code.
 Every group's grads are the mean over all data-parallel batches: an
 expert's grads arrive summed over its ep group's batches (the all-to-all),

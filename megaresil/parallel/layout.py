@@ -21,7 +21,7 @@ from megaresil.config import ContextComm, ParallelConfig
 from megaresil.parallel.context_parallel import CPGroup
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.mesh import MeshShape
-from megaresil.parallel.sharding import DENSE_REPLICAS
+from megaresil.parallel.sharding import DENSE_REPLICAS, EXPERT_REPLICAS
 from megaresil.parallel.tensor_parallel import TPGroup
 
 # The axes that split the data: a rank's data shard is its index over them.
@@ -170,19 +170,19 @@ class ParallelLayout:
         (ShardSpec.replicated_over), widest first: dp and cp, and under
         expert parallelism edp (the experts, alike only on ranks of the same
         ep coordinate)."""
-        return [DENSE_REPLICAS, ("edp",)] if self.ep > 1 else [DENSE_REPLICAS]
+        return [DENSE_REPLICAS, EXPERT_REPLICAS] if self.ep > 1 else [DENSE_REPLICAS]
 
     def whole_state_groups(self) -> list[list[int]]:
         """The groups of ranks whose whole state (dense parameters and
         experts) is alike: those that differ in edp (dp at ep = 1) and cp
         alone."""
-        return self.replica_groups(("edp", "cp"))
+        return self.replica_groups(EXPERT_REPLICAS)
 
     def _groups_over_several_axes(self) -> list[tuple[str, ...]]:
         """GROUPS_NEEDED and the joined names (as dp over (edp, ep)) that span
         several mesh axes, in that order: the groups the DeviceMesh lacks."""
         named = (GROUPS_NEEDED + tuple((name,) for name, _ in self.shape.joined)
-                 + tuple(self.replica_axes()) + (("edp", "cp"),))
+                 + tuple(self.replica_axes()) + (EXPERT_REPLICAS,))
         spans = [self.shape.expand(axes) for axes in named]
         return list(dict.fromkeys(axes for axes in spans if len(axes) > 1))
 

@@ -29,6 +29,9 @@ EXPERT_AXIS = "ep"
 # the context-parallel ones, which hold the same tensors and see different
 # slices of the same sequences (cp is no mesh axis at cp = 1).
 DENSE_REPLICAS = ("dp", "cp")
+# A stack of experts cut along ep: alike on the ranks of one ep coordinate
+# (edp) and their context-parallel peers.
+EXPERT_REPLICAS = ("edp", "cp")
 
 # Not `_`-prefixed: copies of a parameter's attributes skip private ones.
 _ATTRIBUTE = "shard_spec"

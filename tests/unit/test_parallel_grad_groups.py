@@ -21,7 +21,7 @@ from megaresil.parallel.grad_groups import (
     zero1,
 )
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.parallel.sharding import ShardSpec, set_spec
+from megaresil.parallel.sharding import DENSE_REPLICAS, ShardSpec, set_spec
 from megaresil.train.optim import (
     AdamState,
     ChainedOptimizer,
@@ -33,7 +33,8 @@ from megaresil.train.optim import (
 from tests.harness.cli import ROOT
 
 CPU = ParallelLayout(device=torch.device("cpu"))
-DENSE, WIDE = ("dp",), ("dp", "tp")  # WIDE: a second set of axes this layout has
+# DENSE: a dense parameter's (cp is no axis at cp = 1); WIDE: a second set of axes this layout has
+DENSE, WIDE = DENSE_REPLICAS, ("dp", "tp")
 
 
 def spec_params(*axes: tuple[str, ...]) -> list[nn.Parameter]:

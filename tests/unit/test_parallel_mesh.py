@@ -114,7 +114,7 @@ def test_experts_are_replicas_within_edp_and_a_ranks_whole_state_too():
     """dp4 ep2: dense parameters alike over dp, experts (and so a rank's
     whole state) only on ranks of one ep coordinate; at ep=1 both are dp."""
     layout = ParallelLayout.planned(ParallelConfig(tp=1, pp=1, dp=4, ep=2), 0)
-    assert layout.replica_axes() == [("dp", "cp"), ("edp",)]  # cp is no axis here
+    assert layout.replica_axes() == [("dp", "cp"), ("edp", "cp")]  # cp is no axis here
     assert layout.replica_groups(("edp",)) == layout.whole_state_groups() == [[0, 2], [1, 3]]
     dense = ParallelLayout.planned(ParallelConfig(tp=2, pp=1, dp=2), 0)
     assert dense.replica_axes() == [("dp", "cp")]

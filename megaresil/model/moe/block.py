@@ -26,6 +26,7 @@ from megaresil.model.moe.experts import (
     expert_capacity,
 )
 from megaresil.model.moe.routing import Router, Routing, load_balancing_loss, router_z_loss
+from megaresil.parallel.context_parallel import CPGroup
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.tensor_parallel import TPGroup, enter_tp_region, leave_tp_region
 
@@ -70,12 +71,12 @@ class MoEBlock(nn.Module):
     counts the step's routing (no parameters, no checkpoint keys)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, scale: MoELossScale, *, ffn: int,
-                 ep: EPGroup = EPGroup()):
+                 ep: EPGroup = EPGroup(), cp: CPGroup = CPGroup()):
         super().__init__()
         moe = cfg.moe
-        self.moe, self.tp, self.scale = moe, tp, scale
+        self.moe, self.tp, self.cp, self.scale = moe, tp, cp, scale
         self.router = Router(moe, cfg.hidden_size, tp)
-        self.counter = RoutingCounter(moe)
+        self.counter = RoutingCounter(moe, cp)
         self.experts = GroupedExperts(moe.num_experts, cfg.hidden_size,
                                       moe.expert_ffn_hidden_size or ffn, tp, ep)
         local = LocalDispatcher(moe.num_experts, moe.top_k, moe.capacity_factor)
@@ -100,9 +101,10 @@ class MoEBlock(nn.Module):
         """aux_loss_coeff * load balancing + z_loss_coeff * z-loss."""
         loss = torch.zeros((), device=routing.logits.device)
         if self.moe.aux_loss_coeff:
-            loss = loss + self.moe.aux_loss_coeff * load_balancing_loss(routing, self.moe)
+            loss = loss + self.moe.aux_loss_coeff * load_balancing_loss(routing, self.moe,
+                                                                        self.cp)
         if self.moe.z_loss_coeff:
-            loss = loss + self.moe.z_loss_coeff * router_z_loss(routing)
+            loss = loss + self.moe.z_loss_coeff * router_z_loss(routing, self.cp)
         return loss
 
     def with_routing_losses(self, y: torch.Tensor, routing: Routing) -> torch.Tensor:

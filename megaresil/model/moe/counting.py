@@ -19,6 +19,7 @@ import torch.nn as nn
 from megaresil.compat import in_backward
 from megaresil.config import MoEConfig
 from megaresil.model.moe.routing import Routing, load_balancing_loss, router_z_loss
+from megaresil.parallel.context_parallel import CPGroup
 
 # After the E choice counts in a counter's `totals`: choices dropped by the
 # capacity, the sums of the two losses (before their coefficients), and the
@@ -33,9 +34,9 @@ class RoutingCounter(nn.Module):
 
     totals: torch.Tensor
 
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, cfg: MoEConfig, cp: CPGroup = CPGroup()):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.cp = cfg, cp
         # Built on the CPU under a meta build too (init.materialize moves it);
         # not persistent: no checkpoint key.
         self.register_buffer("totals", torch.zeros(cfg.num_experts + FIGURES,
@@ -68,6 +69,7 @@ class RoutingCounter(nn.Module):
         figures = self.totals[E:]
         if capacity is not None:
             figures[DROPPED] += (counts - capacity).clamp(min=0).sum()
-        figures[AUX_LOSS] += load_balancing_loss(routing, self.cfg).double()
-        figures[Z_LOSS] += router_z_loss(routing).double()
-        figures[CALLS] += 1
+        figures[AUX_LOSS] += load_balancing_loss(routing, self.cfg, self.cp).double()
+        figures[Z_LOSS] += router_z_loss(routing, self.cp).double()
+        # The cp ranks' losses are shares of one micro-batch's: together one call.
+        figures[CALLS] += 1 / self.cp.size

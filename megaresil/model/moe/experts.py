@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megaresil.model.moe.routing import Routing
 from megaresil.parallel.expert_parallel import EPGroup, all_to_all, exchange_counts
-from megaresil.parallel.sharding import EXPERT_AXIS, AxisShard, ShardSpec, set_spec
+from megaresil.parallel.sharding import EXPERT_AXIS, EXPERT_REPLICAS, AxisShard, ShardSpec, set_spec
 from megaresil.parallel.tensor_parallel import TPGroup
 
 
@@ -127,7 +127,7 @@ def _expert_stack(shape: tuple[int, int, int], tp_dim: int, tp: TPGroup,
     shards = (AxisShard(0, EXPERT_AXIS, ep.size, ep.rank),
               AxisShard(tp_dim, "tp", tp.size, tp.rank))
     # Split over ep, the stacks have replicas only across ep groups: edp.
-    replicas = ("edp",) if ep.active else ShardSpec().replicated_over
+    replicas = EXPERT_REPLICAS if ep.active else ShardSpec().replicated_over
     set_spec(param, ShardSpec(shards=shards, replicated_over=replicas))
     return param
 

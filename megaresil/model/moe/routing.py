@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megaresil.config import MoEConfig, RouterScore
 from megaresil.model.losses import z_loss
+from megaresil.parallel.context_parallel import CPGroup
 from megaresil.parallel.sharding import ShardSpec, set_spec
 from megaresil.parallel.tensor_parallel import TPGroup
 
@@ -48,22 +50,31 @@ def top_k_routing(logits: torch.Tensor, cfg: MoEConfig,
     return Routing(logits, scores, experts, chosen * cfg.routed_scaling_factor)
 
 
-def load_balancing_loss(routing: Routing, cfg: MoEConfig) -> torch.Tensor:
+def load_balancing_loss(routing: Routing, cfg: MoEConfig,
+                        cp: CPGroup = CPGroup()) -> torch.Tensor:
     """E * sum_i f_i * P_i (Switch Transformer, GShard): f_i the share of the
     micro-batch's top-k choices that went to expert i (no gradient), P_i
     expert i's mean score, normalised over the experts per token (sigmoid
-    scores do not sum to 1). 1 when balanced, E when one expert takes all."""
+    scores do not sum to 1). 1 when balanced, E when one expert takes all.
+    Under context parallelism f counts the whole sequences' choices (summed
+    over cp) and this rank's P is its share of the mean (every cp rank
+    holds as many tokens), so the cp ranks' losses sum to the whole one."""
     N, k = routing.experts.shape
-    share = torch.bincount(routing.experts.flatten(), minlength=cfg.num_experts) / (N * k)
+    counts = torch.bincount(routing.experts.flatten(), minlength=cfg.num_experts)
+    if cp.active:
+        dist.all_reduce(counts, group=cp.group)
+    share = counts / (N * cp.size * k)
     probs = routing.scores
     if cfg.score_function == RouterScore.sigmoid:
         probs = probs / probs.sum(-1, keepdim=True)
-    return cfg.num_experts * (share.to(probs.dtype) * probs.mean(0)).sum()
+    return cfg.num_experts * (share.to(probs.dtype) * probs.mean(0)).sum() / cp.size
 
 
-def router_z_loss(routing: Routing) -> torch.Tensor:
-    """The z-loss (model/losses.py) of the router's logits: keeps them small."""
-    return z_loss(torch.logsumexp(routing.logits, dim=-1))
+def router_z_loss(routing: Routing, cp: CPGroup = CPGroup()) -> torch.Tensor:
+    """The z-loss (model/losses.py) of the router's logits: keeps them small.
+    Under context parallelism this rank's share of the whole sequences'
+    mean (every cp rank holds as many tokens)."""
+    return z_loss(torch.logsumexp(routing.logits, dim=-1)) / cp.size
 
 
 class Router(nn.Module):
