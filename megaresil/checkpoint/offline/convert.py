@@ -43,6 +43,7 @@ class Target:
     dp: Optional[int] = None
     vpp: Optional[int] = None
     ep: Optional[int] = None
+    cp: Optional[int] = None
     distributed_optimizer: Optional[bool] = None
     backend: Optional[str] = None
     weights_only: bool = False
@@ -50,7 +51,7 @@ class Target:
 
     def recipe_changes(self) -> list[tuple[str, Any]]:
         named = [("parallel.tp", self.tp), ("parallel.pp", self.pp), ("parallel.dp", self.dp),
-                 ("parallel.vpp", self.vpp), ("parallel.ep", self.ep),
+                 ("parallel.vpp", self.vpp), ("parallel.ep", self.ep), ("parallel.cp", self.cp),
                  ("optimizer.distributed", self.distributed_optimizer),
                  ("checkpoint.backend", self.backend)]
         given = [(key, value) for key, value in named if value is not None]

@@ -53,7 +53,8 @@ def format_summary(info: dict, tensors: bool = False) -> str:
              f"step        {info['step']}  (samples consumed {info['consumed_samples']})",
              f"backend     {info['backend']}  (format v{info['format_version']})",
              f"layout      tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} "
-             f"vpp={layout['vpp']} sp={layout['sequence_parallel']} "
+             + "".join(f"{axis}={layout[axis]} " for axis in ("ep", "cp") if axis in layout)
+             + f"vpp={layout['vpp']} sp={layout['sequence_parallel']} "
              f"distributed_optimizer={layout['distributed_optimizer']}",
              f"parameters  {info['parameters']:,}"
              + ("  (weights only: no optimizer state, not a point to resume training from; "
