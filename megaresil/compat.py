@@ -419,3 +419,25 @@ def spin_cuda_kernel(cycles: int) -> None:
     """Queue a kernel that spins for `cycles` GPU clock cycles on the current
     CUDA device (torch.cuda._sleep, torch's own test helper)."""
     torch.cuda._sleep(cycles)
+
+
+def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash-attention kernel (what SDPA runs on the CPU) with
+    the rows' logsumexp (B, H, L), which the public SDPA does not return:
+    aten._scaled_dot_product_flash_attention_for_cpu."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=scale)
+    return out, lse
+
+
+def cpu_flash_attention_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+                              causal: bool, scale: float
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """That kernel's backward from the rows' output and logsumexp (which may
+    be merged over more keys than k, v hold: the grads are then this
+    block's share): aten._scaled_dot_product_flash_attention_for_cpu_backward."""
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return dq, dk, dv

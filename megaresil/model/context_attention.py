@@ -29,6 +29,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megaresil import compat
 from megaresil.config import ContextComm
 from megaresil.model.masks import visible
 from megaresil.parallel.context_parallel import CPGroup
@@ -102,6 +103,11 @@ class _Span:
         return visible(queries, keys, self.window, query_documents=self.documents[:, queries],
                        key_documents=self.documents[:, keys]).unsqueeze(1)
 
+    def fused(self, q: torch.Tensor) -> bool:
+        """Whether torch's CPU flash kernel computes the blocks: on the CPU,
+        where every block is whole or causal (no window, no documents)."""
+        return q.device.type == "cpu" and self.window is None and self.documents is None
+
     def scores(self, q: torch.Tensor, k: torch.Tensor, chunk: int) -> torch.Tensor:
         s = (q @ _repeat(k, q.shape[1]).transpose(-2, -1)) * self.scale
         return s.masked_fill(~self.seen(chunk, q.device), float("-inf"))
@@ -109,16 +115,25 @@ class _Span:
     def forward(self, q: torch.Tensor, kv: torch.Tensor,
                 chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, logsumexp) of the queries over one key chunk's keys."""
+        if self.fused(q):
+            return compat.cpu_flash_attention(q, _repeat(kv[0], q.shape[1]),
+                                              _repeat(kv[1], q.shape[1]),
+                                              causal=chunk == self.index, scale=self.scale)
         s = self.scores(q, kv[0], chunk)
         lse = torch.logsumexp(s, dim=-1)
         probs = torch.exp(s - _finite(lse).unsqueeze(-1))
         return probs @ _repeat(kv[1], q.shape[1]), lse
 
     def backward(self, q: torch.Tensor, kv: torch.Tensor, chunk: int, dout: torch.Tensor,
-                 lse: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dq, dkv) of one block, from the row's merged logsumexp and
-        delta = rowsum(dout * out)."""
+                 out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dq, dkv) of one block, from the rows' merged output and logsumexp."""
         heads, groups = q.shape[1], kv.shape[2]
+        if self.fused(q):
+            dq, dk, dv = compat.cpu_flash_attention_grads(
+                dout, q, _repeat(kv[0], heads), _repeat(kv[1], heads), out, lse,
+                causal=chunk == self.index, scale=self.scale)
+            return dq, torch.stack([_fold(dk, groups), _fold(dv, groups)])
+        delta = (dout * out).sum(dim=-1)
         probs = torch.exp(self.scores(q, kv[0], chunk) - _finite(lse).unsqueeze(-1))
         dv = probs.transpose(-2, -1) @ dout
         dscores = probs * (dout @ _repeat(kv[1], heads).transpose(-2, -1) - delta.unsqueeze(-1))
@@ -174,11 +189,10 @@ def _key_grads(q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torc
     """One key chunk's (dk, dv) from every local query chunk that sees it;
     the queries' grads added into `dq` (per query chunk)."""
     dkv = torch.zeros_like(kv)
-    delta = (dout * out).sum(dim=-1)
-    parts = zip(_halves(q), _halves(dout), lse.chunk(2, dim=-1), delta.chunk(2, dim=-1))
-    for i, (span, (q_i, dout_i, lse_i, delta_i)) in enumerate(zip(spans, parts)):
+    parts = zip(_halves(q), _halves(dout), _halves(out), lse.chunk(2, dim=-1))
+    for i, (span, (q_i, dout_i, out_i, lse_i)) in enumerate(zip(spans, parts)):
         if span.sees(chunk):
-            dq_block, dkv_block = span.backward(q_i, kv, chunk, dout_i, lse_i, delta_i)
+            dq_block, dkv_block = span.backward(q_i, kv, chunk, dout_i, out_i, lse_i)
             dq[i] += dq_block
             dkv += dkv_block
     return dkv
