@@ -145,7 +145,9 @@ def no_live_copy(cfg: RecipeConfig) -> Optional[NoLiveCopy]:
     p = cfg.parallel
     if p.dp == 1 and p.cp == 1:
         return NoLiveCopy("at dp=1 no data-parallel peer holds a copy of a rank's state", False)
-    if p.ep == p.dp:
+    # Under cp > 1 (no experts: config/context.py) the cp peers hold every
+    # rank's whole state, whatever dp.
+    if p.ep == p.dp and p.cp == 1:
         return NoLiveCopy(f"at ep = dp = {p.dp} each rank holds the only copy of its experts",
                           True)
     if cfg.optimizer.distributed:
