@@ -55,21 +55,27 @@ def assert_bit_equal(report: dict, reference: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_lost_cp_rank_is_replaced_from_its_cp_peer_bit_equal(cli_main, tmp_path,
-                                                              cp_reference):
-    """Rank 1 killed (SIGKILL) as step 5 begins: its replacement takes step
-    4's state from rank 0's memory, its cp peer (no dp peer exists), no step
-    is trained twice, and the run ends bit-equal to the fault-free one."""
-    report, events = chaos(cli_main, tmp_path, cp_reference, "kill-rank-replace")
-    assert report["restart_kind"] == "replace", report
-    assert report["steps_lost"] == 0 and report["relaunches"] == 0, report
-    loads = [(e["tier"], e["step"], e["from_peers"]) for e in events
+@pytest.mark.parametrize("scenario", ["kill-rank-replace", "kill-rank"])
+def test_a_lost_cp_rank_recovers_bit_equal(cli_main, tmp_path, cp_reference, scenario):
+    """Rank 1 killed (SIGKILL) as step 5 begins. kill-rank-replace: its
+    replacement takes step 4's state from rank 0's memory, its cp peer (no
+    dp peer exists), and rank 0 keeps its process; kill-rank: every worker
+    is relaunched and loads step 4's checkpoint at cp=2. Either way no step
+    is trained twice and the run ends bit-equal to the fault-free one."""
+    report, events = chaos(cli_main, tmp_path, cp_reference, scenario)
+    assert report["steps_lost"] == 0, report
+    loads = [(e["tier"], e["step"], e.get("from_peers")) for e in events
              if e["event"] == "checkpoint_loaded"]
-    assert loads == [("live", 4, {"1": 0})], loads
     assert [r["step"] for r in read_metrics(report["faulted"]) if "loss" in r] == \
         list(range(1, 9))
-    assert len({e["process_started"] for e in events
-                if e["event"] == "generation_started"}) == 1  # rank 0 kept its process
+    if scenario == "kill-rank-replace":
+        assert report["restart_kind"] == "replace" and report["relaunches"] == 0, report
+        assert loads == [("live", 4, {"1": 0})], loads
+        assert len({e["process_started"] for e in events
+                    if e["event"] == "generation_started"}) == 1  # rank 0 kept its process
+    else:
+        assert report["restart_kind"] == "relaunch", report
+        assert [(tier, step) for tier, step, _ in loads] == [("global", 4)], loads
     assert_bit_equal(report, cp_reference)
 
 
