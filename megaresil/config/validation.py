@@ -145,6 +145,8 @@ def no_live_copy(cfg: RecipeConfig) -> Optional[NoLiveCopy]:
     p = cfg.parallel
     if p.dp == 1 and p.cp == 1:
         return NoLiveCopy("at dp=1 no data-parallel peer holds a copy of a rank's state", False)
+    # Under cp > 1 the cp peers hold every rank's whole state, experts
+    # included (they are replicated over (edp, cp)), whatever dp.
     if p.ep == p.dp and p.cp == 1:
         return NoLiveCopy(f"at ep = dp = {p.dp} each rank holds the only copy of its experts",
                           True)

@@ -32,13 +32,12 @@ from megaresil.drills.run import (
 from megaresil.drills.scenarios import (
     RENDEZVOUS_READ_TIMEOUT_S,
     Scenario,
-    dp_peer,
     fault_overrides,
     scenarios,
     sick_node_check,
 )
 from megaresil.observe.report import write_report
-from megaresil.parallel.layout import visible_gpus
+from megaresil.parallel.layout import ParallelLayout, visible_gpus
 from megaresil.resilience.faults import check_device_faults
 from megaresil.safe_files import write_atomic
 
@@ -59,7 +58,7 @@ def run_scenario(recipe: str, overrides: list[str], name: str, *, reference: Opt
     save_step = interval * max(2, fault_step // interval)
     rank = world - 1 if rank is None else rank
     table = scenarios(rank, fault_step, save_step, world, cfg.train.global_batch_size,
-                      dp_peer(rank, cfg.parallel.tp, cfg.parallel.dp))
+                      whole_state_peer(cfg, rank))
     if name not in table:
         raise ValueError(f"--scenario: unknown scenario {name!r}; one of {sorted(table)}")
     scenario = table[name]
@@ -142,9 +141,26 @@ def needs_etcd(scenario, rendezvous: Rendezvous) -> bool:
     return scenario.rendezvous_host or rendezvous.backend != "c10d"
 
 
+def whole_state_peer(cfg, rank: int) -> int:
+    """A peer holding `rank`'s whole state (ParallelLayout.whole_state_groups:
+    its data-parallel replicas, and its context-parallel peers): the next in
+    its group, or at the last the one before."""
+    group = next(group for group in ParallelLayout.planned(cfg.parallel, rank)
+                 .whole_state_groups() if rank in group)
+    at = group.index(rank)
+    return group[at + 1] if at + 1 < len(group) else group[at - 1]
+
+
+def replicas(cfg) -> int:
+    """How many ranks hold each dense parameter alike, which the replica
+    check compares (ParallelLayout.replica_axes: dp, and cp's peers)."""
+    layout = ParallelLayout.planned(cfg.parallel, 0)
+    return layout.size(*layout.replica_axes()[0])
+
+
 def check_fits(scenario, cfg, fault_step: int) -> None:
     """Refuse a drill that could not show what it tests, before any run."""
-    if cfg.parallel.dp < scenario.min_dp:
+    if replicas(cfg) < scenario.min_dp:
         raise ValueError(f"--scenario {scenario.name}: needs data-parallel replicas to compare "
                          f"(parallel.dp >= {scenario.min_dp}, got {cfg.parallel.dp}); add "
                          f"parallel.dp={scenario.min_dp}")

@@ -24,7 +24,7 @@ class Scenario:
     rendezvous_host: bool = False
     # Settings of a reference run of the scenario's own (the shared one has none).
     reference_settings: list[str] = field(default_factory=list)
-    min_dp: int = 1  # replicas to compare (the bit flips)
+    min_dp: int = 1  # replicas to compare (the bit flips): over dp and cp
     spike_window: int = 0  # > 0: the fault step must come after warmup and this many steps
     kill_replacement: bool = False  # the first replacement started is killed as it appears
     spares: int = 0  # node scenarios: agents that wait as hot spares beside the two nodes
@@ -83,16 +83,10 @@ def local_tier_settings(world: int) -> list[str]:
             "checkpoint.local.replicas=1", f"checkpoint.local.ranks_per_node={max(1, world // 2)}"]
 
 
-def dp_peer(rank: int, tp: int, dp: int) -> int:
-    """A data-parallel peer of `rank` (same tp and pp coordinates; the mesh
-    is (pp, dp, tp), tp fastest): the next replica, or at the last the first."""
-    return rank - tp if (rank // tp) % dp == dp - 1 else rank + tp
-
-
 def scenarios(rank: int, step: int, save_step: int, world: int = 2,
               global_batch: int = 1, peer: int = 0) -> dict[str, Scenario]:
     """The scenarios of a fault on `rank` at `step` (`save_step`: a step
-    that saves); `peer`: a data-parallel peer of `rank`."""
+    that saves); `peer`: a peer holding `rank`'s whole state (chaos.whole_state_peer)."""
     in_process = ["resilience.in_process=true"]
     replace = in_process + ["resilience.replacement.enabled=true"]
     relaunch = ["resilience.in_process=false", "resilience.max_restarts=2"]

@@ -199,3 +199,14 @@ def test_the_default_is_dense_and_a_llama_may_have_experts():
     # bf16 under ZeRO-1 at ep = dp: the experts' group of one rank keeps whole main copies.
     assert load_recipe(TINY, MOE + ["parallel.ep=2", "optimizer.distributed=true",
                                     "train.precision=bf16"]).parallel.ep == 2
+
+
+def test_context_parallel_peers_are_a_live_copy_for_replacement():
+    """At dp = 1, cp = 2 the cp peer holds a rank's whole state: live
+    replacement is allowed (it was refused as if ep = dp held experts)."""
+    from megaresil.config import no_live_copy
+    cp2 = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "parallel.cp=2",
+           "data.seq_len=32", "resilience.replacement.enabled=true"]
+    assert no_live_copy(load_recipe(TINY, cp2)) is None
+    alone = no_live_copy(load_recipe(TINY, cp2[:3] + ["resilience.replacement.enabled=true"]))
+    assert alone is not None and not alone.refused
