@@ -1,4 +1,4 @@
-"""The GPU path in one run: correctness, precision, throughput/MFU, checkpoint I/O, offload, a hang drill.
+"""The GPU path in one run: correctness, precision, throughput/MFU, checkpoint I/O, offload, context attention, a hang drill.
 
 Run by tools/gpu_check.sh on a CUDA machine (the call: 7.5 minutes on one H200,
 every check with its own deadline from tools/gpu_check_budget.py); writes
@@ -465,6 +465,52 @@ def activation_offload(check: Check) -> dict:
     return result
 
 
+def context_attention_vs_sdpa(check: Check) -> dict:
+    """Context-parallel attention's blocks (model/context_attention.py) on the
+    device at a long sequence: every rank of cp=2 and cp=4 in this one
+    process (one GPU: no cp group of two), the keys and values as the
+    all-gather hands them; output and q, k, v grads against SDPA's causal
+    attention, fp32, TF32 off, as max |error| / max |reference|."""
+    from megaresil.model import context_attention as ca
+    from megaresil.parallel.context_parallel import CPGroup
+
+    T = 256 if check.dry_run else 8192
+    B, H, G, D = 1, 8, 4, 64
+    gen = torch.Generator(device=check.device).manual_seed(0)
+    q, dout = (torch.randn(B, H, T, D, device=check.device, generator=gen) for _ in range(2))
+    k, v = (torch.randn(B, G, T, D, device=check.device, generator=gen) for _ in range(2))
+    scale = D ** -0.5
+
+    def error(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got - want).abs().max() / want.abs().max()).item()
+
+    result: dict = {"seq": T, "heads": H, "kv_heads": G, "head_dim": D}
+    with tf32_off():
+        qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+        ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=True)
+        ref.backward(dout)
+        assert qr.grad is not None and kr.grad is not None and vr.grad is not None
+        for cp in (2, 4):
+            chunks = list(zip(torch.stack([k, v]).chunk(2 * cp, dim=-2), range(2 * cp)))
+            dkv = torch.zeros(2, B, G, T, D, device=check.device)
+            worst = {"out": 0.0, "dq": 0.0}
+            for rank in range(cp):
+                group = CPGroup(None, cp, rank)
+                q_r, dout_r = group.slice_sequence(q, dim=2), group.slice_sequence(dout, dim=2)
+                spans = ca._spans(group, T // cp, None, scale)
+                out, lse = ca._forward(q_r, spans, iter(chunks))
+                dq = [torch.zeros_like(half) for half in ca._halves(q_r)]
+                grads = [ca._key_grads(q_r, out, dout_r, lse, spans, kv, c, dq) for kv, c in chunks]
+                dkv += torch.cat(grads, dim=-2)
+                worst["out"] = max(worst["out"], error(out, group.slice_sequence(ref, dim=2)))
+                worst["dq"] = max(worst["dq"],
+                                  error(torch.cat(dq, dim=-2), group.slice_sequence(qr.grad, dim=2)))
+            worst |= {"dk": error(dkv[0], kr.grad), "dv": error(dkv[1], vr.grad)}
+            result[f"cp{cp}"] = {name: float(f"{e:.2e}") for name, e in worst.items()}
+    result["ok"] = all(e <= 1e-4 for cp in (2, 4) for e in result[f"cp{cp}"].values())
+    return result
+
+
 def not_on_this_device(check: Check) -> dict:
     """What the call cannot measure on the lent machine, and why."""
     return {"skipped": "TE, apex and multi-GPU NCCL: see the reasons",
@@ -473,7 +519,9 @@ def not_on_this_device(check: Check) -> dict:
             "apex": "NVIDIA apex is built from source with CUDA (many minutes; PyPI's apex is "
                     "another package)",
             "multi_gpu_nccl": "one GPU: NCCL refuses two ranks of one communicator on one device "
-                              "(hang-in-collective, TP/DP over NCCL need two GPUs)"}
+                              "(hang-in-collective, TP/DP over NCCL need two GPUs)",
+            "context_parallel_ranks": "one GPU: world 1, so no cp group; its attention's blocks "
+                                      "are checked in one process (context_attention_vs_sdpa)"}
 
 
 # The chaos tests' watchdog settings: 1 s budgets, so a drill takes seconds.
@@ -547,8 +595,8 @@ DRILL_UNPROVEN = (
 
 
 CHECKS = [logits_cuda_vs_cpu, bf16_vs_fp32_loss, te_vs_local, throughput_1b, mcore_1b,
-          moe_logits_and_step, checkpoint_io, activation_offload, nccl_hang_drill,
-          not_on_this_device]
+          moe_logits_and_step, checkpoint_io, activation_offload, context_attention_vs_sdpa,
+          nccl_hang_drill, not_on_this_device]
 
 
 class PastDeadline(Exception):

@@ -2,9 +2,10 @@
 # The GPU path in one call (<= 7.5 minutes on one H200, tools/gpu_check_budget.py): CUDA vs CPU
 # logits, bf16 vs fp32 loss, TE vs local logits (when TE imports), tokens/s, MFU and peak memory
 # of the ~1B Llama recipe against a plain PyTorch loop and Megatron-Core, checkpoint save/load
-# GB/s against raw writes and the async stall, activation offload vs none, the hang drill, then
-# the GPU tests. Writes $OUT/gpu_check.json after each check (OUT: a directory, made if missing;
-# default gpu_check_out), keeps every log under $OUT and prints a short table and a verdict last.
+# GB/s against raw writes and the async stall, activation offload vs none, context-parallel
+# attention's blocks vs SDPA at 8192 tokens, the hang drill, then the GPU tests. Writes
+# $OUT/gpu_check.json after each check (OUT: a directory, made if missing; default
+# gpu_check_out), keeps every log under $OUT and prints a short table and a verdict last.
 #   tools/gpu_check.sh [--dry-run]      --dry-run: the same logic on CPU at toy sizes
 #   tools/gpu_check.sh --prepare        here, with network: the wheels the device lacks, for its
 #                                       Python 3.12 / manylinux, into .gpu-wheels/ (carry it)

@@ -25,6 +25,7 @@ BUDGET_S = {
     "moe_logits_and_step": 30,  # MoE logits vs the CPU, a 10-step bf16 run of a ~0.39B MoE
     "checkpoint_io": 40,
     "activation_offload": 25,
+    "context_attention_vs_sdpa": 8,  # cp=2 and 4's attention blocks vs SDPA at 8192 tokens
     "nccl_hang_drill": 110,  # chaos: a reference, the drill, its relaunch
     "not_on_this_device": 1,
     "pytest_gpu": 55,  # pytest -m gpu on the GPU test files

@@ -56,7 +56,7 @@ class ActivationOffload(str, enum.Enum):
 
 
 class ContextComm(str, enum.Enum):
-    """How context-parallel ranks share keys and values (parallel/context_attention.py)."""
+    """How context-parallel ranks share keys and values (model/context_attention.py)."""
     allgather = "allgather"
     p2p = "p2p"
 

@@ -2,25 +2,16 @@
 (parallel/context_parallel.py: each rank holds a head and a tail chunk).
 
 Each query chunk attends to the key chunks at or before it, block by block,
-with an online softmax: every block gives its output and its rows'
-logsumexp, and the blocks merge by their logsumexps, so no rank ever holds
-a row's whole attention. The backward recomputes each block's
-probabilities from the merged logsumexp (FlashAttention's recurrence), so
-what a layer keeps for its backward is the rank's own q, k, v, output and
-logsumexp, whatever cp is. Written by hand: torch's experimental
-`context_parallel` works on DTensors and CUDA's fused kernels and takes no
-sliding window; this runs on any device and backend (gloo included).
-
-How a rank gets the other ranks' keys and values (parallel.cp_comm_type):
-- allgather: one all-gather of k and v per layer, again in the backward
-  (nothing gathered is kept), whose key and value grads go back to their
-  owners by one reduce-scatter. One collective each way, volume
-  2(cp-1)/cp of the sequence's k and v per rank; small under GQA, where k
-  and v have fewer heads than q (Llama 3's choice for its long context).
-- p2p: the k and v blocks pass around the ring, cp-1 exchanges of one
-  block each, each overlapping a block's compute; the backward passes the
-  blocks round again with their grads, which arrive home after the last
-  hop. The same volume in cp-1 messages (Megatron-Core's default).
+with an online softmax (outputs merged by their rows' logsumexps); the
+backward recomputes each block's probabilities from the merged logsumexp
+(FlashAttention's recurrence), so a layer keeps only the rank's own q, k,
+v, output and logsumexp, whatever cp is. Written by hand: torch's
+experimental `context_parallel` works on DTensors and CUDA's fused kernels
+and takes no sliding window; this runs on any device and backend. How a
+rank gets the other ranks' keys and values (parallel.cp_comm_type:
+allgather, one all-gather per layer and a reduce-scatter of the grads; p2p,
+a ring of cp-1 exchanges overlapping compute), why allgather is the default
+and the bytes each moves: docs/parallelism.md, "Context parallelism".
 """
 from __future__ import annotations
 

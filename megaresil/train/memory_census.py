@@ -29,7 +29,7 @@ from megaresil.parallel.grad_groups import zero1
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.sharding import spec_of
 from megaresil.plan.memory import RankMemory, in_flight_microbatches
-from megaresil.train.memory_shapes import MetaStandIns, balance_routing
+from megaresil.train.memory_shapes import MetaStandIns, balance_routing, plan_context_parallel
 from megaresil.train.precision import logits_dtype, resolve
 
 META = torch.device("meta")
@@ -133,6 +133,7 @@ def microbatch_activations(cfg: RecipeConfig, layout: ParallelLayout,
     for chunk in meta_chunks(cfg, layout):
         chunk.train()
         balance_routing(chunk)
+        plan_context_parallel(chunk)
         chunk.to(META)  # the buffers a meta build keeps on the CPU (the routers')
         if precision == Precision.bf16:
             chunk.to(torch.bfloat16)

@@ -1,11 +1,15 @@
 """What the memory census's meta forward (train/memory_census.py) runs in
 place of the parts of a forward whose memory a meta tensor cannot show:
-attention, whose kernel a real device picks, and a mixture-of-experts
-layer's routing, whose rows per expert depend on the data. Shapes only;
-nothing here runs in training."""
+attention, whose kernel a real device picks, a mixture-of-experts layer's
+routing, whose rows per expert depend on the data, and context-parallel
+attention and loss, which talk to the other cp ranks. Shapes only; nothing
+here runs in training."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -13,10 +17,12 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from megaresil import compat
-from megaresil.config import MoEConfig
+from megaresil.config import ContextComm, MoEConfig
+from megaresil.model.layers import Attention
 from megaresil.model.moe import MoEBlock
 from megaresil.model.moe.experts import GroupedExperts, expert_capacity
 from megaresil.model.moe.routing import Routing
+from megaresil.parallel.context_parallel import CPGroup
 
 
 class _FusedAttentionMemory(torch.autograd.Function):
@@ -101,3 +107,59 @@ def balance_routing(chunk: nn.Module) -> None:
         if isinstance(module, MoEBlock):
             module.dispatcher = BalancedRows(module.moe)  # type: ignore[assignment]
             module.counter.train(False)
+
+
+class _ContextAttentionMemory(torch.autograd.Function):
+    """What model/context_attention.py keeps for backward: the rank's own
+    q, k, v (in fp32, its compute dtype), its output and the (B, H, T/cp)
+    logsumexp, whatever cp is; and, for the peak, what a forward holds
+    while it runs: the stacked k and v, the other ranks' (all of them
+    gathered, or under p2p the block in hand and the one arriving) and one
+    block's scores and probabilities. Shapes only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp):  # (B, H, T/cp, D), keys and values (B, G, T/cp, D)
+        B, H, T, D = q.shape
+        blocks = cp.size if cp.comm == ContextComm.allgather else 2
+        working = [k.new_empty(blocks, 2, *k.shape),  # k and v stacked, and the others'
+                   q.new_empty(B, H, T // 2, T // 2), q.new_empty(B, H, T // 2, T // 2)]
+        del working
+        out = q.new_empty(B, H, T, v.shape[-1])
+        lse = q.new_empty(B, H, T)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("the memory estimate runs no backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlannedCP(CPGroup):
+    """A cp rank of a layout that does not run: its slice and positions as a
+    running rank's, its loss share without asking the other ranks (the
+    share's scalars are no memory to count)."""
+
+    def share_of_mean(self, mean: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return mean
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        return value.detach().clone()
+
+
+def _context_core(attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  samples: Optional[torch.Tensor], documents: object) -> torch.Tensor:
+    out = _ContextAttentionMemory.apply(q.float(), k.float(), v.float(), attention.cp)
+    return out.to(q.dtype)
+
+
+def plan_context_parallel(chunk: nn.Module) -> None:
+    """Give a meta `chunk` built for a cp rank (parallel.cp > 1) the
+    stand-ins above: its attention keeps what context attention keeps, its
+    loss takes its share without the other ranks."""
+    for module in chunk.modules():
+        cp = getattr(module, "cp", None)
+        if isinstance(cp, CPGroup) and cp.active:
+            module.cp = _PlannedCP(None, cp.size, cp.rank, cp.comm)  # type: ignore[assignment]
+            if isinstance(module, Attention):
+                module.core = functools.partial(_context_core, module)  # type: ignore[method-assign]

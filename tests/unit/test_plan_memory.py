@@ -54,12 +54,14 @@ def test_one_rank_estimate_is_within_the_stated_error(tmp_path, overrides):
     assert abs(error) <= ESTIMATE_ERROR, error
 
 
-# Two-rank layouts, one spawned group: a stage of each kind, TP, ZeRO-1.
+# Two-rank layouts, one spawned group: a stage of each kind, TP, ZeRO-1, CP.
+CP2 = ["parallel.cp=2", "model.attention_dropout=0"]
 TWO_RANKS = {"tp2": ["parallel.tp=2"],
              "pp2-1f1b": ["parallel.pp=2", "parallel.schedule=1f1b"],
              "dp2-zero1": ["parallel.dp=2", "optimizer.distributed=true"],
              "tp2-sp-full": ["parallel.tp=2", "parallel.sequence_parallel=true",
-                             "model.recompute=full"]}
+                             "model.recompute=full"],
+             "cp2": CP2, "cp2-p2p": CP2 + ["parallel.cp_comm_type=p2p"]}
 
 
 def _two_rank_worker(rank: int, port: int, out_dir: str, errors: dict) -> None:
@@ -93,6 +95,21 @@ def test_layouts_split_the_state_as_their_rules_say(tmp_path):
                                                                           rel=0.02)
     pp2 = estimate(load_recipe(RECIPE, base + ["parallel.pp=2"]), "cpu")
     assert [(r.stage, r.in_flight) for r in pp2] == [(0, 2), (1, 1)]  # 1F1B
+
+
+def test_context_parallel_ranks_keep_their_share_of_the_activations(tmp_path):
+    """Under cp a rank keeps the activations of its T/cp tokens: at cp=2 half
+    of cp=1's, at cp=4 a quarter, and the same state. (In fp32: under bf16
+    the attention's fp32 copies of q, k, v and its output add to that.)"""
+    base = TINY + SHAPE + [f"run.dir={tmp_path}", "model.attention_dropout=0",
+                           "train.precision=fp32"]
+    (whole,) = estimate(load_recipe(RECIPE, base), "cpu")
+    for cp in (2, 4):
+        (part,) = estimate(load_recipe(RECIPE, base + [f"parallel.cp={cp}"]), "cpu")
+        assert part.ranks == tuple(range(cp))
+        assert part.activations == pytest.approx(whole.activations / cp, rel=0.1), cp
+        assert (part.params, part.grads, part.optimizer) == (whole.params, whole.grads,
+                                                             whole.optimizer)
 
 
 def test_state_bytes_per_parameter_are_megatrons(tmp_path):
