@@ -497,7 +497,7 @@ def context_attention_vs_sdpa(check: Check) -> dict:
             for rank in range(cp):
                 group = CPGroup(None, cp, rank)
                 q_r, dout_r = group.slice_sequence(q, dim=2), group.slice_sequence(dout, dim=2)
-                spans = ca._spans(group, T // cp, None, scale)
+                spans = ca._spans(group, T // cp, ca._Mask(None, scale, None))
                 out, lse = ca._forward(q_r, spans, iter(chunks))
                 dq = [torch.zeros_like(half) for half in ca._halves(q_r)]
                 grads = [ca._key_grads(q_r, out, dout_r, lse, spans, kv, c, dq) for kv, c in chunks]

@@ -69,9 +69,7 @@ class CPGroup:
         if not self.active:
             return None
         kept = (targets != IGNORE_TARGET).sum().to(torch.float32)
-        total = kept.clone()
-        dist.all_reduce(total, group=self.group)
-        return kept / total
+        return kept / self.sum(kept)
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """`value` summed over the cp ranks (a copy; no grad)."""

@@ -137,11 +137,8 @@ class _ContextAttentionMemory(torch.autograd.Function):
 @dataclasses.dataclass(frozen=True)
 class _PlannedCP(CPGroup):
     """A cp rank of a layout that does not run: its slice and positions as a
-    running rank's, its loss share without asking the other ranks (the
-    share's scalars are no memory to count)."""
-
-    def share_of_mean(self, mean: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return mean
+    running rank's, its sums (the loss share's, the routing counts') without
+    asking the other ranks (scalars and counts are no memory to count)."""
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         return value.detach().clone()

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -60,9 +59,7 @@ def load_balancing_loss(routing: Routing, cfg: MoEConfig,
     over cp) and this rank's P is its share of the mean (every cp rank
     holds as many tokens), so the cp ranks' losses sum to the whole one."""
     N, k = routing.experts.shape
-    counts = torch.bincount(routing.experts.flatten(), minlength=cfg.num_experts)
-    if cp.active:
-        dist.all_reduce(counts, group=cp.group)
+    counts = cp.sum(torch.bincount(routing.experts.flatten(), minlength=cfg.num_experts))
     share = counts / (N * cp.size * k)
     probs = routing.scores
     if cfg.score_function == RouterScore.sigmoid:
