@@ -1,4 +1,4 @@
-"""Every TP/PP/DP/EP layout reproduces the single-process run: losses within 1e-5
+"""Every TP/PP/DP/EP/CP layout reproduces the single-process run: losses within 1e-5
 relative per step over 10 steps (fp32), and the same gradients after a step.
 Layouts with activation recomputation, partitioned or offloaded checkpoints
 are held to the reference without recomputation."""
@@ -22,6 +22,8 @@ CORPUS = "CORPUS"
 DOCUMENTS = ["data.source=indexed", f"data.path={CORPUS}", "data.tokenizer=byte",
              "data.reset_position_ids=true", "data.reset_attention_mask=true",
              "data.eod_mask_loss=true", "train.eval_batches=1"]  # eval masks alike
+LONG = ["data.seq_len=128", "model.max_seq_len=128", "train.micro_batch_size=1",
+        "train.global_batch_size=4"]
 # Model variants; each has its own single-process reference run.
 VARIANTS = {
     "gpt2": [],
@@ -38,6 +40,11 @@ VARIANTS = {
     "qwen2_window": LLAMA + ["model.flavour=qwen2", "model.sliding_window=5"],
     # Learned positions reset per document, then cut along the sequence under SP.
     "gpt2_documents": DOCUMENTS,
+    # Long sequences for context parallelism: 128 tokens (chunks of 16 at
+    # cp=4), four per step. GQA; then hidden dropout, whose masks each cp
+    # rank draws for its own chunks of the whole sequence's.
+    "llama_long": LLAMA + LONG,
+    "gpt2_long_dropout": LONG + ["model.dropout=0.1"],
 }
 TP = ["parallel.tp=2"]
 SP = ["parallel.sequence_parallel=true"]
@@ -48,6 +55,7 @@ FP32 = ["train.precision=fp32"]  # ep = dp with ZeRO-1 refuses bf16, so auto too
 FULL = ["model.recompute=full"]
 PARTITION = FULL + ["model.activation_partition=true"]
 OFFLOAD = ["model.activation_offload=cpu"]
+CP2, CP4, P2P = ["parallel.cp=2"], ["parallel.cp=4"], ["parallel.cp_comm_type=p2p"]
 
 # (layout name, overrides, variants), grouped by world size.
 LAYOUTS = {
@@ -68,7 +76,9 @@ LAYOUTS = {
          ["model.recompute_policy=block", "model.recompute_layers=1"], ["gpt2_dropout"]),
         ("pp2_vpp2_zero_bubble_full_offload", ["parallel.pp=2", "parallel.vpp=2",
                                                "parallel.schedule=interleaved_zero_bubble"]
-         + FULL + OFFLOAD, ["gpt2_dropout"])],
+         + FULL + OFFLOAD, ["gpt2_dropout"]),
+        ("cp2", CP2, ["llama_long", "gpt2_long_dropout"]),
+        ("cp2_p2p", CP2 + P2P, ["llama_long"])],
     4: [("tp4", ["parallel.tp=4"], ["gpt2", "llama"]),
         ("dp4", ["parallel.dp=4"], ["gpt2", "llama"]),
         ("tp2_dp2", TP + ["parallel.dp=2"], ["gpt2", "llama"]),
@@ -76,12 +86,17 @@ LAYOUTS = {
         ("dp4_ep4_distopt", ["parallel.dp=4"] + EP4 + DISTOPT + FP32, ["llama_moe"]),
         ("tp2_dp2_ep2_sp", TP + SP + ["parallel.dp=2"] + EP2, ["llama_moe"]),
         ("pp2_vpp2_dp2_ep2_distopt", ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2"]
-         + EP2 + DISTOPT + FP32, ["llama_moe"])],
+         + EP2 + DISTOPT + FP32, ["llama_moe"]),
+        ("cp4_p2p", CP4 + P2P, ["llama_long"]),
+        ("tp2_cp2_sp", TP + CP2 + SP, ["llama_long", "gpt2_long_dropout"]),
+        ("cp2_dp2_distopt", CP2 + ["parallel.dp=2"] + DISTOPT, ["llama_long"])],
     8: [("tp2_pp2_dp2", THREE_D, ["gpt2", "llama", "gpt2_untied", "llama_tied", "llama_moe"]),
         ("tp2_pp2_dp2_sp_distopt", THREE_D + SP + DISTOPT, ["gpt2", "llama", "gpt2_documents"]),
         ("tp2_dp4_ep2_distopt", TP + ["parallel.dp=4"] + EP2 + DISTOPT, ["llama_moe"]),
         ("tp2_pp2_dp2_partition_uniform2", THREE_D + PARTITION + ["model.recompute_layers=2"],
-         ["gpt2_dropout"])],
+         ["gpt2_dropout"]),
+        ("tp2_pp2_cp2_distopt", TP + ["parallel.pp=2"] + CP2 + DISTOPT, ["llama_long"]),
+        ("cp4_dp2", CP4 + ["parallel.dp=2"], ["gpt2_long_dropout"])],
 }
 
 
