@@ -52,15 +52,16 @@ def check_attention(cp: CPGroup, window) -> None:
                                    msg=lambda m: f"{what} d{name}: {m}")
 
 
-def check_share_of_mean(cp: CPGroup) -> None:
-    """Each rank's share of the whole sequence's mean, whatever share of
-    the counted tokens it holds, sums over the cp ranks to that mean."""
+def check_token_share(cp: CPGroup) -> None:
+    """Each rank's mean over its counted tokens times its token share,
+    whatever share of the counted tokens it holds, sums over the cp ranks to
+    the whole sequence's mean."""
     g = torch.Generator().manual_seed(1)
     losses, targets = torch.rand(B, T, generator=g), torch.randint(0, 9, (B, T), generator=g)
     targets[:, : T // 3] = IGNORE_TARGET  # the first ranks' head chunks count less
     counted = targets != IGNORE_TARGET
     mine, my_targets = cp.slice_sequence(losses), cp.slice_sequence(targets)
-    share = cp.share_of_mean(mine[my_targets != IGNORE_TARGET].mean(), my_targets)
+    share = mine[my_targets != IGNORE_TARGET].mean() * cp.token_share(my_targets)
     torch.testing.assert_close(cp.sum(share), losses[counted].mean())
 
 
@@ -74,7 +75,7 @@ def _worker(rank: int, port: int) -> None:
                 for window in WINDOWS:
                     check_attention(cp, window)
                 if comm == ContextComm.allgather:
-                    check_share_of_mean(cp)
+                    check_token_share(cp)
     finally:
         dist.destroy_process_group()
 

@@ -22,7 +22,7 @@ CORPUS = "CORPUS"
 DOCUMENTS = ["data.source=indexed", f"data.path={CORPUS}", "data.tokenizer=byte",
              "data.reset_position_ids=true", "data.reset_attention_mask=true",
              "data.eod_mask_loss=true", "train.eval_batches=1"]  # eval masks alike
-LONG = ["data.seq_len=128", "model.max_seq_len=128", "train.micro_batch_size=1",
+LONG = ["data.seq_len=1024", "model.max_seq_len=1024", "train.micro_batch_size=1",
         "train.global_batch_size=4"]
 # Model variants; each has its own single-process reference run.
 VARIANTS = {
@@ -40,7 +40,7 @@ VARIANTS = {
     "qwen2_window": LLAMA + ["model.flavour=qwen2", "model.sliding_window=5"],
     # Learned positions reset per document, then cut along the sequence under SP.
     "gpt2_documents": DOCUMENTS,
-    # Long sequences for context parallelism: 128 tokens (chunks of 16 at
+    # Long sequences for context parallelism: 1024 tokens (chunks of 128 at
     # cp=4), four per step. GQA; then hidden dropout, whose masks each cp
     # rank draws for its own chunks of the whole sequence's.
     "llama_long": LLAMA + LONG,
@@ -77,8 +77,10 @@ LAYOUTS = {
         ("pp2_vpp2_zero_bubble_full_offload", ["parallel.pp=2", "parallel.vpp=2",
                                                "parallel.schedule=interleaved_zero_bubble"]
          + FULL + OFFLOAD, ["gpt2_dropout"]),
-        ("cp2", CP2, ["llama_long", "gpt2_long_dropout"]),
-        ("cp2_p2p", CP2 + P2P, ["llama_long"])],
+        # Documents and windows across chunks (chunks of 4), experts' routing
+        # losses and counts over the cp ranks.
+        ("cp2", CP2, ["llama_long", "gpt2_long_dropout", "gpt2_documents", "llama_moe"]),
+        ("cp2_p2p", CP2 + P2P, ["llama_long", "qwen2_window"])],
     4: [("tp4", ["parallel.tp=4"], ["gpt2", "llama"]),
         ("dp4", ["parallel.dp=4"], ["gpt2", "llama"]),
         ("tp2_dp2", TP + ["parallel.dp=2"], ["gpt2", "llama"]),
@@ -89,7 +91,8 @@ LAYOUTS = {
          + EP2 + DISTOPT + FP32, ["llama_moe"]),
         ("cp4_p2p", CP4 + P2P, ["llama_long"]),
         ("tp2_cp2_sp", TP + CP2 + SP, ["llama_long", "gpt2_long_dropout"]),
-        ("cp2_dp2_distopt", CP2 + ["parallel.dp=2"] + DISTOPT, ["llama_long"])],
+        ("cp2_dp2_distopt", CP2 + ["parallel.dp=2"] + DISTOPT, ["llama_long"]),
+        ("cp2_dp2_ep2_distopt", CP2 + ["parallel.dp=2"] + EP2 + DISTOPT + FP32, ["llama_moe"])],
     8: [("tp2_pp2_dp2", THREE_D, ["gpt2", "llama", "gpt2_untied", "llama_tied", "llama_moe"]),
         ("tp2_pp2_dp2_sp_distopt", THREE_D + SP + DISTOPT, ["gpt2", "llama", "gpt2_documents"]),
         ("tp2_dp4_ep2_distopt", TP + ["parallel.dp=4"] + EP2 + DISTOPT, ["llama_moe"]),

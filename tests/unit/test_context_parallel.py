@@ -50,13 +50,13 @@ def test_cp1_is_the_whole_sequence():
     assert not group.active and group.slice_sequence(x) is x
     assert group.positions(10, torch.device("cpu")).tolist() == list(range(10))
     mean = torch.tensor(2.5)
-    assert group.share_of_mean(mean, torch.zeros(2, 10)) is mean
+    assert group.token_share(torch.zeros(2, 10)) is None
     assert group.sum(mean) is mean
 
 
 CP2 = ["parallel.cp=2", "parallel.tp=1", "parallel.pp=1", "parallel.dp=1", "data.seq_len=64",
        "model.max_seq_len=64"]
-LLAMA_MOE = ["model.flavour=llama", "model.moe.num_experts=4"]
+LLAMA_MOE = ["model.flavour=llama", "model.moe.num_experts=4", "model.moe.capacity_factor=1.25"]
 
 
 @pytest.mark.parametrize("overrides,key,fix", [
@@ -64,13 +64,10 @@ LLAMA_MOE = ["model.flavour=llama", "model.moe.num_experts=4"]
      "choose data.seq_len a multiple of 4"),
     (CP2 + ["parallel.cp=4", "data.seq_len=68", "model.max_seq_len=68"], "data.seq_len",
      "choose data.seq_len a multiple of 8"),
-    (CP2 + LLAMA_MOE, "parallel.cp", "set parallel.cp=1 for a mixture-of-experts model"),
+    (CP2 + LLAMA_MOE, "model.moe.capacity_factor",
+     "set model.moe.capacity_factor=null (dropless), or parallel.cp=1"),
     (CP2 + ["model.attention_dropout=0.1"], "model.attention_dropout",
      "set model.attention_dropout=0, or parallel.cp=1"),
-    (CP2 + ["data.reset_attention_mask=true"], "data.reset_attention_mask",
-     "set parallel.cp=1, or turn it off"),
-    (CP2 + ["data.reset_position_ids=true"], "data.reset_position_ids",
-     "set parallel.cp=1, or turn it off"),
     (CP2 + ["model.backend=te"], "parallel.cp", "set model.backend=local, or parallel.cp=1"),
 ])
 def test_what_context_parallelism_does_not_take_is_refused(overrides, key, fix):
@@ -85,6 +82,12 @@ def test_a_context_parallel_recipe_loads():
     cfg = load_recipe(TINY, CP2 + ["parallel.dp=2", "optimizer.distributed=true",
                                    "data.eod_mask_loss=true"])
     assert cfg.parallel.world_size == 4
+    # Experts (dropless) and document masking compose with cp.
+    cfg = load_recipe(TINY, CP2 + ["parallel.dp=2", "parallel.ep=2", "model.flavour=llama",
+                                   "model.moe.num_experts=4", "data.source=shakespeare",
+                                   "data.reset_attention_mask=true",
+                                   "data.reset_position_ids=true"])
+    assert cfg.parallel.ep == 2 and cfg.data.reset_attention_mask
 
 
 def test_train_refuses_it_before_any_worker_starts(cli_main, tmp_path):
