@@ -10,9 +10,8 @@ window's first document may have begun in an earlier window and counts as
 starting at the window's start. `DocumentMasking.apply` finds the documents
 in a micro-batch's input tokens once, before the micro-batch reaches the
 model, and every pipeline stage and tensor-parallel rank is handed the
-result (`Documents`); a context-parallel rank finds them on the whole
-window too and keeps its chunks' positions and every token's document,
-which its attention compares across chunks (`Documents.context_slice`;
+result (`Documents`); a context-parallel rank keeps its chunks' positions
+and the whole window's documents (`Documents.context_slice`;
 docs/architecture.md, "Document masking").
 """
 from __future__ import annotations
