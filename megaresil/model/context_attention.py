@@ -10,7 +10,7 @@ experimental `context_parallel` works on DTensors and CUDA's fused kernels
 and takes no sliding window; this runs on any device and backend. How a
 rank gets the other ranks' keys and values (parallel.cp_comm_type:
 allgather, one all-gather per layer and a reduce-scatter of the grads; p2p,
-a ring of cp-1 exchanges overlapping compute), why allgather is the default
+a ring of cp-1 exchanges, the forward's overlapping compute), why allgather is the default
 and the bytes each moves: docs/parallelism.md, "Context parallelism".
 """
 from __future__ import annotations
