@@ -15,7 +15,7 @@ and the bytes each moves: docs/parallelism.md, "Context parallelism".
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -194,15 +194,23 @@ def _key_grads(q: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torc
 # at every merge (FlashAttention keeps them in fp32 too).
 
 
+def _attend_and_keep(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup,
+                     mask: _Mask, chunks: Callable[[torch.Tensor, CPGroup], Iterator[KeyChunk]]
+                     ) -> torch.Tensor:
+    """Both functions' forward: the output over the key chunks as
+    `chunks` brings them, keeping what the backward recomputes from."""
+    spans = _spans(cp, q.shape[-2], mask)
+    out, lse = _forward(q, spans, chunks(torch.stack([k, v]), cp))
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.cp, ctx.spans = cp, spans
+    return out
+
+
 class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup,
                 mask: _Mask) -> torch.Tensor:
-        spans = _spans(cp, q.shape[-2], mask)
-        out, lse = _forward(q, spans, _gathered_chunks(torch.stack([k, v]), cp))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.spans = cp, spans
-        return out
+        return _attend_and_keep(ctx, q, k, v, cp, mask, _gathered_chunks)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
@@ -233,11 +241,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPGroup,
                 mask: _Mask) -> torch.Tensor:
-        spans = _spans(cp, q.shape[-2], mask)
-        out, lse = _forward(q, spans, _ring_chunks(torch.stack([k, v]), cp))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.spans = cp, spans
-        return out
+        return _attend_and_keep(ctx, q, k, v, cp, mask, _ring_chunks)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
