@@ -33,7 +33,6 @@ same process group and timed in turn, round after round.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -47,6 +46,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# One step of the layers, the bytes held after forward: the activation bench's.
+from activation_memory import one_step
 
 from megaresil.config import ContextComm, Flavour, ModelConfig
 from megaresil.model.activation_meter import ActivationMeter
@@ -104,26 +106,11 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
                        max_seq_len=args.seq)
 
 
-def one_step(model: GPT, x0: torch.Tensor, weights: torch.Tensor,
-             meter: ActivationMeter | None) -> int:
-    """Forward and backward of the layers; the bytes held after forward."""
-    model.zero_grad(set_to_none=True)
-    with meter or contextlib.nullcontext():
-        x = x0 * 1.0  # the input is an activation too
-        y = model.stage_forward(x, None)
-        del x
-        loss = (y * weights).sum()
-        del y
-        held = meter.reading().device_bytes if meter else 0
-        loss.backward()
-    return held
-
-
 def timed(model: GPT, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
     """(wall, CPU) seconds of one step, the slowest rank's."""
     dist.barrier()
     wall, cpu = time.perf_counter(), time.process_time()
-    one_step(model, *inputs, None)
+    one_step(model, *inputs, None, None)
     both = torch.tensor([time.perf_counter() - wall, time.process_time() - cpu],
                         dtype=torch.float64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
@@ -151,10 +138,10 @@ def _worker(rank: int, cp: int, port: int, args: argparse.Namespace, result: str
         rows: dict[str, dict] = {}
         with Received() as received:
             for comm in comms:
-                one_step(models[comm], *inputs[comm], None)  # warm-up
+                one_step(models[comm], *inputs[comm], None, None)  # warm-up
                 meter = ActivationMeter(torch.device("cpu"))
                 received.total, received.counting = 0, True
-                held = one_step(models[comm], *inputs[comm], meter)
+                held = one_step(models[comm], *inputs[comm], None, meter)
                 received.counting = False
                 rows[comm.value] = {"held_bytes": held,
                                     "peak_bytes": meter.reading().peak_device_bytes,
