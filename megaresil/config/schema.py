@@ -249,6 +249,11 @@ class ParallelConfig:
                                     "gets the other ranks' keys and values: allgather (one "
                                     "all-gather per layer, recomputed in backward) or p2p (a "
                                     "ring of cp-1 exchanges, Megatron's default).")
+    dp_shard: int = doc(1, "Of the dp data-parallel ranks, how many shard the parameters, "
+                        "gradients and optimizer state (FSDP2, per transformer block): 1 "
+                        "replicates them (ZeRO-1 through optimizer.distributed), dp shards "
+                        "them fully (ZeRO-3), anything between is HSDP (dp/dp_shard replica "
+                        "groups). Divides dp.", bounds=POSITIVE)
     ep: int = doc(1, "Expert-parallel size: the experts split over groups of ep data-parallel "
                   "ranks (ep divides dp and model.moe.num_experts).", bounds=POSITIVE)
     vpp: int = doc(1, "Virtual pipeline chunks per stage (interleaved schedule when > 1).",

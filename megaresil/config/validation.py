@@ -30,6 +30,7 @@ from megaresil.config.schema import (
     microbatches_per_step,
     resolved_schedule,
 )
+from megaresil.config.sharded_data import validate_sharded_data
 
 
 def numeric_fields(node: Any, prefix: str = "") -> Iterator[tuple[str, float, Optional[Bounds]]]:
@@ -150,6 +151,9 @@ def no_live_copy(cfg: RecipeConfig) -> Optional[NoLiveCopy]:
     if p.ep == p.dp and p.cp == 1:
         return NoLiveCopy(f"at ep = dp = {p.dp} each rank holds the only copy of its experts",
                           True)
+    if p.dp_shard > 1:
+        return NoLiveCopy(f"parallel.dp_shard={p.dp_shard} keeps each parameter shard in one "
+                          "rank of its replica group only", False)
     if cfg.optimizer.distributed:
         return NoLiveCopy("optimizer.distributed=true keeps each optimizer shard in one rank's "
                           "memory only", False)
@@ -352,6 +356,7 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_expert_parallel(cfg.model.moe, cfg.parallel)
     _validate_expert_parallel_composes(cfg)
     validate_context_parallel(cfg)
+    validate_sharded_data(cfg)
     _validate_batch(cfg)
     _validate_pipeline(cfg)
     validate_ramp(cfg)

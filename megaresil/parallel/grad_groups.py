@@ -15,7 +15,7 @@ a group's squares over the data axes its parameters are cut along (ep).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union, cast
+from typing import Optional, Protocol, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -104,6 +104,19 @@ def grad_groups(params: list[nn.Parameter], targets: list[nn.Parameter],
 
 
 GroupOptimizer = Union[torch.optim.Optimizer, DistributedOptimizer]
+
+
+class StepGrads(Protocol):
+    """What a step drives its gradients through: `GroupedGrads`, or under
+    sharded data parallelism FSDP2's (parallel/fsdp.ShardedGrads)."""
+
+    def arm(self) -> None: ...
+    def fold_all(self, divisor: int = 1) -> None: ...
+    def finish(self) -> None: ...
+    def zero(self) -> None: ...
+    def close(self) -> None: ...
+    def held(self) -> list[Held]: ...
+    def sharded_over(self) -> list[tuple[str, ...]]: ...
 
 
 class GroupedGrads:

@@ -21,7 +21,7 @@ from megaresil.config import ContextComm, ParallelConfig
 from megaresil.parallel.context_parallel import CPGroup
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.mesh import MeshShape
-from megaresil.parallel.sharding import DENSE_REPLICAS, EXPERT_REPLICAS
+from megaresil.parallel.sharding import DENSE_REPLICAS, EXPERT_REPLICAS, SHARDED_REPLICAS
 from megaresil.parallel.tensor_parallel import TPGroup
 
 # The axes that split the data: a rank's data shard is its index over them.
@@ -79,12 +79,13 @@ class ParallelLayout:
     ep: int = 1
     cp: int = 1
     cp_comm: ContextComm = ContextComm.allgather
+    dp_shard: int = 1
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, device: torch.device) -> "ParallelLayout":
         """Build the mesh over the already-initialised default process group."""
         layout = cls(cfg.tp, cfg.pp, cfg.dp, cfg.vpp, cfg.sequence_parallel, device, ep=cfg.ep,
-                     cp=cfg.cp, cp_comm=cfg.cp_comm_type)
+                     cp=cfg.cp, cp_comm=cfg.cp_comm_type, dp_shard=cfg.dp_shard)
         if dist.is_initialized():
             layout.mesh = init_device_mesh(device.type, layout.shape.sizes,
                                            mesh_dim_names=layout.shape.names)
@@ -100,7 +101,7 @@ class ParallelLayout:
         """Rank `rank` of `cfg`'s layout, without processes: coordinates and
         shapes only, `group()` is None."""
         return cls(cfg.tp, cfg.pp, cfg.dp, cfg.vpp, cfg.sequence_parallel, planned_rank=rank,
-                   ep=cfg.ep, cp=cfg.cp, cp_comm=cfg.cp_comm_type)
+                   ep=cfg.ep, cp=cfg.cp, cp_comm=cfg.cp_comm_type, dp_shard=cfg.dp_shard)
 
     @property
     def shape(self) -> MeshShape:
@@ -170,13 +171,15 @@ class ParallelLayout:
         (ShardSpec.replicated_over), widest first: dp and cp, and under
         expert parallelism edp (the experts, alike only on ranks of the same
         ep coordinate)."""
+        if self.dp_shard > 1:
+            return [SHARDED_REPLICAS]
         return [DENSE_REPLICAS, EXPERT_REPLICAS] if self.ep > 1 else [DENSE_REPLICAS]
 
     def whole_state_groups(self) -> list[list[int]]:
         """The groups of ranks whose whole state (dense parameters and
         experts) is alike: those that differ in edp (dp at ep = 1) and cp
-        alone."""
-        return self.replica_groups(EXPERT_REPLICAS)
+        alone; under sharded data parallelism, in dp_replicate and cp."""
+        return self.replica_groups(SHARDED_REPLICAS if self.dp_shard > 1 else EXPERT_REPLICAS)
 
     def _groups_over_several_axes(self) -> list[tuple[str, ...]]:
         """GROUPS_NEEDED and the joined names (as dp over (edp, ep)) that span
@@ -214,6 +217,14 @@ class ParallelLayout:
             return None
         return self._own_group(self.shape.groups(("dp", "tp")))
 
+    def sharded_data_mesh(self) -> DeviceMesh:
+        """The DeviceMesh FSDP2 shards over: (dp_replicate, dp_shard) under
+        HSDP, dp_shard alone under full sharding."""
+        assert self.mesh is not None and self.dp_shard > 1, "sharded data parallelism needs a mesh"
+        if self.dp_shard == self.dp:
+            return self.mesh["dp_shard"]
+        return self.mesh["dp_replicate", "dp_shard"]
+
     def tensor_parallel(self) -> TPGroup:
         return TPGroup(self.group("tp"), self.tp, self.tp_rank, self.sequence_parallel)
 
@@ -241,5 +252,7 @@ class ParallelLayout:
         # every checkpoint) is the one it always was.
         expert = {"ep": self.ep} if self.ep > 1 else {}
         context = {"cp": self.cp} if self.cp > 1 else {}
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **expert, **context, "vpp": self.vpp,
+        sharded = {"dp_shard": self.dp_shard} if self.dp_shard > 1 else {}
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, **sharded, **expert, **context,
+                "vpp": self.vpp,
                 "sequence_parallel": self.sequence_parallel, "world_size": self.world_size}

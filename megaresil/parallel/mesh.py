@@ -12,6 +12,9 @@ rank's number and every dp index (edp * ep + ep index) are those of the
 "ep" is no axis at all (size 1). Context parallelism adds "cp" between dp
 and tp, (pp, dp, cp, tp) as Megatron orders them; at cp = 1 "cp" is no axis
 either, so a layout without it numbers and groups its ranks as it always did.
+Sharded data parallelism (dp_shard > 1) cuts "dp" into (dp_replicate,
+dp_shard), dp_shard innermost, as TorchTitan names them; at dp_shard = 1
+"dp_replicate" is "dp" and "dp_shard" no axis.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class Degrees(Protocol):
     dp: int
     ep: int
     cp: int
+    dp_shard: int
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,19 @@ class MeshShape:
     def of(cls, cfg: Degrees) -> "MeshShape":
         context = (("cp", cfg.cp),) if cfg.cp > 1 else ()
         no_context = (("cp", ()),) if cfg.cp == 1 else ()
+        if cfg.dp_shard > 1:  # sharded data parallelism (dense only: config/sharded_data.py)
+            return cls((("pp", cfg.pp), ("dp_replicate", cfg.dp // cfg.dp_shard),
+                        ("dp_shard", cfg.dp_shard), *context, ("tp", cfg.tp)),
+                       (("dp", ("dp_replicate", "dp_shard")), ("edp", ("dp_replicate", "dp_shard")),
+                        ("ep", ()), *no_context))
+        no_sharding: tuple[tuple[str, tuple[str, ...]], ...]
         if cfg.ep == 1:
+            no_sharding = (("dp_replicate", ("dp",)), ("dp_shard", ()))
             return cls((("pp", cfg.pp), ("dp", cfg.dp), *context, ("tp", cfg.tp)),
-                       (("edp", ("dp",)), ("ep", ()), *no_context))
+                       (("edp", ("dp",)), ("ep", ()), *no_context, *no_sharding))
+        no_sharding = (("dp_replicate", ("edp", "ep")), ("dp_shard", ()))
         return cls((("pp", cfg.pp), ("edp", cfg.dp // cfg.ep), ("ep", cfg.ep), *context,
-                    ("tp", cfg.tp)), (("dp", ("edp", "ep")), *no_context))
+                    ("tp", cfg.tp)), (("dp", ("edp", "ep")), *no_context, *no_sharding))
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -32,6 +32,9 @@ DENSE_REPLICAS = ("dp", "cp")
 # A stack of experts cut along ep: alike on the ranks of one ep coordinate
 # (edp) and their context-parallel peers.
 EXPERT_REPLICAS = ("edp", "cp")
+# Under sharded data parallelism (parallel.dp_shard > 1) a parameter's shard
+# is alike on the ranks of one dp_shard coordinate: its replica group.
+SHARDED_REPLICAS = ("dp_replicate", "cp")
 
 # Not `_`-prefixed: copies of a parameter's attributes skip private ones.
 _ATTRIBUTE = "shard_spec"

@@ -19,7 +19,8 @@ from megaresil.model.gpt import GPT
 from megaresil.model.masks import DocumentMasking
 from megaresil.model.moe import named_state_buffers
 from megaresil.observe.startup import process_times
-from megaresil.parallel.grad_groups import GroupedGrads, grad_groups, shards_its_group
+from megaresil.parallel.fsdp import ShardedGrads, row_shards, shard_chunks
+from megaresil.parallel.grad_groups import GroupedGrads, StepGrads, grad_groups, shards_its_group
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline
 from megaresil.resilience.supervision import Supervision
@@ -58,7 +59,7 @@ class TrainerParts:
     optimizer: Any  # one group's optimizer, or a ChainedOptimizer over several
     sharded_optimizer: bool  # whether any group's optimizer shards its state over dp (ZeRO-1)
     pipeline: Optional[Pipeline]  # the schedule over stages, None without pipeline parallelism
-    grads: GroupedGrads
+    grads: StepGrads  # GroupedGrads, or FSDP2's ShardedGrads under parallel.dp_shard > 1
     state: Progress
     checkpoint_state: LiveTrainingState
     checkpointing: TrainCheckpointing
@@ -74,11 +75,14 @@ def build_parts(cfg: RecipeConfig, layout: ParallelLayout, supervision: Supervis
         cfg.data, cfg.model.vocab_size, cfg.train.seed, need_valid=cfg.train.eval_batches > 0)
     masking = document_masking(cfg)
     chunks = build_model(cfg, layout, draw=draw)
+    precision = resolve(cfg.train.precision, layout.device)
+    sharded_data = layout.dp_shard > 1
+    if sharded_data:  # FSDP2: its sharded fp32 parameters are bf16's main weights
+        shard_chunks(chunks, layout, precision)
     checkpoint_key = checkpoint_key_map(cfg)
     model = nn.ModuleList(chunks)
     params = [p for p in model.parameters() if p.requires_grad]
-    precision = resolve(cfg.train.precision, layout.device)
-    bf16 = precision == Precision.bf16
+    bf16 = precision == Precision.bf16 and not sharded_data
     # The fp32 main weights, chosen per gradient group: whole copies here, or
     # where the group shards under ZeRO-1 only this rank's rows, which its
     # distributed optimizer keeps (experts in a group of one rank, edp = 1,
@@ -103,12 +107,14 @@ def build_parts(cfg: RecipeConfig, layout: ParallelLayout, supervision: Supervis
                          # grads have already moved to fp32.
                          scale_grads=False)
                 if layout.pp > 1 else None)
-    grads = GroupedGrads(groups, group_parts(optimizer), grad_dtype=torch.float32)
+    grads: StepGrads = (ShardedGrads(params) if sharded_data else
+                        GroupedGrads(groups, group_parts(optimizer), grad_dtype=torch.float32))
     state = Progress(skipped=configured_skips(cfg))
     checkpoint_state = LiveTrainingState(
         cfg, layout, list(named_state_parameters(chunks, checkpoint_key, opt_params)), optimizer,
         state, supervision.watchdog, after_load=main_to_model(main, optimizer) if bf16 else None,
-        named_buffers=[(checkpoint_key(name), t) for name, t in named_state_buffers(chunks)])
+        named_buffers=[(checkpoint_key(name), t) for name, t in named_state_buffers(chunks)],
+        param_shards=row_shards(params, layout) if sharded_data else None)
     checkpointing = TrainCheckpointing.build(
         cfg, checkpoint_state, events, watchdog=supervision.watchdog, device=layout.device,
         fence=supervision.fence, rank=layout.rank, job_started=process_times()["launched_at"],

@@ -3,16 +3,17 @@ train/lr_schedule.py), and global-norm gradient clipping."""
 from __future__ import annotations
 
 from collections import ChainMap
-from typing import Optional, Sequence, TypeGuard
+from typing import Mapping, Optional, Sequence, TypeGuard
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from megaresil.checkpoint.keys import HeldMoments, MainRowsOf, MomentsOf
+from megaresil.checkpoint.keys import MOMENTS, HeldMoments, MainRowsOf, MomentsOf
 from megaresil.compat import foreach_mul_, foreach_norm
 from megaresil.config import OptimizerConfig
-from megaresil.parallel.distributed_optimizer import DistributedOptimizer
+from megaresil.parallel.distributed_optimizer import DistributedOptimizer, RowShard
+from megaresil.parallel.fsdp import local_part
 from megaresil.parallel.grad_groups import GradGroup, GroupOptimizer
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.sharding import spec_of
@@ -156,10 +157,14 @@ class AdamState:
     them) and one step count. With several gradient groups (a
     `ChainedOptimizer`), each group's optimizer holds its parameters' state."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, param_shards: Optional[Mapping[int, RowShard]] = None):
+        """`param_shards`: under sharded data parallelism (FSDP2), each
+        parameter's rows on this rank, whose moments and weights its local
+        shards are (parallel/fsdp.row_shards)."""
         parts = group_parts(optimizer)
         sharded = [p for p in parts if isinstance(p, DistributedOptimizer)]
-        self.sharded = bool(sharded)
+        self.param_shards = dict(param_shards or {})
+        self.sharded = bool(sharded) or bool(self.param_shards)
         self.separate_main = any(p.separate_main for p in sharded)
         self.inners: list[torch.optim.Optimizer] = [
             p.inner if isinstance(p, DistributedOptimizer) else p for p in parts]
@@ -182,6 +187,11 @@ class AdamState:
         self._ensure_state()
 
         def held(param: nn.Parameter) -> Optional[HeldMoments]:
+            rows = self.param_shards.get(id(param))
+            if rows is not None:
+                state = self.state_of(param)
+                return (None if rows.stop <= rows.start else
+                        ({m: local_part(state[m]) for m in MOMENTS}, rows))
             shard = self.shards.get(id(param))
             if shard is None:
                 return self.state_of(param), None
@@ -191,7 +201,10 @@ class AdamState:
 
     def main_rows(self) -> MainRowsOf:
         """Under bf16 with ZeRO-1 the shards' fp32 rows are the weights this
-        rank holds (train/precision.shard_main_params)."""
+        rank holds (train/precision.shard_main_params); under sharded data
+        parallelism every parameter's local rows are."""
+        if self.param_shards:
+            return lambda param: self.param_shards.get(id(param))
         if not (self.sharded and self.separate_main):
             return lambda param: None
         return lambda param: self.shards.get(id(param))

@@ -15,6 +15,7 @@ import torch.nn as nn
 from megaresil.checkpoint.keys import MOMENTS, WEIGHTS, moment_key
 from megaresil.checkpoint.state import RunRecord, layout_record
 from megaresil.config import RecipeConfig, to_dict
+from megaresil.parallel.distributed_optimizer import RowShard
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.random import capture_rng_state, restore_rng_state
 from megaresil.resilience.numerics import LossWatch
@@ -70,16 +71,19 @@ class LiveTrainingState:
                  named_params: list[tuple[str, nn.Parameter]], optimizer, position: Progress,
                  watchdog: Optional[Watchdog] = None,
                  after_load: Optional[Callable[[], None]] = None,
-                 named_buffers: Sequence[tuple[str, torch.Tensor]] = ()):
+                 named_buffers: Sequence[tuple[str, torch.Tensor]] = (),
+                 param_shards: Optional[Mapping[int, RowShard]] = None):
         """`named_params`: what is saved under each key (under bf16, the fp32
         main copies); `after_load` runs once loaded tensors are in place (it
         copies main weights into a bf16 model); `named_buffers`: the state
-        held outside the parameters (the expert biases)."""
+        held outside the parameters (the expert biases); `param_shards`: under
+        sharded data parallelism, each parameter's rows on this rank
+        (parallel/fsdp.row_shards)."""
         self.cfg, self.layout, self.named_params = cfg, layout, named_params
         self.buffers = list(named_buffers)
         self.after_load = after_load
         self.model_config = cfg.model
-        self.optimizer = AdamState(optimizer)
+        self.optimizer = AdamState(optimizer, param_shards)
         self.position = position  # step and consumed samples, updated by the loop
         self.watchdog = watchdog
         self.recipe = to_dict(cfg)  # once: converting the config takes ~0.1 s, saves are frequent

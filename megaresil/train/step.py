@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megaresil.model.masks import Documents
 from megaresil.parallel.data_parallel import all_reduce_sequence_parallel_grads
-from megaresil.parallel.grad_groups import GroupedGrads, Held
+from megaresil.parallel.grad_groups import Held, StepGrads
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import sync_tied_embedding_grads
 from megaresil.train.build import TrainerParts
@@ -77,7 +77,7 @@ def set_moe_loss_scale(parts: TrainerParts, value: float) -> None:
         chunk.moe_loss_scale.value = value
 
 
-def sync_grads(grads: GroupedGrads, layout: ParallelLayout) -> list[Held]:
+def sync_grads(grads: StepGrads, layout: ParallelLayout) -> list[Held]:
     """Finish the grad reductions; returns per gradient group (param, grad
     this rank steps on)."""
     grads.finish()  # DP mean, or under the distributed optimizer its row shards
@@ -90,7 +90,7 @@ def sync_grads(grads: GroupedGrads, layout: ParallelLayout) -> list[Held]:
     return held
 
 
-def step_figures(held: list[Held], grads: GroupedGrads, layout: ParallelLayout,
+def step_figures(held: list[Held], grads: StepGrads, layout: ParallelLayout,
                  loss: torch.Tensor, loss_factor: float = 1.0) -> StepResult:
     """The attempt's global grad norm and data-parallel mean loss, with this
     rank's own loss and squared norm (resilience.numerics reads them)."""

@@ -1,0 +1,128 @@
+"""Sharded data parallelism (parallel.dp_shard > 1) through PyTorch's FSDP2
+`fully_shard`: each transformer block one unit, the chunk's embedding, final
+norm and head the root's, so a tied embedding and its head stay one
+parameter. Under HSDP (dp_shard < dp) FSDP2 reduce-scatters over dp_shard and
+all-reduces over dp_replicate.
+
+FSDP2 shards dim 0 of each parameter's tensor-parallel block in ceil-sized
+rows, as the distributed optimizer does (`shard_rows`), so a shard is a
+`RowShard` of the block and checkpoints, norms and the replica check take
+it through the seams ZeRO-1 built: the checkpoint writes the same
+layout-free rects, and a run moves between plain DP, ZeRO-1, HSDP and full
+sharding at any tp x pp.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from megaresil.config import Precision
+from megaresil.parallel.distributed_optimizer import RowShard, shard_rows
+from megaresil.parallel.grad_groups import Held
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.parallel.sharding import SHARDED_REPLICAS, set_spec, spec_of
+
+# The axis whose ranks each hold a shard of every parameter (sum_over_shards).
+SHARD_AXIS = "dp_shard"
+
+
+def policy_for(precision: Precision) -> MixedPrecisionPolicy:
+    """bf16: the sharded fp32 parameters are the main weights, gathered in
+    bf16 for compute, gradients reduced in fp32 (TorchTitan's default);
+    otherwise compute in the parameters' own dtype."""
+    if precision == Precision.bf16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_chunks(chunks: Sequence[nn.Module], layout: ParallelLayout,
+                 precision: Precision) -> None:
+    """Apply `fully_shard` to each chunk's blocks and then the chunk. Each
+    parameter keeps its spec (FSDP2 makes new DTensor parameters), now
+    replicated over dp_replicate only. Under a pipeline the gathered
+    parameters stay until backward (TorchTitan's choice: each micro-batch's
+    forward would gather them again), and the schedule's entry point,
+    `stage_forward`, gathers the root's parameters as `forward` does."""
+    mesh, policy = layout.sharded_data_mesh(), policy_for(precision)
+    reshard = layout.pp == 1
+    for chunk in chunks:
+        specs = {name: spec_of(p) for name, p in chunk.named_parameters()}
+        layers = chunk.get_submodule("layers")
+        for block in layers.children():
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(chunk, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        register_fsdp_forward_method(chunk, "stage_forward")
+        for name, param in chunk.named_parameters():
+            set_spec(param, dataclasses.replace(specs[name], replicated_over=SHARDED_REPLICAS))
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded parameter (or its state), the tensor
+    itself otherwise: a view of the shard's storage, writable in place."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def row_shards(params: Sequence[nn.Parameter], layout: ParallelLayout) -> dict[int, RowShard]:
+    """By id(parameter), each sharded parameter's rows on this rank: a
+    shape-only stand-in of its tensor-parallel block (with its spec, for the
+    checkpoint's rects) and the local shard as the view."""
+    rank = layout.coordinate(SHARD_AXIS)
+    shards = {}
+    for param in params:
+        block = nn.Parameter(torch.empty(param.shape, device="meta"), requires_grad=False)
+        set_spec(block, spec_of(param))
+        start, stop, per_rank = shard_rows(param.shape[0], layout.dp_shard, rank)
+        # The shard's storage, as the optimizer's RowShard views are
+        # Parameters over theirs.
+        view = nn.Parameter(local_part(param.data), requires_grad=False)
+        shards[id(param)] = RowShard(block, start, stop, per_rank, view)
+    return shards
+
+
+class ShardedGrads:
+    """The gradients FSDP2 reduce-scatters into each parameter's shard,
+    driven as `GroupedGrads` are: FSDP2 launches the reductions during
+    backward and has waited for them when it returns."""
+
+    def __init__(self, params: Sequence[nn.Parameter]):
+        self.params = list(params)
+
+    def arm(self) -> None:
+        pass  # every backward reduces: the shards accumulate the micro-batches' means
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def fold_all(self, divisor: int = 1) -> None:
+        """Divide the summed grads by a pipeline's micro-batch count."""
+        if divisor != 1:
+            for grad in self._local_grads():
+                grad.div_(divisor)
+
+    def zero(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    def held(self) -> list[Held]:
+        """One group: (param, its grad's local shard); a parameter that got
+        no grad this step steps on zeros, as a grad buffer's view would be."""
+        return [[(param, grad) for param, grad in zip(self.params, self._local_grads())]]
+
+    def sharded_over(self) -> list[tuple[str, ...]]:
+        return [(SHARD_AXIS,)]
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(local_part(param.grad))
+        return grads
