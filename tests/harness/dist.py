@@ -16,10 +16,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from megaresil.config import load_recipe
 from megaresil.ports import free_port
 from megaresil.parallel.layout import ParallelLayout
+from megaresil.parallel.fsdp import local_part
 from megaresil.parallel.sharding import spec_of
 from megaresil.train.loop import Trainer
 
@@ -103,6 +105,8 @@ def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
         if spec.pipeline_copy:
             continue
         grad = param.grad
+        if isinstance(grad, DTensor):  # FSDP2's shard over dp_shard: gathered
+            grad = grad.full_tensor()
         for shard in spec.shards:
             if shard.axis in ("tp", "ep") and layout.size(shard.axis) > 1:
                 parts = [torch.empty_like(grad) for _ in range(layout.size(shard.axis))]
@@ -117,7 +121,7 @@ def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of optimizer state tensors held by this rank."""
     inner = getattr(optimizer, "inner", optimizer)
-    return sum(t.numel() * t.element_size() for state in inner.state.values()
+    return sum(local_part(t).numel() * t.element_size() for state in inner.state.values()
                for t in state.values() if torch.is_tensor(t) and t.ndim > 0)
 
 
