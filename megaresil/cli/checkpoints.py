@@ -55,7 +55,7 @@ def _convert_target(args: argparse.Namespace) -> Target:
 
     distributed = None if args.distributed_optimizer is None else args.distributed_optimizer == "on"
     return Target(tp=args.tp, pp=args.pp, dp=args.dp, vpp=args.vpp, ep=args.ep, cp=args.cp,
-                  distributed_optimizer=distributed, backend=args.backend,
+                  dp_shard=args.dp_shard, distributed_optimizer=distributed, backend=args.backend,
                   weights_only=args.weights_only, overrides=args.set)
 
 
@@ -77,7 +77,7 @@ def _convert_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.recipe and not (args.from_hf or args.from_megatron):
         parser.error("--recipe applies to --from-hf and --from-megatron only (a checkpoint "
                      "carries its recipe)")
-    layout_options = [args.tp, args.pp, args.dp, args.vpp, args.ep, args.cp,
+    layout_options = [args.tp, args.pp, args.dp, args.vpp, args.ep, args.cp, args.dp_shard,
                       args.distributed_optimizer,
                       args.backend, args.weights_only or None, args.set or None]
     if args.to_hf and any(option is not None for option in layout_options):
@@ -182,8 +182,9 @@ def add_convert_parser(sub) -> None:
                          "--to-megatron) or DST (--from-hf, --from-megatron); SRC may be a run "
                          "directory, its checkpoints/ or "
                          "checkpoints/latest (the newest valid checkpoint)")
-    for name in ("tp", "pp", "dp", "vpp", "ep", "cp"):
-        convert.add_argument(f"--{name}", type=int, help=f"target parallel.{name}")
+    for name in ("tp", "pp", "dp", "vpp", "ep", "cp", "dp_shard"):
+        convert.add_argument(f"--{name.replace('_', '-')}", type=int,
+                             help=f"target parallel.{name}")
     convert.add_argument("--distributed-optimizer", choices=["on", "off"],
                          help="target optimizer.distributed (moments as DP row shards)")
     convert.add_argument("--backend", choices=["torch_dist", "zarr"], help="target backend")

@@ -44,8 +44,9 @@ def layout_line(cfg: RecipeConfig) -> str:
     precision = resolve(cfg.train.precision, torch.device("cuda")).value
     if cfg.train.precision == Precision.auto:
         precision += " (auto, as on a GPU)"
-    parts = [f"tp={p.tp}", f"pp={p.pp}", f"dp={p.dp}"] + [f"{k}={v}" for k, v in
-                                                         (("vpp", p.vpp), ("ep", p.ep), ("cp", p.cp)) if v > 1]
+    parts = [f"tp={p.tp}", f"pp={p.pp}", f"dp={p.dp}"] + [
+        f"{k}={v}" for k, v in (("dp_shard", p.dp_shard), ("vpp", p.vpp), ("ep", p.ep),
+                                ("cp", p.cp)) if v > 1]
     return " ".join(parts + (["sp"] if p.sequence_parallel else []) +
                     [f"mbs={cfg.train.micro_batch_size}", f"recompute={cfg.model.recompute.value}",
                      f"zero1={'on' if cfg.optimizer.distributed else 'off'}",
@@ -61,7 +62,7 @@ def estimate(cfg: RecipeConfig, device_type: str = "cuda") -> list[RankMemory]:
     Expert ranks of a stage run the same shapes (a balanced routing): one
     forward per stage counts their activations."""
     precision = resolve(cfg.train.precision, torch.device(device_type))
-    built: dict[tuple[int, int], tuple[RankMemory, list[nn.Parameter]]] = {}
+    built: dict[tuple[int, int], tuple[RankMemory, list[nn.Parameter], int]] = {}
     activations: dict[int, tuple[int, int]] = {}  # by stage: (kept, transient)
     kinds: dict[RankMemory, list[int]] = {}
     for rank in range(cfg.parallel.world_size):
@@ -69,15 +70,19 @@ def estimate(cfg: RecipeConfig, device_type: str = "cuda") -> list[RankMemory]:
         where = (layout.pp_rank, layout.coordinate("ep"))
         if where not in built:
             last_tp = ParallelLayout.planned(cfg.parallel, rank + layout.tp - 1 - layout.tp_rank)
-            params = [p for chunk in meta_chunks(cfg, last_tp) for p in chunk.parameters()
-                      if p.requires_grad]
+            chunks = meta_chunks(cfg, last_tp)
+            params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
             if layout.pp_rank not in activations:
                 activations[layout.pp_rank] = microbatch_activations(cfg, last_tp, precision)
-            built[where] = rank_memory(cfg, last_tp, params, precision,
-                                       activations[layout.pp_rank]), params
-        memory, params = built[where]
+            built[where] = (rank_memory(cfg, last_tp, params, precision,
+                                        activations[layout.pp_rank]), params,
+                            largest_unit(chunks))
+        memory, params, unit = built[where]
         moments, main = optimizer_bytes(cfg, params, layout, precision)
-        kinds.setdefault(replace(memory, optimizer=moments, main=main), []).append(rank)
+        memory = replace(memory, optimizer=moments, main=main)
+        if layout.dp_shard > 1:
+            memory = sharded_data_bytes(memory, params, unit, layout, precision)
+        kinds.setdefault(memory, []).append(rank)
     return [replace(memory, ranks=tuple(ranks)) for memory, ranks in kinds.items()]
 
 
@@ -108,12 +113,40 @@ def optimizer_bytes(cfg: RecipeConfig, params: Iterable[nn.Parameter], layout: P
     for param in params:
         axes = spec_of(param).replicated_over
         held = param.numel()
-        if zero1(cfg.optimizer, layout.size(*axes)):
+        if layout.dp_shard > 1:
+            held = _sharded_numel(param, layout)
+        elif zero1(cfg.optimizer, layout.size(*axes)):
             shard = make_shard(param, layout.size(*axes), layout.index_over(axes))
             held = max(0, shard.stop - shard.start) * (param.numel() // max(1, _rows(param)))
         moments += held * MOMENTS * FP32
-        main += held * FP32 if precision == Precision.bf16 else 0
+        main += held * FP32 if precision == Precision.bf16 and layout.dp_shard == 1 else 0
     return moments, main
+
+
+def sharded_data_bytes(memory: RankMemory, params: list[nn.Parameter], unit: int,
+                       layout: ParallelLayout, precision: Precision) -> RankMemory:
+    """Under FSDP2 (parallel/fsdp.py): this rank's rows of every parameter in
+    fp32 (under bf16 they are the main weights) and of every grad, plus the
+    largest unit (`unit` elements) gathered whole in the compute dtype,
+    twice (the one in use and the next, prefetched)."""
+    width = 2 if precision == Precision.bf16 else FP32
+    rows = sum(_sharded_numel(p, layout) for p in params)
+    return replace(memory, params=rows * FP32 + 2 * unit * width, grads=rows * FP32)
+
+
+def _sharded_numel(param: nn.Parameter, layout: ParallelLayout) -> int:
+    shard = make_shard(param, layout.dp_shard, layout.coordinate("dp_shard"))
+    return max(0, shard.stop - shard.start) * (param.numel() // max(1, _rows(param)))
+
+
+def largest_unit(chunks: list[GPT]) -> int:
+    """Elements of the largest FSDP unit of `chunks` as parallel/fsdp.py
+    wraps them: a block, or a chunk's own parameters (embedding, head)."""
+    units = []
+    for chunk in chunks:
+        blocks = [sum(p.numel() for p in block.parameters()) for block in chunk.layers.values()]
+        units += blocks + [sum(p.numel() for p in chunk.parameters()) - sum(blocks)]
+    return max(units, default=0)
 
 
 def _rows(param: nn.Parameter) -> int:

@@ -54,8 +54,8 @@ def fitting_changes(cfg: RecipeConfig, limit: int) -> list[str]:
 
 
 def candidates(cfg: RecipeConfig) -> Iterator[Change]:
-    """Less memory, one knob first: more recomputation, ZeRO-1, smaller
-    micro-batches; then every other tp x pp x dp split of the same world,
+    """Less memory, one knob first: more recomputation, ZeRO-1, full
+    sharding (parallel.dp_shard), smaller micro-batches; then every other tp x pp x dp split of the same world,
     alone and with full recomputation and ZeRO-1."""
     p = cfg.parallel
     savings: Change = {}
@@ -67,6 +67,8 @@ def candidates(cfg: RecipeConfig) -> Iterator[Change]:
     if p.dp > 1 and not cfg.optimizer.distributed:
         yield {"optimizer.distributed": "true"}
         savings["optimizer.distributed"] = "true"
+    if p.dp > 1 and p.dp_shard < p.dp:  # FSDP2 over every data-parallel rank (refused where
+        yield {"parallel.dp_shard": p.dp, "optimizer.distributed": "false"}  # it does not compose)
     mbs = cfg.train.micro_batch_size // 2
     while mbs >= 1:
         yield {"train.micro_batch_size": mbs}

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megaresil.checkpoint.offline.convert import Target, convert
 from megaresil.events import read_events
 from tests.harness.dist import LLAMA, Case, run_cases
 from tests.multirank.test_checkpoint_context import losses, saved_tensors
+from tests.multirank.test_checkpoint_convert import assert_identical, manifest, shard_table
 
 # The vocabulary (300) pads to 384 rows: the last shard at dp_shard=4 is
 # mostly padding, which the checkpoint cuts.
@@ -83,3 +85,26 @@ def test_the_modes_save_the_same_state(runs):
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6,
                                        msg=f"{mode}: {key}")
+
+
+@pytest.mark.parametrize("mode", ["hsdp", "zero3"])
+def test_the_converters_plan_is_the_trainers_own_save(runs, tmp_path, mode):
+    """Planned offline, the rects a sharded run's ranks write and their
+    writers are exactly those its four ranks saved, checksums included."""
+    saved = runs / f"straight_{mode}" / "checkpoints" / "step_0000010"
+    out = convert(saved, tmp_path / "zarr", Target(backend="zarr"))
+    assert shard_table(out) == shard_table(saved)
+    assert manifest(out)["layout"] == manifest(saved)["layout"]
+
+
+def test_convert_moves_between_the_modes_bit_identically(runs, tmp_path):
+    """convert --dp-shard rewrites a replicated checkpoint as a sharded one
+    (its layout record says so) and back, every tensor unchanged."""
+    plain = runs / "straight_plain" / "checkpoints" / "step_0000010"
+    sharded = convert(plain, tmp_path / "zero3", Target(dp_shard=4))
+    assert manifest(sharded)["layout"]["dp_shard"] == 4
+    assert manifest(sharded)["layout"]["distributed_optimizer"]
+    assert_identical(plain, sharded)
+    back = convert(sharded, tmp_path / "plain", Target(dp_shard=1))
+    assert_identical(plain, back)
+    assert shard_table(back) == shard_table(plain)

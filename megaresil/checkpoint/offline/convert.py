@@ -44,6 +44,7 @@ class Target:
     vpp: Optional[int] = None
     ep: Optional[int] = None
     cp: Optional[int] = None
+    dp_shard: Optional[int] = None
     distributed_optimizer: Optional[bool] = None
     backend: Optional[str] = None
     weights_only: bool = False
@@ -52,6 +53,7 @@ class Target:
     def recipe_changes(self) -> list[tuple[str, Any]]:
         named = [("parallel.tp", self.tp), ("parallel.pp", self.pp), ("parallel.dp", self.dp),
                  ("parallel.vpp", self.vpp), ("parallel.ep", self.ep), ("parallel.cp", self.cp),
+                 ("parallel.dp_shard", self.dp_shard),
                  ("optimizer.distributed", self.distributed_optimizer),
                  ("checkpoint.backend", self.backend)]
         given = [(key, value) for key, value in named if value is not None]

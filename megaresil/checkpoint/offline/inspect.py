@@ -53,7 +53,7 @@ def format_summary(info: dict, tensors: bool = False) -> str:
              f"step        {info['step']}  (samples consumed {info['consumed_samples']})",
              f"backend     {info['backend']}  (format v{info['format_version']})",
              f"layout      tp={layout['tp']} pp={layout['pp']} dp={layout['dp']} "
-             + "".join(f"{axis}={layout[axis]} " for axis in ("ep", "cp") if axis in layout)
+             + "".join(f"{axis}={layout[axis]} " for axis in ("dp_shard", "ep", "cp") if axis in layout)
              + f"vpp={layout['vpp']} sp={layout['sequence_parallel']} "
              f"distributed_optimizer={layout['distributed_optimizer']}",
              f"parameters  {info['parameters']:,}"

@@ -9,7 +9,7 @@ so a planned rank's rects are exactly what that rank would save.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -20,7 +20,7 @@ from megaresil.checkpoint.state import layout_record
 from megaresil.config import RecipeConfig
 from megaresil.model.chunks import build_chunks
 from megaresil.model.moe import named_state_buffers
-from megaresil.parallel.distributed_optimizer import make_shard
+from megaresil.parallel.distributed_optimizer import RowShard, make_shard
 from megaresil.parallel.grad_groups import shards_over_dp, zero1
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.sharding import spec_of
@@ -32,8 +32,10 @@ def planned_ranks(cfg: RecipeConfig) -> list[ParallelLayout]:
 
 
 def distributed_optimizer(cfg: RecipeConfig) -> bool:
-    """Whether a trainer of this recipe shards its optimizer (as its gradient groups decide)."""
-    return shards_over_dp(cfg.optimizer, ParallelLayout.planned(cfg.parallel, 0))
+    """Whether a trainer of this recipe shards its optimizer (as its gradient
+    groups decide, or FSDP2 under sharded data parallelism)."""
+    return (cfg.parallel.dp_shard > 1
+            or shards_over_dp(cfg.optimizer, ParallelLayout.planned(cfg.parallel, 0)))
 
 
 def recipe_layout(cfg: RecipeConfig) -> dict:
@@ -46,7 +48,12 @@ def _planned_moments(cfg: RecipeConfig, rank: ParallelLayout) -> MomentsOf:
     parameter, or, where its gradient group shards (ZeRO-1), its row shard
     over the group's data-parallel ranks."""
 
+    rows = _planned_rows(cfg, rank)
+
     def held(param: nn.Parameter) -> Optional[HeldMoments]:
+        if rows is not None:
+            shard = rows(param)
+            return None if shard.stop <= shard.start else ({m: shard.view for m in MOMENTS}, shard)
         axes = spec_of(param).replicated_over
         if not zero1(cfg.optimizer, rank.size(*axes)):
             return {moment: param for moment in MOMENTS}, None
@@ -54,6 +61,15 @@ def _planned_moments(cfg: RecipeConfig, rank: ParallelLayout) -> MomentsOf:
         return None if shard.stop <= shard.start else ({m: shard.view for m in MOMENTS}, shard)
 
     return held
+
+
+def _planned_rows(cfg: RecipeConfig,
+                  rank: ParallelLayout) -> Optional[Callable[[nn.Parameter], RowShard]]:
+    """Under sharded data parallelism, a parameter's rows on `rank`: its
+    weights and moments there (parallel/fsdp.row_shards); else None."""
+    if cfg.parallel.dp_shard == 1:
+        return None
+    return lambda param: make_shard(param, rank.dp_shard, rank.coordinate("dp_shard"))
 
 
 RankState = tuple[list[tuple[str, nn.Parameter]], list[tuple[str, torch.Tensor]]]
@@ -80,7 +96,7 @@ def planned_rects(cfg: RecipeConfig, *, weights_only: bool) -> list[list[Rect]]:
         params, buffers = models[where]
         moments = None if weights_only else _planned_moments(cfg, rank)
         per_rank.append(state_rects(params, cfg.model, moments, include_copies=False,
-                                    named_buffers=buffers))
+                                    main_rows=_planned_rows(cfg, rank), named_buffers=buffers))
     return per_rank
 
 

@@ -1,0 +1,101 @@
+"""Sharded data parallelism's arithmetic and refusals (parallel.dp_shard):
+the mesh it cuts dp into, what each rank holds by the memory estimate and
+by the converter's plan of its checkpoint rects, and the recipes it
+refuses (config/sharded_data.py): one line naming the key and the fix,
+from `megaresil train` before any worker starts."""
+from __future__ import annotations
+
+import pytest
+
+from megaresil.checkpoint.offline.planning import planned_rects, recipe_layout
+from megaresil.config import ConfigError, ParallelConfig, load_recipe
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.parallel.mesh import MeshShape
+from megaresil.train.memory_census import estimate
+from tests.harness.cli import ROOT
+
+TINY = ROOT / "recipes" / "gpt-tiny.yaml"
+DP4 = ["parallel.tp=1", "parallel.pp=1", "parallel.dp=4", "train.global_batch_size=16"]
+
+
+@pytest.mark.parametrize("tp,pp,dp,dp_shard", [(1, 1, 4, 2), (2, 2, 4, 4), (2, 1, 8, 2)])
+def test_the_shard_axes_cut_dp_and_number_ranks_as_before(tp, pp, dp, dp_shard):
+    """dp is (dp_replicate, dp_shard), dp_shard innermost: every rank's
+    number and dp index are the unsharded mesh's, and a replica group
+    holds the ranks of one dp_shard coordinate."""
+    plain = MeshShape.of(ParallelConfig(tp=tp, pp=pp, dp=dp))
+    cut = MeshShape.of(ParallelConfig(tp=tp, pp=pp, dp=dp, dp_shard=dp_shard))
+    assert cut.names == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert cut.size("dp") == dp and cut.size("dp_shard") == dp_shard
+    for rank in range(tp * pp * dp):
+        assert cut.index_of(rank, ("dp",)) == plain.index_of(rank, ("dp",))
+        assert cut.index_of(rank, ("dp_shard",)) == plain.index_of(rank, ("dp",)) % dp_shard
+    layout = ParallelLayout.planned(ParallelConfig(tp=tp, pp=pp, dp=dp, dp_shard=dp_shard), 0)
+    for group in layout.whole_state_groups():
+        assert len(group) == dp // dp_shard
+        assert len({cut.index_of(r, ("dp_shard",)) for r in group}) == 1
+
+
+def test_without_sharding_the_mesh_is_unchanged():
+    cfg = ParallelConfig(tp=2, pp=2, dp=2)
+    assert MeshShape.of(cfg).names == ("pp", "dp", "tp")
+    assert MeshShape.of(cfg).expand(("dp_replicate",)) == ("dp",)
+    assert MeshShape.of(cfg).expand(("dp_shard",)) == ()
+    assert "dp_shard" not in ParallelLayout.planned(cfg, 0).describe()
+
+
+@pytest.mark.parametrize("dp_shard", [2, 4])
+def test_each_rank_estimates_a_dp_shard_share_of_its_state(dp_shard):
+    """plan --memory: moments and grads 1/dp_shard of the replicated run's
+    (within the uneven rows), and no separate main copies."""
+    (whole,) = estimate(load_recipe(TINY, DP4 + ["train.precision=bf16"]), "cpu")
+    kinds = estimate(load_recipe(TINY, DP4 + ["train.precision=bf16",
+                                              f"parallel.dp_shard={dp_shard}"]), "cpu")
+    assert sorted(r for k in kinds for r in k.ranks) == [0, 1, 2, 3]
+    assert sum(k.optimizer * len(k.ranks) for k in kinds) == whole.optimizer * 4 // dp_shard
+    for kind in kinds:
+        assert kind.main == 0 and kind.grads <= 1.1 * whole.grads / dp_shard
+
+
+@pytest.mark.parametrize("dp_shard", [2, 4])
+def test_the_converters_plan_covers_every_element_once_per_replica(dp_shard):
+    cfg = load_recipe(TINY, DP4 + [f"parallel.dp_shard={dp_shard}"])
+    per_rank = planned_rects(cfg, weights_only=False)
+    covered: dict[str, int] = {}
+    for rank in range(4):
+        for rect in per_rank[rank]:
+            covered[rect.key] = covered.get(rect.key, 0) + rect.tensor.numel()
+    shapes = {r.key: r.global_shape for rects in per_rank for r in rects}
+    for key, shape in shapes.items():
+        whole = 1
+        for size in shape:
+            whole *= size
+        assert covered[key] == whole * (4 // dp_shard), key
+    assert recipe_layout(cfg)["dp_shard"] == dp_shard and recipe_layout(cfg)["distributed_optimizer"]
+
+
+@pytest.mark.parametrize("overrides,key,fix", [
+    (["parallel.dp_shard=3"], "parallel.dp_shard", "choose a divisor of 4, or 1"),
+    (["parallel.dp_shard=2", "optimizer.distributed=true"], "optimizer.distributed",
+     "set optimizer.distributed=false, or parallel.dp_shard=1 for ZeRO-1"),
+    (["parallel.dp_shard=2", "parallel.ep=2", "model.flavour=llama", "model.moe.num_experts=4"],
+     "parallel.dp_shard", "set parallel.dp_shard=1 with model.moe.num_experts > 0"),
+    (["parallel.dp_shard=2", "parallel.dp=2", "parallel.cp=2", "data.seq_len=64"],
+     "parallel.dp_shard", "set parallel.dp_shard=1, or parallel.cp=1"),
+    (["parallel.dp_shard=2", "model.backend=te"], "parallel.dp_shard",
+     "set model.backend=local and train.fp8=none, or parallel.dp_shard=1"),
+])
+def test_what_sharding_does_not_take_is_refused(overrides, key, fix):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(TINY, DP4 + overrides)
+    assert err.value.key == key and f"Fix: {fix}" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_train_refuses_it_before_any_worker_starts(cli_main, tmp_path):
+    run = tmp_path / "run"
+    result = cli_main("train", str(TINY), *DP4, "parallel.dp_shard=3", f"run.dir={run}",
+                      check=False)
+    assert result.returncode == 2, result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if "error" in line]
+    assert "parallel.dp_shard: 3 does not divide dp=4" in error and "Fix: choose" in error
+    assert not (run / "events.jsonl").exists()  # no worker started
