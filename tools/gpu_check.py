@@ -139,7 +139,7 @@ def losses_of(check: Check, precision: str, steps: int) -> list[float]:
 def bf16_vs_fp32_loss(check: Check) -> dict:
     """bf16 (Megatron style: fp32 main state) follows fp32's loss trajectory
     over a few hundred steps of the ~100M GPT-2; the drift, stated three ways."""
-    steps = 5 if check.dry_run else 200
+    steps = 5 if check.dry_run else 160
     fp32, bf16 = losses_of(check, "fp32", steps), losses_of(check, "bf16", steps)
     relative = [abs(b - f) / f for b, f in zip(bf16, fp32)]
     tail = relative[-max(1, steps // 10):]  # the last tenth: where drift has accumulated
@@ -511,6 +511,62 @@ def context_attention_vs_sdpa(check: Check) -> dict:
     return result
 
 
+def fsdp_mixed_precision(check: Check) -> dict:
+    """FSDP2 as parallel/fsdp.py wraps a model, on the device: the ~100M
+    GPT-2's blocks and root sharded over a one-rank mesh (one GPU: no shard
+    group of two; the sharded layouts' arithmetic is the CPU suite's),
+    computing in bf16 from fp32 sharded weights and reducing in fp32, against
+    the unwrapped model in fp32 on the same batches: the loss drift, and
+    each side's peak memory and step time."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megaresil.config import Precision
+    from megaresil.parallel.fsdp import shard_chunks
+
+    steps = 3 if check.dry_run else 20
+    cfg = check.recipe(GPT2_124M, [] if check.dry_run else DRIFT_SIZES, "fsdp")
+    shape = (cfg.train.micro_batch_size, cfg.data.seq_len + 1)
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("nccl" if check.device.type == "cuda" else "gloo",
+                                store=dist.HashStore(), rank=0, world_size=1)
+    result: dict = {"steps": steps}
+    try:
+        mesh = init_device_mesh(check.device.type, (1,), mesh_dim_names=("dp_shard",))
+        for side in ("fp32", "fsdp_bf16"):
+            model = GPT(cfg.model)
+            initialize(model, cfg.model, seed=0)
+            model = model.to(check.device)
+            if side == "fsdp_bf16":
+                shard_chunks([model], mesh, Precision.bf16, pipelined=False)
+            optimizer = torch.optim.AdamW(param_groups(list(model.parameters()), 0.1), lr=3e-4)
+            batches = torch.Generator().manual_seed(1)
+            reset_peak_memory(check)
+            losses, seconds = [], []
+            for _ in range(steps):
+                tokens = torch.randint(cfg.model.vocab_size, shape, generator=batches)
+                tokens = tokens.to(check.device)
+                started = time.perf_counter()
+                loss = model(tokens[:, :-1], tokens[:, 1:])
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+                seconds.append(time.perf_counter() - started)
+            result[side] = {"first_last_loss": [losses[0], losses[-1]], "losses": losses,
+                            "peak_memory_mb": peak_memory_mb(check),
+                            "step_s": median(seconds[1:])}
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    drift = [abs(b - f) / f for b, f in zip(result["fsdp_bf16"].pop("losses"),
+                                            result["fp32"].pop("losses"))]
+    result["max_relative_drift"] = max(drift)
+    result["ok"] = max(drift) < 2e-2
+    return result
+
+
 def not_on_this_device(check: Check) -> dict:
     """What the call cannot measure on the lent machine, and why."""
     return {"skipped": "TE, apex and multi-GPU NCCL: see the reasons",
@@ -596,6 +652,7 @@ DRILL_UNPROVEN = (
 
 CHECKS = [logits_cuda_vs_cpu, bf16_vs_fp32_loss, te_vs_local, throughput_1b, mcore_1b,
           moe_logits_and_step, checkpoint_io, activation_offload, context_attention_vs_sdpa,
+          fsdp_mixed_precision,
           nccl_hang_drill, not_on_this_device]
 
 

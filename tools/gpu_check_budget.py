@@ -18,7 +18,7 @@ BUDGET_S = {
     "startup": 10,  # gpu_check.py's imports, CUDA start, the run's summary and table
     # gpu_check.py's checks, in their order (gpu_check.CHECKS):
     "logits_cuda_vs_cpu": 10,
-    "bf16_vs_fp32_loss": 40,
+    "bf16_vs_fp32_loss": 32,
     "te_vs_local": 5,
     "throughput_1b": 55,
     "mcore_1b": 40,
@@ -26,6 +26,7 @@ BUDGET_S = {
     "checkpoint_io": 40,
     "activation_offload": 25,
     "context_attention_vs_sdpa": 8,  # cp=2 and 4's attention blocks vs SDPA at 8192 tokens
+    "fsdp_mixed_precision": 8,  # FSDP2's bf16 policy on the ~100M GPT-2, 20 steps each side
     "nccl_hang_drill": 110,  # chaos: a reference, the drill, its relaunch
     "not_on_this_device": 1,
     "pytest_gpu": 55,  # pytest -m gpu on the GPU test files

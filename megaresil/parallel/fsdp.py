@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
@@ -40,16 +41,17 @@ def policy_for(precision: Precision) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def shard_chunks(chunks: Sequence[nn.Module], layout: ParallelLayout,
-                 precision: Precision) -> None:
-    """Apply `fully_shard` to each chunk's blocks and then the chunk. Each
-    parameter keeps its spec (FSDP2 makes new DTensor parameters), now
-    replicated over dp_replicate only. Under a pipeline the gathered
-    parameters stay until backward (TorchTitan's choice: each micro-batch's
-    forward would gather them again), and the schedule's entry point,
-    `stage_forward`, gathers the root's parameters as `forward` does."""
-    mesh, policy = layout.sharded_data_mesh(), policy_for(precision)
-    reshard = layout.pp == 1
+def shard_chunks(chunks: Sequence[nn.Module], mesh: DeviceMesh, precision: Precision, *,
+                 pipelined: bool) -> None:
+    """Apply `fully_shard` over `mesh` (ParallelLayout.sharded_data_mesh) to
+    each chunk's blocks and then the chunk. Each parameter keeps its spec
+    (FSDP2 makes new DTensor parameters), now replicated over dp_replicate
+    only. `pipelined`: the gathered parameters stay until backward
+    (TorchTitan's choice: each micro-batch's forward would gather them
+    again), and the schedule's entry point, `stage_forward`, gathers the
+    root's parameters as `forward` does."""
+    policy = policy_for(precision)
+    reshard = not pipelined
     for chunk in chunks:
         specs = {name: spec_of(p) for name, p in chunk.named_parameters()}
         layers = chunk.get_submodule("layers")
