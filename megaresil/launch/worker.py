@@ -3,6 +3,7 @@ rank. Builds the process group, trains with restarts, reports how it ended."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from pathlib import Path
@@ -57,13 +58,17 @@ def name_process(rank: int) -> None:
 
 def adapt_to_world(cfg: RecipeConfig, world: int) -> RecipeConfig:
     """Elastic membership: keep tp and pp, derive dp from the world size that
-    actually formed; refuse clearly when that is impossible."""
+    actually formed; refuse clearly when that is impossible. Under sharded
+    data parallelism full sharding stays full, and a shard group keeps its
+    size where it still divides dp (a node lost from dp_shard-wide nodes),
+    else shrinks to the largest size that does: checkpoints load in any."""
     p = cfg.parallel
     if world == p.world_size or world % p.model_parallel_size:
         validate_world_size(cfg, world)
         return cfg
-    resized = dataclasses.replace(cfg, parallel=dataclasses.replace(
-        p, dp=world // p.model_parallel_size))
+    dp = world // p.model_parallel_size
+    dp_shard = dp if p.dp_shard == p.dp else math.gcd(dp, p.dp_shard)
+    resized = dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=dp, dp_shard=dp_shard))
     try:
         validate(resized)
     except ConfigError as err:

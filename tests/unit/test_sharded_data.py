@@ -99,3 +99,20 @@ def test_train_refuses_it_before_any_worker_starts(cli_main, tmp_path):
     (error,) = [line for line in result.stderr.splitlines() if "error" in line]
     assert "parallel.dp_shard: 3 does not divide dp=4" in error and "Fix: choose" in error
     assert not (run / "events.jsonl").exists()  # no worker started
+
+
+@pytest.mark.parametrize("dp_shard,world,expected", [(4, 2, 2), (2, 6, 2), (4, 6, 2), (4, 1, 1)])
+def test_a_shrunk_job_keeps_full_sharding_or_the_widest_shard_group(dp_shard, world, expected):
+    """Elastic membership at dp=8: full sharding stays full; a shard group
+    keeps its size where it divides the new dp, else the largest that does."""
+    from megaresil.launch.worker import adapt_to_world
+
+    cfg = load_recipe(TINY, ["parallel.tp=1", "parallel.pp=1", "parallel.dp=8",
+                             f"parallel.dp_shard={dp_shard}", "train.global_batch_size=48",
+                             "train.micro_batch_size=1"])
+    shrunk = adapt_to_world(cfg, world).parallel
+    assert (shrunk.dp, shrunk.dp_shard) == (world, expected)
+    full = load_recipe(TINY, ["parallel.tp=1", "parallel.pp=1", "parallel.dp=8",
+                              "parallel.dp_shard=8", "train.global_batch_size=48",
+                              "train.micro_batch_size=1"])
+    assert adapt_to_world(full, 6).parallel.dp_shard == 6
