@@ -317,11 +317,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true",
-                        help="2 layers, hidden 128, 1 warm-up and 3 timed rounds")
+                        help="dp 4 only (every mode), 2 layers, hidden 128, 1 warm-up and 3 "
+                        "timed rounds")
     args = parser.parse_args()
     argv = sys.argv[1:]
     if args.quick:
         args.layers, args.hidden, args.heads, args.warmup, args.steps = 2, 128, 4, 1, 3
+        args.dp = [4]
     args.out = args.out or (DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)
     started, before, load_before = time.perf_counter(), uptime(), os.getloadavg()[0]
     results = {dp: run_dp(dp, args) for dp in args.dp}
