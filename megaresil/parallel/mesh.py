@@ -1,20 +1,17 @@
 """`MeshShape`: the named axes of the parallel mesh and the arithmetic between
 a global rank and its coordinates, with no process group.
 
-Axes are listed outermost first and ranks are numbered in mixed radix over
-them, the last axis innermost: (pp, dp, tp), so TP peers get adjacent ranks
-(on a GPU node they share NVLink), as in Megatron. A new parallelism is a new
-axis name, not new arithmetic. A *joined* name stands for adjacent axes taken
-together in mixed radix: with expert parallelism the axes are
-(pp, edp, ep, tp) and "dp" is the pair (edp, ep), ep innermost, so every
-rank's number and every dp index (edp * ep + ep index) are those of the
-(pp, dp, tp) mesh. Without it the axes stay (pp, dp, tp), "edp" is "dp" and
-"ep" is no axis at all (size 1). Context parallelism adds "cp" between dp
-and tp, (pp, dp, cp, tp) as Megatron orders them; at cp = 1 "cp" is no axis
-either, so a layout without it numbers and groups its ranks as it always did.
-Sharded data parallelism (dp_shard > 1) cuts "dp" into (dp_replicate,
-dp_shard), dp_shard innermost, as TorchTitan names them; at dp_shard = 1
-"dp_replicate" is "dp" and "dp_shard" no axis.
+Ranks are numbered in mixed radix over the axes, outermost first, the last
+innermost: (pp, dp, tp), so TP peers get adjacent ranks (NVLink), as in
+Megatron. A new parallelism is a new axis name, not new arithmetic. A
+*joined* name stands for adjacent axes taken together: with expert
+parallelism "dp" is (edp, ep), ep innermost, so every rank's number and dp
+index are those of the (pp, dp, tp) mesh; without it "edp" is "dp" and "ep"
+no axis (size 1). Context parallelism adds "cp" between dp and tp (Megatron's
+order), no axis at cp = 1. Sharded data parallelism cuts "dp" into
+(dp_replicate, dp_shard), TorchTitan's names; at dp_shard = 1
+"dp_replicate" is "dp" and "dp_shard" no axis. A layout without an axis
+numbers and groups its ranks as it always did.
 """
 from __future__ import annotations
 
