@@ -3,10 +3,12 @@ whole state (ParallelLayout.whole_state_groups) and how many ranks the
 replica check compares, data-parallel and context-parallel alike."""
 import pytest
 
-from tests.harness.cli import ROOT
 from megaresil.config import load_recipe, no_live_copy
 from megaresil.drills.chaos import check_fits, replicas, whole_state_peer
 from megaresil.drills.scenarios import scenarios
+from megaresil.parallel.layout import ParallelLayout
+from megaresil.train.replicas import ReplicaCheck
+from tests.harness.cli import ROOT
 
 TINY = ROOT / "recipes" / "gpt-tiny.yaml"
 
@@ -67,3 +69,9 @@ def test_sharded_data_replicas_are_dp_replicate_peers_and_full_sharding_has_none
         check_fits(bitflip, full, 5)
     gap = no_live_copy(full)
     assert gap is not None and not gap.refused and "dp_shard = dp = 2" in gap.why
+    # The trainer's replica check: due under HSDP, never at full sharding
+    # (one "replica" compared with itself would prove nothing).
+    for cfg, due in [(recipe(dp=4, dp_shard=2), True), (full, False)]:
+        check = ReplicaCheck(1, ParallelLayout.planned(cfg.parallel, 0), lambda full: {},
+                             None, lambda step, reason: None, None)
+        assert check.due(4, saving=True) is due
