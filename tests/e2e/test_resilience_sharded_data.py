@@ -89,6 +89,20 @@ def test_a_lost_hsdp_rank_takes_its_shard_from_its_replica(cli_main, tmp_path, h
 
 
 @pytest.mark.slow
+def test_a_corrupted_hsdp_donor_donates_nothing(cli_main, tmp_path, hsdp_reference):
+    """corrupt-donor-replace under HSDP: rank 3's shard flipped at step 5
+    after the check, its replica rank 1 lost at step 6 before the next: rank
+    3 cannot prove its shard against the replicas' last agreement (taken over
+    local shards), so it donates nothing and the job resumes from step 4's
+    checkpoint, which restores both; bit-equal."""
+    report, events, _ = chaos(cli_main, HSDP, tmp_path, hsdp_reference, "corrupt-donor-replace")
+    assert report["restart_kind"] == "replace", report
+    loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert [(e["tier"], e["step"]) for e in loaded] == [("global", 4)], loaded
+    assert "rank 3's copy cannot be proven" in loaded[0]["skipped"]["live"], loaded
+    assert_bit_equal(report, hsdp_reference)
+
+@pytest.mark.slow
 def test_a_bit_flip_in_an_hsdp_shard_is_found_and_attributed(cli_main, tmp_path,
                                                             hsdp_reference):
     """A bit flipped in rank 3's local shard at step 5: the replica check
