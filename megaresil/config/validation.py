@@ -141,7 +141,8 @@ class NoLiveCopy:
 def no_live_copy(cfg: RecipeConfig) -> Optional[NoLiveCopy]:
     """The one rule of what live replacement needs, for every layout: an edp
     group of two or more ranks (dp / ep > 1, or cp > 1: context-parallel
-    peers hold the same state) whose optimizer state is not sharded over
+    peers hold the same state; under sharded data parallelism a dp_replicate
+    group, dp / dp_shard > 1) whose optimizer state is not sharded over
     them. None where the layout has such a copy."""
     p = cfg.parallel
     if p.dp == 1 and p.cp == 1:
@@ -151,9 +152,12 @@ def no_live_copy(cfg: RecipeConfig) -> Optional[NoLiveCopy]:
     if p.ep == p.dp and p.cp == 1:
         return NoLiveCopy(f"at ep = dp = {p.dp} each rank holds the only copy of its experts",
                           True)
-    if p.dp_shard > 1:
-        return NoLiveCopy(f"parallel.dp_shard={p.dp_shard} keeps each parameter shard in one "
-                          "rank of its replica group only", False)
+    # Under HSDP (dp_shard < dp) a rank's dp_replicate peers hold its shard
+    # alike (ParallelLayout.whole_state_groups), so a copy lives; full
+    # sharding leaves each shard in one rank's memory.
+    if p.dp_shard == p.dp > 1:
+        return NoLiveCopy(f"at parallel.dp_shard = dp = {p.dp} each rank holds the only copy of "
+                          "its parameter and optimizer shards", False)
     if cfg.optimizer.distributed:
         return NoLiveCopy("optimizer.distributed=true keeps each optimizer shard in one rank's "
                           "memory only", False)

@@ -153,16 +153,24 @@ def whole_state_peer(cfg, rank: int) -> int:
 
 def replicas(cfg) -> int:
     """How many ranks hold each dense parameter alike, which the replica
-    check compares (ParallelLayout.replica_axes: dp, and cp's peers)."""
+    check compares (ParallelLayout.replica_axes: dp, and cp's peers; under
+    sharded data parallelism dp_replicate's)."""
     layout = ParallelLayout.planned(cfg.parallel, 0)
     return layout.size(*layout.replica_axes()[0])
 
 
 def check_fits(scenario, cfg, fault_step: int) -> None:
     """Refuse a drill that could not show what it tests, before any run."""
+    p = cfg.parallel
+    if replicas(cfg) < scenario.min_dp and p.dp_shard > 1:
+        # dp is not what is short: full sharding holds each shard once.
+        raise ValueError(f"--scenario {scenario.name}: needs data-parallel replicas to compare; "
+                         f"parallel.dp_shard={p.dp_shard} of dp={p.dp} leaves "
+                         f"{replicas(cfg)}; set parallel.dp to {scenario.min_dp} x "
+                         f"parallel.dp_shard (HSDP: dp_replicate replicas of each shard)")
     if replicas(cfg) < scenario.min_dp:
         raise ValueError(f"--scenario {scenario.name}: needs data-parallel replicas to compare "
-                         f"(parallel.dp >= {scenario.min_dp}, got {cfg.parallel.dp}); add "
+                         f"(parallel.dp >= {scenario.min_dp}, got {p.dp}); add "
                          f"parallel.dp={scenario.min_dp}")
     earliest = cfg.optimizer.warmup_steps + scenario.spike_window + 1
     if scenario.spike_window and fault_step < earliest:

@@ -105,8 +105,10 @@ def replacement_warning(cfg: RecipeConfig) -> Optional[str]:
     gap = no_live_copy(cfg)
     if not cfg.resilience.replacement.enabled or gap is None:
         return None
+    copies = ("parallel.dp_shard below parallel.dp (HSDP: the dp_replicate peers hold each "
+              "shard)" if cfg.parallel.dp_shard > 1 else
+              "parallel.dp=2 or more (with optimizer.distributed=false)")
     return (f"megaresil: warning: resilience.replacement.enabled: {gap.why}, so a lost process is "
             "replaced but resumes from the newest checkpoint (the local tier, then the global) "
-            "and loses the steps since. Fix: parallel.dp=2 or more (with optimizer.distributed="
-            "false) for state from memory, or a local tier saving every step "
-            "(checkpoint.local.enabled=true checkpoint.local.interval=1).")
+            f"and loses the steps since. Fix: {copies} for state from memory, or a local tier "
+            "saving every step (checkpoint.local.enabled=true checkpoint.local.interval=1).")

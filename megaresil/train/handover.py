@@ -38,7 +38,7 @@ from megaresil.checkpoint.sharded import Rect
 from megaresil.checkpoint.staging import StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState
 from megaresil.compat import viewed
-from megaresil.config import RecipeConfig
+from megaresil.config import RecipeConfig, no_live_copy
 from megaresil.errors import MegaresilError
 from megaresil.parallel.grad_groups import shards_over_dp
 from megaresil.parallel.layout import ParallelLayout, use_device
@@ -268,10 +268,14 @@ def plan_live_start(cfg: RecipeConfig, carried: Optional[Carried],
         return None
     held: list[Optional[Held]] = [None] * layout.world_size
     dist.all_gather_object(held, Held.of(carried) if carried else None)
-    replicated = not shards_over_dp(cfg.optimizer, layout)
-    plan = live_plan(held, layout.whole_state_groups(), replicated,
-                     why_unreplicated="optimizer.distributed keeps each rank's optimizer shard "
-                     "in its own memory only", prove=cfg.resilience.numerics.check_interval > 0)
+    # Full sharding (parallel.dp_shard = dp) leaves no peer a copy either:
+    # said in its own words, not as dp = 1's (config.no_live_copy).
+    fully_sharded = no_live_copy(cfg) if layout.dp_shard > 1 else None
+    replicated = not shards_over_dp(cfg.optimizer, layout) and fully_sharded is None
+    why = (fully_sharded.why if fully_sharded else
+           "optimizer.distributed keeps each rank's optimizer shard in its own memory only")
+    plan = live_plan(held, layout.whole_state_groups(), replicated, why_unreplicated=why,
+                     prove=cfg.resilience.numerics.check_interval > 0)
     plan.bytes_moved = sum(carried_by(held, h).nbytes for o, h in plan.sources.items() if o != h)
     plan.replicated = replicated
     return plan

@@ -15,6 +15,7 @@ import torch
 from megaresil.config import RecipeConfig, global_batch_at, to_yaml
 from megaresil.data.sampler import SampleDataset, collate, micro_batches, skip_past
 from megaresil.events import EventLog
+from megaresil.parallel.fsdp import local_part
 from megaresil.parallel.grad_groups import Held, zero1
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.sharding import spec_of
@@ -126,12 +127,15 @@ class Trainer:
         they are replicated over (ShardSpec.replicated_over: dp, experts edp):
         the model's parameters and, with `full` unless their group's
         optimizer shards them (ZeRO-1), their fp32 main copies and optimizer
-        state."""
+        state. Under sharded data parallelism each tensor's local shard
+        (fsdp.local_part): what the replicas over dp_replicate hold alike
+        (the DTensor itself is the whole parameter, which no rank holds, and
+        its sums would be collectives over the shards)."""
         params = list(self.named_parameters())
         model = dict(params)
         by_axes: dict[tuple[str, ...], list[tuple[str, torch.Tensor]]] = {}
         for key, p in params:
-            by_axes.setdefault(spec_of(p).replicated_over, []).append((key, p))
+            by_axes.setdefault(spec_of(p).replicated_over, []).append((key, local_part(p)))
         if not full:
             return by_axes
         for key, held in self.named_state_parameters():
@@ -140,9 +144,9 @@ class Trainer:
                 continue
             named = by_axes[axes]
             if held is not model[key]:
-                named.append((f"{key}.main", held))
-            named += [(f"{key}.{k}", v) for k, v in self.optimizer.state.get(held, {}).items()
-                      if torch.is_tensor(v)]
+                named.append((f"{key}.main", local_part(held)))
+            named += [(f"{key}.{k}", local_part(v))
+                      for k, v in self.optimizer.state.get(held, {}).items() if torch.is_tensor(v)]
         return by_axes
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -185,7 +189,8 @@ class Trainer:
                 self.main.copy_to_model()
             self.routing.after_step()
             result.applied = True
-            faults.after_update(list(self.named_parameters()))
+            # Each rank flips a bit of what it holds: a sharded parameter's local shard.
+            faults.after_update([(key, local_part(p)) for key, p in self.named_parameters()])
         step_compute.zero_grads(self.parts)
         return result
 
