@@ -20,7 +20,6 @@ from typing import Callable, ContextManager, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megaresil.parallel.fsdp import local_part
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.resilience.numerics import odd_ones_out
 from megaresil.resilience.step_faults import INT_VIEWS
@@ -233,8 +232,7 @@ class ReplicaCheck:
         for axes in self.layout.replica_axes():
             if self.layout.size(*axes) == 1:
                 continue
-            # Under sharded data parallelism a replica holds its shards alike.
-            named = [(key, local_part(t)) for key, t in state.get(axes, ())]
+            named = list(state.get(axes, ()))
             tensors = [t for _, t in named]
             sums = checksums(tensors, device) if full else quick_checksum(tensors, device)
             parts.append(Part(axes, self.layout.replica_groups(axes), named, sums))
