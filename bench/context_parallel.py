@@ -158,12 +158,18 @@ def _worker(rank: int, cp: int, port: int, args: argparse.Namespace, result: str
         dist.destroy_process_group()
 
 
-def run_cp(cp: int, args: argparse.Namespace) -> dict[str, dict]:
+def spawned_rows(worker, world: int, args: argparse.Namespace) -> dict[str, dict]:
+    """Run `worker(rank, world, port, args, result_path)` on `world` spawned
+    ranks; the rows rank 0 wrote to the result path."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "rows.json"
-        mp.start_processes(_worker, args=(cp, free_port(), args, str(result)), nprocs=cp,
+        mp.start_processes(worker, args=(world, free_port(), args, str(result)), nprocs=world,
                            join=True, start_method="spawn")
         return json.loads(result.read_text())
+
+
+def run_cp(cp: int, args: argparse.Namespace) -> dict[str, dict]:
+    return spawned_rows(_worker, cp, args)
 
 
 def theory_bytes(args: argparse.Namespace, cp: int, comm: str) -> int:

@@ -55,10 +55,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 # The same load record as the context-parallel bench's.
-from context_parallel import uptime
+from context_parallel import spawned_rows, uptime
 
 from megaresil import compat
 from megaresil.config import load_recipe
@@ -66,7 +65,6 @@ from megaresil.model.activation_meter import ActivationMeter
 from megaresil.parallel.fsdp import local_part
 from megaresil.parallel.grad_groups import GroupedGrads
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.ports import free_port
 from megaresil.train.loop import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -250,11 +248,7 @@ def _worker(rank: int, dp: int, port: int, args: argparse.Namespace, result: str
 
 
 def run_dp(dp: int, args: argparse.Namespace) -> dict[str, dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "rows.json"
-        mp.start_processes(_worker, args=(dp, free_port(), args, str(result)), nprocs=dp,
-                           join=True, start_method="spawn")
-        return json.loads(result.read_text())
+    return spawned_rows(_worker, dp, args)
 
 
 def dp_shard_of(mode: str, dp: int) -> int:
