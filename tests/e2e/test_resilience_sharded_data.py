@@ -4,9 +4,10 @@ through `megaresil chaos`. HSDP at dp=4, dp_shard=2: ranks (0, 1) and
 same shard, so it is the donor of a lost rank's state and the other replica
 the replica check compares (each DTensor's local shard). Full sharding at
 dp=2, dp_shard=2: each rank holds the only copy of its shard; a lost rank
-resumes from the checkpoints and no replica check runs. Each run ends
-bit-equal to its fault-free reference: its losses and every checkpoint
-tensor's checksums (test_resilience_context's helpers)."""
+resumes from the checkpoints (the local tier's first, where it is on) and no
+replica check runs. Each run ends bit-equal to its fault-free reference: its
+losses and every checkpoint tensor's checksums (test_resilience_context's
+helpers)."""
 from __future__ import annotations
 
 import json
@@ -135,6 +136,25 @@ def test_a_lost_fully_sharded_rank_resumes_from_the_checkpoint(cli_main, tmp_pat
     assert [(e["tier"], e["step"]) for e in loaded] == [("global", 4)], loaded
     assert "dp_shard = dp = 2" in loaded[0]["skipped"]["live"], loaded
     assert not [e for e in events if e["event"].startswith("silent_corruption")]
+    assert_bit_equal(report, full_reference)
+
+
+@pytest.mark.slow
+def test_a_lost_fully_sharded_rank_takes_its_shard_from_the_local_tier(cli_main, tmp_path,
+                                                                     full_reference):
+    """kill-rank-replace at full sharding with the node-local tier on (a
+    save every step, each rank's shard copied to the other simulated node):
+    no live rank holds rank 1's shard, so the job resumes from the local
+    tier's step 4, says why, and ends bit-equal with no step lost."""
+    local = ["checkpoint.local.enabled=true", "checkpoint.local.interval=1",
+             "checkpoint.local.replicas=1", "checkpoint.local.ranks_per_node=1"]
+    report, events, said = chaos(cli_main, [*FULL, *local], tmp_path, full_reference,
+                                 "kill-rank-replace")
+    assert "(the local tier, then the global)" in said  # the warning, up front
+    assert report["restart_kind"] == "replace" and report["steps_lost"] == 0, report
+    loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert [(e["tier"], e["step"]) for e in loaded] == [("local", 4)], loaded
+    assert "each rank holds the only copy" in loaded[0]["skipped"]["live"], loaded
     assert_bit_equal(report, full_reference)
 
 
