@@ -25,6 +25,7 @@ from megaresil.compat import (
     elastic_agent_class,
     elastic_stores_listening_on,
     lost_peer_message,
+    rendezvous_method_names_from_frames,
     workers_store_per_round,
 )
 from megaresil.config import RecipeConfig
@@ -90,6 +91,7 @@ def launch(recipe: str, overrides: list[str], cfg: RecipeConfig,
               IncidentPrinter(run_dir, speaks=lambda: report.runs_rank_0),
               second_interrupt_kills_workers(),
               elastic_stores_listening_on(config.local_addr), workers_store_per_round(),
+              rendezvous_method_names_from_frames(),
               elastic_agent_class(supervising_agent(policy, run_dir, report))):
             # The workers' first line comes once they have imported torch and
             # built the model (seconds, more on a loaded machine): this one first.

@@ -99,12 +99,14 @@ def check_hf_init(cfg: RecipeConfig, from_hf: bool) -> None:
     """Before any worker starts: a new run's Hugging Face checkpoint.init_from
     describes the recipe's model (only the settings the model uses count,
     e.g. no RoPE scaling factor without scaling)."""
+    path = cfg.checkpoint.init_from
+    if not path:  # before the imports: they pull in torch's checkpointing, seconds of start-up
+        return
     from megaresil.checkpoint.hf.io import hf_model_keys, is_hf_directory
     from megaresil.checkpoint.hf.mapping import model_differences, refuse_unmapped
     from megaresil.config import model_from_dict
 
-    path = cfg.checkpoint.init_from
-    if not path or not is_hf_directory(Path(path)) or not is_new_run(cfg):
+    if not is_hf_directory(Path(path)) or not is_new_run(cfg):
         return
     refuse_unmapped(cfg.model, f"checkpoint.init_from={path}")
     differences = model_differences(model_from_dict(hf_model_keys(Path(path))[0]), cfg.model)

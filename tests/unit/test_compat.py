@@ -122,3 +122,34 @@ def test_private_use_finder_finds_them():
               "torch._foreach_norm([])\ndist.distributed_c10d._world\n"
               "torch.Tensor.__torch_dispatch__\nself._private\n")
     assert len(private_torch_uses(sample)) == 4
+
+
+def test_rendezvous_records_name_their_method_as_torchs_own_lookup_does():
+    """The frame-based get_method_name an elastic launch puts in place of
+    torch's inspect.stack() one names the same method, at every depth, and is
+    torch's own again afterwards."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    original = dynamic_rendezvous.get_method_name
+
+    def a_rendezvous_step(lookup, depth):
+        return record(lookup, depth)
+
+    def record(lookup, depth):  # as DynamicRendezvousHandler's _record calls it
+        return lookup(depth)
+
+    def names(lookup):  # a loop, not a comprehension: that would add a frame of its own
+        found = []
+        for depth in (0, 1, 2, 3, 4, 10_000):
+            found.append(a_rendezvous_step(lookup, depth))
+        return found
+
+    expected = names(original)
+    assert expected[2:5] == ["a_rendezvous_step", "names",
+                             "test_rendezvous_records_name_their_method_as_torchs_own_lookup_does"]
+    assert expected[-1] == "no_method_name"
+    with compat.rendezvous_method_names_from_frames():
+        replaced = dynamic_rendezvous.get_method_name
+        assert replaced is not original
+        assert names(replaced) == expected
+    assert dynamic_rendezvous.get_method_name is original
