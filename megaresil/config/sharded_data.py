@@ -21,9 +21,6 @@ def validate_sharded_data(cfg: RecipeConfig) -> None:
     require(p.ep == 1 and cfg.model.moe.num_experts == 0, "parallel.dp_shard",
             "experts are not sharded with FSDP yet.",
             "set parallel.dp_shard=1 with model.moe.num_experts > 0.")
-    require(p.cp == 1, "parallel.dp_shard", "context-parallel ranks are not in the FSDP mesh "
-            "yet (their gradients would not be summed).", "set parallel.dp_shard=1, or "
-            "parallel.cp=1.")
     require(cfg.model.backend == Backend.local and cfg.train.fp8 == FP8.none,
             "parallel.dp_shard", "Transformer Engine's modules are not wrapped by FSDP here yet.",
             "set model.backend=local and train.fp8=none, or parallel.dp_shard=1.")

@@ -21,12 +21,19 @@ from megaresil.config import ContextComm, ParallelConfig
 from megaresil.parallel.context_parallel import CPGroup
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.mesh import MeshShape
-from megaresil.parallel.sharding import DENSE_REPLICAS, EXPERT_REPLICAS, SHARDED_REPLICAS
+from megaresil.parallel.sharding import (
+    DENSE_REPLICAS,
+    EXPERT_REPLICAS,
+    SHARDED_OVER,
+    SHARDED_REPLICAS,
+)
 from megaresil.parallel.tensor_parallel import TPGroup
 
 # The axes that split the data: a rank's data shard is its index over them.
 # Context-parallel peers read the same samples, each its own slice of them.
 DATA_AXES = ("dp",)
+# The dims of the mesh FSDP2's is a slice of (ParallelLayout.data_shard_grid).
+DATA_SHARD_DIMS = ("pp", "dp_replicate", SHARDED_OVER, "tp")
 # Groups over several axes, created by every rank in this order at start.
 GROUPS_NEEDED: tuple[tuple[str, ...], ...] = ()
 
@@ -80,6 +87,8 @@ class ParallelLayout:
     cp: int = 1
     cp_comm: ContextComm = ContextComm.allgather
     dp_shard: int = 1
+    # The (pp, dp_replicate, dp_shard_cp, tp) mesh under sharded data parallelism.
+    data_shard_mesh: Optional[DeviceMesh] = None
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, device: torch.device) -> "ParallelLayout":
@@ -92,6 +101,8 @@ class ParallelLayout:
             layout.embedding_group = layout._new_embedding_group()
             layout.groups_over = {axes: layout._new_group_over(axes)
                                   for axes in layout._groups_over_several_axes()}
+            if layout.dp_shard > 1:
+                layout.data_shard_mesh = layout._new_data_shard_mesh()
         elif layout.world_size != 1:
             raise RuntimeError("a multi-rank layout needs torch.distributed to be initialised")
         return layout
@@ -178,7 +189,8 @@ class ParallelLayout:
     def whole_state_groups(self) -> list[list[int]]:
         """The groups of ranks whose whole state (dense parameters and
         experts) is alike: those that differ in edp (dp at ep = 1) and cp
-        alone; under sharded data parallelism, in dp_replicate and cp."""
+        alone; under sharded data parallelism, in dp_replicate alone (a cp
+        peer holds other rows of each parameter)."""
         return self.replica_groups(SHARDED_REPLICAS if self.dp_shard > 1 else EXPERT_REPLICAS)
 
     def _groups_over_several_axes(self) -> list[tuple[str, ...]]:
@@ -218,12 +230,26 @@ class ParallelLayout:
         return self._own_group(self.shape.groups(("dp", "tp")))
 
     def sharded_data_mesh(self) -> DeviceMesh:
-        """The DeviceMesh FSDP2 shards over: (dp_replicate, dp_shard) under
-        HSDP, dp_shard alone under full sharding."""
-        assert self.mesh is not None and self.dp_shard > 1, "sharded data parallelism needs a mesh"
+        """The DeviceMesh FSDP2 shards over: (dp_replicate, dp_shard_cp)
+        under HSDP, dp_shard_cp alone under full sharding."""
+        mesh = self.data_shard_mesh
+        assert mesh is not None, "sharded data parallelism needs a mesh"
         if self.dp_shard == self.dp:
-            return self.mesh["dp_shard"]
-        return self.mesh["dp_replicate", "dp_shard"]
+            return mesh[SHARDED_OVER]
+        return mesh["dp_replicate", SHARDED_OVER]
+
+    def data_shard_grid(self) -> torch.Tensor:
+        """The world's ranks as (pp, dp_replicate, dp_shard_cp, tp): dp_shard
+        and cp are adjacent mesh axes, cp inner, so merging them keeps every
+        rank's place, its index there being `coordinate("dp_shard_cp")`."""
+        sizes = tuple(self.size(axis) for axis in DATA_SHARD_DIMS)
+        return torch.arange(self.world_size).reshape(sizes)
+
+    def _new_data_shard_mesh(self) -> DeviceMesh:
+        """`data_shard_grid` as a DeviceMesh, through its public constructor.
+        Collective: every rank creates every dim's groups, in the same order."""
+        return DeviceMesh(self.device.type, self.data_shard_grid(),
+                          mesh_dim_names=DATA_SHARD_DIMS)
 
     def tensor_parallel(self) -> TPGroup:
         return TPGroup(self.group("tp"), self.tp, self.tp_rank, self.sequence_parallel)

@@ -9,9 +9,10 @@ parallelism "dp" is (edp, ep), ep innermost, so every rank's number and dp
 index are those of the (pp, dp, tp) mesh; without it "edp" is "dp" and "ep"
 no axis (size 1). Context parallelism adds "cp" between dp and tp (Megatron's
 order), no axis at cp = 1. Sharded data parallelism cuts "dp" into
-(dp_replicate, dp_shard), TorchTitan's names; at dp_shard = 1
-"dp_replicate" is "dp" and "dp_shard" no axis. A layout without an axis
-numbers and groups its ranks as it always did.
+(dp_replicate, dp_shard), TorchTitan's names, and joins dp_shard and cp
+as "dp_shard_cp", the ranks FSDP2 shards each parameter over; at
+dp_shard = 1 "dp_replicate" is "dp" and "dp_shard" no axis. A layout
+without an axis numbers and groups its ranks as it always did.
 """
 from __future__ import annotations
 
@@ -42,10 +43,11 @@ class MeshShape:
         context = (("cp", cfg.cp),) if cfg.cp > 1 else ()
         no_context = (("cp", ()),) if cfg.cp == 1 else ()
         if cfg.dp_shard > 1:  # sharded data parallelism (dense only: config/sharded_data.py)
+            shards = ("dp_shard", "cp") if cfg.cp > 1 else ("dp_shard",)
             return cls((("pp", cfg.pp), ("dp_replicate", cfg.dp // cfg.dp_shard),
                         ("dp_shard", cfg.dp_shard), *context, ("tp", cfg.tp)),
                        (("dp", ("dp_replicate", "dp_shard")), ("edp", ("dp_replicate", "dp_shard")),
-                        ("ep", ()), *no_context))
+                        ("ep", ()), *no_context, ("dp_shard_cp", shards)))
         no_sharding: tuple[tuple[str, tuple[str, ...]], ...]
         if cfg.ep == 1:
             no_sharding = (("dp_replicate", ("dp",)), ("dp_shard", ()))

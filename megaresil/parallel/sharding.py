@@ -32,9 +32,14 @@ DENSE_REPLICAS = ("dp", "cp")
 # A stack of experts cut along ep: alike on the ranks of one ep coordinate
 # (edp) and their context-parallel peers.
 EXPERT_REPLICAS = ("edp", "cp")
-# Under sharded data parallelism (parallel.dp_shard > 1) a parameter's shard
-# is alike on the ranks of one dp_shard coordinate: its replica group.
-SHARDED_REPLICAS = ("dp_replicate", "cp")
+# Under sharded data parallelism (parallel.dp_shard > 1) FSDP2 shards each
+# parameter over the dp_shard and cp ranks together (TorchTitan's
+# dp_shard_cp): cp ranks see slices of the same sequences, so the shard's
+# reduce-scatter also sums their grads. A cp peer holds other rows, so a
+# shard is alike only on the ranks of one dp_shard_cp coordinate: its
+# replica group, dp_replicate.
+SHARDED_OVER = "dp_shard_cp"
+SHARDED_REPLICAS = ("dp_replicate",)
 
 # Not `_`-prefixed: copies of a parameter's attributes skip private ones.
 _ATTRIBUTE = "shard_spec"

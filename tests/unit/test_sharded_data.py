@@ -36,6 +36,30 @@ def test_the_shard_axes_cut_dp_and_number_ranks_as_before(tp, pp, dp, dp_shard):
         assert len({cut.index_of(r, ("dp_shard",)) for r in group}) == 1
 
 
+@pytest.mark.parametrize("tp,pp,dp,dp_shard,cp", [(1, 1, 2, 2, 2), (1, 1, 4, 2, 2), (2, 2, 2, 2, 2),
+                                                  (1, 1, 4, 4, 2), (1, 2, 2, 2, 4)])
+def test_fsdp_shards_over_dp_shard_and_cp_together(tp, pp, dp, dp_shard, cp):
+    """Under cp, FSDP2's shard slot is (dp_shard, cp) in mixed radix, cp
+    inner, which is each rank's place in the grid its DeviceMesh is built
+    from; a shard's replicas are its dp_replicate peers only, as a cp peer
+    holds other rows."""
+    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, dp_shard=dp_shard, cp=cp)
+    shape = MeshShape.of(cfg)
+    assert shape.names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert shape.size("dp_shard_cp") == dp_shard * cp
+    grid = ParallelLayout.planned(cfg, 0).data_shard_grid()
+    for rank in range(shape.size()):
+        coords = shape.coords_of(rank)
+        slot = coords["dp_shard"] * cp + coords["cp"]
+        assert shape.index_of(rank, ("dp_shard_cp",)) == slot
+        assert grid[coords["pp"], coords["dp_replicate"], slot, coords["tp"]] == rank
+    layout = ParallelLayout.planned(cfg, 0)
+    assert layout.replica_axes() == [("dp_replicate",)]
+    for group in layout.whole_state_groups():
+        assert len(group) == dp // dp_shard
+        assert len({shape.index_of(r, ("dp_shard_cp",)) for r in group}) == 1
+
+
 def test_without_sharding_the_mesh_is_unchanged():
     cfg = ParallelConfig(tp=2, pp=2, dp=2)
     assert MeshShape.of(cfg).names == ("pp", "dp", "tp")
@@ -57,12 +81,22 @@ def test_each_rank_estimates_a_dp_shard_share_of_its_state(dp_shard):
         assert kind.main == 0 and kind.grads <= 1.1 * whole.grads / dp_shard
 
 
-@pytest.mark.parametrize("dp_shard", [2, 4])
-def test_the_converters_plan_covers_every_element_once_per_replica(dp_shard):
-    cfg = load_recipe(TINY, DP4 + [f"parallel.dp_shard={dp_shard}"])
+def test_under_cp_each_rank_estimates_a_dp_shard_x_cp_share():
+    """cp ranks hold the same parameters: FSDP2 shards them over cp too."""
+    (whole,) = estimate(load_recipe(TINY, DP4 + ["parallel.cp=2", "data.seq_len=64"]), "cpu")
+    kinds = estimate(load_recipe(TINY, DP4 + ["parallel.cp=2", "data.seq_len=64",
+                                              "parallel.dp_shard=2"]), "cpu")
+    assert sorted(r for k in kinds for r in k.ranks) == list(range(8))
+    assert sum(k.optimizer * len(k.ranks) for k in kinds) == whole.optimizer * 8 // 4
+
+
+@pytest.mark.parametrize("dp_shard,cp", [(2, 1), (4, 1), (2, 2), (4, 2)])
+def test_the_converters_plan_covers_every_element_once_per_replica(dp_shard, cp):
+    cfg = load_recipe(TINY, DP4 + [f"parallel.dp_shard={dp_shard}", f"parallel.cp={cp}",
+                                   "data.seq_len=64"])
     per_rank = planned_rects(cfg, weights_only=False)
     covered: dict[str, int] = {}
-    for rank in range(4):
+    for rank in range(4 * cp):
         for rect in per_rank[rank]:
             covered[rect.key] = covered.get(rect.key, 0) + rect.tensor.numel()
     shapes = {r.key: r.global_shape for rects in per_rank for r in rects}
@@ -80,8 +114,6 @@ def test_the_converters_plan_covers_every_element_once_per_replica(dp_shard):
      "set optimizer.distributed=false, or parallel.dp_shard=1 for ZeRO-1"),
     (["parallel.dp_shard=2", "parallel.ep=2", "model.flavour=llama", "model.moe.num_experts=4"],
      "parallel.dp_shard", "set parallel.dp_shard=1 with model.moe.num_experts > 0"),
-    (["parallel.dp_shard=2", "parallel.dp=2", "parallel.cp=2", "data.seq_len=64"],
-     "parallel.dp_shard", "set parallel.dp_shard=1, or parallel.cp=1"),
     (["parallel.dp_shard=2", "model.backend=te"], "parallel.dp_shard",
      "set model.backend=local and train.fp8=none, or parallel.dp_shard=1"),
 ])
