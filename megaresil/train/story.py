@@ -57,7 +57,7 @@ def banner(cfg: RecipeConfig, start_step: int) -> str:
 def sharding(dp: int, dp_shard: int, cp: int) -> str:
     """How the data-parallel ranks hold the model under parallel.dp_shard:
     sharded over the cp ranks too (parallel/fsdp.py)."""
-    over = f"{dp_shard} x cp {cp}" if cp > 1 else f"{dp_shard}"
+    over = f"{dp_shard * cp} (dp_shard {dp_shard} x cp {cp})" if cp > 1 else f"{dp_shard}"
     if dp_shard == dp:
         return f"parameters, grads and optimizer state sharded over all {over}"
     return f"HSDP, {dp // dp_shard} replicas each sharded over {over}"
