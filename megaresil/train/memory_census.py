@@ -27,7 +27,7 @@ from megaresil.model.gpt import GPT
 from megaresil.parallel.distributed_optimizer import make_shard
 from megaresil.parallel.grad_groups import zero1
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.parallel.sharding import SHARDED_OVER, spec_of
+from megaresil.parallel.sharding import spec_of
 from megaresil.plan.memory import RankMemory, in_flight_microbatches
 from megaresil.train.memory_shapes import MetaStandIns, balance_routing, plan_context_parallel
 from megaresil.train.precision import logits_dtype, resolve
@@ -135,7 +135,8 @@ def sharded_data_bytes(memory: RankMemory, params: list[nn.Parameter], unit: int
 
 
 def _sharded_numel(param: nn.Parameter, layout: ParallelLayout) -> int:
-    shard = make_shard(param, layout.size(SHARDED_OVER), layout.coordinate(SHARDED_OVER))
+    axis = spec_of(param).sharded_data_axis
+    shard = make_shard(param, layout.size(axis), layout.coordinate(axis))
     return max(0, shard.stop - shard.start) * (param.numel() // max(1, _rows(param)))
 
 

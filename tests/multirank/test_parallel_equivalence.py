@@ -99,7 +99,10 @@ LAYOUTS = {
         ("tp2_dp2_fsdp_sp", TP + SP + ["parallel.dp=2"] + SHARD2, ["gpt2_dropout"]),
         ("pp2_dp2_fsdp_full", ["parallel.pp=2", "parallel.dp=2"] + SHARD2 + FULL, ["llama"]),
         # FSDP2 over dp_shard x cp: the cp ranks' grads summed in its reduce-scatter.
-        ("cp2_dp2_fsdp", CP2 + ["parallel.dp=2"] + SHARD2, ["llama_long"])],
+        ("cp2_dp2_fsdp", CP2 + ["parallel.dp=2"] + SHARD2, ["llama_long"]),
+        # Experts sharded over dp_shard / ep (2, then 1: HSDP's replicas alone).
+        ("dp4_ep2_fsdp", ["parallel.dp=4"] + EP2 + ["parallel.dp_shard=4"], ["llama_moe"]),
+        ("dp4_ep2_hsdp", ["parallel.dp=4"] + EP2 + SHARD2, ["llama_moe"])],
     8: [("tp2_pp2_dp2", THREE_D, ["gpt2", "llama", "gpt2_untied", "llama_tied", "llama_moe"]),
         ("tp2_pp2_dp2_sp_distopt", THREE_D + SP + DISTOPT, ["gpt2", "llama", "gpt2_documents"]),
         ("tp2_dp4_ep2_distopt", TP + ["parallel.dp=4"] + EP2 + DISTOPT, ["llama_moe"]),

@@ -47,17 +47,40 @@ def test_fsdp_shards_over_dp_shard_and_cp_together(tp, pp, dp, dp_shard, cp):
     shape = MeshShape.of(cfg)
     assert shape.names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     assert shape.size("dp_shard_cp") == dp_shard * cp
-    grid = ParallelLayout.planned(cfg, 0).data_shard_grid()
+    grid = ParallelLayout.planned(cfg, 0).data_shard_grid("dp_shard_cp")
     for rank in range(shape.size()):
         coords = shape.coords_of(rank)
         slot = coords["dp_shard"] * cp + coords["cp"]
         assert shape.index_of(rank, ("dp_shard_cp",)) == slot
-        assert grid[coords["pp"], coords["dp_replicate"], slot, coords["tp"]] == rank
+        assert grid[coords["pp"] * tp + coords["tp"], coords["dp_replicate"], slot] == rank
     layout = ParallelLayout.planned(cfg, 0)
     assert layout.replica_axes() == [("dp_replicate",)]
     for group in layout.whole_state_groups():
         assert len(group) == dp // dp_shard
         assert len({shape.index_of(r, ("dp_shard_cp",)) for r in group}) == 1
+
+
+@pytest.mark.parametrize("tp,dp,dp_shard,ep", [(1, 4, 4, 2), (1, 4, 2, 2), (2, 8, 4, 2), (1, 8, 8, 4)])
+def test_experts_shard_over_dp_shard_mod_ep(tp, dp, dp_shard, ep):
+    """Under ep, dp_shard is (dp_shard_mod_ep, ep): ranks, dp and ep
+    indices are the unsharded expert-parallel mesh's; dense rows go over
+    dp_shard, an expert stack's (cut along ep) over dp_shard_mod_ep, each a
+    rank's place in the grid its DeviceMesh is built from."""
+    plain = MeshShape.of(ParallelConfig(tp=tp, dp=dp, ep=ep))
+    cfg = ParallelConfig(tp=tp, dp=dp, ep=ep, dp_shard=dp_shard)
+    cut = MeshShape.of(cfg)
+    assert cut.names == ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+    layout = ParallelLayout.planned(cfg, 0)
+    dense, experts = layout.data_shard_grid("dp_shard_cp"), layout.data_shard_grid("efsdp")
+    assert experts.shape[-1] == dp_shard // ep and dense.shape[-1] == dp_shard
+    for rank in range(cut.size()):
+        for axes in (("dp",), ("ep",), ("edp",)):
+            assert cut.index_of(rank, axes) == plain.index_of(rank, axes)
+        coords = cut.coords_of(rank)
+        slot = cut.index_of(rank, ("efsdp",))
+        assert slot == coords["dp_shard_mod_ep"]
+        assert cut.index_of(rank, ("dp_shard_cp",)) == cut.index_of(rank, ("dp",)) % dp_shard
+        assert rank in experts[:, coords["dp_replicate"], slot].tolist()
 
 
 def test_without_sharding_the_mesh_is_unchanged():
@@ -108,12 +131,33 @@ def test_the_converters_plan_covers_every_element_once_per_replica(dp_shard, cp)
     assert recipe_layout(cfg)["dp_shard"] == dp_shard and recipe_layout(cfg)["distributed_optimizer"]
 
 
+@pytest.mark.parametrize("dp_shard", [2, 4])
+def test_the_plan_covers_every_expert_once_per_replica(dp_shard):
+    cfg = load_recipe(TINY, DP4 + [f"parallel.dp_shard={dp_shard}", "parallel.ep=2",
+                                   "model.flavour=llama", "model.moe.num_experts=4"])
+    per_rank = planned_rects(cfg, weights_only=False)
+    covered: dict[str, int] = {}
+    for rects in per_rank:
+        for rect in rects:
+            covered[rect.key] = covered.get(rect.key, 0) + rect.tensor.numel()
+    shapes = {r.key: r.global_shape for rects in per_rank for r in rects}
+    assert any("experts" in key for key in shapes)
+    for key, shape in shapes.items():
+        whole = 1
+        for size in shape:
+            whole *= size
+        assert covered[key] == whole * (4 // dp_shard), key
+
+
 @pytest.mark.parametrize("overrides,key,fix", [
     (["parallel.dp_shard=3"], "parallel.dp_shard", "choose a divisor of 4, or 1"),
     (["parallel.dp_shard=2", "optimizer.distributed=true"], "optimizer.distributed",
      "set optimizer.distributed=false, or parallel.dp_shard=1 for ZeRO-1"),
-    (["parallel.dp_shard=2", "parallel.ep=2", "model.flavour=llama", "model.moe.num_experts=4"],
-     "parallel.dp_shard", "set parallel.dp_shard=1 with model.moe.num_experts > 0"),
+    (["parallel.dp_shard=2", "parallel.ep=4", "model.flavour=llama", "model.moe.num_experts=4"],
+     "parallel.ep", "choose parallel.ep dividing 2, or parallel.dp_shard=1"),
+    (["parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2", "data.seq_len=64",
+      "model.flavour=llama", "model.moe.num_experts=4"], "parallel.dp_shard",
+     "set parallel.cp=1, or parallel.dp_shard=1 with model.moe.num_experts > 0"),
     (["parallel.dp_shard=2", "model.backend=te"], "parallel.dp_shard",
      "set model.backend=local and train.fp8=none, or parallel.dp_shard=1"),
 ])

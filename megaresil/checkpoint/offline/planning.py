@@ -23,7 +23,7 @@ from megaresil.model.moe import named_state_buffers
 from megaresil.parallel.distributed_optimizer import RowShard, make_shard
 from megaresil.parallel.grad_groups import shards_over_dp, zero1
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.parallel.sharding import SHARDED_OVER, spec_of
+from megaresil.parallel.sharding import spec_of
 
 
 def planned_ranks(cfg: RecipeConfig) -> list[ParallelLayout]:
@@ -69,7 +69,12 @@ def _planned_rows(cfg: RecipeConfig,
     weights and moments there (parallel/fsdp.row_shards); else None."""
     if cfg.parallel.dp_shard == 1:
         return None
-    return lambda param: make_shard(param, rank.size(SHARDED_OVER), rank.coordinate(SHARDED_OVER))
+
+    def rows(param: nn.Parameter) -> RowShard:
+        axis = spec_of(param).sharded_data_axis
+        return make_shard(param, rank.size(axis), rank.coordinate(axis))
+
+    return rows
 
 
 RankState = tuple[list[tuple[str, nn.Parameter]], list[tuple[str, torch.Tensor]]]
