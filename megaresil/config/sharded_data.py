@@ -18,12 +18,13 @@ def validate_sharded_data(cfg: RecipeConfig) -> None:
             "parallel.dp_shard > 1 already shards the optimizer state (with the parameters "
             "and gradients) over the dp_shard ranks.",
             "set optimizer.distributed=false, or parallel.dp_shard=1 for ZeRO-1.")
-    require(p.ep == 1 and cfg.model.moe.num_experts == 0, "parallel.dp_shard",
-            "experts are not sharded with FSDP yet.",
-            "set parallel.dp_shard=1 with model.moe.num_experts > 0.")
-    require(p.cp == 1, "parallel.dp_shard", "context-parallel ranks are not in the FSDP mesh "
-            "yet (their gradients would not be summed).", "set parallel.dp_shard=1, or "
-            "parallel.cp=1.")
+    require(p.dp_shard % p.ep == 0, "parallel.ep",
+            f"{p.ep} does not divide parallel.dp_shard={p.dp_shard} (the experts, cut along ep, "
+            "are sharded over the dp_shard / ep ranks of each ep coordinate).",
+            f"choose parallel.ep dividing {p.dp_shard}, or parallel.dp_shard=1.")
+    require(p.cp == 1 or cfg.model.moe.num_experts == 0, "parallel.dp_shard",
+            "experts are not sharded with FSDP under context parallelism yet.",
+            "set parallel.cp=1, or parallel.dp_shard=1 with model.moe.num_experts > 0.")
     require(cfg.model.backend == Backend.local and cfg.train.fp8 == FP8.none,
             "parallel.dp_shard", "Transformer Engine's modules are not wrapped by FSDP here yet.",
             "set model.backend=local and train.fp8=none, or parallel.dp_shard=1.")

@@ -141,9 +141,9 @@ class NoLiveCopy:
 def no_live_copy(cfg: RecipeConfig) -> Optional[NoLiveCopy]:
     """The one rule of what live replacement needs, for every layout: an edp
     group of two or more ranks (dp / ep > 1, or cp > 1: context-parallel
-    peers hold the same state; under sharded data parallelism a dp_replicate
-    group, dp / dp_shard > 1) whose optimizer state is not sharded over
-    them. None where the layout has such a copy."""
+    peers hold the same state; under sharded data parallelism, whose shards
+    are cut over cp too, a dp_replicate group, dp / dp_shard > 1) whose
+    optimizer state is not sharded over them. None where the layout has such a copy."""
     p = cfg.parallel
     if p.dp == 1 and p.cp == 1:
         return NoLiveCopy("at dp=1 no data-parallel peer holds a copy of a rank's state", False)

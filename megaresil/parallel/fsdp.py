@@ -1,8 +1,10 @@
 """Sharded data parallelism (parallel.dp_shard > 1) through PyTorch's FSDP2
 `fully_shard`: each transformer block one unit, the chunk's embedding, final
 norm and head the root's, so a tied embedding and its head stay one
-parameter. Under HSDP (dp_shard < dp) FSDP2 reduce-scatters over dp_shard and
-all-reduces over dp_replicate.
+parameter. FSDP2 shards over dp_shard and cp together (dp_shard_cp: the
+context-parallel ranks' grads are summed in the same reduce-scatter); under
+HSDP (dp_shard < dp) it also all-reduces over dp_replicate. Stacks of
+experts, cut along ep, are units of their own over dp_shard / ep (efsdp).
 
 FSDP2 shards dim 0 of each parameter's tensor-parallel block in ceil-sized
 rows, as the distributed optimizer does (`shard_rows`), so a shard is a
@@ -18,18 +20,25 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 
 from megaresil.config import Precision
 from megaresil.parallel.distributed_optimizer import RowShard, shard_rows
 from megaresil.parallel.grad_groups import Held
 from megaresil.parallel.layout import ParallelLayout
-from megaresil.parallel.sharding import SHARDED_REPLICAS, set_spec, spec_of
-
-# The axis whose ranks each hold a shard of every parameter (sum_over_shards).
-SHARD_AXIS = "dp_shard"
+from megaresil.parallel.sharding import (
+    EXPERTS_SHARDED_OVER,
+    SHARDED_OVER,
+    SHARDED_REPLICAS,
+    set_spec,
+    spec_of,
+)
 
 
 def policy_for(precision: Precision) -> MixedPrecisionPolicy:
@@ -41,26 +50,52 @@ def policy_for(precision: Precision) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def shard_chunks(chunks: Sequence[nn.Module], mesh: DeviceMesh, precision: Precision, *,
-                 pipelined: bool) -> None:
-    """Apply `fully_shard` over `mesh` (ParallelLayout.sharded_data_mesh) to
-    each chunk's blocks and then the chunk. Each parameter keeps its spec
-    (FSDP2 makes new DTensor parameters), now replicated over dp_replicate
-    only. `pipelined`: the gathered parameters stay until backward
+def shard_chunks(chunks: Sequence[nn.Module], layout: ParallelLayout, precision: Precision) -> None:
+    """Apply `fully_shard` over the layout's sharded data mesh to each
+    chunk's blocks and then the chunk; first, over the experts' own mesh,
+    each module holding stacks of experts (TorchTitan's order: the block's
+    unit leaves them to theirs). Each parameter keeps its spec (FSDP2
+    makes new DTensor parameters), now replicated over dp_replicate only.
+    Under pipelining the gathered parameters stay until backward
     (TorchTitan's choice: each micro-batch's forward would gather them
     again), and the schedule's entry point, `stage_forward`, gathers the
     root's parameters as `forward` does."""
     policy = policy_for(precision)
-    reshard = not pipelined
+    reshard = layout.pp == 1
+
+    def shard(unit: nn.Module, axis: str) -> None:
+        sharded = fully_shard(unit, mesh=layout.sharded_data_mesh(axis), mp_policy=policy,
+                              reshard_after_forward=reshard)
+        divide_as_data_parallel(sharded, layout, layout.size(axis))
+
     for chunk in chunks:
         specs = {name: spec_of(p) for name, p in chunk.named_parameters()}
-        layers = chunk.get_submodule("layers")
-        for block in layers.children():
-            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        fully_shard(chunk, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        for block in chunk.get_submodule("layers").children():
+            for experts in expert_holders(block):
+                shard(experts, EXPERTS_SHARDED_OVER)
+            shard(block, SHARDED_OVER)
+        shard(chunk, SHARDED_OVER)
         register_fsdp_forward_method(chunk, "stage_forward")
         for name, param in chunk.named_parameters():
             set_spec(param, dataclasses.replace(specs[name], replicated_over=SHARDED_REPLICAS))
+
+
+def expert_holders(block: nn.Module) -> list[nn.Module]:
+    """The modules of `block` whose own parameters are stacks of experts."""
+    return [module for module in block.modules()
+            if any(spec_of(p).stacks_experts for p in module.parameters(recurse=False))]
+
+
+def divide_as_data_parallel(unit: FSDPModule, layout: ParallelLayout, shards: int) -> None:
+    """Make the unit's grads the mean over the data-parallel batches, summed
+    over cp (as a gradient group's are, parallel/grad_groups.py): each cp
+    rank's loss is its part of the sequences' mean, while FSDP2 would divide
+    by its whole mesh, dp x cp. `shards`: the size of the unit's shard dim."""
+    unit.set_gradient_divide_factor(float(layout.data_size))
+    # Gloo has no PREMUL_SUM, which a custom factor asks of a reduce-scatter:
+    # sum, then divide. Over one shard FSDP2 runs no reduce-scatter and
+    # divides as it copies, so summing there would divide twice (torch 2.13).
+    unit.set_force_sum_reduction_for_comms(layout.device.type != "cuda" and shards > 1)
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,12 +108,13 @@ def row_shards(params: Sequence[nn.Parameter], layout: ParallelLayout) -> dict[i
     """By id(parameter), each sharded parameter's rows on this rank: a
     shape-only stand-in of its tensor-parallel block (with its spec, for the
     checkpoint's rects) and the local shard as the view."""
-    rank = layout.coordinate(SHARD_AXIS)
     shards = {}
     for param in params:
         block = nn.Parameter(torch.empty(param.shape, device="meta"), requires_grad=False)
         set_spec(block, spec_of(param))
-        start, stop, per_rank = shard_rows(param.shape[0], layout.dp_shard, rank)
+        axis = spec_of(param).sharded_data_axis
+        start, stop, per_rank = shard_rows(param.shape[0], layout.size(axis),
+                                           layout.coordinate(axis))
         # The shard's storage, as the optimizer's RowShard views are
         # Parameters over theirs.
         view = nn.Parameter(local_part(param.data), requires_grad=False)
@@ -119,7 +155,7 @@ class ShardedGrads:
         return [[(param, grad) for param, grad in zip(self.params, self._local_grads())]]
 
     def sharded_over(self) -> list[tuple[str, ...]]:
-        return [(SHARD_AXIS,)]
+        return [(SHARDED_OVER,)]
 
     def _local_grads(self) -> list[torch.Tensor]:
         grads = []

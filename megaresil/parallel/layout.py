@@ -21,7 +21,13 @@ from megaresil.config import ContextComm, ParallelConfig
 from megaresil.parallel.context_parallel import CPGroup
 from megaresil.parallel.expert_parallel import EPGroup
 from megaresil.parallel.mesh import MeshShape
-from megaresil.parallel.sharding import DENSE_REPLICAS, EXPERT_REPLICAS, SHARDED_REPLICAS
+from megaresil.parallel.sharding import (
+    DENSE_REPLICAS,
+    EXPERT_REPLICAS,
+    EXPERTS_SHARDED_OVER,
+    SHARDED_OVER,
+    SHARDED_REPLICAS,
+)
 from megaresil.parallel.tensor_parallel import TPGroup
 
 # The axes that split the data: a rank's data shard is its index over them.
@@ -80,6 +86,8 @@ class ParallelLayout:
     cp: int = 1
     cp_comm: ContextComm = ContextComm.allgather
     dp_shard: int = 1
+    # By shard axis, the meshes FSDP2's are slices of (sharded_data_mesh).
+    data_shard_meshes: dict[str, DeviceMesh] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, device: torch.device) -> "ParallelLayout":
@@ -92,6 +100,8 @@ class ParallelLayout:
             layout.embedding_group = layout._new_embedding_group()
             layout.groups_over = {axes: layout._new_group_over(axes)
                                   for axes in layout._groups_over_several_axes()}
+            if layout.dp_shard > 1:
+                layout.data_shard_meshes = layout._new_data_shard_meshes()
         elif layout.world_size != 1:
             raise RuntimeError("a multi-rank layout needs torch.distributed to be initialised")
         return layout
@@ -178,7 +188,8 @@ class ParallelLayout:
     def whole_state_groups(self) -> list[list[int]]:
         """The groups of ranks whose whole state (dense parameters and
         experts) is alike: those that differ in edp (dp at ep = 1) and cp
-        alone; under sharded data parallelism, in dp_replicate and cp."""
+        alone; under sharded data parallelism, in dp_replicate alone (a cp
+        peer holds other rows of each parameter)."""
         return self.replica_groups(SHARDED_REPLICAS if self.dp_shard > 1 else EXPERT_REPLICAS)
 
     def _groups_over_several_axes(self) -> list[tuple[str, ...]]:
@@ -217,13 +228,37 @@ class ParallelLayout:
             return None
         return self._own_group(self.shape.groups(("dp", "tp")))
 
-    def sharded_data_mesh(self) -> DeviceMesh:
-        """The DeviceMesh FSDP2 shards over: (dp_replicate, dp_shard) under
-        HSDP, dp_shard alone under full sharding."""
-        assert self.mesh is not None and self.dp_shard > 1, "sharded data parallelism needs a mesh"
+    def sharded_data_mesh(self, axis: str = SHARDED_OVER) -> DeviceMesh:
+        """The DeviceMesh FSDP2 shards over along `axis` (SHARDED_OVER, or
+        the experts' EXPERTS_SHARDED_OVER): (dp_replicate, axis) under HSDP,
+        `axis` alone under full sharding."""
+        mesh = self.data_shard_meshes.get(axis)
+        assert mesh is not None, "sharded data parallelism needs a mesh"
         if self.dp_shard == self.dp:
-            return self.mesh["dp_shard"]
-        return self.mesh["dp_replicate", "dp_shard"]
+            return mesh[axis]
+        return mesh["dp_replicate", axis]
+
+    def data_shard_grid(self, axis: str) -> torch.Tensor:
+        """The world's ranks as (the other axes, dp_replicate, `axis`): a
+        rank's index along the last dim is `coordinate(axis)`, the axes
+        `axis` joins taken in mesh order, as FSDP2 places its rows."""
+        shape = self.shape
+        shards = shape.expand((axis,))
+        replicas = shape.expand(SHARDED_REPLICAS)
+        others = [name for name in shape.names if name not in shards + replicas]
+        order = [shape.names.index(name) for name in others + list(replicas + shards)]
+        grid = torch.arange(self.world_size).reshape(shape.sizes).permute(order)
+        return grid.reshape(-1, self.size(*SHARDED_REPLICAS), self.size(axis))
+
+    def _new_data_shard_meshes(self) -> dict[str, DeviceMesh]:
+        """`data_shard_grid` as a DeviceMesh through its public constructor,
+        for the dense parameters and, under expert parallelism, the
+        experts. Collective: every rank creates every dim's groups, in the
+        same order."""
+        axes = [SHARDED_OVER] + ([EXPERTS_SHARDED_OVER] if self.ep > 1 else [])
+        return {axis: DeviceMesh(self.device.type, self.data_shard_grid(axis),
+                                 mesh_dim_names=("others", "dp_replicate", axis))
+                for axis in axes}
 
     def tensor_parallel(self) -> TPGroup:
         return TPGroup(self.group("tp"), self.tp, self.tp_rank, self.sequence_parallel)

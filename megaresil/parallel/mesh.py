@@ -9,9 +9,12 @@ parallelism "dp" is (edp, ep), ep innermost, so every rank's number and dp
 index are those of the (pp, dp, tp) mesh; without it "edp" is "dp" and "ep"
 no axis (size 1). Context parallelism adds "cp" between dp and tp (Megatron's
 order), no axis at cp = 1. Sharded data parallelism cuts "dp" into
-(dp_replicate, dp_shard), TorchTitan's names; at dp_shard = 1
-"dp_replicate" is "dp" and "dp_shard" no axis. A layout without an axis
-numbers and groups its ranks as it always did.
+(dp_replicate, dp_shard), TorchTitan's names, and joins dp_shard and cp
+as "dp_shard_cp", the ranks FSDP2 shards each parameter over; under expert
+parallelism dp_shard is (dp_shard_mod_ep, ep), and "efsdp" the ranks an
+expert stack is sharded over. At dp_shard = 1 "dp_replicate" is "dp" and
+"dp_shard" no axis. A layout without an axis numbers and groups its ranks
+as it always did.
 """
 from __future__ import annotations
 
@@ -35,17 +38,14 @@ class Degrees(Protocol):
 @dataclass(frozen=True)
 class MeshShape:
     axes: tuple[tuple[str, int], ...]  # (name, size), outermost first
-    joined: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (name, the adjacent axes it stands for)
+    joined: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (name, the axes it stands for)
 
     @classmethod
     def of(cls, cfg: Degrees) -> "MeshShape":
         context = (("cp", cfg.cp),) if cfg.cp > 1 else ()
         no_context = (("cp", ()),) if cfg.cp == 1 else ()
-        if cfg.dp_shard > 1:  # sharded data parallelism (dense only: config/sharded_data.py)
-            return cls((("pp", cfg.pp), ("dp_replicate", cfg.dp // cfg.dp_shard),
-                        ("dp_shard", cfg.dp_shard), *context, ("tp", cfg.tp)),
-                       (("dp", ("dp_replicate", "dp_shard")), ("edp", ("dp_replicate", "dp_shard")),
-                        ("ep", ()), *no_context))
+        if cfg.dp_shard > 1:
+            return cls._sharded(cfg, context, no_context)
         no_sharding: tuple[tuple[str, tuple[str, ...]], ...]
         if cfg.ep == 1:
             no_sharding = (("dp_replicate", ("dp",)), ("dp_shard", ()))
@@ -54,6 +54,29 @@ class MeshShape:
         no_sharding = (("dp_replicate", ("edp", "ep")), ("dp_shard", ()))
         return cls((("pp", cfg.pp), ("edp", cfg.dp // cfg.ep), ("ep", cfg.ep), *context,
                     ("tp", cfg.tp)), (("dp", ("edp", "ep")), *no_context, *no_sharding))
+
+    @classmethod
+    def _sharded(cls, cfg: Degrees, context: tuple[tuple[str, int], ...],
+                 no_context: tuple[tuple[str, tuple[str, ...]], ...]) -> "MeshShape":
+        """Sharded data parallelism (config/sharded_data.py): dp is
+        (dp_replicate, dp_shard); under expert parallelism dp_shard is
+        (dp_shard_mod_ep, ep), TorchTitan's, and the experts, cut along ep,
+        are sharded over dp_shard_mod_ep ("efsdp", with cp)."""
+        cp = ("cp",) if cfg.cp > 1 else ()
+        if cfg.ep == 1:
+            return cls((("pp", cfg.pp), ("dp_replicate", cfg.dp // cfg.dp_shard),
+                        ("dp_shard", cfg.dp_shard), *context, ("tp", cfg.tp)),
+                       (("dp", ("dp_replicate", "dp_shard")), ("edp", ("dp_replicate", "dp_shard")),
+                        ("ep", ()), *no_context, ("dp_shard_cp", ("dp_shard", *cp)),
+                        ("efsdp", ("dp_shard", *cp))))
+        return cls((("pp", cfg.pp), ("dp_replicate", cfg.dp // cfg.dp_shard),
+                    ("dp_shard_mod_ep", cfg.dp_shard // cfg.ep), ("ep", cfg.ep), *context,
+                    ("tp", cfg.tp)),
+                   (("dp", ("dp_replicate", "dp_shard_mod_ep", "ep")),
+                    ("edp", ("dp_replicate", "dp_shard_mod_ep")),
+                    ("dp_shard", ("dp_shard_mod_ep", "ep")), *no_context,
+                    ("dp_shard_cp", ("dp_shard_mod_ep", "ep", *cp)),
+                    ("efsdp", ("dp_shard_mod_ep", *cp))))
 
     @property
     def names(self) -> tuple[str, ...]:

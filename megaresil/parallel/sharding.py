@@ -32,9 +32,17 @@ DENSE_REPLICAS = ("dp", "cp")
 # A stack of experts cut along ep: alike on the ranks of one ep coordinate
 # (edp) and their context-parallel peers.
 EXPERT_REPLICAS = ("edp", "cp")
-# Under sharded data parallelism (parallel.dp_shard > 1) a parameter's shard
-# is alike on the ranks of one dp_shard coordinate: its replica group.
-SHARDED_REPLICAS = ("dp_replicate", "cp")
+# Under sharded data parallelism (parallel.dp_shard > 1) FSDP2 shards each
+# parameter over the dp_shard and cp ranks together (TorchTitan's
+# dp_shard_cp): cp ranks see slices of the same sequences, so the shard's
+# reduce-scatter also sums their grads. A cp peer holds other rows, so a
+# shard is alike only on the ranks of one dp_shard_cp coordinate: its
+# replica group, dp_replicate.
+SHARDED_OVER = "dp_shard_cp"
+SHARDED_REPLICAS = ("dp_replicate",)
+# A stack of experts, already cut along ep, is sharded over the rest of
+# dp_shard (dp_shard / ep ranks, TorchTitan's dp_shard_mod_ep) and cp.
+EXPERTS_SHARDED_OVER = "efsdp"
 
 # Not `_`-prefixed: copies of a parameter's attributes skip private ones.
 _ATTRIBUTE = "shard_spec"
@@ -90,6 +98,11 @@ class ShardSpec:
     def stacks_experts(self) -> bool:
         """Whether dim 0 indexes experts: each is a tensor of its own."""
         return bool(self.shards) and self.shards[0].axis == EXPERT_AXIS and self.shards[0].dim == 0
+
+    @property
+    def sharded_data_axis(self) -> str:
+        """The (joined) mesh axis FSDP2 shards the parameter's rows over."""
+        return EXPERTS_SHARDED_OVER if self.stacks_experts else SHARDED_OVER
 
     def per_expert(self) -> ShardSpec:
         """The spec of one expert of a stack: the expert cut left out, the

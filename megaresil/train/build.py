@@ -78,7 +78,7 @@ def build_parts(cfg: RecipeConfig, layout: ParallelLayout, supervision: Supervis
     precision = resolve(cfg.train.precision, layout.device)
     sharded_data = layout.dp_shard > 1
     if sharded_data:  # FSDP2: its sharded fp32 parameters are bf16's main weights
-        shard_chunks(chunks, layout.sharded_data_mesh(), precision, pipelined=layout.pp > 1)
+        shard_chunks(chunks, layout, precision)
     checkpoint_key = checkpoint_key_map(cfg)
     model = nn.ModuleList(chunks)
     params = [p for p in model.parameters() if p.requires_grad]

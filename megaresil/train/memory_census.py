@@ -135,7 +135,8 @@ def sharded_data_bytes(memory: RankMemory, params: list[nn.Parameter], unit: int
 
 
 def _sharded_numel(param: nn.Parameter, layout: ParallelLayout) -> int:
-    shard = make_shard(param, layout.dp_shard, layout.coordinate("dp_shard"))
+    axis = spec_of(param).sharded_data_axis
+    shard = make_shard(param, layout.size(axis), layout.coordinate(axis))
     return max(0, shard.stop - shard.start) * (param.numel() // max(1, _rows(param)))
 
 

@@ -48,17 +48,22 @@ def banner(cfg: RecipeConfig, start_step: int) -> str:
               0: "never (checkpoint.interval=0)"}.get(interval, f"every {interval} steps")
     start = f"resumes from step {start_step}" if start_step else "starts at step 0"
     context = f" cp={p.cp} ({p.cp_comm_type.value})" if p.cp > 1 else ""
-    sharded = (f" (FSDP2: {sharding(p.dp, p.dp_shard)})" if p.dp_shard > 1 else "")
+    sharded = (f" (FSDP2: {sharding(p.dp, p.dp_shard, p.cp, p.ep)})" if p.dp_shard > 1 else "")
     return (f"training tp={p.tp} pp={p.pp} dp={p.dp}{sharded}{context}, {parameters(cfg) / 1e6:.1f}M "
             f"parameters, {batch_words(cfg)}, {cfg.train.steps} steps; run dir "
             f"{cfg.run.dir}; checkpoints {policy}; {threads()}; {start}")
 
 
-def sharding(dp: int, dp_shard: int) -> str:
-    """How the data-parallel ranks hold the model under parallel.dp_shard."""
+def sharding(dp: int, dp_shard: int, cp: int, ep: int) -> str:
+    """How the data-parallel ranks hold the model under parallel.dp_shard:
+    sharded over the cp ranks too, and the experts, cut along ep, over
+    dp_shard / ep (parallel/fsdp.py)."""
+    over = f"{dp_shard * cp} (dp_shard {dp_shard} x cp {cp})" if cp > 1 else f"{dp_shard}"
+    rows = f"their rows over {dp_shard // ep}" if dp_shard > ep else "not sharded further"
+    experts = f"; experts cut along ep={ep}, {rows}" if ep > 1 else ""
     if dp_shard == dp:
-        return f"parameters, grads and optimizer state sharded over all {dp}"
-    return f"HSDP, {dp // dp_shard} replicas each sharded over {dp_shard}"
+        return f"parameters, grads and optimizer state sharded over all {over}{experts}"
+    return f"HSDP, {dp // dp_shard} replicas each sharded over {over}{experts}"
 
 
 def threads() -> str:

@@ -3,7 +3,10 @@ of experts): a resume at the same ep is bit-identical; a resume at ep 1 or
 ep 4 from an ep 2 save reaches the uninterrupted run's next checkpoint,
 weights and AdamW moments alike (DeepSpeed #8147 left the moments stale);
 `megaresil convert` rewrites it at another ep unchanged; `ckpt inspect`
-lists its experts; a byte flipped in an expert slab is named on load."""
+lists its experts; a byte flipped in an expert slab is named on load.
+Under sharded data parallelism (dp_shard=4: the experts' rows over the
+dp_shard / ep ranks) a resume is bit-identical, and the ZeRO-1 save
+resumes there as the uninterrupted run goes on."""
 from __future__ import annotations
 
 import shutil
@@ -22,6 +25,7 @@ from tests.harness.dist import MOE, Case, run_cases
 
 OPTS = MOE + ["parallel.dp=4", "optimizer.distributed=true", "train.precision=fp32"]
 SAVED = "checkpoints/step_0000004"
+FSDP = MOE + ["parallel.dp=4", "train.precision=fp32", "parallel.ep=2", "parallel.dp_shard=4"]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -36,18 +40,22 @@ def runs(tmp_path_factory) -> Path:
                   Case("exact_ep2", OPTS + ["parallel.ep=2", "train.exit_at_step=4"],
                        resume=True),
                   Case("to_ep1", OPTS + [load, "train.exit_at_step=5"]),
-                  Case("to_ep4", OPTS + ["parallel.ep=4", load, "train.exit_at_step=5"])], out)
+                  Case("to_ep4", OPTS + ["parallel.ep=4", load, "train.exit_at_step=5"]),
+                  Case("to_fsdp", FSDP + [load, "train.exit_at_step=5"]),
+                  Case("straight_fsdp", FSDP + ["checkpoint.interval=5"]),
+                  Case("exact_fsdp", FSDP + ["train.exit_at_step=4"], resume=True)], out)
     return out
 
 
-def test_a_resume_at_the_same_ep_is_bit_identical(runs):
-    straight, resumed = losses(runs / "straight_ep2"), losses(runs / "exact_ep2")
+@pytest.mark.parametrize("mode", ["ep2", "fsdp"])
+def test_a_resume_at_the_same_ep_is_bit_identical(runs, mode):
+    straight, resumed = losses(runs / f"straight_{mode}"), losses(runs / f"exact_{mode}")
     assert sorted(resumed) == list(range(1, 11))
     for step in range(5, 11):
         assert resumed[step] == straight[step], f"step {step}"
 
 
-@pytest.mark.parametrize("target", ["to_ep1", "to_ep4"])
+@pytest.mark.parametrize("target", ["to_ep1", "to_ep4", "to_fsdp"])
 def test_a_resume_at_another_ep_carries_the_moments(runs, target):
     loaded = next(e for e in read_events(runs / target) if e["event"] == "checkpoint_loaded")
     assert loaded["saved_layout"]["ep"] == 2

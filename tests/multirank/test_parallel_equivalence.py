@@ -97,7 +97,12 @@ LAYOUTS = {
         ("cp2_dp2_ep2_distopt", CP2 + ["parallel.dp=2"] + EP2 + DISTOPT + FP32, ["llama_moe"]),
         ("dp4_hsdp", ["parallel.dp=4"] + SHARD2, ["gpt2", "llama"]),
         ("tp2_dp2_fsdp_sp", TP + SP + ["parallel.dp=2"] + SHARD2, ["gpt2_dropout"]),
-        ("pp2_dp2_fsdp_full", ["parallel.pp=2", "parallel.dp=2"] + SHARD2 + FULL, ["llama"])],
+        ("pp2_dp2_fsdp_full", ["parallel.pp=2", "parallel.dp=2"] + SHARD2 + FULL, ["llama"]),
+        # FSDP2 over dp_shard x cp: the cp ranks' grads summed in its reduce-scatter.
+        ("cp2_dp2_fsdp", CP2 + ["parallel.dp=2"] + SHARD2, ["llama_long"]),
+        # Experts sharded over dp_shard / ep (2, then 1: HSDP's replicas alone).
+        ("dp4_ep2_fsdp", ["parallel.dp=4"] + EP2 + ["parallel.dp_shard=4"], ["llama_moe"]),
+        ("dp4_ep2_hsdp", ["parallel.dp=4"] + EP2 + SHARD2, ["llama_moe"])],
     8: [("tp2_pp2_dp2", THREE_D, ["gpt2", "llama", "gpt2_untied", "llama_tied", "llama_moe"]),
         ("tp2_pp2_dp2_sp_distopt", THREE_D + SP + DISTOPT, ["gpt2", "llama", "gpt2_documents"]),
         ("tp2_dp4_ep2_distopt", TP + ["parallel.dp=4"] + EP2 + DISTOPT, ["llama_moe"]),
@@ -107,7 +112,8 @@ LAYOUTS = {
         ("cp4_dp2", CP4 + ["parallel.dp=2"], ["gpt2_long_dropout"]),
         ("tp2_pp2_dp2_fsdp_sp", THREE_D + SP + SHARD2, ["gpt2", "llama_tied"]),
         ("pp2_vpp2_dp4_hsdp", ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=4",
-                               "train.micro_batch_size=1"] + SHARD2, ["gpt2"])],
+                               "train.micro_batch_size=1"] + SHARD2, ["gpt2"]),
+        ("cp2_dp4_hsdp", CP2 + ["parallel.dp=4"] + SHARD2, ["gpt2_long_dropout"])],
 }
 
 

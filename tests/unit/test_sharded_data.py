@@ -36,6 +36,53 @@ def test_the_shard_axes_cut_dp_and_number_ranks_as_before(tp, pp, dp, dp_shard):
         assert len({cut.index_of(r, ("dp_shard",)) for r in group}) == 1
 
 
+@pytest.mark.parametrize("tp,pp,dp,dp_shard,cp", [(1, 1, 2, 2, 2), (1, 1, 4, 2, 2), (2, 2, 2, 2, 2),
+                                                  (1, 1, 4, 4, 2), (1, 2, 2, 2, 4)])
+def test_fsdp_shards_over_dp_shard_and_cp_together(tp, pp, dp, dp_shard, cp):
+    """Under cp, FSDP2's shard slot is (dp_shard, cp) in mixed radix, cp
+    inner, which is each rank's place in the grid its DeviceMesh is built
+    from; a shard's replicas are its dp_replicate peers only, as a cp peer
+    holds other rows."""
+    cfg = ParallelConfig(tp=tp, pp=pp, dp=dp, dp_shard=dp_shard, cp=cp)
+    shape = MeshShape.of(cfg)
+    assert shape.names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert shape.size("dp_shard_cp") == dp_shard * cp
+    grid = ParallelLayout.planned(cfg, 0).data_shard_grid("dp_shard_cp")
+    for rank in range(shape.size()):
+        coords = shape.coords_of(rank)
+        slot = coords["dp_shard"] * cp + coords["cp"]
+        assert shape.index_of(rank, ("dp_shard_cp",)) == slot
+        assert grid[coords["pp"] * tp + coords["tp"], coords["dp_replicate"], slot] == rank
+    layout = ParallelLayout.planned(cfg, 0)
+    assert layout.replica_axes() == [("dp_replicate",)]
+    for group in layout.whole_state_groups():
+        assert len(group) == dp // dp_shard
+        assert len({shape.index_of(r, ("dp_shard_cp",)) for r in group}) == 1
+
+
+@pytest.mark.parametrize("tp,dp,dp_shard,ep", [(1, 4, 4, 2), (1, 4, 2, 2), (2, 8, 4, 2), (1, 8, 8, 4)])
+def test_experts_shard_over_dp_shard_mod_ep(tp, dp, dp_shard, ep):
+    """Under ep, dp_shard is (dp_shard_mod_ep, ep): ranks, dp and ep
+    indices are the unsharded expert-parallel mesh's; dense rows go over
+    dp_shard, an expert stack's (cut along ep) over dp_shard_mod_ep, each a
+    rank's place in the grid its DeviceMesh is built from."""
+    plain = MeshShape.of(ParallelConfig(tp=tp, dp=dp, ep=ep))
+    cfg = ParallelConfig(tp=tp, dp=dp, ep=ep, dp_shard=dp_shard)
+    cut = MeshShape.of(cfg)
+    assert cut.names == ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+    layout = ParallelLayout.planned(cfg, 0)
+    dense, experts = layout.data_shard_grid("dp_shard_cp"), layout.data_shard_grid("efsdp")
+    assert experts.shape[-1] == dp_shard // ep and dense.shape[-1] == dp_shard
+    for rank in range(cut.size()):
+        for axes in (("dp",), ("ep",), ("edp",)):
+            assert cut.index_of(rank, axes) == plain.index_of(rank, axes)
+        coords = cut.coords_of(rank)
+        slot = cut.index_of(rank, ("efsdp",))
+        assert slot == coords["dp_shard_mod_ep"]
+        assert cut.index_of(rank, ("dp_shard_cp",)) == cut.index_of(rank, ("dp",)) % dp_shard
+        assert rank in experts[:, coords["dp_replicate"], slot].tolist()
+
+
 def test_without_sharding_the_mesh_is_unchanged():
     cfg = ParallelConfig(tp=2, pp=2, dp=2)
     assert MeshShape.of(cfg).names == ("pp", "dp", "tp")
@@ -57,12 +104,22 @@ def test_each_rank_estimates_a_dp_shard_share_of_its_state(dp_shard):
         assert kind.main == 0 and kind.grads <= 1.1 * whole.grads / dp_shard
 
 
-@pytest.mark.parametrize("dp_shard", [2, 4])
-def test_the_converters_plan_covers_every_element_once_per_replica(dp_shard):
-    cfg = load_recipe(TINY, DP4 + [f"parallel.dp_shard={dp_shard}"])
+def test_under_cp_each_rank_estimates_a_dp_shard_x_cp_share():
+    """cp ranks hold the same parameters: FSDP2 shards them over cp too."""
+    (whole,) = estimate(load_recipe(TINY, DP4 + ["parallel.cp=2", "data.seq_len=64"]), "cpu")
+    kinds = estimate(load_recipe(TINY, DP4 + ["parallel.cp=2", "data.seq_len=64",
+                                              "parallel.dp_shard=2"]), "cpu")
+    assert sorted(r for k in kinds for r in k.ranks) == list(range(8))
+    assert sum(k.optimizer * len(k.ranks) for k in kinds) == whole.optimizer * 8 // 4
+
+
+@pytest.mark.parametrize("dp_shard,cp", [(2, 1), (4, 1), (2, 2), (4, 2)])
+def test_the_converters_plan_covers_every_element_once_per_replica(dp_shard, cp):
+    cfg = load_recipe(TINY, DP4 + [f"parallel.dp_shard={dp_shard}", f"parallel.cp={cp}",
+                                   "data.seq_len=64"])
     per_rank = planned_rects(cfg, weights_only=False)
     covered: dict[str, int] = {}
-    for rank in range(4):
+    for rank in range(4 * cp):
         for rect in per_rank[rank]:
             covered[rect.key] = covered.get(rect.key, 0) + rect.tensor.numel()
     shapes = {r.key: r.global_shape for rects in per_rank for r in rects}
@@ -74,14 +131,33 @@ def test_the_converters_plan_covers_every_element_once_per_replica(dp_shard):
     assert recipe_layout(cfg)["dp_shard"] == dp_shard and recipe_layout(cfg)["distributed_optimizer"]
 
 
+@pytest.mark.parametrize("dp_shard", [2, 4])
+def test_the_plan_covers_every_expert_once_per_replica(dp_shard):
+    cfg = load_recipe(TINY, DP4 + [f"parallel.dp_shard={dp_shard}", "parallel.ep=2",
+                                   "model.flavour=llama", "model.moe.num_experts=4"])
+    per_rank = planned_rects(cfg, weights_only=False)
+    covered: dict[str, int] = {}
+    for rects in per_rank:
+        for rect in rects:
+            covered[rect.key] = covered.get(rect.key, 0) + rect.tensor.numel()
+    shapes = {r.key: r.global_shape for rects in per_rank for r in rects}
+    assert any("experts" in key for key in shapes)
+    for key, shape in shapes.items():
+        whole = 1
+        for size in shape:
+            whole *= size
+        assert covered[key] == whole * (4 // dp_shard), key
+
+
 @pytest.mark.parametrize("overrides,key,fix", [
     (["parallel.dp_shard=3"], "parallel.dp_shard", "choose a divisor of 4, or 1"),
     (["parallel.dp_shard=2", "optimizer.distributed=true"], "optimizer.distributed",
      "set optimizer.distributed=false, or parallel.dp_shard=1 for ZeRO-1"),
-    (["parallel.dp_shard=2", "parallel.ep=2", "model.flavour=llama", "model.moe.num_experts=4"],
-     "parallel.dp_shard", "set parallel.dp_shard=1 with model.moe.num_experts > 0"),
-    (["parallel.dp_shard=2", "parallel.dp=2", "parallel.cp=2", "data.seq_len=64"],
-     "parallel.dp_shard", "set parallel.dp_shard=1, or parallel.cp=1"),
+    (["parallel.dp_shard=2", "parallel.ep=4", "model.flavour=llama", "model.moe.num_experts=4"],
+     "parallel.ep", "choose parallel.ep dividing 2, or parallel.dp_shard=1"),
+    (["parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2", "data.seq_len=64",
+      "model.flavour=llama", "model.moe.num_experts=4"], "parallel.dp_shard",
+     "set parallel.cp=1, or parallel.dp_shard=1 with model.moe.num_experts > 0"),
     (["parallel.dp_shard=2", "model.backend=te"], "parallel.dp_shard",
      "set model.backend=local and train.fp8=none, or parallel.dp_shard=1"),
 ])

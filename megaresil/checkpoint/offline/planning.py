@@ -69,7 +69,12 @@ def _planned_rows(cfg: RecipeConfig,
     weights and moments there (parallel/fsdp.row_shards); else None."""
     if cfg.parallel.dp_shard == 1:
         return None
-    return lambda param: make_shard(param, rank.dp_shard, rank.coordinate("dp_shard"))
+
+    def rows(param: nn.Parameter) -> RowShard:
+        axis = spec_of(param).sharded_data_axis
+        return make_shard(param, rank.size(axis), rank.coordinate(axis))
+
+    return rows
 
 
 RankState = tuple[list[tuple[str, nn.Parameter]], list[tuple[str, torch.Tensor]]]
