@@ -22,9 +22,6 @@ def validate_sharded_data(cfg: RecipeConfig) -> None:
             f"{p.ep} does not divide parallel.dp_shard={p.dp_shard} (the experts, cut along ep, "
             "are sharded over the dp_shard / ep ranks of each ep coordinate).",
             f"choose parallel.ep dividing {p.dp_shard}, or parallel.dp_shard=1.")
-    require(p.cp == 1 or cfg.model.moe.num_experts == 0, "parallel.dp_shard",
-            "experts are not sharded with FSDP under context parallelism yet.",
-            "set parallel.cp=1, or parallel.dp_shard=1 with model.moe.num_experts > 0.")
     require(cfg.model.backend == Backend.local and cfg.train.fp8 == FP8.none,
             "parallel.dp_shard", "Transformer Engine's modules are not wrapped by FSDP here yet.",
             "set model.backend=local and train.fp8=none, or parallel.dp_shard=1.")

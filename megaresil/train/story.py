@@ -57,9 +57,10 @@ def banner(cfg: RecipeConfig, start_step: int) -> str:
 def sharding(dp: int, dp_shard: int, cp: int, ep: int) -> str:
     """How the data-parallel ranks hold the model under parallel.dp_shard:
     sharded over the cp ranks too, and the experts, cut along ep, over
-    dp_shard / ep (parallel/fsdp.py)."""
+    dp_shard / ep and cp (parallel/fsdp.py)."""
     over = f"{dp_shard * cp} (dp_shard {dp_shard} x cp {cp})" if cp > 1 else f"{dp_shard}"
-    rows = f"their rows over {dp_shard // ep}" if dp_shard > ep else "not sharded further"
+    expert_rows = dp_shard // ep * cp
+    rows = f"their rows over {expert_rows}" if expert_rows > 1 else "not sharded further"
     experts = f"; experts cut along ep={ep}, {rows}" if ep > 1 else ""
     if dp_shard == dp:
         return f"parameters, grads and optimizer state sharded over all {over}{experts}"

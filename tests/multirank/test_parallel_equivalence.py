@@ -96,6 +96,7 @@ LAYOUTS = {
         ("cp2_dp2_distopt", CP2 + ["parallel.dp=2"] + DISTOPT, ["llama_long"]),
         ("cp2_dp2_ep2_distopt", CP2 + ["parallel.dp=2"] + EP2 + DISTOPT + FP32, ["llama_moe"]),
         ("dp4_hsdp", ["parallel.dp=4"] + SHARD2, ["gpt2", "llama"]),
+        ("cp2_dp2_ep2_fsdp", CP2 + ["parallel.dp=2"] + EP2 + SHARD2, ["llama_moe"]),
         ("tp2_dp2_fsdp_sp", TP + SP + ["parallel.dp=2"] + SHARD2, ["gpt2_dropout"]),
         ("pp2_dp2_fsdp_full", ["parallel.pp=2", "parallel.dp=2"] + SHARD2 + FULL, ["llama"]),
         # FSDP2 over dp_shard x cp: the cp ranks' grads summed in its reduce-scatter.

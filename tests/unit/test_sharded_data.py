@@ -155,9 +155,6 @@ def test_the_plan_covers_every_expert_once_per_replica(dp_shard):
      "set optimizer.distributed=false, or parallel.dp_shard=1 for ZeRO-1"),
     (["parallel.dp_shard=2", "parallel.ep=4", "model.flavour=llama", "model.moe.num_experts=4"],
      "parallel.ep", "choose parallel.ep dividing 2, or parallel.dp_shard=1"),
-    (["parallel.dp_shard=2", "parallel.ep=2", "parallel.cp=2", "data.seq_len=64",
-      "model.flavour=llama", "model.moe.num_experts=4"], "parallel.dp_shard",
-     "set parallel.cp=1, or parallel.dp_shard=1 with model.moe.num_experts > 0"),
     (["parallel.dp_shard=2", "model.backend=te"], "parallel.dp_shard",
      "set model.backend=local and train.fp8=none, or parallel.dp_shard=1"),
 ])
@@ -192,3 +189,16 @@ def test_a_shrunk_job_keeps_full_sharding_or_the_widest_shard_group(dp_shard, wo
                               "parallel.dp_shard=8", "train.global_batch_size=48",
                               "train.micro_batch_size=1"])
     assert adapt_to_world(full, 6).parallel.dp_shard == 6
+
+
+@pytest.mark.parametrize("dp,dp_shard,cp,ep,said", [
+    (4, 4, 1, 2, "sharded over all 4; experts cut along ep=2, their rows over 2"),
+    (2, 2, 2, 2, "sharded over all 4 (dp_shard 2 x cp 2); experts cut along ep=2, their rows "
+                 "over 2"),
+    (4, 2, 1, 2, "HSDP, 2 replicas each sharded over 2; experts cut along ep=2, not sharded "
+                 "further"),
+])
+def test_the_start_line_says_how_each_rank_holds_the_model(dp, dp_shard, cp, ep, said):
+    from megaresil.train.story import sharding
+
+    assert sharding(dp, dp_shard, cp, ep).endswith(said)
