@@ -1,3 +1,5 @@
+# Over 450 lines long by rule: every private torch API lives in this one module, so a
+# torch upgrade is checked in one place (the shims are small and independent).
 """Every use of a private torch API, in one place.
 
 Each function names what it reaches into. Together they were checked on the

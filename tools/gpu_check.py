@@ -523,6 +523,7 @@ def fsdp_mixed_precision(check: Check) -> dict:
 
     from megaresil.config import Precision
     from megaresil.parallel.fsdp import shard_chunks
+    from megaresil.parallel.sharding import SHARDED_OVER
 
     steps = 3 if check.dry_run else 20
     cfg = check.recipe(GPT2_124M, [] if check.dry_run else DRIFT_SIZES, "fsdp")
@@ -533,13 +534,15 @@ def fsdp_mixed_precision(check: Check) -> dict:
                                 store=dist.HashStore(), rank=0, world_size=1)
     result: dict = {"steps": steps}
     try:
-        mesh = init_device_mesh(check.device.type, (1,), mesh_dim_names=("dp_shard",))
+        # A one-rank layout whose shard mesh is this GPU alone.
+        mesh = init_device_mesh(check.device.type, (1,), mesh_dim_names=(SHARDED_OVER,))
+        layout = ParallelLayout(device=check.device, data_shard_meshes={SHARDED_OVER: mesh})
         for side in ("fp32", "fsdp_bf16"):
             model = GPT(cfg.model)
             initialize(model, cfg.model, seed=0)
             model = model.to(check.device)
             if side == "fsdp_bf16":
-                shard_chunks([model], mesh, Precision.bf16, pipelined=False)
+                shard_chunks([model], layout, Precision.bf16)
             optimizer = torch.optim.AdamW(param_groups(list(model.parameters()), 0.1), lr=3e-4)
             batches = torch.Generator().manual_seed(1)
             reset_peak_memory(check)

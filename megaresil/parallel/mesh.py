@@ -35,6 +35,11 @@ class Degrees(Protocol):
     dp_shard: int
 
 
+# Without sharded data parallelism its shard axes are no axes (size 1).
+NO_SHARDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("dp_shard", ()), ("dp_shard_cp", ()), ("efsdp", ()))
+
+
 @dataclass(frozen=True)
 class MeshShape:
     axes: tuple[tuple[str, int], ...]  # (name, size), outermost first
@@ -48,10 +53,10 @@ class MeshShape:
             return cls._sharded(cfg, context, no_context)
         no_sharding: tuple[tuple[str, tuple[str, ...]], ...]
         if cfg.ep == 1:
-            no_sharding = (("dp_replicate", ("dp",)), ("dp_shard", ()))
+            no_sharding = (("dp_replicate", ("dp",)), *NO_SHARDS)
             return cls((("pp", cfg.pp), ("dp", cfg.dp), *context, ("tp", cfg.tp)),
                        (("edp", ("dp",)), ("ep", ()), *no_context, *no_sharding))
-        no_sharding = (("dp_replicate", ("edp", "ep")), ("dp_shard", ()))
+        no_sharding = (("dp_replicate", ("edp", "ep")), *NO_SHARDS)
         return cls((("pp", cfg.pp), ("edp", cfg.dp // cfg.ep), ("ep", cfg.ep), *context,
                     ("tp", cfg.tp)), (("dp", ("edp", "ep")), *no_context, *no_sharding))
 
