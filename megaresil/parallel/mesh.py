@@ -1,20 +1,16 @@
 """`MeshShape`: the named axes of the parallel mesh and the arithmetic between
 a global rank and its coordinates, with no process group.
 
-Ranks are numbered in mixed radix over the axes, outermost first, the last
-innermost: (pp, dp, tp), so TP peers get adjacent ranks (NVLink), as in
-Megatron. A new parallelism is a new axis name, not new arithmetic. A
-*joined* name stands for adjacent axes taken together: with expert
-parallelism "dp" is (edp, ep), ep innermost, so every rank's number and dp
-index are those of the (pp, dp, tp) mesh; without it "edp" is "dp" and "ep"
-no axis (size 1). Context parallelism adds "cp" between dp and tp (Megatron's
-order), no axis at cp = 1. Sharded data parallelism cuts "dp" into
-(dp_replicate, dp_shard), TorchTitan's names, and joins dp_shard and cp
-as "dp_shard_cp", the ranks FSDP2 shards each parameter over; under expert
-parallelism dp_shard is (dp_shard_mod_ep, ep), and "efsdp" the ranks an
-expert stack is sharded over. At dp_shard = 1 "dp_replicate" is "dp" and
-"dp_shard" no axis. A layout without an axis numbers and groups its ranks
-as it always did.
+Ranks are numbered in mixed radix over the axes, outermost first: (pp, dp,
+tp), so TP peers get adjacent ranks (NVLink), as in Megatron. A new
+parallelism is a new axis name, not new arithmetic. A *joined* name stands
+for axes taken together: under expert parallelism "dp" is (edp, ep), ep
+innermost, so every rank keeps its number and dp index. "cp" sits between dp
+and tp (Megatron's order). Sharded data parallelism cuts dp into
+(dp_replicate, dp_shard), dp_shard into (dp_shard_mod_ep, ep) under experts
+(TorchTitan's names); "dp_shard_cp" and "efsdp" are the ranks FSDP2 shards
+dense parameters and experts over. An axis of size 1 is no axis (joined to
+nothing), so a layout without it numbers and groups its ranks as it always did.
 """
 from __future__ import annotations
 
