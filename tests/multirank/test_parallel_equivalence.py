@@ -58,6 +58,11 @@ OFFLOAD = ["model.activation_offload=cpu"]
 CP2, CP4, P2P = ["parallel.cp=2"], ["parallel.cp=4"], ["parallel.cp_comm_type=p2p"]
 SHARD2 = ["parallel.dp_shard=2"]  # FSDP2: full sharding at dp=2, HSDP at dp=4
 
+# The module's fixture trains every case below once (~90 runs, ~10 minutes on
+# two quiet cores), and pytest-timeout counts it in the first test's setup:
+# the project's 600 s per test would cut it short, not catch a hang.
+pytestmark = pytest.mark.timeout(1800)
+
 # (layout name, overrides, variants), grouped by world size.
 LAYOUTS = {
     2: [("tp2", TP, ["gpt2", "llama"]),
