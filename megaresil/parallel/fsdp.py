@@ -29,7 +29,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from megaresil.config import Precision
-from megaresil.parallel.distributed_optimizer import RowShard, shard_rows
+from megaresil.parallel.distributed_optimizer import RowShard, make_shard, shard_rows
 from megaresil.parallel.grad_groups import Held
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.sharding import (
@@ -102,6 +102,14 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded parameter (or its state), the tensor
     itself otherwise: a view of the shard's storage, writable in place."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def planned_rows(param: nn.Parameter, layout: ParallelLayout) -> RowShard:
+    """This rank's rows of `param` (its whole tensor-parallel block) as
+    FSDP2 cuts them, for tools that plan a rank's share without sharding
+    (the offline converter, plan --memory)."""
+    axis = spec_of(param).sharded_data_axis
+    return make_shard(param, layout.size(axis), layout.coordinate(axis))
 
 
 def row_shards(params: Sequence[nn.Parameter], layout: ParallelLayout) -> dict[int, RowShard]:

@@ -25,6 +25,7 @@ from megaresil.model.activation_meter import ActivationMeter
 from megaresil.model.chunks import build_chunks
 from megaresil.model.gpt import GPT
 from megaresil.parallel.distributed_optimizer import make_shard
+from megaresil.parallel.fsdp import planned_rows
 from megaresil.parallel.grad_groups import zero1
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.sharding import spec_of
@@ -135,8 +136,7 @@ def sharded_data_bytes(memory: RankMemory, params: list[nn.Parameter], unit: int
 
 
 def _sharded_numel(param: nn.Parameter, layout: ParallelLayout) -> int:
-    axis = spec_of(param).sharded_data_axis
-    shard = make_shard(param, layout.size(axis), layout.coordinate(axis))
+    shard = planned_rows(param, layout)
     return max(0, shard.stop - shard.start) * (param.numel() // max(1, _rows(param)))
 
 

@@ -21,6 +21,7 @@ from megaresil.config import RecipeConfig
 from megaresil.model.chunks import build_chunks
 from megaresil.model.moe import named_state_buffers
 from megaresil.parallel.distributed_optimizer import RowShard, make_shard
+from megaresil.parallel.fsdp import planned_rows
 from megaresil.parallel.grad_groups import shards_over_dp, zero1
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.sharding import spec_of
@@ -69,12 +70,7 @@ def _planned_rows(cfg: RecipeConfig,
     weights and moments there (parallel/fsdp.row_shards); else None."""
     if cfg.parallel.dp_shard == 1:
         return None
-
-    def rows(param: nn.Parameter) -> RowShard:
-        axis = spec_of(param).sharded_data_axis
-        return make_shard(param, rank.size(axis), rank.coordinate(axis))
-
-    return rows
+    return lambda param: planned_rows(param, rank)
 
 
 RankState = tuple[list[tuple[str, nn.Parameter]], list[tuple[str, torch.Tensor]]]
