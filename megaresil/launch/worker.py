@@ -37,11 +37,27 @@ def choose_threads(local_world: int) -> int:
     left for the banner to name (an OMP_NUM_THREADS beside it is ours, from
     an earlier launch in this process). Returns the threads per worker."""
     if "OMP_NUM_THREADS" not in os.environ or THREADS_SPLIT_ENV in os.environ:
-        cores = os.cpu_count() or 1
+        cores = available_cores()
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores // local_world))
         os.environ[THREADS_SPLIT_ENV] = (f"{plural(cores, 'core')} over "
                                          f"{plural(local_world, 'rank')} on this node")
     return int(os.environ["OMP_NUM_THREADS"])
+
+
+def available_cores(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a Slurm
+    cpuset), capped by a cgroup v2 CPU quota (a container's --cpus, a pod's
+    limit), rounded up. os.cpu_count() counts the whole machine, so 8 ranks
+    in a 2-core container would each get the machine's share."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    try:
+        quota, period = cgroup.read_text().split()
+    except (OSError, ValueError):
+        return cores
+    if quota == "max":
+        return cores
+    return max(1, min(cores, math.ceil(int(quota) / int(period))))
 
 
 def name_process(rank: int) -> None:

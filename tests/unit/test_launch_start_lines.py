@@ -11,7 +11,7 @@ import pytest
 
 from megaresil.config import load_recipe
 from megaresil.launch.checks import replacement_warning
-from megaresil.launch.worker import choose_threads
+from megaresil.launch.worker import available_cores, choose_threads
 from megaresil.train import story
 
 TINY = "recipes/gpt-tiny.yaml"
@@ -27,7 +27,7 @@ def no_threads_env(monkeypatch):
 
 
 def test_the_launcher_splits_the_cores_and_the_banner_says_so(no_threads_env, monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("megaresil.launch.worker.available_cores", lambda: 8)
     assert choose_threads(4) == 2
     monkeypatch.setattr("torch.get_num_threads", lambda: 2)
     assert story.threads() == "2 threads per rank (8 cores over 4 ranks on this node; " \
@@ -35,6 +35,20 @@ def test_the_launcher_splits_the_cores_and_the_banner_says_so(no_threads_env, mo
     assert choose_threads(16) == 1  # a later launch in this process: its own split
     monkeypatch.setattr("torch.get_num_threads", lambda: 1)
     assert story.threads().startswith("1 thread per rank (8 cores over 16 ranks")
+
+
+def test_the_cores_available_are_the_affinity_capped_by_a_cgroup_quota(tmp_path, monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    cpu_max = tmp_path / "cpu.max"
+    assert available_cores(cpu_max) == 6  # no cgroup v2 file: the affinity
+    cpu_max.write_text("max 100000\n")
+    assert available_cores(cpu_max) == 6
+    cpu_max.write_text("250000 100000\n")  # a container's --cpus=2.5
+    assert available_cores(cpu_max) == 3
+    cpu_max.write_text("1000000 100000\n")  # a quota above the affinity
+    assert available_cores(cpu_max) == 6
+    cpu_max.write_text("5000 100000\n")
+    assert available_cores(cpu_max) == 1
 
 
 def test_the_users_omp_num_threads_wins_and_is_named(no_threads_env, monkeypatch):
