@@ -76,8 +76,11 @@ def commit(partial: Path, final: Path, manifest: dict, make_room: Callable[[Path
     """The commit protocol, once every shard under `partial` is durable: the
     manifest, the rename into place, the completion marker (with the
     manifest's digest) last."""
-    digest = fmt.write_json_atomic(partial / fmt.MANIFEST, manifest)
-    fmt.fsync_tree(partial, only=set())  # directories only: file data is already durable
+    # Written in place, fsynced together with the directories in one round:
+    # until the rename, `partial` is nobody's checkpoint (a crash leaves it
+    # to clean_partials), so the manifest needs no rename of its own.
+    digest = fmt.write_json_new(partial / fmt.MANIFEST, manifest)
+    fmt.fsync_tree(partial, only={fmt.MANIFEST})  # the shards are already durable
     move_into_place(partial, final, make_room)
     fmt.write_marker(final, {fmt.MANIFEST: digest})
 
@@ -184,10 +187,12 @@ class Checkpointer(BackgroundSaves):
         done = self.backend.write(partial, staged, self.coll.rank)
         written = [{**rect_record(r), "rank": self.coll.rank, "checksum": fmt.checksum(r.tensor),
                     "location": done.locations[r.identity()]} for r in staged]
-        done.durable()
         # Whether this rank's writes hold a NaN or inf rides in the gather the
-        # commit needs anyway: such a state is refused, never committed.
-        gathered = self.coll.gather((written, rank_state, done.note, nonfinite_keys(staged)))
+        # commit needs anyway: such a state is refused, never committed. Its
+        # pass over the data, as the checksums', overlaps the flush to disk.
+        refusing = nonfinite_keys(staged)
+        done.durable()
+        gathered = self.coll.gather((written, rank_state, done.note, refusing))
         if gathered is not None and not self.abandoned:  # rank 0: it holds the gather
             all_written, rank_states, notes, nonfinite = zip(*gathered)
             refused = [key for keys in nonfinite for key in keys]
