@@ -166,6 +166,16 @@ def write_json_atomic(path: Path, data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(text.encode())
 
 
+def write_json_new(path: Path, data: Any) -> str:
+    """Write `data` as JSON to a new file (never through an existing name or
+    a link), without fsync: the caller makes it durable. Returns its digest,
+    as write_json_atomic does."""
+    text = json.dumps(data, indent=1)
+    with naming_write_errors(path), open(path, "x", encoding="utf-8") as f:
+        f.write(text)
+    return xxhash.xxh3_64_hexdigest(text.encode())
+
+
 def write_marker(directory: Path, digests: dict[str, str]) -> None:
     """The completion marker, last: `ok`, then the digest of each named file
     (the manifest) whose bytes a reader trusts."""

@@ -26,7 +26,7 @@ from megaresil.checkpoint.backends import get_backend
 from megaresil.checkpoint.backends.base import Backend
 from megaresil.checkpoint.keys import WEIGHTS
 from megaresil.checkpoint.sharded import Rect, assign_writers
-from megaresil.checkpoint.staging import StagingCopy
+from megaresil.checkpoint.staging import StagingBuffers, StagingCopy
 from megaresil.checkpoint.state import RunRecord, TrainingState, training_rects, weight_rects
 from megaresil.checkpoint.validation import (
     check_shapes,
@@ -76,8 +76,11 @@ def commit(partial: Path, final: Path, manifest: dict, make_room: Callable[[Path
     """The commit protocol, once every shard under `partial` is durable: the
     manifest, the rename into place, the completion marker (with the
     manifest's digest) last."""
-    digest = fmt.write_json_atomic(partial / fmt.MANIFEST, manifest)
-    fmt.fsync_tree(partial, only=set())  # directories only: file data is already durable
+    # Written in place, fsynced together with the directories in one round:
+    # until the rename, `partial` is nobody's checkpoint (a crash leaves it
+    # to clean_partials), so the manifest needs no rename of its own.
+    digest = fmt.write_json_new(partial / fmt.MANIFEST, manifest)
+    fmt.fsync_tree(partial, only={fmt.MANIFEST})  # the shards are already durable
     move_into_place(partial, final, make_room)
     fmt.write_marker(final, {fmt.MANIFEST: digest})
 
@@ -93,6 +96,7 @@ class Checkpointer(BackgroundSaves):
         self.asynchronous, self.keep, self.events = asynchronous, keep, events
         self.writers: Optional[dict[tuple, int]] = None
         self.layout_plan: Optional[dict[str, dict]] = None  # of the written rects, every rank's
+        self.staging = StagingBuffers()  # used on the save thread (on the loop's if synchronous)
 
     # --- saving ---------------------------------------------------------------
 
@@ -110,12 +114,17 @@ class Checkpointer(BackgroundSaves):
                                             for rank, mine in enumerate(gathered)])
         return [r for r in rects if self.writers[r.identity()] == self.coll.rank]
 
-    @staticmethod
-    def _stage(rects: list[Rect], copy: StagingCopy) -> list[Rect]:
+    def _stage(self, rects: list[Rect], copy: StagingCopy) -> list[Rect]:
         """Copy the rects into staging memory (enqueued on a GPU: see
         StagingCopy); once it is done, training may change them."""
-        copies = copy.to_host([r.tensor for r in rects])
+        copies = self.staging.copy(copy, [r.tensor for r in rects])
         return [Rect(r.key, r.global_shape, r.offset, c) for r, c in zip(rects, copies)]
+
+    def _write_staged(self, staged: list[Rect], state: RunRecord, rank_state: dict,
+                      started: float, report: SaveReport) -> None:
+        """Write and commit a staging copy, then keep its memory for the next."""
+        self._write_and_commit(staged, state, rank_state, started, report)
+        self.staging.give_back([r.tensor for r in staged])
 
     def save_training(self, state: TrainingState) -> None:
         """Checkpoint a trainer's state: its tensors, its run state and this
@@ -148,17 +157,19 @@ class Checkpointer(BackgroundSaves):
         # On the CPU a synchronous save writes straight from the live tensors
         # (nothing changes them meanwhile); GPU tensors are copied.
         copy = StagingCopy.of([r.tensor for r in mine])
-        if copy.on_gpu:
-            mine = self._stage(mine, copy)
-            copy.wait_on_host()
-        self._write_and_commit(mine, state, rank_state, started, report)
+        if not copy.on_gpu:
+            self._write_and_commit(mine, state, rank_state, started, report)
+            return
+        staged = self._stage(mine, copy)
+        copy.wait_on_host()
+        self._write_staged(staged, state, rank_state, started, report)
 
     def _stage_write_commit(self, rects: list[Rect], state: RunRecord, rank_state: dict,
                             started: float, request: SaveRequest) -> None:
         with request.holding_update():
             copies = self._stage(self._my_writes(rects), request.copy)
         request.copy.wait_on_host()
-        self._write_and_commit(copies, state, rank_state, started, request.report)
+        self._write_staged(copies, state, rank_state, started, request.report)
 
     def _write_and_commit(self, staged: list[Rect], state: RunRecord, rank_state: dict,
                           started: float, report: SaveReport) -> None:
@@ -176,10 +187,12 @@ class Checkpointer(BackgroundSaves):
         done = self.backend.write(partial, staged, self.coll.rank)
         written = [{**rect_record(r), "rank": self.coll.rank, "checksum": fmt.checksum(r.tensor),
                     "location": done.locations[r.identity()]} for r in staged]
-        done.durable()
         # Whether this rank's writes hold a NaN or inf rides in the gather the
-        # commit needs anyway: such a state is refused, never committed.
-        gathered = self.coll.gather((written, rank_state, done.note, nonfinite_keys(staged)))
+        # commit needs anyway: such a state is refused, never committed. Its
+        # pass over the data, as the checksums', overlaps the flush to disk.
+        refusing = nonfinite_keys(staged)
+        done.durable()
+        gathered = self.coll.gather((written, rank_state, done.note, refusing))
         if gathered is not None and not self.abandoned:  # rank 0: it holds the gather
             all_written, rank_states, notes, nonfinite = zip(*gathered)
             refused = [key for keys in nonfinite for key in keys]

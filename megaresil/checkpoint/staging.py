@@ -12,6 +12,7 @@ it reads the copy. On the CPU all of this is a plain copy.
 A `StagingCopy` is made on the training thread at the save call; the copying
 and the host wait run on the save thread (whose CUDA device is the trainer's:
 parallel/layout.py `use_device`); `order_before_update` runs on the training thread again.
+`StagingBuffers` keeps the host memory from one save to the next.
 """
 from __future__ import annotations
 
@@ -98,3 +99,37 @@ class StagingCopy:
         waits for the copy, on the GPU, without holding the host."""
         if self.done is not None:
             torch.cuda.current_stream(self.device).wait_event(self.done)
+
+
+class StagingBuffers:
+    """Host memory for a tier's staging copies, kept from one save to the
+    next, as DCP's DefaultStager does (cache_staged_state_dict): new memory
+    costs a page fault at the first touch of every page on the CPU, and
+    cudaHostAlloc for pinned memory, both inside the copy the loop's next
+    update waits for (bench/README.md has the measured effect). It holds a
+    host copy of the rank's written state between saves.
+
+    One save at a time takes the buffers and gives them back once they are
+    written; a save that fails keeps them, and the next allocates anew."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor] = []
+
+    def copy(self, copy: StagingCopy, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of `sources` (StagingCopy.to_host) in the kept buffers
+        when they fit them exactly, in new ones otherwise."""
+        kept, self.kept = self.kept, []
+        if not _fit(kept, sources, pinned=copy.on_gpu):
+            return copy.to_host(sources)
+        copy.into(kept, sources)
+        return kept
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        """The save has written `buffers`: the next one may copy into them."""
+        self.kept = buffers
+
+
+def _fit(buffers: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], pinned: bool) -> bool:
+    return len(buffers) == len(sources) and all(
+        b.shape == s.shape and b.dtype == s.dtype and b.is_pinned() == pinned
+        for b, s in zip(buffers, sources))

@@ -3,6 +3,7 @@ waits and orders the update) on the CPU, the real streams and events under
 `pytest -m gpu`, and every CUDA-touching thread setting its device."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -16,7 +17,7 @@ from megaresil.checkpoint import manager
 from megaresil.checkpoint.manager import Checkpointer
 from megaresil.checkpoint.offline.planning import recipe_layout
 from megaresil.checkpoint.sharded import Rect
-from megaresil.checkpoint.staging import StagingCopy
+from megaresil.checkpoint.staging import StagingBuffers, StagingCopy
 from megaresil.config import RecipeConfig, WatchdogConfig, to_dict
 from megaresil.events import EventLog
 from megaresil.resilience.watchdog.monitor import Watchdog
@@ -156,3 +157,68 @@ def test_gpu_staging_uses_pinned_memory_and_its_own_stream():
     copy.wait_on_host()
     copy.order_before_update()
     assert torch.equal(host, torch.arange(1 << 20, dtype=torch.float32))
+
+
+def two_key_state(weights: torch.Tensor, moment: torch.Tensor, step: int):
+    _, state = state_of(weights)
+    rects = [Rect("model/w", tuple(weights.shape), (0, 0), weights),
+             Rect("optim/m", tuple(moment.shape), (0,), moment)]
+    return rects, dataclasses.replace(state, step=step)
+
+
+def test_async_saves_with_the_update_at_once_write_what_sync_saves_do(tmp_path, monkeypatch):
+    """The optimizer step comes right after each save call, while a slowed
+    staging copy has not started: it waits for the copy, so each async save
+    (the second staged into the memory the first kept) holds the bytes a
+    synchronous save of the same state holds."""
+    staged_into = []
+
+    class Slow(StagingCopy):
+        def into(self, targets, sources):
+            staged_into.append([t.data_ptr() for t in targets])
+            time.sleep(0.2)
+            super().into(targets, sources)
+
+    weights = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    moment = torch.randn(8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    sync = Checkpointer(tmp_path / "sync", "torch_dist", group=None, asynchronous=False,
+                        keep=0, events=EventLog(tmp_path), device=torch.device("cpu"))
+    monkeypatch.setattr(manager, "StagingCopy", Slow)
+    asynchronous = Checkpointer(tmp_path / "async", "torch_dist", group=None, asynchronous=True,
+                                keep=0, events=EventLog(tmp_path), device=torch.device("cpu"))
+    for step in (1, 2):
+        sync.save(*two_key_state(weights.clone(), moment.clone(), step), rank_state={})
+        asynchronous.save(*two_key_state(weights, moment, step), rank_state={})
+        asynchronous.before_update()
+        weights.mul_(1.5)  # the optimizer step, at once
+        moment.add_(1.0)
+    sync.close()
+    asynchronous.close()
+    assert staged_into[1] == staged_into[0]  # the kept memory
+    for step in (1, 2):
+        name = fmt.step_dir_name(step)
+        # The data files (DCP's .metadata holds a save's own id).
+        files = sorted(p.relative_to(tmp_path / "sync" / name)
+                       for p in (tmp_path / "sync" / name / "dcp").glob("*.distcp"))
+        assert files
+        for file in files:
+            assert (tmp_path / "async" / name / file).read_bytes() == \
+                (tmp_path / "sync" / name / file).read_bytes(), file
+        tables = [json.loads((tmp_path / kind / name / fmt.MANIFEST).read_text())["tensors"]
+                  for kind in ("sync", "async")]
+        assert tables[0] == tables[1]  # the checksums included
+
+
+def test_staging_memory_is_kept_only_for_the_same_shapes():
+    buffers, copy = StagingBuffers(), StagingCopy(torch.device("cpu"))
+    source = torch.randn(4, 4)
+    (first,) = buffers.copy(copy, [source])
+    buffers.give_back([first])
+    source.add_(1.0)
+    (second,) = buffers.copy(copy, [source])
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, source)
+    (taken,) = buffers.copy(copy, [source])  # the kept memory is in use (not given back)
+    assert taken.data_ptr() != first.data_ptr()
+    buffers.give_back([second])
+    (other,) = buffers.copy(copy, [torch.zeros(2, 8)])
+    assert other.shape == (2, 8) and other.data_ptr() != first.data_ptr()
