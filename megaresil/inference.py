@@ -29,6 +29,8 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.offline.convert import open_source
 from megaresil.checkpoint.validation import read_manifest
 from megaresil.config import (
+    FP8,
+    Backend,
     ConfigError,
     ParallelConfig,
     Precision,
@@ -37,6 +39,7 @@ from megaresil.config import (
     validate,
 )
 from megaresil.data.build import build_test_dataset, recipe_tokenizer
+from megaresil.generation import Sampling, check_prompts, continue_batch
 from megaresil.parallel.layout import ParallelLayout, backend_for, pick_device, visible_gpus
 from megaresil.ports import free_port
 from megaresil.train.loop import Trainer
@@ -100,6 +103,9 @@ class Use:
     """What a command changes in the run's recipe."""
     eval_batches: Optional[int] = None  # None: the run's train.eval_batches
     tokenizer: Optional[str] = None  # None: the run's data.tokenizer
+    # Generation's KV cache lives in the local layers (model/kv_cache.py): the
+    # same weights under the same checkpoint keys, without TE's kernels.
+    local_layers: bool = False
 
 
 def run_on_model(checkpoint: Path, tp: int, use: Use, job, **kwargs) -> dict:
@@ -178,7 +184,12 @@ def inference_recipe(cfg: RecipeConfig, use: Use, scratch: Path, checkpoint: Pat
         init_from_optimizer=False, local=dataclasses.replace(cfg.checkpoint.local, enabled=False))
     resilience = dataclasses.replace(cfg.resilience, replacement=dataclasses.replace(
         cfg.resilience.replacement, enabled=False))
-    return dataclasses.replace(cfg, parallel=ParallelConfig(tp=tp), train=train, data=data,
+    model = cfg.model
+    if use.local_layers:
+        model = dataclasses.replace(model, backend=Backend.local)
+        train = dataclasses.replace(train, fp8=FP8.none)
+    return dataclasses.replace(cfg, parallel=ParallelConfig(tp=tp), model=model, train=train,
+                               data=data,
                                faults=[],
                                run=dataclasses.replace(cfg.run, dir=str(scratch)),
                                checkpoint=saved, resilience=resilience)
@@ -203,59 +214,43 @@ def evaluate_job(trainer: Trainer, checkpoint: Path, step: int, *, split: str) -
             "batches": cfg.train.eval_batches, "loss": loss, "perplexity": math.exp(loss)}
 
 
-def generate(checkpoint: Path, prompt: str, *, max_new_tokens: int = 50, temperature: float = 0.0,
-             top_k: Optional[int] = None, seed: int = 0, tp: int = 1,
-             tokenizer: Optional[str] = None) -> dict:
-    """The prompt continued by the checkpoint's model (temperature 0:
-    greedy); `tokenizer` names one other than the run's data.tokenizer."""
-    return run_on_model(checkpoint, tp, Use(eval_batches=0, tokenizer=tokenizer), generate_job,
-                        prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                        top_k=top_k, seed=seed)
+def generate(checkpoint: Path, prompts: list[str], *, max_new_tokens: int = 50,
+             sampling: Sampling = Sampling(), tp: int = 1,
+             tokenizer: Optional[str] = None) -> list[dict]:
+    """Each prompt continued by the checkpoint's model, all in one batch
+    (generation.py); `tokenizer` names one other than the run's
+    data.tokenizer. The prompts are read, and refused, before the model loads."""
+    recipe = from_dict(read_manifest(checkpoint)["recipe"])
+    text = prompt_tokenizer(recipe, tokenizer)
+    ids = [text.encode(prompt) for prompt in prompts]
+    check_prompts(ids, recipe.model.max_seq_len)
+    new = run_on_model(checkpoint, tp, Use(eval_batches=0, tokenizer=tokenizer, local_layers=True),
+                       generate_job, prompts=ids, max_new_tokens=max_new_tokens,
+                       sampling=sampling)["new"]
+    return [{"checkpoint": str(checkpoint), "step": step_of(checkpoint), "prompt": prompt,
+             "completion": text.decode(tokens), "token_ids": tokens,
+             "stopped_at_context": len(tokens) < max_new_tokens}
+            for prompt, tokens in zip(prompts, new)]
 
 
-def generate_job(trainer: Trainer, checkpoint: Path, step: int, *, prompt: str,
-                 max_new_tokens: int, temperature: float, top_k: Optional[int],
-                 seed: int) -> dict:
-    # Every rank draws the same tokens: the logits are gathered over tp and
-    # the sampling generator is seeded alike.
-    cfg = trainer.cfg
+def prompt_tokenizer(recipe: RecipeConfig, name: Optional[str]):
+    data = recipe.data if name is None else dataclasses.replace(recipe.data, tokenizer=name)
     try:
-        tokenizer = recipe_tokenizer(cfg.data, cfg.model.vocab_size)
+        tokenizer = recipe_tokenizer(data, recipe.model.vocab_size)
     except ValueError as err:
         raise fmt.CheckpointError(f"{err} (generation needs text in and out; --tokenizer "
                                   "names the tokenizer)") from None
-    if tokenizer.vocab_size > cfg.model.vocab_size:
+    if tokenizer.vocab_size > recipe.model.vocab_size:
         raise fmt.CheckpointError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model "
-                                  f"{cfg.model.vocab_size} ids. Fix: --tokenizer naming the "
+                                  f"{recipe.model.vocab_size} ids. Fix: --tokenizer naming the "
                                   "tokenizer the model trained with.")
+    return tokenizer
+
+
+def generate_job(trainer: Trainer, checkpoint: Path, step: int, *, prompts: list[list[int]],
+                 max_new_tokens: int, sampling: Sampling) -> dict:
+    # Every rank draws the same tokens: the logits are gathered over tp and
+    # the sampling generators are seeded alike.
     trainer.model.eval()
-    ids = continue_tokens(trainer.chunks[0], tokenizer.encode(prompt), cfg.model.max_seq_len,
-                          max_new_tokens, temperature, top_k, torch.Generator().manual_seed(seed))
-    return {"checkpoint": str(checkpoint), "step": step, "prompt": prompt,
-            "completion": tokenizer.decode(ids), "token_ids": ids}
-
-
-@torch.no_grad()
-def continue_tokens(model, prompt_ids: list[int], context: int, max_new_tokens: int,
-                    temperature: float, top_k: Optional[int],
-                    generator: torch.Generator) -> list[int]:
-    """New token ids, one forward pass over the last `context` tokens each
-    (no KV cache: the models served here are the ones a checkpoint test holds)."""
-    tokens, new = list(prompt_ids), []
-    for _ in range(max_new_tokens):
-        logits = model.logits(torch.tensor([tokens[-context:]]))[0, -1].float()  # (V,)
-        token = next_token(logits, temperature, top_k, generator)
-        tokens.append(token)
-        new.append(token)
-    return new
-
-
-def next_token(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-               generator: torch.Generator) -> int:
-    if temperature == 0:
-        return int(logits.argmax())
-    if top_k:
-        cutoff = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < cutoff, float("-inf"))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return {"new": continue_batch(trainer.chunks[0], prompts, trainer.cfg.model.max_seq_len,
+                                  max_new_tokens, sampling)}
