@@ -40,6 +40,7 @@ from megaresil.config import (
 )
 from megaresil.data.build import build_test_dataset, recipe_tokenizer
 from megaresil.generation import Sampling, check_prompts, continue_batch
+from megaresil.inference_model import LoadedModel, load_model
 from megaresil.parallel.layout import ParallelLayout, backend_for, pick_device, visible_gpus
 from megaresil.ports import free_port
 from megaresil.train.loop import Trainer
@@ -106,10 +107,14 @@ class Use:
     # Generation's KV cache lives in the local layers (model/kv_cache.py): the
     # same weights under the same checkpoint keys, without TE's kernels.
     local_layers: bool = False
+    # The job reads the model alone (inference_model.LoadedModel), not a
+    # Trainer: what the split eval's batches need is the trainer's.
+    model_only: bool = False
 
 
 def run_on_model(checkpoint: Path, tp: int, use: Use, job, **kwargs) -> dict:
-    """`job(trainer, checkpoint, step, **kwargs)` on the checkpoint's model,
+    """`job(trainer, checkpoint, step, **kwargs)` on the checkpoint's model
+    (a LoadedModel in the trainer's place with `use.model_only`),
     whatever layout saved it, held by tp tensor-parallel ranks (one process
     when tp is 1, else local processes over gloo or NCCL); rank 0's result.
     The weights are loaded as `checkpoint.init_from` loads them: verified,
@@ -156,7 +161,10 @@ def on_rank(checkpoint: Path, recipe: RecipeConfig, tp: int, use: Use, job,
             kwargs: dict, device: torch.device) -> dict:
     with tempfile.TemporaryDirectory(prefix="megaresil-inference-") as scratch:
         cfg = inference_recipe(recipe, use, Path(scratch), checkpoint, tp)
-        trainer = Trainer(cfg, ParallelLayout.from_config(cfg.parallel, device))
+        layout = ParallelLayout.from_config(cfg.parallel, device)
+        if use.model_only:
+            return job(load_model(cfg, layout), checkpoint, step_of(checkpoint), **kwargs)
+        trainer = Trainer(cfg, layout)
         try:
             return job(trainer, checkpoint, step_of(checkpoint), **kwargs)
         finally:
@@ -224,8 +232,8 @@ def generate(checkpoint: Path, prompts: list[str], *, max_new_tokens: int = 50,
     text = prompt_tokenizer(recipe, tokenizer)
     ids = [text.encode(prompt) for prompt in prompts]
     check_prompts(ids, recipe.model.max_seq_len)
-    new = run_on_model(checkpoint, tp, Use(eval_batches=0, tokenizer=tokenizer, local_layers=True),
-                       generate_job, prompts=ids, max_new_tokens=max_new_tokens,
+    use = Use(eval_batches=0, tokenizer=tokenizer, local_layers=True, model_only=True)
+    new = run_on_model(checkpoint, tp, use, generate_job, prompts=ids, max_new_tokens=max_new_tokens,
                        sampling=sampling)["new"]
     return [{"checkpoint": str(checkpoint), "step": step_of(checkpoint), "prompt": prompt,
              "completion": text.decode(tokens), "token_ids": tokens,
@@ -247,10 +255,9 @@ def prompt_tokenizer(recipe: RecipeConfig, name: Optional[str]):
     return tokenizer
 
 
-def generate_job(trainer: Trainer, checkpoint: Path, step: int, *, prompts: list[list[int]],
-                 max_new_tokens: int, sampling: Sampling) -> dict:
+def generate_job(loaded: LoadedModel, checkpoint: Path, step: int, *,
+                 prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> dict:
     # Every rank draws the same tokens: the logits are gathered over tp and
     # the sampling generators are seeded alike.
-    trainer.model.eval()
-    return {"new": continue_batch(trainer.chunks[0], prompts, trainer.cfg.model.max_seq_len,
+    return {"new": continue_batch(loaded.model, prompts, loaded.cfg.model.max_seq_len,
                                   max_new_tokens, sampling)}

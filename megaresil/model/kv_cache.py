@@ -24,6 +24,8 @@ class KVCache:
         self.pads, self.capacity, self.max_position = pads, capacity, max_position
         self.length = 0  # slots written, the same in every row
         self.layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The mask of the forward in progress, the same in every layer: (length, T, window, mask).
+        self.step_mask: Optional[tuple[int, int, Optional[int], torch.Tensor]] = None
 
     def slots(self, T: int) -> torch.Tensor:
         """(T,) the slots of the next T tokens."""
@@ -38,9 +40,14 @@ class KVCache:
         """(B, 1, T, length + T), True where a new token sees a key: its
         row's real tokens at or before it (in the window). A padding slot sees
         itself alone, so its (unused) row of attention has a key to weigh."""
+        if self.step_mask is not None and self.step_mask[:3] == (self.length, T, window):
+            return self.step_mask[3]
         queries, keys = self.slots(T), torch.arange(self.length + T, device=self.pads.device)
-        seen = visible(queries, keys, window)[None] & (keys[None, None, :] >= self.pads[:, None, None])
-        return (seen | (queries[:, None] == keys[None, :])[None]).unsqueeze(1)
+        real = keys[None, None, :] >= self.pads[:, None, None]  # (B, 1, K)
+        seen = visible(queries, keys, window)[None] & real
+        mask = (seen | (queries[:, None] == keys[None, :])[None]).unsqueeze(1)
+        self.step_mask = (self.length, T, window, mask)
+        return mask
 
     def extend(self, layer: str, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
