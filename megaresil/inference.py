@@ -3,7 +3,8 @@ layout saved it, in one process or spread over `--tp N` local
 tensor-parallel processes (one per GPU). The weights are loaded as
 `checkpoint.init_from` loads them (verified, resharded to this layout); the
 model and the held-out batches are the trainer's own, so a loss here is the
-number the run's eval wrote.
+number the run's eval wrote. Generation and `eval --data` load the model
+alone (inference_model.py), which starts faster.
 
 Before any process starts, the bytes the model needs are estimated from the
 manifest and compared with the memory free on the device, and a model that
@@ -101,9 +102,8 @@ def check_layout(recipe: RecipeConfig, tp: int, device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class Use:
-    """What a command changes in the run's recipe."""
+    """What a command changes in the run's recipe, and what it builds."""
     eval_batches: Optional[int] = None  # None: the run's train.eval_batches
-    tokenizer: Optional[str] = None  # None: the run's data.tokenizer
     # Generation's KV cache lives in the local layers (model/kv_cache.py): the
     # same weights under the same checkpoint keys, without TE's kernels.
     local_layers: bool = False
@@ -185,8 +185,6 @@ def inference_recipe(cfg: RecipeConfig, use: Use, scratch: Path, checkpoint: Pat
     job's process groups, which one inference process does not have."""
     train = cfg.train if use.eval_batches is None else dataclasses.replace(
         cfg.train, eval_batches=use.eval_batches)
-    data = cfg.data if use.tokenizer is None else dataclasses.replace(
-        cfg.data, tokenizer=use.tokenizer)
     saved = dataclasses.replace(
         cfg.checkpoint, dir=None, load="none", init_from=str(checkpoint),
         init_from_optimizer=False, local=dataclasses.replace(cfg.checkpoint.local, enabled=False))
@@ -197,9 +195,7 @@ def inference_recipe(cfg: RecipeConfig, use: Use, scratch: Path, checkpoint: Pat
         model = dataclasses.replace(model, backend=Backend.local)
         train = dataclasses.replace(train, fp8=FP8.none)
     return dataclasses.replace(cfg, parallel=ParallelConfig(tp=tp), model=model, train=train,
-                               data=data,
-                               faults=[],
-                               run=dataclasses.replace(cfg.run, dir=str(scratch)),
+                               faults=[], run=dataclasses.replace(cfg.run, dir=str(scratch)),
                                checkpoint=saved, resilience=resilience)
 
 
@@ -232,9 +228,9 @@ def generate(checkpoint: Path, prompts: list[str], *, max_new_tokens: int = 50,
     text = prompt_tokenizer(recipe, tokenizer)
     ids = [text.encode(prompt) for prompt in prompts]
     check_prompts(ids, recipe.model.max_seq_len)
-    use = Use(eval_batches=0, tokenizer=tokenizer, local_layers=True, model_only=True)
-    new = run_on_model(checkpoint, tp, use, generate_job, prompts=ids, max_new_tokens=max_new_tokens,
-                       sampling=sampling)["new"]
+    use = Use(eval_batches=0, local_layers=True, model_only=True)
+    new = run_on_model(checkpoint, tp, use, generate_job, prompts=ids,
+                       max_new_tokens=max_new_tokens, sampling=sampling)["new"]
     return [{"checkpoint": str(checkpoint), "step": step_of(checkpoint), "prompt": prompt,
              "completion": text.decode(tokens), "token_ids": tokens,
              "stopped_at_context": len(tokens) < max_new_tokens}
@@ -242,6 +238,7 @@ def generate(checkpoint: Path, prompts: list[str], *, max_new_tokens: int = 50,
 
 
 def prompt_tokenizer(recipe: RecipeConfig, name: Optional[str]):
+    """The tokenizer `name` (None: the run's data.tokenizer), checked against the model."""
     data = recipe.data if name is None else dataclasses.replace(recipe.data, tokenizer=name)
     try:
         tokenizer = recipe_tokenizer(data, recipe.model.vocab_size)
