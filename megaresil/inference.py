@@ -3,7 +3,8 @@ layout saved it, in one process or spread over `--tp N` local
 tensor-parallel processes (one per GPU). The weights are loaded as
 `checkpoint.init_from` loads them (verified, resharded to this layout); the
 model and the held-out batches are the trainer's own, so a loss here is the
-number the run's eval wrote.
+number the run's eval wrote. Generation and `eval --data` load the model
+alone (inference_model.py), which starts faster.
 
 Before any process starts, the bytes the model needs are estimated from the
 manifest and compared with the memory free on the device, and a model that
@@ -29,6 +30,8 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.offline.convert import open_source
 from megaresil.checkpoint.validation import read_manifest
 from megaresil.config import (
+    FP8,
+    Backend,
     ConfigError,
     ParallelConfig,
     Precision,
@@ -37,6 +40,8 @@ from megaresil.config import (
     validate,
 )
 from megaresil.data.build import build_test_dataset, recipe_tokenizer
+from megaresil.generation import Sampling, check_prompts, continue_batch
+from megaresil.inference_model import LoadedModel, load_model
 from megaresil.parallel.layout import ParallelLayout, backend_for, pick_device, visible_gpus
 from megaresil.ports import free_port
 from megaresil.train.loop import Trainer
@@ -97,13 +102,19 @@ def check_layout(recipe: RecipeConfig, tp: int, device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class Use:
-    """What a command changes in the run's recipe."""
+    """What a command changes in the run's recipe, and what it builds."""
     eval_batches: Optional[int] = None  # None: the run's train.eval_batches
-    tokenizer: Optional[str] = None  # None: the run's data.tokenizer
+    # Generation's KV cache lives in the local layers (model/kv_cache.py): the
+    # same weights under the same checkpoint keys, without TE's kernels.
+    local_layers: bool = False
+    # The job reads the model alone (inference_model.LoadedModel), not a
+    # Trainer: what the split eval's batches need is the trainer's.
+    model_only: bool = False
 
 
 def run_on_model(checkpoint: Path, tp: int, use: Use, job, **kwargs) -> dict:
-    """`job(trainer, checkpoint, step, **kwargs)` on the checkpoint's model,
+    """`job(trainer, checkpoint, step, **kwargs)` on the checkpoint's model
+    (a LoadedModel in the trainer's place with `use.model_only`),
     whatever layout saved it, held by tp tensor-parallel ranks (one process
     when tp is 1, else local processes over gloo or NCCL); rank 0's result.
     The weights are loaded as `checkpoint.init_from` loads them: verified,
@@ -150,7 +161,10 @@ def on_rank(checkpoint: Path, recipe: RecipeConfig, tp: int, use: Use, job,
             kwargs: dict, device: torch.device) -> dict:
     with tempfile.TemporaryDirectory(prefix="megaresil-inference-") as scratch:
         cfg = inference_recipe(recipe, use, Path(scratch), checkpoint, tp)
-        trainer = Trainer(cfg, ParallelLayout.from_config(cfg.parallel, device))
+        layout = ParallelLayout.from_config(cfg.parallel, device)
+        if use.model_only:
+            return job(load_model(cfg, layout), checkpoint, step_of(checkpoint), **kwargs)
+        trainer = Trainer(cfg, layout)
         try:
             return job(trainer, checkpoint, step_of(checkpoint), **kwargs)
         finally:
@@ -171,16 +185,17 @@ def inference_recipe(cfg: RecipeConfig, use: Use, scratch: Path, checkpoint: Pat
     job's process groups, which one inference process does not have."""
     train = cfg.train if use.eval_batches is None else dataclasses.replace(
         cfg.train, eval_batches=use.eval_batches)
-    data = cfg.data if use.tokenizer is None else dataclasses.replace(
-        cfg.data, tokenizer=use.tokenizer)
     saved = dataclasses.replace(
         cfg.checkpoint, dir=None, load="none", init_from=str(checkpoint),
         init_from_optimizer=False, local=dataclasses.replace(cfg.checkpoint.local, enabled=False))
     resilience = dataclasses.replace(cfg.resilience, replacement=dataclasses.replace(
         cfg.resilience.replacement, enabled=False))
-    return dataclasses.replace(cfg, parallel=ParallelConfig(tp=tp), train=train, data=data,
-                               faults=[],
-                               run=dataclasses.replace(cfg.run, dir=str(scratch)),
+    model = cfg.model
+    if use.local_layers:
+        model = dataclasses.replace(model, backend=Backend.local)
+        train = dataclasses.replace(train, fp8=FP8.none)
+    return dataclasses.replace(cfg, parallel=ParallelConfig(tp=tp), model=model, train=train,
+                               faults=[], run=dataclasses.replace(cfg.run, dir=str(scratch)),
                                checkpoint=saved, resilience=resilience)
 
 
@@ -203,59 +218,43 @@ def evaluate_job(trainer: Trainer, checkpoint: Path, step: int, *, split: str) -
             "batches": cfg.train.eval_batches, "loss": loss, "perplexity": math.exp(loss)}
 
 
-def generate(checkpoint: Path, prompt: str, *, max_new_tokens: int = 50, temperature: float = 0.0,
-             top_k: Optional[int] = None, seed: int = 0, tp: int = 1,
-             tokenizer: Optional[str] = None) -> dict:
-    """The prompt continued by the checkpoint's model (temperature 0:
-    greedy); `tokenizer` names one other than the run's data.tokenizer."""
-    return run_on_model(checkpoint, tp, Use(eval_batches=0, tokenizer=tokenizer), generate_job,
-                        prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                        top_k=top_k, seed=seed)
+def generate(checkpoint: Path, prompts: list[str], *, max_new_tokens: int = 50,
+             sampling: Sampling = Sampling(), tp: int = 1,
+             tokenizer: Optional[str] = None) -> list[dict]:
+    """Each prompt continued by the checkpoint's model, all in one batch
+    (generation.py); `tokenizer` names one other than the run's
+    data.tokenizer. The prompts are read, and refused, before the model loads."""
+    recipe = from_dict(read_manifest(checkpoint)["recipe"])
+    text = prompt_tokenizer(recipe, tokenizer)
+    ids = [text.encode(prompt) for prompt in prompts]
+    check_prompts(ids, recipe.model.max_seq_len)
+    use = Use(eval_batches=0, local_layers=True, model_only=True)
+    new = run_on_model(checkpoint, tp, use, generate_job, prompts=ids,
+                       max_new_tokens=max_new_tokens, sampling=sampling)["new"]
+    return [{"checkpoint": str(checkpoint), "step": step_of(checkpoint), "prompt": prompt,
+             "completion": text.decode(tokens), "token_ids": tokens,
+             "stopped_at_context": len(tokens) < max_new_tokens}
+            for prompt, tokens in zip(prompts, new)]
 
 
-def generate_job(trainer: Trainer, checkpoint: Path, step: int, *, prompt: str,
-                 max_new_tokens: int, temperature: float, top_k: Optional[int],
-                 seed: int) -> dict:
-    # Every rank draws the same tokens: the logits are gathered over tp and
-    # the sampling generator is seeded alike.
-    cfg = trainer.cfg
+def prompt_tokenizer(recipe: RecipeConfig, name: Optional[str]):
+    """The tokenizer `name` (None: the run's data.tokenizer), checked against the model."""
+    data = recipe.data if name is None else dataclasses.replace(recipe.data, tokenizer=name)
     try:
-        tokenizer = recipe_tokenizer(cfg.data, cfg.model.vocab_size)
+        tokenizer = recipe_tokenizer(data, recipe.model.vocab_size)
     except ValueError as err:
         raise fmt.CheckpointError(f"{err} (generation needs text in and out; --tokenizer "
                                   "names the tokenizer)") from None
-    if tokenizer.vocab_size > cfg.model.vocab_size:
+    if tokenizer.vocab_size > recipe.model.vocab_size:
         raise fmt.CheckpointError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model "
-                                  f"{cfg.model.vocab_size} ids. Fix: --tokenizer naming the "
+                                  f"{recipe.model.vocab_size} ids. Fix: --tokenizer naming the "
                                   "tokenizer the model trained with.")
-    trainer.model.eval()
-    ids = continue_tokens(trainer.chunks[0], tokenizer.encode(prompt), cfg.model.max_seq_len,
-                          max_new_tokens, temperature, top_k, torch.Generator().manual_seed(seed))
-    return {"checkpoint": str(checkpoint), "step": step, "prompt": prompt,
-            "completion": tokenizer.decode(ids), "token_ids": ids}
+    return tokenizer
 
 
-@torch.no_grad()
-def continue_tokens(model, prompt_ids: list[int], context: int, max_new_tokens: int,
-                    temperature: float, top_k: Optional[int],
-                    generator: torch.Generator) -> list[int]:
-    """New token ids, one forward pass over the last `context` tokens each
-    (no KV cache: the models served here are the ones a checkpoint test holds)."""
-    tokens, new = list(prompt_ids), []
-    for _ in range(max_new_tokens):
-        logits = model.logits(torch.tensor([tokens[-context:]]))[0, -1].float()  # (V,)
-        token = next_token(logits, temperature, top_k, generator)
-        tokens.append(token)
-        new.append(token)
-    return new
-
-
-def next_token(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-               generator: torch.Generator) -> int:
-    if temperature == 0:
-        return int(logits.argmax())
-    if top_k:
-        cutoff = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < cutoff, float("-inf"))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def generate_job(loaded: LoadedModel, checkpoint: Path, step: int, *,
+                 prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> dict:
+    # Every rank draws the same tokens: the logits are gathered over tp and
+    # the sampling generators are seeded alike.
+    return {"new": continue_batch(loaded.model, prompts, loaded.cfg.model.max_seq_len,
+                                  max_new_tokens, sampling)}

@@ -24,8 +24,8 @@ from megaresil.checkpoint.validation import read_manifest
 from megaresil.config import from_dict
 from megaresil.data.documents import load_documents
 from megaresil.inference import Use, run_on_model
+from megaresil.inference_model import LoadedModel
 from megaresil.parallel.tensor_parallel import IGNORE_TARGET
-from megaresil.train.loop import Trainer
 
 
 def evaluate_documents(checkpoint: Path, data: str, tp: int = 1) -> dict:
@@ -34,18 +34,17 @@ def evaluate_documents(checkpoint: Path, data: str, tp: int = 1) -> dict:
     recipe = from_dict(read_manifest(checkpoint)["recipe"])
     # Read (and refused) before the model loads or any rank starts.
     documents = load_documents(data, recipe.data, recipe.model.vocab_size)
-    return run_on_model(checkpoint, tp, Use(eval_batches=0), documents_job, data=data,
-                        documents=documents)
+    return run_on_model(checkpoint, tp, Use(eval_batches=0, model_only=True), documents_job,
+                        data=data, documents=documents)
 
 
-def documents_job(trainer: Trainer, checkpoint: Path, step: int, *, data: str,
+def documents_job(loaded: LoadedModel, checkpoint: Path, step: int, *, data: str,
                   documents: list[np.ndarray]) -> dict:
-    trainer.model.eval()
-    scored = [score_document(trainer, tokens) for tokens in documents]
+    scored = [score_document(loaded, tokens) for tokens in documents]
     tokens = sum(count for _, count in scored)
     loss = sum(total for total, _ in scored) / tokens if tokens else None
     return {"checkpoint": str(checkpoint), "step": step, "data": data,
-            "window": trainer.cfg.data.seq_len, "documents": len(documents),
+            "window": loaded.cfg.data.seq_len, "documents": len(documents),
             "tokens": tokens, **loss_and_perplexity(loss),
             "per_document": [{"index": i, "tokens": count,
                               **loss_and_perplexity(total / count if count else None)}
@@ -57,27 +56,27 @@ def loss_and_perplexity(loss: Optional[float]) -> dict:
 
 
 @torch.no_grad()
-def score_document(trainer: Trainer, tokens: np.ndarray) -> tuple[float, int]:
+def score_document(loaded: LoadedModel, tokens: np.ndarray) -> tuple[float, int]:
     """(summed loss, predicted tokens) of one document over its windows."""
-    window = trainer.cfg.data.seq_len
+    window = loaded.cfg.data.seq_len
     total, count = 0.0, 0
     for start in range(0, len(tokens) - 1, window):
         piece = torch.from_numpy(tokens[start:start + window + 1]).unsqueeze(0)  # (1, <= L+1)
-        window_total, window_count = score_window(trainer, piece[:, :-1], piece[:, 1:])
+        window_total, window_count = score_window(loaded, piece[:, :-1], piece[:, 1:])
         total, count = total + window_total, count + window_count
     return total, count
 
 
-def score_window(trainer: Trainer, inputs: torch.Tensor,
+def score_window(loaded: LoadedModel, inputs: torch.Tensor,
                  targets: torch.Tensor) -> tuple[float, int]:
     """One window's summed loss and predicted tokens, masked as the trainer
     masks its batches (Trainer.batches)."""
     documents = None
-    if trainer.parts.masking is not None:
-        targets, documents = trainer.parts.masking.apply(inputs, targets)
-    device = trainer.layout.device
-    with trainer.parts.autocast:
-        logits = trainer.chunks[0].logits(inputs.to(device),
+    if loaded.masking is not None:
+        targets, documents = loaded.masking.apply(inputs, targets)
+    device = loaded.layout.device
+    with loaded.autocast:
+        logits = loaded.model.logits(inputs.to(device),
                                           None if documents is None else documents.to(device))
     losses = torch.nn.functional.cross_entropy(logits[0].float(), targets[0].to(device),
                                                ignore_index=IGNORE_TARGET, reduction="sum")

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+from typing import Optional
 
 from megaresil.cli.common import checkpoint_argument
 from megaresil.config import ConfigError
@@ -56,14 +58,36 @@ def eval_documents(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import json
 
+    from megaresil.generation import Sampling
     from megaresil.inference import generate
 
-    result = generate(checkpoint_argument(args.path), args.prompt,
-                      max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                      tp=args.tp, tokenizer=args.tokenizer)
-    print(json.dumps(result) if args.json else args.prompt + result["completion"])
+    prompts = list(args.prompt or []) + prompts_in(args.prompts_file)
+    if not prompts:
+        raise ConfigError("--prompt", "no prompt given.",
+                          "pass --prompt TEXT (repeatable) or --prompts-file FILE.")
+    results = generate(checkpoint_argument(args.path), prompts,
+                       max_new_tokens=args.max_new_tokens,
+                       sampling=Sampling(args.temperature, args.top_k, args.seed),
+                       tp=args.tp, tokenizer=args.tokenizer)
+    for number, result in enumerate(results, 1):
+        if result["stopped_at_context"]:
+            print(f"megaresil: prompt {number} reached the model's context (model.max_seq_len) "
+                  f"after {len(result['token_ids'])} new tokens; generation stops there. Fix: a "
+                  "shorter prompt, or fewer --max-new-tokens.", file=sys.stderr)
+        print(json.dumps(result) if args.json else result["prompt"] + result["completion"])
     return 0
+
+
+def prompts_in(path: Optional[str]) -> list[str]:
+    """A --prompts-file's prompts: one a line, blank lines skipped."""
+    if path is None:
+        return []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise ConfigError("--prompts-file", f"{path}: {err.strerror}.",
+                          "name a text file with one prompt a line.") from None
+    return [line for line in lines if line.strip()]
 
 
 TP_HELP = ("tensor-parallel processes holding the model (default 1: one process); one per GPU "
@@ -89,11 +113,14 @@ def add_checkpoint_use_parsers(sub) -> None:
     evaluate.add_argument("--json", action="store_true")
     evaluate.add_argument("--tp", type=int, default=1, help=TP_HELP)
     evaluate.set_defaults(func=cmd_eval)
-    gen = sub.add_parser("generate", help="continue a prompt with a checkpoint's model, in "
-                         "one process (or --tp N)")
+    gen = sub.add_parser("generate", help="continue prompts with a checkpoint's model, as one "
+                         "batch, in one process (or --tp N)")
     gen.add_argument("path", metavar="CKPT|RUN_DIR", help="a checkpoint, or a run directory "
                      "(its newest checkpoint)")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", action="append", help="a prompt; repeat it for several, "
+                     "generated as one batch (each continued as it would be alone)")
+    gen.add_argument("--prompts-file", metavar="FILE", help="more prompts, one a line (blank "
+                     "lines skipped), after any --prompt")
     gen.add_argument("--max-new-tokens", type=int, default=50)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
     gen.add_argument("--top-k", type=int, help="sample among the k likeliest tokens only")
@@ -101,7 +128,8 @@ def add_checkpoint_use_parsers(sub) -> None:
     gen.add_argument("--tokenizer", metavar="SPEC", help="the tokenizer the model trained "
                      "with, where the run's data.tokenizer does not name it (a tokenizer.json, "
                      "a model directory, gpt2, bpe or byte); default: the run's data.tokenizer")
-    gen.add_argument("--json", action="store_true", help="also the token ids")
+    gen.add_argument("--json", action="store_true", help="one JSON line a prompt, with its "
+                     "token ids")
     gen.add_argument("--tp", type=int, default=1, help=TP_HELP)
     gen.set_defaults(func=cmd_generate)
 

@@ -15,6 +15,7 @@ from megaresil.config import ModelConfig
 from megaresil.model.activations import CheckpointStore, recompute_segments
 from megaresil.model.flavours import spec_of_model
 from megaresil.model.init import global_shape
+from megaresil.model.kv_cache import KVCache
 from megaresil.model.layers import Block, make_norm, sequence_dropout
 from megaresil.model.losses import OutputZLoss
 from megaresil.model.masks import Documents
@@ -135,21 +136,26 @@ class GPT(nn.Module):
                          ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, tp, bias=False))
 
     def stage_forward(self, x: torch.Tensor, samples: Optional[torch.Tensor],
-                      documents: Optional[Documents] = None) -> torch.Tensor:
+                      documents: Optional[Documents] = None,
+                      cache: Optional[KVCache] = None) -> torch.Tensor:
         """tokens (first chunk) or hidden states in; hidden states or this
         rank's vocabulary slice of the logits (last chunk) out. `documents`:
-        the micro-batch's documents under document masking (model/masks.py)."""
+        the micro-batch's documents under document masking (model/masks.py);
+        `cache`: generation's keys and values so far (the whole model's)."""
         if self.first:
-            positions = None if documents is None else documents.positions
+            positions = (cache.positions(x.shape[1]) if cache is not None else
+                         None if documents is None else documents.positions)
             x = self.embed(x, samples, positions)  # (B, T, C), or (B, T/tp, C) under SP
         x = self.blocks_layout(x)
         for layer_ids, recompute in self.segments:
-            run = functools.partial(self.run_layers, layer_ids, documents=documents)
+            run = functools.partial(self.run_layers, layer_ids, documents=documents, cache=cache)
             if recompute and self.training:
                 x = self.checkpoints.run(run, x, samples)
             else:
                 x = run(x, samples)
         x = self.blocks_layout(x)
+        if cache is not None:
+            cache.advance(x.shape[1])
         if not self.last:
             return x
         x = self.norm(x)
@@ -164,9 +170,10 @@ class GPT(nn.Module):
         return swap_batch_and_sequence(x).contiguous() if self.sequence_first else x
 
     def run_layers(self, layer_ids: list[int], x: torch.Tensor, samples: Optional[torch.Tensor],
-                   *, documents: Optional[Documents]) -> torch.Tensor:
+                   *, documents: Optional[Documents],
+                   cache: Optional[KVCache] = None) -> torch.Tensor:
         for i in layer_ids:
-            x = self.layers[str(i)](x, samples, documents)
+            x = self.layers[str(i)](x, samples, documents, cache)
         return x
 
     def example_io(self, micro_batch: int, seq_len: int, output_dtype: torch.dtype,
@@ -203,9 +210,10 @@ class GPT(nn.Module):
                                                       overwrite_logits=overwrite_logits)
         return self.output_z_loss.added_to(loss, logsumexp, share)
 
-    def logits(self, tokens: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, documents: Optional[Documents] = None,
+               cache: Optional[KVCache] = None) -> torch.Tensor:
         """Full-vocabulary logits (B, T, V), padding cut (for inference and tests)."""
-        local = self.stage_forward(tokens, None, documents)
+        local = self.stage_forward(tokens, None, documents, cache)
         return gather_vocab(local, self.tp)[..., : self.cfg.vocab_size]
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor,

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from megaresil.config import ModelConfig, Recompute, RopeScalingType, attention_head_dim
 from megaresil.model.context_attention import context_attention
 from megaresil.model.flavours import spec_of_model
+from megaresil.model.kv_cache import KVCache
 from megaresil.model.masks import Documents, causal_mask, sliding_window_mask
 from megaresil.model.moe import MoEBlock, MoELossScale, has_experts
 from megaresil.parallel.context_parallel import CPGroup
@@ -148,7 +149,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, *, site: str, seed: int,
                  cp: CPGroup = CPGroup()):
         super().__init__()
-        self.cp = cp
+        self.cp, self.site = cp, site  # site: this layer's key in a KVCache
         self.head_dim = attention_head_dim(cfg)
         kv_heads = cfg.num_kv_heads or cfg.num_heads
         self.local_heads, self.local_kv_heads = cfg.num_heads // tp.size, kv_heads // tp.size
@@ -221,22 +222,35 @@ class Attention(nn.Module):
         return self.prob_dropout(probs, samples) @ v
 
     def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor],
-                documents: Optional[Documents] = None) -> torch.Tensor:
+                documents: Optional[Documents] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        """`cache`: x is the next tokens of a generation, which see the
+        cache's keys and values too (and add theirs)."""
         q, k, v = self.split_qkv(x)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
-            positions = None if documents is None else documents.positions
-            if positions is None and self.cp.active:
-                positions = self.cp.positions(q.shape[-2], q.device).unsqueeze(0)
-            length = q.shape[-2] * self.cp.size
+            positions, length = self.rope_places(q, documents, cache)
             q, k = self.rope(q, positions, length), self.rope(k, positions, length)
-        if self.recompute_core and self.training:
+        if cache is not None:
+            k, v = cache.extend(self.site, k, v)
+            y = self.attend(q, k, v, cache.mask(q.shape[-2], self.window))
+        elif self.recompute_core and self.training:
             y = checkpoint(self.core, q, k, v, samples, documents, use_reentrant=False)
         else:
             y = self.core(q, k, v, samples, documents)  # (B, local H, T, D)
         B, _, T, _ = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def rope_places(self, q: torch.Tensor, documents: Optional[Documents],
+                    cache: Optional[KVCache]) -> tuple[Optional[torch.Tensor], int]:
+        """(positions (B or 1, T) or None for 0..T-1, the rows of RoPE's table they read)."""
+        if cache is not None:  # a table for the whole cache, built once
+            return cache.positions(q.shape[-2]), cache.capacity
+        positions = None if documents is None else documents.positions
+        if positions is None and self.cp.active:
+            positions = self.cp.positions(q.shape[-2], q.device).unsqueeze(0)
+        return positions, q.shape[-2] * self.cp.size
 
 
 def make_mlp(cfg: ModelConfig, tp: TPGroup, index: int, moe_scale: MoELossScale,
@@ -269,7 +283,12 @@ class Block(nn.Module):
         self.mlp_dropout = sequence_dropout(cfg.dropout, site + ".mlp_out", seed, tp, cp)
 
     def forward(self, x: torch.Tensor, samples: Optional[torch.Tensor] = None,
-                documents: Optional[Documents] = None) -> torch.Tensor:
+                documents: Optional[Documents] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
         # Full recomputation wraps whole groups of blocks (model/activations.py).
-        x = x + self.attn_dropout(self.attn(self.norm1(x), samples, documents), samples)
+        # Generation's cache is the local layers' alone (inference.py builds those).
+        h = self.norm1(x)
+        attn = (self.attn(h, samples, documents) if cache is None else
+                self.attn(h, samples, documents, cache))
+        x = x + self.attn_dropout(attn, samples)
         return x + self.mlp_dropout(self.mlp(self.norm2(x)), samples)

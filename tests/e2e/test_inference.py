@@ -63,6 +63,41 @@ def test_sampling_is_seeded(cli_main, run_dir):
     assert sample("1") == sample("1") != sample("2")
 
 
+def test_prompts_run_as_one_batch_each_as_alone_and_the_context_bounds_them(cli_main, run_dir,
+                                                                            tmp_path):
+    """--prompt repeated and --prompts-file: one JSON line each, in order,
+    equal to the prompt's own run; the context (gpt-tiny's 128 tokens) stops
+    a long prompt's continuation with a line, and refuses a longer prompt."""
+    def lines(*args: str):
+        done = cli_main("generate", str(run_dir), "--max-new-tokens", "6", "--json", *args,
+                        check=False)
+        return done, [json.loads(line) for line in done.stdout.splitlines()]
+    (tmp_path / "prompts.txt").write_text("JULIET:\n\nKING HENRY: Once more unto\n")
+    _, batch = lines("--prompt", "ROMEO:", "--prompts-file", str(tmp_path / "prompts.txt"))
+    assert [r["prompt"] for r in batch] == ["ROMEO:", "JULIET:", "KING HENRY: Once more unto"]
+    assert lines("--prompt", "JULIET:")[1] == [batch[1]]
+    near, long = prompt_of_tokens(run_dir, 125), prompt_of_tokens(run_dir, 129)
+    stopped, [result] = lines("--prompt", near)
+    assert len(result["token_ids"]) == 128 - 125 + 1 and result["stopped_at_context"]
+    assert "prompt 1 reached the model's context" in stopped.stderr
+    refused, _ = lines("--prompt", "JULIET:", "--prompt", long)
+    assert refused.returncode == 2 and ("prompt 2 has 129 tokens, more than the model's "
+                                        "context of 128") in refused.stderr
+
+
+def prompt_of_tokens(run_dir, tokens: int) -> str:
+    """A text the run's tokenizer reads as exactly `tokens` tokens."""
+    from megaresil.checkpoint.validation import read_manifest
+    from megaresil.config import from_dict
+    from megaresil.data.build import recipe_tokenizer
+
+    recipe = from_dict(read_manifest(run_dir / "checkpoints/step_0000004")["recipe"])
+    tokenizer = recipe_tokenizer(recipe.data, recipe.model.vocab_size)
+    text = tokenizer.decode(tokenizer.encode(" ".join(["ROMEO, JULIET"] * 200))[:tokens])
+    assert len(tokenizer.encode(text)) == tokens
+    return text
+
+
 def test_eval_and_generate_on_a_checkpoint_with_live_replacement_on(cli_main, run_dir, tmp_path):
     """Live replacement plans each generation's state over the job's process
     groups; one inference process has none, and must still read the model."""

@@ -18,7 +18,7 @@ from megaresil.checkpoint import format as fmt
 from megaresil.checkpoint.hf.mapping import UnsupportedModel, config_from_hf, from_hf
 from megaresil.config import ConfigError, load_recipe, model_from_dict
 from megaresil.events import read_events
-from megaresil.inference import continue_tokens
+from megaresil.generation import Sampling, continue_batch
 from megaresil.model.gpt import GPT
 from tests.harness.cli import ROOT
 from tests.harness.hf import megaresil_model
@@ -109,7 +109,7 @@ def test_import_at_tp2_then_export_writes_the_same_tensors_and_config(case, tmp_
 @pytest.mark.parametrize("case", ["mistral", "qwen2_tied_window"])
 def test_greedy_generation_keeps_to_the_window_as_transformers_does(case):
     """Past the window: 12 prompt tokens, 8 new; transformers generates with
-    its sliding-window KV cache, megaresil generate reruns the masked model."""
+    its sliding-window KV cache, megaresil generate its own KV cache under the window."""
     hf = CASES[case][0]()
     cfg = model_from_dict(model_keys(hf))
     ours = GPT(cfg).eval()
@@ -117,8 +117,8 @@ def test_greedy_generation_keeps_to_the_window_as_transformers_does(case):
     prompt = torch.randint(0, 300, (1, 12))
     theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
                          do_sample=False, pad_token_id=0)[0, 12:].tolist()
-    assert continue_tokens(ours, prompt[0].tolist(), cfg.max_seq_len, 8, 0.0, None,
-                           torch.Generator()) == theirs
+    assert continue_batch(ours, [prompt[0].tolist()], cfg.max_seq_len, 8,
+                          Sampling())[0] == theirs
 
 
 def test_a_window_in_some_layers_only_is_refused():
