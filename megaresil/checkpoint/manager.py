@@ -95,7 +95,6 @@ class Checkpointer(BackgroundSaves):
         self.backend: Backend = get_backend(backend)
         self.asynchronous, self.keep, self.events = asynchronous, keep, events
         self.writers: Optional[dict[tuple, int]] = None
-        self.layout_plan: Optional[dict[str, dict]] = None  # of the written rects, every rank's
         self.staging = StagingBuffers()  # used on the save thread (on the loop's if synchronous)
 
     # --- saving ---------------------------------------------------------------
@@ -109,9 +108,9 @@ class Checkpointer(BackgroundSaves):
                                              for r in rects])
             self.writers = assign_writers([[(i, n) for i, n, _ in mine] for mine in gathered],
                                           self.coll.world)
-            self.layout_plan = layout_plan([[record for i, _, record in mine
-                                             if self.writers[i] == rank]
-                                            for rank, mine in enumerate(gathered)])
+            self.backend.plan(layout_plan([[record for i, _, record in mine
+                                            if self.writers[i] == rank]
+                                           for rank, mine in enumerate(gathered)]))
         return [r for r in rects if self.writers[r.identity()] == self.coll.rank]
 
     def _stage(self, rects: list[Rect], copy: StagingCopy) -> list[Rect]:
@@ -181,8 +180,7 @@ class Checkpointer(BackgroundSaves):
             if partial.exists():
                 shutil.rmtree(partial)
             partial.mkdir(parents=True)
-            assert self.layout_plan is not None  # made with the writers (_my_writes)
-            self.backend.prepare(partial, self.layout_plan)
+            self.backend.prepare(partial)
         self.coll.barrier()
         done = self.backend.write(partial, staged, self.coll.rank)
         written = [{**rect_record(r), "rank": self.coll.rank, "checksum": fmt.checksum(r.tensor),

@@ -512,7 +512,7 @@ def test_torch_dist_write_and_read_regions(tmp_path):
     big = torch.randn(512, 600)  # 1.2 MB: aligned
     small = torch.randn(8, 6).to(torch.bfloat16)
     backend = get_backend("torch_dist")
-    backend.prepare(tmp_path, {})
+    backend.prepare(tmp_path)
     done = backend.write(tmp_path, [Rect("big", (1024, 600), (512, 0), big),
                                     Rect("small", (8, 12), (0, 6), small)], 0)
     done.durable()
@@ -548,7 +548,7 @@ def test_torch_dist_starts_writeback_while_writing(tmp_path, monkeypatch):
     tensors = [torch.randn(1024, 1024 + i) for i in range(12)]  # ~50 MB, odd sizes
     rects = [Rect(f"w{i}", tuple(t.shape), (0, 0), t) for i, t in enumerate(tensors)]
     backend = get_backend("torch_dist")
-    backend.prepare(tmp_path, {})
+    backend.prepare(tmp_path)
     done = backend.write(tmp_path, rects, 0)
     done.durable()
     backend.finish(tmp_path, [done.note])
@@ -590,7 +590,7 @@ def test_chunk_layout_reads_only_what_is_prefetched(tmp_path):
     rects = [Rect("big", (600, 800), (0, 0), torch.randn(600, 800)),
              Rect("small", (3, 5), (0, 0), torch.randn(3, 5).to(torch.bfloat16))]
     backend = get_backend("torch_dist")
-    backend.prepare(tmp_path, {})
+    backend.prepare(tmp_path)
     done = backend.write(tmp_path, rects, 0)
     done.durable()
     with open(next((tmp_path / "dcp").glob("*.distcp")), "rb") as f:

@@ -6,6 +6,7 @@ uint16 + attribute), and arrays of plain chunks (the earlier layout) still read.
 Single process: the offline writer writes every planned rank's rects."""
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from pathlib import Path
@@ -134,3 +135,29 @@ def test_arrays_of_plain_chunks_still_read(tmp_path):
     target = Rect("w", (10, 6), (3, 1), torch.empty(5, 4))
     get_backend("zarr").read(tmp_path, {}, [target])
     assert torch.equal(target.tensor, values[3:8, 1:5])
+
+
+def test_each_writer_starts_the_arrays_whose_first_element_it_writes(tmp_path):
+    """Rank 0 no longer writes every array's metadata before anyone writes
+    (the others waited for it): each array's first writer does, from the
+    plan, with the same bytes; an array without elements is rank 0's."""
+    plan = {"a/w": {"global_shape": [4, 6], "dtype": "float32",
+                    "rects": [{"offset": [0, 0], "shape": [2, 6]}, {"offset": [2, 0], "shape": [2, 6]}]},
+            "a/empty": {"global_shape": [0, 3], "dtype": "float32",
+                        "rects": [{"offset": [0, 0], "shape": [0, 3]}]}}
+    full = torch.arange(24, dtype=torch.float32).view(4, 6)
+    first, second = get_backend("zarr"), get_backend("zarr")
+    for backend in (first, second):
+        backend.plan(plan)
+    first.prepare(tmp_path)
+    assert not (tmp_path / "zarr/a/w").exists()
+    second.write(tmp_path, [Rect("a/w", (4, 6), (2, 0), full[2:])], 1).durable()
+    assert not (tmp_path / "zarr/a/w/zarr.json").exists()  # not the first element's writer
+    first.write(tmp_path, [Rect("a/w", (4, 6), (0, 0), full[:2])], 0).durable()
+    first.finish(tmp_path, [["a/w"]])
+    for key, entry in plan.items():
+        layout = zarr_layout.ArrayLayout.planned(entry["global_shape"], "float32", 4, entry["rects"])
+        written = (tmp_path / "zarr" / key / "zarr.json").read_text()
+        assert written == json.dumps(layout.metadata(), indent=1), key
+    assert torch.equal(torch.from_numpy(zarr.open_array(str(tmp_path / "zarr/a/w"), mode="r")[...]), full)
+    assert zarr.open_array(str(tmp_path / "zarr/a/empty"), mode="r").shape == (0, 3)

@@ -33,9 +33,14 @@ class Backend(Protocol):
     # rect per call. Either way memory holds a read batch, not the checkpoint.
     one_file_per_write: bool
 
-    def prepare(self, directory: Path, layout_plan: dict[str, dict]) -> None:
-        """Called on one rank before anyone writes; `layout_plan` maps each key
-        to its global shape, dtype and every writer's rect (for chunking)."""
+    def plan(self, layout_plan: dict[str, dict]) -> None:
+        """Called on every writing process, once, before its first prepare or
+        write; `layout_plan` maps each key to its global shape, dtype and
+        every writer's rect (for chunking). It is the same for every save."""
+
+    def prepare(self, directory: Path) -> None:
+        """Called on one rank before anyone writes: what every writer shares
+        (the directories above its files)."""
 
     def write(self, directory: Path, rects: list[Rect], rank: int) -> Written:
         """Write rank `rank`'s rects; each rank writes on its own, with no

@@ -140,7 +140,10 @@ class TorchDistBackend:
     name = "torch_dist"
     one_file_per_write = True
 
-    def prepare(self, directory: Path, layout_plan: dict[str, dict]) -> None:
+    def plan(self, layout_plan: dict[str, dict]) -> None:
+        pass  # a DCP save lays out each writer's file from its own rects
+
+    def prepare(self, directory: Path) -> None:
         with naming_write_errors(directory / "dcp"):
             (directory / "dcp").mkdir()
 

@@ -1,9 +1,10 @@
 """zarr v3 backend: one array per key holding the global tensor.
 
-Rank 0 writes every array's `zarr.json` (zarr_layout.py); each rank then
-writes its rects' bytes straight into their places in the shard files, with
-file_io.py's early writeback and fsync behind the writer; reads go straight
-into the target tensors. bfloat16 is stored as its uint16 bits with the
+Rank 0 writes the groups; the writer of an array's first element writes its
+`zarr.json` (zarr_layout.py), from the plan every rank holds, so no rank waits
+for another's metadata. Each rank writes its rects' bytes straight into their
+places in the shard files, with file_io.py's early writeback and fsync behind
+the writer; reads go straight into the target tensors. bfloat16 is stored as its uint16 bits with the
 attribute `torch_dtype: bfloat16`. This module reads and writes the files
 itself, without zarr. docs/checkpoints.md ("The zarr backend") has more.
 """
@@ -72,39 +73,50 @@ class ZarrBackend:
         # Started at the first write and kept: an offline writer calls write
         # once per rect, and starting threads for each costs more than the fsyncs.
         self.threads: Optional[ThreadPoolExecutor] = None
+        self.layouts: dict[str, ArrayLayout] = {}  # every planned array's, by key
 
     def _fsync_behind(self) -> FsyncBehind:
         if self.threads is None:
             self.threads = fsync_threads(4)
         return FsyncBehind(self.threads)
 
-    def prepare(self, directory: Path, layout_plan: dict[str, dict]) -> None:
+    def plan(self, layout_plan: dict[str, dict]) -> None:
+        self.layouts = {key: ArrayLayout.planned(entry["global_shape"], entry["dtype"],
+                                                 torch_dtype(entry["dtype"]).itemsize,
+                                                 entry["rects"])
+                        for key, entry in layout_plan.items()}
+
+    def prepare(self, directory: Path) -> None:
+        """The groups, and the arrays no writer starts (those without elements)."""
         root = directory / "zarr"
-        for group in sorted(_groups(layout_plan)):
+        for group in sorted(_groups(self.layouts)):
             (root / group).mkdir(parents=True, exist_ok=True)
             _write_json(root / group / METADATA, GROUP)
-        for key, entry in layout_plan.items():
-            layout = ArrayLayout.planned(entry["global_shape"], entry["dtype"],
-                                         torch_dtype(entry["dtype"]).itemsize, entry["rects"])
-            (root / key).mkdir(exist_ok=True)
-            _write_json(root / key / METADATA, layout.metadata())
+        for key in self._elementless():
+            _start_array(root, key, self.layouts[key])
 
     def write(self, directory: Path, rects: list[Rect], rank: int) -> Written:
         root = directory / "zarr"
         flushing = self._fsync_behind()
         for rect in rects:
             if rect.tensor.numel():
-                _write_rect(root, rect, flushing)
+                _write_rect(root, rect, self.layouts[rect.key], flushing)
         return Written({r.identity(): f"zarr/{r.key}" for r in rects},
                        note=sorted({r.key for r in rects}), durable=flushing.wait)
 
     def finish(self, directory: Path, notes: list[list[str]]) -> None:
-        """The groups' metadata made durable (an array's is made durable by
-        the writer of its first element); `notes`: every write's keys."""
+        """The groups' metadata and the elementless arrays' made durable (an
+        array's is made durable by the writer of its first element);
+        `notes`: every write's keys."""
         flushing = self._fsync_behind()
         for group in sorted(_groups({key for keys in notes for key in keys})):
             flushing.add(directory / "zarr" / group / METADATA)
+        for key in self._elementless():
+            flushing.add(directory / "zarr" / key / METADATA)
         flushing.wait()
+
+    def _elementless(self) -> list[str]:
+        return sorted(key for key, layout in self.layouts.items() if 0 in layout.shape)
 
     def read(self, directory: Path, manifest: dict, targets: list[Rect]) -> None:
         root = inside(directory, "zarr")
@@ -144,10 +156,20 @@ def _layout_of(root: Path, key: str) -> ArrayLayout:
 # --- writing --------------------------------------------------------------------------
 
 
-def _write_rect(root: Path, rect: Rect, flushing: FsyncBehind) -> None:
-    layout = _layout_of(root, rect.key)
-    if layout.origin_in(next(iter(layout.shards())), rect.offset, rect.shape):
-        flushing.add(root / rect.key / METADATA)  # prepare() wrote it; its first writer syncs it
+def _start_array(root: Path, key: str, layout: ArrayLayout, metadata: bool = True) -> None:
+    """The array's directory (made by each of its writers: whichever comes
+    first), with its metadata where asked."""
+    with naming_write_errors(root / key):
+        (root / key).mkdir(exist_ok=True)
+    if metadata:
+        _write_json(root / key / METADATA, layout.metadata())
+
+
+def _write_rect(root: Path, rect: Rect, layout: ArrayLayout, flushing: FsyncBehind) -> None:
+    first = layout.origin_in(next(iter(layout.shards())), rect.offset, rect.shape)
+    _start_array(root, rect.key, layout, metadata=first)  # one writer holds the first element
+    if first:
+        flushing.add(root / rect.key / METADATA)
     for shard, pieces in layout.pieces(rect.offset, rect.shape).items():
         path = root / rect.key / layout.file_name(shard)
         with naming_write_errors(path):

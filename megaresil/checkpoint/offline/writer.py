@@ -244,7 +244,8 @@ def write_checkpoint(source: TensorSource, cfg: RecipeConfig, dst: Path, *, back
     writer = get_backend(backend)
     with partial_dir(dst) as partial, progress_bar(total=len({r.key for _, r in writes}),
                                                    desc="writing", unit="tensor") as bar:
-        writer.prepare(partial, layout_plan([[rect_record(rect) for _, rect in writes]]))
+        writer.plan(layout_plan([[rect_record(rect) for _, rect in writes]]))
+        writer.prepare(partial)
         reader = _Reader(source, [rect for _, rect in writes], bar)
         locations = _write(writer, partial, reader)
         manifest = build_manifest(writer.name, state,
