@@ -2,8 +2,10 @@
 64 simulated ranks on 8 nodes run the real watchdogs and membership wait
 against a real TCPStore; the steady store traffic is what the key analysis
 (bench/README.md, "Control plane at scale") says, a lost rank is detected
-and named, and its replacement's wait reads one key per rank per look."""
+and named, and its replacement's wait names every rank's key per look."""
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -47,9 +49,10 @@ def test_a_lost_rank_is_detected_named_and_replaced(sim, tmp_path):
 
     replaced = sim.replace(WORLD - 1)
     assert 0 <= replaced["after_join_s"] <= 0.1
-    # The O(world²) read that issue 55 removes: each waiting rank checks
-    # every rank's membership key at each look.
-    waiter = replaced["one_waiter"]
-    looks = waiter["seconds"] / POLL_S
-    assert WORLD * looks * 0.9 <= waiter["by_pattern"]["check genN/pid/N"]["calls"] \
-        <= WORLD * (looks + 2)
+    # Each waiting rank's look at who is missing: a few round trips
+    # (JobStore.missing_members), but every rank's key named, so O(world²)
+    # keys a look for all the waiting ranks together, as issue 55 still has.
+    checks = replaced["one_waiter"]["by_pattern"]["check genN/pid/N"]
+    looks = replaced["one_waiter"]["seconds"] / POLL_S
+    assert checks["calls"] <= (looks + 2) * (2 * math.log2(WORLD) + 1)
+    assert checks["keys"] >= WORLD * looks
