@@ -51,15 +51,15 @@ def measure(world: int, judges: int | None, ranks_per_node: int, tick_s: float) 
             "replacement": replaced, "wall_s": walls,
             "heartbeat_keys_read_per_judge": heartbeat_reads / judging,
             "heartbeat_keys_read_all_judging": heartbeat_reads / judging * (world - 1),
-            "member_checks_per_s_all_waiting":
-                waiter["by_pattern"].get("check genN/pid/N", {"calls": 0})["calls"]
-                / waiter["seconds"] * (world - 1)}
+            **{f"member_check_{unit}_per_s_all_waiting":
+               waiter["by_pattern"].get("check genN/pid/N", {unit: 0})[unit]
+               / waiter["seconds"] * (world - 1) for unit in ("calls", "keys")}}
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| world | nodes | steady ops/s | steady KB/s | heartbeat / abort poll s | "
-             "detected s | all aborted s | hb keys read, all judging | member checks/s, "
-             "all waiting | wall s (start/steady/fault/replace) |",
+             "detected s | all aborted s | hb keys read, all judging | member checks/s "
+             "(keys/s), all waiting | wall s (start/steady/fault/replace) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         e, s, f = r["expected_steady"], r["steady"]["per_s"], r["fault"]
@@ -68,7 +68,8 @@ def table(rows: list[dict]) -> str:
                      f"{s['bytes'] / 1e3:.0f} | {e['heartbeat_s']:g} / {e['abort_poll_s']:g} | "
                      f"{f['detected_s']} | {f['all_aborted_s']} | "
                      f"{r['heartbeat_keys_read_all_judging']:.3g} | "
-                     f"{r['member_checks_per_s_all_waiting']:.3g} | {walls} |")
+                     f"{r['member_check_calls_per_s_all_waiting']:.3g} "
+                     f"({r['member_check_keys_per_s_all_waiting']:.3g}) | {walls} |")
     return "\n".join(lines) + "\n"
 
 
