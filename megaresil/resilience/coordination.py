@@ -126,6 +126,26 @@ class JobStore:
     def is_member(self, generation: int, rank: int) -> bool:
         return self.store.check([MEMBER.format(generation=generation, rank=rank)])
 
+    def missing_members(self, generation: int, ranks: list[int],
+                        known_missing: bool = False) -> list[int]:
+        """The ranks of `ranks` that have not entered `generation`: one check
+        of all their keys when none is missing; else the halves in turn, a
+        second half unchecked when the first had none (`known_missing`):
+        about log2(len(ranks)) checks and 2 len(ranks) keys for one missing
+        rank. A waiting rank looks every 0.1 s and every rank waits: one
+        check per rank was `world` round trips a look; the keys sent a look
+        still grow with the world (bench/README.md, "Control plane at scale")."""
+        if not ranks:
+            return []
+        if not known_missing and self.store.check(
+                [MEMBER.format(generation=generation, rank=r) for r in ranks]):
+            return []
+        if len(ranks) == 1:
+            return ranks
+        half = len(ranks) // 2
+        first = self.missing_members(generation, ranks[:half])
+        return first + self.missing_members(generation, ranks[half:], known_missing=not first)
+
     def member_pid(self, generation: int, rank: int) -> Optional[int]:
         """The pid that entered `generation` as `rank`; None if none did."""
         if not self.is_member(generation, rank):

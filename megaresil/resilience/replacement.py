@@ -24,7 +24,7 @@ from megaresil.resilience.coordination import JobStore
 # lost), and waiting the whole join timeout would only delay the relaunch
 # that recovers the job.
 NOTICE_S = 5.0
-POLL_S = 0.1  # how often a waiting rank looks at who is missing (a store read per rank)
+POLL_S = 0.1  # how often a waiting rank looks at who is missing (JobStore.missing_members)
 # How often a waiting rank reads the count of ranks entered (one store read),
 # so the wait ends within this of the last one entering; at most this many
 # reads a second from all ranks together.
@@ -53,7 +53,7 @@ def await_members(store: JobStore, generation: int, world: int, join_timeout_s: 
         # The count only says when to look: a rank that entered twice (a
         # replacement lost in turn) must not stand in for a missing one.
         if due or store.entered_count(generation) >= world:
-            missing = [r for r in range(world) if not store.is_member(generation, r)]
+            missing = store.missing_members(generation, list(range(world)))
             if not missing:
                 return
         if stopping():

@@ -260,3 +260,38 @@ def test_a_rank_entered_twice_does_not_stand_in_for_a_missing_one():
     clock.on_sleep = meanwhile
     await_members(store, 1, 2, 60.0, clock=clock)
     assert 3.0 < clock.now < 3.0 + 2 * ENTERED_POLL_S
+
+
+def test_missing_members_are_found_by_halves_not_one_check_per_rank():
+    checks = []
+
+    class CountingHashStore(dist.HashStore):
+        def check(self, keys):
+            checks.append(len(keys))
+            return super().check(keys)
+
+    store = JobStore(CountingHashStore())
+    for rank in range(64):
+        if rank not in (0, 17, 63):
+            enter(store, 1, rank)
+    assert store.missing_members(1, list(range(64))) == [0, 17, 63]
+    assert len(checks) <= 3 * 2 * 6 + 1  # at most 2 log2(64) per missing rank, and the first
+    checks.clear()
+    for rank in (0, 17, 63):
+        enter(store, 1, rank)
+    assert store.missing_members(1, list(range(64))) == [] and checks == [64]
+    checks.clear()
+    store.store.delete_key("gen1/pid/40")
+    assert store.missing_members(1, list(range(64))) == [40]
+    # The half after a passing one goes unchecked: 11 checks, not 13 (nor 64).
+    assert checks == [64, 32, 16, 8, 4, 2, 1, 1, 2, 4, 16]
+
+
+def test_a_lost_rank_among_many_is_named_when_nobody_replaces_it():
+    store, clock = JobStore(dist.HashStore()), FakeClock()
+    set_pid(store, 0, 37, 4242)
+    for rank in range(64):
+        if rank != 37:
+            enter(store, 1, rank)
+    with pytest.raises(ReplacementFailed, match=r"no replacement was started for rank\(s\) \[37\]"):
+        await_members(store, 1, 64, 120.0, clock=clock)
