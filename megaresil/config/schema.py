@@ -368,8 +368,8 @@ class TrainConfig:
                                "activations, fp32 main params, grads and optimizer state, fp32 "
                                "softmax/CE); amp (bf16 autocast over fp32 params); auto: fp32 on "
                                "CPU, bf16 on CUDA.")
-    compile: Compile = doc(Compile.auto, "torch.compile of each block apart (docs/gpu.md): "
-                           "blocks; none; auto: blocks on CUDA, none on CPU. The first step pays it.")
+    compile: Compile = doc(Compile.none, "torch.compile of each block apart (docs/gpu.md): "
+                           "blocks; none; auto: blocks on CUDA only. The first step pays it.")
     fp8: FP8 = doc(FP8.none, "FP8 compute with model.backend=te: hybrid (E4M3 forward, E5M2 "
                    "backward, delayed scaling).")
     deterministic: Optional[bool] = doc(None, "Deterministic kernels (bit-identical reruns); "

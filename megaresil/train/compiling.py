@@ -32,8 +32,9 @@ class BlockCompile:
 
 
 def compiles_blocks(cfg: RecipeConfig, device: torch.device) -> bool:
-    """Whether this run compiles: `auto` where it was measured to win (CUDA)
-    and where config/compiling.py would accept `blocks`."""
+    """Whether this run compiles: `auto` on CUDA, where regional compilation
+    is expected to win (unmeasured here: tools/gpu_check.py's compile_vs_eager
+    measures it), and where config/compiling.py would accept `blocks`."""
     if cfg.train.compile != Compile.auto:
         return cfg.train.compile == Compile.blocks
     return device.type == "cuda" and cfg.model.backend == Backend.local and cfg.parallel.dp_shard == 1
