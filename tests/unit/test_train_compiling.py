@@ -7,15 +7,21 @@ graph, as inductor gets them, without inductor's C++ code generation
 own fp32 difference (reordered reductions) is measured by
 bench/train_throughput.py --compile: |loss - eager| was at most 1.9e-6 over
 8 steps (docs/gpu.md, "train.compile")."""
+import json
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from megaresil.config import ConfigError, load_recipe
 from megaresil.model.gpt import GPT
 from megaresil.model.init import initialize
-from megaresil.train.compiling import BlockCompile, compile_blocks, compiles_blocks
+from megaresil.parallel.tensor_parallel import TPGroup
+from megaresil.ports import free_port
+from megaresil.train.compiling import BlockCompile, compile_blocks, compiles_blocks, whole_graphs
 from megaresil.train.story import banner
-from tests.harness.dist import MOE, RECIPE, TINY
+from tests.harness.dist import MOE, RECIPE, TINY, join_group, spawn_ranks
 
 CPU = torch.device("cpu")
 
@@ -24,9 +30,9 @@ def tiny(*overrides):
     return load_recipe(RECIPE, TINY + ["train.compile=blocks", *overrides])
 
 
-def trained(cfg, compiled: bool, steps: int = 3):
+def trained(cfg, compiled: bool, steps: int = 3, tp: TPGroup = TPGroup()):
     """Losses of `steps` SGD steps on fixed batches, and the model after."""
-    model = GPT(cfg.model)
+    model = GPT(cfg.model, tp=tp)
     initialize(model, cfg.model, cfg.train.seed)
     model.train()
     if compiled:
@@ -99,3 +105,26 @@ def test_a_setting_that_cannot_compile_is_refused_in_one_line(override, problem)
         tiny(override)
     assert "train.compile" in str(err.value) and problem in str(err.value)
     assert len(str(err.value).splitlines()) == 1
+
+
+def _tp_worker(rank: int, port: int, out: str) -> None:
+    join_group(rank, 2, port)
+    try:
+        cfg = tiny("parallel.tp=2", "parallel.sequence_parallel=true")
+        tp = TPGroup(dist.group.WORLD, 2, rank, sequence_parallel=True)
+        runs = [trained(cfg, compiled, steps=2, tp=tp) for compiled in (False, True)]
+        if rank == 0:
+            Path(out).write_text(json.dumps([losses for losses, _ in runs]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_tp2_with_sequence_parallelism_train_as_eager(tmp_path):
+    """SP's collectives break the graph (train/compiling.whole_graphs): the
+    blocks compile with breaks, and the losses stay eager's, bit for bit."""
+    assert not whole_graphs(tiny("parallel.tp=2", "parallel.sequence_parallel=true"))
+    out = tmp_path / "losses.json"
+    spawn_ranks(_tp_worker, (free_port(), str(out)), 2)
+    eager, compiled = json.loads(out.read_text())
+    assert compiled == eager
