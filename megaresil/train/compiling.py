@@ -21,14 +21,15 @@ from megaresil.model.moe import has_experts
 
 @dataclass(frozen=True)
 class BlockCompile:
-    """What was compiled: how many modules, and whether as whole graphs."""
+    """What was compiled on this rank (its pipeline chunks' blocks): how many
+    modules, and whether as whole graphs."""
     units: int
     fullgraph: bool
 
     def words(self) -> str:
         graphs = "whole graphs" if self.fullgraph else "graph breaks allowed"
-        return (f"train.compile: {self.units} blocks compiled ({graphs}) on the first step, "
-                "whose time includes it")
+        return (f"train.compile: this rank's {self.units} blocks compiled ({graphs}) on the "
+                "first step, whose time includes it")
 
 
 def compiles_blocks(cfg: RecipeConfig, device: torch.device) -> bool:
