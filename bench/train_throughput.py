@@ -20,6 +20,8 @@ RNG-tracker fork).
     python bench/train_throughput.py [--sizes tiny small] [--steps 8] [--rounds 2]
         [--out bench/results]
     python bench/train_throughput.py --plain SIZE --steps N   (one baseline run; prints JSON)
+    python bench/train_throughput.py --compile [--sizes ...] [--layouts ...] [--rounds 1]
+        (megaresil eager against train.compile=blocks, alternating; train_compile.md)
 """
 from __future__ import annotations
 
@@ -167,19 +169,28 @@ def run_mcore(size: str, tp: int, steps: int) -> float:
     return json.loads(outputs[0].strip().splitlines()[-1])["step_s"]
 
 
-def run_megaresil(size: str, layout: str, steps: int) -> float:
-    """`megaresil train` end to end; the median time from one step's end to
-    the next's, as metrics.jsonl's `elapsed_s` records it: the whole loop
-    iteration (data, step, the metrics line, the checks between steps), the
-    span the plain loop times."""
+def megaresil_records(size: str, layout: str, steps: int, extra: list[str] = ()) -> list[dict]:
+    """metrics.jsonl's step records of one `megaresil train` run, end to end."""
     with tempfile.TemporaryDirectory() as run_dir:
         args = [str(RECIPE), *COMMON, *SIZES[size], *LAYOUTS[layout], f"train.steps={steps}",
-                f"run.dir={run_dir}"]
+                f"run.dir={run_dir}", *extra]
         run_side([[sys.executable, "-m", "megaresil", "train", *args]])
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").open()]
-    ends = [r["elapsed_s"] for r in records if "elapsed_s" in r]
+    return [r for r in records if "elapsed_s" in r]
+
+
+def loop_step_s(records: list[dict]) -> float:
+    """The median time from one step's end to the next's, as metrics.jsonl's
+    `elapsed_s` records it: the whole loop iteration (data, step, the metrics
+    line, the checks between steps), the span the plain loop times."""
+    ends = [r["elapsed_s"] for r in records]
     step_s = [b - a for a, b in zip(ends, ends[1:])]  # steps 2, 3, ...
     return statistics.median(step_s[WARMUP_STEPS - 1:])  # the steps the plain loop keeps
+
+
+def run_megaresil(size: str, layout: str, steps: int) -> float:
+    """`megaresil train` end to end; its loop's step time (loop_step_s)."""
+    return loop_step_s(megaresil_records(size, layout, steps))
 
 
 def measure(sizes: list[str], steps: int, rounds: int, with_mcore: bool) -> list[dict]:
@@ -203,6 +214,117 @@ def measure(sizes: list[str], steps: int, rounds: int, with_mcore: bool) -> list
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+def measure_compile(sizes: list[str], layouts: list[str], steps: int, rounds: int) -> list[dict]:
+    """megaresil eager against train.compile=blocks, alternating, each its best
+    round; the compile's cost (the first compiled step against the first eager
+    one, each paying its warm-up) and the largest loss difference over the run."""
+    rows = []
+    for size in sizes:
+        cpu = run_compile_cpu_times(size)
+        for layout in layouts:
+            best, first, losses = {}, {}, {}
+            for _ in range(rounds):
+                for mode in ("none", "blocks"):
+                    records = megaresil_records(size, layout, steps, [f"train.compile={mode}"])
+                    best[mode] = min(best.get(mode, float("inf")), loop_step_s(records))
+                    first[mode] = records[0]["step_time_s"]
+                    losses[mode] = [r["loss"] for r in records]
+            row = {"size": size, "layout": layout, "eager_step_s": best["none"],
+                   "compiled_step_s": best["blocks"], "speedup": best["none"] / best["blocks"],
+                   "compile_s": first["blocks"] - first["none"],
+                   "max_loss_diff": max(abs(a - b) for a, b in zip(losses["none"], losses["blocks"])),
+                   **(cpu if layout == "1x1x1" else {})}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def compile_cpu_times(size: str, reps: int = 5) -> dict:
+    """In one process, one thread: the median CPU seconds of a micro-batch's
+    forward and backward, through the blocks alone and through the whole model
+    (embedding, blocks, head, cross-entropy), eager and with compiled blocks,
+    deterministic kernels on as in `megaresil train` on the CPU. CPU time, not
+    wall time: other work on a shared machine does not count."""
+    import torch
+
+    from megaresil.model.gpt import GPT
+    from megaresil.model.init import initialize
+    from megaresil.train.compiling import compile_blocks
+    from megaresil.train.precision import set_kernel_determinism
+
+    cfg = recipe(size, reps, ["train.compile=blocks"])
+    set_kernel_determinism(None, torch.device("cpu"))
+    models = {}
+    for mode in ("eager", "compiled"):
+        models[mode] = GPT(cfg.model)
+        initialize(models[mode], cfg.model, cfg.train.seed)
+        if mode == "compiled":
+            compile_blocks([models[mode]], cfg, torch.device("cpu"))
+    micro, seq, width = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.hidden_size
+    tokens = torch.randint(cfg.model.vocab_size, (micro, seq + 1))
+    layers = list(range(cfg.model.num_layers))
+
+    def blocks(model):
+        x = torch.randn(micro, seq, width, requires_grad=True)
+        model.run_layers(layers, x, None, documents=None).sum().backward()
+
+    def whole(model):
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+
+    times = {}
+    for part, run in (("blocks", blocks), ("whole", whole)):
+        for mode, model in models.items():
+            run(model)  # the compile (and warm-up)
+            run(model)
+            spans = []
+            for _ in range(reps):
+                started = time.process_time()
+                run(model)
+                spans.append(time.process_time() - started)
+            times[f"{part}_{mode}_cpu_s"] = statistics.median(spans)
+    return times
+
+
+def run_compile_cpu_times(size: str) -> dict:
+    out = run_side([[sys.executable, __file__, "--compile-cpu", size]])[0]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def write_compile_results(rows: list[dict], out: Path, steps: int, rounds: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "steps": steps,
+            "rounds": rounds, "load_avg_1_5_15": load, "torch": torch_version()}
+    (out / "train_compile.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = ["# megaresil step, eager against train.compile=blocks (CPU, inductor)", "",
+             f"{steps} steps per run (first {WARMUP_STEPS} dropped, median), best of {rounds} "
+             f"alternating rounds, {os.cpu_count()} cores, one thread per rank, load average "
+             f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min) when written, torch "
+             f"{meta['torch']}.", "",
+             "| size | layout | eager s/step | compiled s/step | eager/compiled | compile s "
+             "(first step) | max abs loss diff |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['size']} | {r['layout']} | {r['eager_step_s']:.3f} | "
+              f"{r['compiled_step_s']:.3f} | {r['speedup']:.2f}x | {r['compile_s']:.1f} | "
+              f"{r['max_loss_diff']:.1e} |" for r in rows]
+    lines += ["", "CPU seconds of one micro-batch's forward and backward, one process, one "
+              "thread (compile_cpu_times):", "",
+              "| size | blocks eager | blocks compiled | eager/compiled | whole model eager | "
+              "whole compiled | eager/compiled | blocks' share of the whole |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['size']} | {r['blocks_eager_cpu_s']:.3f} | {r['blocks_compiled_cpu_s']:.3f} | "
+              f"{r['blocks_eager_cpu_s'] / r['blocks_compiled_cpu_s']:.2f}x | "
+              f"{r['whole_eager_cpu_s']:.3f} | {r['whole_compiled_cpu_s']:.3f} | "
+              f"{r['whole_eager_cpu_s'] / r['whole_compiled_cpu_s']:.2f}x | "
+              f"{r['blocks_eager_cpu_s'] / r['whole_eager_cpu_s']:.2f} |"
+              for r in rows if "blocks_eager_cpu_s" in r]
+    (out / "train_compile.md").write_text("\n".join(lines) + "\n")
+
+
+def torch_version() -> str:
+    import torch
+    return torch.__version__
 
 
 NOTES = """\
@@ -318,7 +440,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--plain", choices=list(SIZES), help="run one baseline and print JSON")
+    parser.add_argument("--compile", action="store_true",
+                        help="megaresil eager against train.compile=blocks only")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--compile-cpu", choices=list(SIZES),
+                        help="one size's compile_cpu_times; prints JSON")
     args = parser.parse_args()
+    if args.compile_cpu:
+        print(json.dumps(compile_cpu_times(args.compile_cpu)))
+        return
+    if args.compile:
+        rows = measure_compile(args.sizes, args.layouts, args.steps, args.rounds)
+        write_compile_results(rows, args.out, args.steps, args.rounds)
+        return
     if args.plain:
         print(json.dumps(plain_loop(args.plain, args.steps)))
         return

@@ -1,6 +1,6 @@
 """The GPU path in one run: correctness, precision, throughput/MFU, checkpoint I/O, offload, context attention, a hang drill.
 
-Run by tools/gpu_check.sh on a CUDA machine (the call: 7.5 minutes on one H200,
+Run by tools/gpu_check.sh on a CUDA machine (the call: 8 minutes on one H200,
 every check with its own deadline from tools/gpu_check_budget.py); writes
 --out/gpu_check.json after each check and prints a short table last. Each
 check is independent: one that fails (or passes its deadline) records its
@@ -40,6 +40,7 @@ from megaresil.model.gpt import GPT  # noqa: E402
 from megaresil.model.init import initialize  # noqa: E402
 from megaresil.parallel.layout import ParallelLayout  # noqa: E402
 from megaresil.ports import free_port  # noqa: E402
+from megaresil.train.compiling import compile_blocks  # noqa: E402
 from megaresil.train.loop import Trainer  # noqa: E402
 from megaresil.train.optim import param_groups  # noqa: E402
 
@@ -206,11 +207,15 @@ def sync(check: Check) -> None:
         torch.cuda.synchronize()
 
 
-def plain_loop(check: Check, cfg, steps: int) -> dict:
+def plain_loop(check: Check, cfg, steps: int, compile_backend: str | None = None) -> dict:
     """The same model in a plain PyTorch bf16 loop: fp32 params under bf16
-    autocast, fused AdamW, F.cross_entropy, clip_grad_norm_; tokens/s and peak MB."""
+    autocast, fused AdamW, F.cross_entropy, clip_grad_norm_; tokens/s, peak MB
+    and the first step's seconds. `compile_backend`: compile its blocks as
+    train.compile=blocks does (train/compiling.py), with this backend."""
     reset_peak_memory(check)
     model = GPT(cfg.model).to(check.device)
+    if compile_backend is not None:
+        compile_blocks([model], cfg, check.device, backend=compile_backend)
     o = cfg.optimizer
     optimizer = torch.optim.AdamW(param_groups(list(model.parameters()), o.weight_decay),
                                   lr=o.lr, betas=(o.beta1, o.beta2), fused=True)
@@ -233,7 +238,7 @@ def plain_loop(check: Check, cfg, steps: int) -> dict:
         times.append(time.perf_counter() - started)
     del model, optimizer
     return {"tokens_per_s": t.global_batch_size * cfg.data.seq_len / median(times[1:]),
-            "peak_memory_mb": peak_memory_mb(check)}
+            "peak_memory_mb": peak_memory_mb(check), "first_step_s": times[0]}
 
 
 def median(values: list[float]) -> float:
@@ -283,8 +288,32 @@ def throughput_1b(check: Check) -> dict:
             "mfu_vs_measured_matmul": ours * flops / peak,
             "mfu_vs_h200_spec": ours * flops / H200_BF16_DENSE_FLOPS,
             "plain_mfu_vs_h200_spec": plain["tokens_per_s"] * flops / H200_BF16_DENSE_FLOPS,
-            "torch_compile": "off on both sides: megaresil has no torch.compile option",
+            "torch_compile": "off on both sides (train.compile=none; compile_vs_eager measures it)",
             "ok": ours > 0}
+
+
+def compile_vs_eager(check: Check) -> dict:
+    """train.compile=blocks against eager: step time, MFU and the compile's
+    cost (the first step's extra seconds) of the ~100M GPT-2 in the plain bf16
+    loop, the model's compute being what compiling changes. On the CPU (the
+    rehearsal) the backend is aot_eager: inductor's C++ compile takes minutes
+    there, and the rehearsal proves the plumbing, not the speed."""
+    steps = 3 if check.dry_run else 8
+    cfg = check.recipe(GPT2_124M, throughput_overrides(check, steps) + ["train.compile=blocks"],
+                       "compile")
+    eager = plain_loop(check, cfg, steps)
+    compiled = plain_loop(check, cfg, steps,
+                          compile_backend="aot_eager" if check.dry_run else "inductor")
+    flops = model_flops_per_token(cfg)
+    return {"eager_tokens_per_s": eager["tokens_per_s"],
+            "compiled_tokens_per_s": compiled["tokens_per_s"],
+            "speedup": compiled["tokens_per_s"] / eager["tokens_per_s"],
+            "compile_s": compiled["first_step_s"] - eager["first_step_s"],
+            "eager_mfu_vs_h200_spec": eager["tokens_per_s"] * flops / H200_BF16_DENSE_FLOPS,
+            "compiled_mfu_vs_h200_spec": compiled["tokens_per_s"] * flops / H200_BF16_DENSE_FLOPS,
+            "eager_peak_memory_mb": eager["peak_memory_mb"],
+            "compiled_peak_memory_mb": compiled["peak_memory_mb"],
+            "ok": compiled["tokens_per_s"] > 0}
 
 
 MOE_RECIPE = ROOT / "recipes" / "moe-tiny.yaml"
@@ -653,7 +682,8 @@ DRILL_UNPROVEN = (
     "stay unproven until two GPUs")
 
 
-CHECKS = [logits_cuda_vs_cpu, bf16_vs_fp32_loss, te_vs_local, throughput_1b, mcore_1b,
+CHECKS = [logits_cuda_vs_cpu, bf16_vs_fp32_loss, te_vs_local, throughput_1b, compile_vs_eager,
+          mcore_1b,
           moe_logits_and_step, checkpoint_io, activation_offload, context_attention_vs_sdpa,
           fsdp_mixed_precision,
           nccl_hang_drill, not_on_this_device]

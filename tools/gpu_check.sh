@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU path in one call (<= 7.5 minutes on one H200, tools/gpu_check_budget.py): CUDA vs CPU
+# The GPU path in one call (<= 8 minutes on one H200, tools/gpu_check_budget.py): CUDA vs CPU
 # logits, bf16 vs fp32 loss, TE vs local logits (when TE imports), tokens/s, MFU and peak memory
 # of the ~1B Llama recipe against a plain PyTorch loop and Megatron-Core, checkpoint save/load
 # GB/s against raw writes and the async stall, activation offload vs none, context-parallel

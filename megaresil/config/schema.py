@@ -69,7 +69,6 @@ class PipelineSchedule(str, enum.Enum):
     interleaved_zero_bubble = "interleaved_zero_bubble"
 
 
-
 class RopeScalingType(str, enum.Enum):
     none = "none"
     llama3 = "llama3"
@@ -85,6 +84,12 @@ class Precision(str, enum.Enum):
     fp32 = "fp32"
     bf16 = "bf16"
     amp = "amp"
+
+
+class Compile(str, enum.Enum):
+    auto = "auto"
+    blocks = "blocks"
+    none = "none"
 
 
 class Backend(str, enum.Enum):
@@ -363,6 +368,8 @@ class TrainConfig:
                                "activations, fp32 main params, grads and optimizer state, fp32 "
                                "softmax/CE); amp (bf16 autocast over fp32 params); auto: fp32 on "
                                "CPU, bf16 on CUDA.")
+    compile: Compile = doc(Compile.none, "torch.compile of each block apart (docs/gpu.md): "
+                           "blocks; none; auto: blocks on CUDA only. The first step pays it.")
     fp8: FP8 = doc(FP8.none, "FP8 compute with model.backend=te: hybrid (E4M3 forward, E5M2 "
                    "backward, delayed scaling).")
     deterministic: Optional[bool] = doc(None, "Deterministic kernels (bit-identical reruns); "
@@ -375,7 +382,6 @@ class TrainConfig:
     exit_at_step: Optional[int] = doc(None, "Save a checkpoint after this step and exit 0; the "
                                       "LR schedule still follows train.steps, so running again "
                                       "without it continues exactly.", bounds=POSITIVE)
-
 
 
 @dataclass

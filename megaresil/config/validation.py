@@ -7,6 +7,7 @@ import math
 from typing import Any, Iterator, Optional
 
 from megaresil.config.batch import batch_start_at_or_below, global_batch_at, validate_ramp
+from megaresil.config.compiling import validate_compile
 from megaresil.config.context import validate_context_parallel
 from megaresil.config.faults import LOCAL_FAULT_KINDS, FaultKind, parse_faults
 from megaresil.config.fields import Bounds, public_key, require
@@ -361,6 +362,7 @@ def validate(cfg: RecipeConfig) -> None:
     _validate_expert_parallel_composes(cfg)
     validate_context_parallel(cfg)
     validate_sharded_data(cfg)
+    validate_compile(cfg)
     _validate_batch(cfg)
     _validate_pipeline(cfg)
     validate_ramp(cfg)
@@ -375,9 +377,8 @@ def validate(cfg: RecipeConfig) -> None:
     if cfg.train.fp8 != FP8.none:
         require(cfg.model.backend == Backend.te, "train.fp8",
                 "FP8 needs Transformer Engine's layers.", "set model.backend=te, or train.fp8=none.")
-    if cfg.parallel.sequence_parallel:
-        require(cfg.parallel.tp > 1, "parallel.sequence_parallel",
-                "sequence parallelism needs tp > 1.", "set parallel.tp>1 or turn it off.")
+    require(cfg.parallel.tp > 1 or not cfg.parallel.sequence_parallel, "parallel.sequence_parallel",
+            "sequence parallelism needs tp > 1.", "set parallel.tp>1 or turn it off.")
     _validate_interval(cfg.checkpoint)
     _validate_init_from(cfg.checkpoint)
     _validate_local_tier(cfg)

@@ -25,6 +25,7 @@ from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import Pipeline
 from megaresil.resilience.supervision import Supervision
 from megaresil.train.checkpointing import TrainCheckpointing
+from megaresil.train.compiling import BlockCompile, compile_blocks
 from megaresil.train.model_build import build_model, checkpoint_key_map, make_deterministic
 from megaresil.train.optim import build_optimizer, group_parts, shards_state
 from megaresil.train.precision import (
@@ -63,6 +64,7 @@ class TrainerParts:
     state: Progress
     checkpoint_state: LiveTrainingState
     checkpointing: TrainCheckpointing
+    compiled: Optional[BlockCompile]  # None when train.compile leaves the blocks eager
 
 
 def build_parts(cfg: RecipeConfig, layout: ParallelLayout, supervision: Supervision,
@@ -79,6 +81,7 @@ def build_parts(cfg: RecipeConfig, layout: ParallelLayout, supervision: Supervis
     sharded_data = layout.dp_shard > 1
     if sharded_data:  # FSDP2: its sharded fp32 parameters are bf16's main weights
         shard_chunks(chunks, layout, precision)
+    compiled = compile_blocks(chunks, cfg, layout.device)
     checkpoint_key = checkpoint_key_map(cfg)
     model = nn.ModuleList(chunks)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -121,7 +124,7 @@ def build_parts(cfg: RecipeConfig, layout: ParallelLayout, supervision: Supervis
         local_world=supervision.local_world)
     return TrainerParts(train_data, valid_data, masking, chunks, checkpoint_key, model, params, precision,
                         main, opt_params, autocast, optimizer, sharded_optimizer, pipeline, grads,
-                        state, checkpoint_state, checkpointing)
+                        state, checkpoint_state, checkpointing, compiled)
 
 
 def document_masking(cfg: RecipeConfig) -> Optional[DocumentMasking]:

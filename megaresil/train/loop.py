@@ -377,7 +377,8 @@ class Trainer:
         write_atomic(self.run_dir / "recipe.yaml", to_yaml(self.cfg))
         # The banner rides in the event: the launcher prints it after the
         # load's line ("resumed from ..."), not racing it.
-        banner = story.banner(self.cfg, self.state.step)
+        compiled = self.parts.compiled
+        banner = story.banner(self.cfg, self.state.step, compiled.words() if compiled else "")
         self.events.emit("generation_started", generation=self.supervision.generation,
                          step=self.state.step, world_size=self.layout.world_size, line=banner,
                          **process_times())

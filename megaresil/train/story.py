@@ -39,7 +39,8 @@ def batch_words(cfg: RecipeConfig) -> str:
             f"{ramp.increment} over {ramp.samples:,} samples)")
 
 
-def banner(cfg: RecipeConfig, start_step: int) -> str:
+def banner(cfg: RecipeConfig, start_step: int, compiled: str = "") -> str:
+    """`compiled`: what train.compile compiled (train/compiling.py), if anything."""
     p = cfg.parallel
     interval = cfg.checkpoint.interval
     longest = plural(longest_interval(cfg.train.steps), "step")
@@ -51,7 +52,8 @@ def banner(cfg: RecipeConfig, start_step: int) -> str:
     sharded = (f" (FSDP2: {sharding(p.dp, p.dp_shard, p.cp, p.ep)})" if p.dp_shard > 1 else "")
     return (f"training tp={p.tp} pp={p.pp} dp={p.dp}{sharded}{context}, {parameters(cfg) / 1e6:.1f}M "
             f"parameters, {batch_words(cfg)}, {cfg.train.steps} steps; run dir "
-            f"{cfg.run.dir}; checkpoints {policy}; {threads()}; {start}")
+            f"{cfg.run.dir}; checkpoints {policy}; {threads()}; {compiled and compiled + '; '}"
+            f"{start}")
 
 
 def sharding(dp: int, dp_shard: int, cp: int, ep: int) -> str:

@@ -20,11 +20,11 @@ import gpu_check_wheels  # noqa: E402
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
 
 
-def test_the_call_budget_adds_up_to_seven_and_a_half_minutes_and_names_every_part():
+def test_the_call_budget_adds_up_to_eight_minutes_and_names_every_part():
     import gpu_check
 
     budget = gpu_check_budget.BUDGET_S
-    assert sum(budget.values()) <= gpu_check_budget.CALL_BUDGET_S == 450
+    assert sum(budget.values()) <= gpu_check_budget.CALL_BUDGET_S == 480
     checks = [fn.__name__ for fn in gpu_check.CHECKS]
     assert set(budget) == {*checks, "startup", *gpu_check_budget.SHELL_PARTS}
     assert gpu_check_budget.checks_budget_s() == sum(budget[c] for c in checks) + budget["startup"]
