@@ -14,7 +14,8 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from megaresil.config import Backend, Compile, RecipeConfig
+from megaresil.config import Compile, RecipeConfig
+from megaresil.config.compiling import composes_with_compile
 from megaresil.model.gpt import GPT
 from megaresil.model.moe import has_experts
 
@@ -38,7 +39,7 @@ def compiles_blocks(cfg: RecipeConfig, device: torch.device) -> bool:
     measures it), and where config/compiling.py would accept `blocks`."""
     if cfg.train.compile != Compile.auto:
         return cfg.train.compile == Compile.blocks
-    return device.type == "cuda" and cfg.model.backend == Backend.local and cfg.parallel.dp_shard == 1
+    return device.type == "cuda" and composes_with_compile(cfg)
 
 
 def whole_graphs(cfg: RecipeConfig) -> bool:
