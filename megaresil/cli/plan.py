@@ -74,6 +74,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus is None:
         raise ConfigError("--gpus", "is required to plan from a run's costs.",
                           "give --gpus N (or --memory RECIPE for the memory estimate).")
+    from megaresil.plan.control_plane import load_control_plane
     from megaresil.plan.profile import failure_kinds, load_profile
     from megaresil.plan.recovery import DEFAULT_GPUS_PER_NODE, REFERENCE_GPUS, Spares
     from megaresil.plan.report import Scale, format_plan, plan, read_run_costs, trace_kinds
@@ -90,6 +91,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   failure_kinds(profile, REFERENCE_GPUS, args.mtbf_hours)))
         spares = Spares(args.spare_every, args.gpus_per_node or
                         profile["observed"].get("gpus_per_node", DEFAULT_GPUS_PER_NODE))
+        control_plane = load_control_plane(args.control_plane)
         costs = read_run_costs(Path(args.run_dir))
         gap = run_layout_gap(Path(args.run_dir))
         report = plan(costs, kinds, gpus=args.gpus,
@@ -97,7 +99,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                      profile.get("node_replacement_extra_s", 0.0)),
                       reference_kinds=reference_kinds, spares=spares, scale=scale,
                       step_s=args.step_s, simulate_days=args.days if args.simulate else None,
-                      seed=args.seed, no_live_copy=gap)
+                      seed=args.seed, no_live_copy=gap, control_plane=control_plane)
     except ValueError as err:  # a run that cannot be planned from: say why, no traceback
         print(f"megaresil: error: {err}", file=sys.stderr)
         return 2
@@ -136,6 +138,11 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--replacement-s", type=float,
                    help="seconds a spare host takes to replace a failed one (default: the "
                         "profile's)")
+    p.add_argument("--control-plane", metavar="FILE",
+                   help="the control plane's simulated detection and agreement times by world "
+                        "size, whose growth at the planned sizes is added to each recovery: the JSON "
+                        "bench/control_plane.py writes (default: the packaged copy, "
+                        "megaresil/plan/profiles/control_plane.yaml)")
     p.add_argument("--spare-every", type=int, default=DEFAULT_SPARE_EVERY, metavar="NODES",
                    help="hot spares: one spare node per NODES nodes (default "
                         f"{DEFAULT_SPARE_EVERY}), idle GPUs that count against goodput per GPU")

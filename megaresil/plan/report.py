@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from megaresil.config import NoLiveCopy
+from megaresil.plan.control_plane import ControlPlane, format_control_plane
 from megaresil.plan.costs import RunCosts, SaveCost
 from megaresil.plan.model import Policy, daly_interval, young_interval
 from megaresil.plan.profile import scope_of
@@ -70,6 +71,17 @@ def restart_costs(costs: RunCosts, replacement_s: float, scale: Optional[Scale])
     return paths
 
 
+def with_control_plane(restart_s: dict[str, float], control_plane: Optional[ControlPlane],
+                       gpus: int) -> dict[str, float]:
+    """The downtimes at `gpus` GPUs: the run's, plus what the control plane
+    adds at that size (a node replacement is a relaunch's, after the wait)."""
+    if control_plane is None:
+        return restart_s
+    added = control_plane.added_s(gpus)
+    return {p: s + added.get("relaunch" if p == "node_replacement" else p, 0.0)
+            for p, s in restart_s.items()}
+
+
 def policies(costs: RunCosts, kinds: list[Kind], restart_s: dict) -> list[tuple[Policy, dict]]:
     """(policy, downtime per path it uses) for global-only saves, the local
     tier, and in-process restart; a policy the run measured nothing for is left out."""
@@ -100,11 +112,13 @@ def plan(costs: RunCosts, kinds: list[Kind], *, gpus: int, replacement_s: float,
          reference_kinds: Optional[list[Kind]] = None, spares: Spares = DEFAULT_SPARES,
          scale: Optional[Scale] = None, step_s: Optional[float] = None,
          simulate_days: Optional[float] = None, seed: int = 0,
-         no_live_copy: Optional[NoLiveCopy] = None) -> dict:
+         no_live_copy: Optional[NoLiveCopy] = None,
+         control_plane: Optional[ControlPlane] = None) -> dict:
     """The plan on `gpus` GPUs failing as `kinds`; `reference_kinds`: the
     failures at REFERENCE_GPUS, to project the recovery policies there too;
     `no_live_copy`: the run's layout's, where its recipe is known (else the
-    projection takes a data-parallel peer to hold a lost rank's state)."""
+    projection takes a data-parallel peer to hold a lost rank's state);
+    `control_plane`: its latencies at each size, added to the run's downtimes."""
     measured = costs
     if scale:
         # replace, not a new RunCosts: the measured start-up (a relaunch's
@@ -115,7 +129,8 @@ def plan(costs: RunCosts, kinds: list[Kind], *, gpus: int, replacement_s: float,
         raise ValueError(f"--days {simulate_days:g} holds no step of {step:.3g} s: simulate "
                          "at least one step")
     mtbf = 1 / sum(k.per_s for k in kinds)
-    restart_s = restart_costs(costs, replacement_s, scale)
+    run_restart_s = restart_costs(costs, replacement_s, scale)
+    restart_s = with_control_plane(run_restart_s, control_plane, gpus)
     rows = []
     for policy, paths in policies(costs, kinds, restart_s):
         tau = policy.best_interval(mtbf, step)
@@ -137,16 +152,20 @@ def plan(costs: RunCosts, kinds: list[Kind], *, gpus: int, replacement_s: float,
         at_reference = replace(scale, gpus=REFERENCE_GPUS) if scale else None
         save = at_reference.save(measured.saves[tier]) if at_reference else costs.saves[tier]
         sizes.insert(0, (REFERENCE_GPUS, reference_kinds, save))
-    projection = Projection(restart_s, step, spares, simulate_days, seed, no_live_copy)
+    projection = Projection(run_restart_s, step, spares, simulate_days, seed, no_live_copy)
+    projections = [replace(projection, restart_s=with_control_plane(
+        run_restart_s, control_plane, size[0])).at(*size) for size in sizes]
     return {"step_s": step, "job_mtbf_h": mtbf / 3600, "restart_s": restart_s,
+            "control_plane": ([control_plane.describe(size[0]) for size in sizes]
+                              if control_plane else None),
             "saves": {t: vars(s) for t, s in costs.saves.items()},
             "relaunch_estimated": relaunch_is_estimated(costs),
             "local_tier_measured": "local" in costs.saves,
             "in_process_measured": "in_process" in costs.restart_s(), "policies": rows,
-            "recovery": {"costs": replacement_cost(costs, restart_s), "save_tier": tier,
+            "recovery": {"costs": replacement_cost(costs, run_restart_s), "save_tier": tier,
                          "spares": vars(spares),
                          "no_live_copy": vars(no_live_copy) if no_live_copy else None,
-                         "projections": [projection.at(*size) for size in sizes]}}
+                         "projections": projections}}
 
 
 def trace_kinds(path: Path) -> list[Kind]:
@@ -199,6 +218,7 @@ def format_plan(report: dict) -> str:
         lines.append("the run has no local-tier save (local_checkpoint_saved): no local policy")
     if not report["in_process_measured"]:
         lines.append("the run has no in-process restart: no in-process policy")
+    lines += format_control_plane(report.get("control_plane") or [])
     lines.append(f"{'policy':<40} {'block s':>9} {'total s':>8} {'restart s':>9} "
                  f"{'Young s':>8} {'Daly s':>8} {'interval':>18} {'goodput':>8} "
                  f"{'simulated':>9}")
