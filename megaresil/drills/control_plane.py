@@ -7,8 +7,8 @@ is a timer. Unlike real ranks: one process polls every rank's monitor in
 turn, on simulated time (ticks of tick_s, all ranks in lockstep); ranks
 share a few store connections (`connections`); exit timers never expire
 (the simulator frees each aborted rank at once); the ranks that wait in
-the lost rank's collective (`judges`, by default all) judge it, the others
-step on; and one waiting rank runs the membership wait, its reads standing
+the lost rank's collective (`judges`, by default all) wait for it, those of
+them that judge hangs judge it, the others step on; and one waiting rank runs the membership wait, its reads standing
 for every waiter's. bench/control_plane.py runs it at scale (bench/README.md)."""
 from __future__ import annotations
 
@@ -271,7 +271,8 @@ class ControlPlaneSim:
         aborted = [s.aborted_at for s in live if s.aborted_at is not None]
         counts = phase_counts(before, self.tally.snapshot(), self.clock.now - self.fault_at)
         record = JobStore(self.server).abort(self.generation)  # uncounted: the simulator's look
-        return {**counts, "aborted": len(aborted), "live": len(live),
+        judging = sum(s.blocked and s.watchdog.judges for s in live)
+        return {**counts, "aborted": len(aborted), "live": len(live), "judging": judging,
                 "culprits": None if record is None else record.get("culprit_ranks"),
                 "detected_s": min(aborted) - self.fault_at if aborted else None,
                 "all_aborted_s": max(aborted) - self.fault_at if len(aborted) == len(live)

@@ -13,6 +13,7 @@ import pytest
 from megaresil.drills.control_plane import ControlPlaneSim, SimConfig, expected_steady
 from megaresil.events import read_events
 from megaresil.resilience.replacement import ENTERED_POLL_S, POLL_S, REPORTERS
+from megaresil.resilience.watchdog.judgement import HANG_JUDGES
 
 WORLD = 64
 
@@ -45,6 +46,12 @@ def test_a_lost_rank_is_detected_named_and_replaced(sim, tmp_path):
     # The survivors wait out the section's budget, then the lost rank's
     # heartbeat must stay unchanged for 2.5 intervals (judgement.STALE_HEARTBEATS).
     assert silence_budget < fault["detected_s"] <= silence_budget + 4 * heartbeat_s
+    # Only the hang judges read every heartbeat (one a node here), about four
+    # times: 8·world keys a look, where every rank judging read world².
+    assert fault["judging"] == HANG_JUDGES == WORLD // sim.cfg.ranks_per_node
+    heartbeat_keys = sum(row["keys"] for name, row in fault["by_pattern"].items()
+                         if name.endswith(" hb/N/N"))
+    assert WORLD * HANG_JUDGES <= heartbeat_keys <= 6 * WORLD * HANG_JUDGES < WORLD * WORLD
     detected = [e for e in read_events(tmp_path) if e["event"] == "hang_detected"]
     assert len(detected) == 1 and detected[0]["culprit_ranks"] == [WORLD - 1]
 

@@ -8,10 +8,16 @@ import json
 import pytest
 import torch.distributed as dist
 
-from megaresil.resilience.coordination import JobStore
 from megaresil.drills.store_meter import CountingStore, Tally
-from megaresil.resilience.replacement import (ENTERED_POLL_S, NOTICE_S, POLL_S,
-                                              ReplacementFailed, await_members, judges_the_wait)
+from megaresil.resilience.coordination import JobStore
+from megaresil.resilience.replacement import (
+    ENTERED_POLL_S,
+    NOTICE_S,
+    POLL_S,
+    ReplacementFailed,
+    await_members,
+    judges_the_wait,
+)
 from megaresil.train.handover import Held, live_plan
 from tests.harness.fake_clock import FakeClock
 

@@ -20,6 +20,10 @@ PROGRESS_CPU_SHARE = 0.02  # CPU seconds per wall second below which a thread is
 STALE_HEARTBEATS = 2.5  # heartbeat intervals without a new beat: the rank's monitor is gone
 OPS_PER_HEARTBEAT = 1  # a set
 OPS_PER_ABORT_POLL = 1  # a check
+# Ranks, spread over the job (one a node from 8 nodes up), that read every
+# heartbeat to judge a hang; the others learn of it from the abort poll.
+# Every rank judging read world² heartbeats a look (bench/README.md).
+HANG_JUDGES = 8
 
 
 def store_intervals(cfg: WatchdogConfig, world: int) -> tuple[float, float]:
@@ -28,6 +32,12 @@ def store_intervals(cfg: WatchdogConfig, world: int) -> tuple[float, float]:
     scale = max(1.0, world * (OPS_PER_HEARTBEAT / cfg.heartbeat_s + OPS_PER_ABORT_POLL
                               / cfg.abort_poll_s) / cfg.store_ops_limit)
     return cfg.heartbeat_s * scale, cfg.abort_poll_s * scale
+
+
+def judges_hangs(rank: int, world: int) -> bool:
+    """Whether `rank` is one of the HANG_JUDGES (all ranks up to that world)."""
+    judges = min(HANG_JUDGES, world)
+    return rank in {i * world // judges for i in range(judges)}
 
 
 class ProgressMeter:
