@@ -158,8 +158,10 @@ class PeerBeats:
 
     def gone(self, now: float) -> list[int]:
         """Peers whose heartbeat stopped changing (process killed or frozen)."""
-        return [r for r, beat in self.seen.items() if beat.record["state"] == "running"
-                and now - beat.seen > self.stale_after]
+        return [r for r, beat in self.seen.items() if self._stopped(beat, now)]
+
+    def _stopped(self, beat: Beat, now: float) -> bool:
+        return beat.record["state"] == "running" and now - beat.seen > self.stale_after
 
     def state(self, rank: int, now: float, stall_s: float,
               quiet_limit: float | None = None) -> str:
@@ -167,7 +169,7 @@ class PeerBeats:
         began yet): judged by a heartbeat written since the previous read
         (see stuck_or_running), or by the peer's silence."""
         beat = self.seen.get(rank)
-        if beat is None or rank in self.gone(now):
+        if beat is None or self._stopped(beat, now):  # one peer's, not gone()'s every peer
             return "stuck"
         if not beat.fresh:
             return "unknown"
