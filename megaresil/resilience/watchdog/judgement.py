@@ -101,6 +101,8 @@ def blamed_in_collectives(candidates: list[int], heartbeats: dict[int, dict]) ->
 
     def waiters(rank: int) -> set[int]:
         mine = heartbeats[rank].get("coll", {})
+        if not mine:  # no group to be waited on in: skip the walk of every peer
+            return set()
         return {peer for peer, hb in heartbeats.items() if peer != rank and any(
             count > mine[name] for name, count in hb.get("coll", {}).items() if name in mine)}
     blame = {r: len(waiters(r)) for r in candidates}
