@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from megaresil.drills.control_plane import ControlPlaneSim, SimConfig, expected_steady
+from megaresil.resilience.watchdog.judgement import HANG_JUDGES
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -41,19 +42,21 @@ def measure(world: int, judges: int | None, ranks_per_node: int, tick_s: float) 
         walls["replace"] = time.perf_counter() - mark
         print(f"world {world}: replace took {walls['replace']:.0f} s", flush=True)
         sim.close()
-    judging = judges if judges is not None else world - 1
+    # The blocked ranks that judge hangs (watchdog.judgement.judges_hangs); in
+    # a real hang every rank waits, so every one of the HANG_JUDGES judges.
+    judging = fault["judging"]
     heartbeat_reads = sum(row["keys"] for name, row in fault["by_pattern"].items()
                           if name in ("check hb/N/N", "multi_get hb/N/N", "get hb/N/N"))
     waiter = replaced["one_waiter"]
+    all_judges = min(HANG_JUDGES, world)
     return {"world": world, "nodes": -(-world // ranks_per_node), "judges": judging,
             "tick_s": tick_s,
             "expected_steady": expected, "steady": steady, "fault": fault,
             "replacement": replaced, "wall_s": walls,
             "heartbeat_keys_read_per_judge": heartbeat_reads / judging,
-            "heartbeat_keys_read_all_judging": heartbeat_reads / judging * (world - 1),
-            **{f"member_check_{unit}_per_s_all_waiting":
-               waiter["by_pattern"].get("check genN/pid/N", {unit: 0})[unit]
-               / waiter["seconds"] * (world - 1) for unit in ("calls", "keys")}}
+            "heartbeat_keys_read_all_judging": heartbeat_reads / judging * all_judges,
+            **{f"member_check_{unit}_per_s_all_waiting": waiter["all_waiting_per_s"][unit]
+               for unit in ("calls", "keys")}}
 
 
 def table(rows: list[dict]) -> str:
@@ -77,8 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--judges", type=int, default=64,
-                        help="ranks that wait in the lost rank's collective and judge it "
-                             "(their reads are scaled to every rank's)")
+                        help="ranks that wait in the lost rank's collective (those of them "
+                             "that judge hangs judge it; their reads are scaled to all judges')")
     parser.add_argument("--ranks-per-node", type=int, default=8)
     parser.add_argument("--tick", type=float, default=0.125,
                         help="simulated seconds per round of every rank's monitor")

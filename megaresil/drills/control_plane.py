@@ -7,8 +7,8 @@ is a timer. Unlike real ranks: one process polls every rank's monitor in
 turn, on simulated time (ticks of tick_s, all ranks in lockstep); ranks
 share a few store connections (`connections`); exit timers never expire
 (the simulator frees each aborted rank at once); the ranks that wait in
-the lost rank's collective (`judges`, by default all) judge it, the others
-step on; and one waiting rank runs the membership wait, its reads standing
+the lost rank's collective (`judges`, by default all) wait for it, those of
+them that judge hangs judge it, the others step on; and one waiting rank runs the membership wait, its reads standing
 for every waiter's. bench/control_plane.py runs it at scale (bench/README.md)."""
 from __future__ import annotations
 
@@ -27,7 +27,13 @@ from megaresil.drills.store_meter import Tally, client, serve
 from megaresil.events import EventLog
 from megaresil.resilience.abort_board import AbortBoard
 from megaresil.resilience.coordination import JobStore
-from megaresil.resilience.replacement import await_members
+from megaresil.resilience.replacement import (
+    ENTERED_POLL_S,
+    ENTERED_READS_PER_S,
+    POLL_S,
+    REPORTERS,
+    await_members,
+)
 from megaresil.resilience.watchdog.abort import HangAbort
 from megaresil.resilience.watchdog.judgement import store_intervals
 from megaresil.resilience.watchdog.monitor import Watchdog
@@ -144,6 +150,17 @@ def expected_steady(cfg: WatchdogConfig, world: int) -> dict:
             "sets_per_s": world / heartbeat_s, "checks_per_s": world / abort_poll_s}
 
 
+def all_waiting(judge: dict, waiting: int) -> dict:
+    """The membership wait's store reads per second of all `waiting` ranks,
+    from one judge's counted ones: REPORTERS judges, and the others' looks
+    (replacement.await_members), one key each: the count every look, the
+    judges' verdict every judging interval."""
+    look_s = max(ENTERED_POLL_S, (waiting + 1) / ENTERED_READS_PER_S)
+    others = (waiting - REPORTERS) * (1 / look_s + 1 / max(POLL_S, look_s))
+    return {unit: judge[unit] / judge["seconds"] * REPORTERS + others
+            for unit in ("calls", "keys")}
+
+
 class ControlPlaneSim:
     """One simulated job: `start()`, `run_for(seconds)` in steady state,
     `lose(rank)` and `run_until_aborted()`, then `replace(rank)`."""
@@ -254,7 +271,8 @@ class ControlPlaneSim:
         aborted = [s.aborted_at for s in live if s.aborted_at is not None]
         counts = phase_counts(before, self.tally.snapshot(), self.clock.now - self.fault_at)
         record = JobStore(self.server).abort(self.generation)  # uncounted: the simulator's look
-        return {**counts, "aborted": len(aborted), "live": len(live),
+        judging = sum(s.blocked and s.watchdog.judges for s in live)
+        return {**counts, "aborted": len(aborted), "live": len(live), "judging": judging,
                 "culprits": None if record is None else record.get("culprit_ranks"),
                 "detected_s": min(aborted) - self.fault_at if aborted else None,
                 "all_aborted_s": max(aborted) - self.fault_at if len(aborted) == len(live)
@@ -267,8 +285,9 @@ class ControlPlaneSim:
         enters it; the lost rank's agent records the replacement
         AGENT_POLL_S after and the replacement enters replacement_join_s
         after that (as when the survivors learn of the loss at once, a peer's
-        connection closing); one waiting rank runs the real membership wait,
-        then every rank reads the generation's fence token."""
+        connection closing); one waiting rank, the first in (a judge of the
+        wait), runs the real membership wait, then every rank reads the
+        generation's fence token."""
         assert self.fault_at is not None, "lose() a rank first"
         store, before = self._store(0), self.tally.snapshot()
         nxt = self.generation + 1
@@ -279,9 +298,10 @@ class ControlPlaneSim:
         recorded = waiting_from + AGENT_POLL_S
         self.clock.at(recorded, lambda: self._store(lost).announce_replacement(os.getpid(), 1))
         self.clock.at(recorded + self.cfg.replacement_join_s, lambda: self._join(lost))
-        await_members(store, nxt, self.cfg.world, join_timeout_s, clock=self.clock)
+        await_members(store, nxt, self.cfg.world, join_timeout_s, judge=True, clock=self.clock)
         agreed, joined = self.clock.now, recorded + self.cfg.replacement_join_s
         waited = phase_counts(entered, self.tally.snapshot(), agreed - waiting_from)
+        waited["all_waiting_per_s"] = all_waiting(waited, self.cfg.world - 1)
         for sim in self.ranks:
             self._store(sim.rank).fence_token(nxt, (lambda: "token") if sim.rank == 0 else None)
         self.generation = nxt

@@ -27,6 +27,8 @@ ATTEMPT_COUNT = "megaresil/attempt_{count}"
 GENERATION = "generation"  # the newest generation any rank entered
 MEMBER = "gen{generation}/pid/{rank}"  # the pid that is `rank` in the generation
 ENTERED = "gen{generation}/entered"  # how many ranks entered it (a counter)
+ENTRY = "gen{generation}/entry/{rank}"  # how often `rank` entered it: only its first counts
+MEMBERS_FAILED = "gen{generation}/members_failed"  # why the wait for its members was given up
 READY = "gen{generation}/ready/{rank}"  # the rank's process groups are formed
 REPLACED = "replaced/{pid}"  # the pid of the process replacing `pid`
 GENERATION_PREFIX = "gen{generation}"  # the generation's process group meets under it
@@ -114,11 +116,16 @@ class JobStore:
 
     # --- membership (resilience/replacement.py's meeting protocol) ----------------
 
-    def enter(self, generation: int, rank: int) -> None:
-        """Record that this process is `rank` in `generation`."""
+    def enter(self, generation: int, rank: int) -> int:
+        """Record that this process is `rank` in `generation`; its arrival
+        (1 for the first rank in), or 0 when `rank` had entered it already
+        (a retried entry): the count of ranks entered counts each rank once,
+        so that it alone can end the wait for the members."""
         self.store.set(GENERATION, str(generation))
         self.store.set(MEMBER.format(generation=generation, rank=rank), str(os.getpid()))
-        self.store.add(ENTERED.format(generation=generation), 1)
+        if self.store.add(ENTRY.format(generation=generation, rank=rank), 1) != 1:
+            return 0
+        return self.store.add(ENTERED.format(generation=generation), 1)
 
     def entered_count(self, generation: int) -> int:
         return self.store.add(ENTERED.format(generation=generation), 0)
@@ -132,9 +139,8 @@ class JobStore:
         of all their keys when none is missing; else the halves in turn, a
         second half unchecked when the first had none (`known_missing`):
         about log2(len(ranks)) checks and 2 len(ranks) keys for one missing
-        rank. A waiting rank looks every 0.1 s and every rank waits: one
-        check per rank was `world` round trips a look; the keys sent a look
-        still grow with the world (bench/README.md, "Control plane at scale")."""
+        rank. Only the ranks that judge the wait call it (replacement.REPORTERS):
+        it names every rank's key (bench/README.md, "Control plane at scale")."""
         if not ranks:
             return []
         if not known_missing and self.store.check(
@@ -145,6 +151,15 @@ class JobStore:
         half = len(ranks) // 2
         first = self.missing_members(generation, ranks[:half])
         return first + self.missing_members(generation, ranks[half:], known_missing=not first)
+
+    def give_up_members(self, generation: int, why: str) -> None:
+        """A judging rank's verdict: the wait for `generation`'s members is over."""
+        self.store.set(MEMBERS_FAILED.format(generation=generation), why)
+
+    def members_failed(self, generation: int) -> Optional[str]:
+        """Why the wait for `generation`'s members was given up; None if it was not."""
+        key = MEMBERS_FAILED.format(generation=generation)
+        return self.store.get(key).decode() if self.store.check([key]) else None
 
     def member_pid(self, generation: int, rank: int) -> Optional[int]:
         """The pid that entered `generation` as `rank`; None if none did."""

@@ -4,9 +4,10 @@ one find the same generation, and how long the waiting ranks give it.
 
 Every rank records, as it enters a generation, the generation's number and
 its own pid. The agent that starts a replacement records the lost pid as
-replaced. The waiting ranks wait for every rank to enter; a missing rank
-whose lost process nobody is replacing (its node is gone too, or the
-agent's budget is spent) ends the wait at once: the job is relaunched.
+replaced. The waiting ranks wait for the count of ranks entered to reach
+the world; the first ranks in judge the missing: one whose lost process
+nobody is replacing (its node is gone too, or the agent's budget is spent)
+ends the wait at once, for all: the job is relaunched.
 The records are JobStore's (resilience/coordination.py); this module is
 the waiting ranks' judgement of them.
 docs/fault-tolerance.md ("Live replacement") says it for users."""
@@ -24,44 +25,79 @@ from megaresil.resilience.coordination import JobStore
 # lost), and waiting the whole join timeout would only delay the relaunch
 # that recovers the job.
 NOTICE_S = 5.0
-POLL_S = 0.1  # how often a waiting rank looks at who is missing (JobStore.missing_members)
-# How often a waiting rank reads the count of ranks entered (one store read),
-# so the wait ends within this of the last one entering; at most this many
-# reads a second from all ranks together.
+POLL_S = 0.1  # how often a judging rank names the missing ranks (JobStore.missing_members)
+# How often a waiting rank reads the count of ranks entered (one key), so the
+# wait ends within this of the last one entering; at most this many reads a
+# second from all ranks together.
 ENTERED_POLL_S = 0.01
 ENTERED_READS_PER_S = 20_000
+# The first ranks to enter a generation judge its wait: they name the missing
+# ranks (every rank's key) and record why they give up; the others read the
+# count and that verdict, one key each. Two, should one of them be lost.
+REPORTERS = 2
 
 
 class ReplacementFailed(MegaresilError):
     """A lost rank was not replaced in time: the job relaunches."""
 
 
+def judges_the_wait(arrival: int) -> bool:
+    """Whether the rank that entered its generation `arrival`-th (JobStore.enter)
+    is one of the REPORTERS."""
+    return 0 < arrival <= REPORTERS
+
+
 def await_members(store: JobStore, generation: int, world: int, join_timeout_s: float, *,
-                  stopping: Callable[[], bool] = lambda: False,
+                  judge: bool = True, stopping: Callable[[], bool] = lambda: False,
                   clock: Clock = SystemClock()) -> None:
-    """Wait until every rank entered `generation`; raises ReplacementFailed
-    once a missing rank has no replacement started and has been silent (no
-    heartbeat of the generation before) for NOTICE_S, once any is still
-    missing after `join_timeout_s`, or once this rank is told to stop (the
-    agent is stopping the workers)."""
+    """Wait until every rank entered `generation` (its count of ranks entered
+    reached `world`); raises ReplacementFailed once a missing rank has no
+    replacement started and has been silent (no heartbeat of the generation
+    before) for NOTICE_S, or once any is still missing after
+    `join_timeout_s` (as a `judge`, or on reading a judge's verdict), or once
+    this rank is told to stop (the agent is stopping the workers)."""
     started = clock.monotonic()
-    looked = started - POLL_S  # look at once
+    look_s = max(ENTERED_POLL_S, world / ENTERED_READS_PER_S)
+    judge_s = POLL_S if judge else max(POLL_S, look_s)
+    judged = started - judge_s  # judge at once
     beats = Liveness(store, generation - 1, clock)
-    while True:
-        now = clock.monotonic()
-        due = now - looked >= POLL_S
-        # The count only says when to look: a rank that entered twice (a
-        # replacement lost in turn) must not stand in for a missing one.
-        if due or store.entered_count(generation) >= world:
-            missing = store.missing_members(generation, list(range(world)))
-            if not missing:
-                return
+    while store.entered_count(generation) < world:
         if stopping():
             raise ReplacementFailed("told to stop while waiting for the replacement")
-        if due:
-            looked = now
-            give_up_on(missing, store, generation, beats, now, now - started, join_timeout_s)
-        clock.sleep(max(ENTERED_POLL_S, world / ENTERED_READS_PER_S))
+        now = clock.monotonic()
+        if now - judged >= judge_s:
+            judged = now
+            if judge:
+                judge_missing(store, generation, world, beats, now, now - started,
+                              join_timeout_s)
+            else:
+                read_verdict(store, generation, now - started, join_timeout_s)
+        clock.sleep(look_s)
+
+
+def judge_missing(store: JobStore, generation: int, world: int, beats: Liveness,
+                  now: float, waited_s: float, join_timeout_s: float) -> None:
+    """A judge's look: name the missing ranks; give up on them (give_up_on),
+    recording why for the other waiting ranks."""
+    missing = store.missing_members(generation, list(range(world)))
+    if not missing:
+        return  # the count is about to say so
+    try:
+        give_up_on(missing, store, generation, beats, now, waited_s, join_timeout_s)
+    except ReplacementFailed as failed:
+        store.give_up_members(generation, str(failed))
+        raise
+
+
+def read_verdict(store: JobStore, generation: int, waited_s: float,
+                 join_timeout_s: float) -> None:
+    """The others' look: a judge's verdict, or the join timeout."""
+    why = store.members_failed(generation)
+    if why is not None:
+        raise ReplacementFailed(why)
+    if waited_s > join_timeout_s:
+        raise ReplacementFailed(f"a replacement did not join within {join_timeout_s:.0f}s "
+                                "(resilience.replacement.join_timeout_s): relaunching the job")
 
 
 def give_up_on(missing: list[int], store: JobStore, generation: int, beats: Liveness,

@@ -46,7 +46,7 @@ from megaresil.resilience.records import (
     next_generation,
     relaunches_without_progress,
 )
-from megaresil.resilience.replacement import await_members
+from megaresil.resilience.replacement import await_members, judges_the_wait
 from megaresil.resilience.stragglers import StragglerDetector
 from megaresil.resilience.supervision import Supervision
 from megaresil.resilience.watchdog.abort import HANG_EXIT_CODE, HangAbort, raise_in_thread
@@ -242,11 +242,12 @@ class WorkerLife:
 
     def _one_generation(self) -> Optional[str]:
         """Run one generation; its outcome, or None to go again."""
-        self.store.enter(self.generation, self.rank)
+        arrival = self.store.enter(self.generation, self.rank)
         if self.awaiting:
             with self.phases.phase("waiting for the replacement"):
                 await_members(self.store, self.generation, self.world,
                               self.cfg.resilience.replacement.join_timeout_s,
+                              judge=judges_the_wait(arrival),
                               stopping=lambda: self.preemption.signalled_at is not None)
             self.awaiting = False
         with self.phases.phase("rendezvous"):

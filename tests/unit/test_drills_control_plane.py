@@ -2,7 +2,8 @@
 64 simulated ranks on 8 nodes run the real watchdogs and membership wait
 against a real TCPStore; the steady store traffic is what the key analysis
 (bench/README.md, "Control plane at scale") says, a lost rank is detected
-and named, and its replacement's wait names every rank's key per look."""
+and named, and its replacement's wait reads one key a look (its judges
+name every rank's key)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,8 @@ import pytest
 
 from megaresil.drills.control_plane import ControlPlaneSim, SimConfig, expected_steady
 from megaresil.events import read_events
-from megaresil.resilience.replacement import POLL_S
+from megaresil.resilience.replacement import ENTERED_POLL_S, POLL_S, REPORTERS
+from megaresil.resilience.watchdog.judgement import HANG_JUDGES
 
 WORLD = 64
 
@@ -44,15 +46,28 @@ def test_a_lost_rank_is_detected_named_and_replaced(sim, tmp_path):
     # The survivors wait out the section's budget, then the lost rank's
     # heartbeat must stay unchanged for 2.5 intervals (judgement.STALE_HEARTBEATS).
     assert silence_budget < fault["detected_s"] <= silence_budget + 4 * heartbeat_s
+    # Only the hang judges read every heartbeat (one a node here), about four
+    # times: 8·world keys a look, where every rank judging read world².
+    assert fault["judging"] == HANG_JUDGES == WORLD // sim.cfg.ranks_per_node
+    heartbeat_keys = sum(row["keys"] for name, row in fault["by_pattern"].items()
+                         if name.endswith(" hb/N/N"))
+    assert WORLD * HANG_JUDGES <= heartbeat_keys <= 6 * WORLD * HANG_JUDGES < WORLD * WORLD
     detected = [e for e in read_events(tmp_path) if e["event"] == "hang_detected"]
     assert len(detected) == 1 and detected[0]["culprit_ranks"] == [WORLD - 1]
 
     replaced = sim.replace(WORLD - 1)
     assert 0 <= replaced["after_join_s"] <= 0.1
-    # Each waiting rank's look at who is missing: a few round trips
-    # (JobStore.missing_members), but every rank's key named, so O(world²)
-    # keys a look for all the waiting ranks together, as issue 55 still has.
-    checks = replaced["one_waiter"]["by_pattern"]["check genN/pid/N"]
-    looks = replaced["one_waiter"]["seconds"] / POLL_S
-    assert checks["calls"] <= (looks + 2) * (2 * math.log2(WORLD) + 1)
-    assert checks["keys"] >= WORLD * looks
+    # The judge (the first rank in) reads the count, one key a look, and
+    # names the missing ranks every POLL_S (JobStore.missing_members): a few
+    # round trips of every rank's key. The other waiting ranks read one key a
+    # look, so all waiting ranks together read O(world) keys a second.
+    waiter = replaced["one_waiter"]
+    counts = waiter["by_pattern"]["add genN/entered"]
+    assert counts["calls"] == counts["keys"] >= waiter["seconds"] / ENTERED_POLL_S
+    checks = waiter["by_pattern"]["check genN/pid/N"]
+    judged = waiter["seconds"] / POLL_S + 1
+    assert checks["calls"] <= judged * (2 * math.log2(WORLD) + 1)
+    assert WORLD * (judged - 1) <= checks["keys"] <= 2 * WORLD * judged
+    all_keys = waiter["all_waiting_per_s"]["keys"]
+    assert all_keys <= REPORTERS * 2 * WORLD / POLL_S + 2 * WORLD / ENTERED_POLL_S
+    assert all_keys < WORLD * WORLD / POLL_S  # what every rank naming every key read

@@ -58,8 +58,10 @@ def keys_of(step) -> list[str]:
 
 
 GOLDEN = [  # (what a step does, the keys it touches), as released
-    (lambda s: s.enter(3, 1), ["generation", "gen3/pid/1", "gen3/entered"]),
+    (lambda s: s.enter(3, 1), ["generation", "gen3/pid/1", "gen3/entry/1", "gen3/entered"]),
     (lambda s: s.entered_count(3), ["gen3/entered"]),
+    (lambda s: s.give_up_members(3, "why"), ["gen3/members_failed"]),
+    (lambda s: s.members_failed(3), ["gen3/members_failed"]),
     (lambda s: s.set_up(3, 1), ["gen3/ready/1"]),
     (lambda s: s.announce_replacement(4242, 4343), ["replaced/4242"]),
     (lambda s: s.publish_heartbeat(2, 5, {"beat": 1}), ["hb/2/5"]),
@@ -85,7 +87,7 @@ def test_the_replacement_protocol_reads_the_keys_it_wrote():
         assert not store.replacement_started(1, 1)
         assert store.generation_to_join(1, 1.0) == 1
     keys = keys_of(replace)
-    assert set(keys) == {"generation", "gen0/pid/1", "gen0/entered", "gen0/ready/1",
+    assert set(keys) == {"generation", "gen0/pid/1", "gen0/entry/1", "gen0/entered", "gen0/ready/1",
                          f"replaced/{os.getpid()}"}
 
 

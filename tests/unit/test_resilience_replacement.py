@@ -8,9 +8,16 @@ import json
 import pytest
 import torch.distributed as dist
 
+from megaresil.drills.store_meter import CountingStore, Tally
 from megaresil.resilience.coordination import JobStore
-from megaresil.resilience.replacement import (ENTERED_POLL_S, NOTICE_S, ReplacementFailed,
-                                              await_members)
+from megaresil.resilience.replacement import (
+    ENTERED_POLL_S,
+    NOTICE_S,
+    POLL_S,
+    ReplacementFailed,
+    await_members,
+    judges_the_wait,
+)
 from megaresil.train.handover import Held, live_plan
 from tests.harness.fake_clock import FakeClock
 
@@ -63,6 +70,64 @@ def test_a_replacement_lost_in_turn_is_looked_up_by_its_own_pid():
     enter(store, 2, 0)
     with pytest.raises(ReplacementFailed, match="did not join"):
         await_members(store, 2, 2, 20.0, clock=clock)
+
+
+def test_a_rank_entering_twice_is_counted_once():
+    """A retried entry (or a rank's second process in one generation) must
+    not stand in for a missing rank: the count alone ends the wait."""
+    store, clock = JobStore(dist.HashStore()), FakeClock()
+    set_pid(store, 0, 1, 4242)
+    announce_replacement(store, 4242, 4343)  # rank 1's replacement is on its way
+    assert [enter(store, 1, 0), enter(store, 1, 0)] == [1, 0]
+    assert store.entered_count(1) == 1
+    with pytest.raises(ReplacementFailed, match=r"replacement of rank\(s\) \[1\] did not join"):
+        await_members(store, 1, 2, 10.0, clock=clock)
+    assert enter(store, 1, 1) == 2 and store.entered_count(1) == 2
+    await_members(store, 1, 2, 10.0, clock=clock)
+
+
+def counted(inner: dist.Store) -> tuple[JobStore, Tally]:
+    tally = Tally()
+    return JobStore(CountingStore(inner, tally)), tally
+
+
+def test_only_the_first_ranks_in_judge_the_wait():
+    assert [judges_the_wait(a) for a in range(4)] == [False, True, True, False]
+
+
+def test_a_waiting_rank_reads_one_key_a_look_and_takes_the_judges_verdict():
+    """World 64, rank 63 lost with nobody replacing it: a judge names it
+    after NOTICE_S and records why; a rank that does not judge reads the
+    count each look and that verdict each POLL_S, one key each, never a
+    member's key, and ends with the judge's reason."""
+    shared = dist.HashStore()
+    judge, _ = counted(shared)
+    set_pid(judge, 0, 63, 4242)
+    for rank in range(63):
+        enter(judge, 1, rank)
+    with pytest.raises(ReplacementFailed, match=r"rank\(s\) \[63\]") as judged:
+        await_members(judge, 1, 64, 120.0, clock=FakeClock())
+    other, tally = counted(shared)
+    clock = FakeClock()
+    with pytest.raises(ReplacementFailed) as read:
+        await_members(other, 1, 64, 120.0, judge=False, clock=clock)
+    assert str(read.value) == str(judged.value) and clock.now == 0.0
+    assert set(tally.calls) == {("add", "genN/entered"), ("check", "genN/members_failed"),
+                                ("get", "genN/members_failed")}
+    assert sum(tally.keys.values()) == sum(tally.calls.values()) == 3
+
+
+def test_a_rank_that_does_not_judge_gives_up_at_the_join_timeout():
+    store, tally = counted(dist.HashStore())
+    enter(store, 1, 0)
+    clock = FakeClock()
+    with pytest.raises(ReplacementFailed, match="did not join within 30s"):
+        await_members(store, 1, 2, 30.0, judge=False, clock=clock)
+    assert 30.0 < clock.now < 30.0 + POLL_S + ENTERED_POLL_S
+    looks = tally.calls["add", "genN/entered"]
+    assert looks >= 30.0 / ENTERED_POLL_S and tally.calls["check", "genN/members_failed"] \
+        <= 30.0 / POLL_S + 2
+    assert sum(tally.keys.values()) == sum(tally.calls.values())  # one key a read
 
 
 def test_a_replacement_joins_the_generation_after_the_one_its_predecessor_was_in():

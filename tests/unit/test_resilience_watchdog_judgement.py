@@ -7,10 +7,13 @@ import pytest
 
 from megaresil.config import WatchdogConfig
 from megaresil.resilience.watchdog.judgement import (
+    HANG_JUDGES,
     Alarm,
     PeerBeats,
     ProgressMeter,
+    blamed_in_collectives,
     find_culprits,
+    judges_hangs,
     store_intervals,
     stuck_or_running,
     unreachable_nodes,
@@ -203,3 +206,18 @@ def test_store_intervals_stretch_with_the_world_to_the_ops_limit():
     heartbeat, abort_poll = store_intervals(cfg, 1000)
     assert (heartbeat, abort_poll) == pytest.approx((0.75, 1.5))
     assert 1000 * (1 / heartbeat + 1 / abort_poll) == pytest.approx(cfg.store_ops_limit)
+
+
+def test_eight_hang_judges_spread_one_a_node_and_every_rank_of_a_small_job():
+    for world, per_node in [(64, 8), (1000, 8), (16384, 8)]:
+        judges = [r for r in range(world) if judges_hangs(r, world)]
+        assert len(judges) == HANG_JUDGES
+        assert len({r // per_node for r in judges}) == HANG_JUDGES  # a lost node takes one
+    assert all(judges_hangs(r, 5) for r in range(5))
+
+
+def test_the_tie_break_without_collective_counts_leaves_the_tie_to_who_waits():
+    beats = {r: {"step": 3, "section": "forward_backward", "coll": {}, "waiting": r != 2}
+             for r in range(4)}
+    assert blamed_in_collectives([0, 1, 2, 3], beats) == [2]
+    assert blamed_in_collectives([0, 1], beats) == [0, 1]

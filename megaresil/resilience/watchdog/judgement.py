@@ -20,6 +20,10 @@ PROGRESS_CPU_SHARE = 0.02  # CPU seconds per wall second below which a thread is
 STALE_HEARTBEATS = 2.5  # heartbeat intervals without a new beat: the rank's monitor is gone
 OPS_PER_HEARTBEAT = 1  # a set
 OPS_PER_ABORT_POLL = 1  # a check
+# Ranks, spread over the job (one a node from 8 nodes up), that read every
+# heartbeat to judge a hang; the others learn of it from the abort poll.
+# Every rank judging read world² heartbeats a look (bench/README.md).
+HANG_JUDGES = 8
 
 
 def store_intervals(cfg: WatchdogConfig, world: int) -> tuple[float, float]:
@@ -28,6 +32,12 @@ def store_intervals(cfg: WatchdogConfig, world: int) -> tuple[float, float]:
     scale = max(1.0, world * (OPS_PER_HEARTBEAT / cfg.heartbeat_s + OPS_PER_ABORT_POLL
                               / cfg.abort_poll_s) / cfg.store_ops_limit)
     return cfg.heartbeat_s * scale, cfg.abort_poll_s * scale
+
+
+def judges_hangs(rank: int, world: int) -> bool:
+    """Whether `rank` is one of the HANG_JUDGES (all ranks up to that world)."""
+    judges = min(HANG_JUDGES, world)
+    return rank in {i * world // judges for i in range(judges)}
 
 
 class ProgressMeter:
@@ -91,6 +101,8 @@ def blamed_in_collectives(candidates: list[int], heartbeats: dict[int, dict]) ->
 
     def waiters(rank: int) -> set[int]:
         mine = heartbeats[rank].get("coll", {})
+        if not mine:  # no group to be waited on in: skip the walk of every peer
+            return set()
         return {peer for peer, hb in heartbeats.items() if peer != rank and any(
             count > mine[name] for name, count in hb.get("coll", {}).items() if name in mine)}
     blame = {r: len(waiters(r)) for r in candidates}
@@ -148,8 +160,10 @@ class PeerBeats:
 
     def gone(self, now: float) -> list[int]:
         """Peers whose heartbeat stopped changing (process killed or frozen)."""
-        return [r for r, beat in self.seen.items() if beat.record["state"] == "running"
-                and now - beat.seen > self.stale_after]
+        return [r for r, beat in self.seen.items() if self._stopped(beat, now)]
+
+    def _stopped(self, beat: Beat, now: float) -> bool:
+        return beat.record["state"] == "running" and now - beat.seen > self.stale_after
 
     def state(self, rank: int, now: float, stall_s: float,
               quiet_limit: float | None = None) -> str:
@@ -157,7 +171,7 @@ class PeerBeats:
         began yet): judged by a heartbeat written since the previous read
         (see stuck_or_running), or by the peer's silence."""
         beat = self.seen.get(rank)
-        if beat is None or rank in self.gone(now):
+        if beat is None or self._stopped(beat, now):  # one peer's, not gone()'s every peer
             return "stuck"
         if not beat.fresh:
             return "unknown"

@@ -40,6 +40,7 @@ from megaresil.resilience.watchdog.judgement import (
     Alarm,
     PeerBeats,
     ProgressMeter,
+    judges_hangs,
     store_intervals,
     stuck_or_running,
     unreachable_nodes,
@@ -90,6 +91,7 @@ class Watchdog:
                         else ProgressMeter(peer_bytes, clock.monotonic(), min_rate=0.0))
         self.exempt: set = set()  # process groups whose timeout we leave alone
         self.heartbeat_every, self.abort_poll_every = store_intervals(cfg, world)
+        self.judges = judges_hangs(rank, world)  # else the abort poll tells it of a hang
         self.beats = 0
         self.next_heartbeat = self.next_abort_poll = 0.0
         self.alarm: Alarm | None = None
@@ -231,7 +233,7 @@ class Watchdog:
                 return
         section, step, started = self.current
         waited = now - started
-        if waited <= self.budgets.silence_budget(section):
+        if waited <= self.budgets.silence_budget(section) or not self.judges:
             self.alarm = None
             return
         if self.alarm is None or self.alarm.started != started:
