@@ -70,8 +70,8 @@ def test_plan_inspect_verify_and_convert_by_run_directory(home):
     plan = megaresil("plan", "runs/a", "--gpus", "1024", cwd=home)
     assert "estimate" in plan.stdout and "min)" in plan.stdout
     # The control plane's figures come with the package (bench/ is not installed).
-    assert "control plane at 16,384 GPUs (extrapolated: the nearest row's, simulated at " \
-        "4,096 ranks; packaged plan/profiles/control_plane.yaml, copied from " in plan.stdout
+    assert "control plane at 16,384 GPUs (measured, simulated at 16,384 ranks; packaged " \
+        "plan/profiles/control_plane.yaml, copied from " in plan.stdout
     assert plan.stdout.strip().splitlines()[-1].startswith("checkpoint.interval=")
 
     inspect = megaresil("ckpt", "inspect", "runs/a", cwd=home)
