@@ -101,7 +101,7 @@ def check_layout(recipe: RecipeConfig, tp: int, device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class Use:
-    """What a command changes in the run's recipe, and what it builds."""
+    """What a command changes in the run's recipe, and so in the model it loads."""
     eval_batches: Optional[int] = None  # None: the run's train.eval_batches
     # Generation's KV cache lives in the local layers (model/kv_cache.py): the
     # same weights under the same checkpoint keys, without TE's kernels.
@@ -110,8 +110,9 @@ class Use:
 
 def run_on_model(checkpoint: Path, tp: int, use: Use, job, **kwargs) -> dict:
     """`job(loaded, checkpoint, step, **kwargs)` on the checkpoint's model
-    (an inference_model.LoadedModel), whatever layout saved it, held by tp tensor-parallel ranks (one process
-    when tp is 1, else local processes over gloo or NCCL); rank 0's result.
+    (an inference_model.LoadedModel), whatever layout saved it, held by tp
+    tensor-parallel ranks (one process when tp is 1, else local processes
+    over gloo or NCCL); rank 0's result.
     The weights are loaded as `checkpoint.init_from` loads them: verified,
     checked against the model, resharded to this layout."""
     source = open_source(checkpoint)
