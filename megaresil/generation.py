@@ -43,7 +43,7 @@ def new_token_budget(prompt_tokens: int, context: int, max_new_tokens: int) -> i
     return min(max_new_tokens, context - prompt_tokens + 1)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def continue_batch(model, prompts: list[list[int]], context: int, max_new_tokens: int,
                    sampling: Sampling) -> list[list[int]]:
     """Each prompt's new token ids (`model`: a whole GPT, in eval mode)."""
@@ -57,20 +57,22 @@ def continue_batch(model, prompts: list[list[int]], context: int, max_new_tokens
     cache = KVCache(pads, capacity=longest + max(steps - 1, 0), max_position=context - 1)
     generators = [torch.Generator().manual_seed(sampling.seed) for _ in prompts]
     tokens = torch.tensor([[0] * (longest - len(ids)) + ids for ids in prompts], device=device)
-    new: list[list[int]] = [[] for _ in prompts]
+    drawn: list[torch.Tensor] = []  # each step's (B, 1), read back once at the end
     for _ in range(steps):
-        logits = model.logits(tokens, cache=cache)[:, -1].float().cpu()  # (B, V)
-        drawn = [next_token(row, sampling, g) for row, g in zip(logits, generators)]
-        for row, token in enumerate(drawn):
-            if len(new[row]) < budgets[row]:
-                new[row].append(token)
-        tokens = torch.tensor(drawn, device=device).unsqueeze(1)  # (B, 1)
-    return new
+        logits = model.logits(tokens, cache=cache)[:, -1]  # (B, V)
+        if sampling.temperature == 0:  # greedy: no copy, no sync with the device
+            tokens = logits.argmax(dim=-1, keepdim=True)
+        else:
+            rows = logits.float().cpu()
+            tokens = torch.tensor([[next_token(row, sampling, g)] for row, g in
+                                   zip(rows, generators)], device=device)
+        drawn.append(tokens)
+    columns = torch.cat(drawn, dim=1).tolist()  # (B, steps)
+    return [row[:budget] for row, budget in zip(columns, budgets)]
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
-    if sampling.temperature == 0:
-        return int(logits.argmax())
+    """A token drawn from one row's logits (V,) at `sampling`'s temperature (> 0)."""
     if sampling.top_k:
         cutoff = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < cutoff, float("-inf"))

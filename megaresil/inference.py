@@ -1,10 +1,10 @@
 """`megaresil eval` and `megaresil generate`: a checkpoint's model, whatever
 layout saved it, in one process or spread over `--tp N` local
 tensor-parallel processes (one per GPU). The weights are loaded as
-`checkpoint.init_from` loads them (verified, resharded to this layout); the
-model and the held-out batches are the trainer's own, so a loss here is the
-number the run's eval wrote. Generation and `eval --data` load the model
-alone (inference_model.py), which starts faster.
+`checkpoint.init_from` loads them (verified, resharded to this layout) into
+the trainer's own model alone (inference_model.py: no Trainer is built),
+and a split's held-out batches are read as the trainer reads them
+(train/batches.py), so a loss here is the number the run's eval wrote.
 
 Before any process starts, the bytes the model needs are estimated from the
 manifest and compared with the memory free on the device, and a model that
@@ -19,7 +19,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import psutil
 import torch
@@ -34,33 +34,32 @@ from megaresil.config import (
     Backend,
     ConfigError,
     ParallelConfig,
-    Precision,
     RecipeConfig,
     from_dict,
     validate,
 )
-from megaresil.data.build import build_test_dataset, recipe_tokenizer
+from megaresil.data.build import build_datasets, build_test_dataset, recipe_tokenizer
+from megaresil.data.sampler import SampleDataset
 from megaresil.generation import Sampling, check_prompts, continue_batch
 from megaresil.inference_model import LoadedModel, load_model
 from megaresil.parallel.layout import ParallelLayout, backend_for, pick_device, visible_gpus
 from megaresil.ports import free_port
-from megaresil.train.loop import Trainer
-from megaresil.train.precision import resolve
+from megaresil.train.batches import held_out_loss, model_loss
+from megaresil.train.compiling import compile_blocks
 
 # Tests set it to pretend a small machine (bytes free on the device); unset
 # on a user's machine, where the device's own figure counts.
 AVAILABLE_MEMORY_ENV = "MEGARESIL_AVAILABLE_MEMORY_BYTES"
 
 
-def model_bytes(manifest: dict, precision: Precision) -> int:
+def model_bytes(manifest: dict) -> int:
     """What holding the whole model for eval or generation allocates, about
-    (over all ranks): per parameter the Trainer's (the model's one home) weight,
-    fp32 gradient buffer and, under bf16, fp32 main copy; the optimizer's
-    moments are not allocated before a step."""
+    (over all ranks): its weights alone (inference_model.py builds no gradient
+    buffer, no main copy and no optimizer state), 4 bytes each under any
+    precision: they are built and loaded in fp32, and cast to bf16 after."""
     parameters = sum(math.prod(entry["global_shape"]) for key, entry in
                      manifest["tensors"].items() if key.startswith("model/"))
-    per_parameter = 2 + 4 + 4 if precision == Precision.bf16 else 4 + 4
-    return parameters * per_parameter
+    return parameters * 4
 
 
 def available_bytes(device: torch.device) -> int:
@@ -84,8 +83,8 @@ def check_fits(checkpoint: Path, needed: int, available: int, device: torch.devi
            f"spread it over more GPUs with --tp N (each GPU then needs about "
            f"{needed / 1e9:.2f} GB / N free)")
     raise fmt.CheckpointError(
-        f"{checkpoint} needs about {share / 1e9:.2f} GB {where} (the weights, their "
-        f"gradient buffers and any fp32 main copy), but {device.type} has "
+        f"{checkpoint} needs about {share / 1e9:.2f} GB {where} (its weights, loaded in "
+        f"fp32), but {device.type} has "
         f"{available / 1e9:.2f} GB free. Fix: {fix}; the run's own eval at its training layout "
         "is the eval_loss in its metrics.jsonl")
 
@@ -102,29 +101,25 @@ def check_layout(recipe: RecipeConfig, tp: int, device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class Use:
-    """What a command changes in the run's recipe, and what it builds."""
+    """What a command changes in the run's recipe, and so in the model it loads."""
     eval_batches: Optional[int] = None  # None: the run's train.eval_batches
     # Generation's KV cache lives in the local layers (model/kv_cache.py): the
     # same weights under the same checkpoint keys, without TE's kernels.
     local_layers: bool = False
-    # The job reads the model alone (inference_model.LoadedModel), not a
-    # Trainer: what the split eval's batches need is the trainer's.
-    model_only: bool = False
 
 
 def run_on_model(checkpoint: Path, tp: int, use: Use, job, **kwargs) -> dict:
-    """`job(trainer, checkpoint, step, **kwargs)` on the checkpoint's model
-    (a LoadedModel in the trainer's place with `use.model_only`),
-    whatever layout saved it, held by tp tensor-parallel ranks (one process
-    when tp is 1, else local processes over gloo or NCCL); rank 0's result.
+    """`job(loaded, checkpoint, step, **kwargs)` on the checkpoint's model
+    (an inference_model.LoadedModel), whatever layout saved it, held by tp
+    tensor-parallel ranks (one process when tp is 1, else local processes
+    over gloo or NCCL); rank 0's result.
     The weights are loaded as `checkpoint.init_from` loads them: verified,
     checked against the model, resharded to this layout."""
     source = open_source(checkpoint)
     recipe = from_dict(source.manifest["recipe"])
     device = pick_device()
     check_layout(recipe, tp, device)
-    check_fits(checkpoint, model_bytes(source.manifest, resolve(recipe.train.precision, device)),
-               available_bytes(device), device, tp)
+    check_fits(checkpoint, model_bytes(source.manifest), available_bytes(device), device, tp)
     if tp == 1:
         return on_rank(checkpoint, recipe, tp, use, job, kwargs, device)
     context = mp.get_context("spawn")
@@ -162,13 +157,7 @@ def on_rank(checkpoint: Path, recipe: RecipeConfig, tp: int, use: Use, job,
     with tempfile.TemporaryDirectory(prefix="megaresil-inference-") as scratch:
         cfg = inference_recipe(recipe, use, Path(scratch), checkpoint, tp)
         layout = ParallelLayout.from_config(cfg.parallel, device)
-        if use.model_only:
-            return job(load_model(cfg, layout), checkpoint, step_of(checkpoint), **kwargs)
-        trainer = Trainer(cfg, layout)
-        try:
-            return job(trainer, checkpoint, step_of(checkpoint), **kwargs)
-        finally:
-            trainer.close()
+        return job(load_model(cfg, layout), checkpoint, step_of(checkpoint), **kwargs)
 
 
 def step_of(checkpoint: Path) -> int:
@@ -206,14 +195,21 @@ def evaluate(checkpoint: Path, batches: int | None = None, split: str = "valid",
     return run_on_model(checkpoint, tp, Use(eval_batches=batches), evaluate_job, split=split)
 
 
-def evaluate_job(trainer: Trainer, checkpoint: Path, step: int, *, split: str) -> dict:
-    cfg = trainer.cfg
+def evaluate_job(loaded: LoadedModel, checkpoint: Path, step: int, *, split: str) -> dict:
+    """The trainer's eval (Trainer.evaluate) on the model alone: its held-out
+    batches (train/batches.py), compiled blocks where the run compiled them."""
+    cfg = loaded.cfg
     if cfg.train.eval_batches == 0:
         raise fmt.CheckpointError("the run evaluated on no batches (train.eval_batches=0). "
                                   "Fix: pass --batches N.")
     dataset = (build_test_dataset(cfg.data, cfg.model.vocab_size, cfg.train.seed)
-               if split == "test" else None)
-    loss = float(trainer.evaluate(dataset))
+               if split == "test" else
+               build_datasets(cfg.data, cfg.model.vocab_size, cfg.train.seed)[1])
+    compile_blocks([loaded.model], cfg, loaded.layout.device)
+    with torch.no_grad():
+        loss = float(held_out_loss(
+            cast(SampleDataset, dataset), cfg.train, loaded.layout, loaded.masking,
+            lambda batches: model_loss(loaded.model, loaded.autocast, batches)))
     return {"checkpoint": str(checkpoint), "step": step, "split": split,
             "batches": cfg.train.eval_batches, "loss": loss, "perplexity": math.exp(loss)}
 
@@ -228,7 +224,7 @@ def generate(checkpoint: Path, prompts: list[str], *, max_new_tokens: int = 50,
     text = prompt_tokenizer(recipe, tokenizer)
     ids = [text.encode(prompt) for prompt in prompts]
     check_prompts(ids, recipe.model.max_seq_len)
-    use = Use(eval_batches=0, local_layers=True, model_only=True)
+    use = Use(eval_batches=0, local_layers=True)
     new = run_on_model(checkpoint, tp, use, generate_job, prompts=ids,
                        max_new_tokens=max_new_tokens, sampling=sampling)["new"]
     return [{"checkpoint": str(checkpoint), "step": step_of(checkpoint), "prompt": prompt,

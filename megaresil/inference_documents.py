@@ -34,7 +34,7 @@ def evaluate_documents(checkpoint: Path, data: str, tp: int = 1) -> dict:
     recipe = from_dict(read_manifest(checkpoint)["recipe"])
     # Read (and refused) before the model loads or any rank starts.
     documents = load_documents(data, recipe.data, recipe.model.vocab_size)
-    return run_on_model(checkpoint, tp, Use(eval_batches=0, model_only=True), documents_job,
+    return run_on_model(checkpoint, tp, Use(eval_batches=0), documents_job,
                         data=data, documents=documents)
 
 

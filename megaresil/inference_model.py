@@ -1,4 +1,4 @@
-"""A checkpoint's model alone, for `megaresil generate` and `eval --data`:
+"""A checkpoint's model alone, for `megaresil eval` and `megaresil generate`:
 the trainer's own model construction (train/model_build.py) and its
 checkpoint.init_from load (train/checkpointing.py), without what a Trainer
 builds around them (data loaders, gradient buffers, fp32 main copies,

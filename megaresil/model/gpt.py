@@ -141,7 +141,8 @@ class GPT(nn.Module):
         """tokens (first chunk) or hidden states in; hidden states or this
         rank's vocabulary slice of the logits (last chunk) out. `documents`:
         the micro-batch's documents under document masking (model/masks.py);
-        `cache`: generation's keys and values so far (the whole model's)."""
+        `cache`: generation's keys and values so far (the whole model's);
+        with it a last chunk returns the last position's logits alone."""
         if self.first:
             positions = (cache.positions(x.shape[1]) if cache is not None else
                          None if documents is None else documents.positions)
@@ -156,6 +157,8 @@ class GPT(nn.Module):
         x = self.blocks_layout(x)
         if cache is not None:
             cache.advance(x.shape[1])
+            if self.last:  # generation reads the last token's logits alone
+                x = x[:, -1:]
         if not self.last:
             return x
         x = self.norm(x)
@@ -212,7 +215,8 @@ class GPT(nn.Module):
 
     def logits(self, tokens: torch.Tensor, documents: Optional[Documents] = None,
                cache: Optional[KVCache] = None) -> torch.Tensor:
-        """Full-vocabulary logits (B, T, V), padding cut (for inference and tests)."""
+        """Full-vocabulary logits (B, T, V), padding cut (for inference and
+        tests); with a `cache`, the last position's alone (B, 1, V)."""
         local = self.stage_forward(tokens, None, documents, cache)
         return gather_vocab(local, self.tp)[..., : self.cfg.vocab_size]
 

@@ -104,7 +104,9 @@ class RotaryEmbedding(nn.Module):
         self.tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (cos, sin), (T, D)
 
     def cos_sin(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.tables is None or self.tables[0].shape[0] < T or self.tables[0].device != device:
+        # Tables built under generation's inference mode cannot be saved for a backward.
+        if (self.tables is None or self.tables[0].shape[0] < T or self.tables[0].device != device
+                or self.tables[0].is_inference() > torch.is_inference_mode_enabled()):
             positions = torch.arange(T, dtype=torch.float32, device=device)
             angles = torch.outer(positions, self.inv_freq.to(device))  # (T, D/2)
             angles = torch.cat([angles, angles], dim=-1)  # (T, D)
@@ -197,12 +199,12 @@ class Attention(nn.Module):
         return torch.cat(rows, dim=0)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """SDPA under `mask` (True where seen), or causal where it is None."""
+               mask: Optional[torch.Tensor], causal: bool = True) -> torch.Tensor:
+        """SDPA under `mask` (True where seen); where it is None, causal, or
+        every key seen when not `causal`."""
         gqa = self.local_heads != self.local_kv_heads
-        if mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              is_causal=causal and mask is None, enable_gqa=gqa)
 
     def core_with_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           samples: Optional[torch.Tensor],
@@ -234,7 +236,7 @@ class Attention(nn.Module):
             q, k = self.rope(q, positions, length), self.rope(k, positions, length)
         if cache is not None:
             k, v = cache.extend(self.site, k, v)
-            y = self.attend(q, k, v, cache.mask(q.shape[-2], self.window))
+            y = self.attend(q, k, v, cache.mask(q.shape[-2], self.window), causal=False)
         elif self.recompute_core and self.training:
             y = checkpoint(self.core, q, k, v, samples, documents, use_reentrant=False)
         else:

@@ -13,7 +13,7 @@ from typing import Iterator, Optional, Sequence, cast
 import torch
 
 from megaresil.config import RecipeConfig, global_batch_at, to_yaml
-from megaresil.data.sampler import SampleDataset, collate, micro_batches, skip_past
+from megaresil.data.sampler import SampleDataset, skip_past
 from megaresil.events import EventLog
 from megaresil.parallel.fsdp import local_part
 from megaresil.parallel.grad_groups import Held, zero1
@@ -36,7 +36,8 @@ from megaresil.train.z_loss_figure import ZLossFigure
 from megaresil.train import step as step_compute
 from megaresil.train.lr_schedule import lr_at
 from megaresil.train.optim import clip_gradients, counted_here, set_lr
-from megaresil.train.step import Batch, dp_mean
+from megaresil.train.batches import Batch, held_out_loss, read_batches
+from megaresil.train.step import dp_mean
 from megaresil.train.save_schedule import SaveSchedule
 from megaresil.train.between_steps import EXITED, StepFacts, decide
 from megaresil.train.build import build_parts, named_parameters, named_state_parameters
@@ -101,26 +102,11 @@ class Trainer:
     def batches(self, dataset: SampleDataset, consumed: int,
                 global_batch: Optional[int] = None) -> list[Batch]:
         """This DP rank's micro-batches of the `global_batch` samples from
-        `consumed` (by default the batch a training step there takes; under
-        context parallelism this rank's chunks of them), their documents found (model/masks.py) on the host before they move to the device."""
+        `consumed` (by default the batch a training step there takes): train/batches.py."""
         if global_batch is None:
             global_batch = global_batch_at(self.cfg.train, consumed)
-        indices = micro_batches(consumed, global_batch, self.cfg.train.micro_batch_size,
-                                self.layout.data_rank, self.layout.data_size)
-        device = self.layout.device
-        context = self.layout.context_parallel()
-        batches = []
-        for idx in indices:
-            inputs, targets = collate(dataset, idx)
-            documents = None
-            if self.parts.masking is not None:
-                targets, documents = self.parts.masking.apply(inputs, targets)
-            # Context parallelism: this rank's chunks of each sequence.
-            inputs, targets = context.slice_sequence(inputs), context.slice_sequence(targets)
-            documents = None if documents is None else documents.context_slice(context)
-            batches.append(Batch(inputs.to(device), targets.to(device), torch.tensor(idx),
-                                 None if documents is None else documents.to(device)))
-        return batches
+        return read_batches(dataset, consumed, global_batch, self.cfg.train.micro_batch_size,
+                            self.layout, self.parts.masking)
 
     def replicated_state(self, full: bool) -> dict[tuple[str, ...], list[tuple[str, torch.Tensor]]]:
         """What the data-parallel replicas hold alike, named, by the axes
@@ -254,12 +240,11 @@ class Trainer:
         batches of `dataset`, by default the valid split): full batches of
         train.global_batch_size, during a batch ramp too."""
         self.model.eval()
-        g = self.cfg.train.global_batch_size
         # valid_data is None only without eval (train.eval_batches 0): no batch is read then.
         held_out = cast(SampleDataset, self.valid_data if dataset is None else dataset)
-        losses = [step_compute.forward_eval(self.parts, self.batches(held_out, i * g, g))
-                  for i in range(self.cfg.train.eval_batches)]
-        return dp_mean(torch.stack(losses).mean(), self.layout)
+        loss = held_out_loss(held_out, self.cfg.train, self.layout, self.parts.masking,
+                             lambda batches: step_compute.forward_eval(self.parts, batches))
+        return dp_mean(loss, self.layout)
 
     def run(self) -> str:
         """Train to train.steps. Returns how it ended: "finished", "exited"

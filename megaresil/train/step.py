@@ -4,27 +4,19 @@ global figures (loss and grad norm) and the eval forward. What is checked,
 applied and recorded around them is the trainer's (train/loop.py)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from megaresil.model.masks import Documents
 from megaresil.parallel.data_parallel import all_reduce_sequence_parallel_grads
 from megaresil.parallel.grad_groups import Held, StepGrads
 from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.pipeline import sync_tied_embedding_grads
+from megaresil.train.batches import Batch, model_loss
 from megaresil.train.build import TrainerParts
 from megaresil.train.numerics import StepResult
 from megaresil.train.optim import local_grad_norm_squared, reduce_grad_norm
-
-
-class Batch(NamedTuple):
-    """One micro-batch on this rank's device."""
-    inputs: torch.Tensor  # (B, T) token ids
-    targets: torch.Tensor  # (B, T) token ids; IGNORE_TARGET where data.eod_mask_loss leaves one out
-    samples: torch.Tensor  # (B,) global sample indices
-    documents: Optional[Documents]  # where its documents lie; None without document masking
 
 
 def dp_mean(value: torch.Tensor, layout: ParallelLayout) -> float:
@@ -113,11 +105,10 @@ def zero_grads(parts: TrainerParts) -> None:
 
 def forward_eval(parts: TrainerParts, batches: Sequence[Batch]) -> torch.Tensor:
     """The mean loss over `batches`, without grads' bookkeeping."""
+    if parts.pipeline is None:
+        return model_loss(parts.chunks[0], parts.autocast, batches)
     inputs, targets, _, documents = zip(*batches)
     with parts.autocast:
-        if parts.pipeline is not None:
-            loss = parts.pipeline.eval_step(torch.cat(inputs), torch.cat(targets), documents)
-        else:
-            loss = torch.stack([parts.chunks[0](x, y, None, d)
-                                for x, y, d in zip(inputs, targets, documents)]).mean()
+        loss = parts.pipeline.eval_step(torch.cat(inputs), torch.cat(targets), documents)
     return whole_sequences(parts, loss)
+

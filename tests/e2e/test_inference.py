@@ -39,6 +39,30 @@ def test_eval_equals_the_runs_own_eval_at_that_step(cli_main, run_dir):
     assert line.startswith("step 4: valid loss ") and "perplexity" in line
 
 
+def test_eval_on_a_split_equals_a_whole_trainers_eval(cli_main, run_dir, tmp_path):
+    """`eval` reads a split's batches with the model alone; a Trainer built on
+    the checkpoint (what eval built before) gives the same losses, bit for bit."""
+    from megaresil.checkpoint.validation import read_manifest
+    from megaresil.config import from_dict
+    from megaresil.data.build import build_test_dataset
+    from megaresil.inference import Use, inference_recipe
+    from megaresil.parallel.layout import ParallelLayout
+    from megaresil.train.loop import Trainer
+
+    checkpoint = run_dir / "checkpoints/step_0000002"
+    recipe = from_dict(read_manifest(checkpoint)["recipe"])
+    cfg = inference_recipe(recipe, Use(), tmp_path, checkpoint, 1)
+    trainer = Trainer(cfg, ParallelLayout.from_config(cfg.parallel, torch.device("cpu")))
+    try:
+        test = build_test_dataset(cfg.data, cfg.model.vocab_size, cfg.train.seed)
+        expected = {"valid": trainer.evaluate(), "test": trainer.evaluate(test)}
+    finally:
+        trainer.close()
+    for split, loss in expected.items():
+        out = cli_main("eval", str(checkpoint), "--split", split, "--json").stdout
+        assert json.loads(out.splitlines()[-1])["loss"] == loss, split
+
+
 def test_greedy_generation_equals_transformers_on_the_hf_export(cli_main, run_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     cli_main("convert", str(run_dir / "checkpoints/step_0000004"), "--to-hf",
@@ -135,13 +159,12 @@ def model_losses(run_dir, documents: list[list[int]]) -> list[float]:
     window as docs/inference.md says `eval --data` scores."""
     from megaresil.inference import Use, run_on_model
 
-    def job(trainer, checkpoint, step):
-        trainer.model.eval()
-        L, losses = trainer.cfg.data.seq_len, []
+    def job(loaded, checkpoint, step):
+        L, losses = loaded.cfg.data.seq_len, []
         with torch.no_grad():
             for ids in documents:
                 pieces = [torch.tensor([ids[s:s + L + 1]]) for s in range(0, len(ids) - 1, L)]
-                total = sum(float(trainer.chunks[0](p[:, :-1], p[:, 1:])) * (p.shape[1] - 1)
+                total = sum(float(loaded.model(p[:, :-1], p[:, 1:])) * (p.shape[1] - 1)
                             for p in pieces)
                 losses.append(total / (len(ids) - 1))
         return {"losses": losses}

@@ -75,3 +75,14 @@ def test_a_prompt_past_the_context_or_empty_is_refused_in_one_line():
         check_prompts([[1], [1] * (CONTEXT + 1)], CONTEXT)
     with pytest.raises(ConfigError, match="prompt 1 is empty"):
         check_prompts([[]], CONTEXT)
+
+
+def test_a_model_trains_after_generating():
+    """Generation runs under inference mode: RoPE's tables it builds must
+    not be kept for a backward (inference tensors cannot be saved for one)."""
+    model = tiny("llama")
+    continue_batch(model, [PROMPTS[0]], CONTEXT, 4, Sampling())
+    model.train()
+    tokens = torch.tensor([PROMPTS[0]])
+    model(tokens, tokens).backward()
+    assert model.layers["0"].attn.qkv.weight.grad is not None
