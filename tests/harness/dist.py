@@ -18,13 +18,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from megaresil.config import load_recipe
-from megaresil.ports import free_port
-from megaresil.parallel.layout import ParallelLayout
+from megaresil.config import RecipeConfig, load_recipe
 from megaresil.parallel.fsdp import local_part
+from megaresil.parallel.layout import ParallelLayout
 from megaresil.parallel.sharding import spec_of
+from megaresil.ports import free_port
+from megaresil.train import step as step_compute
 from megaresil.train.loop import Trainer
-
 from tests.harness.cli import ROOT
 
 RECIPE = ROOT / "recipes" / "gpt-tiny.yaml"
@@ -74,9 +74,11 @@ def kill_during_save(trainer: Trainer, rank: int, step: int) -> None:
     trainer.checkpointing.global_tier.backend.write = dying_write
 
 
-def train_case(case: Case, run_dir: Path, layout: ParallelLayout) -> Trainer:
-    """Train a case to the end (or to its exit step, then on again if it resumes)."""
-    trainer = Trainer(recipe_for(case, run_dir), layout)
+def train_case(case: Case, run_dir: Path, layout: ParallelLayout,
+               trainer: Optional[Trainer] = None) -> Trainer:
+    """Train a case to the end (or to its exit step, then on again if it
+    resumes), from `trainer` where given (built for the case, untrained)."""
+    trainer = trainer or Trainer(recipe_for(case, run_dir), layout)
     if case.kill_rank_in_save:
         kill_during_save(trainer, *case.kill_rank_in_save)
     outcome = trainer.run()
@@ -91,6 +93,7 @@ def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     vocab padding cut), after the step's grad reductions."""
     trainer.sync_grads()
     layout = trainer.layout
+    joined = {}  # the parameters' .grad stay as they are: the trainer trains on
     if trainer.sharded_optimizer:  # put the DP (experts: EDP) row shards back together
         for shard in trainer.optimizer.shards:
             rows = torch.zeros(shard.rows_per_rank, *shard.param.shape[1:])
@@ -98,13 +101,13 @@ def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
             replicas = spec_of(shard.param).replicated_over
             gathered = [torch.empty_like(rows) for _ in range(layout.size(*replicas))]
             dist.all_gather(gathered, rows, group=layout.group(*replicas))
-            shard.param.grad = torch.cat(gathered)[: shard.param.shape[0]].reshape(shard.param.shape)
+            joined[shard.param] = torch.cat(gathered)[: shard.param.shape[0]].reshape(shard.param.shape)
     grads = {}
     for key, param in trainer.named_parameters():
         spec = spec_of(param)
         if spec.pipeline_copy:
             continue
-        grad = param.grad
+        grad = joined.get(param, param.grad)
         if isinstance(grad, DTensor):  # FSDP2's shard over dp_shard: gathered
             grad = grad.full_tensor()
         for shard in spec.shards:
@@ -118,6 +121,14 @@ def gather_full_grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return grads
 
 
+def forget_step(trainer: Trainer) -> None:
+    """Zero the grads of a step computed for its grads alone, as an attempt
+    that is not applied leaves them (train/step.zero_grads); the trainer
+    then trains from step 0 as a fresh one: dropout draws no global RNG
+    (parallel/random.py), and the routing counters restart each attempt."""
+    step_compute.zero_grads(trainer.parts)
+
+
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of optimizer state tensors held by this rank."""
     inner = getattr(optimizer, "inner", optimizer)
@@ -125,19 +136,20 @@ def optimizer_state_bytes(optimizer) -> int:
                for t in state.values() if torch.is_tensor(t) and t.ndim > 0)
 
 
-def run_case(case: Case, out: Path) -> None:
+def run_case(case: Case, out: Path, cfg: Optional[RecipeConfig] = None) -> None:
+    """One rank's part of a case; `cfg`: its recipe, where the parent loaded it."""
     run_dir = out / case.name
-    cfg = recipe_for(case, run_dir)
+    cfg = cfg or recipe_for(case, run_dir)
     layout = ParallelLayout.from_config(cfg.parallel, torch.device("cpu"))
+    trainer = Trainer(cfg, layout)
     if case.dump_grads:
-        trainer = Trainer(cfg, layout)
         trainer.forward_backward(trainer.batches(trainer.train_data, 0))
         grads = gather_full_grads(trainer)
         if layout.tp_rank == 0 and layout.dp_rank == 0 and layout.coordinate("cp") == 0:
             # one file per pipeline stage
             torch.save(grads, run_dir / f"grads.{layout.pp_rank}.pt")
-        trainer.optimizer.zero_grad(set_to_none=True)
-    trainer = train_case(case, run_dir, layout)
+        forget_step(trainer)
+    trainer = train_case(case, run_dir, layout, trainer)
     (run_dir / f"opt_state_bytes.{dist.get_rank()}").write_text(
         str(optimizer_state_bytes(trainer.optimizer)))
     dist.barrier()
@@ -173,11 +185,12 @@ def join_group(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def _worker(rank: int, world: int, port: int, cases: list[Case], out: str) -> None:
+def _worker(rank: int, world: int, port: int, cases: list[Case], out: str,
+            cfgs: list[RecipeConfig]) -> None:
     join_group(rank, world, port)
     try:
-        for case in cases:
-            run_case(case, Path(out))
+        for case, cfg in zip(cases, cfgs, strict=True):
+            run_case(case, Path(out), cfg)
     finally:
         dist.destroy_process_group()
 
@@ -188,20 +201,23 @@ def run_cases(world: int, cases: list[Case], out: Path) -> None:
         for case in cases:
             run_reference(case, out)
         return
-    spawn_ranks(_worker, (world, free_port(), cases, str(out)), world)
+    # Loaded once here, not on each rank (~0.1 s of CPU a recipe).
+    cfgs = [recipe_for(case, out / case.name) for case in cases]
+    spawn_ranks(_worker, (world, free_port(), cases, str(out), cfgs), world)
 
 
 def run_reference(case: Case, out: Path) -> None:
     """The single-process run of a case, in this process."""
     cfg = recipe_for(case, out / case.name)
     layout = ParallelLayout(device=torch.device("cpu"))
+    trainer = Trainer(cfg, layout)
     if case.dump_grads:
-        trainer = Trainer(cfg, layout)
         trainer.forward_backward(trainer.batches(trainer.train_data, 0))
         torch.save({k: p.grad[: cfg.model.vocab_size] if k in ("embed.tokens.weight", "head.weight")
                     else p.grad for k, p in trainer.named_parameters()},
                    out / case.name / "grads.0.pt")
-    train_case(case, out / case.name, layout)
+        forget_step(trainer)
+    train_case(case, out / case.name, layout, trainer)
 
 
 def load_grads(run_dir: Path) -> dict[str, torch.Tensor]:

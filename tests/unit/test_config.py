@@ -3,9 +3,20 @@ import subprocess
 import sys
 
 import pytest
+import yaml
+from omegaconf import OmegaConf
 
-from megaresil.config import (ConfigError, Flavour, RecipeConfig, field_docs, load_recipe,
-                              validate_world_size)
+from megaresil.config import (
+    ConfigError,
+    Flavour,
+    RecipeConfig,
+    field_docs,
+    load_recipe,
+    loading,
+    validate_world_size,
+)
+from megaresil.config.faults import parse_faults
+from megaresil.config.loading import to_dict
 from tests.harness.cli import ROOT
 
 TINY = ROOT / "recipes" / "gpt-tiny.yaml"
@@ -28,6 +39,30 @@ def test_override_values_are_yaml():
 @pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_recipe_loads(recipe):
     load_recipe(recipe)
+
+
+def omegaconf_dict(cfg: RecipeConfig) -> dict:
+    """to_dict as OmegaConf converts a recipe (config/loading.py's fallback)."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    data["faults"] = [fault.to_dict() for fault in parse_faults(cfg.faults)]
+    return loading._rename_aliased(data, to_fields=False)
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_a_recipe_as_a_dict_is_omegaconfs_to_the_key_order(recipe):
+    cfg = load_recipe(recipe, ["faults=[{kind: kill, rank: 0, step: 3}]", "profile.ranks=[0, 1]"])
+    cfg.train.rampup_batch_size, cfg.data.paths = [8, 8, 100], [0.5, "a", 0.5, "b"]
+    loading._plain(cfg, RecipeConfig)  # the fast conversion, not its fallback
+    assert yaml.safe_dump(to_dict(cfg), sort_keys=False) == yaml.safe_dump(omegaconf_dict(cfg),
+                                                                           sort_keys=False)
+
+
+def test_a_value_of_another_type_than_its_field_converts_as_omegaconf_does():
+    cfg = load_recipe(TINY)
+    cfg.optimizer.lr = 3  # an int in a float field
+    with pytest.raises(loading._NotPlain):
+        loading._plain(cfg, RecipeConfig)
+    assert to_dict(cfg) == omegaconf_dict(cfg) and to_dict(cfg)["optimizer"]["lr"] == 3.0
 
 
 BAD = [
