@@ -27,13 +27,7 @@ from megaresil.drills.store_meter import Tally, client, serve
 from megaresil.events import EventLog
 from megaresil.resilience.abort_board import AbortBoard
 from megaresil.resilience.coordination import JobStore
-from megaresil.resilience.replacement import (
-    ENTERED_POLL_S,
-    ENTERED_READS_PER_S,
-    POLL_S,
-    REPORTERS,
-    await_members,
-)
+from megaresil.resilience.replacement import REPORTERS, await_members, wait_intervals
 from megaresil.resilience.watchdog.abort import HangAbort
 from megaresil.resilience.watchdog.judgement import store_intervals
 from megaresil.resilience.watchdog.monitor import Watchdog
@@ -155,8 +149,8 @@ def all_waiting(judge: dict, waiting: int) -> dict:
     from one judge's counted ones: REPORTERS judges, and the others' looks
     (replacement.await_members), one key each: the count every look, the
     judges' verdict every judging interval."""
-    look_s = max(ENTERED_POLL_S, (waiting + 1) / ENTERED_READS_PER_S)
-    others = (waiting - REPORTERS) * (1 / look_s + 1 / max(POLL_S, look_s))
+    look_s, verdict_s = wait_intervals(waiting + 1, judge=False)
+    others = (waiting - REPORTERS) * (1 / look_s + 1 / verdict_s)
     return {unit: judge[unit] / judge["seconds"] * REPORTERS + others
             for unit in ("calls", "keys")}
 

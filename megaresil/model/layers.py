@@ -105,8 +105,10 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # Tables built under generation's inference mode cannot be saved for a backward.
+        built_for_inference_only = (self.tables is not None and self.tables[0].is_inference()
+                                    and not torch.is_inference_mode_enabled())
         if (self.tables is None or self.tables[0].shape[0] < T or self.tables[0].device != device
-                or self.tables[0].is_inference() > torch.is_inference_mode_enabled()):
+                or built_for_inference_only):
             positions = torch.arange(T, dtype=torch.float32, device=device)
             angles = torch.outer(positions, self.inv_freq.to(device))  # (T, D/2)
             angles = torch.cat([angles, angles], dim=-1)  # (T, D)

@@ -47,6 +47,14 @@ def judges_the_wait(arrival: int) -> bool:
     return 0 < arrival <= REPORTERS
 
 
+def wait_intervals(world: int, judge: bool) -> tuple[float, float]:
+    """(look_s, judge_s) of a rank waiting for `world` members: how often it
+    reads the count of ranks entered, and how often it judges the missing (a
+    judge) or reads the judges' verdict (the others)."""
+    look_s = max(ENTERED_POLL_S, world / ENTERED_READS_PER_S)
+    return look_s, POLL_S if judge else max(POLL_S, look_s)
+
+
 def await_members(store: JobStore, generation: int, world: int, join_timeout_s: float, *,
                   judge: bool = True, stopping: Callable[[], bool] = lambda: False,
                   clock: Clock = SystemClock()) -> None:
@@ -57,8 +65,7 @@ def await_members(store: JobStore, generation: int, world: int, join_timeout_s: 
     `join_timeout_s` (as a `judge`, or on reading a judge's verdict), or once
     this rank is told to stop (the agent is stopping the workers)."""
     started = clock.monotonic()
-    look_s = max(ENTERED_POLL_S, world / ENTERED_READS_PER_S)
-    judge_s = POLL_S if judge else max(POLL_S, look_s)
+    look_s, judge_s = wait_intervals(world, judge)
     judged = started - judge_s  # judge at once
     beats = Liveness(store, generation - 1, clock)
     while store.entered_count(generation) < world:
